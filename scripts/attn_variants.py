@@ -23,28 +23,26 @@ from forgekernel.runtime.timing import median, time_interleaved
 C = AttnConfig
 EARLY = {"late_rescale": False}
 SNAKE = {"snake": True}
-DIRECT = {"o_direct": True}
 D256 = [C(128, 80, 2, **SNAKE), C(128, 64, 2), C(128, 64, 2, **SNAKE)]
 SEC40 = {"l2_kv_mib": 40}
-D192 = [C(**EARLY, **SEC40), C(**EARLY), C(**EARLY, **DIRECT, **SEC40)]
+D192 = [C(**EARLY, **SEC40), C(**EARLY)]
 D192 += [C(128, 112, 2, **EARLY, **SEC40)]
 CASES = [
     # (b, hq, hkv, s, d, causal, configs); d = (D, Dv) when they differ. First: the default.
     # docs/attention/NOTES.md, "D=256 and 192/128 after split_softmax" and "Measured
-    # 2026-12-03 16:50": snake = the tiles dealt in snake order; odirect = O stored from
-    # registers, so Q's buffer frees before the epilogue (the next tile's Q loads under it);
-    # sec40 = L2 sections of 40 MiB: 8 heads (FA4's) instead of 4. The defaults adopted on
-    # that run (D=256 128x80 snaked, 192/128 sec40) against the old ones, and the two
-    # 192/128 knobs that each beat the old default (odirect, 128x112) on top of sec40.
+    # 2026-12-03 16:50": snake = the tiles dealt in snake order; sec40 = L2 sections of 40
+    # MiB: 8 heads (FA4's) instead of 4. The defaults adopted on that run (D=256 128x80
+    # snaked, 192/128 sec40) against the old ones, and 128x112 on top of sec40 (O stored
+    # from registers, the other knob then, was dropped 2026-12-05: NOTES.md).
     (16, 64, 4, 2048, 128, True, [C(), C(**SNAKE)]),
     (8, 64, 4, 4096, 128, False, [C()]),
     (8, 32, 32, 4096, 64, True, [C(192, 128, 3), C(192, 128, 3, **SNAKE)]),
     (4, 16, 16, 4096, 256, True, D256),
     (2, 128, 128, 8192, (192, 128), True, D192),
     # Partial last tiles (1000 rows), the same kernels as above (the length is dynamic): the
-    # new defaults and o_direct's row predicate, maxdiff against FA4 as the old default's.
+    # new defaults, maxdiff against FA4 as the old default's.
     (2, 16, 16, 1000, 256, True, [C(128, 80, 2, **SNAKE), C(128, 64, 2)]),
-    (1, 16, 16, 1000, (192, 128), True, [C(**EARLY, **SEC40), C(**EARLY, **DIRECT, **SEC40)]),
+    (1, 16, 16, 1000, (192, 128), True, [C(**EARLY, **SEC40)]),
 ]
 
 

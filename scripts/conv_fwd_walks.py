@@ -95,15 +95,16 @@ def _plan(x5, w5, y5, g):
     if taps == 1 and m % 8 == 0 and not any(g.pad_lo + g.pad_hi):
         pixels = (1, 1, m // 8, 8)
     problem = (m, k, c, taps, pixels)
-    return choose_plan(*problem[:4], num_sms(torch.cuda.current_device()), pixels), problem
+    plan = choose_plan(*problem[:4], num_sms(torch.cuda.current_device()), pixels, forward=True)
+    return plan, problem
 
 
 def split_plans(m, k, c, taps, sms, pixels=None) -> dict[str, SplitPlan]:
     """{name: plan} of the split table's row for problem (M, K, C, taps), strided where `pixels`
     is None: SPLIT_GRID's tiles and parts on the im2col walk, the chooser's plan marked `*`, and
     (strided) the 12-01 rate's plan, `was`, added where the grid lacks it."""
-    chosen = choose_plan(m, k, c, taps, sms, pixels, strided=pixels is None)
-    was = choose_plan(m, k, c, taps, sms) if pixels is None else None
+    chosen = choose_plan(m, k, c, taps, sms, pixels, strided=pixels is None, forward=True)
+    was = choose_plan(m, k, c, taps, sms, forward=True) if pixels is None else None
     plans = {}
     for cfg, parts_list in SPLIT_GRID:
         for parts in parts_list if cfg.tile_n < 2 * k else ():  # no half-empty tiles

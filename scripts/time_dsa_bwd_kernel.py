@@ -16,7 +16,11 @@ the preprocess alone (torch: the launcher's `preprocess`), the preprocess kernel
 (kernels/attention/dsa_sparse_bwd_pre, the d_sink sum over tokens included), the launcher with
 the preprocess kernel's results (`pre=`: what the op runs), and the op given q and the cache as
 separate tensors (the two concatenations the v1 kernel's one-row interface still costs;
-docs/attention/DSA_BWD_NOTES.md "Torch around the kernel").
+docs/attention/DSA_BWD_NOTES.md "Torch around the kernel"). At H a multiple of 64 also the
+bench variant h64 (kernel_h64.py, after an agreement check): the launcher with h64=True, its kv
+part without reductions (with the dq part), its kv part with the v2 reductions, and its dq part
+alone (`h64 dq part`: the second gather and dq = dS K; docs/attention/DSA_BWD_NOTES.md "H >= 64:
+one gather a token").
 The kernel at 5504 FLOP per (token, head, entry). Build first: `python3 -m forgekernel build
 --only dsa_sparse_bwd_sm90 --only dsa_sparse_bwd_pre_sm90 --candidates`."""
 
@@ -52,6 +56,19 @@ def _agrees(args, name: str, **flags) -> bool:
     verdict = "timed" if ok else "SKIPPED"
     print(f"{name} vs default: dq, dkv, d_sink relative errors {errs} ({verdict})")
     return ok
+
+
+def _h64_dq_part(q, kv, idx):
+    """The h64 dq part alone on a random dS workspace (the kernel as the launcher calls it)."""
+    from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import SPEC, config
+    from forgekernel.runtime.cache import get_kernel
+
+    rows = config.h64_workspace_rows(idx.shape[1])
+    ws = torch.randn(q.shape[0], rows, q.shape[1], device=q.device).to(q.dtype)
+    dq = torch.empty_like(q)
+    dq_heads = config.h64_dq_heads(q.shape[1])
+    kernel = get_kernel(SPEC, config.params_h64("bfloat16", "dq", dq_heads=dq_heads))
+    return lambda: kernel(kv, idx, ws, dq)
 
 
 def main(s: int = 4096, h: int = 16, topk: int = 2048, s_kv: int = 8192) -> None:
@@ -94,6 +111,13 @@ def main(s: int = 4096, h: int = 16, topk: int = 2048, s_kv: int = 8192) -> None
     fns["v2, no reductions"] = lambda: launch.dsa_sparse_bwd(
         *args, reduce=False, xchg=False, red4s=False
     )
+    if launch.h64_unsupported(q) is None and _agrees(args, "h64"):
+        fns |= {
+            "launcher, h64": lambda: launch.dsa_sparse_bwd(*args, h64=True),
+            "h64, no reductions": lambda: launch.dsa_sparse_bwd(*args, h64=True, reduce=False),
+            "h64, v2": lambda: launch.dsa_sparse_bwd(*args, h64=True, h64_v2=True),
+            "h64 dq part": _h64_dq_part(q, kv, idx),
+        }
     qn, qp = q[..., :LATENT].contiguous(), q[..., LATENT:].contiguous()
     ckv, kpe = kv[:, :LATENT].contiguous(), kv[:, LATENT:].contiguous()
 

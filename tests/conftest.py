@@ -158,14 +158,20 @@ RUN_FIRST = (
     "test_mla_seesaw_compile.py",
     "test_pdl.py",
     "test_paged_schedule.py",
-    "test_conv_compile.py",  # 55
-    "test_build_sm90.py",  # 43, two compile processes of its own
+    "test_attention_build.py",  # 89 (2026-12-05 18:37, next/integration34, idle machine)
+    "test_conv_compile.py",  # 60
+    "test_build_sm90.py",  # 59, two compile processes of its own
+    "test_gemm_fp8_mainloop.py",  # 54
+    "test_dsa_fused_prefill_compile.py",  # 49
+    "test_dsa_sparse_bwd_kernel_compile.py",  # ~48 (65 before its h64 builds compiled once)
+    "test_dsa_fp8_lean.py",  # 46
+    "test_dsa_sparse.py",  # 30, test_dsa_fp8_lean's scope (SHARED_COMPILES)
     "test_mla_ostore.py",  # 39
-    "test_attention_build.py",  # 38
-    "test_gemm_fp8_mainloop.py",  # 33
-    "test_dsa_sparse_bwd_kernel_compile.py",  # 26
+    "test_gdn_bwd_chunk_compile.py",  # 29
+    "test_conv_tall.py",  # ~25 (125 before its thread sample)
     "test_paged_spec.py",  # 25
     "test_mla_worklist.py",  # 20
+    "test_mla_gather_compile.py",  # 19
     "test_mla_seesaw_compile.py",  # 18
     "test_gemm_stream_k_clusters.py",  # 14
     "test_gdn_prefill_compile.py",  # 13
@@ -177,26 +183,29 @@ RUN_FIRST = (
 
 
 # Test files that read the SASS of the same builds through tests/cubins.py `build` (one compile
-# a process): the MLA pass's standard build (seesaw, work-list and PDL tests), its work-list
-# builds (work-list, schedule and PDL tests: the schedule's `std` is the work-list's `res`, the
-# PDL ranges pass the schedule's), the paged pass (PDL and paged schedule tests); about 17 s a
-# MLA compile on CI's CPU. xdist's loadfile keeps a file on one worker, not files: these are one
-# scope (`pytest_xdist_make_scheduler`), so each of those builds compiles once in a run.
-SHARED_COMPILES = frozenset(
-    {
-        "test_mla_seesaw_compile.py",
-        "test_mla_worklist.py",
-        "test_mla_schedule.py",
-        "test_pdl.py",
-        "test_paged_schedule.py",
-    }
-)
+# a process), each group one scope: the MLA pass's standard build (seesaw, work-list and PDL
+# tests), its work-list builds (work-list, schedule and PDL tests: the schedule's `std` is the
+# work-list's `res`, the PDL ranges pass the schedule's), the paged pass (PDL and paged schedule
+# tests); about 17 s a MLA compile on CI's CPU. The DSA decode's sparse keys: test_dsa_sparse's
+# direct-form compares and test_dsa_fp8_lean's lean / wide ones share three (the FP8 16-head
+# sparse pass, direct and not, and the 16-bit 64-head direct one: ~9 s). xdist's loadfile keeps
+# a file on one worker, not files: a group is one scope (`pytest_xdist_make_scheduler`), so each
+# of those builds compiles once in a run.
+SHARED_COMPILES = {
+    "test_mla_seesaw_compile.py": "mla",
+    "test_mla_worklist.py": "mla",
+    "test_mla_schedule.py": "mla",
+    "test_pdl.py": "mla",
+    "test_paged_schedule.py": "mla",
+    "test_dsa_fp8_lean.py": "dsa_sparse",
+    "test_dsa_sparse.py": "dsa_sparse",
+}
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """`--dist loadfile` with SHARED_COMPILES' files as one scope (one worker); other modes as
-    xdist has them."""
+    """`--dist loadfile` with each SHARED_COMPILES group's files as one scope (one worker);
+    other modes as xdist has them."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
@@ -204,7 +213,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     class SharedCompiles(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             scope = super()._split_scope(nodeid)
-            return "SHARED_COMPILES" if Path(scope).name in SHARED_COMPILES else scope
+            group = SHARED_COMPILES.get(Path(scope).name)
+            return f"SHARED_COMPILES:{group}" if group else scope
 
     return SharedCompiles(config, log)
 

@@ -27,7 +27,7 @@ class Build(NamedTuple):
 # build: within a file (the paged merge test's standard leaves are the main-loop test's; the DSA
 # indexer's and recompute's SASS and PTX tests) and across files (the MLA pass's standard build
 # is read by the seesaw, work-list and PDL tests, its work-list builds by the work-list, schedule
-# and PDL ones: about 17 s a compile on CI), which conftest's SHARED_COMPILES keeps in one
+# and PDL ones: about 17 s a compile on CI), which conftest's SHARED_COMPILES groups keep in one
 # process. Memory only: nothing is written beside the compile cache.
 _BUILDS: dict[tuple, Build] = {}
 

@@ -16,6 +16,7 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     CHUNK,
     L2NORM_EPS,
     ROWS_PER_STATE_WG,
+    first_slot,
     state_wgs,
     value_row_block,
 )
@@ -207,27 +208,38 @@ def decay_powers(g2: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return torch.where(form_mask("zero"), torch.zeros(()), d)
 
 
-def aux_chunk(q, k, g, beta, scale, dtype, l2norm):
-    """The aux warpgroup: (P, T diag(beta), tables fK, fQ, fU, 2^G2_C) of one chunk (C rows;
-    q, k the 16-bit tiles as fp32, g and beta 0 past the sequence)."""
+def _norms(x, l2norm):
+    return torch.rsqrt((x * x).sum(1) + L2NORM_EPS) if l2norm else torch.ones(CHUNK)
+
+
+def t_chunk(k, g, beta, dtype, l2norm):
+    """T diag(beta) of one chunk, rounded to 16 bits: the aux warpgroup's L, inverse and
+    scaling, which the T precompute (`t_pre.py`) runs as they are (k the 16-bit tile as fp32,
+    g and beta 0 past the sequence)."""
     g2 = gates(g)
     rows = torch.arange(CHUNK)
-    if l2norm:
-        rq = torch.rsqrt((q * q).sum(1) + L2NORM_EPS)
-        rk = torch.rsqrt((k * k).sum(1) + L2NORM_EPS)
-        h = g2 - torch.log2(rk)  # rk_j 2^-G2_j as one exponent
-    else:
-        rq = rk = torch.ones(CHUNK)
-        h = g2
+    rk = _norms(k, l2norm)
+    h = g2 - torch.log2(rk) if l2norm else g2  # rk_j 2^-G2_j as one exponent
     below = rows[None, :] < rows[:, None]  # j < i
-    seen = rows[None, :] <= rows[:, None]  # j <= i
-    power = decay_powers(g2, h)
-    d_l = torch.where(below, power, torch.zeros(()))
-    d_p = torch.where(seen, power, torch.zeros(()))
+    d_l = torch.where(below, decay_powers(g2, h), torch.zeros(()))
     lower = (k @ k.t()) * d_l * (beta * rk)[:, None]
     t = blocked_inverse(lower)
+    return _round(t * beta[None, :], dtype)
+
+
+def aux_chunk(q, k, g, beta, scale, dtype, l2norm, tb=None):
+    """The aux warpgroup: (P, T diag(beta), tables fK, fQ, fU, 2^G2_C) of one chunk (C rows;
+    q, k the 16-bit tiles as fp32, g and beta 0 past the sequence). tb: T diag(beta) as the
+    `t_pre` form reads it from the precompute's buffer (then not formed here)."""
+    g2 = gates(g)
+    rows = torch.arange(CHUNK)
+    rq, rk = _norms(q, l2norm), _norms(k, l2norm)
+    h = g2 - torch.log2(rk) if l2norm else g2
+    seen = rows[None, :] <= rows[:, None]  # j <= i
+    d_p = torch.where(seen, decay_powers(g2, h), torch.zeros(()))
     p = _round((q @ k.t()) * d_p * (scale * rq)[:, None], dtype)
-    tb = _round(t * beta[None, :], dtype)
+    if tb is None:
+        tb = t_chunk(k, g, beta, dtype, l2norm)
     gc = g2[-1]
     tables = (rk * torch.exp2(g2), scale * rq * torch.exp2(g2), rk * torch.exp2(gc - g2))
     return p, tb, tables, torch.exp2(gc)
@@ -258,10 +270,12 @@ def _tile(x, pad, c0, c1):
     return torch.cat([x[c0:c1], fill])
 
 
-def sequence(q, k, v, g, beta, st, scale, dtype, l2norm, tail_rows=None):
+def sequence(q, k, v, g, beta, st, scale, dtype, l2norm, tail_rows=None, t_tiles=None):
     """One (sequence, value head): q, k (L, K), v (L, V) 16-bit values as fp32, g, beta (L,),
     st = S^T (V, K) fp32 -> (o (L, V), S^T). Chunks past the end are padded with tail_rows
-    (the rows TMA would load there: the next sequence's, or zeros past T), gates with 0."""
+    (the rows TMA would load there: the next sequence's, or zeros past T), gates with 0.
+    t_tiles: the `t_pre` form's T diag(beta) tiles, chunk by chunk (fp32 views of the
+    precompute's buffer), or None (formed by the aux)."""
     n = q.shape[0]
     out = torch.empty(n, v.shape[1])
     for c0 in range(0, n, CHUNK):
@@ -271,7 +285,8 @@ def sequence(q, k, v, g, beta, st, scale, dtype, l2norm, tail_rows=None):
         qt, kt, vt = (_tile(x, pad, c0, c1) for x, pad in zip((q, k, v), pads))
         gt = torch.cat([g[c0:c1], torch.zeros(CHUNK - (c1 - c0))])
         bt = torch.cat([beta[c0:c1], torch.zeros(CHUNK - (c1 - c0))])
-        aux = aux_chunk(qt, kt, gt, bt, scale, dtype, l2norm)
+        tb = None if t_tiles is None else t_tiles[c0 // CHUNK]
+        aux = aux_chunk(qt, kt, gt, bt, scale, dtype, l2norm, tb)
         halves = []
         for w in range(v.shape[1] // ROWS_PER_STATE_WG):
             rows = slice(ROWS_PER_STATE_WG * w, ROWS_PER_STATE_WG * (w + 1))
@@ -294,15 +309,50 @@ def split_parts(v_dim: int, v_split: int) -> list[slice]:
     return parts
 
 
+def _tail(x, t0, t1):
+    """Chunk rows past a sequence ending at t1 as a TMA box from t0 reads them (the next
+    sequence's rows, zeros past T): the rows after t1."""
+    return x[t1 : t1 + CHUNK].float()
+
+
+def t_pre_kernel(params: dict):
+    """The T precompute's compiled-function stand-in: fn(k, g, beta, cu_seqlens, t) writes
+    T diag(beta) of chunk c of sequence n, value head hv, to rows [C s, C s + C) of t[:, hv]
+    with s = first_slot(bos_n, n) + c, as `t_pre.py` does (its k box from the sequence's first
+    token, rows past the end the next sequence's); the other slots untouched."""
+    dtype = torch.float16 if params["dtype"] == "float16" else torch.bfloat16
+
+    def fn(k, g, beta, cu_seqlens, t):
+        assert t.shape[0] % CHUNK == 0 and t.shape[2] == CHUNK and t.dtype == k.dtype
+        group = g.shape[1] // k.shape[1]
+        edges = cu_seqlens.tolist()
+        for n, (t0, t1) in enumerate(zip(edges[:-1], edges[1:])):
+            for hv in range(g.shape[1]):
+                ks, tail = k[t0:t1, hv // group].float(), _tail(k[:, hv // group], t0, t1)
+                for c0 in range(0, t1 - t0, CHUNK):
+                    c1 = min(c0 + CHUNK, t1 - t0)
+                    pad = CHUNK - (c1 - c0)
+                    gt = torch.cat([g[t0 + c0 : t0 + c1, hv], torch.zeros(pad)])
+                    bt = torch.cat([beta[t0 + c0 : t0 + c1, hv].float(), torch.zeros(pad)])
+                    tb = t_chunk(_tile(ks, tail, c0, c1), gt, bt, dtype, params["l2norm"])
+                    s = first_slot(t0, n) + c0 // CHUNK
+                    t[CHUNK * s : CHUNK * (s + 1), hv] = tb.to(dtype)
+
+    return fn
+
+
 def kernel(params: dict):
     """The launcher's compiled-function stand-in: fn(q, k, v, g, beta, init, cu_seqlens, out,
-    final, scale) over varlen tensors, as the kernel computes it (a tail chunk sees the next
-    sequence's rows, as its TMA boxes do; with a V split each CTA's value rows on their own, the
-    aux work recomputed per CTA)."""
+    final, scale, t_pre) over varlen tensors, as the kernel computes it (a tail chunk sees the
+    next sequence's rows, as its TMA boxes do; with a V split each CTA's value rows on their
+    own, the aux work recomputed per CTA; with the `t_pre` key T diag(beta) read from the
+    precompute's buffer `t_pre` at the chunk's slot)."""
     dtype = torch.float16 if params["dtype"] == "float16" else torch.bfloat16
     parts = split_parts(params["v"], params.get("v_split", 1))
+    reads_t = params.get("t_pre", False)
 
-    def fn(q, k, v, g, beta, init, cu_seqlens, out, final, scale):
+    def fn(q, k, v, g, beta, init, cu_seqlens, out, final, scale, t_pre=None):
+        assert (t_pre is not None) == reads_t
         group = v.shape[1] // q.shape[1]
         edges = cu_seqlens.tolist()
         for n, (t0, t1) in enumerate(zip(edges[:-1], edges[1:])):
@@ -313,12 +363,18 @@ def kernel(params: dict):
                     st = init[n, hv].float() if params["k_last"] else init[n, hv].t().float()
                 h = hv // group
                 qs, ks = (x[t0:t1, h].float() for x in (q, k))
+                tiles = None
+                if reads_t:
+                    s0 = first_slot(t0, n)
+                    nc = (t1 - t0 + CHUNK - 1) // CHUNK
+                    tiles = [t_pre[CHUNK * s : CHUNK * (s + 1), hv].float()
+                             for s in range(s0, s0 + nc)]  # fmt: skip
                 for cols in parts:  # one CTA each
                     vs = v[t0:t1, hv, cols].float()
                     tail = tuple(x[t1 : t1 + CHUNK].float()
                                  for x in (q[:, h], k[:, h], v[:, hv, cols]))  # fmt: skip
                     o, st_p = sequence(qs, ks, vs, g[t0:t1, hv], beta[t0:t1, hv], st[cols],
-                                       scale, dtype, params["l2norm"], tail)  # fmt: skip
+                                       scale, dtype, params["l2norm"], tail, tiles)  # fmt: skip
                     out[t0:t1, hv, cols] = o.to(out.dtype)
                     if params["k_last"]:
                         final[n, hv, cols] = st_p

@@ -31,19 +31,23 @@ def _v_box(v: torch.Tensor, row0: int) -> torch.Tensor:
 def kernel(params: dict):
     """A callable with the compiled kernel's signature."""
 
-    def run(q_g, k_g, k_d, t_beta, p, decay, v, init, cu, first, out, final):
+    def run(q_g, k_g, k_d, t_beta, p, decay, v, init, cu, first, out, final, warm=None):
         assert q_g.dtype == k_g.dtype == k_d.dtype == t_beta.dtype == p.dtype == OPERAND
         assert (init is not None) == params["initial_state"]
+        assert (warm is not None) == params.get("warmup", False)
         edges = cu.tolist()
+        warms = [0] * (len(edges) - 1) if warm is None else warm.tolist()
         hv = v.shape[1]
         for n, (a, z) in enumerate(zip(edges[:-1], edges[1:])):
+            w = warms[n]  # chunks walked before row a (first[n] - w ..), their o not stored
+            a -= w * CHUNK
             s = (
                 torch.zeros(hv, 128, 128, device=v.device)
                 if init is None
                 else init[n].float().clone()
             )
             for c in range(-(-(z - a) // CHUNK)):
-                gc = int(first[n]) + c
+                gc = int(first[n]) - w + c
                 r = slice(gc * CHUNK, (gc + 1) * CHUNK)
                 kg, qg, kd = (x[r].float().transpose(0, 1) for x in (k_g, q_g, k_d))
                 tb, pp = (x[r].float().transpose(0, 1) for x in (t_beta, p))
@@ -54,6 +58,8 @@ def kernel(params: dict):
                 o = qg @ s_op + pp @ u
                 s = s * decay[gc].float().unsqueeze(-1) + kd.transpose(-1, -2) @ u
                 valid = min(z - a - c * CHUNK, CHUNK)
+                if c < w:
+                    continue
                 out[a + c * CHUNK : a + c * CHUNK + valid] = o.transpose(0, 1)[:valid].to(out.dtype)
             final[n] = s
 

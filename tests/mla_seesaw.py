@@ -147,6 +147,7 @@ def schedule(
     balanced: bool = True,
     staged: bool = True,
     counted: bool = True,
+    gather: bool = False,
 ) -> tuple[list, list]:
     """(warpgroup 0's operations, warpgroup 1's) of a split of `tiles` tiles, the prologue
     (warp 0's TMA of Q on its own mbarrier and of tiles 0 and 1, __syncthreads, every thread's
@@ -159,16 +160,26 @@ def schedule(
     partial O's epilogue through shared memory (each warpgroup's O written over STAGED, bar 0
     again, warp 0's bulk copies read it; False: the scalar global stores before it). counted:
     warpgroup 0 passes its own barrier after SCALE1 and warpgroup 1 waits at P1 (`_own_barrier`,
-    for racecheck's count of waits; False: the kernel of the 2026-12-02 racecheck reports)."""
+    for racecheck's count of waits; False: the kernel of the 2026-12-02 racecheck reports).
+    gather (the `gather` form): every K load a "gather" (the refilling warpgroup's cp.async
+    onto the chunk's mbarrier: the same ordering as a TMA box, but plain stores to a checker),
+    tiles 0 and 1 by warpgroups 0 and 1 (each its own tile's chunks) before the prologue's
+    __syncthreads, Q's boxes by warp 0 as before; no stale rows (the rows past the split repeat
+    its last key: nothing zeroed, no WG0 / WG1 barrier of `_zero_stale` / `_match_stale`)."""
+    stale = stale and not gather
 
     def pro(wg):
         q = [("sync", "ALL")] + ([("mbar_wait", "Q", 0, 0)] if tiles > 0 else [])
         return q + [("read", ("QR", 0)), ("read", ("QR", 1))]
 
     loads = [("tma", "Q", 0, None)] if tiles > 0 else []  # (no key: no Q, no wait)
-    loads += [("tma", j, c, j) for j in range(min(tiles, 2)) for c in range(CHUNKS)]
-    wg0 = loads + [("write", ("M",), None)] + pro(0)
-    wg1 = pro(1)
+    own = [[], []]  # gather: each warpgroup's tile of the prologue
+    if gather:
+        own = [[("gather", j, c, j) for c in range(CHUNKS)] if j < tiles else [] for j in (0, 1)]
+    else:
+        loads += [("tma", j, c, j) for j in range(min(tiles, 2)) for c in range(CHUNKS)]
+    wg0 = loads + own[0] + [("write", ("M",), None)] + pro(0)
+    wg1 = own[1] + pro(1)
     if tiles > 0:
         wg0 += _scores(0, 0, LEFT + RIGHT, 0) + [("wait_group", 0)]
     steady = max((tiles - 1) // 2, 0)
@@ -197,6 +208,10 @@ def schedule(
             ("sync", "SCALE1")]]  # fmt: skip
         wg0 = [op for i, op in enumerate(wg0) if i not in own]
         wg1 = [("arrive", "P1") if op == ("sync", "P1") else op for op in wg1]
+
+    if gather:  # the refills too
+        wg0, wg1 = ([("gather", *op[1:]) if op[0] == "tma" and op[1] != "Q" else op for op in p]
+                    for p in (wg0, wg1))  # fmt: skip
 
     def end(wg):
         ops = [("write", ("TOTAL", wg), None), ("sync", "END"), ("read", ("M",))]
@@ -327,10 +342,11 @@ def _step(m, wg, op):
             else:
                 m.passed[wg] += 1
         return True
-    if kind == "tma":  # K chunk (buf, chunk), or Q's boxes (buf "Q") on their own mbarrier
-        _, buf, chunk, tile = op
+    if kind in ("tma", "gather"):  # K chunk (buf, chunk), or Q's boxes (buf "Q") on their own
+        _, buf, chunk, tile = op  # mbarrier; gather: cp.async, plain stores to racecheck
         resources = Q_TILES if buf == "Q" else [("K", buf, chunk)]
-        writes = [m.access(wg, "write", res, end=False) for res in resources]
+        generic = kind == "gather"
+        writes = [m.access(wg, "write", res, end=False, generic=generic) for res in resources]
         if buf != "Q":
             m.content[resources[0]] = tile
         m.phases[(buf, chunk)].append((tile, m.vc[wg], writes))
@@ -387,9 +403,11 @@ def simulate(
     balanced: bool = True,
     staged: bool = True,
     counted: bool = True,
+    gather: bool = False,
 ) -> _Machine:
-    """Run `schedule(tiles, stale, balanced, staged, counted)` (see `run`)."""
-    return run(schedule(tiles, stale, balanced, staged, counted), first, switch_every, tool)
+    """Run `schedule(tiles, stale, balanced, staged, counted, gather)` (see `run`)."""
+    progs = schedule(tiles, stale, balanced, staged, counted, gather)
+    return run(progs, first, switch_every, tool)
 
 
 def run(progs, first: int = 0, switch_every: int | tuple = 1, tool: bool = False) -> _Machine:
@@ -534,7 +552,7 @@ def unit_per(per: int, kv_end: int, splits: int) -> int:
 
 def seesaw_partial(qn, qp, ckv, kpe, ckv_scale, pt, seq, op_, lp, scale_log2, per, page_size,
                    cu, causal, q_blocks, *, heads, qtokens, direct=False,
-                   listed=False):  # fmt: skip
+                   listed=False, gather=False):  # fmt: skip
     """The seesaw pass (seesaw.py) with the partial pass's arguments (test_mla_decode's
     `_partial`): CTA (sequence x query block, head block, split) reads its split's tiles as
     whole 64-row boxes of one page each (the launcher's contract: per and page_size multiples
@@ -543,11 +561,14 @@ def seesaw_partial(qn, qp, ckv, kpe, ckv_scale, pt, seq, op_, lp, scale_log2, pe
     op_ / lp the op's out (rows, Hq, 512) in q's dtype and natural LSE (rows, Hq), written as
     `_write_split` does (O rounded to out's dtype, log2 LSE x ln 2). A split takes the unit's
     own keys over the splits in whole tiles, at least `per` (the work list's form, `listed`:
-    exactly `per`, the list's keys per split)."""
+    exactly `per`, the list's keys per split). gather (the `gather` form, any page size): each
+    tile's 64 rows gathered one by one, key min(t0 + 64 j + row, t1 - 1) (`_gather_rows`: no
+    page-table entry past the split is read), masked in S as above but not zeroed as V (no
+    stale slot is read: the kernel zeroes nothing)."""
     splits = 1 if direct else op_.shape[0]
     if direct:
         assert op_.dtype == qn.dtype and lp.dtype == torch.float32
-    assert ckv_scale is None and per % TILE == 0 and page_size % TILE == 0
+    assert ckv_scale is None and per % TILE == 0 and (gather or page_size % TILE == 0)
     _, hq, _ = qn.shape
     rows = [(i, h) for i in range(qtokens) for h in range(heads)]
     for b, blk in ((b, blk) for b in range(seq.shape[0]) for blk in range(q_blocks)):
@@ -578,14 +599,24 @@ def seesaw_partial(qn, qp, ckv, kpe, ckv_scale, pt, seq, op_, lp, scale_log2, pe
                 keys, values, index = [], [], []
                 for j in range(tiles):
                     first = t0 + j * TILE
-                    page = first // page_size
-                    assert page < -(-sk // page_size), (b, s, j, sk)  # a page of the sequence
-                    slots = torch.arange(first - page * page_size, first - page * page_size + TILE)
-                    row = pt[b, page].long()
-                    k = torch.cat([ckv[row, slots], kpe[row, slots]], -1).double()
                     pos = torch.arange(first, first + TILE)
+                    if gather:
+                        token = pos.clamp(max=t1 - 1)
+                        held = token // page_size  # the table's entries read
+                        assert int(held.max()) < -(-sk // page_size), (b, s, j, sk)
+                        row, slots = pt[b, held].long(), token % page_size
+                    else:
+                        page = first // page_size
+                        assert page < -(-sk // page_size), (b, s, j, sk)  # a page of the seq.
+                        start = first - page * page_size
+                        slots = torch.arange(start, start + TILE)
+                        row = pt[b, page].long()
+                    k = torch.cat([ckv[row, slots], kpe[row, slots]], -1).double()
                     keys.append(k)
-                    values.append(torch.where((pos < sk)[:, None], k[:, :LATENT], 0.0))
+                    # (gather: no stale slot read, nothing zeroed: the rows past the split
+                    # repeat its last key, masked)
+                    live = (pos < sk) | gather
+                    values.append(torch.where(live[:, None], k[:, :LATENT], 0.0))
                     index.append(pos)
                 if tiles:
                     stacked = [torch.stack(t) for t in (keys, values, index)]

@@ -17,6 +17,8 @@ from forgekernel.kernels.attention.fwd.sm90.config import (
     DYNAMIC_CTAS_PER_SM,
     VARLEN_CTAS_PER_SM,
     grid_ctas,
+    params_for,
+    rule_params,
 )
 from forgekernel.kernels.common.sm90.constants import LOG2E
 from forgekernel.reference.attention import attention_ref, attention_varlen_ref
@@ -144,6 +146,7 @@ def packed_ref(qp, k, v, causal, scale, group):
 
 
 DYNAMIC: list[bool] = []  # cpu_kernel's launches: whether each ran a dynamic-tiles kernel
+KEYS: list[dict] = []  # cpu_kernel's launches: each one's compile key
 
 
 @pytest.fixture
@@ -153,6 +156,7 @@ def cpu_kernel(monkeypatch):
     stride) and records (scale, qgroup, num_ctas, max_seqlen_q) per launch."""
     calls = []
     DYNAMIC.clear()
+    KEYS.clear()
 
     def get_kernel(spec, params):
         p = dict(params)
@@ -165,6 +169,7 @@ def cpu_kernel(monkeypatch):
             else:
                 assert page_table is None
             DYNAMIC.append(bool(p.get("dynamic")))
+            KEYS.append(p)
             scale = scale_log2 / LOG2E
             if p["varlen"]:
                 assert qgroup == 1
@@ -284,6 +289,89 @@ def test_bench_grid_variants_pass_their_grid(cpu_kernel):
     assert DYNAMIC == [True] + [bool(k.get("dynamic")) for k in knobs.values()]
     assert set(suite.GRID_TIMED.values()) == {"varlen"}
     assert suite.variants(suite.CHECK_CASES[0]) == {}
+
+
+def test_bench_config_variants_pass_their_config(cpu_kernel):
+    """The suite's CONFIG_CANDIDATES reach the kernel as the head dims' default config with
+    their knobs set (`was`: none, the standard key of the plan before the fixed-length rules;
+    the others candidate keys or a rule's standard one), on the config's grid, and write what
+    the default launch writes: the cases a rule moved carry `was`, the three long 192/128 ones
+    also the open `dyn_kahead` / `dyn_sec12`; the cases left unmoved the L2 round's variants
+    (`wave0`, causal `wave0_dyn`, D = 128 non-causal MHA `wave0_sec12`)."""
+    from forgekernel.bench.suites import attention as suite
+    from forgekernel.kernels.attention.fwd.sm90 import SPEC
+    from forgekernel.kernels.attention.fwd.sm90.config import fixed_rule
+
+    built = {tuple(sorted(dict(p).items())) for p in SPEC.candidate_params()}
+    built |= {tuple(sorted(dict(p).items())) for p in SPEC.standard_params()}
+    for case in suite.BENCH_CASES:
+        runs = suite.variants(case)
+        kind = suite.CONFIG_TIMED.get(case.name)
+        if kind is None:
+            assert not runs or case.name in suite.GRID_TIMED
+            continue
+        p = case.params
+        moved = fixed_rule(p["d"], p["dv"], p["causal"], p["b"], p["sq"], p["sk"], p["hq"],
+                           p["hkv"])  # fmt: skip
+        knobs = suite.CONFIG_CANDIDATES[kind]
+        assert set(runs) == set(knobs) and ("was" in runs) == bool(moved)
+        if p["d"] == 192 and p["sk"] > 2048:
+            assert set(runs) == {"was", "dyn_kahead", "dyn_sec12"}
+        elif moved:
+            assert set(runs) == {"was"}
+        else:
+            sec12 = (p["d"], p["sq"], p["hq"]) == (128, 2048, p["hkv"])  # the MHA D = 128 one
+            full = {"wave0", "wave0_sec12"} if sec12 else {"wave0"}
+            assert set(runs) == ({"wave0", "wave0_dyn"} if p["causal"] else full)
+        q, k, v = qkv(b=1, sq=130, sk=300, hq=4, hkv=4, d=p["d"], dv=p["dv"])
+        inputs = {"q": q, "k": k, "v": v, "causal": p["causal"], "softmax_scale": None}
+        want = suite.run_ours(inputs, None)
+        for name, run in runs.items():
+            KEYS.clear()
+            got = run(inputs, None)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=0, atol=0)
+            (key,) = KEYS
+            assert {n: key[n] for n in knobs[name]} == knobs[name]
+            assert DYNAMIC[-1] == bool(knobs[name].get("dynamic"))  # the counter passed
+            assert tuple(sorted(key.items())) in built
+            if name == "was":
+                default = params_for("bfloat16", p["d"], p["dv"], p["causal"])
+                assert tuple(sorted(key.items())) == tuple(sorted(default))
+    assert [c[2] for c in cpu_kernel] == [132] * len(cpu_kernel)
+    assert len(suite.CONFIG_TIMED) == 16
+    assert set(suite.CONFIG_TIMED) <= {c.name for c in suite.BENCH_CASES}
+
+
+def test_the_launcher_runs_the_fixed_rule_of_the_problem(cpu_kernel, monkeypatch):
+    """A fixed-length call picks its kernel by `config.fixed_rule` (FIXED_RULES): inside a
+    rule's class its key (sections at every size; the counter passed where the rule takes
+    it), one query row short of the class the head dims' default; each remembered as its own
+    plan. The stand-in kernel writes nothing here (the shapes are the bench's)."""
+    monkeypatch.setitem(globals(), "packed_ref", lambda q, k, v, causal, scale, group: (
+        torch.zeros(q.shape[:-1] + v.shape[-1:]), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+    ))  # fmt: skip
+    cases = [  # (rule, b, s, hq, hkv, d, dv, causal): its class's smallest corner
+        (7, 32, 512, 16, 16, 64, 64, False),
+        (5, 16, 1024, 8, 4, 256, 256, False),
+        (6, 16, 1024, 32, 32, 128, 128, True),
+        (4, 4, 2048, 16, 16, 256, 256, True),
+        (1, 1, 2048, 128, 128, 192, 128, True),
+    ]
+    for rule, b, s, hq, hkv, d, dv, causal in cases:
+        for sq, want in ((s, rule_params("bfloat16", rule)),
+                         (s - 1, params_for("bfloat16", d, dv, causal))):  # fmt: skip
+            q = torch.empty(b, sq, hq, d, dtype=torch.bfloat16)
+            k = torch.empty(b, s, hkv, d, dtype=torch.bfloat16)
+            v = torch.empty(b, s, hkv, dv, dtype=torch.bfloat16)
+            o = torch.empty(b, sq, hq, dv, dtype=torch.bfloat16)
+            lse = torch.empty(b, hq, sq)
+            KEYS.clear()
+            fwd_sm90.attention_fwd(q, k, v, o, lse, d**-0.5, causal)
+            (key,) = KEYS
+            assert tuple(sorted(key.items())) == tuple(sorted(want)), (rule, sq)
+            assert DYNAMIC[-1] == bool(dict(want).get("dynamic"))
+    assert len(fwd_sm90._plans) == 2 * len(cases)
 
 
 def test_forward_only_calls_keep_no_autograd_state(cpu_kernel):

@@ -1,8 +1,13 @@
 """The attention forward builds for sm_90a on a machine with no GPU in every standard
 configuration, exports a loadable-shaped .so, and (when cuobjdump/nvdisasm are installed: the
-`dev` extra) uses HGMMA and TMA with no local memory."""
+`dev` extra) uses HGMMA and TMA with no local memory.
+
+CI builds one configuration (or compared pair) of each build test: the bf16 D = 128 causal
+default, with its FIXED_RULES rule; the first of each other list. The others are marked `slow`
+(tests/sweeps.py) and run before landing a kernel change."""
 
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,36 +15,42 @@ import pytest
 pytest.importorskip("cutlass")
 
 from dsl_toolchain import dsl_toolchain  # noqa: E402  (tests/ is on the path)
+from sweeps import slow_past  # noqa: E402
 
-from forgekernel.kernels.attention.fwd.sm90 import SPEC  # noqa: E402
+from forgekernel.kernels.attention.fwd.sm90 import (  # noqa: E402
+    D192_CANDIDATES,
+    L2_CANDIDATES,
+    SPEC,
+)
 from forgekernel.kernels.attention.fwd.sm90.config import (  # noqa: E402
+    FIXED_RULES,
     HEAD_DIMS,
     SMEM_CAPACITY,
     AttnConfig,
     default_config,
     params_for,
+    rule_config,
+    rule_params,
     smem_bytes,
 )
 from forgekernel.runtime.cache import compile_to  # noqa: E402
 from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text  # noqa: E402
 
-# tests/test_build_sm90.py builds every standard kernel; here the bf16 fixed-length ones get
-# the attention-specific SASS checks (TMA loads and store), keeping CI's compile time down.
+# tests/test_build_sm90.py builds every standard kernel; here the bf16 fixed-length ones (each
+# head-dim pair's default, then each FIXED_RULES config) get the attention-specific SASS checks
+# (TMA loads and store), keeping CI's compile time down: CI builds D = 128 causal (the default
+# the D = 128 causal rule replaced: its pair in test_fixed_rules_build_as_their_default), the
+# others are `slow`.
 SAMPLE = [
     p for p in SPEC.standard_params() if dict(p)["dtype"] == "bfloat16" and not dict(p)["varlen"]
 ]
+SAMPLE_KEEP = params_for("bfloat16", 128, 128, True)
 
 
-@pytest.fixture(scope="module")
-def records(tmp_path_factory):
-    out = tmp_path_factory.mktemp("kernels")
-    recs = []
-    for params in SAMPLE:
-        with tempfile.TemporaryDirectory(prefix="forgekernel-cubin-") as keep:
-            rec = compile_to(SPEC, params, out, keep_dir=Path(keep))
-            rec.update(inspect_cubin(rec.pop("cubin")))
-        recs.append(rec)
-    return recs
+def _id(params) -> str:
+    p = dict(params)
+    knobs = "".join(f"-{k}{p[k]}" for k in ("dynamic", "wave_kv_mib") if k in p)
+    return f"d{p['head_dim']}x{p['head_dim_v']}-{'causal' if p['causal'] else 'full'}{knobs}"
 
 
 def test_standard_configs_cover_dtypes_head_dims_and_masks():
@@ -50,31 +61,37 @@ def test_standard_configs_cover_dtypes_head_dims_and_masks():
     assert len(keys) == 2 * len(HEAD_DIMS) * 2 * 2
     for d, dv in HEAD_DIMS:
         assert smem_bytes(default_config(d, dv), d, dv) <= SMEM_CAPACITY
+    assert len(SAMPLE) == len(HEAD_DIMS) * 2 + len(FIXED_RULES) and SAMPLE_KEEP in SAMPLE
 
 
-def test_every_sampled_config_builds(records):
-    assert len(records) == len(SAMPLE) == len(HEAD_DIMS) * 2
-    for rec in records:
-        so = Path(rec["path"])
-        assert so.is_file() and so.read_bytes()[:4] == b"\x7fELF"
+@pytest.mark.parametrize("params", slow_past(SAMPLE, keep=SAMPLE_KEEP), ids=_id)
+def test_sampled_config_builds_with_hgmma_tma_and_no_local_memory(params, tmp_path):
+    rec, _ = _build_with_sass(params, tmp_path)
+    so = Path(rec["path"])
+    assert so.is_file() and so.read_bytes()[:4] == b"\x7fELF"
+    if find_tool("nvdisasm") is None:
+        pytest.skip("cuobjdump/nvdisasm not installed")
+    assert rec["hgmma"], rec["params"]
+    assert rec["sass"].get("UTMALDG", 0) > 0 and rec["sass"].get("UTMASTG", 0) > 0
+    assert rec["spill_bytes"] == 0, rec["params"]
+    assert rec["sass"].get("LDL", 0) == 0 and rec["sass"].get("STL", 0) == 0, rec["params"]
 
 
-@pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
-def test_sass_uses_hgmma_tma_and_no_local_memory(records):
-    for rec in records:
-        assert rec["hgmma"], rec["params"]
-        assert rec["sass"].get("UTMALDG", 0) > 0 and rec["sass"].get("UTMASTG", 0) > 0
-        assert rec["spill_bytes"] == 0, rec["params"]
-        assert rec["sass"].get("LDL", 0) == 0 and rec["sass"].get("STL", 0) == 0, rec["params"]
+_BUILT: dict = {}
 
 
 def _build_with_sass(params, out: Path) -> tuple[dict, str]:
-    """One configuration built into `out`: its record with the cubin's resources, and its SASS."""
-    with tempfile.TemporaryDirectory(prefix="forgekernel-cubin-") as keep:
-        rec = compile_to(SPEC, params, out, keep_dir=Path(keep))
-        cubin = rec.pop("cubin")
-        rec.update(inspect_cubin(cubin))
-        return rec, sass_text(cubin)
+    """One configuration built into `out`: its record with the cubin's resources, and its SASS;
+    once a process (the L2 and 192/128 candidates' standard builds are SAMPLE's: three ~3 s
+    compiles of CI's CPU fewer)."""
+    if params not in _BUILT:
+        with tempfile.TemporaryDirectory(prefix="forgekernel-cubin-") as keep:
+            rec = compile_to(SPEC, params, out, keep_dir=Path(keep))
+            cubin = rec.pop("cubin")
+            rec.update(inspect_cubin(cubin))
+            _BUILT[params] = rec, sass_text(cubin)
+    rec, sass = _BUILT[params]
+    return dict(rec), sass
 
 
 # The paged mode (issue 18): the D 256 causal kernel is the one where a consumer-side detail
@@ -87,17 +104,17 @@ PAGED_SAMPLE = [
 
 
 @pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
-def test_paged_mode_builds_with_uniform_tma_issue_and_no_spills(tmp_path):
-    for params in PAGED_SAMPLE:
-        rec, sass = _build_with_sass(params, tmp_path)
-        assert rec["spill_bytes"] == 0 and rec["hgmma"], params
-        assert rec["sass"].get("LDL", 0) == 0 and rec["sass"].get("STL", 0) == 0, params
-        assert rec["sass"]["UTMALDG"] > 0 and rec["sass"]["STS"] > 0, params  # boxes, clearing
-        assert "BRA.U.ANY" not in sass, params  # no TMA issued in a per-lane loop
+@pytest.mark.parametrize("params", slow_past(PAGED_SAMPLE), ids=lambda p: f"d{dict(p)['head_dim']}")
+def test_paged_mode_builds_with_uniform_tma_issue_and_no_spills(tmp_path, params):
+    rec, sass = _build_with_sass(params, tmp_path)
+    assert rec["spill_bytes"] == 0 and rec["hgmma"], params
+    assert rec["sass"].get("LDL", 0) == 0 and rec["sass"].get("STL", 0) == 0, params
+    assert rec["sass"]["UTMALDG"] > 0 and rec["sass"]["STS"] > 0, params  # boxes, clearing
+    assert "BRA.U.ANY" not in sass, params  # no TMA issued in a per-lane loop
 
 
 @pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
-@pytest.mark.parametrize(("d", "box", "group"), [(128, 16, 4), (64, 8, 16)])
+@pytest.mark.parametrize(("d", "box", "group"), slow_past([(128, 16, 4), (64, 8, 16)], unpack=True))
 def test_packed_paged_mode_builds_as_the_split_one(tmp_path, d, box, group):
     """The packed compile (params packed with view_group G: no sequence skipped, a warpgroup
     with no row in its tile's sequence running `_idle_blocks` instead of the mainloop, q / o /
@@ -124,21 +141,21 @@ def test_packed_paged_mode_builds_as_the_split_one(tmp_path, d, box, group):
 
 # Variants off by default (docs/attention/NOTES.md, "D=256 and 192/128 after split_softmax"):
 # D=256 is where an epilogue detail once took the whole kernel off the uniform datapath (a
-# branch around o_direct's row stores: 72 R2UR a step, every producer TMA in a per-lane loop).
+# branch around the dropped o_direct's row stores: 72 R2UR a step, every producer TMA in a
+# per-lane loop).
 VARIANT_SAMPLE = [
-    params_for("bfloat16", 256, 256, True, AttnConfig(tile_n=64, snake=True, o_direct=True)),
+    params_for("bfloat16", 256, 256, True, AttnConfig(tile_n=64, snake=True)),
 ]
 
 
 @pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
-def test_snake_and_direct_o_build_on_the_uniform_datapath(tmp_path):
+def test_snake_builds_on_the_uniform_datapath(tmp_path):
     for params in VARIANT_SAMPLE:
         rec, sass = _build_with_sass(params, tmp_path)
         assert rec["spill_bytes"] == 0 and rec["hgmma"], params
         assert rec["sass"].get("LDL", 0) == 0 and rec["sass"].get("STL", 0) == 0, params
         # 14 R2UR outside the loops here, as in the standard build (15); the branching one had 388.
         assert "BRA.U.ANY" not in sass and sass.count("R2UR") < 32, params
-        assert rec["sass"].get("UTMASTG", 0) == 0, params  # O from registers: no TMA store
 
 
 @pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
@@ -159,18 +176,24 @@ def test_dynamic_tiles_build_with_one_atomic_and_no_spills(tmp_path):
 
 def test_dynamic_is_a_key_only_when_on():
     """The standard keys (and cache entries) are those of before the knob but D = 128 varlen's
-    (the tile counter its default since 2026-12-04); paged refuses it."""
+    (the tile counter its default since 2026-12-04) and the fixed-length rules' that take the
+    counter (2026-12-05: 192/128, D = 256 and D = 128 causal); paged refuses it."""
     dyn = AttnConfig(dynamic=True)
     on = [dict(p) for p in SPEC.standard_params() if "dynamic" in dict(p)]
-    assert on and all(p["dynamic"] and p["varlen"] and not p["page_box"] for p in on)
-    assert {(p["head_dim"], p["head_dim_v"]) for p in on} == {(128, 128)}
-    assert len(on) == 4  # both dtypes, both masks
+    assert all(p["dynamic"] and not p["page_box"] for p in on)
+    varlen = [p for p in on if p["varlen"]]
+    assert {(p["head_dim"], p["head_dim_v"]) for p in varlen} == {(128, 128)}
+    assert len(varlen) == 4  # both dtypes, both masks
+    fixed = [p for p in on if not p["varlen"]]
+    assert {(p["head_dim"], p["head_dim_v"], p["causal"]) for p in fixed} == {
+        (192, 128, True), (256, 256, True), (128, 128, True)}  # fmt: skip
+    assert len(fixed) == 6 and all(p["wave_kv_mib"] == 0 for p in fixed)
     assert default_config(128, 128, varlen=True) == dyn
     assert not default_config(128, 128, paged=True, varlen=True).dynamic
     assert not any(default_config(d, dv, varlen=True).dynamic for d, dv in HEAD_DIMS
                    if (d, dv) != (128, 128))  # fmt: skip
     # the static deal it replaced: the bench's `static` variant
-    (static,) = [dict(p) for p in SPEC.candidate_params() if not dict(p)["page_box"]]
+    (static,) = [dict(p) for p in SPEC.candidate_params() if dict(p)["varlen"]]
     assert static["varlen"] and "dynamic" not in static
     key = dict(params_for("bfloat16", 128, 128, True, dyn, varlen=True))
     assert key["dynamic"] and AttnConfig.from_params(key) == dyn
@@ -178,6 +201,147 @@ def test_dynamic_is_a_key_only_when_on():
     assert AttnConfig.from_params(std) == default_config(128, 128) and dyn.tag().endswith("_dyn")
     with pytest.raises(ValueError, match="paged"):
         params_for("bfloat16", 128, 128, True, dyn, varlen=True, page_box=16)
+
+
+def test_d192_schedule_candidates_are_keys_only_when_on():
+    """k_ahead (docs/attention/NOTES.md, "192/128 against FA4's schedule") is in no standard
+    key (its default), wave_kv_mib only in the fixed-length rules' (FIXED_RULES); both are in
+    the open 192/128 candidate keys (bf16 causal, fixed length, with the tile counter) as set
+    and round-trip through the key; paged refuses k_ahead. D = 128 has wave_kv_mib 0
+    candidates (both masks: the bench's undecided non-causal case and causal control)."""
+    rules = {rule_params(dtype, i) for dtype in ("bfloat16", "float16")
+             for i in range(1, len(FIXED_RULES) + 1)}  # fmt: skip
+    for p in SPEC.standard_params():
+        assert "k_ahead" not in dict(p)
+        assert ("wave_kv_mib" in dict(p)) == (p in rules), p
+
+    def knobs_of(p: dict) -> dict:
+        set_ = {k: p[k] for k in ("k_ahead", "dynamic", "wave_kv_mib") if k in p}
+        default_mib = default_config(p["head_dim"], p["head_dim_v"]).l2_kv_mib
+        return set_ | ({"l2_kv_mib": p["l2_kv_mib"]} if p["l2_kv_mib"] != default_mib else {})
+
+    d192 = [dict(p) for p in SPEC.candidate_params() if dict(p)["head_dim"] == 192]
+    assert [knobs_of(p) for p in d192] == list(D192_CANDIDATES)
+    assert len(d192) == 2
+    assert not any("o_direct" in dict(p) for p in SPEC.candidate_params())  # dropped 2026-12-05
+    wave0 = [dict(p) for p in SPEC.candidate_params() if "wave_kv_mib" in dict(p)
+             and dict(p)["head_dim"] == 128 and "dynamic" not in dict(p)
+             and dict(p)["l2_kv_mib"] == 24]  # fmt: skip
+    assert sorted(p["causal"] for p in wave0) == [False, True]
+    assert all(knobs_of(p) == {"wave_kv_mib": 0} and not p["varlen"] for p in wave0)
+    base = default_config(192, 128)
+    for p in d192:
+        assert p["dtype"] == "bfloat16" and p["causal"] and not p["varlen"]
+        cfg = AttnConfig.from_params(p)
+        assert cfg == replace(base, **knobs_of(p))
+        assert dict(params_for("bfloat16", 192, 128, True, cfg)) == p
+    assert replace(base, k_ahead=True, wave_kv_mib=0).tag() == base.tag() + "_kahead_wave0"
+    with pytest.raises(ValueError, match="k_ahead"):
+        params_for("bfloat16", 128, 128, True, AttnConfig(k_ahead=True), varlen=True, page_box=16)
+
+
+def test_l2_candidates_are_keys_only_when_on():
+    """The L2 candidates still open (L2_CANDIDATES: D = 64 causal in sections, alone and with
+    the tile counter; D = 128 non-causal in 12 MiB sections; docs/attention/NOTES.md, "192/128
+    and the L2 rules adopted"): bf16 fixed-length keys of the head dim's default config with
+    exactly those knobs set, none a standard key."""
+    standard = set(SPEC.standard_params())
+    cands = [dict(p) for p in SPEC.candidate_params()]
+    for d, causal, knobs in L2_CANDIDATES:
+        cfg = replace(default_config(d, d), **knobs)
+        key = params_for("bfloat16", d, d, causal, cfg)
+        assert key not in standard and dict(key) in cands, (d, causal, knobs)
+        assert dict(key)["wave_kv_mib"] == 0 and not dict(key)["varlen"]
+        assert dict(key).get("dynamic", False) == knobs.get("dynamic", False)
+        assert dict(key)["l2_kv_mib"] == knobs.get("l2_kv_mib", default_config(d, d).l2_kv_mib)
+        assert AttnConfig.from_params(dict(key)) == cfg
+    assert len(L2_CANDIDATES) == 3
+    assert len(cands) == len({tuple(sorted(p.items())) for p in cands})  # no key twice
+
+
+@pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
+@pytest.mark.parametrize(
+    "candidate", slow_past(L2_CANDIDATES), ids=lambda c: "-".join((f"d{c[0]}", str(c[1]), *c[2]))
+)
+def test_l2_candidates_build_as_the_standard(tmp_path, candidate):
+    """Sections at every size change one compare's constant; the counter adds one atomic and
+    the tile ring (as at D = 128 varlen): each L2 candidate keeps its standard build's
+    registers, no local memory, and its WGMMA / MUFU counts."""
+    d, causal, knobs = candidate
+    std_rec, std = _build_with_sass(params_for("bfloat16", d, d, causal), tmp_path)
+    cfg = replace(default_config(d, d), **knobs)
+    rec, sass = _build_with_sass(params_for("bfloat16", d, d, causal, cfg), tmp_path)
+    assert rec["registers"] == std_rec["registers"] and rec["spill_bytes"] == 0, (d, knobs)
+    assert rec["sass"].get("LDL", 0) == 0 and rec["sass"].get("STL", 0) == 0, (d, knobs)
+    for op in ("HGMMA", "MUFU.EX2"):
+        assert sass.count(op) == std.count(op), (d, causal, knobs, op)
+    assert sass.count("ATOMG.E.ADD") == (1 if knobs.get("dynamic") else 0), (d, knobs)
+
+
+def test_fixed_rules_are_standard_builds_of_their_head_dims_default():
+    """Each FIXED_RULES config (docs/attention/NOTES.md, "192/128 and the L2 rules adopted") is
+    its head dims' default with the rule's knobs (sections at every size; the tile counter
+    where the rule takes it), a standard key in both dtypes for its mask only (fixed length),
+    and the default it replaced (the bench's `was`) stays standard."""
+    standard = set(SPEC.standard_params())
+    for i, rule in enumerate(FIXED_RULES, 1):
+        d, dv = rule.head_dims
+        cfg = rule_config(d, dv, i)
+        assert cfg == replace(default_config(d, dv), **dict(rule.knobs)) != default_config(d, dv)
+        assert cfg.wave_kv_mib == 0 and dict(rule.knobs).keys() <= {"dynamic", "wave_kv_mib"}
+        for dtype in ("bfloat16", "float16"):
+            key = rule_params(dtype, i)
+            assert key in standard and AttnConfig.from_params(dict(key)) == cfg
+            assert dict(key)["causal"] == rule.causal and not dict(key)["varlen"]
+            assert params_for(dtype, d, dv, rule.causal) in standard  # `was`
+    assert rule_config(128, 128, 0) == default_config(128, 128)
+
+
+# CI compares the D = 128 causal rule's build with SAMPLE_KEEP (its default, built once)
+RULE_KEEP = next(
+    i for i, r in enumerate(FIXED_RULES, 1) if (*r.head_dims, r.causal) == (128, 128, True)
+)
+
+
+@pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
+@pytest.mark.parametrize("i", slow_past(range(1, len(FIXED_RULES) + 1), keep=RULE_KEEP))
+def test_fixed_rules_build_as_their_default(tmp_path, i):
+    """Sections at every size change one compare's constant, the counter adds one atomic and
+    the tile ring: each rule's build (CPU, 2026-12-05) keeps its default's registers, no local
+    memory, and its HGMMA and TMA counts."""
+    rule = FIXED_RULES[i - 1]
+    d, dv = rule.head_dims
+    rec = _build_with_sass(rule_params("bfloat16", i), tmp_path)[0]
+    std = _build_with_sass(params_for("bfloat16", d, dv, rule.causal), tmp_path)[0]
+    assert rec["registers"] == std["registers"] and rec["spill_bytes"] == 0, rule
+    for op in ("HGMMA", "UTMALDG", "UTMASTG", "LDL", "STL"):
+        assert rec["sass"].get(op, 0) == std["sass"].get(op, 0), (rule, op)
+
+
+D192_BUILDS = [p for p in SPEC.candidate_params() if dict(p)["head_dim"] == 192]
+
+
+@pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
+@pytest.mark.parametrize(
+    "params",
+    slow_past(D192_BUILDS),
+    ids=lambda p: "-".join(k for k in ("k_ahead", "dynamic", "wave_kv_mib") if k in dict(p)),
+)
+def test_d192_schedule_candidates_build_as_the_standard(tmp_path, params):
+    """The candidates change the producer's load order (k_ahead: K of the next block before V
+    of the current, one more TMA issue site), the deal (the tile counter) and the section
+    size, not the mainloop: 168 registers, no local memory, and the WGMMA, MUFU and wait
+    counts of the standard 192/128 build (CPU 2026-12-05: unmasked step 503 instructions in
+    each)."""
+    std_rec, std = _build_with_sass(params_for("bfloat16", 192, 128, True), tmp_path)
+    rec, sass = _build_with_sass(params, tmp_path)
+    assert rec["registers"] == std_rec["registers"] and rec["spill_bytes"] == 0, params
+    assert rec["sass"].get("LDL", 0) == 0 and rec["sass"].get("STL", 0) == 0, params
+    for op in ("HGMMA", "MUFU.EX2", "WARPGROUP.ARRIVE", "WARPGROUP.DEPBAR", "F2FP"):
+        assert sass.count(op) == std.count(op), (params, op)
+    assert "BRA.U.ANY" not in sass, params
+    if dict(params).get("k_ahead"):
+        assert rec["sass"]["UTMALDG"] > std_rec["sass"]["UTMALDG"], params
 
 
 def test_unsupported_head_dims_are_refused():

@@ -362,6 +362,31 @@ def test_gqa16_candidates_are_timed_on_the_gqa16_bench_cases():
     assert len(suite_module.GQA16_CANDIDATES) <= 3
 
 
+def test_chunked_candidates_are_timed_on_the_chunked_gqa_case():
+    """The L2 model's chunked candidates (sections of two pairs) on the chunked GQA 8 case that
+    the long-key rule (LONG_GQA_SWIZZLE) puts in sections of eight."""
+    from forgekernel.kernels.attention.bwd.sm90.config import LONG_GQA_SEQLEN_K, choose_config
+
+    timed = [c for c in SUITE.bench_cases if c.name in {t.name for t in suite_module.CHUNKED_TIMED}]
+    assert [c.name for c in timed] == [c.name for c in suite_module.CHUNKED_TIMED]
+    for c in timed:
+        p = c.params
+        assert c.group == "chunked" and p["sq"] < p["sk"] >= LONG_GQA_SEQLEN_K
+        assert set(SUITE.variants_for(c)) == set(suite_module.CHUNKED_CANDIDATES)
+        cfg = choose_config(p["d"], p["dv"], False, p["b"], p["sk"], p["hq"], p["hkv"], 132)
+        assert cfg.l2_swizzle == 8 and cfg.walk_order == 2  # what the candidates replace
+    assert all(k["l2_swizzle"] == 2 for k in suite_module.CHUNKED_CANDIDATES.values())
+    # their kernels are the main kernel's candidate keys (built ahead with --candidates)
+    from forgekernel.kernels.attention.bwd.sm90 import SPEC_MAIN
+    from forgekernel.kernels.attention.bwd.sm90.config import default_config, main_params
+
+    keys = [main_params("bfloat16", 128, 128, True, False,
+                        dataclasses.replace(default_config(128, 128), **knobs))
+            for knobs in suite_module.CHUNKED_CANDIDATES.values()]  # fmt: skip
+    assert keys == SPEC_MAIN.candidate_params()
+    assert not set(keys) & set(SPEC_MAIN.standard_params())
+
+
 def test_gqa16_candidate_runs_the_launcher_with_its_config(monkeypatch):
     """run_config hands the leaf's launcher the D = 128 default with the candidate's knobs, the
     default softmax scale, deterministic off; the gradients are the launcher's (here the
@@ -378,8 +403,11 @@ def test_gqa16_candidate_runs_the_launcher_with_its_config(monkeypatch):
 
     monkeypatch.setattr(launch, "attention_bwd", fake)
     case = suite_module._case(1, 16, 1, 300, 128)
-    for name, knobs in suite_module.GQA16_CANDIDATES.items():
-        run = suite_module.variants(suite_module.GQA16_TIMED[0])[name]
+    runs = [(suite_module.GQA16_TIMED[0], n, k) for n, k in suite_module.GQA16_CANDIDATES.items()]
+    runs += [(suite_module.CHUNKED_TIMED[0], n, k)
+             for n, k in suite_module.CHUNKED_CANDIDATES.items()]  # fmt: skip
+    for timed, name, knobs in runs:
+        run = suite_module.variants(timed)[name]
         assert all(c.ok for c in _verify(run, case)), name
         scale, det, cfg = seen[-1]
         assert scale == 128**-0.5 and det is False

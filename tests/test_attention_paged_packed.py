@@ -175,14 +175,14 @@ STANDARD = set(SPEC.standard_params())
 
 def test_packed_keys_leave_every_other_key_as_it_was():
     """A key gains `packed` and `view_group` only when on (every split key, cache entry and
-    SASS stays): the paged split's D 128 page-16 key is the frozen tuple of before; each
+    SASS stays): the paged split's D 128 page-16 key is the frozen tuple of before (less the
+    `o_direct` field, dropped 2026-12-05); each
     standard paged split key has a packed twin for every G of VIEW_GROUPS dividing its tile's
     rows, differing by those entries alone; packed needs the paged mode and a view_group (the
     copy form is gone)."""
     before = (("causal", True), ("dtype", "bfloat16"), ("head_dim", 128), ("head_dim_v", 128),
-              ("l2_kv_mib", 24), ("late_rescale", True), ("o_direct", False), ("page_box", 16),
-              ("snake", False), ("stages", 2), ("tile_m", 128), ("tile_n", 128),
-              ("varlen", True))  # fmt: skip
+              ("l2_kv_mib", 24), ("late_rescale", True), ("page_box", 16), ("snake", False),
+              ("stages", 2), ("tile_m", 128), ("tile_n", 128), ("varlen", True))  # fmt: skip
     assert params_for("bfloat16", 128, 128, True, varlen=True, page_box=16) == before
     std = [dict(p) for p in SPEC.standard_params()]
     paged = [p for p in std if p["page_box"] and "packed" not in p]

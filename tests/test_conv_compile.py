@@ -13,7 +13,10 @@ Weight gradient (every standard tile, each pixel walk): A = dY^T through a tiled
 im2col boxes (or, the stride-1 rectangles, A and B both 5-D tiled boxes), both read transposed
 by WGMMA (`.tnspA.tnspB`), the split's flag counted with a global atomic; the reduce split
 (every reduce tile, 8-wide rectangles) adds each part with one bulk reduce (UBLKRED) and its
-last part loads, zeroes and stores the tile's one slot."""
+last part loads, zeroes and stores the tile's one slot.
+
+CI builds each test's first configuration (the forward's representative); the others are
+marked `slow` (tests/sweeps.py): they run before landing a kernel change."""
 
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ import pytest
 pytest.importorskip("cutlass")
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
+from sweeps import slow_past  # noqa: E402  (tests/ is on the path)
+
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY  # noqa: E402
 from forgekernel.kernels.conv.sm90 import (  # noqa: E402
     DGRAD_SPEC,
@@ -38,6 +43,7 @@ from forgekernel.kernels.conv.sm90 import (  # noqa: E402
 from forgekernel.kernels.conv.sm90 import compile as fprop_compile  # noqa: E402
 from forgekernel.kernels.conv.sm90.config import LARGE, NARROW, SQUARE, params_for  # noqa: E402
 from forgekernel.kernels.conv.sm90.dgrad_config import FUSED_CONFIGS, fused_params  # noqa: E402
+from forgekernel.kernels.conv.sm90.geometry import RECT_WIDTHS  # noqa: E402
 from forgekernel.kernels.conv.sm90.wgrad_config import (  # noqa: E402
     WGRAD_CONFIGS,
     WGRAD_RECTS,
@@ -78,13 +84,15 @@ def _no_spills_and_fits(sass, found, kernel):
 
 @pytest.mark.parametrize(
     "params",
-    [
-        SPEC.representative_params(),
-        params_for("float16", False, LARGE),
-        params_for("bfloat16", False, SQUARE, dgrad=True),
-        params_for("bfloat16", True, replace(LARGE, split=True)),
-        params_for("float16", False, replace(NARROW, split=True), dgrad=True),
-    ],
+    slow_past(
+        [
+            SPEC.representative_params(),
+            params_for("float16", False, LARGE),
+            params_for("bfloat16", False, SQUARE, dgrad=True),
+            params_for("bfloat16", True, replace(LARGE, split=True)),
+            params_for("float16", False, replace(NARROW, split=True), dgrad=True),
+        ]
+    ),
     ids=["representative", "128x256", "dgrad", "128x256-split-bias", "dgrad-128x64-split"],
 )
 def test_forward_builds_with_im2col_tma_hgmma_and_no_spills(params, tmp_path, monkeypatch):
@@ -102,14 +110,16 @@ def test_forward_builds_with_im2col_tma_hgmma_and_no_spills(params, tmp_path, mo
 
 @pytest.mark.parametrize(
     "params",
-    [
-        params_for("bfloat16", True, SQUARE, rect=8),
-        params_for("float16", False, LARGE, rect=16),
-        params_for("bfloat16", True, replace(LARGE, split=True), rect=8),
-        params_for("bfloat16", False, replace(NARROW, split=True), rect=16),
-        params_for("bfloat16", False, SQUARE, dgrad=True, rect=8),
-        params_for("float16", False, replace(LARGE, split=True), dgrad=True, rect=16),
-    ],
+    slow_past(
+        [
+            params_for("bfloat16", True, SQUARE, rect=8),
+            params_for("float16", False, LARGE, rect=16),
+            params_for("bfloat16", True, replace(LARGE, split=True), rect=8),
+            params_for("bfloat16", False, replace(NARROW, split=True), rect=16),
+            params_for("bfloat16", False, SQUARE, dgrad=True, rect=8),
+            params_for("float16", False, replace(LARGE, split=True), dgrad=True, rect=16),
+        ]
+    ),
     ids=[
         "128x128c2x1-bias-r8",
         "128x256-r16",
@@ -132,7 +142,7 @@ def test_forward_rectangles_build_tiled_5d_and_no_spills(params, tmp_path, monke
     print(dict(params)["rect"], kernel.cfg.tag(), found)
 
 
-@pytest.mark.parametrize("cfg", FUSED_CONFIGS, ids=lambda c: c.tag())
+@pytest.mark.parametrize("cfg", slow_past(FUSED_CONFIGS), ids=lambda c: c.tag())
 def test_fused_dgrad_builds_every_tile_without_spills(cfg, tmp_path, monkeypatch):
     params = fused_params("bfloat16", cfg)
     sass, found, kernel = _build(
@@ -145,8 +155,19 @@ def test_fused_dgrad_builds_every_tile_without_spills(cfg, tmp_path, monkeypatch
     assert bool(re.search(r"\bATOMG?\.E\.ADD", sass)) == cfg.split
 
 
-@pytest.mark.parametrize("rect", WGRAD_RECTS)
-@pytest.mark.parametrize("cfg", WGRAD_CONFIGS, ids=lambda c: f"{c.tile_m}x{c.tile_n}")
+# Every tile on the im2col walk (rect 0) and the 8-wide rectangles; the other widths (16x4: the
+# same 5-D boxes, another extent) on the 128x256 tiles alone, with and without the cluster (the
+# most registers): 16 compiles, not 21 (~1.3 s each on CI's CPU).
+WGRAD_BUILDS = [(cfg, rect) for cfg in WGRAD_CONFIGS for rect in (0, RECT_WIDTHS[0])] + [
+    (cfg, rect) for rect in RECT_WIDTHS[1:] for cfg in WGRAD_CONFIGS if cfg.tile_n == 256
+]
+assert {rect for _, rect in WGRAD_BUILDS} == set(WGRAD_RECTS)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "rect"), slow_past(WGRAD_BUILDS, unpack=True),
+    ids=[f"{c.tile_m}x{c.tile_n}c{c.cluster_m}-{r}" for c, r in WGRAD_BUILDS],
+)  # fmt: skip
 def test_wgrad_builds_every_tile_without_spills(cfg, rect, tmp_path, monkeypatch):
     params = wgrad_params("bfloat16", cfg, rect)
     sass, found, kernel = _build(
@@ -163,7 +184,9 @@ def test_wgrad_builds_every_tile_without_spills(cfg, rect, tmp_path, monkeypatch
     assert "UTMASTG" in sass and re.search(r"\bATOMG?\.E\.ADD", sass)
 
 
-@pytest.mark.parametrize("cfg", WGRAD_REDUCE_CONFIGS, ids=lambda c: f"{c.tile_m}x{c.tile_n}")
+@pytest.mark.parametrize(
+    "cfg", slow_past(WGRAD_REDUCE_CONFIGS), ids=lambda c: f"{c.tile_m}x{c.tile_n}"
+)
 def test_wgrad_reduce_builds_every_tile_without_spills(cfg, tmp_path, monkeypatch):
     params = wgrad_params("bfloat16", cfg, 8, reduce=True)
     sass, found, kernel = _build(

@@ -123,13 +123,13 @@ def test_the_chooser_takes_rectangles_where_the_im2col_rate_bound():
     are counted in rectangles; without pixels (strided, dgrad) the im2col walk only."""
     pixels = (1, 16, 64, 64)
     m = 16 * 64 * 64
-    plan = choose_plan(m, 128, 128, 27, 132, pixels)
+    plan = choose_plan(m, 128, 128, 27, 132, pixels, forward=True)
     assert plan.rect in RECT_WIDTHS and plan.config in STANDARD_CONFIGS
     assert plan.tiles == split_tiles(plan.config, m, 128, pixels, plan.rect)
-    assert choose_plan(m, 128, 128, 27, 132).rect == 0
+    assert choose_plan(m, 128, 128, 27, 132, forward=True).rect == 0
     for n, hw, c, k, taps in itertools.product((1, 32), (7, 14, 56), (64, 512), (64, 256), (1, 9)):
         px = (n, 1, hw, hw)
-        plan = choose_plan(n * hw * hw, k, c, taps, 132, px)
+        plan = choose_plan(n * hw * hw, k, c, taps, 132, px, forward=True)
         assert plan.rect in (0, *RECT_WIDTHS)
         assert plan.tiles == split_tiles(plan.config, n * hw * hw, k, px, plan.rect)
 
@@ -260,7 +260,7 @@ def test_the_stem_and_stride3_1x1_phases_keep_rectangles(model_kernel, monkeypat
     g = Geometry((1, 3, 3), (0, 1, 1), (0, 1, 1), (1, 1, 1))
     x = torch.randn(2, 3, 1, 8, 8, dtype=F64)
     w = torch.randn(16, 3, 1, 3, 3, dtype=F64)
-    chosen = choose_plan(128, 16, 32, 1, 132, (1, 1, 16, 8))  # the stem's 1x1: C 27 -> 32
+    chosen = choose_plan(128, 16, 32, 1, 132, (1, 1, 16, 8), forward=True)  # the stem: C 27 -> 32
     assert chosen.rect == 0
     for cfg, rect, shape in ((None, 0, (128,)), (STANDARD_CONFIGS[0], 8, (1, 1, 16, 8))):
         y = torch.full((2, 1, 8, 8, 16), float("nan"), dtype=F64)

@@ -297,7 +297,7 @@ def test_the_chooser_picks_standard_tiles_and_whole_splits():
     for m, n, c, taps in itertools.product(
         (1, 100, 1568, 3136, 100352), (3, 64, 96, 256, 2048), (3, 64, 512), (1, 9, 27)
     ):
-        plan = choose_plan(m, n, c, taps, 132)
+        plan = choose_plan(m, n, c, taps, 132, forward=True)
         cfg = plan.config
         assert cfg in STANDARD_CONFIGS and 0 < occupancy(cfg, m, n, 132) <= 1
         assert cfg.split == (plan.parts > 1)  # a split runs on the split variant only
@@ -314,9 +314,9 @@ def test_the_chooser_splits_what_leaves_the_chip_idle():
     """3x3 on 7 x 7 maps at batch 32 (n32-c512-7x7-k512-3x3: 0.37x cuDNN on 2026-12-01): 13 row
     tiles, a third of the chip busy unsplit; split, about a wave. A large problem is not split
     (its waves are many and full)."""
-    plan = choose_plan(32 * 7 * 7, 512, 512, 9, 132)
+    plan = choose_plan(32 * 7 * 7, 512, 512, 9, 132, forward=True)
     assert plan.parts > 1 and plan.tiles * plan.parts >= 100
-    assert choose_plan(8 * 128 * 128, 512, 512, 9, 132).parts == 1
+    assert choose_plan(8 * 128 * 128, 512, 512, 9, 132, forward=True).parts == 1
     # a split plan's cost counts its waves: 2 parts of 52 tiles fill 104 of 132 SMs, not 2 waves
     one, _, _ = split_cost((128, 128), (13, 4), (1, 1), 72, 1, 132, 1.0)
     two, _, _ = split_cost((128, 128), (13, 4), (1, 1), 72, 2, 132, 1.0)

@@ -67,13 +67,23 @@ def test_sparse_compile_keys():
     assert sparse_heads() == (*(h for h in HEADS if 16 % h == 0 and 128 % h == 0), 64)
     sparse = {p for p in SPEC.standard_params() if dict(p)["kind"] == "sparse"}
     forms = [("float16", False), ("bfloat16", False), ("bfloat16", True)]
+    # over an FP8 cache the `lean` form at 16 heads and on 64-head direct plans, the 64-head
+    # direct one also `wide` (test_dsa_fp8_lean.py)
     plain = {p for p in sparse if not dict(p).get("sink") and not dict(p).get("fused")}
-    assert plain == {params_for("sparse", d, h, fp8=fp8, direct=direct) for d, fp8 in forms
-                     for h in sparse_heads() for direct in (False, True)}  # fmt: skip
+    assert plain == {params_for("sparse", d, h, fp8=fp8, direct=direct,
+                                lean=fp8 and (h == 16 or h == 64 and direct))
+                     for d, fp8 in forms for h in sparse_heads()
+                     for direct in (False, True)} | {
+        params_for("sparse", "bfloat16", 64, fp8=True, direct=True, lean=True, wide=True)
+    }  # fmt: skip
     # the sink form (keyed only when on) of every sparse direct compile
     sink = {p for p in sparse if dict(p).get("sink") and not dict(p).get("fused")}
-    assert sink == {params_for("sparse", d, h, fp8=fp8, direct=True, sink=True)
-                    for d, fp8 in forms for h in sparse_heads()}  # fmt: skip
+    assert sink == {params_for("sparse", d, h, fp8=fp8, direct=True, sink=True,
+                               lean=fp8 and h in (16, 64))
+                    for d, fp8 in forms for h in sparse_heads()} | {
+        params_for("sparse", "bfloat16", 64, fp8=True, direct=True, sink=True, lean=True,
+                   wide=True)
+    }  # fmt: skip
     # the fused prefill's (test_dsa_fused_prefill): 16-bit 16, over the FP8 cache 8
     assert len(sparse - plain - sink) == 24
     with pytest.raises(ValueError, match="sparse direct"):
@@ -382,8 +392,11 @@ def test_direct_form_is_the_combine_of_one_split(sparse_kernels, monkeypatch, ca
     results = direct_then_split(monkeypatch, call)
     assert sparse_kernels.combines == 1  # the partial run's alone
     (direct, _), (split, _) = sparse_kernels
-    assert direct == dict(params_for("sparse", "bfloat16", heads_per_cta(hq), fp8=cache == "fp8",
-                                     direct=True))  # fmt: skip
+    heads, fp8 = heads_per_cta(hq), cache == "fp8"
+    # over an FP8 cache the lean form at 16 / 64 heads, wide with it at 64 (test_dsa_fp8_lean)
+    lean = fp8 and heads in (16, 64)
+    assert direct == dict(params_for("sparse", "bfloat16", heads, fp8=fp8, direct=True,
+                                     lean=lean, wide=lean and heads == 64))  # fmt: skip
     assert "direct" not in split
     (out, lse), (split_out, split_lse) = results
     atol = 2e-2 + (float(want.abs().max()) * 2**-8 if cache == "fp8" else 0.0)

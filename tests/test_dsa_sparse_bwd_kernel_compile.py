@@ -4,7 +4,8 @@ the setmaxnreg split, the WGMMAs of both consumer warpgroups' tiles (S^T / dP^T 
 columns, dq^T blocks over 64 rows, dkv blocks over BLOCK heads), the gather by cp.async, the dkv
 reductions (red4s: `red.global.add.v4.f32` from the staging in the stage; v2:
 `red.global.add.v2.f32` from the fragments) and the WGMMAs pipelined (not serialized one by
-one)."""
+one). CI builds each kernel test's first configuration; the other blocks, dtypes and forms are
+marked `slow` (tests/sweeps.py): they run before landing a kernel change."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ import pytest
 
 pytest.importorskip("cutlass")
 
+from sweeps import slow_past  # noqa: E402  (tests/ is on the path)
+
 from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import SPEC, config  # noqa: E402
+from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY  # noqa: E402
 from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text  # noqa: E402
 
 if find_tool("cuobjdump") is None:
@@ -26,22 +30,34 @@ if find_tool("cuobjdump") is None:
 _OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9x.]+)?)")
 
 
+_BUILT: dict = {}
+
+
+def _build(params) -> tuple[dict, str]:
+    """inspect_cubin's resources and the SASS text of one build, compiled once a process (the
+    h64 tests read both: compiling twice took ~18 s of CI's CPU)."""
+    if params not in _BUILT:
+        with tempfile.TemporaryDirectory() as d:
+            compiled = SPEC.compile(params, f"--keep-cubin --dump-dir {d}")
+            cubin = compiled.artifacts.CUBIN
+            if isinstance(cubin, bytes):
+                path = Path(d) / "k.cubin"
+                path.write_bytes(cubin)
+                cubin = str(path)
+            _BUILT[params] = (inspect_cubin(cubin), sass_text(cubin))
+    res, sass = _BUILT[params]
+    return dict(res), sass
+
+
 def _compiled(params) -> tuple[dict, Counter]:
-    with tempfile.TemporaryDirectory() as d:
-        compiled = SPEC.compile(params, f"--keep-cubin --dump-dir {d}")
-        cubin = compiled.artifacts.CUBIN
-        if isinstance(cubin, bytes):
-            path = Path(d) / "k.cubin"
-            path.write_bytes(cubin)
-            cubin = str(path)
-        res = inspect_cubin(cubin)
-        sass = sass_text(cubin)
+    res, sass = _build(params)
     ops = Counter(op.split(".")[0] for op in _OP.findall(sass))
     ops["RED_V2"] = sass.count("REDG.E.ADD.F32x2")
     ops["DEPBAR0"] = sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0")
     ops["STS_64"] = sass.count("STS.64 ")
     ops["RED_V4"] = sass.count("REDG.E.ADD.F32x4")
     ops["LDS_128"] = sass.count("LDS.128 ")
+    ops["STG"] = len(re.findall(r"STG\.E [^\n]*", sass))
     # where the v4 reductions are: the consumers' code follows their setmaxnreg increase
     lines = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     alloc = next(a for a, t in lines if "USETMAXREG.TRY_ALLOC" in t)
@@ -53,15 +69,17 @@ def _compiled(params) -> tuple[dict, Counter]:
     return res, ops
 
 
-@pytest.mark.parametrize("xchg", [False, True])
-@pytest.mark.parametrize("block", config.BLOCKS)
+@pytest.mark.parametrize(
+    ("block", "xchg"),
+    slow_past([(b, x) for b in config.BLOCKS for x in (False, True)], unpack=True),
+)
 def test_sparse_bwd_kernel(block, xchg):
     """The fragments' red.global.add.v2 (both blocks' form before red4s; the candidate v2;
     under xchg the form measured at 00:37)."""
     _check_kernel(block, xchg)
 
 
-@pytest.mark.parametrize("block", config.BLOCKS)
+@pytest.mark.parametrize("block", slow_past(config.BLOCKS))
 def test_sparse_bwd_kernel_red4s(block):
     """The candidate red4s (the standard form before xchg4s): the dkv blocks staged (144
     STS.64 a thread loop), read back (72 LDS.128) into 72 REDG.E.ADD.F32x4, no v2, the staging
@@ -71,7 +89,9 @@ def test_sparse_bwd_kernel_red4s(block):
     _check_kernel(block, False, red4s=True)
 
 
-@pytest.mark.parametrize("block,reduce", [(16, True), (32, True), (32, False)])
+@pytest.mark.parametrize(
+    "block,reduce", slow_past([(16, True), (32, True), (32, False)], unpack=True)
+)
 def test_sparse_bwd_kernel_xchg4s(block, reduce):
     """The standard form xchg4s (red4s under xchg; config.py's RED4S_OFFSET comment): xchg's WGMMAs
     (S^T in one warpgroup, dP^T in the other) and exchange (scalar stores: no STS.64 of its
@@ -204,3 +224,159 @@ def test_fragment_coordinates_the_kernel_assumes():
     kv = seen["kv"]
     for i in range(0, len(kv), 2):
         assert kv[i][0] == 1 + 8 * ((i // 2) % 2) and kv[i + 1] == (kv[i][0], kv[i][1] + 1)
+
+
+H64_KV = [(d, True) for d in config.DTYPES] + [("bfloat16", False)]
+
+
+@pytest.mark.parametrize("dtype,shfl4", slow_past(H64_KV, unpack=True))
+def test_h64_kv_kernel(dtype, shfl4):
+    """The h64 kv part (kernel_h64.py): no spills under 56 / 224; S^T (36) in the first consumer
+    warpgroup, dP^T (32) in the second, dkv blocks with K = 64 heads (4 k-steps each: 36 / 32),
+    all m64n64k16; dkv by 72 red.global.add.v4.f32 after 144 butterfly shuffles (shfl4, 8 / 16 a
+    block) or the fragments' 144 red.global.add.v2 (80 / 64); dS into the workspace by 16
+    32-bit stores (8 a warpgroup); q / dO / rows by cp.async (36 + 32 + 36); four named
+    barriers a consumer path plus the start's sync; the waits per group of MMAs."""
+    res, ops = _compiled(config.params_h64(dtype, "kv", shfl4=shfl4))
+    assert res["spill_bytes"] == 0 and ops["LDL"] == ops["STL"] == 0
+    # the shared-memory plan and the cubin's static bytes within the block's 227 KB
+    assert res["smem_bytes"] + config.h64_kv_bytes() <= SMEM_CAPACITY
+    assert res["registers"] <= 65536 // config.THREADS
+    assert ops["HGMMA"] == 36 + 32 + 4 * (9 + 8) == 136
+    assert ops["HGMMA"] == len(re.findall(r"HGMMA\.64x64x16\.F32", _sass_of(dtype, "kv", shfl4)))
+    if shfl4:
+        assert ops["RED_V4"] == ops["REDG"] == 72 and ops["RED_V2"] == 0
+        assert ops["SHFL"] == 144
+    else:
+        assert ops["RED_V2"] == ops["REDG"] == 144 and ops["RED_V4"] == ops["SHFL"] == 0
+    assert ops["STG"] == 16
+    assert ops["LDGSTS"] == 9 * 4 + 8 * 4 + 9 * 4
+    assert ops["BAR"] == 2 * 4 + 1
+    assert ops["DEPBAR0"] <= 8
+
+
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
+def test_h64_dq_kernel_128(dtype):
+    """The h64 dq part at 128 heads a CTA (one 192-column group): one dq^T block a consumer
+    warpgroup at m64n128 (3 x 4 k-steps), the group's three row chunks (3 x 4 cp.async) and the
+    dS block 128 heads wide (8), no spills."""
+    res, ops = _compiled(config.params_h64(dtype, "dq", dq_heads=128))
+    assert res["spill_bytes"] == 0 and ops["LDL"] == ops["STL"] == 0
+    assert res["registers"] <= 65536 // config.H64_DQ_THREADS
+    sass = _sass_of(dtype, "dq", dq_heads=128)
+    assert ops["HGMMA"] == 12 == len(re.findall(r"HGMMA\.64x128x16\.F32", sass))
+    assert ops["LDGSTS"] == 3 * 4 + 8
+    assert sass.count("DEPBAR.LE SB0, 0x1 ") == 1
+
+
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
+def test_h64_dq_kernel(dtype):
+    """The h64 dq part: three consumer warpgroups at setmaxnreg 152 (512 threads: 128 registers
+    at launch), no spills with 96 accumulator registers; 3 x 3 dq^T blocks of 4 k-steps (36
+    m64n64k16); the rows and the dS block by cp.async (36 + 4); no reductions; the producer at
+    lag 1 (one cp.async group left in flight before signalling the previous tile)."""
+    res, ops = _compiled(config.params_h64(dtype, "dq"))
+    assert res["spill_bytes"] == 0 and ops["LDL"] == ops["STL"] == 0
+    assert res["registers"] <= 65536 // config.H64_DQ_THREADS
+    assert ops["HGMMA"] == 36
+    assert ops["LDGSTS"] == 9 * 4 + 4
+    assert ops["REDG"] == 0
+    sass = _sass_of(dtype, "dq")
+    assert sass.count("DEPBAR.LE SB0, 0x1 ") == 1 and sass.count("DEPBAR.LE SB0, 0x0 ") == 1
+
+
+def _sass_of(dtype, part, shfl4=True, dq_heads=64) -> str:
+    """The SASS text of an h64 build (`_build`'s, compiled once a process)."""
+    return _build(config.params_h64(dtype, part, shfl4=shfl4, dq_heads=dq_heads))[1]
+
+
+def test_h64_fragment_coordinates():
+    """kernel_h64.py's assumptions about one warpgroup's m64n64 accumulator (S^T / dP^T and the
+    dkv block alike): raw elements [0, 16) are heads [0, 32) and [16, 32) heads [32, 64) (the
+    own halves), element e is in row r + 8 ((e // 2) % 2) (the row ids' index), elements 2 j
+    and 2 j + 1 are adjacent heads of one row (the workspace's 32-bit pairs), and the S^T /
+    dP^T and dkv fragments place every thread on the same rows."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass.cute.nvgpu import OperandMajorMode
+
+    k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
+    dt, f32 = cutlass.BFloat16, cutlass.Float32
+    seen = {}
+
+    @cute.jit
+    def probe():
+        sdp = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, k_major, f32, (1, 1, 1),
+                                                (config.TILE, config.H64_BLOCK))  # fmt: skip
+        kv = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, mn_major, f32, (1, 1, 1),
+                                               (config.TILE, config.CHUNK))  # fmt: skip
+        for tid in (0, 37, 127):
+            a = sdp.get_slice(tid).partition_C(
+                cute.make_identity_tensor((config.TILE, config.H64_BLOCK)))  # fmt: skip
+            b = kv.get_slice(tid).partition_C(
+                cute.make_identity_tensor((config.TILE, config.CHUNK)))  # fmt: skip
+            seen[tid] = ([a[i] for i in range(cute.size(a))], [b[i] for i in range(cute.size(b))])
+
+    cute.compile(probe)
+    for tid, (sdp, kv) in seen.items():
+        assert len(sdp) == 32
+        assert all(c // 32 == e // 16 for e, (_, c) in enumerate(sdp))
+        r0 = 16 * (tid // 32) + (tid % 32) // 4
+        assert all(r == r0 + 8 * ((e // 2) % 2) for e, (r, _) in enumerate(sdp))
+        assert all(sdp[2 * j + 1] == (sdp[2 * j][0], sdp[2 * j][1] + 1) for j in range(16))
+        assert [kv[2 * h][0] for h in range(2)] == [r0, r0 + 8]
+
+
+def _frag(lane: int, e: int) -> tuple[int, int]:
+    """(row, column) of raw element e of lane's m64n64 accumulator in warp 0 (the WGMMA
+    fragment: rows lane // 4 + 8 ((e // 2) % 2), columns 8 (e // 4) + 2 (lane % 4) + e % 2)."""
+    return lane // 4 + 8 * ((e // 2) % 2), 8 * (e // 4) + 2 * (lane % 4) + e % 2
+
+
+def test_h64_shfl4_covers_every_element_once():
+    """kernel_h64.py `_reduce_shfl4` replayed on one warp's dkv fragment: after the butterfly
+    exchange each lane's four floats a (row half, group pair) are four adjacent columns of one
+    row starting at the column the kernel computes (a multiple of 4), holding the accumulator's
+    values there, and the warp's quads cover its 16 rows x 64 columns once. The fragment rule
+    `_frag` checked against the DSL's partition on four lanes (a probe of all 32 exhausts the
+    DSL's memory)."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass.cute.nvgpu import OperandMajorMode
+
+    seen = {}
+
+    @cute.jit
+    def probe():
+        kv = sm90_utils.make_trivial_tiled_mma(
+            cutlass.BFloat16, cutlass.BFloat16, OperandMajorMode.K, OperandMajorMode.MN,
+            cutlass.Float32, (1, 1, 1), (config.TILE, config.CHUNK))  # fmt: skip
+        for lane in (0, 1, 6, 31):
+            crd = kv.get_slice(lane).partition_C(
+                cute.make_identity_tensor((config.TILE, config.CHUNK)))  # fmt: skip
+            seen[lane] = [crd[i] for i in range(cute.size(crd))]
+
+    cute.compile(probe)
+    for lane, crd in seen.items():
+        assert crd == [_frag(lane, e) for e in range(32)]
+    covered = []
+    for lane in range(32):
+        odd = lane % 2 == 1
+        acc = [_frag(lane, e) for e in range(32)]  # each element's value is its coordinate
+        partner = [_frag(lane ^ 1, e) for e in range(32)]
+        for h in range(2):
+            for g in range(4):
+                ev, od = 8 * g + 2 * h, 8 * g + 4 + 2 * h
+                # what the partner sends (its parity's choice): the odd lane its even group's
+                # pair, the even lane its odd group's
+                got = [partner[od + x] if odd else partner[ev + x] for x in range(2)]
+                keep = [acc[od + x] if odd else acc[ev + x] for x in range(2)]
+                quad = got + keep if odd else keep + got
+                col = acc[od][1] - 2 if odd else acc[ev][1]
+                row = acc[ev][0]
+                assert col % 4 == 0
+                assert quad == [(row, col + x) for x in range(4)]
+                covered += quad
+    assert sorted(covered) == sorted((r, c) for r in range(16) for c in range(64))

@@ -112,7 +112,8 @@ def test_red4s_variant_runs_the_previous_standard_form(monkeypatch):
     from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import SPEC as BWD
     from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import launch
 
-    assert all(set(suite_mod.variants(c)) == {"red4s"} for c in suite_mod.BENCH_CASES)
+    assert all(set(suite_mod.variants(c)) == {"red4s"} | ({"h64"} if c.params["hq"] % 64 == 0
+               else set()) for c in suite_mod.BENCH_CASES)  # fmt: skip
     seen = []
 
     def kernel(q, kv, dout, lse2, delta, idx, dq, dkv, *scales):
@@ -132,3 +133,37 @@ def test_red4s_variant_runs_the_previous_standard_form(monkeypatch):
     slots = torch.arange(case.params["ctx"], dtype=torch.bfloat16)
     assert torch.equal(out[2], slots.view(-1, 1, 1, 1).expand_as(out[2]))
     assert out[3].shape == (case.params["hq"],) and torch.isfinite(out[3]).all()
+
+
+def test_h64_variant_runs_the_h64_launches(monkeypatch):
+    """Variant `h64` on the H 64 / 128 bench cases only: the op's launches with the launcher's
+    h64=True (the kv part, then the dq part on its workspace; both candidate builds), dq / dkv
+    split and cast as the op's (the kernels faked on the CPU: dq = 3 q, dkv = the slot index)."""
+    from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import SPEC as BWD
+    from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import launch
+
+    assert {c.params["hq"] for c in suite_mod.BENCH_CASES if "h64" in suite_mod.variants(c)} == {
+        64, 128}  # fmt: skip
+    seen = []
+
+    def kv_part(q, kv, dout, lse2, delta, idx, ws, dkv, *scales):
+        dkv.copy_(torch.arange(dkv.shape[0], dtype=dkv.dtype)[:, None].expand_as(dkv))
+        ws.fill_(1.0)
+
+    def get_kernel(spec, params):
+        seen.append(params)
+        if dict(params)["h64"] == "kv":
+            return kv_part
+        return lambda kv, idx, ws, dq: dq.copy_(3 * q_in)
+
+    monkeypatch.setattr(launch, "get_kernel", get_kernel)
+    monkeypatch.setattr(launch, "as_tma_ready", lambda t: t)
+    case = next(c for c in suite_mod.CHECK_CASES if c.params["hq"] == 64)
+    inputs = _inputs(case)
+    q_in = inputs["q"]
+    out = suite_mod.variants(case)["h64"](inputs, suite_mod.alloc_out(inputs))
+    assert [dict(p)["h64"] for p in seen] == ["kv", "dq"]
+    assert set(seen) <= set(BWD.candidate_params())
+    assert torch.equal(out[0], 3 * q_in[..., :512]) and torch.equal(out[1], 3 * q_in[..., 512:])
+    slots = torch.arange(case.params["ctx"], dtype=torch.bfloat16)
+    assert torch.equal(out[2], slots.view(-1, 1, 1, 1).expand_as(out[2]))

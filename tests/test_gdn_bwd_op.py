@@ -174,6 +174,11 @@ def test_explicit_backward_refuses_bad_arguments(cpu_forward):
     with pytest.raises(ValueError, match="d_final_state"):
         forgekernel.gated_delta_rule_backward(*inputs[:5], do, cu_seqlens=cu,
                                               d_final_state=inputs[5][:1])  # fmt: skip
+    # the 2026-12-05 audit: no device check (a tensor elsewhere reached the torch backward)
+    with pytest.raises(ValueError, match="do is on meta but q is on cpu"):
+        forgekernel.gated_delta_rule_backward(*inputs[:5], do.to("meta"), cu_seqlens=cu)
+    with pytest.raises(ValueError, match="scale must be finite"):
+        forgekernel.gated_delta_rule_backward(*inputs[:5], do, cu_seqlens=cu, scale=float("nan"))
 
 
 def test_compile_fullgraph_records_forward_and_backward_ops(cpu_forward):

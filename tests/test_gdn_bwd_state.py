@@ -14,10 +14,13 @@ import torch.nn.functional as F
 from forgekernel.reference.delta_rule_bwd import gated_delta_rule_chunked_backward
 from forgekernel.reference.gdn_bwd_state import (
     CHUNK,
+    batched_state_pass_factors,
     corrected_values,
     reverse_state_pass,
     state_pass_factors,
 )
+from forgekernel.reference.kda_bwd import _Factors as KdaFactors
+from forgekernel.reference.kda_bwd import kimi_delta_attention_chunked_backward
 
 launch = pytest.importorskip("forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.launch")
 
@@ -80,7 +83,8 @@ def _tiles(x: torch.Tensor, nc: int) -> torch.Tensor:
 
 def tile_model(factors, do, dht, rounding=_bf16, u=None):
     """The kernel's per-(sequence, head) loop on token-major tiles, last chunk first: dU^T =
-    dS^T Ke^T + dO^T P, dS^T <- e^(G_C) dS^T + dO^T Qe - dU^T W, the register A operands
+    dS^T Ke^T + dO^T P, dS^T <- e^(G_C) dS^T + dO^T Qe - dU^T W (per key channel: dS^T's
+    columns scaled, the `channel_decay` variant, e_last (B, NC, HV, K)), the register A operands
     (dS^T, -dU^T) rounded by `rounding` as the kernel rounds them to 16 bits; given U, dke =
     U dS^T (dS^T rounded: it goes through shared memory in 16 bits) in dh's place."""
     b, t, hv, dv = do.shape
@@ -100,7 +104,8 @@ def tile_model(factors, do, dht, rounding=_bf16, u=None):
         do_t = dot[:, :, c].transpose(-1, -2)  # (B, HV, V, C)
         du_t = rounding(dst) @ ke[:, :, c].transpose(-1, -2) + do_t @ pt[:, :, c].transpose(-1, -2)
         du[:, :, c] = du_t.transpose(-1, -2)
-        el = factors["e_last"][:, c, :, None, None]
+        el = factors["e_last"][:, c]  # (B, HV) or per key channel (B, HV, K): dS^T's columns
+        el = el[..., None, None] if el.dim() == 2 else el[:, :, None, :]
         dst = el * dst + do_t @ qe[:, :, c] + rounding(-du_t) @ w[:, :, c]
     du = du.flatten(2, 3)[:, :, :t].transpose(1, 2)
     if ut is not None:
@@ -173,7 +178,7 @@ def test_launcher_passes_the_compiled_signature(monkeypatch, dke, with_dht):
     u = torch.zeros_like(do) if dke else None
     dht = torch.zeros(2, 3, 128, 128) if with_dht else None
     du, side, dh0 = launch.gdn_bwd_state(do, pt, ke, qe, w, e_last, dht, u)
-    (params, args), = calls
+    ((params, args),) = calls
     assert dict(params) == {"dtype": "bfloat16", "k": 128, "v": 128, "d_final_state": with_dht,
                             "dke": dke}  # fmt: skip
     assert side.shape == ((2, 130, 3, 128) if dke else (2, 3, 3, 128, 128))
@@ -182,3 +187,144 @@ def test_launcher_passes_the_compiled_signature(monkeypatch, dke, with_dht):
     assert len(args) == len(want)
     for got, ref in zip(args, want):
         assert got is ref or (got is not None and ref is not None and torch.equal(got, ref))
+
+
+@pytest.mark.parametrize("forward", [False, True])
+@pytest.mark.parametrize("with_dht", [False, True])
+def test_launcher_out16_signature(monkeypatch, forward, with_dht):
+    """`out16` (and `forward`): dU (B, T, HV, V) and dS (B, NC, HV, K, V) in do's dtype, dh0
+    fp32, the key naming the flags (and nothing new without them), pt and qe None with
+    `forward` (I and 0 built in); the flags' combinations checked."""
+    calls = []
+    monkeypatch.setattr(launch, "get_kernel",
+                        lambda spec, params: lambda *a: calls.append((params, a)))  # fmt: skip
+    do, pt, ke, qe, w, e_last = _bf16_inputs(2, 130, 3)
+    dht = torch.zeros(2, 3, 128, 128) if with_dht else None
+    tiles = (None, ke, None, w) if forward else (pt, ke, qe, w)
+    du, ds, dh0 = launch.gdn_bwd_state(do, *tiles, e_last, dht, out16=True, forward=forward)
+    ((params, args),) = calls
+    want_key = {"dtype": "bfloat16", "k": 128, "v": 128, "d_final_state": with_dht,
+                "dke": False, "out16": True}  # fmt: skip
+    if forward:
+        want_key["forward"] = True
+    assert dict(params) == want_key
+    assert du.dtype == ds.dtype == torch.bfloat16 and dh0.dtype == torch.float32
+    assert du.shape == (2, 130, 3, 128) and ds.shape == (2, 3, 3, 128, 128)
+    want = (do, *tiles, None, e_last, dht, du, ds, None, dh0)
+    assert len(args) == len(want)
+    for got, ref in zip(args, want):
+        assert got is ref or (got is not None and ref is not None and torch.equal(got, ref))
+    with pytest.raises(ValueError, match="forward needs out16"):
+        launch.gdn_bwd_state(do, None, ke, None, w, e_last, forward=True)
+    with pytest.raises(ValueError, match="out16 excludes u"):
+        launch.gdn_bwd_state(do, pt, ke, qe, w, e_last, None, do, out16=True)
+    with pytest.raises(ValueError, match="exactly when forward"):
+        launch.gdn_bwd_state(do, pt, ke, qe, w, e_last, out16=True, forward=True)
+    with pytest.raises(ValueError, match="contiguous tensors of dtypes"):
+        fp32 = launch.empty_outputs(do, 128)
+        launch.gdn_bwd_state(do, pt, ke, qe, w, e_last, out16=True, out=fp32)
+
+
+# ---- per key channel (Kimi Delta Attention: the `channel_decay` variant) ----------------------
+
+
+def _kda_inputs(b, t, h, dk=16, dv=8, seed=0, strong=False):
+    """KDA's inputs: g (B, T, HV, K) per key channel, in [-5, -4] when `strong` (where a naive
+    e^(-G) split overflows), else logsigmoid(N(2, 1))."""
+    q, k, v, _, beta, do, dht = _inputs(b, t, h, dk, dv, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    if strong:
+        g = -4.0 - torch.rand(b, t, h, dk, generator=gen, dtype=torch.float64)
+    else:
+        g = F.logsigmoid(torch.randn(b, t, h, dk, generator=gen, dtype=torch.float64) + 2.0)
+    return q, k, v, g, beta, do, dht
+
+
+def _kda_factors(q, k, v, g, beta, dtype=torch.float64):
+    return batched_state_pass_factors(q, k, v, g, beta, dtype=dtype, factors=KdaFactors)
+
+
+@pytest.mark.parametrize("t", [1, 63, 64, 65, 200])
+@pytest.mark.parametrize("b", [1, 3])
+@pytest.mark.parametrize(("with_dht", "strong"), [(False, False), (True, False), (True, True)])
+def test_channel_model_matches_the_kda_backward(t, b, with_dht, strong):
+    """KDA's factors through the model's pass (e^(G_C) (B, NC, HV, K) scaling dS's rows): dh0
+    is reference/kda_bwd.py's initial-state gradient to 1e-10 in fp64, g in [-5, -4] a step
+    included; dh's last chunk is the final state's gradient."""
+    q, k, v, g, beta, do, dht = _kda_inputs(b, t, 2, seed=t + b, strong=strong)
+    dht = dht if with_dht else None
+    factors = _kda_factors(q, k, v, g, beta)
+    assert factors["e_last"].shape == (b, -(-t // CHUNK), 2, 16)
+    du, dh, dh0 = reverse_state_pass(factors, do, dht)
+    *_, want = kimi_delta_attention_chunked_backward(q, k, v, g, beta, do, d_final_state=dht,
+                                                     dtype=torch.float64)  # fmt: skip
+    torch.testing.assert_close(dh0, want, rtol=1e-10, atol=1e-10)
+    last = torch.zeros_like(dh0) if dht is None else dht
+    torch.testing.assert_close(dh[:, -1], last.transpose(-1, -2), rtol=0, atol=0)
+    assert torch.isfinite(du).all() and torch.isfinite(dh).all()
+
+
+def test_channel_model_is_the_scalar_one_for_equal_channels():
+    """A per-channel e^(G_C) equal across channels is Gated DeltaNet's scalar one: the same
+    outputs bitwise."""
+    q, k, v, g, beta, do, dht = _inputs(2, 130, 3)
+    factors = state_pass_factors(q, k, v, g, beta, dtype=torch.float64)
+    wide = dict(factors, e_last=factors["e_last"].unsqueeze(-1).expand(-1, -1, -1, 16))
+    for got, want in zip(reverse_state_pass(wide, do, dht), reverse_state_pass(factors, do, dht)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("t", [1, 65, 200])
+@pytest.mark.parametrize(("with_dht", "strong"), [(False, False), (True, False), (True, True)])
+def test_channel_tile_model_matches_the_model(t, with_dht, strong):
+    """The kernel's tile loop with dS^T's columns scaled per key channel equals the model
+    exactly unrounded, and stays within the GPU test's tolerance with bf16 operands."""
+    q, k, v, g, beta, do, dht = _kda_inputs(2, t, 3, seed=t, strong=strong)
+    dht = dht if with_dht else None
+    factors = _kda_factors(q, k, v, g, beta)
+    want = reverse_state_pass(factors, do, dht)
+    exact = tile_model(factors, do, dht, rounding=lambda x: x)
+    for got, ref in zip(exact, want):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
+    for got, ref in zip(tile_model(factors, do, dht), want):
+        assert float((got - ref).abs().max()) <= 2e-2 * float(ref.abs().max()) + 1e-6
+
+
+def test_channel_tile_model_rounded_at_the_kernel_size():
+    """K = V = 128, T = 1000, the factor tiles in bf16 as the launcher takes them: the rounded
+    emulation's error against the fp64 model on the same bf16 tiles (the GPU test's bound:
+    1e-2 of each output's max)."""
+    q, k, v, g, beta, do, dht = _kda_inputs(1, 1000, 2, dk=128, dv=128, seed=5)
+    factors = _kda_factors(q, k, v, g, beta)
+    tiles = {n: x if n == "e_last" else _bf16(x) for n, x in factors.items()}
+    do = _bf16(do)
+    want = reverse_state_pass(tiles, do, dht)
+    for got, ref in zip(tile_model(tiles, do, dht), want):
+        assert float((got - ref).abs().max()) <= 1e-2 * float(ref.abs().max())
+
+
+def test_launcher_checks_the_channel_decay():
+    do, pt, ke, qe, w, e_last = _bf16_inputs()
+    wide = e_last.unsqueeze(-1).expand(-1, -1, -1, 128).contiguous()
+    assert launch.check_inputs(do, pt, ke, qe, w, wide, None) == (1, 65, 2, 2)
+    with pytest.raises(ValueError, match=r"e_last must be .*one a key channel"):
+        launch.check_inputs(do, pt, ke, qe, w, wide[..., :64], None)
+    with pytest.raises(ValueError, match="e_last must be"):
+        launch.check_inputs(do, pt, ke, qe, w, wide.double(), None)
+
+
+@pytest.mark.parametrize("with_dht", [False, True])
+def test_launcher_passes_the_channel_decay_signature(monkeypatch, with_dht):
+    """e^(G_C) (B, NC, HV, K) selects the `channel_decay` kernel (the key names it; Gated
+    DeltaNet's keys do not) and goes to it in the scalar one's place."""
+    calls = []
+    monkeypatch.setattr(launch, "get_kernel",
+                        lambda spec, params: lambda *a: calls.append((params, a)))  # fmt: skip
+    do, pt, ke, qe, w, e_last = _bf16_inputs(2, 130, 3)
+    wide = e_last.unsqueeze(-1).expand(-1, -1, -1, 128).contiguous()
+    dht = torch.zeros(2, 3, 128, 128) if with_dht else None
+    du, dh, dh0 = launch.gdn_bwd_state(do, pt, ke, qe, w, wide, dht)
+    ((params, args),) = calls
+    assert dict(params) == {"dtype": "bfloat16", "k": 128, "v": 128, "d_final_state": with_dht,
+                            "dke": False, "channel_decay": True}  # fmt: skip
+    assert args[6] is wide and dh.shape == (2, 3, 3, 128, 128)

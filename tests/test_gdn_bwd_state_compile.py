@@ -5,7 +5,10 @@ memory within config's bound; per chunk and state warpgroup the WGMMAs dS^T Ke^T
 64x64x16), dO^T P (4), dO^T Qe and -dU^T W (4 x 64x128x16 each, B transposed), four commit
 groups; five TMA boxes a chunk (nine 64-column halves). The dke variant adds U's box (two
 halves), dS^T into shared memory by 8 transposed stmatrix a thread, and dke = U dS^T (8 x
-64x64x16, both operands in shared memory, one more group)."""
+64x64x16, both operands in shared memory, one more group). The `channel_decay` variant (Kimi
+Delta Attention's per-key-channel e^(G_C)) adds one (1, K) fp32 box a chunk (a tenth TMA load)
+and reads each thread's 32 columns of it from shared memory (16 LDS.64 under cu13's ptxas),
+with the same registers, groups and no spill."""
 
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("cutlass")
+
+from dsl_toolchain import dsl_toolchain  # noqa: E402
 
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY, THREADS_PER_WG  # noqa: E402
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90 import config  # noqa: E402
@@ -29,7 +34,12 @@ if find_tool("cuobjdump") is None:
 
 CONFIGS = {"bf16": ("bfloat16", False, False), "bf16_dht": ("bfloat16", True, False),
            "fp16_dht": ("float16", True, False), "bf16_dke": ("bfloat16", False, True),
-           "fp16_dht_dke": ("float16", True, True)}  # fmt: skip
+           "fp16_dht_dke": ("float16", True, True), "bf16_channel": ("bfloat16", False, False),
+           "fp16_dht_channel": ("float16", True, False)}  # fmt: skip
+
+
+def _channel(name: str) -> bool:
+    return name.endswith("_channel")
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +49,8 @@ def compiled():
     def get(name):
         if name not in cache:
             dtype, dht, dke = CONFIGS[name]
-            params = dict(config.params_for(dtype, d_final_state=dht, dke=dke))
+            params = dict(config.params_for(dtype, d_final_state=dht, dke=dke,
+                                            channel_decay=_channel(name)))  # fmt: skip
             kernel = kernel_for(params)
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_gdn_bwd_state(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
@@ -71,7 +82,8 @@ def test_registers_and_no_spills(compiled, name):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_shared_memory_fits(compiled, name):
     res, _, smem = compiled(name)
-    assert smem <= config.smem_bytes(dke=CONFIGS[name][2]) <= SMEM_CAPACITY
+    assert smem <= config.smem_bytes(dke=CONFIGS[name][2], channel_decay=_channel(name))
+    assert config.smem_bytes(dke=CONFIGS[name][2], channel_decay=_channel(name)) <= SMEM_CAPACITY
     assert smem + res["smem_bytes"] <= SMEM_CAPACITY
 
 
@@ -85,6 +97,97 @@ def test_wgmmas_and_tma(compiled, name):
     wide = [a for op, a in shapes if op.startswith("HGMMA.64x128x16")]
     assert len(wide) == 8 and all("tnspB" in a for a in wide)
     assert sum("gsb0" in a for _, a in shapes) == 4 + dke  # one commit group a product
-    # dO, Ke, Qe, W (and U): two 64-column halves; P^T one
-    assert ops.count("UTMALDG.4D") == 9 + 2 * dke
+    # dO, Ke, Qe, W (and U): two 64-column halves; P^T one; e^(G_C) (1, K) one
+    assert ops.count("UTMALDG.4D") == 9 + 2 * dke + _channel(name)
     assert ops.count("STSM.16.MT88.4") == 8 * dke
+
+
+@pytest.mark.parametrize("name", ["bf16_channel", "fp16_dht_channel"])
+def test_channel_decay_resources(compiled, name):
+    """The per-channel decay costs no register and no spill (168 at launch as the scalar
+    kernel) and 1 KB of shared memory (a (K,) fp32 vector a ring stage); its columns are read
+    from shared memory (scalar kernel: no fp32 LDS)."""
+    res, instrs, smem = compiled(name)
+    scalar_res, scalar_instrs, scalar_smem = compiled(name.removesuffix("_channel"))
+    assert res["registers"] == scalar_res["registers"]
+    if dsl_toolchain() == "cu13":
+        assert res["registers"] == 168
+    assert smem == scalar_smem + 2 * 128 * 4
+    lds64 = sum(op == "LDS.64" for op, _ in instrs)
+    assert sum(op == "LDS.64" for op, _ in scalar_instrs) == 0
+    if dsl_toolchain() == "cu13":
+        assert lds64 == 16  # 32 columns a thread, two adjacent ones a load
+    else:
+        assert lds64 > 0
+
+
+# ---- out16 / forward (the op's kernel path: kernel 2's 16-bit forms; the forward launch) ------
+
+OUT16 = {
+    "bf16_out16": ("bfloat16", False, False),
+    "fp16_dht_out16": ("float16", True, False),
+    "bf16_dht_fwd": ("bfloat16", True, True),
+    "fp16_fwd": ("float16", False, True),
+}
+
+
+@pytest.fixture(scope="module")
+def compiled16():
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            dtype, dht, forward = OUT16[name]
+            params = dict(config.params_for(dtype, d_final_state=dht, out16=True,
+                                            forward=forward))  # fmt: skip
+            kernel = kernel_for(params)
+            with tempfile.TemporaryDirectory() as d:
+                fn = compile_gdn_bwd_state(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
+                                           kernel=kernel)  # fmt: skip
+                cubin = fn.artifacts.CUBIN
+                if isinstance(cubin, bytes):
+                    Path(d, "k.cubin").write_bytes(cubin)
+                    cubin = Path(d, "k.cubin")
+                res = inspect_cubin(cubin)
+                sass = sass_text(cubin)
+            cache[name] = res, sass_instructions(sass), kernel.shared_storage.size_in_bytes()
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(OUT16))
+def test_out16_resources(compiled16, name):
+    """16-bit dU and dS (K, V) a chunk: the dh variant's registers (168 at launch under cu13),
+    setmaxnreg split and shared memory, no spill (the 16-bit dS tile's static (K, V) strides
+    keep the 2-byte stores' offsets immediate: dynamic ones spilled 8 bytes without a final
+    state); dS stored from the 16-bit A operand's registers (no second conversion): 64 2-byte
+    stores of dS and 32 of dU a thread and chunk, fp32 stores only for dh0 (64). `forward`:
+    P^T and Qe neither loaded nor multiplied (6 TMA loads, 8 + 4 HGMMA in 2 groups, dO^T added
+    by 32 more FADD), 48 KB less shared memory."""
+    res, instrs, smem = compiled16(name)
+    forward = OUT16[name][2]
+    ops = [op for op, _ in instrs]
+    assert res["spill_bytes"] == 0 and not [op for op in ops if op.startswith(("LDL", "STL"))]
+    assert res["registers"] <= 65536 // config.THREADS
+    if dsl_toolchain() == "cu13":
+        assert res["registers"] == 168
+    maxreg = [int(a.split(",")[-1], 16) for op, a in instrs if op.startswith("USETMAXREG")]
+    assert sorted(maxreg) == [config.PRODUCER_REGS, config.STATE_REGS]
+    assert smem <= config.smem_bytes(forward=forward) <= SMEM_CAPACITY
+    assert smem + res["smem_bytes"] <= SMEM_CAPACITY
+    assert (smem == 99_328) if forward else (smem == 148_480)
+    assert not [op for op in ops if op.startswith("STG.E.64")]  # no fp32 dh pairs
+    if dsl_toolchain() == "cu13":  # cu12's ptxas may pack the stores differently
+        assert ops.count("STG.E.U16") == 96 and ops.count("STG.E") == 64
+    else:
+        assert ops.count("STG.E.U16") > 0
+    shapes = [(op, a) for op, a in instrs if op.startswith("HGMMA")]
+    assert sum(op.startswith("HGMMA.64x64x16") for op, _ in shapes) == (8 if forward else 12)
+    wide = [a for op, a in shapes if op.startswith("HGMMA.64x128x16")]
+    assert len(wide) == (4 if forward else 8) and all("tnspB" in a for a in wide)
+    assert sum("gsb0" in a for _, a in shapes) == (2 if forward else 4)
+    assert ops.count("UTMALDG.4D") == (6 if forward else 9)
+    plain = compiled16("bf16_out16" if name.startswith("bf16") else "fp16_dht_out16")[1]
+    if forward and dsl_toolchain() == "cu13":
+        assert ops.count("FADD") == [op for op, _ in plain].count("FADD") + 32

@@ -40,6 +40,8 @@ def cpu_kernel(monkeypatch, request):
 
     def get(spec, params):
         calls.append(dict(params))
+        if spec is prefill_launch.T_PRE_SPEC:  # the T precompute (the bench's t_pre variant)
+            return replay.t_pre_kernel(dict(params))
         return replay.kernel(dict(params))
 
     monkeypatch.setattr(prefill_launch, "get_kernel", get)
@@ -354,3 +356,77 @@ def test_fake_gives_the_shapes():
                                                                0.1, True, False)  # fmt: skip
     assert o.shape == (7, 4, 128) and o.dtype == torch.bfloat16
     assert s.shape == (2, 4, 128, 128) and s.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("lens", "parts", "with_state", "k_last"),
+    [
+        ([300, 0, 130], 4, True, False),  # an empty sequence; pieces past the second's end
+        ([450], 8, False, True),  # one sequence, no initial state, FlashInfer's layout
+        ([257, 200], 2, True, True),  # partial last chunks
+        ([300], 2, True, False),  # two segments: no pass B (no M needed)
+    ],
+)
+def test_segments_match_the_recurrence(cpu_kernel, lens, parts, with_state, k_last):
+    """Each sequence cut into `parts` segments (passes A, B, the scan, pass C): o and the final
+    state within the direct launch's bounds of the fp64 recurrence, and near the direct launch
+    (the transition M from c I's pass: its rounding ~ the state's own)."""
+    n, total = len(lens), sum(lens)
+    q, k, v, g, beta, state = _inputs(1, total, 2, 4, n=n, seed=total + parts)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    init = state if with_state else None
+    theirs = None if init is None else (init.transpose(-1, -2).contiguous() if k_last else init)
+    got = {}
+    for p in (1, parts):
+        o = torch.empty(v[0].numel() + 1, dtype=v.dtype)[1:].view(v[0].shape)  # misaligned
+        final = torch.empty(n, 4, 128, 128)
+        prefill_launch.gdn_prefill(q[0], k[0], v[0], g[0], beta[0], theirs, cu, o, final,
+                                   128**-0.5, k_last=k_last, l2norm=False,
+                                   segments=p)  # fmt: skip
+        got[p] = (o, final.transpose(-1, -2) if k_last else final)
+    passes = 3 if n * parts > 2 else 2  # A, B, C; B only where some M is needed
+    assert len(cpu_kernel) == 1 + passes  # the direct launch first
+    assert [c["initial_state"] for c in cpu_kernel[1:]] == [True] * passes
+    want_o, want_s = gated_delta_rule_recurrent(q, k, v, g, beta, initial_state=init,
+                                                output_final_state=True,
+                                                cu_seqlens=cu.long())  # fmt: skip
+    _close(got[parts][0], want_o[0], 2e-2)
+    _close(got[parts][1], want_s, STATE_TOL[torch.bfloat16])
+    _close(got[parts][0], got[1][0], 2e-2)
+    _close(got[parts][1], got[1][1], STATE_TOL[torch.bfloat16])
+
+
+def test_segment_offsets_cut_whole_chunks():
+    cu = torch.tensor([0, 300, 300, 430], dtype=torch.int32)
+    got = prefill_launch._segment_offsets(cu, 4).tolist()
+    # 300 tokens: 5 chunks -> 2 a piece (128 tokens); 130: 3 chunks -> 1 a piece; 0: empty
+    assert got == [0, 128, 256, 300, 300, 300, 300, 300, 300, 364, 428, 430, 430]
+    assert prefill_launch._segment_offsets(cu, 4).dtype == torch.int32
+
+
+@pytest.mark.parametrize(("n", "hv", "tokens", "sms", "parts"), [
+    (1, 16, 131072, 132, 9),  # the suite's 1 x 131072 hv16: 8 segments, 128 CTAs a pass
+    (1, 32, 65536, 132, 1),  # 64 split CTAs already beat three passes (3 x 0.0434 x 32 > 1)
+    (1, 16, 8192, 132, 1),  # short: launches and the scan not amortized
+    (1, 8, 65536, 132, 16),  # capped at MAX_SEGMENTS
+    (2, 8, 40000, 132, 8),  # 15 segments a pass: 120 CTAs
+    (4, 16, 131072, 132, 1),
+    (1, 16, 131072, 114, 1),  # H100 PCIe: N HV > SMs / 8
+    (1, 8, 131072, 114, 15),  # 112 CTAs a pass
+])  # fmt: skip
+def test_segments_only_for_few_long_sequences(n, hv, tokens, sms, parts):
+    assert op.prefill_sm90.segments_for(n, hv, tokens, sms) == parts
+
+
+def test_the_launcher_segments_on_its_own(cpu_kernel, monkeypatch):
+    """With the thresholds lowered, the op takes the segmented path by itself (three launches)
+    and still matches the recurrence."""
+    monkeypatch.setattr(prefill_launch, "SEGMENT_MIN_TOKENS", 64)
+    monkeypatch.setattr(prefill_launch, "_sms", lambda device: 16)
+    q, k, v, g, beta, state = _inputs(1, 260, 1, 2, seed=21)
+    o, final = op.gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True)
+    want_o, want_s = gated_delta_rule_recurrent(q, k, v, g, beta, initial_state=state,
+                                                output_final_state=True)  # fmt: skip
+    assert len(cpu_kernel) == 3
+    _close(o, want_o, 2e-2)
+    _close(final, want_s, STATE_TOL[torch.bfloat16])

@@ -254,3 +254,158 @@ def test_two_aux_warpgroups_without_the_witness_pass_a_stale_parity():
     with pytest.raises(AssertionError, match="aux warpgroup 1 passed its wait for chunk 3 stale"):
         _run_parities(6, 2, witness=False, newest_first=True)
     _run_parities(6, 1, witness=False, newest_first=True)  # one aux warpgroup: in order
+
+
+# ---------------------------------------------------------------- the t_pre form
+# The `t_pre` form (chunked_fwd.py `_produce_t`, aux_p.py, state_wg.py `_hand_o` / `_drain_o`)
+# adds the T ring (warp T_WARP's TMA -> the state warpgroups, released after U^T) and the O
+# ring (per state warpgroup two O tiles: full once its threads wrote one, empty once the O
+# warp's TMA store has read it), and two reads that finish after the instruction issuing them:
+# the state's V^T ldmatrix (until U^T's operand is built from their registers) and the O
+# warp's TMA store (until its `wait_group.read`). Below, those reads finish only when nothing
+# else can move, after every TMA box in flight has landed: a v box landing on a stage whose
+# V^T reads are pending, or a state warpgroup rewriting a tile the store still reads, fails.
+
+
+def _t_pre_agents(nchunks, auxes, states, rings, land, reads, *, v_after_u, store_read_wait):
+    """The t_pre form's waits and arrivals in program order. v_after_u: the state releases
+    its v stage after U^T (state_wg.py, o_warp), else next to its ldmatrix (the form before
+    the fix); store_read_wait: the O warp releases a tile after its store's read."""
+    qk, v, gate, aux, t = (rings[k] for k in ("qk", "v", "gate", "aux", "t"))
+    o_ring = rings["o"]
+
+    def wait(ring, c, who):
+        return lambda: ring.can_wait(c), lambda: ring.check(c, who)
+
+    def landing(ring, c, stage_reads=None):
+        def act():
+            if stage_reads is not None:
+                pending = [r for r in reads if r[0] == stage_reads and r[1] % ring.stages
+                           == c % ring.stages]  # fmt: skip
+                assert not pending, f"{stage_reads} stage refilled for chunk {c} under {pending}"
+            ring.fill(c)
+
+        return act
+
+    def producer():
+        for c in range(nchunks):
+            yield lambda c=c: qk.can_acquire(c), lambda c=c: land.append(landing(qk, c))
+            yield lambda c=c: v.can_acquire(c), lambda c=c: land.append(landing(v, c, "vt"))
+
+    def t_warp():
+        for c in range(nchunks):
+            yield lambda c=c: t.can_acquire(c), lambda c=c: land.append(landing(t, c))
+
+    def gates():
+        for c in range(nchunks):
+            yield lambda c=c: gate.can_acquire(c), lambda: None
+            if auxes > 1:
+                yield wait(qk, c, "gate warp")
+            yield lambda: True, lambda c=c: gate.fill(c)
+
+    def aux_wg(a):
+        for c in range(a, nchunks, auxes):
+            who = f"aux warpgroup {a}"
+            if auxes > 1:
+                yield wait(gate, c, who)
+            yield wait(qk, c, who)
+            if auxes == 1:
+                yield wait(gate, c, who)
+            yield lambda: True, lambda c=c: qk.release(c)  # right after Q K^T (aux_p.py)
+            yield lambda c=c: aux.can_acquire(c), lambda c=c: (aux.fill(c), gate.release(c))
+
+    def state_wg(w):
+        for c in range(nchunks):
+            who = f"state warpgroup {w}"
+            yield wait(qk, c, who)
+            yield wait(aux, c, who)
+            yield wait(v, c, who)
+            yield lambda: True, lambda c=c: reads.append(("vt", c, w))  # 4 ldmatrix issued
+            if not v_after_u:
+                yield lambda: True, lambda c=c: v.release(c)
+            yield wait(t, c, who)
+            yield lambda c=c: ("vt", c, w) not in reads, lambda: None  # U^T's operand built
+            yield lambda: True, lambda c=c: t.release(c)
+            if v_after_u:
+                yield lambda: True, lambda c=c: v.release(c)
+            yield lambda: True, lambda c=c: (qk.release(c), aux.release(c))
+            tile = o_ring[w]
+
+            def write(c=c, w=w, tile=tile):
+                busy = [r for r in reads if r[0] == "store" and r[2] == w and r[1] % 2 == c % 2]
+                assert not busy, f"O tile of chunk {c} rewritten while {busy} reads it"
+                tile.fill(c)
+
+            yield lambda c=c, tile=tile: tile.can_acquire(c), write
+
+    def o_warp():
+        for c in range(nchunks):
+            for w in range(states):
+                yield wait(o_ring[w], c, "O warp")
+                yield lambda: True, lambda c=c, w=w: reads.append(("store", c, w))
+                if store_read_wait:
+                    yield lambda c=c, w=w: ("store", c, w) not in reads, lambda: None
+                yield lambda: True, lambda c=c, w=w: o_ring[w].release(c)
+
+    return [producer(), t_warp(), gates(), o_warp(), *(aux_wg(a) for a in range(auxes)),
+            *(state_wg(w) for w in range(states))]  # fmt: skip
+
+
+def _run_t_pre(nchunks, v_split, *, v_after_u=True, store_read_wait=True, newest_first=True):
+    """Step every agent that can move; when none can, land a TMA box, and only when none is
+    in flight, finish a pending read (each the newest first, or the oldest)."""
+    auxes, states = aux_wgs(v_split), state_wgs(128, v_split)
+    rings = {
+        "qk": Barriers(QK_STAGES, 1 + states),
+        "v": Barriers(V_STAGES, states),
+        "gate": Barriers(STAGES, 1),
+        "aux": Barriers(STAGES, states),
+        "t": Barriers(STAGES, states),
+        "o": [Barriers(2, 1) for _ in range(states)],
+    }
+    land, reads = [], []
+    agents = [iter(a) for a in _t_pre_agents(nchunks, auxes, states, rings, land, reads,
+                                             v_after_u=v_after_u,
+                                             store_read_wait=store_read_wait)]  # fmt: skip
+    pending = [next(a, None) for a in agents]
+    while any(p is not None for p in pending) or land or reads:
+        moved = False
+        for i, step in enumerate(pending):
+            if step is not None and step[0]():
+                step[1]()
+                pending[i] = next(agents[i], None)
+                moved = True
+        if moved:
+            continue
+        if land:
+            land.pop(-1 if newest_first else 0)()
+        else:
+            assert reads, f"deadlock at {nchunks} chunks, V split {v_split}"
+            reads.pop(-1 if newest_first else 0)
+
+
+@pytest.mark.parametrize("newest_first", [True, False])
+@pytest.mark.parametrize("v_split", [1, 2])
+@pytest.mark.parametrize("nchunks", range(9))
+def test_t_pre_form_waits_never_pass_stale_and_no_read_is_overtaken(v_split, nchunks,
+                                                                     newest_first):  # fmt: skip
+    """The t_pre form's protocol: every wait names its chunk, no v box lands on V^T reads in
+    flight, no O tile is rewritten under its store's read."""
+    _run_t_pre(nchunks, v_split, newest_first=newest_first)
+
+
+@pytest.mark.parametrize("v_split", [1, 2])
+def test_t_pre_form_v_released_at_its_ldmatrix_lets_a_box_land_under_the_reads(v_split):
+    """Why state_wg.py releases the v stage after U^T in the t_pre form: released where the
+    ldmatrix were issued (before the fix; ptxas put the arrive right behind them, 3 of 4 in
+    flight), the producer's next box into the stage may land before they have read it,
+    unless the hardware orders the two (the ordering this model does not assume)."""
+    with pytest.raises(AssertionError, match="vt stage refilled"):
+        _run_t_pre(4, v_split, v_after_u=False)
+
+
+def test_t_pre_form_o_tile_released_before_its_store_read_is_rewritten_under_it():
+    """The O warp's `wait_group.read` before the tile's empty arrive is what keeps the state
+    warpgroup's next stmatrix off a tile the TMA store still reads."""
+    with pytest.raises(AssertionError, match="rewritten while"):
+        _run_t_pre(4, 2, store_read_wait=False)

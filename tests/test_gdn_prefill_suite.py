@@ -42,12 +42,17 @@ def test_registered_since_its_first_gpu_check():
 @pytest.mark.parametrize("cpu_kernel", [1], indirect=True)  # the test forces each split itself
 def test_variants_force_the_other_v_split(cpu_kernel):  # noqa: F811
     """The bench times the other V split beside the launcher's choice (at most two waves of
-    split CTAs); each variant is the kernel with that split, as the check sees it."""
+    split CTAs), and the direct launch beside the segmented one (or 4 segments where the
+    launcher might have segmented); each variant is the kernel so forced, as the check sees it."""
     by_name = {c.name: c for c in gdn_prefill.BENCH_CASES}
-    assert set(gdn_prefill.variants(by_name["1x65536-h16-hv32"])) == {"v_split_1"}
-    assert set(gdn_prefill.variants(by_name["4x8192-h16-hv32"])) == {"v_split_2"}
-    assert set(gdn_prefill.variants(by_name["1x4096-h16-hv32"])) == {"v_split_1"}
-    assert gdn_prefill.variants(by_name["mix64-t32768-h16-hv32"]) == {}
+    t_pre = "t_pre"  # on every case
+    assert set(gdn_prefill.variants(by_name["1x65536-h16-hv32"])) == {"v_split_1", "segments_5",
+                                                                       t_pre}  # fmt: skip
+    assert set(gdn_prefill.variants(by_name["1x131072-h16-hv16"])) == {"segments_1", t_pre}
+    ab = "t_pre_state_lds"  # STATE_CHAIN_AB
+    assert set(gdn_prefill.variants(by_name["4x8192-h16-hv32"])) == {"v_split_2", t_pre, ab}
+    assert set(gdn_prefill.variants(by_name["1x4096-h16-hv32"])) == {"v_split_1", t_pre, ab}
+    assert set(gdn_prefill.variants(by_name["mix64-t32768-h16-hv32"])) == {t_pre}
     suite = gdn_prefill.suite()
     case = gdn_prefill.CHECK_CASES[0]
     inputs = suite.make_inputs(case, torch.bfloat16, torch.device("cpu"),
@@ -55,9 +60,21 @@ def test_variants_force_the_other_v_split(cpu_kernel):  # noqa: F811
     want = suite.reference(inputs)
     for split in (1, 2):
         out = gdn_prefill.alloc_out(inputs)
-        got = gdn_prefill._run_v_split(split)(inputs, out)
+        got = gdn_prefill._run_forced(v_split=split)(inputs, out)
         assert got is out and float((got.float() - want).abs().max()) < 2e-2
         assert cpu_kernel[-1]["v_split"] == split
+    calls = len(cpu_kernel)
+    out = gdn_prefill.alloc_out(inputs)
+    got = gdn_prefill._run_forced(segments=4)(inputs, out)
+    assert got is out and float((got.float() - want).abs().max()) < 2e-2
+    assert len(cpu_kernel) == calls + 3  # passes A, B, C
+    standard = gdn_prefill._run_forced()(inputs, gdn_prefill.alloc_out(inputs))
+    got = gdn_prefill._run_forced(t_pre=True)(inputs, gdn_prefill.alloc_out(inputs))
+    assert torch.equal(got, standard)  # the replay's T is the aux's, bit for bit
+    assert cpu_kernel[-2]["t_pre"] and set(cpu_kernel[-1]) == {"dtype", "k", "l2norm"}
+    assert "state_lds" not in cpu_kernel[-2]
+    got = gdn_prefill._run_forced(t_pre=True, state_lds=True)(inputs, gdn_prefill.alloc_out(inputs))
+    assert torch.equal(got, standard) and cpu_kernel[-2]["state_lds"]
 
 
 @pytest.mark.parametrize("module", ["gdn_prefill", "kda_prefill"])

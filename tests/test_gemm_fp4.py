@@ -80,6 +80,32 @@ def test_widening_is_exact_for_every_code_and_shift(shift):
     assert W.SHIFT_MAX == 6 and 6 * 2.0**W.SHIFT_MAX < 448
 
 
+def widen8(word: int, tab: tuple[int, int, int]) -> tuple[int, int]:
+    """widen.py `widen8` (the converter's): one mask, one shift, both halves."""
+    t0, t1, keep = tab
+    sel, up = word & keep, (word << 4) & U32
+    lo = prmt(t0, t1, sel) | (prmt(up, word, W.SIGN_SELECT) & 0x80808080)
+    hi = prmt(t0, t1, sel >> 16) | (prmt(up, word, W.SIGN_SELECT_HI) & 0x80808080)
+    return lo, hi
+
+
+@pytest.mark.parametrize("shift", [-12, -6, -5, -1, 0, 3, 6])
+def test_widen8_gives_widen4s_bytes_for_both_halves(shift):
+    """The converter's eight-code widening (keep KEEP8 or 0 from `fold(..., eight=True)`)
+    equals `widen4` on the word's low and high 16 bits: the standard's e4m3 bytes, so the
+    converter form multiplies the same values."""
+    s = 100
+    t0, t1, keep = table(s + shift, s)
+    tab8 = (t0, t1, W.KEEP8 if keep else 0)
+    gen = torch.Generator().manual_seed(shift + 20)
+    highs = torch.randint(0, 1 << 16, (64,), generator=gen).tolist() + [0, 0x8888, 0xFFFF]
+    for low in range(0, 1 << 16, 97):
+        for high in highs[low % 7 :: 7]:
+            word = (high << 16) | low
+            assert widen8(word, tab8) == (widen4(low, (t0, t1, keep)), widen4(high, (t0, t1, keep)))
+    assert W.KEEP8 == W.KEEP | W.KEEP << 16 and W.SIGN_SELECT_HI == W.SIGN_SELECT + 0x2222
+
+
 def fold(word: int) -> tuple[float, list[tuple[int, int, int]], list[int]]:
     exps = [(word >> (8 * i)) & 0xFF for i in range(4)]
     s = max(max(exps) - W.HEADROOM, 1)
@@ -389,6 +415,218 @@ def _assert_warp_collectives_converged(cubin) -> None:
     assert sass.count("WARPGROUP.ARRIVE") == 4 and sass.count("WARPGROUP.DEPBAR") == 5
 
 
+# ---------------------------------------------------------------- staged_sa (opt-in)
+def test_staged_sa_is_keyed_only_when_on():
+    """The opt-in form's key field exists only when on: every standard key (and so every
+    ledger row and standard cubin) is the one before it."""
+    from forgekernel.kernels.gemm.fp4.sm90 import SPEC
+
+    assert config.params_for("bfloat16", 32) == (("out", "bfloat16"), ("tokens", 32))
+    assert config.params_for("bfloat16", 32, staged_sa=True) == (
+        ("out", "bfloat16"), ("tokens", 32), ("staged_sa", True),
+    )  # fmt: skip
+    assert config.params_for("float16", 16, contiguous=True, staged_sa=True)[2:] == (
+        ("contiguous", True), ("staged_sa", True),
+    )  # fmt: skip
+    assert not any("staged_sa" in dict(p) for p in SPEC.standard_params())
+    for h in config.TOKENS:
+        assert config.ring_bytes(h) == config.stage_bytes(h)
+        assert config.ring_bytes(h, staged_sa=True) == config.stage_bytes(h) + 4 * h
+
+
+def _schedule(sass: str) -> str:
+    """The consumers' schedule in SASS: A = WARPGROUP.ARRIVE, Q = QGMMA, Dn = WARPGROUP.DEPBAR
+    .LE gsb0, n, Fk = k FFMAs (runs merged across a stage release), G = a global load (LDG,
+    not LDGSTS); other instructions left out."""
+    import re
+
+    out = []
+    for line in sass.splitlines():
+        match = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?(\S+)(.*?);", line)
+        if not match:
+            continue
+        op = match.group(1)
+        if op.startswith("QGMMA"):
+            out.append("Q")
+        elif op == "WARPGROUP.ARRIVE":
+            out.append("A")
+        elif op == "WARPGROUP.DEPBAR.LE":
+            out.append("D" + match.group(2).strip()[-1])
+        elif op == "FFMA":
+            out.append("F")
+        elif op.startswith("LDG") and not op.startswith("LDGSTS"):
+            out.append("G")
+    return re.sub(r"F+", lambda m: f"F{len(m.group())}", "".join(out))
+
+
+def _predicates(sass: str, prefix: str) -> list[str]:
+    """The predicate ("" when none) of each instruction whose opcode starts with `prefix`."""
+    import re
+
+    found = []
+    for line in sass.splitlines():
+        match = re.search(r"/\*[0-9a-f]{4}\*/\s+(@!?U?P\w+\s+)?(\S+)", line)
+        if match and match.group(2).startswith(prefix):
+            found.append((match.group(1) or "").strip())
+    return found
+
+
+def _producer_max_register(sass: str) -> int:
+    """The highest R register the code between setmaxnreg's DEALLOC (the producer's 40) and
+    the consumers' TRY_ALLOC names."""
+    import re
+
+    body = sass.split("SETMAXREG.DEALLOC", 1)[1].split("SETMAXREG.TRY_ALLOC", 1)[0]
+    return max(int(r) for r in re.findall(r"\bR(\d+)\b", body))
+
+
+@pytest.mark.parametrize("tokens", [16, 32, 64])
+def test_staged_sa_takes_the_scales_off_the_consumers_path(tokens, tmp_path):
+    """Compiled for sm_90a with `staged_sa`: no spills, 168 registers at entry, the producer
+    inside its 40; per k-tile the producer lanes' ceil(h / 32) LDGSTS (4 bytes: one token's
+    scale each) then each lane's unpredicated ARRIVES.LDGSTSBAR on the stage's full barrier;
+    the consumers' mainloop with no global load at all (the standard's h / 4 LDG a k-tile and
+    thread held every other promotion for their round trip: docs/gemm/NOTES.md "FP4 at 16-96
+    tokens"), its batches kept in flight as the standard's (issue, issue, then per k-tile wait
+    for one, promote h / 2 FFMAs, issue), each consumer thread releasing its stage itself."""
+    pytest.importorskip("cutlass")
+    import re
+
+    from dsl_toolchain import dsl_toolchain
+
+    from forgekernel.kernels.gemm.fp4.sm90 import SPEC
+    from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text
+
+    if find_tool("nvdisasm") is None:
+        pytest.skip("cuobjdump/nvdisasm not installed")
+    params = config.params_for("bfloat16", tokens, staged_sa=True)
+    compiled = SPEC.compile(params, f"--keep-cubin --dump-dir {tmp_path}")
+    info = inspect_cubin(compiled.artifacts.CUBIN)
+    assert info["spill_bytes"] == 0 and info["sass"].get("LDL", 0) == 0
+    assert info["registers"] == 168
+    _assert_warp_collectives_converged(compiled.artifacts.CUBIN)
+    sass = sass_text(compiled.artifacts.CUBIN)
+    assert _producer_max_register(sass) < 40
+    arrivals = _predicates(sass, "ARRIVES.LDGSTSBAR")
+    copies = _predicates(sass, "LDGSTS")
+    assert arrivals and set(arrivals) == {""}
+    assert len(copies) == len(arrivals) * -(-tokens // 32)
+    releases = _predicates(sass, "SYNCS.ARRIVE.TRANS64.A")  # ART0 (cu12) / A1T0 (cu13)
+    assert releases and set(releases) == {""}
+    seq = _schedule(sass)
+    body = seq[seq.index("A") : seq.rindex("D0") + 2]
+    assert "G" not in body
+    assert re.sub(r"F\d+", "F", body) == "AQQQQ" + "AQQQQD1F" * 3 + "D0FD0"
+    assert info["sass"]["FFMA"] == 5 * tokens // 2  # 5 promotion sites
+    if dsl_toolchain() == "cu13":  # each promotion in one run; the walks' 6 LDG.E in all
+        f = f"F{tokens // 2}"
+        assert body == "AQQQQ" + f"AQQQQD1{f}" * 3 + f"D0{f}D0"
+        assert seq.count("G") == 6
+
+
+# ---------------------------------------------------------------- converter (opt-in)
+def test_converter_is_keyed_only_when_on():
+    from forgekernel.kernels.gemm.fp4.sm90 import SPEC
+
+    assert config.params_for("bfloat16", 96, converter=True) == (
+        ("out", "bfloat16"), ("tokens", 96), ("converter", True),
+    )  # fmt: skip
+    # the converter stages the scales itself: one field, whatever staged_sa says
+    assert config.params_for("bfloat16", 32, staged_sa=True, converter=True)[-1] == (
+        "converter", True,
+    )  # fmt: skip
+    with pytest.raises(ValueError):
+        config.params_for("bfloat16", 96)
+    assert config.params_for("bfloat16", 64, converter=2)[2:] == (
+        ("converter", True), ("converters", 2),
+    )  # fmt: skip
+    with pytest.raises(ValueError):
+        config.params_for("bfloat16", 96, converter=2)  # 160 MMA registers: at most 64
+    with pytest.raises(ValueError):
+        config.params_for("bfloat16", 32, converter=3)
+    assert not any("converter" in dict(p) for p in SPEC.standard_params())
+
+
+def _region_max_registers(sass: str) -> dict[str, int]:
+    """The highest R register each role's code names: the producer (from setmaxnreg's DEALLOC
+    to 40 up to the next setmaxnreg), the MMA warpgroups (TRY_ALLOC to their EXIT), the
+    converter (DEALLOC to 56 to its EXIT)."""
+    import re
+
+    lines = [ln.split(";")[0] for ln in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", ln)]
+    out = {}
+    for name, kind, value in (("producer", "DEALLOC", "0x28"), ("mma", "TRY_ALLOC", ""),
+                              ("converter", "DEALLOC", "0x38")):  # fmt: skip
+        first = next(i for i, ln in enumerate(lines)
+                     if f"SETMAXREG.{kind}" in ln and ln.rstrip().endswith(value))  # fmt: skip
+        regs = set()
+        for ln in lines[first + 1 :]:
+            if name == "producer" and "SETMAXREG" in ln:
+                break
+            regs |= {int(r) for r in re.findall(r"\bR(\d+)\b", ln)}
+            if re.search(r"\*/\s+EXIT", ln):
+                break
+        out[name] = max(regs)
+    return out
+
+
+@pytest.mark.parametrize(
+    "tokens, converters", [(16, 1), (32, 1), (64, 1), (96, 1), (32, 2), (64, 2)]
+)
+def test_converter_compiles_with_the_widening_out_of_the_mma_warpgroups(
+    tokens, converters, tmp_path
+):
+    """Compiled for sm_90a with `converter`: 4 warpgroups (128 registers at entry; setmaxnreg
+    40 / 56 / 208: producer, converter, MMA, each role within its own) or with two converter
+    warpgroups 5 (96 at entry; 40 / 56 / 160), 0 spills; 16 QGMMA with A from shared memory
+    (a descriptor, no A registers), the standard's batch schedule with no global load in the
+    MMA loop; a converter's k-tile its packed chunks loaded before any store (LDS.128), its
+    e4m3 rows stored by STS.128 (one store shared by the two converters' paths: 7), one proxy
+    fence; every lane's cp.async arrival, every thread's release."""
+    pytest.importorskip("cutlass")
+    import re
+
+    from dsl_toolchain import dsl_toolchain
+
+    from forgekernel.kernels.gemm.fp4.sm90 import SPEC
+    from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text
+
+    if find_tool("nvdisasm") is None:
+        pytest.skip("cuobjdump/nvdisasm not installed")
+    params = config.params_for("bfloat16", tokens, converter=converters)
+    compiled = SPEC.compile(params, f"--keep-cubin --dump-dir {tmp_path}")
+    info = inspect_cubin(compiled.artifacts.CUBIN)
+    assert info["spill_bytes"] == 0 and info["sass"].get("LDL", 0) == 0
+    mma_regs = {1: 208, 2: 160}[converters]
+    assert info["registers"] == {1: 128, 2: 96}[converters]
+    sass = sass_text(compiled.artifacts.CUBIN)
+    assert sorted(re.findall(r"USETMAXREG\.([A-Z_]+)\S*\s+(?:UP\d, )?(0x[0-9a-f]+)", sass)) == [
+        ("DEALLOC", "0x28"), ("DEALLOC", "0x38"), ("TRY_ALLOC", hex(mma_regs)),
+    ]  # fmt: skip
+    regs = _region_max_registers(sass)
+    assert regs["producer"] < 40 and regs["converter"] < 56 and regs["mma"] < mma_regs, regs
+    qgmma = re.findall(r"QGMMA\.64x(\d+)x32\.F32\.E4M3\.E4M3 R\d+, (\S+)", sass)
+    assert len(qgmma) == 16 and all(n == str(tokens) and a.startswith("gdesc") for n, a in qgmma)
+    assert "BRA.DIV" not in sass and "WARPSYNC" not in sass
+    assert sass.count("WARPGROUP.ARRIVE") == 4 and sass.count("WARPGROUP.DEPBAR") == 5
+    assert sass.count("LDS.128") == 4 and sass.count("STS.128") in (7, 8)
+    if dsl_toolchain() == "cu13":  # ptxas's layout of the two paths (a shared last store)
+        loads = [ln for ln in sass.splitlines() if "LDS.128" in ln or "STS.128" in ln]
+        # each path's loads before its stores: LLLL S x8 (one converter), LLSSS LLSSSS (two)
+        order = "".join("L" if "LDS" in ln else "S" for ln in loads)
+        assert order == {1: "LLLL" + "S" * 8, 2: "LLSSSLLSSSS"}[converters]
+    assert sass.count("FENCE.VIEW.ASYNC.S") >= 1
+    if dsl_toolchain() == "cu13":  # the converter's fence.proxy.async: one MEMBAR + FENCE
+        assert sass.count("MEMBAR.ALL.CTA ;") == 1
+    assert info["sass"]["FFMA"] == 5 * tokens // 2  # 5 promotion sites
+    seq = _schedule(sass)
+    body = seq[seq.index("A") : seq.rindex("D0") + 2]
+    assert "G" not in body
+    assert re.sub(r"F\d+", "F", body) == "AQQQQ" + "AQQQQD1F" * 3 + "D0FD0"
+    assert set(_predicates(sass, "ARRIVES.LDGSTSBAR")) == {""}
+    assert set(_predicates(sass, "SYNCS.ARRIVE.TRANS64.A")) == {""}
+
+
 @pytest.mark.parametrize("tokens", [8, 32])
 def test_tiled_mma_fragments_are_the_maps_the_kernel_assumes(tokens):
     """The DSL's own partition of the (A from registers) tiled MMA, traced on the host: A
@@ -435,7 +673,15 @@ def test_suite_is_registered_and_its_cases_are_valid():
     weights = 32 * 4096 * 7168 // 2 + 32 * 4096 * 56 * 4
     assert mod.nbytes(suite.bench_cases[0], torch.bfloat16) > weights * 0.99
     assert dsv3["n"] == 4096 and dsv3["k"] == 7168
-    assert set(mod.variants(suite.check_cases[0])) == {"tokens16", "tokens32", "tokens64"}
+    assert set(mod.variants(suite.check_cases[0])) == {
+        "tokens16", "tokens32", "tokens64", "convert",
+    }  # fmt: skip
+    by_mean = {c.params["tokens"]: c for c in suite.bench_cases}
+    assert set(mod.variants(by_mean[96])) == {
+        "tokens8", "tokens16", "tokens32", "convert", "staged", "convert2", "convert96",
+    }  # fmt: skip
+    assert {"staged", "staged64", "convert2", "convert64"} <= set(mod.variants(by_mean[32]))
+    assert set(mod.variants(by_mean[2])) == {"tokens16", "tokens32", "tokens64", "convert"}
 
 
 def test_suite_inputs_reference_and_fp8_weights_on_the_host():
@@ -556,7 +802,7 @@ def test_contiguous_suite_on_the_host():
     for r, lo in zip(ref, low):
         if r.numel():
             assert torch.allclose(lo.float(), r, rtol=0.05, atol=0.05 * r.abs().max().item())
-    assert set(mod.variants(case)) == {"tokens8", "tokens16"}
+    assert set(mod.variants(case)) == {"tokens8", "tokens16", "staged", "convert"}
 
 
 def test_launcher_views_meet_the_compiled_assumptions():
@@ -627,3 +873,56 @@ def test_shared_memory_budget(tokens):
     used = up(used, 1024) + 128 * tokens * s
     assert s >= 12 and used + 1024 + 1024 <= SMEM_CAPACITY
     assert s == {8: 23, 16: 21, 32: 17, 64: 13}[tokens]
+
+
+@pytest.mark.parametrize("tokens", config.CONVERTER_TOKENS)
+def test_shared_memory_budget_of_the_opt_in_forms(tokens):
+    """As above for the opt-in forms' storage: `staged_sa` adds the tokens' scales (4h bytes a
+    stage, 128-byte aligned after the words); the converter also its barriers and WIDE_SLOTS
+    widened buffers (128 x 128 e4m3 bytes, 1024-aligned) with their rows' k-tile scales."""
+    pytest.importorskip("cutlass")
+    from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY
+    from forgekernel.kernels.gemm.fp4.sm90.convert import WIDE_SLOTS, GemmFp4ConvertSm90
+    from forgekernel.kernels.gemm.fp4.sm90.kernel import GemmFp4GroupedSm90
+
+    def up(x, a):
+        return -(-x // a) * a
+
+    if tokens in config.TOKENS:
+        s = GemmFp4GroupedSm90(tokens, staged_sa=True).stages
+        used = up(16 * s, 1024) + 8192 * s
+        used = up(used, 128) + 512 * s
+        used = up(used, 128) + 4 * tokens * s
+        used = up(used, 1024) + 128 * tokens * s
+        assert used + 1024 + 1024 <= SMEM_CAPACITY
+        assert s == GemmFp4GroupedSm90(tokens).stages  # the scales cost no stage
+    s = GemmFp4ConvertSm90(tokens).stages
+    used = up(16 * s + 16 * WIDE_SLOTS, 1024) + 8192 * s
+    used = up(used, 128) + 512 * s
+    used = up(used, 128) + 4 * tokens * s
+    used = up(used, 128) + 4 * 128 * WIDE_SLOTS
+    used = up(used, 1024) + 128 * tokens * s
+    used = up(used, 1024) + 128 * 128 * WIDE_SLOTS
+    assert used + 1024 + 1024 <= SMEM_CAPACITY
+    assert s == {8: 18, 16: 16, 32: 13, 64: 10, 96: 8}[tokens]
+
+
+@pytest.mark.parametrize("form", [{"staged_sa": True}, {"converter": 1}, {"converter": 2}])
+def test_contiguous_opt_in_forms_compile_without_spills(form, tmp_path):
+    """The contiguous layout's default tile (32 tokens) in each opt-in form: 0 spills, 16
+    QGMMA, no divergent fallbacks, the MMA loop free of global loads."""
+    pytest.importorskip("cutlass")
+    from forgekernel.kernels.gemm.fp4.sm90 import SPEC
+    from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text
+
+    if find_tool("nvdisasm") is None:
+        pytest.skip("cuobjdump/nvdisasm not installed")
+    params = config.params_for("bfloat16", 32, contiguous=True, **form)
+    compiled = SPEC.compile(params, f"--keep-cubin --dump-dir {tmp_path}")
+    info = inspect_cubin(compiled.artifacts.CUBIN)
+    assert info["spill_bytes"] == 0 and info["sass"].get("LDL", 0) == 0
+    assert info["sass"]["QGMMA"] == 16
+    sass = sass_text(compiled.artifacts.CUBIN)
+    assert "BRA.DIV" not in sass and "WARPSYNC" not in sass
+    seq = _schedule(sass)
+    assert "G" not in seq[seq.index("A") : seq.rindex("D0") + 2]

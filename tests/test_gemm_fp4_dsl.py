@@ -108,3 +108,38 @@ def test_store_writes_each_value_at_its_coordinate_for_kept_tokens(host_dsl, tok
     for col in range(count):
         want[first + col, 128 * tile_n + rows] = (rows * 1000 + col).float()
     assert torch.equal(c, want)
+
+
+def test_converter_offsets_follow_the_swizzled_layouts(host_dsl):
+    """convert.py hoists each row's chunk offsets out of its loop and adds a stage's / buffer's
+    base: the layouts' offsets (crd2idx of the composed swizzle layouts, evaluated by the DSL on
+    the host) must be row r's chunk c at r x 128 + 16 (c ^ r % 8) of the widened buffer (the
+    128B swizzle WGMMA reads) and r x 64 + 16 (q ^ (r >> 1) % 4) of the packed stage (the 64B
+    swizzle TMA writes), each further buffer / stage exactly 16384 / 8192 bytes on."""
+    from forgekernel.kernels.gemm.fp4.sm90.convert import GemmFp4ConvertSm90
+
+    gemm = GemmFp4ConvertSm90(32)
+    rows = 128
+
+    @cute.jit
+    def offsets(out_a: cute.Tensor, out_w: cute.Tensor):
+        gemm._setup()  # the kernel's own layouts (built under the DSL)
+        a_layout, w_layout = gemm.sA_layout, gemm.sW_layout
+        for r in cutlass.range(rows):
+            for s in cutlass.range_constexpr(3):
+                for c in cutlass.range_constexpr(8):
+                    out_a[r, c, s] = cute.crd2idx((r, 16 * c, s), a_layout)
+                for q in cutlass.range_constexpr(4):
+                    out_w[r, q, s] = cute.crd2idx((r, 16 * q, s), w_layout)
+
+    out_a = torch.zeros(rows, 8, 3, dtype=torch.int32)
+    out_w = torch.zeros(rows, 4, 3, dtype=torch.int32)
+    offsets(from_dlpack(out_a), from_dlpack(out_w))
+    r = torch.arange(rows)[:, None, None]
+    s = torch.arange(3)[None, None, :]
+    c = torch.arange(8)[None, :, None]
+    q = torch.arange(4)[None, :, None]
+    want_a = r * 128 + 16 * (c ^ (r % 8)) + 16384 * s
+    want_w = r * 64 + 16 * (q ^ ((r >> 1) % 4)) + 8192 * s
+    assert torch.equal(out_a, want_a.to(torch.int32))
+    assert torch.equal(out_w, want_w.to(torch.int32))

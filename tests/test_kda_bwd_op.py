@@ -187,6 +187,14 @@ def test_explicit_backward_refuses_bad_arguments(cpu_forward):
     with pytest.raises(ValueError, match="g must have shape"):
         bwd.kimi_delta_attention_backward(*inputs[:3], inputs[3][..., :64], inputs[4], do,
                                           cu_seqlens=cu)  # fmt: skip
+    # the 2026-12-05 audit: do's device was not checked, nor the scale
+    with pytest.raises(ValueError, match="do is on meta but q is on cpu"):
+        bwd.kimi_delta_attention_backward(*inputs[:5], do.to("meta"), cu_seqlens=cu)
+    with pytest.raises(TypeError, match="use_qk_l2norm_in_kernel must be a bool"):
+        bwd.kimi_delta_attention_backward(*inputs[:5], do, cu_seqlens=cu,
+                                          use_qk_l2norm_in_kernel="yes")  # fmt: skip
+    with pytest.raises(ValueError, match="scale must be finite"):
+        bwd.kimi_delta_attention_backward(*inputs[:5], do, cu_seqlens=cu, scale=-1.0)
 
 
 def test_compile_fullgraph_records_forward_and_backward_ops(cpu_forward):

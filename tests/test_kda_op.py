@@ -492,3 +492,95 @@ def test_tables_cache_is_bypassed_while_capturing_and_never_evicts(monkeypatch):
     launch._tables(other, 500, 500)
     assert list(launch._TABLES) == [(cu.device, 1, 777)]
     assert launch._tables(cu, 777, 777)[1] is kept[1]
+
+
+def _launch(x, cu, segments, state=True):
+    """launch.kda_prefill on the varlen form (batch axis dropped), segments forced."""
+    n, hv = cu.numel() - 1, x["v"].shape[2]
+    out = torch.empty_like(x["v"][0])
+    final = torch.empty(n, hv, D, D)
+    init = x["state"] if state else None
+    launch.kda_prefill(x["q"][0], x["k"][0], x["v"][0], x["g"][0], x["beta"][0], init, cu, out,
+                       final, D**-0.5, l2norm=False, segments=segments)  # fmt: skip
+    return out, final
+
+
+@pytest.mark.parametrize("segments", [2, 3, 5])
+@pytest.mark.parametrize("state", [True, False])
+def test_segments_match_the_direct_launch_and_fp64(cpu_kernel, segments, state):
+    """The recurrence over segments (`launch._segmented`: passes A, B from 64 I, the scan, C)
+    against the fp64 recurrence and the direct launch: partial chunks, an empty sequence, a
+    sequence of fewer chunks than segments (empty segments), mild and strong decay."""
+    lens = [300, 0, 70, 1, 257]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    for decay in ((-1.0, 0.0), (-5.0, -4.0)):
+        x = make(t=sum(lens), h=1, hv=2, n=len(lens), seed=segments, decay=decay)
+        o, s = _launch(x, cu, segments, state)
+        o1, s1 = _launch(x, cu, 1, state)
+        o_ref, s_ref = reference(x, cu=cu, state=state)
+        close(o[None], o_ref, 2e-2)
+        close(s, s_ref, 2e-2)
+        close(o[None], o1[None].double(), 2e-2)
+        close(s, s1.double(), 2e-2)
+        init = x["state"][1] if state else torch.zeros_like(s[1])
+        assert torch.equal(s[1], init)  # the empty sequence keeps its state
+
+
+def test_segment_first_chunks():
+    """Each segment's first global chunk: its sequence's first chunk plus the whole chunks
+    before it in the sequence (segments past a short sequence's end: its chunk count)."""
+    lens = [300, 0, 70, 1]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    first = torch.tensor([0, 5, 5, 7], dtype=torch.int32)  # chunks 5, 0, 2, 1
+    cu_seg = launch._segment_offsets(cu, 3)
+    got = launch._segment_first(cu, first, cu_seg, 3).tolist()
+    # 300 tokens: 5 chunks, 2 a segment; 70: 2 chunks, 1 a segment; 1: 1 chunk
+    assert got == [0, 2, 4, 5, 5, 5, 5, 6, 7, 7, 8, 8]
+    assert cu_seg.tolist()[:4] == [0, 128, 256, 300]
+
+
+@pytest.mark.parametrize("pieces", [2, 3, 6])
+@pytest.mark.parametrize("state", [True, False])
+def test_pieces_after_warm_up_chunks(cpu_kernel, pieces, state):
+    """Pieces after warm-up chunks from zero (`launch._pieces`, the `warmup` kernel) against the
+    fp64 recurrence and the direct launch: decays that meet the bound in one chunk (g to -1 and
+    to -5: approximate within 2^-16.5 max |S|) and weak ones that never do (g > -0.05: every
+    piece falls back to its sequence's start, exact); partial chunks, an empty sequence, pieces
+    past a short sequence's end."""
+    lens = [300, 0, 70, 1, 257]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    for decay in ((-1.0, 0.0), (-5.0, -4.0), (-0.05, 0.0)):
+        x = make(t=sum(lens), h=1, hv=2, n=len(lens), seed=pieces, decay=decay)
+        n, hv = len(lens), 2
+        out = torch.empty_like(x["v"][0])
+        s = torch.empty(n, hv, D, D)
+        init = x["state"] if state else None
+        launch.kda_prefill(x["q"][0], x["k"][0], x["v"][0], x["g"][0], x["beta"][0], init, cu,
+                           out, s, D**-0.5, l2norm=False, pieces=pieces)  # fmt: skip
+        o1, s1 = _launch(x, cu, 1, state)
+        o_ref, s_ref = reference(x, cu=cu, state=state)
+        close(out[None], o_ref, 2e-2)
+        close(s, s_ref, 2e-2)
+        close(out[None], o1[None].double(), 2e-2)
+        close(s, s1.double(), 2e-2)
+        if decay[0] > -0.1:  # every warm-up falls back to the sequence's start: the same math
+            assert torch.equal(out, o1) and torch.equal(s, s1)
+    want = {"dtype": "bfloat16", "k": 128, "v": 128, "initial_state": state,
+            "value_split": True, "warmup": True}  # fmt: skip
+    assert want in cpu_kernel
+
+
+def test_warm_up_chunks_from_the_decays():
+    """One chunk where its largest decay is 2^-30, two where 2^-12 each (-24 + 3.5 <= -20),
+    three over a chunk of 2^-1; the sequence's start where WARMUP_MAX chunks do not reach the
+    bound or no more chunks lie before the piece."""
+    first = torch.tensor([0, 10], dtype=torch.int32)
+    decay = torch.full((20, 2, D), 2.0**-30)
+    decay[10:] = 2.0**-12
+    decay[15:, 1, 3] = 0.5  # the largest decay over heads and channels counts
+    piece_first = torch.tensor([0, 1, 5, 10, 12, 16, 18], dtype=torch.int32)
+    seq_first = torch.tensor([0, 0, 0, 10, 10, 10, 10], dtype=torch.int32)
+    warm, start = launch._warmup_chunks(decay, seq_first, piece_first, 1)
+    assert warm.tolist() == [0, 1, 1, 0, 2, 3, 8]  # 16: -1 - 12 - 12 + 3.5; 18: > 4 back
+    assert start.tolist() == [True, True, False, True, True, False, True]  # 1, 12: back to 0
+    assert not launch._warmup_chunks(decay, first, torch.tensor([5, 13]), 1)[1].any()

@@ -43,6 +43,9 @@ CONFIGS = {
     "fp16_state": {"dtype": "float16", "initial_state": True},
     "bf16_state_split": {"dtype": "bfloat16", "initial_state": True, "value_split": True},
     "fp16_split": {"dtype": "float16", "value_split": True},
+    # opt-in (launch._pieces): the warm-up chunks' o stores skipped, the same resources
+    "bf16_state_split_warmup": {"dtype": "bfloat16", "initial_state": True, "value_split": True,
+                                "warmup": True},
 }
 
 

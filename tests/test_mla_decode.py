@@ -91,8 +91,15 @@ def test_compile_keys():
     for bad in ({"kind": "sparse", "dtype": "bfloat16"}, {"kind": "partial", "fp8": True}):
         with pytest.raises(ValueError, match="16-bit paged"):
             params_for(**{"dtype": "bfloat16", "heads": 16, **bad}, tma=True)
-    partial = [dict(p) for p in SPEC.standard_params() if dict(p)["kind"] == "partial"]
+    every = [dict(p) for p in SPEC.standard_params() if dict(p)["kind"] == "partial"]
+    partial = [p for p in every if not p.get("gather")]
     per_pass = sum(1 for h in HEADS for t in QTOKENS if h * t <= ROWS)
+    # the seesaw pass's gather form (16-bit page 1, "gather adopted"): each seesaw key of the
+    # width plan (partial, direct, direct ostore; not the schedule's ranges) with `gather`
+    gathered = sorted(sorted(p.items()) for p in every if p.get("gather"))
+    seesaw = [p for p in partial if p.get("tma") and not p.get("ranges")]
+    assert gathered == sorted(sorted((p | {"gather": True}).items()) for p in seesaw)
+    assert len(gathered) == 2 * (per_pass + len(direct_blocks()) + len(OSTORE_BLOCKS)) == 52
     # fp16 and bf16 (the seesaw pass and decode.py's), FP8 cache with bf16 queries (one form:
     # the bytes staged in their stage), each pass's direct form of the served head blocks (the
     # seesaw's and decode.py's in both dtypes, decode.py's over FP8)
@@ -198,7 +205,9 @@ DIRECT_PLANS = [
     (("partial", 128, 16, 8192, 1, True, 64), True),  # FP8 b128-h16: decode.py's direct form
     (("partial", 200, 16, 8192, 1, True, 64), False),  # FP8 b200: 3 splits (the paged plan)
     (("partial", 16, 128, 8192, 1, True, 64), False),  # FP8 b16-h128: 4 splits
-    (("partial", 64, 16, 4096, 1, False, 1), False),  # page 1 b64-h16: 2 splits
+    (("partial", 64, 16, 4096, 1, False, 1), False),  # page 1 b64-h16: 2 splits (gather)
+    (("partial", 3, 16, 128, 1, False, 1), True),  # page 1: the gather form's direct form
+    (("partial", 3, 16, 128, 1, True, 1), True),  # FP8 page 1: decode.py's direct form
     (("sparse", 200, 16, 2048, 1, False, 1), False),  # DSA t200-h16: 3 splits of 11 tiles
     (("sparse", 1024, 16, 2048, 1, False, 1), True),  # DSA prefill: the sparse direct form
     (("sparse", 128, 16, 2048, 1, True, 64), True),  # DSA t128-h16 (FP8)
@@ -222,15 +231,17 @@ def test_launcher_takes_the_direct_form_for_one_split(monkeypatch, key, direct):
         kind, torch.bfloat16, units, hq, tokens, qtokens, 0, fp8, ps
     )
     assert kernel.get("direct", False) == direct and (combine is None) == direct
-    seesaw = kind == "partial" and not fp8 and ps % TILE == 0
+    seesaw = kind == "partial" and not fp8 and (ps % TILE == 0 or ps == 1)  # page 1: gather
     assert kernel["kind"] == kind and kernel.get("tma", False) == seesaw
+    assert kernel.get("gather", False) == (seesaw and ps % TILE != 0)
     assert kernel.get("fp8", False) == fp8 and "pdl" not in kernel
     if direct:
         assert splits == 1 and per >= tokens
         kernel, combine, splits, _, _, _ = mla_launch._plan(
             kind, torch.bfloat16, units, hq, tokens, qtokens, 0, fp8, ps,
-            form=(None, None, False, False),
-        )  # plan_form(direct=False)
+            form=(None, None, False, False, None),
+        )  # fmt: skip
+        # (plan_form(direct=False))
         assert "direct" not in kernel and combine["kind"] == "combine" and splits == 1
         monkeypatch.setenv("FORGEKERNEL_MLA_DIRECT", "0")
         kernel, combine, splits, _, _, _ = mla_launch._plan(
@@ -315,7 +326,9 @@ def test_roles_direct_form_is_the_split_path_of_one_split(cpu_kernels, monkeypat
                                                            page_size, lens, s_q, fp8):  # fmt: skip
     """decode.py's paged pass (pages of partial tiles, FP8 caches) on plans of one split: its
     direct form's one launch (no partials, no combine) gives the reference and the same bits
-    as its partial form + the combine of that plan (FORGEKERNEL_MLA_DIRECT=0)."""
+    as its partial form + the combine of that plan (FORGEKERNEL_MLA_DIRECT=0). (16-bit page 1
+    takes the seesaw's gather form by default: FORGEKERNEL_MLA_GATHER=0 keeps it here.)"""
+    monkeypatch.setenv("FORGEKERNEL_MLA_GATHER", "0")
     if fp8:
         qn, qp, ckv, table, seq = _fp8_problem(b, hq, page_size, lens, s_q, seed=b + s_q)
         kpe = None
@@ -514,6 +527,8 @@ def cpu_kernels(monkeypatch):
             assert (args[4] is not None) == fp8 and (args[2].dtype == torch.uint8) == fp8
             calls.append((p, args[9:12], args[12] is not None))
             kw = {"heads": p["heads"], "qtokens": p.get("qtokens", 1)}
+            if p.get("gather", False):
+                kw["gather"] = True
             if p.get("direct", False):
                 assert args[7].dtype == args[0].dtype and args[8].dtype == torch.float32
                 assert not p.get("ostore", False) or mla_launch._wide_rows(args[7])
@@ -591,8 +606,9 @@ def test_decode_matches_the_reference(cpu_kernels, b, hq, page_size, lens, s_q, 
     assert params["heads"] == heads_per_cta(hq, qtokens) and ps == page_size
     assert abs(scale_log2 - SCALE * math.log2(math.e)) < 1e-9
     max_tokens = table.shape[1] * page_size
-    plan = tile_split_plan if page_size % TILE == 0 else split_plan
-    assert params.get("tma", False) == (page_size % TILE == 0)
+    seesaw = page_size % TILE == 0 or page_size == 1  # page 1: the seesaw's gather form
+    plan = tile_split_plan if seesaw else split_plan
+    assert params.get("tma", False) == seesaw and params.get("gather", False) == (page_size == 1)
     per_plan = plan(b, hq // params["heads"], max_tokens, 132, 1)[1]
     assert per == (per_plan if params.get("direct") else min(per_plan, MIN_TOKENS_PER_SPLIT))
 
@@ -1115,17 +1131,23 @@ def test_plan_form_rejects_blocks_that_do_not_fit(cpu_kernels):
 def test_suite_candidates_are_bench_cases():
     """CANDIDATES, PLAIN_CASES (the `plain` variant: the call without the step's schedule) and
     NO_PDL_CASES (the variant `no_pdl`, tests/test_pdl.py) name bench cases of the seesaw pass
-    (16-bit, page 64); every other case has no variant (the `pair` one is gone)."""
+    (16-bit, page 64); GATHER_CASES (the variant `was`: decode.py's pass, the plan before the
+    gather form's adoption) the 16-bit page-1 cases; every other case has no variant (the `pair`
+    one and `gather_unfenced` are gone)."""
     names = {c.name: c for c in mla_decode.BENCH_CASES}
     assert set(mla_decode.CANDIDATES) | set(mla_decode.PLAIN_CASES) <= set(names)
     assert set(mla_decode.NO_PDL_CASES) | set(mla_decode.COMBINE_CASES) <= set(names)
+    assert set(mla_decode.GATHER_CASES) <= set(names)
     for name, case in names.items():
         got = set(mla_decode.variants(case))
         plain = {"plain"} if name in mla_decode.PLAIN_CASES else set()
         no_pdl = {"no_pdl"} if name in mla_decode.NO_PDL_CASES else set()
         cta = {"combine_warps"} if name in mla_decode.COMBINE_CASES else set()
-        assert got == set(mla_decode.CANDIDATES.get(name, {})) | plain | no_pdl | cta, name
-        if got:
+        gather = {"was"} if name in mla_decode.GATHER_CASES else set()
+        assert got == set(mla_decode.CANDIDATES.get(name, {})) | plain | no_pdl | cta | gather
+        if gather:
+            assert case.params["page"] == 1 and case.params["cache"] == "split"
+        elif got:
             assert case.params["page"] % TILE == 0 and case.params["cache"] == "combined"
 
 

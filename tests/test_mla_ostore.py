@@ -251,11 +251,20 @@ def test_check_and_sanitize_cases_run_both_ostore_compiles(monkeypatch):
     assert blocks(suite.SANITIZE_CASES) == set(config.OSTORE_BLOCKS)
 
 
+# The default direct compile the ostore build is compared with: the bf16 64 x 1 block's alone.
+# The f16 32 x 2 block (two query tokens a CTA, the other dtype) is checked on its ostore
+# build's own counts (16 STG.E.128 and LDS.128, no 16-bit scalar store, no spills): the ostore
+# epilogue is one code path (seesaw.py, `ostore`) for both blocks, whose moved and kept counts
+# the 64 x 1 compare proves. One MLA compile fewer (~10 to 17 s of CI's CPU).
+OSTORE_BASELINE = ("bfloat16", 64, 1)
+
+
 @pytest.mark.parametrize("dtype, heads, qtokens", [("bfloat16", 64, 1), ("float16", 32, 2)])
 def test_ostore_compile(dtype, heads, qtokens):
-    """Against the default direct compile of the block: 128 STG.E.U16 a thread become 16
-    STG.E.128, with 64 STS (bf16 pairs) and 16 LDS.128 more and one more BAR.SYNC; no spills;
-    the mainloop's counts unchanged."""
+    """16 STG.E.128 and 16 LDS.128 a thread, no 16-bit scalar store, the LSE's two STG.E; no
+    spills. Against the default direct compile of the block (OSTORE_BASELINE): its 128
+    STG.E.U16 a thread become those 16 STG.E.128, with 64 STS (bf16 pairs) more and one more
+    BAR.SYNC; the mainloop's counts unchanged."""
     from forgekernel.runtime.resources import find_tool
 
     if find_tool("cuobjdump") is None:
@@ -263,12 +272,15 @@ def test_ostore_compile(dtype, heads, qtokens):
     from test_mla_seesaw_compile import _compiled
 
     key = {"tma": True, "direct": True}
-    res0, ops0, _ = _compiled(config.params_for("partial", dtype, heads, qtokens, **key))
     res, ops, _ = _compiled(config.params_for("partial", dtype, heads, qtokens, **key, ostore=True))
     assert res["spill_bytes"] == 0 and res["registers"] <= 255
-    assert ops0["STG.E.U16"] == 128 and ops0["STG.E.128"] == 0
     assert ops["STG.E.U16"] == 0 and ops["STG.E.128"] == 16 and ops["LDS.128"] == 16
-    assert ops["STG.E"] == ops0["STG.E"] == 2  # the LSE
+    assert ops["STG.E"] == 2  # the LSE
+    if (dtype, heads, qtokens) != OSTORE_BASELINE:
+        return
+    res0, ops0, _ = _compiled(config.params_for("partial", dtype, heads, qtokens, **key))
+    assert ops0["STG.E.U16"] == 128 and ops0["STG.E.128"] == 0
+    assert ops0["STG.E"] == 2
     assert ops["STS"] == ops0["STS"] + 64
 
     def count(counts, prefix):

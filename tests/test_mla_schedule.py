@@ -392,12 +392,18 @@ def test_ranged_scheduling_kernel_compiles(compiles, qtokens):  # noqa: F811
 
 @pytest.mark.parametrize("qtokens", [1, 2])
 def test_ranged_pass_is_the_worklist_pass_but_its_write(compiles, qtokens):  # noqa: F811
-    """The pass's ranges form: the work-list pass's main loop, its partial rows at (item, token)
-    instead of (split, query row)."""
+    """The pass's ranges form: no spills; the work-list pass's main loop, its partial rows at
+    (item, token) instead of (split, query row). The `ranges` switch changes the write alone,
+    whatever the tokens: its main-loop counts are compared with the work-list pass's at one
+    query token (that build is test_mla_worklist's, the ranges one test_pdl's: one scope,
+    SHARED_COMPILES); at two tokens the ranges build is checked on its own (the work-list pass
+    of two tokens was compiled for this compare alone: ~8 s of CI's CPU)."""
     res = compiles(params_for("partial", "bfloat16", 16, qtokens, tma=True, worklist=True,
                               ranges=True))  # fmt: skip
-    std = compiles(params_for("partial", "bfloat16", 16, qtokens, tma=True, worklist=True))
     assert res["spill_bytes"] == 0 and res["registers"] <= 255
+    if qtokens != 1:
+        return
+    std = compiles(params_for("partial", "bfloat16", 16, qtokens, tma=True, worklist=True))
     for kind in ("HGMMA", "UTMALDG", "STSM", "MUFU", "BAR", "SYNCS"):
         assert res["sass"].get(kind) == std["sass"].get(kind), kind
 

@@ -36,6 +36,33 @@ def test_schedule_runs_clean(tiles, stale):
             ms.simulate(tiles, first, switch_every, stale=stale)
 
 
+@pytest.mark.parametrize("tiles", range(0, 12))
+def test_gather_schedule_runs_clean(tiles):
+    """The gather form (every K load the refilling warpgroup's cp.async onto the chunk's
+    mbarrier, tiles 0 and 1 by warpgroups 0 and 1, no stale rows zeroed): clean under the
+    hardware's rules at every interleaving, and nothing for the barrier-interval rule (with the
+    TMA form's `_zero_stale` it would flag the scorer's zeroing stores after the other
+    warpgroup's cp.async into the last tile, WAW, though its mbarrier wait orders them: the form
+    zeroes nothing, its rows past the split repeat the split's last key)."""
+    for first in (0, 1):
+        for switch_every in (1, 2, 5, 1000, (1, 10**6), (10**6, 1)):
+            m = ms.simulate(tiles, first, switch_every, tool=True, gather=True)
+            assert _flagged(m) == []
+    wg0, wg1 = ms.schedule(tiles, gather=True)
+    assert not any(op[0] == "tma" and op[1] != "Q" for op in wg0 + wg1)
+    assert sum(op[0] == "gather" for op in wg0 + wg1) == sum(
+        op[0] == "tma" and op[1] != "Q" for op in sum(ms.schedule(tiles), [])
+    )
+    if tiles > 2:  # the zeroing the form drops is what the rule would flag
+        progs = ms.schedule(tiles, stale=True)
+        gathered = tuple(
+            [("gather", *op[1:]) if op[0] == "tma" and op[1] != "Q" else op for op in p]
+            for p in progs
+        )
+        flags = _flagged(ms.run(gathered, 0, 1000, tool=True))
+        assert flags and {(kind0, kind1) for _, _, kind0, _, kind1 in flags} == {("write", "write")}
+
+
 @pytest.mark.parametrize("tiles", [0, 1, 2, 5])
 def test_staged_epilogue_needs_its_barriers(tiles):
     """The partial O staged over the K buffers: clean after the last S / P V (wait_group 0)
@@ -417,9 +444,16 @@ def test_mbarriers_are_armed_and_initialized_once():
     inits = _enclosing(cls.kernel, "mbarrier_init")
     assert len(inits) == 2 and all(withs == ["cute.arch.elect_one()"] for _, withs in inits)
     assert all(ms.warp_collective(_reaches(t), seesaw.THREADS) == [0] for t, _ in inits)
-    # K's boxes and Q's count one arrival; the pair form's releases one from each CTA
+    # K's boxes and Q's count one arrival (the gather form's K chunks one per thread of the
+    # gathering warpgroup: `_gather_chunks`); the pair form's releases one from each CTA
     counts = [ast.unparse(init.args[1]) for init in _calls(cls.kernel, "mbarrier_init")]
-    assert counts == ["1", "PAIR"]
+    assert counts == ["self._chunk_arrivals(i)", "PAIR"]
+    chunks = seesaw.STAGES * seesaw.CHUNKS
+    tma, gather = cls(16), cls(16, gather=True)
+    assert [tma._chunk_arrivals(i) for i in range(chunks + 1)] == [1] * (chunks + 1)
+    assert [gather._chunk_arrivals(i) for i in range(chunks + 1)] == [THREADS_PER_WG] * chunks + [1]
+    ((tests, withs),) = _enclosing(cls._gather_chunks, "cp_async_mbarrier_arrive_noinc")
+    assert not tests and not withs  # every thread of the warpgroup, once a chunk
     assert len(_calls(cls.kernel, "mbarrier_init_fence")) == 1
 
 

@@ -8,12 +8,41 @@ state, the offsets) and nothing the kernel produced, and calls
 and the initial state (grouped value heads: dq, dk summed over the value heads that share a
 q / k head; l2norm's backward included; k_last: the state gradients in FlashInfer's layout).
 
-INTERIM PATH: the backward op runs `reference.delta_rule_bwd.gated_delta_rule_chunked_backward`
-in fp32 on the GPU with torch ops (`_backward_interim`: recompute of the chunk states, the
-reverse state recurrence as one batched GEMM step per chunk, every chunk's gradients batched;
+INTERIM PATH (the default): the backward op runs
+`reference.delta_rule_bwd.gated_delta_rule_chunked_backward` in fp32 on the GPU with torch ops
+(`_backward_interim`: recompute of the chunk states, the reverse state recurrence as one
+batched GEMM step per chunk, every chunk's gradients batched;
 it reads the offsets on the host, one sync a call: a CUDA-graph capture is refused before any
 work, `ops._dispatch.refuse_capture`). Correct, not fast: a backward kernel replaces
-`_backward_interim` and nothing else (docs/linear_attention/NOTES.md "Backward").
+`_backward_interim` and nothing else (docs/linear_attention/NOTES.md "Backward"). Python
+loops over chunk steps: ~14.7 ms a call at 1 x 2048 h16 hv32 on the H200.
+
+KERNEL PATH (opt-in, `FORGEKERNEL_GDN_BWD_KERNEL=1`; default OFF until its GPU check passes:
+tests/gpu/test_gdn_bwd_kernel_path_gpu.py, NOTES.md "Backward on kernel 1"): `_backward_kernel`
+runs both sequential recurrences on kernel 1 (kernels/linear_attention/gdn_bwd_state/sm90,
+`gdn_bwd_state`): the forward's chunk states h and U = u - W h (the kernel's recurrence fed
+transposed inputs, `reference.gdn_bwd_state.forward_state_tiles`), then the reverse recurrence
+(dU, dh, the initial state's gradient); pass 3 (the reference's `_output_grads` and
+`_wy_grads`: dq, dk, dv, dbeta and dG, its reverse cumsum within the chunk included) on
+kernel 2 (kernels/linear_attention/gdn_bwd_chunk/sm90, every chunk at once,
+`reference.gdn_bwd_chunk` its model; WY_IN_KERNEL = False: its `_output_grads` variant and
+`_wy_grads` in torch); the chunk factors (A, T = L^-1, W, u, P, the decays, in the 16-bit
+layouts the other two read) on kernel 0 (kernels/linear_attention/gdn_bwd_factors/sm90,
+`reference.gdn_bwd_factors` its model; FACTORS_IN_KERNEL = False, or WY_IN_KERNEL = False: the
+batched torch `_Factors` pass); with both of those on, STATES16 and NORM_IN_KERNEL (the
+defaults): kernel 1 writes U, h and dU, dS in kernel 2's 16-bit forms (`out16`; its forward
+launch the `forward` variant: P^T = I, Qe = 0 built in, outputs in chunk order), kernel 2 reads
+q, k at their H heads (`grouped`), and the q / k epilogue kernel (kernels/linear_attention/
+gdn_bwd_norm/sm90, `reference.gdn_bwd_norm` its model) does the group sum over the value heads,
+l2norm's backward and the scale, kernel 2 writes dv in 16 bits (`dv16`): torch is left with q,
+k normalized and scaled into 16 bits (~0.27 KB a token-head written; NOTES.md "GDN backward:
+the torch glue"). The kernels
+take equal-length sequences ((B, T, HV, D) tiles): the explicit backward without
+cu_seqlens, autograd of `gated_delta_rule` without cu_seqlens (the offsets it made are
+known equal: `gated_delta_rule_chunked.equal_lengths`) and one sequence run with no host read
+(CUDA-graph capturable); several sequences behind a caller's cu_seqlens read the offsets on
+the host (one sync, as the interim path) and are padded to the longest
+(`_backward_varlen`; above PAD_WASTE_LIMIT x padding, T = 0 or 32-bit inputs: the interim).
 
 Eager calls take the custom op when autograd records them (the dispatcher's ~30 us are nothing
 beside this backward); under torch.compile the backward graph records the backward custom op,
@@ -23,13 +52,37 @@ callers with their own autograd and for the suite's backward timing.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from forgekernel.ops import gated_delta_rule_chunked as fwd
 from forgekernel.ops._dispatch import refuse_capture
 from forgekernel.ops._dispatch import traced as _traced
-from forgekernel.ops._validate import check_cuda, check_shaped
-from forgekernel.reference.delta_rule_bwd import gated_delta_rule_chunked_backward
+from forgekernel.ops._validate import (
+    check_bools,
+    check_cuda,
+    check_same_device,
+    check_scale,
+    check_shaped,
+)
+from forgekernel.reference.delta_rule import L2NORM_EPS
+from forgekernel.reference.delta_rule_bwd import (
+    _l2norm,
+    _l2norm_backward,
+    _wy_grads,
+    gated_delta_rule_chunked_backward,
+)
+from forgekernel.reference.gdn_bwd_chunk import chunk_grad_tiles, wy_tiles
+from forgekernel.reference.gdn_bwd_factors import for_kernel2, forward_launch_tiles
+from forgekernel.reference.gdn_bwd_state import (
+    CHUNK,
+    chunk_factors,
+    forward_state_tiles,
+    forward_states,
+    to_chunks,
+    to_tokens,
+)
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 NOT_CAPTURABLE = (
@@ -58,6 +111,324 @@ def _backward_interim(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, 
     return (*flat, dh0)
 
 
+KERNEL_SWITCH = "FORGEKERNEL_GDN_BWD_KERNEL"
+# Token x value heads of one pass of the kernel path: its temporaries were ~56 KB a token-head
+# allocated over the pass, ~25 KB live at the peak with pass 3 in torch (CPU profile and
+# resident set at K = V = 128): ~26 GB at 2^20 (4 x 8192 HV 32 is one pass; 8 x 32768 HV 32
+# eight). With pass 3 on kernel 2: ~33 KB a token-head written (dispatch count), with the
+# factors on kernel 0 too ~14 KB, with kernel 1's 16-bit outputs and the q / k epilogue ~0.3 KB
+# (scripts/gdn_bwd_glue_bytes.py); peak not re-measured (at most the old one).
+TOKEN_HEADS_PER_PASS = 2**20
+TILE_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _state_recurrence(do, pt, ke, qe, w, e_last, d_final_state, **flags):
+    """Kernel 1 (dh variant): (dU (B, T, HV, V), dh = dS^T per chunk end (B, NC, HV, V, K),
+    dS at the start (B, HV, K, V)), fp32; `flags` out16 / forward: dU and dS (B, NC, HV, K, V)
+    in 16 bits, kernel 2's forms (`reference.gdn_bwd_state.out16_forms`; forward: pt, qe None,
+    I and 0 built in, outputs in chunk order). The CPU tests put the tile emulation here."""
+    from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.launch import gdn_bwd_state
+
+    return gdn_bwd_state(do, pt, ke, qe, w, e_last, d_final_state, **flags)
+
+
+# Kernel 1 writes U, h (forward launch, `forward`: I and 0 built in, chunk order) and dU, dS
+# (reverse launch) in kernel 2's 16-bit forms (`out16`), with kernel 0 and kernel 2's WY variant
+# on the path; False: fp32 out, torch flips, transposes, converts (the fallback; ~4.9 KB a
+# token-head more written, NOTES "GDN backward: the torch glue").
+STATES16 = True
+
+
+def _chunk_grads(do, u, du, q, k, h, dh, big_g):
+    """Kernel 2 (`_output_grads` on WGMMA, every chunk at once): (dq, dk, dw (B, T, HV, K),
+    dG (B, T, HV), reverse-cumsummed within the chunk) fp32 from `chunk_grad_tiles`' inputs.
+    The CPU tests put the tile emulation here."""
+    from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.launch import gdn_bwd_chunk
+
+    return gdn_bwd_chunk(do, u, du, q, k, h, dh, big_g)
+
+
+# Kernel 2 runs all of pass 3 (its WY variant, `_chunk_grads_wy`); False: `_output_grads` only
+# (`_chunk_grads`), the WY half in torch (`_wy_grads`).
+WY_IN_KERNEL = True
+
+
+def _chunk_grads_wy(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta, **flags):
+    """Kernel 2, WY variant (all of pass 3): (dq, dk (B, T, HV, K), dG (B, T, HV, the reverse
+    cumsum done), dv (B, T, HV, V), dbeta (B, T, HV)) fp32 (`flags` dv16: dv in do's dtype).
+    The CPU tests put the tile emulation here."""
+    from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.launch import gdn_bwd_chunk_wy
+
+    return gdn_bwd_chunk_wy(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta, **flags)
+
+
+PAD_WASTE_LIMIT = 4  # varlen: padded chunks / real chunks above which the interim path runs
+NOT_CAPTURABLE_VARLEN = (
+    "gated_delta_rule's backward on kernel 1 reads varlen offsets on the host (the padding to "
+    "equal lengths, one sync a call; equal-length calls without cu_seqlens have none)"
+)
+
+
+def _kernel_path(q, v) -> bool:
+    """The switch is on and the call fits kernel 1: 16-bit, at least one token and head."""
+    return (os.environ.get(KERNEL_SWITCH) == "1" and q.shape[0] > 0
+            and q.dtype in TILE_DTYPES and v.shape[1] > 0)  # fmt: skip
+
+
+def _factors(q, k, v, g, beta):
+    """Kernel 0: the chunk factors of every (chunk, value head) at once (`reference.
+    gdn_bwd_factors.NAMES`' dict: the tiles kernel 1's two launches and kernel 2 read) from q
+    (scaled, normalized), k (B, T, H, K), v (B, T, HV, V) 16-bit, g, beta (B, T, HV) fp32. The
+    CPU tests put the tile emulation here."""
+    from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90.launch import gdn_bwd_factors
+
+    return gdn_bwd_factors(q, k, v, g, beta)
+
+
+# Kernel 0 forms the chunk factors (with kernel 2's WY variant, which reads its T^T, w, u);
+# False: the batched torch `_Factors` pass and its 16-bit conversions (the fallback).
+FACTORS_IN_KERNEL = True
+
+
+def _torch_factor_tiles(qs, ks, v, g, beta, dtype):
+    """The factors by the batched torch pass: (kernel 1's forward launch's tiles, its reverse
+    launch's (pt, ke, qe, w), e_last, the `_Factors` themselves)."""
+    f = chunk_factors(qs, ks, v, g, beta)  # (B, NC, HV, C, ...) fp32, every chunk at once
+    rev = tuple(to_tokens(x.to(dtype)) for x in (f.p.transpose(-1, -2), f.ke, f.qe, f.w))
+    return forward_state_tiles(f, dtype), rev, f.e_last[..., 0].contiguous(), f
+
+
+def _on_device() -> bool:
+    """Kernel 0 forms the factors and kernel 2 runs all of pass 3 (the path's default)."""
+    return FACTORS_IN_KERNEL and WY_IN_KERNEL
+
+
+def _chunk_pass(qs, ks, v, g, beta, do, h0, dht):
+    """Value heads of one pass, everything per value head: qs (scaled), ks (B, T, HV, K), v, do
+    (B, T, HV, V), g, beta (B, T, HV); h0, dht (B, HV, K, V) fp32 or None -> (dqs, dks (B, T,
+    HV, K), dv, dg, dbeta, dh0) fp32. On the 16-bit device path (`_device_pass`) qs, ks, v, do
+    come in do's 16-bit dtype, qs / ks at the pass's H / HV q heads (strided head slices
+    allowed: TMA reads them in place), else fp32 but do, qs / ks repeated to HV."""
+    t, dtype = qs.shape[1], do.dtype
+    nc = -(-t // CHUNK)
+    on_device = _on_device()
+    if on_device and STATES16:
+        return _device_pass(qs, ks, v, g, beta, do, h0, dht)
+    if on_device:  # kernel 0: the factors from the 16-bit tiles kernel 2 reads too
+        qs, ks, v16 = (x.to(dtype) for x in (qs, ks, v))
+        out = _factors(qs, ks, v16, g, beta)
+        fw = forward_launch_tiles(out)
+        # `out` keeps only what kernel 2 reads: the others go with `fw`, `rev` (the peak)
+        for name in ("fw_u", "fw_w", "fw_ke"):
+            del out[name]
+        rev = (*(out.pop(n) for n in ("pt", "ke", "qe")), out["w"])
+        e_last = out["e_last"]
+    else:
+        fw, rev, e_last, f = _torch_factor_tiles(qs, ks, v, g, beta, dtype)
+    du_fw, dh_fw, _ = _state_recurrence(*(fw[n] for n in ("do", "pt", "ke", "qe", "w")),
+                                        fw["e_last"], h0)  # fmt: skip
+    h, big_u = forward_states(du_fw, dh_fw)  # copies (the chunks flipped back)
+    del fw, du_fw, dh_fw  # the peak: free launch 1's tiles and outputs before launch 2's
+    do_c = to_chunks(do, nc)
+    du_t, dh_t, dh0 = _state_recurrence(to_tokens(do_c), *rev, e_last, dht)
+    del rev
+    d_u = du_t.unflatten(1, (nc, CHUNK)).transpose(2, 3)
+    dh = dh_t.transpose(-1, -2)  # dS (K, V) at every chunk's end
+    del do_c
+    tiles = chunk_grad_tiles(qs, ks, do, big_u, d_u, h, dh, g, dtype)
+    del big_u, h, dh  # kernel 2 reads the 16-bit tiles
+    if on_device:  # kernel 2, all of pass 3, on kernel 0's T^T, w, u and G
+        k2 = for_kernel2(out, t)
+        tiles = (*tiles[:-1], k2["big_g"])
+        wide = beta.to(torch.promote_types(beta.dtype, torch.float32)).contiguous()
+        wy = (k2["tt"], k2["w"], k2["u"], v16.contiguous(), wide)
+        dq, dk, dg, dv, dbeta = _chunk_grads_wy(*tiles, *wy)
+        return dq, dk, dv, dg, dbeta, dh0
+    if WY_IN_KERNEL:  # kernel 2: all of pass 3
+        dq, dk, dg, dv, dbeta = _chunk_grads_wy(*tiles, *wy_tiles(f, v, beta, dtype))
+        return dq, dk, dv, dg, dbeta, dh0
+    dq, dk, dw, dg = _chunk_grads(*tiles)  # kernel 2: `_output_grads`
+    del tiles
+    dk_wy, dv, dbeta, dg_wy = _wy_grads(f, to_chunks(dw, nc), d_u)  # the WY half: torch
+    dg_wy = dg_wy.flip(-1).cumsum(-1).flip(-1)  # G = cumsum(g) within the chunk
+    dk_wy, dv, dg_wy, dbeta = (to_tokens(x)[:, :t] for x in (dk_wy, dv, dg_wy, dbeta))
+    return dq, dk + dk_wy, dv, dg + dg_wy, dbeta, dh0
+
+
+def _device_pass(qs, ks, v, g, beta, do, h0, dht):
+    """`_chunk_pass` with every kernel writing what the next reads (kernel 1 `out16`): kernel
+    0's tiles, kernel 1's forward launch -> U, h (16-bit, chunk order), its reverse launch on
+    kernel 0's tiles cut to T -> dU, dS (16-bit), kernel 2 on those. No torch op between the
+    kernels (views only; the forward launch builds its I and 0 tiles in)."""
+    t = qs.shape[1]
+    out = _factors(qs, ks, v, g, beta)
+    fw = forward_launch_tiles(out, identity=False)
+    for name in ("fw_u", "fw_w", "fw_ke"):  # the peak: `fw` holds them now
+        del out[name]
+    u16, h16, _ = _state_recurrence(*(fw[n] for n in ("do", "pt", "ke", "qe", "w")),
+                                    fw["e_last"], h0, out16=True, forward=True)  # fmt: skip
+    del fw
+    rev = tuple(out.pop(n)[:, :t] for n in ("pt", "ke", "qe")) + (out["w"][:, :t],)
+    du16, dh16, dh0 = _state_recurrence(do, *rev, out["e_last"], dht, out16=True)
+    del rev
+    k2 = for_kernel2(out, t)
+    wide = beta.to(torch.promote_types(beta.dtype, torch.float32))
+    tiles = (do, u16[:, :t], du16, qs, ks, h16, dh16, k2["big_g"])
+    dq, dk, dg, dv, dbeta = _chunk_grads_wy(*tiles, k2["tt"], k2["w"], k2["u"], v, wide,
+                                            dv16=True)  # fmt: skip
+    return dq, dk, dv, dg, dbeta, dh0
+
+
+def _normalized(x, scale, l2norm, dtype):
+    """The device path's q / k side (B, T, H, D) -> x scale / sqrt(x.x + eps) (l2norm) or x
+    scale, written once in `dtype` (the norm reduced in fp32 from x as it is: no fp32 copy;
+    the backward recomputes it from x)."""
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    if not l2norm:
+        return torch.mul(x, scale, out=out)
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
+    return torch.mul(x, (norm.square() + L2NORM_EPS).rsqrt() * scale, out=out)
+
+
+def _qk_grads(dxs, x, scale, l2norm):
+    """The q / k epilogue (kernels/linear_attention/gdn_bwd_norm/sm90): dxs (B, T, HV, K) fp32
+    (kernel 2's dq or dk) -> the gradient of the op's input x (B, T, H, K) in x's dtype (group
+    sum, l2norm's backward, scale). The CPU tests put the model here."""
+    from forgekernel.kernels.linear_attention.gdn_bwd_norm.sm90.launch import gdn_bwd_norm
+
+    return gdn_bwd_norm(dxs, x, scale, l2norm)
+
+
+# The group sum and l2norm's backward on the epilogue kernel (`_qk_grads`); False: torch
+# (`_normalized_backward`, ~1.75 KB a token-head more written).
+NORM_IN_KERNEL = True
+
+
+def _normalized_backward(dxs, x, scale, l2norm):
+    """`_qk_grads` in torch: the group sum, then scale / ||x|| (d - x (x . d) / ||x||^2)
+    (l2norm) or scale d, in x's dtype (the fallback)."""
+    h = x.shape[2]
+    dsum = dxs.unflatten(2, (h, dxs.shape[2] // h)).sum(3)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if not l2norm:
+        return torch.mul(dsum, scale, out=out)
+    xf = x.float()
+    sq = (xf.unsqueeze(-2) @ xf.unsqueeze(-1)).squeeze(-1) + L2NORM_EPS
+    c = (xf.unsqueeze(-2) @ dsum.unsqueeze(-1)).squeeze(-1) / sq
+    return torch.mul(dsum.addcmul_(xf, c, value=-1), sq.rsqrt() * scale, out=out)
+
+
+def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b) -> Grads:
+    """`_backward_kernel` on the device path with 16-bit kernel-1 outputs: q / k normalized,
+    scaled and converted at H heads (`_normalized`), read there by kernels 0 and 2 (value head
+    hv: head hv // (HV / H); no repeated copy), v and do passed as they are (strided head
+    slices), the group sum, l2norm's backward and the scale on the epilogue kernel
+    (`_qk_grads`; NORM_IN_KERNEL False: torch), one pass: no concatenation."""
+    h, hv, dtype = q.shape[1], v.shape[1], do.dtype
+    t, group = q.shape[0] // b, hv // h
+
+    def seq(x):
+        return x.reshape(b, t, *x.shape[1:])
+
+    qs = _normalized(seq(q), scale, l2norm, dtype)
+    ks = _normalized(seq(k), 1.0, l2norm, dtype)
+    v_side = [seq(v).to(dtype), seq(g).float(), seq(beta), seq(do)]
+    step = max(1, TOKEN_HEADS_PER_PASS // max(1, b * t * group))
+    parts = []
+    for first in range(0, h, step):  # passes over heads, not chunks
+        qh, vh = slice(first, first + step), slice(first * group, (first + step) * group)
+        # q / k at their own heads: kernels 0 and 2 read head hv // (HV / H) (`grouped`)
+        states = (None if x is None else x[:, vh].float().contiguous() for x in (h0, dht))
+        parts.append(_chunk_pass(qs[:, :, qh], ks[:, :, qh], *(x[:, :, vh] for x in v_side),
+                                 *states))  # fmt: skip
+    grads = parts[0] if len(parts) == 1 else [torch.cat(x, dim=1 if i == 5 else 2)
+                                              for i, x in enumerate(zip(*parts))]  # fmt: skip
+    dqs, dks, dv, dg, dbeta, dh0 = grads
+    epilogue = _qk_grads if NORM_IN_KERNEL else _normalized_backward
+    dq = epilogue(dqs, seq(q), scale, l2norm)
+    dk = epilogue(dks, seq(k), 1.0, l2norm)
+    rest = (x.flatten(0, 1).to(like.dtype) for x, like in zip((dv, dg, dbeta), (v, g, beta)))
+    return (dq.flatten(0, 1), dk.flatten(0, 1), *rest, dh0)
+
+
+def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, k_last, l2norm,
+                     batch) -> Grads:  # fmt: skip
+    """The backward on kernel 1 (see the module docstring): flat tensors as
+    `_backward_interim`'s holding `batch` sequences of equal length. Grouped heads: q / k
+    (normalized, scaled) repeated to the value heads before the factors (kernel 1 and every
+    factor are per value head), dq / dk summed over each group of HV / H value heads after;
+    value heads in passes of TOKEN_HEADS_PER_PASS token-heads (two kernel launches a pass) to
+    bound the fp32 temporaries."""
+    b, h, hv = batch, q.shape[1], v.shape[1]
+    t, group = q.shape[0] // b, hv // h
+    h0 = _to_kv(initial_state, k_last)
+    dht = _to_kv(d_final, k_last)
+    if _on_device() and STATES16:
+        grads = _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b)
+        return (*grads[:5], _to_kv(grads[5], k_last).contiguous())
+
+    def seq(x):
+        return x.reshape(b, t, *x.shape[1:])
+
+    qf, kf = seq(q).float(), seq(k).float()
+    qn, q_norm = _l2norm(qf) if l2norm else (qf, None)
+    kn, k_norm = _l2norm(kf) if l2norm else (kf, None)
+    v_side = [seq(v).float(), seq(g).float(), seq(beta).float(), seq(do)]
+    step = max(1, TOKEN_HEADS_PER_PASS // max(1, b * t * group))
+    parts = []
+    for first in range(0, h, step):  # passes over heads, not chunks
+        qh, vh = slice(first, first + step), slice(first * group, (first + step) * group)
+        qs = (qn[:, :, qh] * scale).repeat_interleave(group, dim=2)
+        ks = kn[:, :, qh].repeat_interleave(group, dim=2)
+        states = (None if x is None else x[:, vh].float().contiguous() for x in (h0, dht))
+        parts.append(_chunk_pass(qs, ks, *(x[:, :, vh] for x in v_side), *states))
+    dqs, dks, dv, dg, dbeta, dh0 = (torch.cat(x, dim=1 if i == 5 else 2)
+                                    for i, x in enumerate(zip(*parts)))  # fmt: skip
+    dqn = dqs.unflatten(2, (h, group)).sum(3) * scale
+    dkn = dks.unflatten(2, (h, group)).sum(3)
+    dq = _l2norm_backward(qn, q_norm, dqn) if l2norm else dqn
+    dk = _l2norm_backward(kn, k_norm, dkn) if l2norm else dkn
+    flat = (x.flatten(0, 1).to(like.dtype) for x, like in zip((dq, dk, dv, dg, dbeta),
+                                                                (q, k, v, g, beta)))  # fmt: skip
+    return (*flat, _to_kv(dh0, k_last).contiguous())
+
+
+def _backward_varlen(q, k, v, g, beta, initial_state, do, d_final, scale, k_last, l2norm,
+                     cu_seqlens) -> Grads | None:  # fmt: skip
+    """Varlen on the kernel path: the offsets read on the host (one sync, as the interim
+    path's; a CUDA-graph capture is refused first), every sequence zero-padded at its end to
+    the longest's length (the reference's tail padding: zero rows change neither the state nor
+    a real gradient) and the result gathered back; equal lengths are a reshape. None (the
+    interim path) when no token or when the padded chunks exceed PAD_WASTE_LIMIT times the real
+    ones (one long sequence among short ones: packing several short sequences into one kernel
+    row is not built)."""
+    refuse_capture(NOT_CAPTURABLE_VARLEN, q)
+    edges = [int(e) for e in cu_seqlens.tolist()]
+    lens = [z - a for a, z in zip(edges[:-1], edges[1:])]
+    n, t = len(lens), max(lens)
+    rest = (d_final, scale, k_last, l2norm, n)
+    if t == 0:
+        return None
+    if all(x == t for x in lens):
+        return _backward_kernel(q, k, v, g, beta, initial_state, do, *rest)
+    real = sum(-(-x // CHUNK) for x in lens)
+    if n * -(-t // CHUNK) > PAD_WASTE_LIMIT * real:
+        return None
+    pos = torch.arange(t)
+    valid = (pos < torch.tensor(lens).unsqueeze(1)).flatten()
+    rows = (torch.tensor(edges[:-1]).unsqueeze(1) + pos).flatten()[valid].to(q.device)
+    slots = valid.nonzero()[:, 0].to(q.device)  # padded row of each token, in token order
+
+    def pad(x):
+        out = x.new_zeros(n * t, *x.shape[1:])
+        out[slots] = x[rows]
+        return out
+
+    padded = (pad(x) for x in (q, k, v, g, beta))
+    grads = _backward_kernel(*padded, initial_state, pad(do), *rest)
+    return (*(x[slots] for x in grads[:5]), grads[5])
+
+
 def _empty_grads(q, k, v, g, beta, cu_seqlens, k_last) -> Grads:
     n = cu_seqlens.shape[0] - 1
     shape = fwd._state_shape(n, v.shape[1], q.shape[2], v.shape[2], k_last)
@@ -79,23 +450,41 @@ def _chunked_bwd_op(
     scale: float,
     k_last: bool,
     l2norm: bool,
+    batch: int = 0,
 ) -> Grads:
+    return _backward_eager(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale,
+                           k_last, l2norm, batch)  # fmt: skip
+
+
+@_chunked_bwd_op.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, k_last, l2norm,
+      batch=0):  # fmt: skip
+    return _empty_grads(q, k, v, g, beta, cu_seqlens, k_last)
+
+
+def _backward_eager(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, k_last,
+                    l2norm, batch) -> Grads:  # fmt: skip
+    """With the switch on: `batch` > 0 (the offsets are `batch` equal lengths, known on the
+    host): the kernel path, no sync; else the offsets read on the host and the kernel path on
+    the sequences padded to equal length (`_backward_varlen`). The interim path otherwise."""
+    if _kernel_path(q, v):
+        args = (q, k, v, g, beta, initial_state, do, d_final, scale, k_last, l2norm)
+        grads = (_backward_kernel(*args, batch) if batch > 0
+                 else _backward_varlen(*args, cu_seqlens))  # fmt: skip
+        if grads is not None:
+            return grads
     return _backward_interim(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale,
                              k_last, l2norm)  # fmt: skip
 
 
-@_chunked_bwd_op.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, k_last, l2norm):
-    return _empty_grads(q, k, v, g, beta, cu_seqlens, k_last)
-
-
 def _backward(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, k_last,
-              l2norm) -> Grads:  # fmt: skip
-    """Eager: the interim path directly; traced: the custom op."""
-    args = (q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, k_last, l2norm)
+              l2norm, batch=0) -> Grads:  # fmt: skip
+    """Eager: the path directly; traced: the custom op."""
+    args = (q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, k_last, l2norm,
+            batch)  # fmt: skip
     if _traced(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final):
         return torch.ops.forgekernel.gated_delta_rule_chunked_bwd(*args)
-    return _backward_interim(*args)
+    return _backward_eager(*args)
 
 
 # ---- autograd of the forward op --------------------------------------------------------------
@@ -106,12 +495,15 @@ def _setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
     ctx.flags = (scale, k_last, l2norm)
     ctx.has_state = initial_state is not None
+    n = cu_seqlens.shape[0] - 1  # one sequence, or offsets the wrapper made for B equal lengths
+    ctx.batch = 1 if n == 1 else fwd.equal_lengths(cu_seqlens)
 
 
 def _grad(ctx, do, d_final):
     q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
     do = torch.zeros_like(v) if do is None else do
-    grads = _backward(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, *ctx.flags)
+    grads = _backward(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, *ctx.flags,
+                      ctx.batch)  # fmt: skip
     dh0 = grads[5] if ctx.has_state else None
     return (*grads[:5], dh0, None, None, None, None)
 
@@ -144,6 +536,7 @@ def gated_delta_rule_backward(
     initial state's layout) or None. Arguments as `gated_delta_rule`'s; the gradients come
     back shaped and typed as their inputs, d_initial_state fp32 (N, HV, ...) (the zero
     state's when initial_state is None)."""
+    check_bools(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, k_last=k_last)
     b, t, _, hv, dk, dv = fwd._check_heads(q, k, v)
     check_shaped("g", g, (b, t, hv), fwd.F32)
     check_shaped("beta", beta, (b, t, hv), (torch.float32, q.dtype))
@@ -155,12 +548,17 @@ def gated_delta_rule_backward(
     if d_final_state is not None:
         check_shaped("d_final_state", d_final_state, state_shape, fwd.F32)
     check_cuda("q", q)
+    others = {"initial_state": initial_state, "d_final_state": d_final_state,
+              "cu_seqlens": cu_seqlens}  # fmt: skip
+    check_same_device(q=q, k=k, v=v, g=g, beta=beta, do=do,
+                      **{name: x for name, x in others.items() if x is not None})  # fmt: skip
+    batch = b if cu_seqlens is None else int(n == 1)  # equal lengths known on the host
     if cu_seqlens is None:
         cu_seqlens = torch.arange(b + 1, dtype=torch.int32, device=q.device) * t
-    scale = float(dk**-0.5 if scale is None else scale)
+    scale = check_scale("scale", scale, dk**-0.5)
     flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v, g, beta, do)]
     grads = _backward(*flat[:5], initial_state, cu_seqlens.to(torch.int32), flat[5],
-                      d_final_state, scale, k_last, use_qk_l2norm_in_kernel)  # fmt: skip
+                      d_final_state, scale, k_last, use_qk_l2norm_in_kernel, batch)  # fmt: skip
     shaped = (x.reshape(b, t, *x.shape[1:]) for x in grads[:5])
     return (*shaped, grads[5])
 

@@ -20,6 +20,8 @@ forward-only calls pay for no bookkeeping."""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90 import launch as prefill_sm90
@@ -42,6 +44,24 @@ OFFSETS = (torch.int32, torch.int64)
 
 def _state_shape(n: int, hv: int, dk: int, dv: int, k_last: bool) -> tuple[int, ...]:
     return (n, hv, dv, dk) if k_last else (n, hv, dk, dv)
+
+
+# Offsets this module made for B equal-length sequences (id -> (weak ref, B)): autograd's backward
+# (ops/gated_delta_rule_bwd.py) looks its saved offsets up here, so an equal-length batch takes
+# the backward's kernel path without reading them on the host. Entries leave with the tensor.
+_EQUAL_LENGTHS: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def _note_equal_lengths(offsets: torch.Tensor, b: int) -> None:
+    key = id(offsets)
+    _EQUAL_LENGTHS[key] = (weakref.ref(offsets), b)
+    weakref.finalize(offsets, _EQUAL_LENGTHS.pop, key, None)
+
+
+def equal_lengths(offsets: torch.Tensor) -> int:
+    """B when `offsets` are ones this module made for B equal-length sequences, else 0."""
+    entry = _EQUAL_LENGTHS.get(id(offsets))
+    return entry[1] if entry is not None and entry[0]() is offsets else 0
 
 
 def _launch(q, k, v, g, beta, initial_state, cu_seqlens, scale, k_last, l2norm, out=None):
@@ -162,11 +182,14 @@ def gated_delta_rule(
             raise ValueError("out must be contiguous")
         check_same_device(q=q, out=out)
     scale = check_scale("scale", scale, dk**-0.5)
+    equal = cu_seqlens is None
     if cu_seqlens is None:
         cu_seqlens = torch.arange(b + 1, dtype=torch.int32, device=q.device) * t  # T = 0 too
     flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v, g, beta.float())]
     offsets = cu_seqlens.to(torch.int32)
     if wants_grad(*flat, initial_state):
+        if equal and not torch.compiler.is_compiling():  # eager: no tracer sees the registry
+            _note_equal_lengths(offsets, b)
         o, final = torch.ops.forgekernel.gated_delta_rule_chunked(
             *flat, initial_state, offsets, scale, k_last, use_qk_l2norm_in_kernel
         )

@@ -9,14 +9,32 @@ returns the gradients in q, k, v, g (per key channel), beta and the initial stat
 value heads: dq, dk summed over the value heads sharing a q / k head; l2norm's backward
 included), each in its input's dtype (the initial state's fp32).
 
-INTERIM PATH: the backward op runs `reference.kda_bwd.kimi_delta_attention_chunked_backward`
-in fp32 on the GPU with torch ops (`_backward_interim`: recompute of the chunk states, the
-reverse state recurrence as one batched GEMM step per chunk, every chunk's gradients batched,
-the per-channel decays factored around sub-chunk reference points; it reads the offsets on
-the host, one sync a call: a CUDA-graph capture is refused before any work,
-`ops._dispatch.refuse_capture`). Correct, not fast: a backward kernel replaces
-`_backward_interim` and nothing else (docs/linear_attention/NOTES.md "Kimi Delta Attention
-backward").
+INTERIM PATH (the default): the backward op runs
+`reference.kda_bwd.kimi_delta_attention_chunked_backward` in fp32 on the GPU with torch ops
+(`_backward_interim`: recompute of the chunk states, the reverse state recurrence as one
+batched GEMM step per chunk, every chunk's gradients batched, the per-channel decays factored
+around sub-chunk reference points; it reads the offsets on the host, one sync a call: a
+CUDA-graph capture is refused before any work, `ops._dispatch.refuse_capture`). Correct, not
+fast (docs/linear_attention/NOTES.md "Kimi Delta Attention backward").
+
+KERNEL PATH (opt-in, `FORGEKERNEL_KDA_BWD_KERNEL=1`; default OFF until its GPU check passes:
+tests/gpu/test_kda_bwd_kernel_path_gpu.py, NOTES.md "KDA backward on kernel 1"): `_backward_kernel`
+runs both sequential recurrences on Gated DeltaNet's kernel 1 (kernels/linear_attention/
+gdn_bwd_state/sm90, its `channel_decay` variant: e^(G_C) per key channel) as GDN's path does
+(ops/gated_delta_rule_bwd.py): the forward's chunk states h and U = u - W h (the kernel fed
+`reference.gdn_bwd_state.forward_state_tiles`), then the reverse recurrence (dU, dh, the initial
+state's gradient); everything else is batched torch over every chunk at once: the sub-chunked
+factors (reference/kda_bwd.py's `_Factors`: no e^(-G), g down to about -5 a step), the 16-bit
+tiles, pass 3's output side on kernel 2 (kernels/linear_attention/kda_bwd_chunk/sm90,
+`reference.kda_bwd_chunk` its model: `_output_grads` with KDA's per-channel dG finished on
+chip; CHUNK_IN_KERNEL = False: reference/kda_bwd.py's `_output_grads` in torch, the fallback),
+the WY half (`_wy_grads`) in torch, scale, l2norm, the group sum. Equal lengths known on the host
+(the explicit backward without cu_seqlens, one sequence, autograd of a call without cu_seqlens:
+the forward notes its offsets in Gated DeltaNet's registry,
+`gated_delta_rule_chunked.equal_lengths`) run with no host read (CUDA-graph capturable);
+several sequences behind a caller's cu_seqlens have their offsets read on the host (one sync,
+as the interim path's): equal lengths take the kernel path, unequal ones the interim path
+(`_backward_eager`).
 
 `kimi_delta_attention_backward` is the same backward for callers with their own autograd and
 for the suite's backward timing.
@@ -24,13 +42,40 @@ for the suite's backward timing.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.config import HEAD_DIMS
+from forgekernel.ops import gated_delta_rule_chunked as gdn_fwd
 from forgekernel.ops import kda_chunked as fwd
 from forgekernel.ops._dispatch import refuse_capture
 from forgekernel.ops._dispatch import traced as _traced
-from forgekernel.ops._validate import check_cuda, check_shaped
-from forgekernel.reference.kda_bwd import kimi_delta_attention_chunked_backward
+from forgekernel.ops._validate import (
+    check_bools,
+    check_cuda,
+    check_same_device,
+    check_scale,
+    check_shaped,
+)
+from forgekernel.reference.delta_rule_bwd import _l2norm, _l2norm_backward
+from forgekernel.reference.gdn_bwd_state import (
+    CHUNK,
+    chunk_decay,
+    chunk_factors,
+    forward_state_tiles,
+    forward_states,
+    to_chunks,
+    to_tokens,
+)
+from forgekernel.reference.kda_bwd import (
+    TOKEN_HEADS_PER_PASS,
+    _Factors,
+    _output_grads,
+    _wy_grads,
+    kimi_delta_attention_chunked_backward,
+)
+from forgekernel.reference.kda_bwd_chunk import chunk_grad_tiles
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 NOT_CAPTURABLE = (
@@ -53,6 +98,116 @@ def _backward_interim(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, 
     return (*flat, grads[5].contiguous())
 
 
+KERNEL_SWITCH = "FORGEKERNEL_KDA_BWD_KERNEL"
+TILE_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _state_recurrence(do, pt, ke, qe, w, e_last, d_final_state):
+    """Kernel 1, dh variant, e_last (B, NC, HV, K) per key channel (`channel_decay`): (dU (B, T,
+    HV, V), dh = dS^T per chunk end (B, NC, HV, V, K), dS at the start (B, HV, K, V)), fp32.
+    The CPU tests put the tile emulation here."""
+    from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.launch import gdn_bwd_state
+
+    return gdn_bwd_state(do, pt, ke, qe, w, e_last, d_final_state)
+
+
+# Pass 3's output side (`_output_grads`) on kernel 2 (kernels/linear_attention/kda_bwd_chunk/sm90)
+# on the kernel path; False: batched torch (the fallback if kernel 2 misbehaves on the GPU). The
+# WY half (`_wy_grads`) is torch either way.
+CHUNK_IN_KERNEL = True
+
+
+def _chunk_grads(do, u, du, q, k, h, dh, big_g):
+    """Kernel 2 (`_output_grads` on WGMMA, every chunk at once): (dq, dk, dw, dG (B, T, HV, K),
+    dG reverse-cumsummed within the chunk) fp32 from `chunk_grad_tiles`' inputs. The CPU tests
+    put the tile emulation here."""
+    from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90.launch import kda_bwd_chunk
+
+    return kda_bwd_chunk(do, u, du, q, k, h, dh, big_g)
+
+
+def _kernel_path(q, v) -> bool:
+    """The switch is on and the call fits kernel 1: 16-bit, (K, V) = (128, 128), at least one
+    token and head."""
+    return (os.environ.get(KERNEL_SWITCH) == "1" and q.shape[0] > 0 and v.shape[1] > 0
+            and q.dtype in TILE_DTYPES and (q.shape[2], v.shape[2]) in HEAD_DIMS)  # fmt: skip
+
+
+def _chunk_pass(qs, ks, v, g, beta, do, h0, dht):
+    """Value heads of one pass, everything per value head: qs (scaled), ks (B, T, HV, K), v, do
+    (B, T, HV, V), g (B, T, HV, K), beta (B, T, HV) fp32 except do (16-bit: the tiles' dtype);
+    h0, dht (B, HV, K, V) fp32 or None -> (dqs, dks (B, T, HV, K), dv, dg (B, T, HV, K), dbeta,
+    dh0) fp32."""
+    t, dtype = qs.shape[1], do.dtype
+    f = chunk_factors(qs, ks, v, g, beta, _Factors)  # (B, NC, HV, C, ...) fp32, sub-chunked
+    nc = f.w.shape[1]
+    fw = forward_state_tiles(f, dtype)  # e^(G_C) (B, NC, HV, K): S <- diag(e^(G_C)) S + ...
+    du_fw, dh_fw, _ = _state_recurrence(*(fw[n] for n in ("do", "pt", "ke", "qe", "w")),
+                                        fw["e_last"], h0)  # fmt: skip
+    h, big_u = forward_states(du_fw, dh_fw)
+    del fw, du_fw, dh_fw  # the peak: free launch 1's tiles and outputs before launch 2's
+    do_c = to_chunks(do, nc)
+    tiles = (to_tokens(x.to(dtype)) for x in (f.p.transpose(-1, -2), f.ke, f.qe, f.w))
+    du_t, dh_t, dh0 = _state_recurrence(to_tokens(do_c), *tiles, chunk_decay(f), dht)
+    d_u = du_t.unflatten(1, (nc, CHUNK)).transpose(2, 3)
+    dh = dh_t.transpose(-1, -2)  # dS (K, V) at every chunk's end
+    del du_t
+    if CHUNK_IN_KERNEL:  # kernel 2: `_output_grads`, dG reverse-cumsummed within the chunk
+        tiles = chunk_grad_tiles(qs, ks, do, big_u, d_u, h, dh, g, dtype)
+        del h, dh, big_u, do_c
+        dq, dk, dw, dg = _chunk_grads(*tiles)
+        del tiles
+        dk_wy, dv, dbeta, dg_wy = _wy_grads(f, to_chunks(dw, nc), d_u)
+        dg_wy = dg_wy.flip(-2).cumsum(-2).flip(-2)  # the cumsum is linear: added after
+        wy = (to_tokens(x)[:, :t] for x in (dk_wy, dv, dg_wy, dbeta))
+        dk_wy, dv, dg_wy, dbeta = wy
+        return dq, dk + dk_wy, dv, dg + dg_wy, dbeta, dh0
+    dq, dk, dw, d_g = _output_grads(f, do_c.float(), h, dh, big_u, d_u)
+    del h, dh, big_u, do_c
+    dk_wy, dv, dbeta, dg_wy = _wy_grads(f, dw, d_u)
+    dg = (d_g + dg_wy).flip(-2).cumsum(-2).flip(-2)  # G = cumsum(g) within the chunk
+    grads = (to_tokens(x)[:, :t] for x in (dq, dk + dk_wy, dv, dg, dbeta))
+    return (*grads, dh0)
+
+
+def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm,
+                     batch) -> Grads:  # fmt: skip
+    """The backward on kernel 1 (module docstring): flat tensors as `_backward_interim`'s
+    holding `batch` sequences of equal length. Grouped heads: q / k (normalized, scaled)
+    repeated to the value heads before the factors, dq / dk summed over each group after;
+    value heads in passes of reference/kda_bwd.py's TOKEN_HEADS_PER_PASS token-heads (two
+    kernel launches a pass). Gated DeltaNet's `_backward_kernel` with KDA's `_chunk_pass` and
+    no k_last (the two drivers are one function once GDN's path stops changing)."""
+    b, h, hv = batch, q.shape[1], v.shape[1]
+    t, group = q.shape[0] // b, hv // h
+
+    def seq(x):
+        return x.reshape(b, t, *x.shape[1:])
+
+    qf, kf = seq(q).float(), seq(k).float()
+    qn, q_norm = _l2norm(qf) if l2norm else (qf, None)
+    kn, k_norm = _l2norm(kf) if l2norm else (kf, None)
+    v_side = [seq(v).float(), seq(g).float(), seq(beta).float(), seq(do)]
+    step = max(1, TOKEN_HEADS_PER_PASS // max(1, b * t * group))
+    parts = []
+    for first in range(0, h, step):  # passes over heads, not chunks
+        qh, vh = slice(first, first + step), slice(first * group, (first + step) * group)
+        qs = (qn[:, :, qh] * scale).repeat_interleave(group, dim=2)
+        ks = kn[:, :, qh].repeat_interleave(group, dim=2)
+        states = (None if x is None else x[:, vh].float().contiguous()
+                  for x in (initial_state, d_final))  # fmt: skip
+        parts.append(_chunk_pass(qs, ks, *(x[:, :, vh] for x in v_side), *states))
+    dqs, dks, dv, dg, dbeta, dh0 = (torch.cat(x, dim=1 if i == 5 else 2)
+                                    for i, x in enumerate(zip(*parts)))  # fmt: skip
+    dqn = dqs.unflatten(2, (h, group)).sum(3) * scale
+    dkn = dks.unflatten(2, (h, group)).sum(3)
+    dq = _l2norm_backward(qn, q_norm, dqn) if l2norm else dqn
+    dk = _l2norm_backward(kn, k_norm, dkn) if l2norm else dkn
+    flat = (x.flatten(0, 1).to(like.dtype) for x, like in zip((dq, dk, dv, dg, dbeta),
+                                                                (q, k, v, g, beta)))  # fmt: skip
+    return (*flat, dh0.contiguous())
+
+
 def _empty_grads(q, k, v, g, beta, cu_seqlens) -> Grads:
     n = cu_seqlens.shape[0] - 1
     state = q.new_empty(n, v.shape[1], q.shape[2], v.shape[2], dtype=torch.float32)
@@ -72,23 +227,55 @@ def _chunked_bwd_op(
     d_final: torch.Tensor | None,
     scale: float,
     l2norm: bool,
+    batch: int = 0,
 ) -> Grads:
+    return _backward_eager(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale,
+                           l2norm, batch)  # fmt: skip
+
+
+@_chunked_bwd_op.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, l2norm, batch=0):
+    return _empty_grads(q, k, v, g, beta, cu_seqlens)
+
+
+NOT_CAPTURABLE_VARLEN = (
+    "kimi_delta_attention's backward on kernel 1 reads varlen offsets on the host (are the "
+    "lengths equal? one sync a call; equal-length calls without cu_seqlens have none)"
+)
+
+
+def _equal_lengths_on_host(q, cu_seqlens) -> int:
+    """N when the N sequences behind cu_seqlens all have one nonzero length, else 0: read on
+    the host (one sync, as the interim path's; a CUDA-graph capture is refused first)."""
+    refuse_capture(NOT_CAPTURABLE_VARLEN, q)
+    edges = cu_seqlens.tolist()
+    lens = {z - a for a, z in zip(edges[:-1], edges[1:])}
+    return len(edges) - 1 if len(lens) == 1 and lens.pop() > 0 else 0
+
+
+def _backward_eager(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, l2norm,
+                    batch) -> Grads:  # fmt: skip
+    """With the switch on: `batch` > 0 (the offsets are `batch` equal lengths, known on the
+    host): the kernel path, no sync; else the offsets read on the host and, when the lengths
+    are equal (the suite's batch cases: B = 1 + cu_seqlens), the kernel path. Unequal lengths
+    take the interim path: kernel 1 reads equal-length (B, T, HV, D) tiles, and the padding to
+    the longest sequence that Gated DeltaNet's `_backward_varlen` does is not wired here."""
+    if _kernel_path(q, v):
+        batch = batch if batch > 0 else _equal_lengths_on_host(q, cu_seqlens)
+        if batch > 0:
+            return _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale,
+                                    l2norm, batch)  # fmt: skip
     return _backward_interim(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale,
                              l2norm)  # fmt: skip
 
 
-@_chunked_bwd_op.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, l2norm):
-    return _empty_grads(q, k, v, g, beta, cu_seqlens)
-
-
-def _backward(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale,
-              l2norm) -> Grads:  # fmt: skip
-    """Eager: the interim path directly; traced: the custom op."""
-    args = (q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, l2norm)
+def _backward(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, l2norm,
+              batch=0) -> Grads:  # fmt: skip
+    """Eager: the path directly; traced: the custom op."""
+    args = (q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, l2norm, batch)
     if _traced(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final):
         return torch.ops.forgekernel.kda_chunked_bwd(*args)
-    return _backward_interim(*args)
+    return _backward_eager(*args)
 
 
 # ---- autograd of the forward op --------------------------------------------------------------
@@ -99,12 +286,15 @@ def _setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
     ctx.flags = (scale, l2norm)
     ctx.has_state = initial_state is not None
+    n = cu_seqlens.shape[0] - 1  # one sequence, or offsets the wrapper made for B equal lengths
+    ctx.batch = 1 if n == 1 else gdn_fwd.equal_lengths(cu_seqlens)
 
 
 def _grad(ctx, do, d_final):
     q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
     do = torch.zeros_like(v) if do is None else do
-    grads = _backward(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, *ctx.flags)
+    grads = _backward(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, *ctx.flags,
+                      ctx.batch)  # fmt: skip
     dh0 = grads[5] if ctx.has_state else None
     return (*grads[:5], dh0, None, None, None)
 
@@ -133,6 +323,7 @@ def kimi_delta_attention_backward(
     ...)` given do (B, T, HV, V) in q's dtype and d_final_state (N, HV, K, V) fp32 or None.
     Arguments as `kimi_delta_attention`'s; the gradients come back shaped and typed as their
     inputs, d_initial_state fp32 (N, HV, K, V) (the zero state's when initial_state is None)."""
+    check_bools(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     fwd._validate(q, k, v, g, beta, initial_state, cu_seqlens, device_check=False)
     b, t, hv, dv = v.shape
     check_shaped("do", do, (b, t, hv, dv), (q.dtype,))
@@ -140,12 +331,15 @@ def kimi_delta_attention_backward(
     if d_final_state is not None:
         check_shaped("d_final_state", d_final_state, (n, hv, q.shape[3], dv), fwd.F32)
     check_cuda("q", q)
+    extra = {} if d_final_state is None else {"d_final_state": d_final_state}
+    check_same_device(q=q, do=do, **extra)
+    batch = b if cu_seqlens is None else int(n == 1)  # equal lengths known on the host
     if cu_seqlens is None:
         cu_seqlens = torch.arange(b + 1, dtype=torch.int32, device=q.device) * t
-    scale = float(q.shape[3] ** -0.5 if scale is None else scale)
+    scale = check_scale("scale", scale, q.shape[3] ** -0.5)
     flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v, g, beta, do)]
     grads = _backward(*flat[:5], initial_state, cu_seqlens.to(torch.int32), flat[5],
-                      d_final_state, scale, use_qk_l2norm_in_kernel)  # fmt: skip
+                      d_final_state, scale, use_qk_l2norm_in_kernel, batch)  # fmt: skip
     shaped = (x.reshape(b, t, *x.shape[1:]) for x in grads[:5])
     return (*shaped, grads[5])
 

@@ -29,6 +29,7 @@ import torch
 
 from forgekernel.kernels.linear_attention.kda_prefill.sm90 import launch as kda_sm90
 from forgekernel.kernels.linear_attention.kda_prefill.sm90.config import HEAD_DIMS
+from forgekernel.ops import gated_delta_rule_chunked as gdn_fwd
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._dispatch import wants_grad
 from forgekernel.ops._validate import (
@@ -94,6 +95,11 @@ def _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, l2norm, out=Non
     offsets = cu_seqlens.to(torch.int32)
     flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v, g, beta)]
     if wants_grad(*flat, initial_state) or _traced(*flat, initial_state, offsets, out):
+        if seq_len is not None and wants_grad(*flat, initial_state):
+            if not torch.compiler.is_compiling():
+                # eager: the backward finds B equal lengths without reading the offsets (its
+                # kernel path's capturable form, ops/kda_bwd.py; Gated DeltaNet's registry)
+                gdn_fwd._note_equal_lengths(offsets, b)
         o, final = torch.ops.forgekernel.kda_chunked(*flat, initial_state, offsets, scale, l2norm)
         if out is not None:
             o = out.copy_(o)

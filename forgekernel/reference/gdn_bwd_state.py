@@ -2,7 +2,12 @@
 gdn_bwd_state/sm90): its inputs, the chunk factors of reference/delta_rule_bwd.py in the
 kernel's token-major layouts, and its outputs, pass 2 of that reference (the reverse state
 recurrence). Fixed length only (B sequences of T tokens) and H = HV, as the kernel's first
-version."""
+version. The batched forms at the end (`to_chunks`, `chunk_factors`,
+`batched_state_pass_factors`, `forward_state_tiles`, `forward_states`: no chunk layout, no
+loop) are what the op's kernel path (ops/gated_delta_rule_bwd.py `_backward_kernel`) runs;
+given Kimi Delta Attention's factors (`reference.kda_bwd._Factors`, `factors=`) they give
+KDA's tiles, e^(G_C) then per key channel (B, NC, HV, K) (the kernel's `channel_decay`
+variant; ops/kda_bwd.py `_backward_kernel`)."""
 
 from __future__ import annotations
 
@@ -86,7 +91,8 @@ def reverse_state_pass(
     d_final_state: torch.Tensor | None,
     u: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """reference/delta_rule_bwd.py's pass 2 on the kernel's inputs (in their dtype): (dU (B, T,
+    """reference/delta_rule_bwd.py's pass 2 on the kernel's inputs (in their dtype; e^(G_C)
+    (B, NC, HV) or per key channel (B, NC, HV, K), reference/kda_bwd.py's): (dU (B, T,
     HV, V), dh = dS^T at every chunk's end (B, NC, HV, V, K) or, given U (B, T, HV, V), dke =
     U dh^T per token (B, T, HV, K) as pass 3 forms it, the initial state's gradient (B, HV, K,
     V)), the kernel's outputs."""
@@ -98,10 +104,12 @@ def reverse_state_pass(
     def chunks(x):
         return layout.gather(x.reshape(b * t, hv, -1).to(dtype))
 
+    e_last = factors["e_last"]  # (B, NC, HV) or per key channel (B, NC, HV, K)
+    e_last = e_last.unsqueeze(-1) if e_last.dim() == 3 else e_last
     f = SimpleNamespace(
         p=chunks(factors["pt"]).transpose(-1, -2), ke=chunks(factors["ke"]),
         qe=chunks(factors["qe"]), w=chunks(factors["w"]),
-        e_last=factors["e_last"].transpose(0, 1).reshape(-1, hv, 1).to(dtype),
+        e_last=e_last.transpose(0, 1).flatten(0, 1).to(dtype),
     )  # fmt: skip
     f.q = f.ke  # _reverse_states counts chunks by len(f.q)
     dht = do.new_zeros(b, hv, dk, dv, dtype=dtype) if d_final_state is None else d_final_state
@@ -112,3 +120,91 @@ def reverse_state_pass(
         dke = chunks(u) @ dh.transpose(-1, -2)  # pass 3's d(k e^(G_C - G))
         return du, layout.scatter(dke, b * t).reshape(b, t, hv, dk), dh0
     return du, _per_chunk(dh, b).transpose(-1, -2), dh0
+
+
+# ---- batched forms (no chunk layout, no loop): the op's kernel path (ops/gated_delta_rule_bwd)
+
+
+def to_chunks(x: torch.Tensor, nc: int) -> torch.Tensor:
+    """(B, T, HV, ...) -> (B, NC, HV, C, ...), zero rows past T (the reference's padding)."""
+    b, t = x.shape[:2]
+    padded = x.new_zeros(b, nc * CHUNK, *x.shape[2:])
+    padded[:, :t] = x
+    return padded.unflatten(1, (nc, CHUNK)).transpose(2, 3)
+
+
+def to_tokens(x: torch.Tensor) -> torch.Tensor:
+    """(B, NC, HV, C, ...) -> (B, NC C, HV, ...), contiguous (the kernel's token-major tiles)."""
+    return x.transpose(2, 3).flatten(1, 2).contiguous()
+
+
+def chunk_factors(q, k, v, g, beta, factors=_Factors):
+    """reference/delta_rule_bwd.py's `_Factors` (or `factors`: reference/kda_bwd.py's, g
+    (B, T, HV, K)) of every chunk of B equal-length sequences at once: q (scaled, normalized),
+    k (B, T, HV, K), v (B, T, HV, V), g, beta (B, T, HV) -> pieces shaped (B, NC, HV, C, ...)
+    (the classes broadcast over leading dimensions)."""
+    nc = -(-q.shape[1] // CHUNK)
+    return factors(*(to_chunks(x, nc) for x in (q, k, v, g, beta)))
+
+
+def chunk_decay(f) -> torch.Tensor:
+    """e^(G_C) as kernel 1 reads it: (B, NC, HV) from Gated DeltaNet's factors (e_last (..., 1),
+    e_g (..., C)), (B, NC, HV, K) from Kimi Delta Attention's (e_last (..., K), e_g (..., C,
+    K))."""
+    per_channel = f.e_g.dim() == f.k.dim()
+    return (f.e_last if per_channel else f.e_last[..., 0]).contiguous()
+
+
+def batched_state_pass_factors(q, k, v, g, beta, *, scale=None, dtype=torch.float32,
+                               factors=_Factors):  # fmt: skip
+    """`state_pass_factors` without the chunk layout's gathers: the same dict, same layouts
+    (`factors`: as `chunk_factors`; KDA's e_last is (B, NC, HV, K))."""
+    b, t, _, dk = q.shape
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    f = chunk_factors(q * _scale(scale, dk), k, v, g, beta, factors)
+    shaped = {name: to_tokens(x)[:, :t]
+              for name, x in (("pt", f.p.transpose(-1, -2)), ("ke", f.ke), ("qe", f.qe),
+                              ("w", f.w))}  # fmt: skip
+    shaped["e_last"] = chunk_decay(f)
+    return shaped
+
+
+def forward_state_tiles(f: _Factors, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Kernel 1's inputs that make its reverse recurrence run the FORWARD one (pass 1: the
+    state h at every chunk's start and U = u - W h). The kernel computes, chunk by chunk from
+    the last, X = P' Y + K' Z and Z <- e Z + Q'^T Y - W'^T X; with Y = u, P' = I, K' = -W,
+    Q' = 0, W' = -Ke and the chunks in reverse order (chunk NC - 1 - j in slot j) that is
+    U = u - W S, S <- e^(G_C) S + Ke^T U from the first chunk, Z starting at the initial
+    state (its d_final_state input). Outputs: dU = U, dh[slot] = S^T at chunk NC - 1 - slot's
+    start, dh0 = the final state. Token-major (B, NC C, HV, ...) in `dtype`, e_last fp32 (per
+    key channel from KDA's factors: S <- diag(e^(G_C)) S + Ke^T U)."""
+    b, nc, hv, c, dk = f.w.shape
+    eye = torch.eye(c, dtype=dtype, device=f.w.device).expand(b, nc, hv, c, c)
+    tiles = {"do": f.u, "pt": eye, "ke": -f.w, "qe": torch.zeros_like(f.w), "w": -f.ke}
+    out = {n: to_tokens(x.flip(1).to(dtype)) for n, x in tiles.items()}
+    out["e_last"] = chunk_decay(f).flip(1).float().contiguous()
+    return out
+
+
+def forward_states(du: torch.Tensor, dh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel 1's outputs on `forward_state_tiles` -> (h (B, NC, HV, K, V) the state at every
+    chunk's start, U (B, NC, HV, C, V)), chunks back in order."""
+    nc = dh.shape[1]
+    u = du.unflatten(1, (nc, CHUNK)).transpose(2, 3).flip(1)
+    return dh.flip(1).transpose(-1, -2), u
+
+
+def out16_forms(
+    du: torch.Tensor, dh: torch.Tensor, dtype: torch.dtype, forward: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel 1's `out16` outputs from its fp32 ones (dU (B, T, HV, V), dh = dS^T (B, NC, HV, V,
+    K)): (dU, dS (B, NC, HV, K, V)) in `dtype`, kernel 2's forms (dS rounded once, as the
+    kernel stores the 16-bit A operand it feeds the next product). `forward` (the forward
+    launch, chunks arriving reversed): the outputs of the chunk the kernel processes c-th (slot
+    NC - 1 - c) land at chunk c, i.e. both flipped over the chunks (dU's rows past T: the zero
+    padding); on `forward_state_tiles` that is U and h (`forward_states`) in 16 bits."""
+    t, nc = du.shape[1], dh.shape[1]
+    ds, du = dh.transpose(-1, -2).to(dtype), du.to(dtype)
+    if forward:
+        ds, du = ds.flip(1), to_tokens(to_chunks(du, nc).flip(1))[:, :t]
+    return du.contiguous(), ds.contiguous()

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from forgekernel.kernels.conv.sm90 import launch
-from forgekernel.kernels.conv.sm90.config import CANDIDATES, STANDARD_CONFIGS
+from forgekernel.kernels.conv.sm90.config import CANDIDATES, STANDARD_CONFIGS, TALL
 from forgekernel.kernels.conv.sm90.dgrad_config import FUSED_BASE, FusedPlan
 from forgekernel.kernels.conv.sm90.wgrad_config import WGRAD_CONFIGS, WGRAD_REDUCE_CONFIGS
 from forgekernel.reference.conv import conv_dgrad_ref, conv_ref, conv_wgrad_ref
@@ -29,6 +29,9 @@ from forgekernel.reference.conv import conv_dgrad_ref, conv_ref, conv_wgrad_ref
 pytestmark = pytest.mark.gpu
 op = importlib.import_module("forgekernel.ops.conv")
 DTYPES = [torch.bfloat16, torch.float16]
+# the forward's tiles: the standard ones, the K = 128 conv3d layers' 256x128 (forward only: not in
+# STANDARD_CONFIGS, which the data-gradient mode shares) and the candidates
+FORWARD_TILES = STANDARD_CONFIGS + (TALL,) + CANDIDATES
 
 
 def rnd(*shape, dtype=torch.bfloat16, gen=None):
@@ -42,7 +45,7 @@ def assert_good(ours, want, low):
     assert torch.isfinite(ours).all() and err <= bound, (err, bound)
 
 
-@pytest.mark.parametrize("cfg", STANDARD_CONFIGS + CANDIDATES, ids=lambda c: c.tag())
+@pytest.mark.parametrize("cfg", FORWARD_TILES, ids=lambda c: c.tag())
 def test_every_tile_on_a_ragged_problem(cfg):
     """M = 2 x 13 x 11 pixels, K = 200 output channels, C = 72 (a part-filled channel block)."""
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -54,7 +57,7 @@ def test_every_tile_on_a_ragged_problem(cfg):
     assert_good(y, conv_ref(x, w, b, padding=1), F.conv2d(x, w, b, padding=1))
 
 
-@pytest.mark.parametrize("cfg", STANDARD_CONFIGS + CANDIDATES, ids=lambda c: c.tag())
+@pytest.mark.parametrize("cfg", FORWARD_TILES, ids=lambda c: c.tag())
 @pytest.mark.parametrize(
     "x_shape, f, kw, rect",
     [

@@ -14,7 +14,10 @@ The standard build is xchg4s (S^T in one warpgroup, dP^T in the other; dkv by
 red.global.add.v4.f32 from a staging in the tile's released stage) at both blocks; on every bf16
 case also the candidate red4s (S^T / dP^T split over the heads: the standard form before
 2026-12-04 04:23) and the fragments' red.global.add.v2 alone (the builds' test ids:
-standard-bf16, standard-fp16, red4s, v2; e.g. `-k red4s`). Then the op with
+standard-bf16, standard-fp16, red4s, v2; e.g. `-k red4s`). The bench variant h64 (launcher
+h64=True: kernel_h64.py's kv and dq parts, 64 heads a CTA) on its own cases (`-k h64`): H 64 /
+128, top-k 64, 100, 1000 and 2048 (not multiples of 64 among them), the suite's shapes cut to
+64 / 32 tokens (the bench verifies the whole ones), bf16 and fp16. Then the op with
 FORGEKERNEL_DSA_BWD_KERNEL=1 against its interim path."""
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import launch
+from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import config, launch
 from forgekernel.reference.dsa import dsa_sparse_attention_bwd_ref, dsa_sparse_attention_ref
 
 pytestmark = pytest.mark.gpu
@@ -84,13 +87,44 @@ BUILDS = [  # dtype, xchg, red4s (None: the standard form: xchg4s, xchg with red
 def test_kernel_matches_fp64(dtype, xchg, red4s, tokens, heads, topk, slots, sink, dlse):
     if dtype is torch.float16 and (tokens, heads) not in ((7, 16), (7, 64)):
         pytest.skip("fp16 on the 7-token 16 / 64-head cases")
+    _check(dtype, tokens, heads, topk, slots, sink, dlse, xchg=xchg, red4s=red4s)
+
+
+H64_CASES = [  # tokens, heads, topk, slots, sink, dlse
+    (1, 64, 64, 100, False, False),
+    (7, 64, 100, 500, True, True),
+    (130, 64, 2048, 4000, False, False),
+    (7, 128, 64, 200, False, True),
+    (1, 128, 2048, 3000, True, False),
+    (5, 128, 1000, 3000, True, True),
+    (64, 64, 2048, 16384, True, False),  # the suite's t4096-h64-kv16384-k2048, 64 tokens
+    (32, 64, 512, 65536, True, False),  # t16384-h64-kv65536-k512
+    (64, 128, 2048, 8192, True, False),  # t4096-h128-kv8192-k2048
+    (3, 256, 100, 500, True, True),  # the dq part's second 128-head block (grid.y >= 3)
+    (3, 192, 130, 500, False, True),  # the dq part at 64 heads, three head blocks
+    (3, 64, 20, 100, True, False),  # topk < 64: one partial tile
+]
+
+
+@pytest.mark.parametrize("tokens,heads,topk,slots,sink,dlse", H64_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["h64-bf16", "h64-fp16"])
+def test_h64_matches_fp64(dtype, tokens, heads, topk, slots, sink, dlse):
+    if dtype is torch.float16 and tokens > 7:
+        pytest.skip("fp16 on the small cases")
+    # the dS workspace poisoned: a cell the kv part leaves unwritten turns dq non-finite
+    rows = config.h64_workspace_rows(topk)
+    ws = torch.full((tokens, rows, heads), float("nan"), dtype=dtype, device="cuda")
+    _check(dtype, tokens, heads, topk, slots, sink, dlse, h64=True, h64_ws=ws)
+
+
+def _check(dtype, tokens, heads, topk, slots, sink, dlse, **forms):
     q, kv, idx, dout, s, d = _problem(tokens, heads, topk, slots, dtype, sink=sink, dlse=dlse,
                                       seed=tokens * heads + topk)  # fmt: skip
     clean, out, lse = _forward(q, kv, idx, s, dtype)
     assert launch.unsupported(q, kv, idx) is None
     dq = torch.full_like(q, float("nan"))
     dq, dkv, d_sink = launch.dsa_sparse_bwd(q, kv, dout, out, lse, d, s, idx, SCALE, dq=dq,
-                                            xchg=xchg, red4s=red4s)  # fmt: skip
+                                            **forms)  # fmt: skip
     torch.cuda.synchronize()
     kw = {"attn_sink": s, "out": out, "lse": lse, "dlse": d}
     want = dsa_sparse_attention_bwd_ref(q, kv, clean, SCALE, dout, dtype=torch.float64, **kw)

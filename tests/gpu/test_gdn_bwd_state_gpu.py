@@ -5,7 +5,9 @@ end) and the initial state's gradient, outputs NaN-poisoned before the call (a r
 does not write fails). Lengths 1, 63, 64, 65, 200, 1000 (tail chunks zero-filled by TMA), 1-3
 sequences, 2-4 heads, with / without a final-state gradient, bf16 and fp16; one long sequence;
 more CTAs than SMs; misaligned inputs (the launcher's copies); the time of a call at 4 x 8192
-HV 32 printed (`-s`).
+HV 32 printed (`-s`). The `out16` variant (dU and dS (K, V) a chunk in 16 bits, kernel 2's
+forms) and the `forward` one (P^T = I and Qe = 0 built in, outputs in chunk order: the op's
+forward launch) against the same model converted by `reference.gdn_bwd_state.out16_forms`.
 
 Tolerance: each output within 1e-2 of its reference's largest entry. The kernel rounds dS^T
 and -dU^T to 16 bits as register A operands; tests/test_gdn_bwd_state.py's tile emulation of
@@ -23,6 +25,7 @@ from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.launch import (
 )
 from forgekernel.reference.gdn_bwd_state import (
     corrected_values,
+    out16_forms,
     reverse_state_pass,
     state_pass_factors,
 )
@@ -72,6 +75,45 @@ def _check(do, tiles, e_last, dht):
     return got
 
 
+def _check16(do, tiles, e_last, dht, forward=False):
+    """`out16` (`forward`: pt, qe not passed; the model's are I and 0): dU, dS in do's dtype
+    against the fp64 model's, converted (`out16_forms`), dh0 fp32; outputs NaN-poisoned."""
+    if forward:
+        b, t, hv, _ = do.shape
+        nc = -(-t // 64)
+        eye = torch.eye(64, device=do.device, dtype=do.dtype).view(1, 1, 64, 1, 64)
+        pt = eye.expand(b, nc, 64, hv, 64).reshape(b, nc * 64, hv, 64)[:, :t]
+        tiles = tiles | {"pt": pt, "qe": torch.zeros_like(tiles["qe"])}
+    out = tuple(x.fill_(float("nan")) for x in empty_outputs(do, 128, out16=True))
+    passed = [None if forward and n in ("pt", "qe") else tiles[n] for n in TILES]
+    got = gdn_bwd_state(do, *passed, e_last, dht, out=out, out16=True, forward=forward)
+    torch.cuda.synchronize()
+    assert got[0].dtype == got[1].dtype == do.dtype and got[2].dtype == torch.float32
+    ref_factors = {n: x.double() for n, x in tiles.items()} | {"e_last": e_last.double()}
+    du, dh, dh0 = reverse_state_pass(ref_factors, do.double(),
+                                     None if dht is None else dht.double())  # fmt: skip
+    du, ds = out16_forms(du, dh, torch.float64, forward)
+    for name, a, r in zip(("dU", "dS", "dh0"), got, (du, ds, dh0)):
+        _close(name, a, r)
+    return got
+
+
+@pytest.mark.parametrize("t", [1, 63, 64, 65, 200, 1000])
+@pytest.mark.parametrize(("b", "h"), [(1, 2), (3, 4)])
+@pytest.mark.parametrize("with_dht", [False, True])
+@pytest.mark.parametrize("forward", [False, True])
+def test_out16_variants(t, b, h, with_dht, forward):
+    _check16(*_problem(b, t, h, torch.bfloat16, seed=3 * t + b, with_dht=with_dht),
+             forward=forward)  # fmt: skip
+
+
+@pytest.mark.parametrize("forward", [False, True])
+def test_out16_fp16_long(forward):
+    """fp16, one sequence of 8192 tokens (128 chunks on one CTA), and more CTAs than SMs."""
+    _check16(*_problem(1, 8192, 2, torch.float16, seed=9), forward=forward)
+    _check16(*_problem(5, 130, 32, torch.bfloat16, seed=10), forward=forward)
+
+
 @pytest.mark.parametrize("t", [1, 63, 64, 65, 200, 1000])
 @pytest.mark.parametrize(("b", "h"), [(1, 2), (2, 3), (3, 4)])
 @pytest.mark.parametrize("with_dht", [False, True])
@@ -111,6 +153,26 @@ def test_misaligned_inputs():
     for n, x in tiles.items():
         shifted[n].copy_(x)
     _check(do, shifted, e_last, dht)
+
+
+@pytest.mark.parametrize("forward", [False, True])
+def test_out16_time_at_bench_size(forward):
+    """4 x 8192 HV 32, `out16` (`forward`: the op's forward launch): the time printed (the
+    prediction: NOTES.md "GDN backward: the torch glue"; out16 ~0.55-0.6 ms, forward
+    ~0.4-0.45 ms), one sequence's worth checked."""
+    do, tiles, e_last, dht = _problem(4, 8192, 32, torch.bfloat16, seed=8)
+    passed = [None if forward and n in ("pt", "qe") else tiles[n] for n in TILES]
+    out = empty_outputs(do, 128, out16=True)
+
+    def call():
+        return gdn_bwd_state(do, *passed, e_last, dht, out=out, out16=True, forward=forward)
+
+    ms = median(time_ms(call))
+    print(f"\ngdn_bwd_state 4 x 8192 HV32 bf16 out16{' forward' if forward else ''}: "
+          f"{ms:.3f} ms a call")  # fmt: skip
+    one = (do[:1, :, :4], {n: x[:1, :, :4] for n, x in tiles.items()}, e_last[:1, :, :4],
+           dht[:1, :4])  # fmt: skip
+    _check16(*one, forward=forward)
 
 
 @pytest.mark.parametrize("dke", [False, True])

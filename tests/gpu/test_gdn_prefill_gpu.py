@@ -237,3 +237,43 @@ def test_tensor_core_inverse(dtype, split, lens, h, hv, l2norm, with_state, deca
     assert torch.isfinite(o).all() and torch.isfinite(final).all()
     _close(o[None], want_o, 2e-2)
     _close(final, want_s, STATE_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("lens", "h", "hv", "k_last", "with_state", "decay"),
+    [
+        ([1000, 0, 130], 2, 4, False, True, None),  # empty sequence, pieces past the end
+        ([2048], 4, 8, True, True, 0.0),  # nothing forgotten: M far from 0
+        ([777], 1, 2, False, False, None),
+    ],
+)
+def test_segments_match_the_recurrence(monkeypatch, dtype, lens, h, hv, k_last, with_state,
+                                       decay):  # fmt: skip
+    """Few long sequences cut into segments (launch._segmented: passes A and B, the scan, pass
+    C; here on short sequences by lowered thresholds): o and the final state within the direct
+    launch's bounds; fp16 too (pass B's state 64 I: its U and o stay in range)."""
+    monkeypatch.setattr(prefill_launch, "SEGMENT_MIN_TOKENS", 64)
+    q, k, v, g, beta, state, cu = _inputs(lens, h, hv, dtype, seed=31)
+    if decay is not None:
+        g = torch.full_like(g, decay)
+    n = len(lens)
+    assert prefill_launch.segments_for(n, hv, sum(lens), prefill_launch._sms(q.device)) > 1
+    _check(q, k, v, g, beta, state, cu, k_last=k_last, with_state=with_state)
+
+
+def test_segments_in_a_cuda_graph():
+    """The suite's 1 x 131072 hv16 class (segments_for: 9 on an H200) at 16384 tokens: the
+    segmented op captured in a CUDA graph (device-side offsets, no host sync) replays to the
+    eager result, which matches the recurrence."""
+    q, k, v, g, beta, state, cu = _inputs([16384], 16, 16, torch.bfloat16, seed=32)
+    assert prefill_launch.segments_for(1, 16, 16384, prefill_launch._sms(q.device)) == 9
+    o, final = _check(q, k, v, g, beta, state, cu)
+    kw = {"initial_state": state, "output_final_state": True, "cu_seqlens": cu.int()}
+    op.gated_delta_rule(q, k, v, g, beta, **kw)  # warm: compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got_o, got_final = op.gated_delta_rule(q, k, v, g, beta, **kw)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got_o, o) and torch.equal(got_final, final)

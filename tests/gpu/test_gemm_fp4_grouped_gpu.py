@@ -80,3 +80,35 @@ def test_fp8_weight_gemm_agrees_on_the_same_problem():
     real = inputs["m_indices"] >= 0
     rel = (ours[real].float() - theirs[real].float()).norm() / theirs[real].float().norm()
     assert float(rel) < 5e-2
+
+
+# ---------------------------------------------------------------- the opt-in forms
+FORMS = {"staged": False, "converter": 1, "converter2": 2}  # `run_form`'s converter
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_opt_in_form_matches_the_reference(case, form):
+    """The opt-in forms (docs/gemm/NOTES.md "FP4 at 16-96 tokens") on the contiguous layout's
+    default tile, every check and sanitize case."""
+    inputs = _inputs(case, seed=0)
+    run = lambda i, o: suite_module.run_form(i, o, FORMS[form])  # noqa: E731
+    _, cmps = verify(SUITE, inputs, CUDA, run=run)
+    assert all(c.ok for c in cmps), [c.message for c in cmps]
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_opt_in_form_gives_the_standard_bits_and_leaves_padding(form):
+    """Same products, same promotion order: the form's rows equal the standard's bit for bit,
+    padding rows keep their sentinel."""
+    inputs = _inputs(MIXED, seed=5)
+    a, b = inputs["a"], inputs["b"]
+    outs = []
+    for run in (suite_module.run_ours, lambda i, o: suite_module.run_form(i, o, FORMS[form])):
+        out = torch.full((a.shape[0], b.shape[1]), SENTINEL, dtype=torch.bfloat16, device=CUDA)
+        run(inputs, suite_module._rows(inputs, out))
+        outs.append(out)
+    torch.cuda.synchronize()
+    padding = inputs["m_indices"] < 0
+    assert bool(outs[1][padding].isnan().all())
+    assert torch.equal(outs[0][~padding], outs[1][~padding])

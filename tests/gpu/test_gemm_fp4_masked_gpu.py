@@ -170,3 +170,72 @@ def test_fp8_weight_gemm_agrees_on_the_same_problem():
     torch.cuda.synchronize()
     rel = (ours.float() - theirs.float()).norm() / theirs.float().norm()
     assert float(rel) < 5e-2
+
+
+# ---------------------------------------------------------------- the opt-in forms
+FORMS = {"staged": False, "converter": 1, "converter2": 2}  # `_run_staged`'s converter
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize(
+    "case, dtype",
+    [pytest.param(c, d, id=f"{c.name}-{dtype_name(d)}") for c in CASES for d in SUITE.dtypes],
+)
+def test_opt_in_form_matches_the_reference(case, dtype, form):
+    """The opt-in forms (`staged_sa`: the tokens' activation scales staged in the ring by the
+    producer lanes' cp.async; `converter`: a converter warpgroup widening into shared memory,
+    the MMAs' A from there) on the chooser's tile of every check and sanitize case."""
+    from forgekernel.kernels.gemm.fp4.sm90.config import choose_tokens
+
+    inputs = _inputs(case, dtype, seed=0)
+    h = choose_tokens(inputs["expected_m"])
+    run = lambda i, o: suite_module._run_staged(i, o, h, FORMS[form])  # noqa: E731
+    _, cmps = verify(SUITE, inputs, CUDA, run=run)
+    assert all(c.ok for c in cmps), [c.message for c in cmps]
+
+
+def _forced(inputs, form, tokens):
+    """The output (E, max_m, N), SENTINEL past the counts, of the standard (form None) or an
+    opt-in form on `tokens` per tile."""
+    a, b = inputs["a"], inputs["b"]
+    out = torch.full((*a.shape[:2], b.shape[1]), SENTINEL, dtype=torch.bfloat16, device=CUDA)
+    views = tuple(out[e, :c] for e, c in enumerate(inputs["counts"]))
+    if form is None:
+        suite_module._run(inputs, views, suite_module.expected_for(tokens))
+    else:
+        suite_module._run_staged(inputs, views, tokens, FORMS[form])
+    return out
+
+
+BITS_CASE = suite_module._case(4, 384, 2048, counts=(130, 0, 7, 136), max_m=136)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("tokens", [8, 16, 32, 64])
+def test_opt_in_form_gives_the_standard_bits_and_leaves_other_rows(tokens, form):
+    """Same products, same promotion order: each opt-in form's every counted value equals the
+    standard's bit for bit on the same tile (experts above the tile, an empty one, a count of
+    max_m), and rows past the counts keep their sentinel. (converter: WGMMA with A from shared
+    memory against A from registers, the same e4m3 values: predicted equal.)"""
+    inputs = _inputs(BITS_CASE, seed=9)
+    want = _forced(inputs, None, tokens)
+    got = _forced(inputs, form, tokens)
+    torch.cuda.synchronize()
+    _check(inputs, got, inputs["counts"])
+    assert torch.equal(want, got)
+
+
+@pytest.mark.parametrize("dtype", SUITE.dtypes, ids=dtype_name)
+def test_converter_96_tokens_a_tile(dtype):
+    """The converter form's own tile (96 tokens: experts of 130, 0, 7, 136 rows take 2, 0, 1,
+    2 token tiles) against the reference on the check cases with more than 64 tokens an
+    expert, and rows past the counts left alone."""
+    inputs = _inputs(BITS_CASE, seed=10)
+    got = _forced(inputs, "converter", 96)
+    torch.cuda.synchronize()
+    _check(inputs, got, inputs["counts"])
+    for case in (c for c in CASES if max(suite_module.expert_counts(c.params)) > 64):
+        data = _inputs(case, dtype, seed=11)
+        run = lambda i, o: suite_module._run_staged(i, o, 96, True)  # noqa: E731
+        _, cmps = verify(SUITE, data, CUDA, run=run)
+        assert all(c.ok for c in cmps), (case.name, [c.message for c in cmps])

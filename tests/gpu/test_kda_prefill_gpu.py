@@ -142,7 +142,7 @@ def test_kernel_equals_its_replay(split):
     for fn in (get_kernel(SPEC, params),
                replay.kernel({"initial_state": True})):  # fmt: skip
         o, s = torch.zeros_like(v), torch.empty_like(h0)
-        fn(*args, o, s)
+        fn(*args, o, s, None)  # mWarm: the warm-up form off (its key's `warmup`)
         torch.cuda.synchronize()
         outs.append((o, s))
     (o, s), (o_r, s_r) = outs
@@ -380,3 +380,85 @@ def test_first_pass_rows_past_the_end_are_zero():
         assert not x[5:64].any() and not x[64 + 64 + 6 : 64 * 3].any(), name
         if name in ("t_beta", "p"):  # columns past the end too
             assert not x[:5, :, 5:].any(), name
+
+
+def _segmented(q, k, v, g, beta, init, cu, parts, kind="segments"):
+    """The launcher with the recurrence over `parts` segments (or pieces) a sequence (opt-in)."""
+    launch = importlib.import_module("forgekernel.kernels.linear_attention.kda_prefill.sm90.launch")
+    n, hv = cu.numel() - 1, v.shape[2]
+    out = torch.empty_like(v[0])
+    final = torch.empty(n, hv, 128, 128, device="cuda")
+    launch.kda_prefill(q[0], k[0], v[0], g[0], beta[0], init, cu.to(torch.int32), out, final,
+                       128**-0.5, l2norm=False, **{kind: parts})  # fmt: skip
+    return out[None], final
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("strong", [False, True])
+@pytest.mark.parametrize("state", [True, False])
+def test_segments_match_the_recurrence(dtype, strong, state):
+    """The recurrence over segments (launch._segmented: A, B from 64 I, the scan, C; the first
+    pass once): o and the final state against the fp64 recurrence, partial chunks, an empty
+    sequence, a sequence shorter than its segments; fp16 too (pass B's 64 I in range)."""
+    lens = [1000, 0, 70, 3000]
+    q, k, v, g, beta, h0, cu = _inputs(lens, 2, 4, dtype, seed=41, strong=strong)
+    init = h0 if state else None
+    o_ref, s_ref = kimi_delta_attention_recurrent(
+        q, k, v, g, beta, initial_state=init, output_final_state=True, cu_seqlens=cu
+    )
+    for parts in (3, 9):
+        o, s = _segmented(q, k, v, g, beta, init, cu, parts)
+        _close(o, o_ref, TOL)
+        _close(s, s_ref, TOL)
+
+
+def test_segments_in_a_cuda_graph():
+    """The suite's 1 x 32768 hv16 variant (segments_9) at 8192 tokens: captured in a CUDA graph
+    (offsets and segment tables on the device, no host sync), the replay equals the eager
+    call."""
+    q, k, v, g, beta, h0, cu = _inputs([8192], 16, 16, torch.bfloat16, seed=42)
+    o, s = _segmented(q, k, v, g, beta, h0, cu, 9)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got_o, got_s = _segmented(q, k, v, g, beta, h0, cu, 9)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got_o, o) and torch.equal(got_s, s)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("decay", ["mild", "strong", "weak"])
+@pytest.mark.parametrize("state", [True, False])
+def test_pieces_match_the_recurrence(dtype, decay, state):
+    """Pieces after warm-up chunks (launch._pieces, the `warmup` kernel): o and the final state
+    against the fp64 recurrence; weak decays (g ~ -0.01: every piece falls back to its
+    sequence's start) as the direct launch."""
+    lens = [1000, 0, 70, 3000]
+    q, k, v, g, beta, h0, cu = _inputs(lens, 2, 4, dtype, seed=43, strong=decay == "strong")
+    if decay == "weak":
+        g = torch.full_like(g, -0.01)
+    init = h0 if state else None
+    o_ref, s_ref = kimi_delta_attention_recurrent(
+        q, k, v, g, beta, initial_state=init, output_final_state=True, cu_seqlens=cu
+    )
+    o1, s1 = _segmented(q, k, v, g, beta, init, cu, 1)
+    for parts in (3, 8):
+        o, s = _segmented(q, k, v, g, beta, init, cu, parts, "pieces")
+        _close(o, o_ref, TOL)
+        _close(s, s_ref, TOL)
+        if decay == "weak":  # the same math (the V split may differ: not asked bitwise)
+            _close(o, o1, 1e-3)
+            _close(s, s1, 1e-3)
+
+
+def test_pieces_in_a_cuda_graph():
+    """pieces_8 at 1 x 8192 hv16 captured in a CUDA graph (warm-up chosen on the device: no
+    host sync): the replay equals the eager call."""
+    q, k, v, g, beta, h0, cu = _inputs([8192], 16, 16, torch.bfloat16, seed=44)
+    o, s = _segmented(q, k, v, g, beta, h0, cu, 8, "pieces")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got_o, got_s = _segmented(q, k, v, g, beta, h0, cu, 8, "pieces")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got_o, o) and torch.equal(got_s, s)

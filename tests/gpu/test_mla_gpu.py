@@ -30,6 +30,7 @@ from forgekernel.reference.mla import (
     mla_prefill_ref,
     quantize_flashmla_fp8,
 )
+from forgekernel.runtime import pdl
 
 pytestmark = pytest.mark.gpu
 op = importlib.import_module("forgekernel.ops.mla")
@@ -88,15 +89,17 @@ def test_mla_decode_matches_the_reference(case, dtype):
     assert torch.all(out.transpose(1, 2)[torch.isneginf(want_lse)] == 0)
 
 
-def _packed_matches_the_reference(causal, after_call=lambda: None):
+def _packed_matches_the_reference(causal, after_call=lambda: None, page_size=64, hq=16):
     """Five sequences of 1, 3, 0, 2, 4 query tokens over 40, 3, 10, 0, 700 keys (packed,
-    cu_seqlens_q) against the prefill reference; after_call runs between the op and the check."""
+    cu_seqlens_q; NaN in every stale page slot) against the prefill reference; after_call runs
+    between the op and the check."""
     q_lens, k_lens = [1, 3, 0, 2, 4], [40, 3, 10, 0, 700]
-    _, _, ckv, kpe, table, seq = _problem(5, 16, 64, k_lens, 1, False, torch.bfloat16)
+    _, _, ckv, kpe, table, seq = _problem(5, hq, page_size, k_lens, 1, False, torch.bfloat16)
+    _poison_stale(ckv, kpe, table, k_lens, page_size)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
                       device="cuda")  # fmt: skip
     g = torch.Generator(device="cuda").manual_seed(1)
-    q = torch.randn(int(cu[-1]), 16, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = torch.randn(int(cu[-1]), hq, 576, device="cuda", dtype=torch.bfloat16, generator=g)
     qn, qp = q[..., :512], q[..., 512:]
     out, lse = op.mla_decode(qn, qp, ckv, kpe, table, seq, softmax_scale=SCALE, cu_seqlens_q=cu,
                              max_seqlen_q=4, causal=causal, return_lse=True)  # fmt: skip
@@ -106,24 +109,50 @@ def _packed_matches_the_reference(causal, after_call=lambda: None):
     _check(out, lse, want, want_lse, low)
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_mla_decode_packed(causal):
-    _packed_matches_the_reference(causal)
+def _fresh_keys(launch, monkeypatch) -> list[dict]:
+    """The compile keys of the calls from now on, their plans built afresh under the launcher's
+    rule (FORGEKERNEL_MLA_GATHER unset), for `_assert_gather`."""
+    launch._plans.clear()
+    monkeypatch.delenv("FORGEKERNEL_MLA_GATHER", raising=False)
+    return _recorded_keys(launch, monkeypatch)
+
+
+def _assert_gather(keys, page_size):
+    """The call's pass: the seesaw's gather form at 16-bit page 1 with PDL (the rule,
+    `launch.takes_gather`), not at page 64."""
+    partial = [k for k in keys if k["kind"] == "partial"][-1]
+    assert partial.get("gather", False) == (page_size == 1 and pdl.enabled())
 
 
 @pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(("page_size", "hq"), [(64, 16), (1, 16), (1, 8)])
+def test_mla_decode_packed(causal, page_size, hq, monkeypatch):
+    """Packed queries at page 64 (the seesaw) and page 1 (its gather form by the rule; 8 heads:
+    an 8 x 2 block, fewer heads than the bench's)."""
+    launch = importlib.import_module("forgekernel.kernels.attention.mla.sm90.launch")
+    keys = _fresh_keys(launch, monkeypatch)
+    _packed_matches_the_reference(causal, page_size=page_size, hq=hq)
+    _assert_gather(keys, page_size)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("page_size", [64, 1])
 @pytest.mark.parametrize(
     ("hq", "q_lens", "k_lens"),
     [(16, [1, 300, 0, 77], [40, 300, 10, 2000]), (128, [129, 5], [129, 700]),
-     (32, [9, 33], [4, 1024])],
+     (32, [9, 33], [4, 1024]), (8, [17, 2, 200], [17, 900, 260])],
 )  # fmt: skip
-def test_mla_prefill(causal, hq, q_lens, k_lens):
+def test_mla_prefill(causal, page_size, hq, q_lens, k_lens, monkeypatch):
     """mla_prefill: blocks of query tokens per CTA over long query runs (sq = sk, sq > sk,
-    a chunk after a cached prefix), 16 / 32 / 128 heads; NaN-poisoned out and stale page slots
-    (page 64: the seesaw pass, every causal block but the last bounded below the sequence)."""
+    a chunk after a cached prefix), 8 / 16 / 32 / 128 heads; NaN-poisoned out and stale page
+    slots (page 64: the seesaw pass, every causal block but the last bounded below the
+    sequence; page 1: its gather form, the rule's since 2026-12-05, the table's entries past
+    each sequence on NaN rows)."""
+    launch = importlib.import_module("forgekernel.kernels.attention.mla.sm90.launch")
+    keys = _fresh_keys(launch, monkeypatch)
     b = len(q_lens)
-    _, _, ckv, kpe, table, seq = _problem(b, hq, 64, k_lens, 1, True, torch.bfloat16)
-    _poison_stale(ckv, kpe, table, k_lens, 64)
+    _, _, ckv, kpe, table, seq = _problem(b, hq, page_size, k_lens, 1, True, torch.bfloat16)
+    _poison_stale(ckv, kpe, table, k_lens, page_size)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
                       device="cuda")  # fmt: skip
     g = torch.Generator(device="cuda").manual_seed(2)
@@ -132,6 +161,7 @@ def test_mla_prefill(causal, hq, q_lens, k_lens):
     out = torch.full((int(cu[-1]), hq, 512), float("nan"), device="cuda", dtype=torch.bfloat16)
     _, lse = op.mla_prefill(qn, qp, ckv, None, table, seq, cu, max(q_lens), softmax_scale=SCALE,
                             causal=causal, return_lse=True, out=out)  # fmt: skip
+    _assert_gather(keys, page_size)
     want, want_lse = mla_prefill_ref(qn, qp, ckv, None, table, seq, cu, SCALE, causal)
     low, _ = mla_prefill_ref(qn, qp, ckv, None, table, seq, cu, SCALE, causal, upcast=False)
     _check(out, lse, want, want_lse, low)
@@ -471,8 +501,10 @@ ROLES_DIRECT_CASES = [  # (b, hq, page, lens, s_q, fp8): decode.py's pass on pla
 def test_roles_direct_form_is_the_combine_of_one_split(case, monkeypatch):
     """decode.py's paged pass (pages of partial tiles, FlashMLA's FP8 cache) in its direct form
     on plans of one split, NaN-poisoned out: the reference, and bit for bit its partial form +
-    the combine of the same plan (FORGEKERNEL_MLA_DIRECT=0)."""
+    the combine of the same plan (FORGEKERNEL_MLA_DIRECT=0). (16-bit page 1 takes the seesaw's
+    gather form by default: FORGEKERNEL_MLA_GATHER=0 keeps it on decode.py's pass here.)"""
     launch = importlib.import_module("forgekernel.kernels.attention.mla.sm90.launch")
+    monkeypatch.setenv("FORGEKERNEL_MLA_GATHER", "0")
     b, hq, ps, lens, s_q, fp8 = case
     dtype = torch.bfloat16
     if fp8:

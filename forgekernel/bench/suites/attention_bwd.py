@@ -288,15 +288,30 @@ GQA16_TIMED = (
 )
 
 
+# The launch order's L2 reuse (scripts/attn_bwd_l2_model.py; BWD_NOTES.md "The launch order
+# against the forward's L2 finding", CPU 2026-12-05): chunked causal GQA takes LONG_GQA_SWIZZLE
+# 8 from its 16384 keys, but a section of 8 (kv head, batch) pairs holds 8 pairs x 8 heads x
+# 1024 query rows of Q, dO and the dQ accumulator (67 MB, past L2): 7.3 GB from HBM in the model
+# against 0.71 (compulsory) with sections of two pairs. `sw2_walk2`: the same walk in sections of
+# two; `sw2`: the ascending walk (the D = 128 default's) in sections of two.
+CHUNKED_CANDIDATES: dict[str, dict[str, int]] = {
+    "sw2_walk2": {"l2_swizzle": 2, "walk_order": 2},
+    "sw2": {"l2_swizzle": 2},
+}
+CHUNKED_TIMED = (_case(2, 64, 8, 1024, 128, sk=16384),)
+
+
 def variants(case: Case) -> dict[str, Any]:
     """deterministic=True beside the default kernel on DETERMINISTIC_TIMED; the GQA16_CANDIDATES
-    configurations on GQA16_TIMED."""
+    configurations on GQA16_TIMED, the CHUNKED_CANDIDATES ones on CHUNKED_TIMED."""
     out: dict[str, Any] = {}
     if case.name in {c.name for c in DETERMINISTIC_TIMED}:
         out["deterministic"] = run_deterministic
-    if case.name in {c.name for c in GQA16_TIMED}:
-        for name, knobs in GQA16_CANDIDATES.items():
-            out[name] = functools.partial(run_config, knobs)
+    for timed, candidates in ((GQA16_TIMED, GQA16_CANDIDATES),
+                              (CHUNKED_TIMED, CHUNKED_CANDIDATES)):  # fmt: skip
+        if case.name in {c.name for c in timed}:
+            for name, knobs in candidates.items():
+                out[name] = functools.partial(run_config, knobs)
     return out
 
 

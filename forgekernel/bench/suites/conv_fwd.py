@@ -3,8 +3,9 @@
 the forward kernel is also the data gradient's, so these are its first figures). Shared parts
 (case form, inputs, references, the cuDNN comparator): `conv_layers`.
 
-Variants: the stem's and `as_gemm` (`conv_layers`), and `CANDIDATES`, other standard plans of
-the cases under 0.95x cuDNN at 18:58.
+Variants: the stem's and `as_gemm` (`conv_layers`), `CANDIDATES`, other standard plans of
+the cases under 0.95x cuDNN at 18:58, and `CONV3D_WAS` (`was`: the plan before the 256x128
+tile) on the K = 128 conv3d cases that tile took.
 
 Registered since its first GPU check passed (2026-12-01).
 """
@@ -17,7 +18,7 @@ from typing import Any
 from forgekernel.bench.suite import Case, OpSuite
 from forgekernel.bench.suites import conv_layers as L
 from forgekernel.kernels.conv.sm90 import SPEC
-from forgekernel.kernels.conv.sm90.config import SMALL
+from forgekernel.kernels.conv.sm90.config import SMALL, SQUARE
 
 CONV3D = tuple(
     L.conv_case("fwd", n, c, k, thw, f, group="conv3d", source="video_vae")
@@ -55,14 +56,16 @@ CHECK_CASES = (
     L.conv_case("fwd", 2, 256, 512, (14, 14), 1, 2, group="conv2d"),
     L.conv_case("fwd", 1, 256, 256, (8, 16, 16), (1, 3, 3), group="conv3d"),
     L.conv_case("fwd", 1, 3, 16, (30, 30), 7, 2, bias=True),  # the stem's fold kernel
+    # the 256x128 tile's class (config.takes_tall: M >= 2^18), its shortest reduction, bias
+    L.conv_case("fwd", 1, 128, 128, (16, 128, 128), (1, 3, 3), bias=True, group="conv3d"),
 )
 # every standard tile the chooser picks (64, 128 and 256 output channels), bias, 3-D, ragged;
 # the stride-1 ones walk im2col rows on problems this small (config.py RECT_START,
 # FWD_IM2COL_K_TILE: a few k-tiles a part) but the sixth, the conv3d C = 256 1x3x3 (16 x 16
 # planes, no zero fill: rectangles 8 wide, split 2; the conv3d C = 128 walks im2col since the
 # 18:47 refit); the fifth (stride 2, split) im2col; the seventh the stem's fold kernel (C 3, 7x7,
-# stride 2)
-SANITIZE_CASES = tuple(CHECK_CASES[i] for i in (0, 2, 7, 11, 1, 13, 14))
+# stride 2); the eighth the K = 128 conv3d layers' 256x128 (the smallest problem it is taken on)
+SANITIZE_CASES = tuple(CHECK_CASES[i] for i in (0, 2, 7, 11, 1, 13, 14, 15))
 
 # The M = 1568 3x3s (7x7 stride 1 and its stride-2 twin: 13 M tiles x 4 N tiles x 72 k-tiles),
 # whose plan, 128x128 c2x1 split 2 (112 CTAs of 132, 36 k-tiles each), loses ~20% to cuDNN at
@@ -74,12 +77,28 @@ SANITIZE_CASES = tuple(CHECK_CASES[i] for i in (0, 2, 7, 11, 1, 13, 14))
 M1568 = {"small5": L.split_plan(SMALL, 15), "small2": L.split_plan(SMALL, 36)}
 CANDIDATES = {"n32-c512-7x7-k512-3x3": M1568, "n32-c512-14x14-k512-3x3-s2": M1568}
 
+# The plan before the 256x128 adoption (docs/conv/NOTES.md, "256 x 128 adopted"), on the cases
+# `config.takes_tall` moves: SQUARE (128x128 c2x1) unsplit on rectangles 8 wide, 2048 tiles in
+# 16 rounds where ours (config.TALL) runs 1024 in 8. Measured 0.872 / 0.901 / 0.955 of `was`
+# (H100, 2026-12-05 16:49, the 3x3x3 rows then the 1x3x3): the adoption holds where `was` / ours
+# >= 1.0 in both timings (1.05-1.15 measured); a row where `was` runs faster says the class is
+# wrong there.
+TALL_WAS = {"was": L.split_plan(SQUARE, 0, 8)}
+CONV3D_WAS = {
+    "n4-c128-16x64x64-k128-3x3x3": TALL_WAS,
+    "n1-c128-16x128x128-k128-3x3x3": TALL_WAS,
+    "n1-c128-16x128x128-k128-1x3x3": TALL_WAS,
+}
+
 
 def variants(case: Case) -> dict[str, Any]:
     """The stem's (conv_layers.stem_variants), `as_gemm` on the unpadded stride-1 1x1s
     without bias (conv_layers.gemm_variants: the dense GEMM on views of x, w and y) and the
-    case's candidate plans (`CANDIDATES`): variant time / our time decides their adoption."""
-    plans = CANDIDATES.get(case.name, {}) if case.params["op"] == "fwd" else {}
+    case's other plans (`CANDIDATES`, `CONV3D_WAS`, each with the `launcher` control):
+    variant time / the launcher's decides their adoption (`was`: confirms it)."""
+    plans = {}
+    if case.params["op"] == "fwd":
+        plans = {**CANDIDATES.get(case.name, {}), **CONV3D_WAS.get(case.name, {})}
     runs = {name: functools.partial(run_plan, plan) for name, plan in plans.items()}
     if plans:
         # the launcher's own choice (config None) called as `run_plan` calls it, bypassing only

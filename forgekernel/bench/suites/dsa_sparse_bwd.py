@@ -34,8 +34,11 @@ handling of -1 inside the list is not documented, so set-up compacts each row (v
 first, order is free), writes 0 past them, passes topk_length = the valid count and pads topk
 to a multiple of its 64-row tiles, as Megatron's DSA integration sanitizes them.
 
-Variant (every case): `red4s`, the op's launches with the kernel's previous standard form
-(xchg=False) timed beside the standard xchg4s.
+Variants: `red4s` (every case), the op's launches with the kernel's previous standard form
+(xchg=False) timed beside the standard xchg4s; `h64` (H a multiple of 64), the same launches
+with the launcher's h64=True: 64 heads a CTA and dq split into a second kernel
+(kernels/attention/dsa_sparse_bwd/sm90/kernel_h64.py; docs/attention/DSA_BWD_NOTES.md "H >= 64:
+one gather a token"), verified against the fp64 reference on the case like every variant.
 """
 
 from __future__ import annotations
@@ -145,11 +148,9 @@ def run_ours(inputs: Inputs, out: tuple | None) -> tuple:
     return out
 
 
-def _run_red4s(inputs: Inputs, out: tuple | None) -> tuple:
-    """The op's launches (the preprocess kernel, the kernel, the dkv cast) with the kernel's
-    candidate red4s (launcher xchg=False: S^T / dP^T split over the heads), the standard form
-    before xchg4s (2026-12-04 04:23, docs/attention/DSA_BWD_NOTES.md: the launcher 6.597 /
-    29.526 ms against xchg4s's 6.064 / 27.591 at H 16 / 128)."""
+def _run_launcher(inputs: Inputs, out: tuple | None, **forms: Any) -> tuple:
+    """The op's launches (the preprocess kernel, the kernel(s), the dkv cast) with the
+    launcher's `forms` (its candidate keywords)."""
     from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import launch
     from forgekernel.kernels.attention.dsa_sparse_bwd_pre.sm90 import launch as pre_launch
 
@@ -159,8 +160,8 @@ def _run_red4s(inputs: Inputs, out: tuple | None) -> tuple:
     if pre_launch.unsupported(i["out"], i["dout"]) is None:
         pre = pre_launch.preprocess(i["out"], i["dout"], i["lse"], None, i["sink"])
     dq, dkv, d_sink = launch.dsa_sparse_bwd(q, kv, i["dout"], i["out"], i["lse"], None,
-                                            i["sink"], i["idx"], SOFTMAX_SCALE, xchg=False,
-                                            pre=pre)  # fmt: skip
+                                            i["sink"], i["idx"], SOFTMAX_SCALE, pre=pre,
+                                            **forms)  # fmt: skip
     grads = (dq[..., :LATENT], dq[..., LATENT:], dkv.to(kv.dtype).view(-1, 1, 1, WIDTH), d_sink)
     if out is None:
         return grads
@@ -169,9 +170,26 @@ def _run_red4s(inputs: Inputs, out: tuple | None) -> tuple:
     return out
 
 
+def _run_red4s(inputs: Inputs, out: tuple | None) -> tuple:
+    """The kernel's candidate red4s (launcher xchg=False: S^T / dP^T split over the heads), the
+    standard form before xchg4s (2026-12-04 04:23, docs/attention/DSA_BWD_NOTES.md: the
+    launcher 6.597 / 29.526 ms against xchg4s's 6.064 / 27.591 at H 16 / 128)."""
+    return _run_launcher(inputs, out, xchg=False)
+
+
+def _run_h64(inputs: Inputs, out: tuple | None) -> tuple:
+    """The h64 kernels (launcher h64=True): one gather and one dkv partial a (token, 64 heads)
+    instead of a (token, 32 heads), dq = dS K from a dS workspace in a second kernel."""
+    return _run_launcher(inputs, out, h64=True)
+
+
 def variants(case: Case) -> dict[str, Any]:
-    """Every case: the previous standard form red4s beside xchg4s (`_run_red4s`)."""
-    return {"red4s": _run_red4s}
+    """Every case: the previous standard form red4s beside xchg4s (`_run_red4s`); H a multiple
+    of 64 (the h64 and tp1 groups): the h64 kernels (`_run_h64`)."""
+    forms = {"red4s": _run_red4s}
+    if case.params["hq"] % 64 == 0:
+        forms["h64"] = _run_h64
+    return forms
 
 
 def reference(inputs: Inputs) -> tuple:

@@ -50,11 +50,23 @@ _case = gdn_prefill._case
 
 
 def kernel_sources() -> list[Path]:
-    """The forward kernel's sources and the interim backward's modules (the ledger key)."""
+    """The forward kernel's sources, the interim backward's modules and the kernel path's
+    (kernels 0, 1 and 2's sources, the q / k epilogue's, their batched helpers:
+    `FORGEKERNEL_GDN_BWD_KERNEL=1`) (the ledger key; it does not tell which path a run took)."""
     import forgekernel.ops.gated_delta_rule_bwd as bwd_op
     import forgekernel.reference.delta_rule_bwd as bwd_ref
+    import forgekernel.reference.gdn_bwd_chunk as chunk_ref
+    import forgekernel.reference.gdn_bwd_factors as factors_ref
+    import forgekernel.reference.gdn_bwd_norm as norm_ref
+    import forgekernel.reference.gdn_bwd_state as state_ref
+    from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90 import SPEC as CHUNK_SPEC
+    from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90 import SPEC as FACTORS_SPEC
+    from forgekernel.kernels.linear_attention.gdn_bwd_norm.sm90 import SPEC as NORM_SPEC
+    from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90 import SPEC as STATE_SPEC
 
-    return [*gdn_prefill.SPEC.sources, Path(bwd_op.__file__), Path(bwd_ref.__file__)]
+    modules = (bwd_op, bwd_ref, state_ref, chunk_ref, factors_ref, norm_ref)
+    specs = (gdn_prefill.SPEC, FACTORS_SPEC, STATE_SPEC, CHUNK_SPEC, NORM_SPEC)
+    return [*(p for spec in specs for p in spec.sources), *(Path(m.__file__) for m in modules)]
 
 
 BENCH_CASES = (

@@ -169,11 +169,16 @@ def _reference(inputs: Inputs) -> torch.Tensor:
 
 
 H200_SMS = 132
+# the t_pre form's state chain against next/gdn-tpre's (variant t_pre_state_lds): an unsplit
+# case (two state warpgroups) and a split one (one)
+STATE_CHAIN_AB = ("4x8192-h16-hv32", "1x4096-h16-hv32")
 
 
-def _run_v_split(split: int):
-    """Ours through the launcher with the V split forced (1: one CTA per sequence and head; 2:
-    two, each with 64 value rows of the state and two aux warpgroups)."""
+def _run_forced(**forced):
+    """Ours through the launcher with a choice forced: `v_split` (1: one CTA per sequence and
+    head; 2: two, each with 64 value rows of the state and two aux warpgroups), `segments`
+    (1: the direct launch; P: each sequence cut into P segments, three passes) or `t_pre` (T
+    diag(beta) by the precompute kernel, read by the chunked kernel's t_pre form)."""
 
     def run(inputs: Inputs, out):
         launch = importlib.import_module(
@@ -184,7 +189,7 @@ def _run_v_split(split: int):
         final = torch.empty(n, hv, HEAD, HEAD, dtype=torch.float32, device=i["v"].device)
         launch.gdn_prefill(i["q"][0], i["k"][0], i["v"][0], i["g"][0], i["beta"][0], i["state"],
                            i["cu_seqlens"], out[0], final, HEAD**-0.5, k_last=False,
-                           l2norm=False, v_split=split)  # fmt: skip
+                           l2norm=False, **forced)  # fmt: skip
         return out
 
     return run
@@ -193,13 +198,32 @@ def _run_v_split(split: int):
 def variants(case: Case) -> dict[str, Any]:
     """The other V split beside the launcher's choice, where the problem has at most two waves
     of split CTAs: whether a split CTA's chunk costs under half an unsplit one's (its two aux
-    warpgroups) decides where the split pays (config.v_split_for)."""
+    warpgroups) decides where the split pays (config.v_split_for). Few long sequences: the
+    direct launch beside the segmented one where the launcher segments (`segments_1`), and the
+    segments that would fill one wave where it does not but might (N HV <= SMs / 4: 5 at
+    1 x hv32, the model's break-even, launch.segments_for). `t_pre` (T precomputed, the
+    launcher's other choices its own) on every case (segmented: T precomputed once for all
+    three passes, each reading its own view). `t_pre_state_lds` on STATE_CHAIN_AB: the t_pre
+    form with next/gdn-tpre's state chain, the A/B of its O warp and ldmatrix V^T."""
     from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import v_split_for
+    from forgekernel.kernels.linear_attention.gdn_prefill.sm90.launch import segments_for
 
-    n, hv = len(case.params["lens"]), case.params["hv"]
+    lens, hv = case.params["lens"], case.params["hv"]
+    n = len(lens)
+    out: dict[str, Any] = {}
+    out["t_pre"] = _run_forced(t_pre=True)
+    if case.name in STATE_CHAIN_AB:
+        out["t_pre_state_lds"] = _run_forced(t_pre=True, state_lds=True)
+    if segments_for(n, hv, sum(lens), H200_SMS) > 1:
+        return {**out, "segments_1": _run_forced(segments=1)}
+    if 4 * n * hv <= H200_SMS and sum(lens) >= 16384 * n:
+        parts = (H200_SMS // hv + 1) // n
+        out[f"segments_{parts}"] = _run_forced(segments=parts)
     if v_split_for(n, hv, H200_SMS) == 2:
-        return {"v_split_1": _run_v_split(1)}
-    return {"v_split_2": _run_v_split(2)} if 2 * n * hv <= 2 * H200_SMS else {}
+        out["v_split_1"] = _run_forced(v_split=1)
+    elif 2 * n * hv <= 2 * H200_SMS:
+        out["v_split_2"] = _run_forced(v_split=2)
+    return out
 
 
 def reference(inputs: Inputs) -> torch.Tensor:

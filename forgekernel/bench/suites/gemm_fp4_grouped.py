@@ -132,11 +132,35 @@ def run_ours(inputs: Inputs, out: tuple | None) -> tuple[torch.Tensor, ...]:
 
 
 def variants(case: Case) -> dict[str, Any]:
-    return {
+    """Every other tile; the default tile in the opt-in forms ("staged": the activation scales
+    staged in the ring, "convert": a converter warpgroup widening; docs/gemm/NOTES.md "FP4 at
+    16-96 tokens")."""
+    out = {
         f"tokens{h}": (lambda inputs, out, h=h: _run(inputs, out, h))
         for h in CONTIGUOUS_STANDARD_TOKENS
         if h != CONTIGUOUS_TOKENS
     }
+    out["staged"] = lambda inputs, o: run_form(inputs, o, False)
+    out["convert"] = lambda inputs, o: run_form(inputs, o, True)
+    return out
+
+
+def run_form(inputs: Inputs, out: tuple | None, converter: bool | int) -> tuple[torch.Tensor, ...]:
+    """Ours on the default tile in an opt-in form (the op's launch with the opt-in key)."""
+    from forgekernel.kernels.gemm.fp4.sm90.launch import gemm_fp4_contiguous
+    from forgekernel.ops.gemm_fp4_grouped_masked import weight_words
+    from forgekernel.runtime.device import copy_back, tma_target
+
+    out = alloc_out(inputs) if out is None else out
+    full = full_output(out)
+    target = tma_target(full, keep=True)
+    a, b, sa, sb, idx = _args(inputs)
+    gemm_fp4_contiguous(
+        a, b.view(torch.uint8), weight_words(sb), sa, idx, target, staged_sa=True,
+        converter=converter,
+    )  # fmt: skip
+    copy_back((full,), (target,))
+    return out
 
 
 def reference(inputs: Inputs) -> tuple[torch.Tensor, ...]:

@@ -16,7 +16,12 @@ sgl-deep-gemm 0.1.4.post1); "deepgemm_fp4", the same call on the packed FP4 weig
 DeepGEMM's message. The comparators' weights are made once per input set, outside the timing.
 Bytes: the packed weights and words of experts with tokens, the tokens' rows of A and their
 scales, the counts and the tokens' output rows (the weight stream's TB/s against the copy
-bandwidth: the bar's 85%). Variants "tokens8" ... "tokens64": every other tile forced.
+bandwidth: the bar's 85%). Variants "tokens8" ... "tokens64": every other tile forced;
+"convert" on every bench case: the chosen tile in the opt-in converter form (`converter`: a
+warpgroup widens, the MMAs read A from shared memory); on the 8-, 32- and 96-token cases also
+"staged" / "staged64" (the chosen / the 64-token tile with `staged_sa`: the activation scales
+staged in the ring), "convert2" (the chosen tile, two converter warpgroups), "convert64", and
+on the 96-token ones "convert96" (docs/gemm/NOTES.md "FP4 at 16-96 tokens").
 """
 
 from __future__ import annotations
@@ -141,14 +146,54 @@ def run_ours(inputs: Inputs, out: tuple | None) -> tuple[torch.Tensor, ...]:
     return _run(inputs, out, inputs["expected_m"])
 
 
+# The bench cases (mean tokens an expert) that also time the opt-in forms on other tiles
+STAGED_TIMED = (8, 32, 96)
+
+
 def variants(case: Case) -> dict[str, Any]:
-    """Every other tile than the chooser's (expected_m forced to one that picks it)."""
+    """Every other tile than the chooser's (expected_m forced to one that picks it); the
+    chosen tile in the converter form; on the STAGED_TIMED cases the chosen and the 64-token
+    tile with `staged_sa` and the 64- (and at 96 the 96-) token tile in the converter form."""
     chosen = choose_tokens(expected_rows(case.params))
-    return {
+    out = {
         f"tokens{h}": (lambda inputs, out, h=h: _run(inputs, out, expected_for(h)))
         for h in TOKENS
         if h != chosen
     }
+    out["convert"] = lambda inputs, o, h=chosen: _run_staged(inputs, o, h, converter=True)
+    mean = case.params.get("tokens")
+    if mean in STAGED_TIMED:
+        out["staged"] = lambda inputs, o, h=chosen: _run_staged(inputs, o, h)
+        out["convert2"] = lambda inputs, o, h=chosen: _run_staged(inputs, o, h, converter=2)
+        wider = [64, 96] if mean == 96 else [64]
+        for h in wider:
+            if h != chosen:
+                out[f"convert{h}"] = lambda inputs, o, h=h: _run_staged(inputs, o, h, True)
+        if chosen != 64:
+            out["staged64"] = lambda inputs, o: _run_staged(inputs, o, 64)
+    return out
+
+
+def _run_staged(
+    inputs: Inputs, out: tuple | None, tokens: int, converter: bool | int = False
+) -> tuple[torch.Tensor, ...]:
+    """Ours on `tokens` per tile in an opt-in form: the activation scales staged in the ring,
+    and with `converter` (1 or 2) the widening in that many converter warpgroups (the op's
+    launch with the opt-in key)."""
+    from forgekernel.kernels.gemm.fp4.sm90.launch import gemm_fp4_masked
+    from forgekernel.ops.gemm_fp4_grouped_masked import weight_words
+    from forgekernel.runtime.device import copy_back, tma_target
+
+    out = alloc_out(inputs) if out is None else out
+    full = full_output(out)
+    target = tma_target(full, keep=True)
+    a, b, sa, sb, masked_m = _args(inputs)
+    gemm_fp4_masked(
+        a, b.view(torch.uint8), weight_words(sb), sa, masked_m, inputs["expected_m"], target,
+        tokens=tokens, staged_sa=True, converter=converter,
+    )  # fmt: skip
+    copy_back((full,), (target,))
+    return out
 
 
 def reference(inputs: Inputs) -> tuple[torch.Tensor, ...]:

@@ -5,7 +5,9 @@ k unit-norm, v (1, T, HV, 128), g (1, T, HV, 128) = logsigmoid(N(0, 1)) fp32, or
 [-5, -4] per step and channel on the `-strong` cases, beta fp32, varlen as B = 1).
 
 Timed: the backward alone (`kimi_delta_attention_backward`: today the INTERIM fp32 torch path
-of ops/kda_bwd.py, which recomputes the forward's chunk states itself); fla's chunk_kda
+of ops/kda_bwd.py, which recomputes the forward's chunk states itself; with
+FORGEKERNEL_KDA_BWD_KERNEL=1 its kernel-1 path on the single and batch cases, the interim on
+the unequal varlen ones); fla's chunk_kda
 backward through autograd of a forward recorded once per input set (gdn_bwd.autograd_backward:
 `torch.autograd.grad` with retain_graph, its own recompute included, as ours). fla's gated
 backward refuses triton < 3.7.1 on Hopper: with FK_SIDE_SITE_TRITON set it runs in the triton
@@ -46,12 +48,20 @@ alloc_out = gdn_bwd.alloc_out
 
 
 def kernel_sources() -> list[Path]:
-    """The forward's sources and the interim backward's modules (the ledger key)."""
+    """The forward's sources, the interim backward's modules and the kernel path's (kernels 1
+    and 2's sources, their batched helpers: `FORGEKERNEL_KDA_BWD_KERNEL=1`) (the ledger key; it
+    does not tell which path a run took)."""
     import forgekernel.ops.kda_bwd as bwd_op
     import forgekernel.reference.delta_rule_bwd as gdn_ref
+    import forgekernel.reference.gdn_bwd_state as state_ref
     import forgekernel.reference.kda_bwd as bwd_ref
+    import forgekernel.reference.kda_bwd_chunk as chunk_ref
+    from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90 import SPEC as STATE_SPEC
+    from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90 import SPEC as CHUNK_SPEC
 
-    return [*kda_prefill.SOURCES, *(Path(m.__file__) for m in (bwd_op, bwd_ref, gdn_ref))]
+    modules = (bwd_op, bwd_ref, gdn_ref, state_ref, chunk_ref)
+    kernels = (*STATE_SPEC.sources, *CHUNK_SPEC.sources)
+    return [*kda_prefill.SOURCES, *kernels, *(Path(m.__file__) for m in modules)]
 
 
 BENCH_CASES = (

@@ -154,6 +154,60 @@ def run_ours(inputs: Inputs, out):
     return o
 
 
+H200_SMS = 132
+
+
+def _segments(case: Case) -> int:
+    """The segment count of GDN's rule (`gdn_prefill.sm90.launch.segments_for`: N HV <= SMs / 8
+    and sequences averaging >= 16384 tokens; then the most segments whose passes fill a wave)."""
+    from forgekernel.kernels.linear_attention.gdn_prefill.sm90.launch import segments_for
+
+    lens = case.params["lens"]
+    return segments_for(len(lens), case.params["hv"], sum(lens), H200_SMS)
+
+
+def _pieces(case: Case) -> int:
+    """Pieces a sequence for one wave of unsplit recurrence CTAs (SMs // (N HV)), where the
+    launcher's recurrence has few CTAs (the V split's 2 N HV <= SMs); else 1."""
+    n, hv = len(case.params["lens"]), case.params["hv"]
+    return H200_SMS // (n * hv) if 2 * n * hv <= H200_SMS else 1
+
+
+def _run_segments(parts: int, kind: str = "segments"):
+    """Ours through the launcher with the recurrence over `parts` segments a sequence (opt-in,
+    `launch.kda_prefill(segments=)`: three recurrence passes and a scan, the first pass once),
+    or (kind "pieces") over `parts` pieces after warm-up chunks, one pass (`pieces=`)."""
+
+    def run(inputs: Inputs, out):
+        launch = importlib.import_module(
+            "forgekernel.kernels.linear_attention.kda_prefill.sm90.launch"
+        )
+        i = inputs
+        n, hv = len(i["cu_seqlens"]) - 1, i["v"].shape[2]
+        final = torch.empty(n, hv, HEAD, HEAD, dtype=torch.float32, device=i["v"].device)
+        launch.kda_prefill(i["q"][0], i["k"][0], i["v"][0], i["g"][0], i["beta"][0], i["state"],
+                           i["cu_seqlens"], out[0], final, HEAD**-0.5, l2norm=False,
+                           **{kind: parts})  # fmt: skip
+        return out
+
+    return run
+
+
+def variants(case: Case) -> dict[str, Any]:
+    """Few long sequences (1 x 32768, 1 x 131072 at hv16): the recurrence over exact segments
+    (`segments_<P>`); few sequences (N HV <= SMs / 2: the singles, 4 x 8192 hv16): pieces after
+    warm-up chunks (`pieces_<P>`, cuDNN's sequence parallelism). Ours is the direct launch
+    (docs/linear_attention/NOTES.md, "cuDNN's kda_hopper_cuda forward, read against ours")."""
+    out: dict[str, Any] = {}
+    parts = _segments(case)
+    if parts > 1:
+        out[f"segments_{parts}"] = _run_segments(parts)
+    parts = _pieces(case)
+    if parts > 1:
+        out[f"pieces_{parts}"] = _run_segments(parts, "pieces")
+    return out
+
+
 def _reference(inputs: Inputs) -> torch.Tensor:
     """The fp64 output."""
     from forgekernel.reference.delta_rule import kimi_delta_attention_recurrent
@@ -245,4 +299,5 @@ def suite() -> OpSuite:
         atol=1e-2,
         bench_dtypes=(torch.bfloat16,),
         sanitize_cases=SANITIZE_CASES,
+        variants=variants,
     )

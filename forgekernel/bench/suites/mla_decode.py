@@ -148,13 +148,19 @@ CHECK_CASES = (
     _case(5, 16, 64, (1, 17, 129, 0, 1000), plain=True),
     _case(2, 128, 64, (65, 513), plain=True),
     _case(3, 16, 64, (4, 300, 65), s_q=4, plain=True),
+    # 16-bit page 1 takes the seesaw's gather form ("gather adopted"): CHECK_CASES[1] its direct
+    # form (16 x 1, one split); here its partial pass at 64 x 1 (8 splits) with empty and
+    # one-key sequences
+    _case(3, 128, 1, (1, 0, 2000), cache="split"),
 )
 # every compiled variant: 16 heads x 1 token, 8 x 2, 4 x 4 (packed), both cache forms; the fp8
 # compiles at 16 x 1 and 16 x 4; the 128-head seesaw blocks, partial (splits) and direct: the
-# direct ones, 64 x 1 and 32 x 2 (MTP 2), on their `ostore` compiles
+# direct ones, 64 x 1 and 32 x 2 (MTP 2), on their `ostore` compiles; the gather form at page 1
+# (cp.async rows onto the chunk mbarriers), direct 16 x 1 and partial 64 x 1
 SANITIZE_CASES = (
     CHECK_CASES[0], CHECK_CASES[5], CHECK_CASES[6], CHECK_CASES[9], CHECK_CASES[13],
-    CHECK_CASES[4], CHECK_CASES[16], CHECK_CASES[19], CHECK_CASES[24],
+    CHECK_CASES[4], CHECK_CASES[16], CHECK_CASES[19], CHECK_CASES[24], CHECK_CASES[1],
+    CHECK_CASES[-1],
 )  # fmt: skip
 
 
@@ -526,12 +532,22 @@ def run_combine_warps(inputs: Inputs, out):
         return run_ours(inputs, out)
 
 
+# FlashInfer-Bench's page-1 cases, which the seesaw pass's `gather` form serves since its adoption
+# (launch.GATHER_PAGES; MLA_NOTES.md, "gather adopted"), timed on the plan before (variant `was`,
+# launch.plan_form(gather=False): decode.py's role-split pass). H100 2026-12-05 16:44, gather /
+# was: 0.959 at b64-h16, 0.640 at b16-h128; the next bench's was / ours must read >= ~1.04 and
+# ~1.56 (the build without the proxy fences, 0.995 / 0.983 of gather there, was dropped)
+GATHER_CASES = ("b64-h16-p1-L4096-split", "b16-h128-p1-L4096-split")
+
+
 def variants(case: Case) -> dict[str, Any]:
     """The launcher-only plan candidates of `case` (CANDIDATES, on the plain call), the `plain`
     call (PLAIN_CASES), NO_PDL_CASES' kernels without PDL (`run_no_pdl`) and COMBINE_CASES'
-    combine in its warp form (`run_combine_warps`): variant time / our time decides their
-    adoption. (Measured and dropped: the `pair` form, 2.4-8.8% slower on every
-    128-head case, 2026-12-03 16:40; the `ostore` store, a variant until 14:25, is the standard:
+    combine in its warp form (`run_combine_warps`), GATHER_CASES on decode.py's pass (`was`,
+    the plan before the gather form's adoption): variant time / our time decides their
+    adoption (`was`: whether the adoption holds). (Measured and dropped: the `pair` form,
+    2.4-8.8% slower on every 128-head case, 2026-12-03 16:40; the gather form without its proxy
+    fences, a tie, 2026-12-05 16:44; the `ostore` store, a variant until 14:25, is the standard:
     MLA_NOTES.md.)"""
     forms = CANDIDATES.get(case.name, {})
     found = {name: functools.partial(run_plan, form) for name, form in forms.items()}
@@ -541,6 +557,8 @@ def variants(case: Case) -> dict[str, Any]:
         found["no_pdl"] = run_no_pdl
     if case.name in COMBINE_CASES:
         found["combine_warps"] = run_combine_warps
+    if case.name in GATHER_CASES:
+        found["was"] = functools.partial(run_plan, {"gather": False})
     return found
 
 

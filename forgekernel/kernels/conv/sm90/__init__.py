@@ -12,6 +12,8 @@ from forgekernel.kernels.conv.sm90.config import (
     CANDIDATES,
     DTYPES,
     STANDARD_CONFIGS,
+    TALL,
+    TALL_RECT,
     ConvConfig,
     choose_config,
     params_for,
@@ -46,6 +48,11 @@ def _standard_params() -> list[Params]:
         for bias in (False, True)
         for cfg in STANDARD_CONFIGS
         for rect in (0, *RECT_WIDTHS)
+    ]
+    # the K = 128 conv3d layers' tile on the one walk `choose_plan` takes it on (no split, no
+    # data-gradient mode: config.takes_tall)
+    forward += [
+        params_for(dtype, bias, TALL, rect=TALL_RECT) for dtype in DTYPES for bias in (False, True)
     ]
     # the data-gradient mode (W read N-major, taps reversed; no bias)
     dgrad = [

@@ -56,6 +56,15 @@ SMALL = ConvConfig(tile_n=128)
 NARROW = ConvConfig(tile_n=64)
 BASE_CONFIGS = (SQUARE, LARGE, SMALL, NARROW)
 STANDARD_CONFIGS = BASE_CONFIGS + tuple(replace(c, split=True) for c in BASE_CONFIGS)
+# The K = 128 conv3d layers' tile (docs/conv/NOTES.md, "256 x 128 adopted"): SQUARE's output
+# channels on twice its rows, so that a ring stage carries 128x256's 1024 tensor cycles (two m64
+# atoms a consumer warpgroup) and the per-stage cost is paid half as often per FLOP; the
+# epilogue ring 2 deep (2 x 16 KB, 128x256's bytes) leaves 4 AB stages of 48 KB. 0.872 / 0.901 /
+# 0.955 of SQUARE's time on the three K = 128 conv3d layers (H100, 2026-12-05 16:49). The
+# forward's alone (the kernel builds no split and no data-gradient mode of it): not in
+# BASE_CONFIGS; `choose_plan` takes it by `takes_tall`, on rectangles TALL_RECT wide.
+TALL = ConvConfig(tile_m=256, tile_n=128, cluster_m=2, epi_stages=2)
+TALL_RECT = 8  # 8 x 32 rectangles of 256 pixels, as measured
 CANDIDATES = (
     ConvConfig(tile_n=256),
     ConvConfig(tile_m=64, tile_n=128),
@@ -236,6 +245,38 @@ def plan_cost(
     )
 
 
+# takes_tall's class, each bound the measured rows' (n4-c128-16x64x64-k128 and
+# n1-c128-16x128x128-k128, 3x3x3 and 1x3x3: M = 2^18, 54 and 18 k-tiles, 64 x 64 and 128 x 128
+# planes, the plan before SQUARE unsplit on rectangles 8 wide, 1024 TALL tiles in 8 rounds
+# against SQUARE's 2048 in 16)
+TALL_K = 128  # output channels
+TALL_MIN_M = 1 << 18  # output pixels
+TALL_K_TILES = (18, 54)  # the reduction's k-tiles, least and most
+
+
+def takes_tall(m: int, n: int, c: int, taps: int, num_sms: int, pixels) -> bool:
+    """Whether a stride-1 forward whose plan is SQUARE unsplit on rectangles TALL_RECT wide
+    (`choose_plan` asks only then) runs on TALL instead: K (`n`) = TALL_K; a 3-D convolution
+    (`pixels` (N, Z, P, Q) with Z > 1) of more than one tap; TALL_K_TILES[0] .. [1] k-tiles;
+    M >= TALL_MIN_M with TALL's 8 x 32 rectangles tiling every plane (P % 32 = Q % 8 = 0: no
+    zero fill); and TALL's rounds of clusters on `num_sms` SMs at most half SQUARE's (its
+    half as many tiles leave no partial round more)."""
+    if pixels is None or n != TALL_K or taps == 1 or pixels[1] == 1 or m < TALL_MIN_M:
+        return False
+    k_tiles = _ceil(c, K_TILE) * taps
+    rp = TALL.tile_m // TALL_RECT
+    if not TALL_K_TILES[0] <= k_tiles <= TALL_K_TILES[1]:
+        return False
+    if pixels[2] % rp or pixels[3] % TALL_RECT:
+        return False
+
+    def rounds(cfg: ConvConfig) -> int:
+        blocks = _ceil(split_tiles(cfg, m, n, pixels, TALL_RECT), cfg.cluster_m)
+        return _ceil(blocks, num_sms // cfg.cluster_m)
+
+    return 2 * rounds(TALL) <= rounds(SQUARE)
+
+
 def choose_plan(
     m: int,
     n: int,
@@ -245,6 +286,8 @@ def choose_plan(
     pixels=None,
     im2col: bool = True,
     strided: bool = False,
+    *,
+    forward: bool,
 ):
     """The forward (or data-gradient phase) launch for M output pixels, N output channels, C
     input channels and `taps` filter taps: the standard tile, walk and split of the least
@@ -256,7 +299,11 @@ def choose_plan(
     offered with pixels where `im2col` is False (the launcher: an output the im2col walk's
     (M, K) rows would write through a scratch buffer and a copy, e.g. a strided data
     gradient's phase into its strided view of dx). `strided` (no pixels): a strided forward,
-    its rows at STRIDED_ROWS_128; without (a user's 1x1) at IM2COL_ROWS_128."""
+    its rows at STRIDED_ROWS_128; without (a user's 1x1) at IM2COL_ROWS_128. `forward`
+    (keyword, required: a forward caller that left it out would silently get the plan before
+    TALL): True for a forward, False for a data-gradient phase; on, TALL replaces SQUARE
+    unsplit on rectangles TALL_RECT wide where `takes_tall` (outside `plan_cost`: the measured
+    class, no fitted term)."""
     k_tiles = _ceil(c, K_TILE) * taps
     walks = (0,) + (RECT_WIDTHS if pixels is not None else ())
     if pixels is not None and not im2col:
@@ -274,12 +321,17 @@ def choose_plan(
                 if best is None or cost < best[0]:
                     chosen = replace(cfg, split=True) if parts > 1 else cfg
                     best = (cost, SplitPlan(chosen, per, parts, tiles, rect))
-    return best[1]
+    plan = best[1]
+    if forward and plan.config == SQUARE and plan.rect == TALL_RECT:
+        if takes_tall(m, n, c, taps, num_sms, pixels):
+            tiles = split_tiles(TALL, m, n, pixels, TALL_RECT)
+            return SplitPlan(TALL, k_tiles, 1, tiles, TALL_RECT)
+    return plan
 
 
 def choose_config(m: int, n: int, c: int, num_sms: int = NUM_SMS_H100_H200, taps: int = 1):
-    """The configuration `choose_plan` picks (the im2col walk)."""
-    return choose_plan(m, n, c, taps, num_sms).config
+    """The configuration `choose_plan` picks for a forward (the im2col walk)."""
+    return choose_plan(m, n, c, taps, num_sms, forward=True).config
 
 
 def occupancy(cfg: ConvConfig, m: int, n: int, num_sms: int) -> float:

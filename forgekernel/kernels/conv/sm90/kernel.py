@@ -31,8 +31,8 @@ Loads:
 - B (filter W (K, T, R, S, C) seen as (K, (C, S, R, T))): tiled TMA, box tile_n x tile_k.
 
 Warp roles and pipelines are the dense GEMM's (kernels/gemm/dense/sm90/kernel.py): warpgroup 0
-is the producer (one warp issues TMA; setmaxnreg 40), warpgroups 1..tile_m/64 are WGMMA
-consumers splitting the tile's rows (setmaxnreg 232). The AB ring is a `PipelineTmaAsync`
+is the producer (one warp issues TMA; setmaxnreg 40), warpgroups 1..min(tile_m, 128)/64 are
+WGMMA consumers splitting the tile's rows (setmaxnreg 232). The AB ring is a `PipelineTmaAsync`
 `stages` deep; the epilogue converts (tile_m, epi_n) sub-tiles (bias added in fp32 first),
 writes them with `stmatrix` into the epilogue ring and TMA-stores them into Y seen as (M, K).
 Persistent over the static tile schedule (kernels/common/sm90/scheduler/static.py); a cluster
@@ -69,7 +69,8 @@ crop of the input); X (N, D, H, W, C), W (K, T, R, S, C) and Y (M, K) with C and
 (16-byte rows) and 16-byte aligned bases; Y compact (M = N x Z x P x Q rows of K) on the im2col
 walk, any TMA-ready (N, Z, P, Q, K) view on the rectangles; tile_k = 64
 (a last channel block that C does not fill is zero-filled); M and K ragged edges are clipped
-by the TMA store. tile_m in {64, 128}, tile_n in {64, 128, 256}.
+by the TMA store. tile_m in {64, 128, 256} (256: tile_n <= 128, unsplit, forward only; two
+consumer warpgroups of 128 rows each), tile_n in {64, 128, 256}.
 """
 
 from __future__ import annotations
@@ -139,6 +140,19 @@ def at_pixel(tile, qpzn):
     )
 
 
+def sub_tile_value(e: int, v: int, shape, total: int) -> int:
+    """The accumulator's (retiled, flat) value that is value v of epilogue sub-tile e, whose
+    fragment has `shape` (copy values, M repeats, N) and the accumulator `total` values. The
+    accumulator runs (every sub-tile's copy values, N then sub-tile; M repeats): one repeat
+    (a 128-row tile) takes sub-tile e's values at e x their count, e x frag + v; a 256-row
+    tile's second repeat (rows 128+) lies a whole repeat further. Trace-time ints; checked
+    against the copy's coordinates by tests/test_conv_tall.py."""
+    copy, repeats = cute.size(shape, mode=[0]), cute.size(shape, mode=[1])
+    frag = cute.size(shape)
+    m, n = v // copy % repeats, v // (copy * repeats)
+    return m * (total // repeats) + e * (frag // repeats) + n * copy + v % copy
+
+
 class Bar(IntEnum):
     EPILOGUE = FIRST_FREE  # the consumer threads around each epilogue sub-tile's TMA store
 
@@ -155,10 +169,14 @@ class ConvFpropSm90:
         pdl: bool = True,
         trigger: str = "top",
     ):
-        if config.tile_m not in (64, 128):
-            raise ValueError(f"tile_m must be 64 or 128, got {config.tile_m}")
+        if config.tile_m not in (64, 128, 256):
+            raise ValueError(f"tile_m must be 64, 128 or 256, got {config.tile_m}")
         if config.tile_n not in (64, 128, 256):
             raise ValueError(f"tile_n must be 64/128/256, got {config.tile_n}")
+        if config.tile_m == 256 and (config.tile_n > 128 or config.split or dgrad):
+            # 256 x 256 would hold 256 fp32 accumulators a thread (spills); the split and the
+            # data-gradient mode are not built with 256 rows (the tile is the forward's)
+            raise ValueError("tile_m 256: tile_n <= 128, unsplit, forward only")
         if config.tile_k != 64:
             raise ValueError(f"tile_k must be 64 (128 bytes of 16 bits), got {config.tile_k}")
         if config.tile_n % config.epi_n or config.epi_n not in (32, 64):
@@ -184,8 +202,11 @@ class ConvFpropSm90:
         self.acc_dtype = cutlass.Float32
         self.cluster_shape_mn = (config.cluster_m, config.cluster_n)
         # Two consumer warpgroups split a 128-row tile: one alone would hold a 128x256 fp32
-        # accumulator in 256 registers per thread and spill (as in the GEMM).
-        self.atom_layout_mnk = (config.tile_m // 64, 1, 1)
+        # accumulator in 256 registers per thread and spill (as in the GEMM). A 256-row tile
+        # keeps the two, each two m64 atoms (rows 0-63 / 128-191 and 64-127 / 192-255: the
+        # tiled MMA's 128 rows repeated, MMA_M = 2), 128 accumulators a thread as 128x256's
+        # (docs/conv/NOTES.md, "256 x 128 for the K = 128 conv3d layers").
+        self.atom_layout_mnk = (min(config.tile_m, 128) // 64, 1, 1)
         self.num_mma_wg = math.prod(self.atom_layout_mnk)
         self.num_mma_threads = self.num_mma_wg * THREADS_PER_WG
         self.threads_per_cta = (1 + self.num_mma_wg) * THREADS_PER_WG
@@ -732,11 +753,7 @@ class ConvFpropSm90:
     def _staging(self, tidx, tiled_mma, sC, acc):
         """The epilogue's stmatrix path: (the copy, this thread's epilogue-ring partition, the
         accumulator retiled to it, fp32 and 16-bit fragments of one sub-tile)."""
-        r2s_atom = sm90_utils.sm90_get_smem_store_op(
-            self.major, elem_ty_d=self.dtype, elem_ty_acc=self.acc_dtype
-        )
-        stm_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype)
-        r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stm_atom, tiled_mma))
+        r2s = self._r2s(tiled_mma)
         thr_r2s = r2s.get_slice(tidx - THREADS_PER_WG)
         tRS_sC = thr_r2s.partition_D(sC)
         tRS_acc = r2s.retile(acc)
@@ -745,13 +762,21 @@ class ConvFpropSm90:
         tRS_rC = cute.make_rmem_tensor(rC_shape, self.dtype)
         return r2s, tRS_sC, tRS_acc, tRS_rAcc, tRS_rC
 
+    def _r2s(self, tiled_mma):
+        """The epilogue's stmatrix copy of the accumulator into a (tile_m, epi_n) sub-tile."""
+        r2s_atom = sm90_utils.sm90_get_smem_store_op(
+            self.major, elem_ty_d=self.dtype, elem_ty_acc=self.acc_dtype
+        )
+        stm_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype)
+        return cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stm_atom, tiled_mma))
+
     def _stage(self, epi, e: int, buf):
         """Sub-tile e of the accumulator, converted, into epilogue-ring buffer `buf` (stmatrix;
         generic-proxy writes)."""
         r2s, tRS_sC, tRS_acc, tRS_rAcc, tRS_rC = epi[:5]
         frag = cute.size(tRS_rAcc)
         for v in range(frag):  # unrolled at trace time (a plain method: no preprocessor)
-            tRS_rAcc[v] = tRS_acc[e * frag + v]
+            tRS_rAcc[v] = tRS_acc[sub_tile_value(e, v, tRS_rAcc.shape, cute.size(tRS_acc))]
         tRS_rC.store(tRS_rAcc.load().to(self.dtype))
         cute.copy(r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
 

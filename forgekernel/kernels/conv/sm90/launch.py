@@ -4,7 +4,8 @@ views: x (N, D, H, W, C), w (K, T, R, S, C), y (N, Z, P, Q, K) (a 2-D convolutio
 T = 1).
 
 - `fprop`: one launch of the forward kernel, its tile and split (the reduction cut into parts
-  for problems of few tiles) from `config.choose_plan`. At stride 1 the output tiles may be
+  for problems of few tiles) from `config.choose_plan` (the K = 128 conv3d layers' 256x128
+  tile where `config.takes_tall`). At stride 1 the output tiles may be
   rectangles (`geometry.rect_width`), but a 1x1 filter's walk im2col rows unless the caller
   asks for rectangles (`_launch`'s `rect_1x1`; the H200's 1x1 layers lost up to half their rate
   on rectangles: docs/conv/NOTES.md, "Measured: rectangles"). C or K not a multiple of 8
@@ -117,7 +118,9 @@ def _choose(
     launch."""
     sms = num_sms(device_index) if device_index is not None else NUM_SMS_H100_H200
     if config is None:
-        plan = choose_plan(m, k, c, taps, sms, pixels, im2col=rows, strided=strided)
+        plan = choose_plan(
+            m, k, c, taps, sms, pixels, im2col=rows, strided=strided, forward=not dgrad
+        )
     else:
         rect = config.rect if isinstance(config, SplitPlan) else 0
         if pixels is not None and not isinstance(config, SplitPlan):

@@ -90,6 +90,16 @@ def _main_standard() -> list[Params]:
     )
 
 
+def _main_candidates() -> list[Params]:
+    """The L2 model's chunked GQA candidates (bench attention_bwd CHUNKED_CANDIDATES: sections
+    of two (kv head, batch) pairs, with the long-key walk or the default one; BWD_NOTES.md "The
+    launch order against the forward's L2 finding"), bf16 causal, so that `build --candidates`
+    compiles them before the bench times them."""
+    base = default_config(128, 128)
+    cfgs = (replace(base, l2_swizzle=2, walk_order=LONG_GQA_WALK), replace(base, l2_swizzle=2))
+    return [main_params("bfloat16", 128, 128, True, False, cfg) for cfg in cfgs]
+
+
 def _post_standard() -> list[Params]:
     # one per workspace order the standard main kernels write (dq_split or not)
     out = []
@@ -118,6 +128,7 @@ SPEC_MAIN = KernelSpec(
     directory=_DIR,
     compile=_compile_main,
     standard_params=_main_standard,
+    candidate_params=_main_candidates,
 )
 SPEC_POST = KernelSpec(
     name="attention_bwd_post_sm90",

@@ -10,7 +10,9 @@ from pathlib import Path
 from forgekernel.kernels.attention.dsa_sparse_bwd.sm90.config import (
     BLOCKS,
     DTYPES,
+    H64_PARTS,
     params_for,
+    params_h64,
     standard_red4s,
     standard_xchg,
 )
@@ -18,8 +20,13 @@ from forgekernel.runtime.spec import KernelSpec, Params
 
 
 def _compile(params: Params, extra_options: str = ""):
-    from forgekernel.kernels.attention.dsa_sparse_bwd.sm90.compile import compile_sparse_bwd
+    from forgekernel.kernels.attention.dsa_sparse_bwd.sm90.compile import (
+        compile_h64,
+        compile_sparse_bwd,
+    )
 
+    if "h64" in dict(params):  # the bench variant h64 (kernel_h64.py)
+        return compile_h64(dict(params), "sm_90a", extra_options)
     return compile_sparse_bwd(dict(params), "sm_90a", extra_options)
 
 
@@ -54,13 +61,24 @@ def _candidate_params() -> list[Params]:
     ]
 
 
+def _h64_params() -> list[Params]:
+    """The bench variant h64's builds (kernel_h64.py), both dtypes (the GPU tests take fp16
+    too), and for the probe its kv part without reductions and with the v2 reductions."""
+    return [
+        *(params_h64(d, part) for d in DTYPES for part in H64_PARTS),
+        *(params_h64(d, "dq", dq_heads=128) for d in DTYPES),
+        params_h64("bfloat16", "kv", reduce=False),
+        params_h64("bfloat16", "kv", shfl4=False),
+    ]
+
+
 SPEC = KernelSpec(
     name="dsa_sparse_bwd_sm90",
     arch="sm_90a",
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
-    candidate_params=_candidate_params,
+    candidate_params=lambda: [*_candidate_params(), *_h64_params()],
     representative=lambda: params_for("bfloat16", 16, xchg=True, red4s=True),
 )
 

@@ -154,3 +154,91 @@ def params_for(
     if red4s:
         keys["red4s"] = True
     return tuple(sorted(keys.items()))
+
+
+# ---- h64: one gather a token at H >= 64 (kernel_h64.py; docs/attention/DSA_BWD_NOTES.md "H >= 64:
+# one gather a token"), a bench variant only. Two kernels: `kv` (one CTA a (token, 64 heads): S^T,
+# dP^T, P^T, dS^T and the dkv blocks, no dq accumulator; dS (16-bit) into a (tokens, TILE x tiles,
+# H) workspace) and `dq` (dq = dS K: the rows gathered again, dq^T of 64 heads in registers).
+H64_BLOCK = 64  # heads of one CTA in both kernels (the WGMMAs' N in S^T / dP^T, the K of dkv)
+H64_PARTS = ("kv", "dq")
+# `kv`: S^T / dP^T are the stage's only readers, so one stage suffices if it is released right
+# after their WGMMAs (the gather of tile i + 1 then runs under tile i's exchange, dkv MMAs and
+# reductions); two would need 302 KB.
+H64_KV_STAGES = 1
+# `dq`: heads a CTA (64, or 128 where H allows: then the CTA takes one of three 192-column groups,
+# so that the rows are gathered once a token instead of twice) and the 64-column dq^T blocks of
+# each of three consumer warpgroups: at 64 heads three (64 x 64 fp32 = 32 registers a thread a
+# block: 96 under 152; two warpgroups of {0..4} / {5..8}, 160 under 224, spilled 40 bytes,
+# cuobjdump 2026-12-05), at 128 heads one (64 x 128: 64 registers).
+H64_DQ_HEADS = (64, 128)
+H64_DQ_CONSUMERS = 3
+H64_DQ_CHUNKS_PER_WG = {64: 3, 128: 1}
+H64_DQ_THREADS = (1 + H64_DQ_CONSUMERS) * THREADS_PER_WG
+H64_DQ_CONSUMER_REGS = 152  # 56 x 128 + 152 x 384 = 65,536
+H64_DQ_STAGES = 2
+
+
+def h64_supported(heads: int) -> bool:
+    return heads > 0 and heads % H64_BLOCK == 0
+
+
+def h64_kv_bytes() -> int:
+    """q (64 x 576), dO (64 x 512), one stage, P^T / dS^T (64 x 64 each), barriers and row ids:
+    230,400 of the 232,448 an SM grants a block."""
+    return (
+        H64_BLOCK * (WIDTH + D_V) * BYTES
+        + H64_KV_STAGES * stage_bytes()
+        + 2 * TILE * H64_BLOCK * BYTES
+        + BARRIER_BYTES
+    )
+
+
+def h64_dq_heads(heads: int) -> int:
+    """Heads a CTA of the dq part for a problem of `heads` (a multiple of 64)."""
+    return 128 if heads % 128 == 0 else H64_BLOCK
+
+
+def h64_dq_chunks(dq_heads: int) -> int:
+    """64-column blocks a dq CTA gathers and accumulates (9 at 64 heads, 3 at 128)."""
+    return H64_DQ_CHUNKS_PER_WG[dq_heads] * H64_DQ_CONSUMERS
+
+
+def h64_dq_bytes(dq_heads: int = H64_BLOCK) -> int:
+    """Per stage the gathered rows (the CTA's column blocks) and the tile's dS (64 positions x
+    dq_heads), barriers."""
+    rows = TILE * h64_dq_chunks(dq_heads) * CHUNK * BYTES
+    return H64_DQ_STAGES * (rows + TILE * dq_heads * BYTES) + BARRIER_BYTES
+
+
+def h64_workspace_rows(topk: int) -> int:
+    """Rows (list positions) of the dS workspace a token: whole tiles (the tail's rows hold 0)."""
+    return -(-topk // TILE) * TILE
+
+
+def params_h64(
+    dtype: str, part: str, reduce: bool = True, shfl4: bool = True, dq_heads: int = H64_BLOCK
+) -> tuple:
+    """Compile key of an h64 kernel: dtype and part (`kv` or `dq`); reduce False (kv only): the
+    timing probe's build whose dkv reductions never run; shfl4 (kv only): dkv by
+    red.global.add.v4.f32 after a butterfly shuffle (the variant's form), False: kernel.py's
+    fragments' red.global.add.v2 (the probe's comparison); dq_heads (dq only): heads a CTA,
+    64 or 128 (`h64_dq_heads`)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if part not in H64_PARTS:
+        raise ValueError(f"part must be one of {H64_PARTS}, got {part!r}")
+    keys = {"dtype": dtype, "block": H64_BLOCK, "h64": part}
+    if not reduce:
+        if part != "kv":
+            raise ValueError("reduce=False applies to the kv part only")
+        keys["noreduce"] = True
+    if not shfl4:
+        if part != "kv":
+            raise ValueError("shfl4=False applies to the kv part only")
+        keys["v2"] = True
+    if dq_heads != H64_BLOCK:
+        if part != "dq" or dq_heads not in H64_DQ_HEADS:
+            raise ValueError(f"dq_heads applies to the dq part, one of {H64_DQ_HEADS}")
+        keys["dq_heads"] = dq_heads
+    return tuple(sorted(keys.items()))

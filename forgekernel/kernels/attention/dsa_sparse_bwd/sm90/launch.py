@@ -82,6 +82,9 @@ def dsa_sparse_bwd(
     xchg: bool | None = None,
     red4s: bool | None = None,
     pre: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    h64: bool = False,
+    h64_v2: bool = False,
+    h64_ws: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq (tokens, H, 576) in q's dtype, dkv (slots, 576) fp32, d_sink (H,) fp32): q
     (tokens, H, 576), kv (slots, 576) in one 16-bit dtype, dout / out (tokens, H, 512), lse /
@@ -97,7 +100,15 @@ def dsa_sparse_bwd(
     red4s (the standard form before 2026-12-04 04:23);
     pre: (lse2, Delta', d_sink) as `preprocess` gives them, computed by the caller (the op: the
     preprocess kernel, kernels/attention/dsa_sparse_bwd_pre/sm90), None: `preprocess` here
-    (torch). `unsupported` must be None for these inputs."""
+    (torch). h64 True (H a multiple of 64; xchg / red4s ignored): the bench variant `h64`
+    (kernel_h64.py: 64 heads a CTA, dkv and a dS workspace, then dq = dS K in a second
+    kernel; h64_v2 True: its kv part with the fragments' red.global.add.v2, the probe's
+    comparison; h64_ws: the dS workspace to use, contiguous (tokens,
+    `config.h64_workspace_rows(topk)`, H) in q's dtype, None: a fresh one; the GPU tests poison
+    it with NaN so that a cell the kv part leaves unwritten shows in dq). `unsupported` must be
+    None for these inputs."""
+    if h64 and h64_unsupported(q) is not None:
+        raise ValueError(h64_unsupported(q))
     lse2, delta, d_sink = preprocess(out, dout, lse, dlse, attn_sink) if pre is None else pre
     tokens, heads, _ = q.shape
     if dq is None:
@@ -105,6 +116,12 @@ def dsa_sparse_bwd(
     dkv = torch.zeros(kv.shape[0], config.WIDTH, dtype=torch.float32, device=q.device)
     if tokens == 0 or topk_indices.shape[1] == 0:
         return dq.zero_(), dkv, d_sink
+    idx = topk_indices if topk_indices.stride(-1) == 1 else topk_indices.contiguous()
+    if h64:
+        _launch_h64(
+            q, kv, dout, lse2, delta, idx, dq, dkv, softmax_scale, reduce, not h64_v2, h64_ws
+        )
+        return dq, dkv, d_sink
     block = config.block_heads(heads)
     if xchg is None:
         xchg = config.standard_xchg(block, reduce)
@@ -112,8 +129,37 @@ def dsa_sparse_bwd(
         red4s = config.standard_red4s(block, reduce)
     params = config.params_for(dtype_name(q.dtype), block, reduce, xchg, red4s)
     kernel = get_kernel(SPEC, params)
-    idx = topk_indices if topk_indices.stride(-1) == 1 else topk_indices.contiguous()
     with on_device(q.device):
         kernel(as_tma_ready(q), as_tma_ready(kv), as_tma_ready(dout), lse2, delta, idx, dq, dkv,
                softmax_scale * LOG2E, softmax_scale)  # fmt: skip
     return dq, dkv, d_sink
+
+
+def h64_unsupported(q: torch.Tensor) -> str | None:
+    """Why the h64 variant cannot take q (None: it can): H a multiple of 64."""
+    if not config.h64_supported(q.shape[1]):
+        return f"h64 takes a multiple of {config.H64_BLOCK} heads, got {q.shape[1]}"
+    return None
+
+
+def _launch_h64(
+    q, kv, dout, lse2, delta, idx, dq, dkv, softmax_scale: float, reduce: bool, shfl4: bool,
+    ws: torch.Tensor | None = None,
+):  # fmt: skip
+    """The two h64 kernels: `kv` (dkv into the accumulator, dS into a (tokens, whole tiles, H)
+    workspace in q's dtype), then `dq` (dq = dS K, every element of dq written)."""
+    tokens, heads, _ = q.shape
+    rows = config.h64_workspace_rows(idx.shape[1])
+    shape = (tokens, rows, heads)
+    if ws is None:
+        ws = torch.empty(shape, dtype=q.dtype, device=q.device)
+    elif tuple(ws.shape) != shape or ws.dtype != q.dtype or not ws.is_contiguous():
+        raise ValueError(f"h64_ws must be a contiguous {shape} {q.dtype} tensor, got "
+                         f"{tuple(ws.shape)} {ws.dtype}")  # fmt: skip
+    name = dtype_name(q.dtype)
+    kv_kernel = get_kernel(SPEC, config.params_h64(name, "kv", reduce, shfl4))
+    dq_kernel = get_kernel(SPEC, config.params_h64(name, "dq", dq_heads=config.h64_dq_heads(heads)))
+    with on_device(q.device):
+        kv_kernel(as_tma_ready(q), as_tma_ready(kv), as_tma_ready(dout), lse2, delta, idx, ws,
+                  dkv, softmax_scale * LOG2E, softmax_scale)  # fmt: skip
+        dq_kernel(as_tma_ready(kv), idx, ws, dq)

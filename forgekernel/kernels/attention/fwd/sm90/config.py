@@ -4,7 +4,8 @@ compiler."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
+from typing import NamedTuple
 
 from forgekernel.kernels.common.sm90.constants import DTYPE_NAMES, SMEM_CAPACITY
 
@@ -35,14 +36,6 @@ class AttnConfig:
     0.903 plain, 0.990 snaked; 128x64 0.912 plain, 0.929 snaked; D=128 and D=64 gain under
     the rule's 1% in one of their two cases, so it stays off there.
 
-    o_direct: O goes from registers straight to global memory (32-bit stores of column
-    pairs, rows past Sq skipped) instead of through shared memory and one TMA store, so
-    Q's buffer frees once the mainloop ends and the next tile's Q loads under the epilogue,
-    as when O has its own buffer; it matters where O would share Q's buffer (D=256 always,
-    192/128 at 128x128). H200 2026-12-03, FA4 time / ours: 192/128 0.950 against 0.922,
-    D=256 0.875 against 0.912 (128x64); not yet timed together with 192/128's 40 MiB
-    sections.
-
     l2_kv_mib: the K and V MiB of one L2 section of heads, where the tile order uses sections
     (`scheduler.longest_first`, L2_KV_BUDGET = 24 MiB: 4 heads at 192/128 s8192; FA4 takes
     8, 40 MiB here). H200 2026-12-03, 192/128 b2 hq128 s8192 causal: 0.977 of FA4 at 40 MiB
@@ -55,7 +48,30 @@ class AttnConfig:
     the page-table slot (not with paged; snake ignored) and launches one CTA a SM. On for the
     D = 128 varlen default (`_VARLEN_DEFAULTS`): H200 2026-12-04 00:46, 0.935 of the static
     deal's time (4 CTAs a SM) on chunked prefill, 0.963 / 0.989 on the two dense varlen
-    cases; fixed length lost (0.984 / 1.011), so it stays off there.
+    cases; fixed length GQA D = 128 lost (0.984 / 1.011), so it stays off there. In sections,
+    the tiles of one section run together only with the counter (the static deal scatters
+    them): on with `wave_kv_mib` 0 in the fixed-length rules of 192/128, D = 256 causal and
+    D = 128 causal (`FIXED_RULES`; H100 2026-12-05 16:50: 192/128 0.875-0.931 of the static
+    deal's time, D = 256 causal 0.908 / 0.920, D = 128 causal 0.650 with the sections).
+
+    k_ahead: the producer loads K of the next key block before V of the current one (FA4's
+    and FA3's order with the S / P V overlap: K of block n_max - 1, then Q, then (K_{n-1},
+    V_n) pairs, V of the last block last), instead of K and V of one block together after Q's
+    turn. The consumers need K one step before V (S_j and P_{j-1} V_{j-1} issue together), so
+    K's lead over its S GEMM grows from about 1.5 steps to 2 (K's stage frees as soon as its
+    S is done, V's only when its P V is, and ours issues K behind the V before it), and Q no
+    longer queues behind the first V. Not with paged. Candidate (192/128): with the counter
+    0.979 / 0.957 / 0.998 of the counter alone on the three long cases (H100 2026-12-05, a
+    noisy run: undecided, docs/attention/NOTES.md "192/128 and the L2 rules adopted").
+
+    wave_kv_mib: the tile order goes in L2 sections when one wave of longest-first tiles
+    would read more K and V than this (`scheduler.longest_first`, WAVE_KV_LIMIT_KIB = 320
+    MiB); 0: in sections whenever a head's K and V reach 1 KiB (always on real shapes: FA4's
+    and FA3's rule). 192/128 b8 hq128 s2048 (a 166 MiB wave: the global order) reads every
+    K / V block from HBM once per tile (12.7 GB in 3.13 ms, 4.1 TB/s on the H200:
+    memory-bound, 0.854 of FA4, which sections 32 heads there). 0 in the fixed-length rules
+    (`FIXED_RULES`): the MHA / GQA-2 waves of 17-256 MiB re-read K / V from HBM every tile
+    (0.605-0.953 of the global order's time, H100 2026-12-05).
 
     Variants measured and dropped from the kernel are listed in docs/attention/NOTES.md."""
 
@@ -64,24 +80,27 @@ class AttnConfig:
     stages: int = 2
     late_rescale: bool = True
     snake: bool = False
-    o_direct: bool = False
     l2_kv_mib: int = 24
     dynamic: bool = False
+    k_ahead: bool = False
+    wave_kv_mib: int = 320
 
     def tag(self) -> str:
         """Short name for tables: 128x128_s2 (plus _early without the late rescale, _snake
-        with the snake order, _odirect with O stored from registers, _secN with N MiB L2
-        sections, _dyn with the tile counter)."""
+        with the snake order, _secN with N MiB L2 sections, _dyn with the tile counter,
+        _kahead with K loaded a block ahead of V, _waveN with sections past an N MiB wave)."""
         tag = f"{self.tile_m}x{self.tile_n}_s{self.stages}"
         tag = tag if self.late_rescale else tag + "_early"
         tag = tag + "_snake" if self.snake else tag
-        tag = tag + "_odirect" if self.o_direct else tag
         tag = tag if self.l2_kv_mib == 24 else tag + f"_sec{self.l2_kv_mib}"
-        return tag + "_dyn" if self.dynamic else tag
+        tag = tag + "_dyn" if self.dynamic else tag
+        tag = tag + "_kahead" if self.k_ahead else tag
+        return tag if self.wave_kv_mib == 320 else tag + f"_wave{self.wave_kv_mib}"
 
     @classmethod
     def from_params(cls, params: dict) -> AttnConfig:
-        """The config of a compile key (`params_for`; a key without `dynamic`: off)."""
+        """The config of a compile key (`params_for`; a knob absent from the key: its
+        default)."""
         return cls(**{f.name: params[f.name] for f in fields(cls) if f.name in params})
 
 
@@ -105,13 +124,14 @@ def smem_bytes(cfg: AttnConfig, head_dim: int, head_dim_v: int, elem_bytes: int 
     return _smem(cfg, head_dim, head_dim_v, elem_bytes, own_o)
 
 
-# One CTA per SM (the consumer warpgroups take the whole register file), so shared memory
-# only bounds stages. D=64: three consumer warpgroups (192-row tiles, FA3's choice), 3 stages
-# (1.022 of FA4 against 0.932 for 128x128); D=96 and D=128: two, 2 stages, O in its own
-# buffer; D=256: 80-key tiles in snake order (0.990 of FA4 against 0.912 for 64-key tiles
-# in tile order); D=192/Dv=128: O shares Q's buffer, O rescaled before the S GEMM issue
-# (after it: 5% slower), L2 sections of 40 MiB (0.977 against 0.922 at 24). H200 figures:
-# docs/attention/NOTES.md.
+# The head dims' defaults (fixed-length problems outside every FIXED_RULES class; the plan
+# before the rules, the bench's `was`). One CTA per SM (the consumer warpgroups take the whole
+# register file), so shared memory only bounds stages. D=64: three consumer warpgroups (192-row
+# tiles, FA3's choice), 3 stages (1.022 of FA4 against 0.932 for 128x128); D=96 and D=128: two,
+# 2 stages, O in its own buffer; D=256: 80-key tiles in snake order (0.990 of FA4 against 0.912
+# for 64-key tiles in tile order); D=192/Dv=128: O shares Q's buffer, O rescaled before the S
+# GEMM issue (after it: 5% slower), L2 sections of 40 MiB (0.977 against 0.922 at 24). H200
+# figures: docs/attention/NOTES.md.
 _DEFAULTS = {
     (64, 64): AttnConfig(tile_m=192, tile_n=128, stages=3),
     (96, 96): AttnConfig(tile_n=128, stages=2),
@@ -131,6 +151,95 @@ _VARLEN_DEFAULTS = {
 _PAGED_DEFAULTS = {
     (256, 256): AttnConfig(tile_n=64, stages=2),
 }
+
+
+class FixedRule(NamedTuple):
+    """A fixed-length class that takes other knobs than its head dims' default: (head_dim,
+    head_dim_v) and the mask as given, the query heads a kv head in `groups`, lo <= Sq <= Sk
+    <= hi (`seqlens`; Sq > Sk never measured) and batch x kv heads >= `min_kv_heads` (at
+    fewer, one wave holds fewer heads: a smaller K / V footprint than measured; at more, the
+    wave is the same 132-tile one)."""
+
+    head_dims: tuple[int, int]
+    causal: bool
+    groups: tuple[int, ...]
+    seqlens: tuple[int, int]
+    min_kv_heads: int
+    knobs: tuple[tuple[str, object], ...]
+
+
+_SECTIONS = (("wave_kv_mib", 0),)
+_SECTIONS_COUNTER = (("dynamic", True), ("wave_kv_mib", 0))
+# The classes the 2026-12-05 16:50 H100 timing moved, each restricted to its measured cases
+# (variant / the default's time; docs/attention/NOTES.md "192/128 and the L2 rules adopted"):
+# L2 sections at every size (`wave_kv_mib` 0) where the global order's MHA / GQA-2 waves re-read
+# their K / V from HBM every tile, with the tile counter (`dynamic`) where the static deal's
+# long-to-short section saw lost (D = 256 causal: sections alone 1.108 / 1.110) or the counter
+# gained on top (192/128, D = 128 causal). Unchanged: D = 64 causal (sections 1.100, with the
+# counter 0.994: a tie), D = 128 non-causal (undecided), GQA 4 and beyond (the controls:
+# 0.998-1.017), varlen and paged.
+FIXED_RULES = (
+    # b8 hq128 s2048 0.605; b2 s8192 0.931, b1 s16384 0.919, b1 sq2048 sk16384 0.875 (the counter
+    # alone there: those already run in sections)
+    FixedRule((192, 128), True, (1,), (2048, 16384), 128, _SECTIONS_COUNTER),
+    FixedRule((96, 96), True, (1,), (2048, 2048), 256, _SECTIONS),  # b8 hq32 s2048 0.709
+    FixedRule((96, 96), False, (1,), (1024, 1024), 512, _SECTIONS),  # b16 hq32 s1024 0.666
+    # b4 hq16 s4096 0.920, b8 hq16 hkv8 s2048 0.908
+    FixedRule((256, 256), True, (1, 2), (2048, 4096), 64, _SECTIONS_COUNTER),
+    FixedRule((256, 256), False, (2,), (1024, 1024), 64, _SECTIONS),  # b16 hq8 hkv4 s1024 0.913
+    FixedRule((128, 128), True, (1,), (1024, 1024), 512, _SECTIONS_COUNTER),  # b16 hq32 0.650
+    FixedRule((64, 64), False, (1,), (512, 512), 512, _SECTIONS),  # b32 hq16 s512 0.953
+)
+
+
+def _by_class(rules: tuple[FixedRule, ...]) -> dict[tuple[int, int, bool], tuple]:
+    """(head_dim, head_dim_v, causal) -> its rules as (1 + index, rule), in order."""
+    found: dict[tuple[int, int, bool], tuple] = {}
+    for i, rule in enumerate(rules, 1):
+        key = (*rule.head_dims, rule.causal)
+        found[key] = (*found.get(key, ()), (i, rule))
+    return found
+
+
+_RULES_BY_CLASS = _by_class(FIXED_RULES)
+
+
+def fixed_rule(
+    head_dim: int, head_dim_v: int, causal: bool, batch: int, seqlen_q: int, seqlen_k: int,
+    heads_q: int, heads_kv: int,
+) -> int:  # fmt: skip
+    """The fixed-length problem's rule: 1 + its index in FIXED_RULES, 0 where none applies
+    (the head dims' default, `default_config`). One dict probe on the launch path."""
+    for i, rule in _RULES_BY_CLASS.get((head_dim, head_dim_v, bool(causal)), ()):
+        lo, hi = rule.seqlens
+        if (
+            lo <= seqlen_q <= seqlen_k <= hi
+            and heads_q // heads_kv in rule.groups
+            and batch * heads_kv >= rule.min_kv_heads
+        ):
+            return i
+    return 0
+
+
+def rule_config(head_dim: int, head_dim_v: int, rule: int) -> AttnConfig:
+    """The config of `fixed_rule`'s answer: the head dims' default with the rule's knobs."""
+    cfg = default_config(head_dim, head_dim_v)
+    return replace(cfg, **dict(FIXED_RULES[rule - 1].knobs)) if rule else cfg
+
+
+def choose_config(
+    head_dim: int, head_dim_v: int, causal: bool, batch: int, seqlen_q: int, seqlen_k: int,
+    heads_q: int, heads_kv: int,
+) -> AttnConfig:  # fmt: skip
+    """The config a fixed-length problem runs (`fixed_rule`, else the head dims' default)."""
+    rule = fixed_rule(head_dim, head_dim_v, causal, batch, seqlen_q, seqlen_k, heads_q, heads_kv)
+    return rule_config(head_dim, head_dim_v, rule)
+
+
+def rule_params(dtype: str, rule: int) -> tuple:
+    """The compile key of FIXED_RULES[rule - 1]'s config (a standard build)."""
+    r = FIXED_RULES[rule - 1]
+    return params_for(dtype, *r.head_dims, r.causal, rule_config(*r.head_dims, rule))
 
 
 # Head dims of the paged mode (the paged op's) and the page boxes built ahead of time: pages
@@ -243,8 +352,13 @@ def params_for(
         "page_box": int(page_box),
         **asdict(cfg),
     }
-    if not cfg.dynamic:  # the keys (and cache entries) of every config before the knob
-        del key["dynamic"]
+    # The keys (and cache entries) of every config before these knobs: each is in a key only
+    # when it is not its default.
+    for name, off in (("dynamic", False), ("k_ahead", False), ("wave_kv_mib", 320)):
+        if key[name] == off:
+            del key[name]
+    if cfg.k_ahead and page_box:
+        raise ValueError("k_ahead is not for the paged mode (its page boxes)")
     if view_group and (not packed or cfg.tile_m % view_group):
         raise ValueError(f"view_group {view_group}: packed only, dividing tile_m ({cfg.tile_m})")
     if packed and not view_group:  # the copy form: measured slower, dropped (PAGED_NOTES.md)

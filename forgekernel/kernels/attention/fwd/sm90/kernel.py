@@ -29,8 +29,7 @@ Warp roles (one CTA = 1 + tile_m / 64 warpgroups):
   or Q's when shared memory is short) -> one TMA store of the (tile_m, Dv) tile, left in
   flight under the next tile; the LSE from the thread holding column 0 of each row. A varlen
   tile that ends inside its sequence is written from registers row by row (a TMA box would
-  spill into the next sequence); with `o_direct` (AttnConfig) every tile is, and Q's buffer
-  frees before the epilogue.
+  spill into the next sequence).
 
 Pipelines (TMA producer -> consumer, mbarrier full / empty, released by one arrival per
 consumer warp): `q` (1 stage: it frees when the consumers are done with the previous tile's
@@ -162,9 +161,6 @@ class AttentionFwdSm90:
         self.stages = config.stages
         self.num_wg = config.tile_m // 64
         self.own_o = separate_o(config, head_dim, head_dim_v)
-        # O from registers straight to global memory (see AttnConfig): Q's buffer frees at
-        # the end of the mainloop even where O would have shared it.
-        self.o_direct = config.o_direct
         self.threads_per_cta = (1 + self.num_wg) * THREADS_PER_WG
         self.num_mma_threads = self.num_wg * THREADS_PER_WG
         # Registers per thread, multiples of 8: producer 24 and consumers 240 with two consumer
@@ -200,7 +196,12 @@ class AttentionFwdSm90:
         self.scheduler = LongestFirst(
             self.tile_m, causal, varlen, kv_row_bytes=(head_dim + head_dim_v) * 2,
             paged=self.paged, min_seqlen_q=skip_below, l2_kv_budget=config.l2_kv_mib * 2**20,
+            wave_kv_limit_kib=config.wave_kv_mib * 2**10,
         )  # fmt: skip
+        # K of the next key block before V of the current one (see AttnConfig.k_ahead).
+        if config.k_ahead and self.paged:
+            raise ValueError("k_ahead is not for the paged mode")
+        self.k_ahead = config.k_ahead
 
     # ---------------------------------------------------------------- host-side setup
     def _setup(self):
@@ -558,43 +559,18 @@ class AttentionFwdSm90:
                 tVsV, tVgV = cpasync.tma_partition(
                     tma_v, 0, one, cute.group_modes(sV_, 0, 2), cute.group_modes(gV, 0, 2)
                 )
-                for i in cutlass.range(n_block_max, unroll=1):
-                    n = n_block_max - 1 - i
-                    if const_expr(self.paged):
-                        # Before the wait for a free stage: the page-table read lands under it.
-                        page, box = self._page_of_lane(mPageTable, mK.shape[0], seq, n, seqlen_k)
-                        k_pipe.producer_acquire(kv)
-                        self._page_boxes(
-                            tma_k, tKgK, tKsK, kv.index, page, box, k_pipe.producer_get_barrier(kv)
-                        )
-                        v_pipe.producer_acquire(kv)
-                        self._page_boxes(
-                            tma_v, tVgV, tVsV, kv.index, page, box, v_pipe.producer_get_barrier(kv)
-                        )
-                    else:
-                        k_pipe.producer_acquire(kv)
-                        cute.copy(
-                            tma_k,
-                            tKgK[(None, n)],
-                            tKsK[(None, kv.index)],
-                            tma_bar_ptr=k_pipe.producer_get_barrier(kv),
-                        )
-                        v_pipe.producer_acquire(kv)
-                        cute.copy(
-                            tma_v,
-                            tVgV[(None, n)],
-                            tVsV[(None, kv.index)],
-                            tma_bar_ptr=v_pipe.producer_get_barrier(kv),
-                        )
-                    kv.advance()
-                    if i == 0:
-                        # Q after the first K and V: they may land while the consumers finish
-                        # the previous tile. Q is loaded even when no key block is visible.
-                        self._load_q(tma_q, tQgQ, tQsQ, q_pipe, q_state, m_block)
-                        q_state.advance()
-                if n_block_max == 0:
-                    self._load_q(tma_q, tQgQ, tQsQ, q_pipe, q_state, m_block)
+                q_load = (tma_q, tQgQ, tQsQ, q_pipe, m_block)
+                if const_expr(self.k_ahead):
+                    kv = self._load_k_ahead(
+                        tma_k, tma_v, tKgK, tKsK, tVgV, tVsV, k_pipe, v_pipe, kv, n_block_max,
+                        q_load, q_state,
+                    )  # fmt: skip
                     q_state.advance()
+                else:
+                    kv, q_state = self._load_blocks(
+                        tma_k, tma_v, tKgK, tKsK, tVgV, tVsV, k_pipe, v_pipe, kv, n_block_max,
+                        q_load, q_state, (mPageTable, mK.shape[0], seq, seqlen_k),
+                    )  # fmt: skip
             if const_expr(self.paged):
                 t = t_next
             elif const_expr(self.dynamic):
@@ -603,6 +579,90 @@ class AttentionFwdSm90:
                 t += step
         if const_expr(self.dynamic):
             tstate = atomic.publish(tiles, tstate, num_tiles, lane)
+
+    @cute.jit
+    def _load_blocks(
+        self, tma_k, tma_v, tKgK, tKsK, tVgV, tVsV, k_pipe, v_pipe, kv, n_block_max, q_load,
+        q_state, pages,
+    ):  # fmt: skip
+        """One tile's loads: K and V of each key block together, last block first, Q after
+        the first pair (Q alone when no block is visible). q_load: (tma_q, tQgQ, tQsQ, q_pipe,
+        m_block); pages (paged): (page table, page size, sequence, seqlen_k). Returns the K/V
+        and Q pipeline states."""
+        tma_q, tQgQ, tQsQ, q_pipe, m_block = q_load
+        mPageTable, page_size, seq, seqlen_k = pages
+        for i in cutlass.range(n_block_max, unroll=1):
+            n = n_block_max - 1 - i
+            if const_expr(self.paged):
+                # Before the wait for a free stage: the page-table read lands under it.
+                page, box = self._page_of_lane(mPageTable, page_size, seq, n, seqlen_k)
+                k_pipe.producer_acquire(kv)
+                self._page_boxes(
+                    tma_k, tKgK, tKsK, kv.index, page, box, k_pipe.producer_get_barrier(kv)
+                )
+                v_pipe.producer_acquire(kv)
+                self._page_boxes(
+                    tma_v, tVgV, tVsV, kv.index, page, box, v_pipe.producer_get_barrier(kv)
+                )
+            else:
+                k_pipe.producer_acquire(kv)
+                cute.copy(
+                    tma_k,
+                    tKgK[(None, n)],
+                    tKsK[(None, kv.index)],
+                    tma_bar_ptr=k_pipe.producer_get_barrier(kv),
+                )
+                v_pipe.producer_acquire(kv)
+                cute.copy(
+                    tma_v,
+                    tVgV[(None, n)],
+                    tVsV[(None, kv.index)],
+                    tma_bar_ptr=v_pipe.producer_get_barrier(kv),
+                )
+            kv.advance()
+            if i == 0:
+                # Q after the first K and V: they may land while the consumers finish the
+                # previous tile. Q is loaded even when no key block is visible.
+                self._load_q(tma_q, tQgQ, tQsQ, q_pipe, q_state, m_block)
+                q_state.advance()
+        if n_block_max == 0:
+            self._load_q(tma_q, tQgQ, tQsQ, q_pipe, q_state, m_block)
+            q_state.advance()
+        return kv, q_state
+
+    @cute.jit
+    def _load_k_ahead(
+        self, tma_k, tma_v, tKgK, tKsK, tVgV, tVsV, k_pipe, v_pipe, kv, n_block_max, q_load,
+        q_state,
+    ):  # fmt: skip
+        """`k_ahead`'s order of one tile's loads: K of block n_block_max - 1, Q, then K of each
+        next block before V of the one before it, V of block 0 last (Q alone when no block is
+        visible). K's stages free as soon as their S GEMM is done, V's only once their P V is:
+        issued first, K waits on neither V's stage nor the P V: about two steps ahead of its S
+        GEMM instead of about 1.5. Each pipeline still fills its stages in the consumers' order.
+        q_load: as `_load_blocks`'; q_state: Q's (the caller advances it). Returns the K/V
+        pipeline state."""
+        tma_q, tQgQ, tQsQ, q_pipe, m_block = q_load
+        if n_block_max > 0:
+            self._copy_kv(tma_k, tKgK, tKsK, k_pipe, kv, n_block_max - 1)
+            self._load_q(tma_q, tQgQ, tQsQ, q_pipe, q_state, m_block)
+            for i in cutlass.range(n_block_max - 1, unroll=1):
+                kv_v = kv.clone()
+                kv.advance()
+                self._copy_kv(tma_k, tKgK, tKsK, k_pipe, kv, n_block_max - 2 - i)
+                self._copy_kv(tma_v, tVgV, tVsV, v_pipe, kv_v, n_block_max - 1 - i)
+            self._copy_kv(tma_v, tVgV, tVsV, v_pipe, kv, 0)
+            kv.advance()
+        else:
+            self._load_q(tma_q, tQgQ, tQsQ, q_pipe, q_state, m_block)
+        return kv
+
+    @cute.jit
+    def _copy_kv(self, tma, tXgX, tXsX, pipe, state, n):
+        """Key block n of K or V (its TMA partitions) into the stage of `state`."""
+        pipe.producer_acquire(state)
+        bar = pipe.producer_get_barrier(state)
+        cute.copy(tma, tXgX[(None, n)], tXsX[(None, state.index)], tma_bar_ptr=bar)
 
     @cute.jit
     def _page_of_lane(self, mPageTable, page_size, seq, n, seqlen_k):
@@ -737,7 +797,7 @@ class AttentionFwdSm90:
                         kv, m0, (seqlen_q, qgroup), seqlen_k, n_block_max, n_unmasked, *step_args
                     )
                 row_lse = softmax.finalize(acc_O, row_max, row_sum, scale_log2)
-                if const_expr(self.own_o or self.o_direct):
+                if const_expr(self.own_o):
                     # Every QK^T of this tile is done (the last P V was waited on): the
                     # producer may load the next tile's Q during this epilogue.
                     q_pipe.consumer_release(q_state)
@@ -745,7 +805,7 @@ class AttentionFwdSm90:
                     tidx, warp_idx, mma_pv, acc_O, sO, tma_o, mO_tma, mO, epilogue,
                     m_block, head, batch, q_off, seqlen_q,
                 )  # fmt: skip
-                if const_expr(not self.own_o and not self.o_direct):
+                if const_expr(not self.own_o):
                     # O was read out of Q's buffer (the storing thread waited): Q may reload.
                     epilogue.arrive_and_wait()
                     q_pipe.consumer_release(q_state)
@@ -941,91 +1001,61 @@ class AttentionFwdSm90:
     ):  # fmt: skip
         """O (fp32 registers) -> input dtype -> `stmatrix` into sO -> one TMA store (rows past
         Sq clipped). A varlen tile that ends inside its sequence's last row block is written
-        from registers instead, row by row (a TMA box would spill into the next sequence);
-        with `o_direct` every tile is (`_store_o_rows`)."""
+        from registers instead, row by row (a TMA box would spill into the next sequence)."""
         rO = cute.make_rmem_tensor(acc_O.shape, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         m0 = m_block * self.tile_m
         partial = False
         if const_expr(self.varlen):
             partial = m0 + self.tile_m > seqlen_q
-        if const_expr(self.o_direct):
-            self._store_o_rows(mma_pv, rO, mO, m_block, head, batch, q_off, seqlen_q)
+        if partial:
+            gO = cute.local_tile(
+                cute.domain_offset((q_off, 0), mO[None, None, head, batch]),
+                (self.tile_m, self.head_dim_v),
+                (m_block, 0),
+            )
+            thr = mma_pv.get_slice(tidx)
+            tOgO = thr.partition_C(gO)
+            tOcO = thr.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v)))
+            for i in cutlass.range_constexpr(cute.size(rO)):
+                if m0 + tOcO[i][0] < seqlen_q:
+                    tOgO[i] = rO[i]
         else:
-            if partial:
+            r2s = cute.make_tiled_copy_C(
+                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype),
+                mma_pv,
+            )
+            thr_r2s = r2s.get_slice(tidx)
+            sO_tile = sO[None, None, 0]
+            storer = warp_idx == STORER_WARP
+            if storer:
+                # The previous tile's store must have read sO (own buffer), and
+                # (shared buffer) every warpgroup's last QK^T must be done with sQ.
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            epilogue.arrive_and_wait()
+            cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO_tile))
+            # stmatrix writes are generic-proxy; the TMA store reads through the async proxy.
+            cute.arch.fence_view_async_shared()
+            epilogue.arrive_and_wait()
+            if storer:
                 gO = cute.local_tile(
-                    cute.domain_offset((q_off, 0), mO[None, None, head, batch]),
+                    cute.domain_offset((q_off, 0), mO_tma[None, None, head, batch])
+                    if const_expr(self.varlen)
+                    else mO_tma[None, None, head, batch],
                     (self.tile_m, self.head_dim_v),
-                    (m_block, 0),
+                    (None, 0),
                 )
-                thr = mma_pv.get_slice(tidx)
-                tOgO = thr.partition_C(gO)
-                tOcO = thr.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v)))
-                for i in cutlass.range_constexpr(cute.size(rO)):
-                    if m0 + tOcO[i][0] < seqlen_q:
-                        tOgO[i] = rO[i]
-            else:
-                r2s = cute.make_tiled_copy_C(
-                    cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype),
-                    mma_pv,
+                tOsO, tOgO = cpasync.tma_partition(
+                    tma_o,
+                    0,
+                    cute.make_layout(1),
+                    cute.group_modes(sO, 0, 2),
+                    cute.group_modes(gO, 0, 2),
                 )
-                thr_r2s = r2s.get_slice(tidx)
-                sO_tile = sO[None, None, 0]
-                storer = warp_idx == STORER_WARP
-                if storer:
-                    # The previous tile's store must have read sO (own buffer), and
-                    # (shared buffer) every warpgroup's last QK^T must be done with sQ.
+                cute.copy(tma_o, tOsO[(None, 0)], tOgO[(None, m_block)])
+                cute.arch.cp_async_bulk_commit_group()
+                if const_expr(not self.own_o):
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
-                epilogue.arrive_and_wait()
-                cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO_tile))
-                # stmatrix writes are generic-proxy; the TMA store reads through the async proxy.
-                cute.arch.fence_view_async_shared()
-                epilogue.arrive_and_wait()
-                if storer:
-                    gO = cute.local_tile(
-                        cute.domain_offset((q_off, 0), mO_tma[None, None, head, batch])
-                        if const_expr(self.varlen)
-                        else mO_tma[None, None, head, batch],
-                        (self.tile_m, self.head_dim_v),
-                        (None, 0),
-                    )
-                    tOsO, tOgO = cpasync.tma_partition(
-                        tma_o,
-                        0,
-                        cute.make_layout(1),
-                        cute.group_modes(sO, 0, 2),
-                        cute.group_modes(gO, 0, 2),
-                    )
-                    cute.copy(tma_o, tOsO[(None, 0)], tOgO[(None, m_block)])
-                    cute.arch.cp_async_bulk_commit_group()
-                    if const_expr(not self.own_o):
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-    @cute.jit
-    def _store_o_rows(self, mma_pv, rO, mO, m_block, head, batch, q_off, seqlen_q):
-        """`o_direct`: O (16-bit registers) straight to global memory, each pair of adjacent
-        columns of the thread's rows below Sq one predicated 32-bit store, no shared memory.
-        (One branch around each row's stores instead moved D=256's kernel off the uniform
-        datapath: 72 R2UR a step, every producer TMA in a per-lane loop. The thread index is
-        read here, as in `_clear_stale_v`.)"""
-        tidx = cute.arch.thread_idx()[0] - THREADS_PER_WG
-        m0 = m_block * self.tile_m
-        gO = cute.local_tile(
-            cute.domain_offset((q_off, 0), mO[None, None, head, batch]),
-            (self.tile_m, self.head_dim_v),
-            (m_block, 0),
-        )
-        thr = mma_pv.get_slice(tidx)
-        # ((1, rows), (2, pairs)): a pair is 2 adjacent columns (`rows_cols`).
-        rO_rc = rows_cols(rO)
-        rOp = cute.logical_divide(rO_rc, (1, 2))
-        tOgO = cute.logical_divide(rows_cols(thr.partition_C(gO)), (1, 2))
-        tOcO = rows_cols(thr.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
-        for r in cutlass.range_constexpr(cute.size(rO_rc, mode=[0])):
-            row_ok = m0 + tOcO[r, 0][0] < seqlen_q
-            for j in cutlass.range_constexpr(cute.size(rO_rc, mode=[1]) // 2):
-                if row_ok:
-                    cute.autovec_copy(rOp[(0, r), (None, j)], tOgO[(0, r), (None, j)])
 
     @cute.jit
     def _store_lse(self, tidx, mma_pv, row_lse, mLSE, m0, head, batch, q_off, seqlen_q):

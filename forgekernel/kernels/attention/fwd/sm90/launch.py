@@ -17,9 +17,11 @@ from forgekernel.kernels.attention.fwd.sm90.config import (
     AttnConfig,
     default_config,
     default_ctas_per_sm,
+    fixed_rule,
     grid_ctas,
     page_box_for,
     params_for,
+    rule_config,
 )
 from forgekernel.kernels.common.sm90.constants import LOG2E
 from forgekernel.runtime.cache import get_kernel
@@ -57,14 +59,18 @@ def unpack_gqa(o: torch.Tensor, lse: torch.Tensor, group: int) -> tuple[torch.Te
 
 def _kernel(
     dtype: torch.dtype, head_dim: int, head_dim_v: int, causal: bool, varlen: bool, box: int,
-    device_index: int | None, packed: bool = False, view_group: int = 0,
+    device_index: int | None, packed: bool = False, view_group: int = 0, rule: int = 0,
 ) -> tuple:  # fmt: skip
-    """(the compiled function of the head dims' analytical default, the device's SM count,
-    the default's CTAs a SM, whether it takes a tile counter): a plan, built once per key
-    (params_for's dataclass walk cost 4.4 us per call on the CPU, the kernel lookup and the SM
-    count 1-2 more). packed with view_group G: the paged mode's packed compile (no sequence
-    skipped) on views of G query heads a kv head."""
-    cfg = default_config(head_dim, head_dim_v, paged=box > 0, varlen=varlen)
+    """(the compiled function of the head dims' analytical default, or of fixed-length rule
+    `rule` (`config.fixed_rule`), the device's SM count, the config's CTAs a SM, whether it
+    takes a tile counter): a plan, built once per key (params_for's dataclass walk cost 4.4 us
+    per call on the CPU, the kernel lookup and the SM count 1-2 more). packed with view_group
+    G: the paged mode's packed compile (no sequence skipped) on views of G query heads a kv
+    head."""
+    if rule:
+        cfg = rule_config(head_dim, head_dim_v, rule)
+    else:
+        cfg = default_config(head_dim, head_dim_v, paged=box > 0, varlen=varlen)
     params = params_for(dtype_name(dtype), head_dim, head_dim_v, causal, cfg, varlen=varlen,
                         page_box=box, packed=packed, view_group=view_group)  # fmt: skip
     fn = get_kernel(SPEC, params)
@@ -75,12 +81,14 @@ _plans = PlanCache()
 
 
 def _plan(
-    dtype, head_dim, head_dim_v, causal, varlen, device, box=0, packed=False, view_group=0
-) -> tuple:
+    dtype, head_dim, head_dim_v, causal, varlen, device, box=0, packed=False, view_group=0,
+    rule=0,
+) -> tuple:  # fmt: skip
     return _plans.get_or_build(
-        (dtype, head_dim, head_dim_v, causal, varlen, box, device.index, packed, view_group),
+        (dtype, head_dim, head_dim_v, causal, varlen, box, device.index, packed, view_group,
+         rule),
         _kernel,
-    )
+    )  # fmt: skip
 
 
 def _config_kernel(q, v, causal: bool, varlen: bool, config: AttnConfig) -> tuple:
@@ -158,12 +166,15 @@ def _launch(
     q, k, v, o, lse, scale: float, causal: bool, ctas_per_sm: int | None = None,
     config: AttnConfig | None = None,
 ) -> None:  # fmt: skip
-    """The kernel call: inputs and outputs TMA-ready, sizes non-zero. Short queries with GQA
-    run packed: the G query heads of a kv head become G rows per position of one head (qgroup
-    = G tells the kernel's causal mask)."""
+    """The kernel call: inputs and outputs TMA-ready, sizes non-zero. The config: the
+    problem's fixed-length rule (`config.fixed_rule`) or the head dims' default. Short queries
+    with GQA run packed: the G query heads of a kv head become G rows per position of one head
+    (qgroup = G tells the kernel's causal mask)."""
     device = q.device
     if config is None:
-        fn, sms, per_sm, dynamic = _plan(q.dtype, q.shape[-1], v.shape[-1], causal, False, device)
+        (b, sq, hq, d), (sk, hkv), dv = q.shape, k.shape[1:3], v.shape[-1]
+        rule = fixed_rule(d, dv, causal, b, sq, sk, hq, hkv)
+        fn, sms, per_sm, dynamic = _plan(q.dtype, d, dv, causal, False, device, rule=rule)
     else:
         fn, sms, per_sm, dynamic = _config_kernel(q, v, causal, False, config)
     ctas = grid_ctas(sms, per_sm if ctas_per_sm is None else ctas_per_sm)

@@ -13,7 +13,14 @@ FORGEKERNEL_MLA_OSTORE=0 keeps the scalar stores). (`pair` keys, the head blocks
 clusters of 2 sharing each tile's loads by TMA multicast, still compile but are neither prebuilt
 nor launched: measured 2.4-8.8% slower, MLA_NOTES.md.) `worklist` keys (candidates): the seesaw
 partial pass reading its (unit, split) from the device-side work list that kind "worklist", the
-scheduling kernel (worklist.py; schedule.py its reference), writes."""
+scheduling kernel (worklist.py; schedule.py its reference), writes. `gather` keys: the seesaw
+pass over 16-bit pages that are not whole tiles, each chunk's rows gathered by cp.async onto the
+chunk mbarriers (seesaw.py); the launcher's default at page size 1 (prebuilt),
+FORGEKERNEL_MLA_GATHER=1 at the other page sizes off the tile. `lean` keys: DSA's
+sparse pass over an FP8 cache at 16 heads a CTA (split and one-split plans) and 64 (one-split
+plans: the direct pass) (the tile's issue first after the stage's release, per-thread L2
+prefetches), `wide` keys its 64-head direct plans' O by 16-byte stores with it: the defaults
+there (FORGEKERNEL_MLA_LEAN=0 the form before, `was_params` its keys at the bench's blocks)."""
 
 from __future__ import annotations
 
@@ -31,6 +38,8 @@ from forgekernel.kernels.attention.mla.sm90.config import (
     heads_per_cta,
     params_for,
     sparse_heads,
+    takes_lean,
+    takes_wide,
 )
 from forgekernel.runtime import pdl
 from forgekernel.runtime.spec import KernelSpec, Params
@@ -43,10 +52,11 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    """Every 16-bit partial pass (seesaw.py's for whole-tile pages, decode.py's for the others),
+    """Every 16-bit partial pass (seesaw.py's for whole-tile pages and, in its gather form, page
+    size 1; decode.py's for the others),
     the same heads x tokens over FlashMLA's FP8 cache (bf16 queries), each of these passes'
     direct form for the served head blocks (`config.direct_blocks`), the sparse passes and
-    their direct forms, and the combines."""
+    their direct forms (`sparse_keys`), and the combines."""
     passes = [(d, False, tma) for d in DTYPES for tma in (True, False)] + [(FP8_DTYPE, True, False)]
     partial = [
         params_for("partial", dtype, h, qt, fp8, tma)
@@ -61,11 +71,12 @@ def _standard_params() -> list[Params]:
         for h, qt in direct_blocks()
     ]
     sparse = [
-        params_for("sparse", d, h, fp8=fp8, direct=direct)
+        key
         for d, fp8, tma in passes
         if not tma
         for h in sparse_heads()
         for direct in (False, True)
+        for key in sparse_keys(d, h, fp8, direct)
     ]
     ostore = [
         params_for("partial", dtype, h, qt, tma=True, direct=True, ostore=True)
@@ -73,7 +84,23 @@ def _standard_params() -> list[Params]:
         for h, qt in OSTORE_BLOCKS
     ]
     combine = [params_for("combine", d, warps=w) for d in DTYPES for w in (False, True)]
-    return partial + direct + sparse + ostore + combine + _schedule_params() + _dsa_params()
+    return (partial + direct + sparse + ostore + gather_params() + combine + _schedule_params()
+            + _dsa_params())  # fmt: skip
+
+
+def sparse_keys(
+    dtype: str, heads: int, fp8: bool, direct: bool, sink: bool = False
+) -> list[Params]:
+    """The prebuilt compiles of DSA's sparse pass at one block: over an FP8 cache where
+    `takes_lean` (16 heads, split and direct; 64 direct) the `lean` form, its direct plans at
+    `takes_wide`'s blocks (64) also `wide` (out's rows 16-byte aligned) beside the scalar stores
+    (other outs); elsewhere (the 64-head partial pass too) the plain form."""
+    lean = fp8 and takes_lean(heads, direct)
+    keys = [params_for("sparse", dtype, heads, fp8=fp8, direct=direct, sink=sink, lean=lean)]
+    if lean and direct and takes_wide(heads):
+        keys.append(params_for("sparse", dtype, heads, fp8=True, direct=True, sink=sink,
+                               lean=True, wide=True))  # fmt: skip
+    return keys
 
 
 def _dsa_params() -> list[Params]:
@@ -84,11 +111,12 @@ def _dsa_params() -> list[Params]:
     q (`fp8` too: keys of their own, the 16-bit ones unchanged); a cache in q's dtype or NeoX
     pairs compile at their first call)."""
     passes = [(d, False) for d in DTYPES] + [(FP8_DTYPE, True)]
-    sink = [params_for("sparse", d, h, fp8=fp8, direct=True, sink=True) for d, fp8 in passes
-            for h in sparse_heads()]  # fmt: skip
+    sink = [key for d, fp8 in passes for h in sparse_heads()
+            for key in sparse_keys(d, h, fp8, True, sink=True)]  # fmt: skip
     fused = [
-        params_for("sparse", d, h, fp8=fp8, direct=True, sink=s, fused=True, rope="float32",
-                   positions=p)  # fmt: skip
+        params_for(
+            "sparse", d, h, fp8=fp8, direct=True, sink=s, fused=True, rope="float32", positions=p
+        )  # fmt: skip
         for d, fp8 in passes
         for h in FUSED_HEADS
         for s in (False, True)
@@ -120,16 +148,67 @@ def _schedule_params() -> list[Params]:
 WORKLIST_BLOCKS = ((16, 1), (64, 1), (16, 2), (32, 2), (16, 4))
 
 
+def gather_params() -> list[Params]:
+    """The seesaw pass's gather form (16-bit pages off the tile; the launcher's default at page
+    size 1, `launch.GATHER_PAGES`): the seesaw keys' blocks with `gather`: every partial block,
+    the direct blocks (`config.direct_blocks`), the `ostore` direct ones (OSTORE_BLOCKS), both
+    dtypes (any of them can get a page-1 plan: prebuilt, a first call compiles nothing)."""
+    partial = [
+        params_for("partial", dtype, h, qt, tma=True, gather=True)
+        for dtype in DTYPES
+        for qt in QTOKENS
+        for h in HEADS
+        if h * qt <= ROWS
+    ]
+    direct = [
+        params_for("partial", dtype, h, qt, tma=True, direct=True, gather=True)
+        for dtype in DTYPES
+        for h, qt in direct_blocks()
+    ]
+    ostore = [
+        params_for("partial", dtype, h, qt, tma=True, direct=True, ostore=True, gather=True)
+        for dtype in DTYPES
+        for h, qt in OSTORE_BLOCKS
+    ]
+    return partial + direct + ostore
+
+
+# The blocks the dsa_sparse bench's FP8 cases run (16 heads a CTA: t1 .. t64 split, t128 one
+# split; 64: t64-h128, one split), (heads, direct)
+WAS_BLOCKS = ((16, False), (16, True), (64, True))
+
+
+def was_params() -> list[Params]:
+    """The form before `lean` / `wide` at the bench's FP8 blocks (`build --candidates`): the
+    bench's variant `was`, `plan_form(lean=False)`."""
+    return [params_for("sparse", FP8_DTYPE, h, fp8=True, direct=d) for h, d in WAS_BLOCKS]
+
+
+def wide_params() -> list[Params]:
+    """The lean direct pass's `wide` form at 16 heads a CTA (not taken by default: a tie there,
+    0.991), `plan_form(wide=True)`'s key at t128-h16 (the bench's variant `wide`); and `wide`
+    without `lean` at the bench's direct blocks (16, 64), plan_form(wide=True)'s key with lean
+    off (plan_form(lean=False) or FORGEKERNEL_MLA_LEAN=0), prebuilt rather than compiled at
+    the call."""
+    lean_wide = [params_for("sparse", FP8_DTYPE, 16, fp8=True, direct=True, lean=True, wide=True)]
+    return lean_wide + [
+        params_for("sparse", FP8_DTYPE, h, fp8=True, direct=True, wide=True)
+        for h, direct in WAS_BLOCKS
+        if direct
+    ]
+
+
 def _candidate_params() -> list[Params]:
-    """The per-call work list's pass and scheduling kernels (`build --candidates`), and the
-    builds without PDL of the bench's variant `no_pdl` (`no_pdl_params`)."""
+    """The per-call work list's pass and scheduling kernels (`build --candidates`), the
+    builds without PDL of the bench's variant `no_pdl` (`no_pdl_params`), DSA's FP8 form before
+    `lean` (`was_params`) and its `wide` forms not taken by default (`wide_params`)."""
     passes = [
         params_for("partial", dtype, h, qt, tma=True, worklist=True)
         for dtype in DTYPES
         for h, qt in WORKLIST_BLOCKS
     ]
     lists = [params_for("worklist", "bfloat16", qtokens=qt) for qt in QTOKENS]
-    return passes + lists + no_pdl_params()
+    return passes + lists + no_pdl_params() + was_params() + wide_params()
 
 
 def no_pdl_params() -> list[Params]:

@@ -107,7 +107,8 @@ def _sparse(dtype, params: dict, opts: str):
         cutlass.Int32, (tokens, cute.sym_int32()), stride=(cute.sym_int64(), 1), assumed_align=4
     )
     kernel = MlaDecodeSm90(heads, sparse=True, fp8=fp8, direct=direct, sink=sink, fused=fused,
-                           neox=params.get("neox", False))  # fmt: skip
+                           neox=params.get("neox", False), lean=params.get("lean", False),
+                           wide=params.get("wide", False))  # fmt: skip
     # seqlens_k's slot: the sink (H,) fp32 or None (the lists' width is every token's keys)
     seq = make_fake_tensor(cutlass.Float32, (hq,), stride=(1,), assumed_align=4) if sink else None
     if fused:  # decode.py's fused slots (`_fused_args`)
@@ -118,7 +119,7 @@ def _sparse(dtype, params: dict, opts: str):
             fake.rowmajor(dtype, (tokens, hq, D_ROPE)),
         )
         caches = _caches(dtype, fp8, pages, page_size)
-        outs = _outputs(dtype, tokens, hq) if direct else _partials()
+        outs = _outputs(dtype, tokens, hq, params.get("wide", False)) if direct else _partials()
         positions = None  # cu_seqlens_q: one query token per CTA
     return cute.compile(
         kernel,
@@ -216,6 +217,7 @@ def compile_mla(params: dict, arch: str = "sm_90a", extra_options: str = ""):
             worklist,
             params.get("ranges", False),
             pdl,
+            params.get("gather", False),
         )
     else:
         kernel = MlaDecodeSm90(params["heads"], qtokens, fp8=fp8, direct=direct)

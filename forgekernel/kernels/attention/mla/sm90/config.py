@@ -79,6 +79,36 @@ def runs_ostore(heads: int, qtokens: int) -> bool:
     return (heads, qtokens) in OSTORE_BLOCKS
 
 
+# DSA's sparse pass over an FP8 cache in its `lean` form (compile key `lean`; decode.py: the
+# tile's issue first after the stage's release, per-thread L2 line prefetches behind it): the
+# default on the plans measured (H100 2026-12-05 16:44, lean / the form before: t64-h16 0.809
+# (16 heads, 2 splits: the partial pass), t128-h16 0.783 (16, direct), t64-h128 0.866 (64,
+# direct), the t1 control 1.001 (16, 32 splits); MLA_NOTES.md "lean and lean_wide adopted"),
+# with or without a sink (a factor in the epilogue: the loop is the same). At 16 heads a CTA
+# split and one-split plans (LEAN_SPLIT_HEADS); at 64 one-split (direct) plans only
+# (LEAN_DIRECT_HEADS: no 64-head split plan was timed). The blocks of 1-8 heads keep the form
+# before until a case measures them.
+LEAN_SPLIT_HEADS = (16,)
+LEAN_DIRECT_HEADS = (16, 64)
+# With it, the sparse FP8 direct pass's `wide` form (O staged over the K stages, 16-byte stores)
+# at 64 heads a CTA: lean_wide / the form before 0.776 at t64-h128 (wide alone 0.901); at 16
+# heads a tie (wide 0.991, lean_wide 0.775 against lean's 0.783), so the scalar stores stay there
+WIDE_HEADS = (64,)
+
+
+def takes_lean(heads: int, direct: bool) -> bool:
+    """Whether DSA's sparse pass over an FP8 cache with `heads` heads a CTA takes the `lean`
+    compile by default: a one-split plan's direct pass (`direct`) at LEAN_DIRECT_HEADS, a split
+    plan's partial pass at LEAN_SPLIT_HEADS (the plans measured)."""
+    return heads in (LEAN_DIRECT_HEADS if direct else LEAN_SPLIT_HEADS)
+
+
+def takes_wide(heads: int) -> bool:
+    """Whether the lean sparse FP8 direct pass with `heads` heads a CTA takes the `wide` compile
+    by default (out's rows 16-byte aligned: the launcher checks; WIDE_HEADS)."""
+    return heads in WIDE_HEADS
+
+
 def tile_split_plan(
     batch: int,
     head_blocks: int,
@@ -163,6 +193,9 @@ def params_for(
     rope: str | None = None,
     positions: str | None = None,
     neox: bool = False,
+    gather: bool = False,
+    lean: bool = False,
+    wide: bool = False,
 ) -> tuple:
     """Compile key: kind "partial" (one split of `heads` query heads x `qtokens` tokens, fp32
     out; qtokens > 1 the packed form with cu_seqlens_q), "sparse" (DSA: one split of one query
@@ -184,6 +217,17 @@ def params_for(
     item-indexed form: the scheduler's (kind "worklist") per over the whole batch, items unit
     by unit and each row's item range; the pass (worklist only) writing its partial at its
     item; the combine (`PagedCombineRangesSm90`) reducing a row's item range.
+    gather (tma only, no pair or work list): the seesaw pass over pages that are not whole
+    tiles (page_size % TILE != 0; the launcher's default at page size 1), each chunk's rows
+    gathered by cp.async (seesaw.py).
+    lean (the sparse pass over an FP8 cache; the default where `takes_lean`): warpgroup
+    1's issue of a tile's bytes first after the stage's release, the L2 prefetch of the tile
+    after it by per-thread line prefetches behind it (its list entry loaded a turn early), the
+    RoPE rows' page / slot by the fast divisor (decode.py `_load_wg_staged`; MLA_NOTES.md, "DSA
+    FP8: the issue's chain"). wide (the sparse direct pass, not fused; the default with lean at
+    `takes_wide`'s blocks): O in q's dtype staged in shared memory over the K stages and stored
+    by 16-byte vectors (the seesaw's `ostore`, for decode.py's pass; out's rows 16-byte aligned:
+    the compile assumes it).
     sink (the sparse direct pass): out x sigmoid(lse - attn_sink[h]) in the epilogue. fused
     (the sparse direct pass, 16-bit or with fp8 over FlashMLA's FP8 cache, bf16 q; the fused
     DSA prefill): q_pe rotated at the token's
@@ -215,6 +259,14 @@ def params_for(
         raise ValueError("the work list is a form of the seesaw (tma) partial pass")
     if ranges and not worklist:
         raise ValueError("ranges is a form of the work list's pass")
+    if gather and (not tma or pair or worklist):
+        raise ValueError("gather is a form of the seesaw (tma) pass, without pair or work list")
+    if wide and not (kind == "sparse" and direct and not fused):
+        raise ValueError("wide is a form of the sparse direct pass (not the fused one)")
+    if lean not in (False, True):
+        raise ValueError(f"lean must be False or True, got {lean!r}")
+    if lean and not (kind == "sparse" and fp8):
+        raise ValueError("lean is a form of the sparse pass over an FP8 cache")
     if (sink or fused) and not (kind == "sparse" and direct):
         raise ValueError("sink and fused are forms of the sparse direct pass")
     if fused != (rope is not None and positions is not None):
@@ -242,6 +294,12 @@ def params_for(
         keys["worklist"] = True
     if ranges:
         keys["ranges"] = True
+    if gather:
+        keys["gather"] = True
+    if lean:
+        keys["lean"] = True
+    if wide:
+        keys["wide"] = True
     if sink:
         keys["sink"] = True
     if fused:

@@ -45,6 +45,22 @@ memory. (It replaced warpgroup 1 loading every tile's e4m3 into registers, which
 three memory round trips a tile; this form took 0.873-0.943x its time on dsa_sparse's FP8
 cases, H200 2026-12-03 06:21: MLA_NOTES.md.)
 
+`lean` (the sparse pass over an FP8 cache; the launcher's default where config.takes_lean):
+warpgroup 1 issues a tile's bytes first after the stage's release (its rows' entries in one
+batch, the RoPE rows by the fast divisor), and prefetches the rows of the tile after it into L2
+behind the commit by three 128-byte line prefetches a thread, its list entry loaded at the top
+of the turn; the bulk prefetch of the form before (a per-warp loop over distinct rows, before
+the issue) goes. Only loads move (MLA_NOTES.md, "DSA FP8: the two gaps to FlashMLA, and the
+issue's chain"; 0.78-0.87x the form before's time, H100 2026-12-05: "lean and lean_wide
+adopted"). Its prefetch two tiles ahead ("far") was measured a split (1.025 / 0.978 / 0.997 of
+lean) and dropped.
+
+`wide` (the sparse direct pass, not fused; the launcher's default with `lean` at
+config.WIDE_HEADS, 64 heads a CTA, where out's rows are 16-byte aligned): `_write_split`
+normalizes O in place, the epilogue stages it in q's dtype over the retired K stages and sends
+16-byte vectors (`_send_wide`) instead of 128 scalar 16-bit stores a thread (lean_wide 0.776x
+the form before's time at t64-h128, H100 2026-12-05; a tie at 16 heads).
+
 `sparse` (DeepSeek sparse attention, DSA): query token t attends to the cache rows its top-k
 list names (mPT (tokens, topk) int32, entries page * page_size + slot, -1 padding, anywhere),
 not to a sequence's pages: a CTA's keys are that list's split, loaded by index (-1 reads row 0,
@@ -110,6 +126,10 @@ FP8_HALF = FP8_CHUNKS_PER_ROW // 2  # a half row: 16 threads, 256 bytes
 # `staged_raw_offset`), dequantized in place a turn later (`_dequant_stage_fp8`)
 FP8_STAGE_BYTES = 2 * fp8_cache.STAGED_RAW_BASE  # a stage of the 16-bit latent tile
 FP8_SCALES = 4  # per row
+# `wide`: the staged O's row stride, 8 elements (16 bytes) of padding (the 8 rows of a warp's
+# 32-bit stores 4 banks apart; rows 16-byte aligned for the LDS.128), as seesaw.py's O16_STRIDE
+O16_STRIDE = D_LATENT + 8
+OSTORE_VEC = 8  # 16-bit elements a thread moves per 16-byte vector (LDS.128 / STG.E.128)
 
 
 class Bar(IntEnum):
@@ -135,6 +155,8 @@ class MlaDecodeSm90:
         sink: bool = False,
         fused: bool = False,
         neox: bool = False,
+        lean: bool = False,
+        wide: bool = False,
     ):
         if heads * qtokens > ROWS:
             raise ValueError(f"heads x query tokens must be <= {ROWS}, got {heads} x {qtokens}")
@@ -153,6 +175,12 @@ class MlaDecodeSm90:
         self.sink = sink  # out rows x sigmoid(lse - sink[h]) in the epilogue (module docstring)
         self.fused = fused  # query RoPE, output RoPE and the FP8 cast (module docstring)
         self.neox = neox
+        if lean and not (sparse and fp8):
+            raise ValueError("lean is a form of the sparse pass over an FP8 cache")
+        self.lean = lean  # the issue first, per-thread L2 prefetches behind it
+        if wide and not (sparse and direct and not fused):
+            raise ValueError("wide is a form of the sparse direct pass (not the fused one)")
+        self.wide = wide  # O staged over the K stages, 16-byte stores (`_send_wide`)
 
     def _setup(self, dtype):
         k_major = OperandMajorMode.K
@@ -441,6 +469,19 @@ class MlaDecodeSm90:
                               o_crd, at, (mCS, mPos[q_off]))  # fmt: skip
         else:
             self._write_split((mOp, mLp), acc_o, row_max, row_sum, scale_log2, o_crd, at, mSink)
+        if const_expr(self.wide):
+            # every WGMMA on the K stages retired (each warpgroup's wait_group 0) and every
+            # cp.async into them waited before the __syncthreads above: generic stores may
+            # overwrite them
+            sO = cute.make_tensor(
+                cute.recast_ptr(storage.kl.data_ptr(), dtype=mOp.element_type),
+                cute.make_layout((ROWS, D_LATENT), stride=(O16_STRIDE, 1)),
+            )
+            tOrO = cute.make_rmem_tensor_like(acc_o, mOp.element_type)
+            tOrO.store(acc_o.load().to(mOp.element_type))  # normalized in `_write_split`
+            cute.autovec_copy(tOrO, mma_o.get_slice(tidx).partition_C(sO))
+            cute.arch.sync_threads()  # every row staged before any thread reads one
+            self._send_wide(mOp, sO, q_off, head0, tidx)
 
     @cute.jit
     def _softmax_wg(self, smem, o_ops, mma_s, mma_o_rs, bars, stats, at):
@@ -582,9 +623,15 @@ class MlaDecodeSm90:
         if 1 < tiles:
             self._issue_fp8(kv, staged, sValid, t0 + TILE, t1, 1, tid1)
         cute.arch.cp_async_commit_group()
-        self._prefetch_fp8(kv, t0 + STAGES * TILE, t1, tid1)  # tile 2 into L2
+        if const_expr(self.lean):  # tile 2 into L2
+            ahead = self._lean_entry(kv, t0 + STAGES * TILE, t1, tid1)
+            self._prefetch_lines(kv, ahead, t0 + STAGES * TILE, t1, tid1, div)
+        else:
+            self._prefetch_fp8(kv, t0 + STAGES * TILE, t1, tid1)  # tile 2 into L2
         for i in cutlass.range(tiles, unroll=1):
             stage = i % STAGES
+            if const_expr(self.lean):  # the next prefetch's list entry, a turn before its use
+                ahead = self._lean_entry(kv, t0 + (i + STAGES + 1) * TILE, t1, tid1)
             p_ready.arrive_and_wait()
             for r in cutlass.range_constexpr(2):
                 corr[r] = sRed[0, o_crd[r, 0][0]]
@@ -601,10 +648,13 @@ class MlaDecodeSm90:
                 p_free.arrive()
             stage_free.arrive_and_wait()  # both warpgroups are done with this stage
             nxt = i + STAGES
-            self._prefetch_fp8(kv, t0 + (nxt + 1) * TILE, t1, tid1)  # a turn ahead, into L2
+            if const_expr(not self.lean):
+                self._prefetch_fp8(kv, t0 + (nxt + 1) * TILE, t1, tid1)  # a turn ahead, into L2
             if nxt < tiles:
                 self._issue_fp8(kv, staged, sValid, t0 + nxt * TILE, t1, stage, tid1)
             cute.arch.cp_async_commit_group()
+            if const_expr(self.lean):  # behind the issue, which waits on nothing of it
+                self._prefetch_lines(kv, ahead, t0 + (nxt + 1) * TILE, t1, tid1, div)
 
     @cute.jit
     def _issue_fp8(self, kv, staged, sValid, first, t1, stage, tid):
@@ -616,7 +666,8 @@ class MlaDecodeSm90:
         mCkv, mPT, b = kv[0], kv[8], kv[9]
         mScale = kv[11][0]
         sRaw, sScl, div = staged
-        self._load_tile(kv, first, t1, stage, False)
+        if const_expr(not self.lean):
+            self._load_tile(kv, first, t1, stage, False)
         atom = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), cutlass.Uint8,
             num_bits_per_copy=FP8_CHUNK * 8,
@@ -632,6 +683,8 @@ class MlaDecodeSm90:
                                      cute.AddressSpace.gmem, assumed_align=FP8_CHUNK)  # fmt: skip
                 src = cute.make_tensor(rptr, cute.make_layout((FP8_CHUNK, FP8_CHUNKS_PER_ROW)))
                 cute.copy(atom, src[None, c], sRaw[None, c % 8, r, c // 8, stage])
+        if const_expr(self.lean):  # the latent's bytes first, the RoPE rows (by `div`) after
+            self._load_tile(kv, first, t1, stage, False, div)
         if tid < TILE:
             token = cutlass.min(first + tid, t1 - 1)
             page, slot = self._cache_row_by(mPT, b, token, div)
@@ -714,10 +767,11 @@ class MlaDecodeSm90:
             sValid[tid // 32, stage] = bits
 
     @cute.jit
-    def _load_tile(self, kv, first, t1, stage, latent: cutlass.Constexpr[bool] = True):
+    def _load_tile(self, kv, first, t1, stage, latent: cutlass.Constexpr[bool] = True, div=None):
         """Keys first .. first + TILE - 1 (clamped to t1 - 1: finite, masked later), latent and
         RoPE columns, into pipeline stage `stage` (fp8: the latent by `_load_latent_fp8` unless
-        `latent` is False, the RoPE columns cp.async as 16-bit ones)."""
+        `latent` is False, the RoPE columns cp.async as 16-bit ones; `div`, the `lean` form's:
+        a sparse row's page / slot by that fast divisor of page_size)."""
         mCkv, mKpe, sKl, sKr, copy_lat, copy_rope, thr_lat, thr_rope, mPT, b, page_size, f8 = kv
         async_parts = [(mKpe, sKr, copy_rope, thr_rope, D_ROPE)]
         if const_expr(not self.fp8):
@@ -730,8 +784,12 @@ class MlaDecodeSm90:
                 if const_expr(self.sparse):
                     listed = mPT[b, token]
                     entry = cutlass.max(listed, 0)
-                    page = entry // page_size
-                    row = mX[page, entry - page * page_size, None]
+                    if const_expr(div is not None):
+                        page, slot = divmod(entry, div)
+                        row = mX[page, slot, None]
+                    else:
+                        page = entry // page_size
+                        row = mX[page, entry - page * page_size, None]
                     if listed >= 0:
                         copy_row_async(gcopy, row, width, tXsX[None, m, None], crd[None, m, None])
                     else:  # -1 padding: zeros, not a cache row (P = 0 times NaN would be NaN)
@@ -756,6 +814,26 @@ class MlaDecodeSm90:
                 token = cutlass.min(first + tid1, t1 - 1)
                 page, slot = self._cache_row(mPT, b, token, page_size)
                 fp8_cache.prefetch_row_l2(mCkv[page, slot, None])
+
+    @cute.jit
+    def _lean_entry(self, kv, first, t1, tid1):
+        """`lean`: the list entry of row tid1 // 2 of the tile at `first` (clamped into the
+        split; -1 where the tile is past it), which `_prefetch_lines` takes a turn later: loaded
+        at the top of warpgroup 1's turn, its miss under the turn."""
+        mPT, b = kv[8], kv[9]
+        entry = Int32(-1)
+        if first < t1:
+            entry = mPT[b, cutlass.min(first + tid1 // 2, t1 - 1)]
+        return entry
+
+    @cute.jit
+    def _prefetch_lines(self, kv, entry, first, t1, tid1, div):
+        """`lean`: the rows of the tile at `first` (if any) into L2, row tid1 // 2 by threads
+        tid1 and tid1 ^ 1, three 128-byte lines each (fp8.py `prefetch_lines_l2`; -1 padding
+        prefetches row 0, as `_prefetch_fp8`)."""
+        if first < t1:
+            page, slot = divmod(cutlass.max(entry, 0), div)
+            fp8_cache.prefetch_lines_l2(kv[0][page, slot, None], tid1 % 2)
 
     @cute.jit
     def _cache_row(self, mPT, b, token, page_size):
@@ -850,10 +928,14 @@ class MlaDecodeSm90:
                     if const_expr(mSink is not None):
                         inv = inv * fused_math.sink_weight(lse, mSink[head0 + row % self.h])
                 head = head0 + row % self.h
-                if const_expr(self.direct):
+                if const_expr(self.wide):  # normalized in place, staged by the caller
+                    for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
+                        o[r, c] = o[r, c] * inv
+                if const_expr(self.direct and not self.wide):
                     for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
                         value = (o[r, c] * inv).to(mOp.element_type)
                         mOp[q_off + token, head, o_crd[r, c][1]] = value
+                if const_expr(self.direct):
                     if wg == 0 and tidx % 4 == 0:
                         mLp[q_off + token, head] = lse * LN2
                 else:
@@ -861,6 +943,24 @@ class MlaDecodeSm90:
                         mOp[split, q_off + token, head, o_crd[r, c][1]] = o[r, c] * inv
                     if wg == 0 and tidx % 4 == 0:
                         mLp[split, q_off + token, head] = lse
+
+    @cute.jit
+    def _send_wide(self, mOp, sO, q_off, head0, tidx):
+        """`wide` (after the __syncthreads that follows the staging): 16-byte vectors i = tidx
+        + k x THREADS of the staged rows, row i // 64, columns 8 (i % 64) .. + 7 (a warp: half
+        a row, 512 contiguous bytes), to out[q_off, head0 + r] for the rows r < G (one query
+        token a CTA); out's rows 16-byte aligned (the compile's)."""
+        per_row = D_LATENT // OSTORE_VEC
+        for k in cutlass.range_constexpr(ROWS * per_row // THREADS):
+            i = tidx + k * THREADS
+            r = i // per_row
+            if r < self.g:
+                dst = mOp[q_off, head0 + r, None]
+                col = i % per_row
+                cute.autovec_copy(
+                    cute.local_tile(sO[r, None], (OSTORE_VEC,), (col,)),
+                    cute.local_tile(dst, (OSTORE_VEC,), (col,)),
+                )
 
     @cute.jit
     def _rope_query(self, sQr, mCS, pos, tidx):

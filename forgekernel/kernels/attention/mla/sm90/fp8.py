@@ -100,6 +100,31 @@ def prefetch_row_l2(row: cute.Tensor, *, loc=None, ip=None) -> None:
     )
 
 
+# the `lean` form's per-thread L2 prefetch: a row's FP8_ROW_BYTES from a 16-byte aligned start
+# touch the 128-byte lines of start + 128 k, k < LINES_PER_ROW (640 + 16 = 656: the last line
+# never lies past start + 640), two threads a row, LINES_PER_THREAD each
+LINES_PER_ROW = 6
+LINES_PER_THREAD = LINES_PER_ROW // 2
+
+
+@dsl_user_op
+def prefetch_lines_l2(row: cute.Tensor, half, *, loc=None, ip=None) -> None:
+    """Lines 3 half .. 3 half + 2 of one FP8 cache row (16-byte aligned) into L2 by one thread
+    (`prefetch.global.L2` of each line: per-thread addresses, where `prefetch_row_l2`'s bulk
+    prefetch takes uniform ones, which ptxas loops over a warp's distinct rows one at a
+    time)."""
+    start = row.iterator + half * (LINES_PER_THREAD * 128)
+    llvm.inline_asm(
+        None,
+        [start.llvm_ptr],
+        "prefetch.global.L2 [$0];\nprefetch.global.L2 [$0+128];\nprefetch.global.L2 [$0+256];",
+        "l",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
 @cute.jit
 def bf16_multiplier(scale: Float32) -> Int32:
     """bf16x2 (2^120 x scale, 2^120 x scale): exact for a power-of-two scale <= 2^7."""

@@ -8,6 +8,18 @@ pass's sparse mode): torch only (no DSL), the partial pass and the paged leaf's 
 16-bit paged caches whose page size is a multiple of TILE run the seesaw pass (`tma` compile keys,
 seesaw.py); FORGEKERNEL_MLA_SCHEDULE=roles (read when a problem's plan is first built) keeps them
 on decode.py's role-split pass, the design the seesaw replaces, for side-by-side timing.
+16-bit caches of page size 1 (`GATHER_PAGES`: SGLang's FlashInfer MLA backend's, FlashInfer-Bench's
+page-1 cases) run the seesaw pass too, in its `gather` form (each chunk's rows gathered by cp.async
+onto the chunk mbarriers, a proxy fence after each wait: MLA_NOTES.md, "The seesaw over gathered
+rows", "gather adopted"; 0.959 / 0.640 of decode.py's role-split pass's time at b64-h16 / b16-h128
+x 4k, H100 2026-12-05 16:44), without the work list (no list is made for them). Other page sizes
+off the tile (16, 32, ...; not measured) keep decode.py's role-split pass unless
+FORGEKERNEL_MLA_GATHER=1 or `plan_form(gather=True)`; FORGEKERNEL_MLA_GATHER=0 or
+`plan_form(gather=False)` keeps page 1 on decode.py's pass too (read when a problem's plan is
+first built; the bench's `was`). Without PDL (FORGEKERNEL_PDL=0, `pdl.off()`) the rule keeps
+page 1 on decode.py's pass as well (its keys prebuilt; the gather keys are PDL builds only),
+unless the switch or plan_form asks for gather. FP8 caches keep decode.py's pass at every page
+size.
 
 A plan of one split (`config.runs_direct`: every (sequence, head block) in one CTA; the
 serving batches of 128+ head blocks, short sequences; DSA from 128 tokens at 16 heads, 64 at
@@ -19,7 +31,16 @@ side-by-side timing and the GPU tests' comparison (the same bits).
 
 FP8 caches' bytes go by cp.async into their own stage and are dequantized there in place a turn
 later (decode.py; 0.873-0.943x the register form's time on dsa_sparse's FP8 cases, H200
-2026-12-03 06:21, which was then dropped: MLA_NOTES.md).
+2026-12-03 06:21, which was then dropped: MLA_NOTES.md). DSA's sparse pass over an FP8 cache
+takes its `lean` compile (the tile's issue first after the stage's release, the L2 prefetch by
+per-thread lines behind it) on the plans measured, `config.takes_lean`: 16 heads a CTA split and
+one-split, 64 one-split (direct) only; and its direct plans
+at config.WIDE_HEADS (64) the `wide` compile with it (O staged, 16-byte stores) where out's rows
+are 16-byte aligned (the scalar stores elsewhere): 0.78-0.87x the form before's time, 0.776x at
+t64-h128 with wide (H100 2026-12-05; MLA_NOTES.md, "lean and lean_wide adopted").
+FORGEKERNEL_MLA_LEAN=0 (read when a problem's plan is first built) or `plan_form(lean=False)`
+keeps the form before (neither), for side-by-side timing (the bench's `was`) and the GPU tests'
+comparison (the same bits).
 
 `plan_form` fixes a plan's tiles per split and / or heads per CTA for the calls inside, or keeps
 a one-split plan off the direct form (keyed apart): launcher-only candidates, timed by the
@@ -78,9 +99,10 @@ from forgekernel.runtime.plans import PlanCache, overriding
 from forgekernel.runtime.scratch import scratch, scratches
 
 _plans = PlanCache()
-# `plan_form`'s (tiles per split or None, heads per CTA or None, work list, direct form), else
-# None (in plan keys)
-_plan_form: list[tuple[int | None, int | None, bool, bool] | None] = [None]
+# `plan_form`'s (tiles per split or None, heads per CTA or None, work list, direct form, gather
+# form or None, lean, wide), else None (in plan keys)
+_Form = tuple[int | None, int | None, bool, bool, bool | None, bool | None, bool | None]
+_plan_form: list[_Form | None] = [None]
 
 
 def _flag(env: str, default: str) -> bool:
@@ -111,6 +133,80 @@ def worklist_enabled() -> bool:
     return _flag("FORGEKERNEL_MLA_WORKLIST", "0")
 
 
+# page sizes whose 16-bit caches take the seesaw pass's gather form by default: the measured ones
+# (MLA_NOTES.md, "gather adopted"); FORGEKERNEL_MLA_GATHER / plan_form(gather=) override
+GATHER_PAGES = (1,)
+GATHER_MODES = {"0": False, "1": True}
+
+
+def gather_mode() -> bool | None:
+    """FORGEKERNEL_MLA_GATHER, read when a problem's plan is first built: "1" every 16-bit page
+    size off the tile takes the seesaw pass's `gather` form, "0" none does (decode.py's pass);
+    unset None: `GATHER_PAGES` do (with PDL, `takes_gather`)."""
+    flag = os.environ.get("FORGEKERNEL_MLA_GATHER")
+    if flag is None:
+        return None
+    if flag == "unfenced":  # valid until 2026-12-05: say so rather than only what is valid
+        raise ValueError(
+            "FORGEKERNEL_MLA_GATHER=unfenced was removed on 2026-12-05; use 0 or 1 (the build "
+            "without the proxy fences was dropped: MLA_NOTES.md, 'gather adopted')"
+        )
+    if flag not in GATHER_MODES:
+        raise ValueError(f"FORGEKERNEL_MLA_GATHER must be '0' or '1', got {flag!r}")
+    return GATHER_MODES[flag]
+
+
+def lean_enabled() -> bool:
+    """DSA's sparse FP8 plans take the adopted forms, `lean` where `config.takes_lean` and `wide`
+    with it at config.WIDE_HEADS' direct plans (unless FORGEKERNEL_MLA_LEAN=0: the form before),
+    read when a problem's plan is first built."""
+    return _flag("FORGEKERNEL_MLA_LEAN", "1")
+
+
+def _form_field(form, i: int) -> bool | None:
+    """`plan_form`'s field i, None where it is unset (no form; SCHEDULED, a paged form, has
+    five fields)."""
+    return form[i] if form is not None and len(form) > i else None
+
+
+def _lean(kind: str, fp8: bool, heads: int, form, direct: bool) -> bool:
+    """Whether a plan's pass is the `lean` compile: the sparse pass over an FP8 cache where
+    `config.takes_lean` (its blocks; `direct`: a one-split plan's direct pass, else a split
+    plan's partial pass; unless FORGEKERNEL_MLA_LEAN=0), or as `plan_form(lean=...)` says (True:
+    any block and plan, compiled at the call off the prebuilt ones; False: the form before)."""
+    if not (kind == "sparse" and fp8):
+        return False
+    wanted = _form_field(form, 5)
+    if wanted is not None:
+        return wanted
+    return lean_enabled() and config.takes_lean(heads, direct)
+
+
+def _wide(kind: str, fp8: bool, heads: int, form) -> bool:
+    """Whether a sparse direct plan takes the `wide` compile (O staged, 16-byte stores; out's
+    rows 16-byte aligned: the caller checks, `_wide_rows`): with `lean` over an FP8 cache at
+    `config.takes_wide`'s blocks, or as `plan_form(wide=...)` says (True: any sparse direct plan,
+    16-bit caches too; over an FP8 cache with lean off, FORGEKERNEL_MLA_LEAN=0 or
+    plan_form(lean=False), the wide key without lean: a candidate at the bench's direct blocks,
+    `wide_params`)."""
+    if kind != "sparse":
+        return False
+    wanted = _form_field(form, 6)
+    if wanted is not None:
+        return wanted
+    return _lean(kind, fp8, heads, form, True) and config.takes_wide(heads)
+
+
+def takes_gather(page_size: int, wanted: bool | None, on: bool = True) -> bool:
+    """Whether a 16-bit cache of `page_size` (not a multiple of TILE) takes the gather form:
+    `wanted` (plan_form's, else FORGEKERNEL_MLA_GATHER's), else the rule: `GATHER_PAGES` with
+    PDL on (`on`). Without PDL the rule keeps decode.py's pass, whose keys are prebuilt: the
+    gather keys are built with PDL only (a `pdl: off` one would compile at the first call)."""
+    if wanted is not None:
+        return wanted
+    return on and page_size in GATHER_PAGES
+
+
 def ostore_enabled() -> bool:
     """Direct plans of the OSTORE_BLOCKS take the `ostore` compile where out's rows are 16-byte
     aligned (unless FORGEKERNEL_MLA_OSTORE=0)."""
@@ -123,6 +219,9 @@ def plan_form(
     heads: int | None = None,
     worklist: bool = False,
     direct: bool = True,
+    gather: bool | None = None,
+    lean: bool | None = None,
+    wide: bool | None = None,
 ) -> Iterator[None]:
     """The calls inside take `per_tiles` tiles per split (seesaw plans: 16-bit caches of
     whole-tile pages; DSA's sparse plans: TILE top-k positions a tile) and / or `heads` query
@@ -132,14 +231,28 @@ def plan_form(
     plans of more than one split take the device-side work list (as FORGEKERNEL_MLA_WORKLIST=1;
     not with per_tiles: the list sizes its splits itself). direct False: a plan of one split
     keeps the partial pass and the combine (as FORGEKERNEL_MLA_DIRECT=0, keyed apart: the
-    bench's A/B of the direct forms in one process)."""
+    bench's A/B of the direct forms in one process). gather: 16-bit caches whose pages are not
+    whole tiles take the seesaw pass's `gather` form at every such page size (True, as
+    FORGEKERNEL_MLA_GATHER=1) or at none (False, decode.py's pass: the bench's `was`); None
+    the environment's, else the rule's (`takes_gather`). lean (None: the default, `_lean`):
+    DSA's sparse pass over an FP8 cache takes its `lean` compile at every block (True) or at
+    none (False: the form before, as FORGEKERNEL_MLA_LEAN=0, with no `wide` unless asked; the
+    bench's `was`); other calls ignore it. wide (None: the default, `_wide`): DSA's sparse direct
+    plans take the `wide` compile (O staged in shared memory, 16-byte stores) where out's rows
+    are 16-byte aligned (the scalar stores elsewhere; True), or never (False)."""
+    if lean not in (None, False, True):
+        raise ValueError(f"lean must be None, False or True, got {lean!r}")
+    if wide not in (None, False, True):
+        raise ValueError(f"wide must be None, False or True, got {wide!r}")
+    if gather not in (None, False, True):
+        raise ValueError(f"gather must be None, False or True, got {gather!r}")
     if worklist and per_tiles is not None:
         raise ValueError("the work list sizes its splits itself: no per_tiles with worklist")
     if heads is not None and heads not in config.HEADS:
         raise ValueError(f"heads must be one of {config.HEADS}, got {heads}")
     if per_tiles is not None and per_tiles < 1:
         raise ValueError(f"per_tiles must be >= 1, got {per_tiles}")
-    with overriding(_plan_form, (per_tiles, heads, worklist, direct)):
+    with overriding(_plan_form, (per_tiles, heads, worklist, direct, gather, lean, wide)):
         yield
 
 
@@ -212,6 +325,11 @@ def _plan(
     on = pdl.enabled()
     heads = _heads(hq, qtokens, form)
     tma = kind == "partial" and not fp8 and page_size % config.TILE == 0 and seesaw_enabled()
+    # the gather form: the seesaw over pages that are not whole tiles (page 1 by the rule)
+    asked = gather_mode() if form is None or form[4] is None else form[4]
+    gather = kind == "partial" and not fp8 and not tma and seesaw_enabled()
+    gather = gather and takes_gather(page_size, asked, on)
+    tma = tma or gather
     if (tma or kind == "sparse") and form is not None and form[0] is not None:
         tiles = max(1, -(-max_tokens // config.TILE))
         per_tiles = min(form[0], tiles)
@@ -226,16 +344,19 @@ def _plan(
     if config.runs_direct(splits, heads, qtokens, kind == "sparse") and direct:
         # (decode.py's passes have no PDL build: their key as the partial pass's)
         ostore = tma and not narrow and config.runs_ostore(heads, qtokens) and ostore_enabled()
+        wide = not narrow and _wide(kind, fp8, heads, form)
         params = config.params_for(kind, name, heads, qtokens, fp8, tma, direct=True,
-                                   ostore=ostore, sink=sink)  # fmt: skip
-        return get_kernel(SPEC, pdl.key(params, on or not tma)), None, splits, per, ostore, None
+                                   ostore=ostore, sink=sink, gather=gather,
+                                   lean=_lean(kind, fp8, heads, form, True), wide=wide)  # fmt: skip
+        kernel = get_kernel(SPEC, pdl.key(params, on or not tma))
+        return kernel, None, splits, per, ostore or wide, None
     if kind == "partial" and (form is None or form[0] is None):
         # the passes spread each unit's own keys over the splits (decode.py, seesaw.py), at
         # least this many a split: the width's per would leave a short sequence in a table
         # sized for a long context (a serving engine's captured graph) in one split
         per = min(per, config.MIN_TOKENS_PER_SPLIT)
     wanted = worklist_enabled() if form is None else form[2] or worklist_enabled()
-    if tma and splits > 1 and wanted and (form is None or form[0] is None):
+    if tma and not gather and splits > 1 and wanted and (form is None or form[0] is None):
         sms = num_sms(device_index)
         tiles = max(1, -(-max_tokens // config.TILE))
         fewest = min(tiles, max(1, config.MIN_TOKENS_PER_SPLIT // config.TILE))
@@ -249,7 +370,8 @@ def _plan(
         worklist = (sched, hq // heads, fewest, sms * config.RESIDENT, tiles)
         return partial, combine, splits, per, False, worklist
     combine = _combine(name, on, units * qtokens * hq)
-    params = config.params_for(kind, name, heads, qtokens, fp8, tma)
+    params = config.params_for(kind, name, heads, qtokens, fp8, tma, gather=gather,
+                               lean=_lean(kind, fp8, heads, form, False))  # fmt: skip
     partial = get_kernel(SPEC, pdl.key(params, on or not tma))  # decode.py's: no PDL build
     return partial, combine, splits, per, False, None
 
@@ -279,7 +401,7 @@ def _schedule(worklist, seq, cu, causal, units, q_blocks, splits, outs) -> torch
 # the plan form of a call that brings a schedule (`make_schedule`): the work list's ranges form
 # (items with their own partials, no bound from the width plan's splits), keyed apart
 RANGES = "ranges"
-SCHEDULED = (None, None, RANGES, True)
+SCHEDULED = (None, None, RANGES, True, None)
 
 
 def schedule_key(dtype, batch, hq, max_tokens, max_seqlen_q, packed, device_index, page_size):
@@ -462,7 +584,10 @@ def dsa_sparse_attention(
     sink = attn_sink is not None
     key = ("sparse", q_nope.dtype, tokens, hq, topk, 1, device.index, ckv_scale is not None, 1,
            _plan_form[0], forced_key(), False, sink)  # fmt: skip
-    partial, combine, splits, per, _, _ = _plans.get_or_build(key, _plan)
+    plan = _plans.get_or_build(key, _plan)
+    if plan[4] and not _wide_rows(out):  # the `wide` compile's 16-byte stores: not this out
+        plan = _plans.get_or_build((*key[:11], True, sink), _plan)
+    partial, combine, splits, per, _, _ = plan
     with on_device(device):
         # the direct form (combine None, a plan of one split) writes out and lse itself, and
         # takes a sink in seqlens_k's slot

@@ -55,7 +55,20 @@ thread before); warpgroup 0 stores the rows' LSE in log2 units (-inf where the s
 the paged decode's partial format, merged by its combine. The direct form (`direct`, a
 plan of one split: the grid's one split covers every key) writes instead the final O, rounded to
 q's dtype, and the natural LSE (log2 x ln 2) into the op's outputs: what the combine makes of one
-split (weight exp2(0) = 1, sum 1), bit for bit, with no fp32 partials and no combine launch."""
+split (weight exp2(0) = 1, sum 1), bit for bit, with no fp32 partials and no combine launch.
+
+The gather form (`gather`; the launcher's default at page size 1, FORGEKERNEL_MLA_GATHER=1 at
+every other page size off the tile) takes pages that are not whole tiles (page sizes 1, 16,
+...): the same schedule, barriers and buffers, but each chunk's 64 rows are gathered by the
+warpgroup that would issue its TMA box, all 128 threads (8 a row, 16 bytes each, 4 rows a
+thread; `_gather_chunks`), cp.async into the slots the box fills (the same swizzled layout),
+each thread closing a chunk with cp.async.mbarrier.arrive.noinc on its
+mbarrier (128 arrivals); tiles 0 and 1 by warpgroups 0 and 1. A row's page and slot come from
+the page table a pair ahead (`_gather_rows`, as `_page`), the key clamped to the split's last:
+no entry past the split is read, rows past it repeat a real key (masked, P = 0: nothing to
+zero, so no `_zero_stale` / `_match_stale`). cp.async writes are the generic proxy's: every
+mbarrier wait, and the P V of the tile the other warpgroup waited on, is followed by a proxy
+fence before the WGMMA (`_gathered_fence`). MLA_NOTES.md, "The seesaw over gathered rows"."""
 
 from __future__ import annotations
 
@@ -95,7 +108,11 @@ from forgekernel.kernels.common.sm90.mma import gemm
 from forgekernel.kernels.common.sm90.opaque import opaque_i32
 from forgekernel.kernels.common.sm90.pipeline import smem_tensor
 from forgekernel.kernels.common.sm90.softmax import exp2_row, quad_row_max, rescale_o
-from forgekernel.kernels.common.sm90.warp_mma import query_row_limits, tiled_row_copy
+from forgekernel.kernels.common.sm90.warp_mma import (
+    copy_row_async,
+    query_row_limits,
+    tiled_row_copy,
+)
 
 CHUNK = 64  # key columns per TMA box and mbarrier: 128 bytes, one swizzle span
 LATENT_CHUNKS = D_LATENT // CHUNK
@@ -116,6 +133,8 @@ O_STRIDE = D_LATENT + 8
 # every row starts on bank 0, 8-way conflicts); rows stay 16-byte aligned for the LDS.128.
 O16_STRIDE = D_LATENT + 8
 OSTORE_VEC = 8  # 16-bit elements a thread moves per 16-byte vector (LDS.128 / STG.E.128)
+# gather: rows of a chunk each thread of the gathering warpgroup copies (16 bytes of each)
+GATHER_ROWS = TILE * CHUNK * 2 // 16 // THREADS_PER_WG
 
 
 class Bar(IntEnum):
@@ -137,6 +156,7 @@ class MlaSeesawSm90:
     def __init__(
         self, heads: int, qtokens: int = 1, direct: bool = False, pair: bool = False,
         ostore: bool = False, worklist: bool = False, ranges: bool = False, pdl: bool = True,
+        gather: bool = False,
     ):  # fmt: skip
         if heads * qtokens > ROWS:
             raise ValueError(f"heads x query tokens must be <= {ROWS}, got {heads} x {qtokens}")
@@ -174,6 +194,13 @@ class MlaSeesawSm90:
         if ranges and not worklist:
             raise ValueError("ranges is a form of the work list's pass")
         self.ranges = ranges
+        # gather: pages that are not whole tiles (page_size % TILE != 0: 1 by default, 16, ...):
+        # each chunk's 64 rows gathered by the refilling warpgroup's 128 threads, cp.async of
+        # 16 bytes into the swizzled slots the TMA box fills, on the same chunk mbarriers (128
+        # arrivals each, cp.async.mbarrier.arrive.noinc); `_gather_chunks`
+        if gather and (pair or worklist):
+            raise ValueError("the gather form takes no pair and no work list")
+        self.gather = gather
 
     def _setup(self, dtype):
         k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
@@ -252,12 +279,15 @@ class MlaSeesawSm90:
         k_op, k_mc = g2s, {}
         if const_expr(self.pair):  # each CTA of the pair loads 32 of a box's 64 rows into both
             k_op, k_mc = cpasync.CopyBulkTensorTileG2SMulticastOp(), {"num_multicast": PAIR}
-        tma_kl, mKl = cpasync.make_tiled_tma_atom(
-            k_op, select(mCkv, [1, 2, 0]), box, (TILE, CHUNK), **k_mc
-        )
-        tma_kr, mKr = cpasync.make_tiled_tma_atom(
-            k_op, select(mKpe, [1, 2, 0]), box, (TILE, CHUNK), **k_mc
-        )
+        if const_expr(self.gather):  # rows by cp.async: the caches as they are, no K atoms
+            tma_kl, mKl, tma_kr, mKr = None, mCkv, None, mKpe
+        else:
+            tma_kl, mKl = cpasync.make_tiled_tma_atom(
+                k_op, select(mCkv, [1, 2, 0]), box, (TILE, CHUNK), **k_mc
+            )
+            tma_kr, mKr = cpasync.make_tiled_tma_atom(
+                k_op, select(mKpe, [1, 2, 0]), box, (TILE, CHUNK), **k_mc
+            )
         # Q's boxes: `pitch` heads x CHUNK columns of one token, over (heads, columns, rows)
         qbox, qtile = cute.slice_(self.lay_qbox, (None, None, 0)), (self.pitch, CHUNK)
         tma_ql, mQl = cpasync.make_tiled_tma_atom(g2s, select(mQn, [1, 2, 0]), qbox, qtile)
@@ -303,9 +333,9 @@ class MlaSeesawSm90:
         mCuQ: cute.Tensor | None,
         causal: Int32,
         q_blocks: Int32,
-        tma_kl: cute.CopyAtom,
+        tma_kl: cute.CopyAtom | None,
         mKl: cute.Tensor,
-        tma_kr: cute.CopyAtom,
+        tma_kr: cute.CopyAtom | None,
         mKr: cute.Tensor,
         tma_ql: cute.CopyAtom,
         mQl: cute.Tensor,
@@ -362,16 +392,19 @@ class MlaSeesawSm90:
         if const_expr(self.pair):  # this CTA's rows of each box: rank x 32 .. rank x 32 + 31
             rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
             ctas = cute.make_layout(PAIR)
-        tKsKl, tKgKl = cpasync.tma_partition(
-            tma_kl, rank, ctas, cute.zipped_divide(sKl, box), cute.zipped_divide(mKl, box)
-        )
-        tKsKr, tKgKr = cpasync.tma_partition(
-            tma_kr, rank, ctas, cute.zipped_divide(sKr, box), cute.zipped_divide(mKr, box)
-        )
-        kv = SimpleNamespace(
-            tma=(tma_kl, tma_kr), src=(tKgKl, tKgKr), dst=(tKsKl, tKsKr), bars=bars,
-            pt=mPT, b=b, t0=t0, page_size=page_size, nbytes=self.chunk_bytes, rank=rank,
-        )  # fmt: skip
+        if const_expr(self.gather):
+            kv = self._gather_view((mKl, mKr), (sKl, sKr), bars, (mPT, b, t0, t1, page_size), tidx)
+        else:
+            tKsKl, tKgKl = cpasync.tma_partition(
+                tma_kl, rank, ctas, cute.zipped_divide(sKl, box), cute.zipped_divide(mKl, box)
+            )
+            tKsKr, tKgKr = cpasync.tma_partition(
+                tma_kr, rank, ctas, cute.zipped_divide(sKr, box), cute.zipped_divide(mKr, box)
+            )
+            kv = SimpleNamespace(
+                tma=(tma_kl, tma_kr), src=(tKgKl, tKgKr), dst=(tKsKl, tKsKr), bars=bars,
+                pt=mPT, b=b, t0=t0, page_size=page_size, nbytes=self.chunk_bytes, rank=rank,
+            )  # fmt: skip
         # Q: (box, (token, chunk)) slots; boxes at (head0, column, q_off + token) onwards
         qtile = (self.pitch, CHUNK)
         q_src = [
@@ -392,7 +425,8 @@ class MlaSeesawSm90:
         if warp == 0:
             with cute.arch.elect_one():
                 for i in cutlass.range_constexpr(STAGES * CHUNKS + 1):
-                    cute.arch.mbarrier_init(bars + i, 1)
+                    # (gather: a K chunk's arrivals are its gathering warpgroup's threads')
+                    cute.arch.mbarrier_init(bars + i, self._chunk_arrivals(i))
                 for i in cutlass.range_constexpr(self._releases()):  # this CTA's and the peer's
                     cute.arch.mbarrier_init(bars + STAGES * CHUNKS + 1 + i, PAIR)
                 cute.arch.mbarrier_init_fence()
@@ -407,14 +441,19 @@ class MlaSeesawSm90:
         # pair: the cluster's barrier, so that the peer's first multicast finds the inits.
         self._sync_cluster()
         if warp == 0:
-            for atom in (tma_ql, tma_qr, tma_kl, tma_kr):
+            atoms = (tma_ql, tma_qr) + (() if const_expr(self.gather) else (tma_kl, tma_kr))
+            for atom in atoms:
                 cpasync.prefetch_descriptor(atom)
             if 0 < tiles:
                 self._load_query((tma_ql, tma_qr), (tQgQl, tQgQr), (tQsQl, tQsQr), q_bar)
-            for j in cutlass.range_constexpr(STAGES):  # tiles 0 and 1, every chunk
-                if j < tiles:
-                    page, rb = self._page(kv, j)
-                    self._load_chunks(kv, j, LEFT + RIGHT, page, rb)
+            if const_expr(not self.gather):
+                for j in cutlass.range_constexpr(STAGES):  # tiles 0 and 1, every chunk
+                    if j < tiles:
+                        page, rb = self._page(kv, j)
+                        self._load_chunks(kv, j, LEFT + RIGHT, page, rb)
+        if const_expr(self.gather):  # tile j (0, 1) by warpgroup j, every chunk
+            if wg < tiles:
+                self._gather_chunks(kv, wg, LEFT + RIGHT, self._page(kv, wg))
         if tidx < ROWS:
             sM[tidx] = -Float32.inf
         if const_expr(self.g < ROWS):
@@ -663,7 +702,10 @@ class MlaSeesawSm90:
     @cute.jit
     def _page(self, kv, tile):
         """(page, 64-row block of the page) of tile `tile` of the split (the caller keeps
-        `tile` inside the split: page-table entries past the sequence are not read)."""
+        `tile` inside the split: page-table entries past the sequence are not read). Gather:
+        this thread's rows of the tile instead (`_gather_rows`)."""
+        if const_expr(self.gather):
+            return self._gather_rows(kv, tile)
         token = kv.t0 + tile * TILE
         index = token // kv.page_size
         return kv.pt[kv.b, index], (token - index * kv.page_size) // TILE
@@ -702,7 +744,9 @@ class MlaSeesawSm90:
         """Warp 0 of the warpgroup, whole (`_load_chunks`): `chunks` of tile `target` (its page
         and row block read beforehand) into buffer `buf`, the refill of pair k (pair: after
         both CTAs released the chunks, `_release`)."""
-        if st.loader:
+        if const_expr(self.gather):  # the whole warpgroup (every thread arrives)
+            self._gather_chunks(kv, buf, chunks, target)
+        elif st.loader:
             if const_expr(self.pair):
                 self._release(kv, buf, chunks, k)
             self._load_chunks(kv, buf, chunks, target[0], target[1])
@@ -734,6 +778,7 @@ class MlaSeesawSm90:
         for c in cutlass.range_constexpr(len(chunks)):
             chunk = chunks[c]
             cute.arch.mbarrier_wait(self._bar(ops, buf, chunk), phase)
+            self._gathered_fence()
             warpgroup.fence()
             for k in cutlass.range_constexpr(K_BLOCKS):
                 if const_expr(chunk < LATENT_CHUNKS):
@@ -747,6 +792,74 @@ class MlaSeesawSm90:
                     cute.gemm(atom_rs, acc, a, bk, acc)
                 accumulate = True
         warpgroup.commit_group()
+
+    # ---------------------------------------------------------------- the gather form
+
+    def _chunk_arrivals(self, i: int) -> int:
+        """Arrivals of mbarrier i: a K chunk's gathering warpgroup's threads (gather; one
+        cp.async.mbarrier.arrive.noinc each), else one (TMA: the arming lane; Q's always)."""
+        return THREADS_PER_WG if self.gather and i < STAGES * CHUNKS else 1
+
+    @cute.jit
+    def _gather_view(self, caches, smem, bars, at, tidx):
+        """Gather: what `_gather_rows` and `_gather_chunks` read: the caches (pages, page_size,
+        columns), the K buffers, this thread's cp.async partition of one chunk (TILE x CHUNK:
+        8 threads a row, 16 bytes each, rows tid // 8 + 16 m: a warp's copy covers four whole
+        128-byte rows, and each lane's 16 bytes land in the slot the 128-byte swizzle gives
+        its row, as the TMA box's), its rows' coordinates, the mbarriers, the split."""
+        mPT, b, t0, t1, page_size = at
+        tid = tidx % THREADS_PER_WG
+        gcopy = tiled_row_copy(caches[0].element_type, CHUNK, THREADS_PER_WG)
+        thr = gcopy.get_slice(tid)
+        return SimpleNamespace(
+            src=caches, dst=smem, bars=bars, pt=mPT, b=b, t0=t0, t1=t1, page_size=page_size,
+            gcopy=gcopy, thr=thr, crd=thr.partition_S(cute.make_identity_tensor((TILE, CHUNK))),
+        )  # fmt: skip
+
+    @cute.jit
+    def _gather_rows(self, kv, tile):
+        """This thread's rows of tile `tile` (GATHER_ROWS of them): (pages, slots) int32, the
+        cache row of key min(t0 + 64 tile + row, t1 - 1): rows past the split read its last
+        key (finite, a key of the sequence: masked in S, P = 0 times it is 0, so nothing is
+        zeroed, `_zero_stale`), and no page-table entry past the split is read or
+        dereferenced. Read a pair ahead of the refill (as `_page`) so that the table's latency
+        is off the copies' path."""
+        pages = cute.make_rmem_tensor(GATHER_ROWS, Int32)
+        slots = cute.make_rmem_tensor(GATHER_ROWS, Int32)
+        for m in cutlass.range_constexpr(GATHER_ROWS):
+            token = cutlass.min(kv.t0 + tile * TILE + kv.crd[0, m, 0][0], kv.t1 - 1)
+            index = token // kv.page_size
+            pages[m] = kv.pt[kv.b, index]
+            slots[m] = token - index * kv.page_size
+        return pages, slots
+
+    @cute.jit
+    def _gather_chunks(self, kv, buf, chunks: cutlass.Constexpr, rows):
+        """The whole warpgroup (128 threads): `chunks` of a tile into buffer `buf` (static or
+        not), this thread's GATHER_ROWS rows (`_gather_rows`) x 16 bytes of each chunk by
+        cp.async, then one cp.async.mbarrier.arrive.noinc on the chunk's mbarrier (128 arrivals
+        complete it: every thread's copies into the chunk, and its earlier ones, landed)."""
+        pages, slots = rows
+        for c in cutlass.range_constexpr(len(chunks)):
+            chunk = chunks[c]
+            side = 0 if const_expr(chunk < LATENT_CHUNKS) else 1
+            col = chunk if const_expr(chunk < LATENT_CHUNKS) else 0
+            dst = cute.zipped_divide(kv.dst[side], (TILE, CHUNK))[(None, None), (0, col, buf)]
+            tXsX = kv.thr.partition_D(dst)
+            for m in cutlass.range_constexpr(GATHER_ROWS):
+                row = cute.local_tile(kv.src[side][pages[m], slots[m], None], (CHUNK,), (col,))
+                copy_row_async(kv.gcopy, row, CHUNK, tXsX[None, m, None], kv.crd[None, m, None])
+            cute.arch.cp_async_mbarrier_arrive_noinc(kv.bars + buf * CHUNKS + chunk)
+
+    @cute.jit
+    def _gathered_fence(self):
+        """Gather: cp.async writes are the generic proxy's and WGMMA reads the async proxy's: a
+        proxy fence after the acquire (the chunk's mbarrier wait, or the named barrier behind
+        the other warpgroup's wait) and before the WGMMA that reads the rows. TMA: none. (The
+        build without these fences timed 0.995 / 0.983 of this one on the page-1 cases, a tie,
+        H100 2026-12-05: dropped, MLA_NOTES.md "gather adopted".)"""
+        if const_expr(self.gather):
+            cute.arch.fence_view_async_shared()
 
     def _bar(self, ops, buf, chunk):
         return ops.bars + buf * CHUNKS + chunk
@@ -798,9 +911,9 @@ class MlaSeesawSm90:
         if const_expr(more):
             nxt_a = self._page(kv, a + 2)
             nxt_c = self._page(kv, cutlass.min(a + 3, st.tiles - 1))
-        if const_expr(not has_c):  # a is the last tile
+        if const_expr(not has_c and not self.gather):  # a is the last tile
             self._zero_stale(ops, st, 0, a, Bar.WG0)
-        if const_expr(has_c and not more):  # c is the last tile (warpgroup 1 zeroes it)
+        if const_expr(has_c and not more and not self.gather):  # c is (warpgroup 1 zeroes it)
             self._match_stale(st, a + 1, Bar.WG0)
         corr, part = self._softmax(ops, st, a, 0, not more)
         named_barrier(Bar.SCALE0, THREADS).arrive()
@@ -823,6 +936,7 @@ class MlaSeesawSm90:
         named_barrier(Bar.P0, THREADS).arrive()
         if const_expr(has_c):
             named_barrier(Bar.P1, THREADS).arrive_and_wait()
+            self._gathered_fence()  # (gather: c's V_L, waited on by warpgroup 1 alone)
             self._rescale(st.acc_o, corr1)
             for r in cutlass.range_constexpr(2):
                 st.row_sum[r] = st.row_sum[r] * corr1[r]
@@ -854,9 +968,9 @@ class MlaSeesawSm90:
             nxt_a = self._page(kv, a + 2)
         if const_expr(more_c):
             nxt_c = self._page(kv, c + 2)
-        if const_expr(has_c and not more_a):  # c is the last tile
+        if const_expr(has_c and not more_a and not self.gather):  # c is the last tile
             self._zero_stale(ops, st, 1, c, Bar.WG1)
-        if const_expr(not has_c):  # a is the last tile (warpgroup 0 zeroes it)
+        if const_expr(not has_c and not self.gather):  # a is (warpgroup 0 zeroes it)
             self._match_stale(st, a, Bar.WG1)
         named_barrier(Bar.SCALE0, THREADS).arrive_and_wait()
         corr, part = self._softmax(ops, st, c, 1, not more_c)  # (no tile c: all masked, corr 1)
@@ -873,6 +987,7 @@ class MlaSeesawSm90:
             gemm(ops.mma[3], st.acc_o, ops.p_regs, ops.v_rs[1][None, None, None, 1], False, -1)
             cute.arch.fence_view_async_shared()  # P's stores, then the other warpgroup's WGMMA
         named_barrier(Bar.P0, THREADS).arrive_and_wait()
+        self._gathered_fence()  # (gather: a's V_R, waited on by warpgroup 0 alone)
         gemm(ops.mma[2], st.acc_o, ops.p_smem[0], ops.v_ss[1][None, None, None, 0], False, -1)
         if const_expr(has_c):  # (a wait, not an arrive: racecheck's count; warpgroup 0 waits
             named_barrier(Bar.P1, THREADS).arrive_and_wait()  # there already: no stall)
@@ -961,7 +1076,9 @@ class MlaSeesawSm90:
         """Rows of `tile` (in buffer `buf`) past the sequence's end hold stale cache slots:
         their latent columns are zeroed (P V would multiply them by P = 0) by this warpgroup,
         which scored the tile; fenced and synced before its own P V (the other warpgroup's
-        comes after a barrier this one arrives at later)."""
+        comes after a barrier this one arrives at later). (Not in the gather form: its rows
+        past the split repeat the split's last key, finite, and no stale slot is read; so
+        neither this barrier nor `_match_stale`'s.)"""
         valid = st.sk - (st.t0 + tile * TILE)
         s_k = st.sKl  # (a local: stores in a branch)
         vec = 128 // s_k.element_type.width  # elements per 16-byte chunk

@@ -61,11 +61,14 @@ class LongestFirst:
     pages, cu_seqlens_k holds each sequence's length (no key offsets), and the tiles go
     sequence by sequence (`tile`); min_seqlen_q (paged): the tiles of sequences with fewer
     query tokens are not valid (another kernel's rows); l2_kv_budget: the K and V bytes of
-    one L2 section (L2_KV_BUDGET; FA4 sections 8 heads, up to 50 MB)."""
+    one L2 section (L2_KV_BUDGET; FA4 sections 8 heads, up to 50 MB); wave_kv_limit_kib: the
+    wave footprint above which fixed-length tiles go in sections (WAVE_KV_LIMIT_KIB; 0:
+    whenever a head's K and V reach 1 KiB, i.e. always on real shapes: FA4's rule)."""
 
     def __init__(
         self, tile_m: int, causal: bool, varlen: bool, kv_row_bytes: int, paged: bool = False,
         min_seqlen_q: int = 0, l2_kv_budget: int = L2_KV_BUDGET,
+        wave_kv_limit_kib: int = WAVE_KV_LIMIT_KIB,
     ):  # fmt: skip
         self.tile_m = tile_m
         self.causal = causal
@@ -74,6 +77,7 @@ class LongestFirst:
         self.paged = paged
         self.min_seqlen_q = min_seqlen_q
         self.l2_kv_budget = l2_kv_budget
+        self.wave_kv_limit_kib = wave_kv_limit_kib
 
     @cute.jit
     def tile(self, t: Int32, grid: TileGrid) -> WorkTile:
@@ -142,12 +146,12 @@ class LongestFirst:
     @cute.jit
     def _in_sections(self, grid: TileGrid) -> cutlass.Boolean:
         """Fixed length: whether one wave of longest-first tiles would read more K and V than
-        WAVE_KV_LIMIT_KIB (then the tiles go in L2 sections)."""
+        wave_kv_limit_kib (WAVE_KV_LIMIT_KIB; then the tiles go in L2 sections)."""
         _, mQ, mK, _, _ = grid
         group = mQ.shape[2] // mK.shape[2]
         kv_bytes = cutlass.max(mK.shape[0] * self.kv_row_bytes, 1)
         wave_kv_heads = cutlass.min(cute.arch.grid_dim()[0] // group + 1, mQ.shape[3] * mK.shape[2])
-        return wave_kv_heads * (kv_bytes // 1024) > WAVE_KV_LIMIT_KIB
+        return wave_kv_heads * (kv_bytes // 1024) > self.wave_kv_limit_kib
 
     @cute.jit
     def snake(self, s: Int32, step: Int32, num_tiles: Int32, grid: TileGrid) -> Int32:

@@ -9,6 +9,7 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_tensor
 
 from forgekernel.kernels.common.sm90 import fake
+from forgekernel.kernels.gemm.fp4.sm90.convert import GemmFp4ConvertSm90
 from forgekernel.kernels.gemm.fp4.sm90.kernel import GemmFp4GroupedSm90
 
 
@@ -42,8 +43,14 @@ def compile_gemm_fp4_grouped(params: dict, arch: str = "sm_90a", extra_options: 
         stride=(cute.sym_int64(), cute.sym_int64(), cute.sym_int64()),
         assumed_align=4,
     )
+    if params.get("converter"):
+        converters = params.get("converters", 1)
+        kernel = GemmFp4ConvertSm90(params["tokens"], contiguous=contiguous, converters=converters)
+    else:
+        staged = bool(params.get("staged_sa"))
+        kernel = GemmFp4GroupedSm90(params["tokens"], contiguous=contiguous, staged_sa=staged)
     return cute.compile(
-        GemmFp4GroupedSm90(params["tokens"], contiguous=contiguous),
+        kernel,
         batched(cutlass.Float8E4M3FN, m, k, 16, batches),
         batched(cutlass.Uint8, n, half_k, 16),
         exps,

@@ -11,6 +11,10 @@ TILE_W = 128  # weight rows per tile (N): two warpgroups of WGMMA's M = 64
 TILE_K = 128  # one k-tile: one fp32 promotion, four 1x32 scale sub-blocks (one per k32 WGMMA)
 SUB_K = 32  # the weights' scale granularity along K (UE8M0 per 1x32, DeepGEMM's recipe_b)
 STANDARD_TOKENS = TOKENS
+# The converter form (`convert.py`, opt-in) also takes 96 tokens a tile: no A register sets,
+# the MMA warpgroups' 208 registers hold three 48-register fragments (compiled 2026-12-05:
+# 0 spills, R201 the highest; the standard form spills 168 bytes at 96)
+CONVERTER_TOKENS = (*TOKENS, 96)
 # The contiguous layout has no expected_m: each expert's 128-row segment is cut into tiles of
 # this many tokens unless the caller passes a hint (tiles of padding rows only are skipped).
 CONTIGUOUS_TOKENS = 32
@@ -47,15 +51,40 @@ def expected_for(tokens: int) -> int:
 
 
 def stage_bytes(tokens: int) -> int:
-    """One pipeline stage: the packed weight tile, its exponent words, the tokens' e4m3 rows."""
+    """One pipeline stage's TMA bytes: the packed weight tile, its exponent words, the tokens'
+    e4m3 rows (the full barrier's expect-tx)."""
     return TILE_W * TILE_K // 2 + 4 * TILE_W + tokens * TILE_K
 
 
-def params_for(out_dtype: str, tokens: int, contiguous: bool = False) -> tuple:
+def ring_bytes(tokens: int, staged_sa: bool = False) -> int:
+    """One stage's shared memory: its TMA bytes and, with `staged_sa`, the tokens' fp32
+    activation scales of its k-tile (cp.async by the producer lanes, `kernel.py`)."""
+    return stage_bytes(tokens) + (4 * tokens if staged_sa else 0)
+
+
+def params_for(
+    out_dtype: str,
+    tokens: int,
+    contiguous: bool = False,
+    staged_sa: bool = False,
+    converter: bool | int = False,
+) -> tuple:
     """The compile key's baked-in part: the output dtype, the tokens per tile and, for the
-    contiguous layout, contiguous=True (absent for the masked one)."""
+    contiguous layout, contiguous=True (absent for the masked one). Opt-in forms, each keyed
+    only when on (docs/gemm/NOTES.md "FP4 at 16-96 tokens"): `staged_sa` stages the tokens'
+    activation scales in the ring; `converter` (which stages them too) widens in a converter
+    warpgroup and runs the MMAs with A from shared memory (`convert.py`); converter=2 with two
+    converter warpgroups (keyed ("converters", 2) besides; at most 64 tokens)."""
     tiles = CONTIGUOUS_STANDARD_TOKENS if contiguous else TOKENS
+    if converter and not contiguous:
+        tiles = CONVERTER_TOKENS if converter == 1 else TOKENS
     if tokens not in tiles:
         raise ValueError(f"tokens per tile must be one of {tiles}, got {tokens}")
     layout = (("contiguous", True),) if contiguous else ()
-    return (("out", out_dtype), ("tokens", tokens), *layout)
+    staged = (("staged_sa", True),) if staged_sa and not converter else ()
+    convert = (("converter", True),) if converter else ()
+    if converter and converter != 1:
+        if converter != 2:
+            raise ValueError(f"1 or 2 converter warpgroups, got {converter}")
+        convert = (*convert, ("converters", 2))
+    return (("out", out_dtype), ("tokens", tokens), *layout, *staged, *convert)

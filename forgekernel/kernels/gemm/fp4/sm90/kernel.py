@@ -38,13 +38,14 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
-from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY, THREADS_PER_WG
+from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY, THREADS_PER_WG, WARP_SIZE
 from forgekernel.kernels.common.sm90.pipeline import (
     consumer_state,
     init_arrive,
@@ -54,7 +55,13 @@ from forgekernel.kernels.common.sm90.pipeline import (
     tma_pipeline,
 )
 from forgekernel.kernels.gemm.dense.sm90.masked import MaskedWalk
-from forgekernel.kernels.gemm.fp4.sm90.config import TILE_K, TILE_W, TOKENS, stage_bytes
+from forgekernel.kernels.gemm.fp4.sm90.config import (
+    TILE_K,
+    TILE_W,
+    TOKENS,
+    ring_bytes,
+    stage_bytes,
+)
 from forgekernel.kernels.gemm.fp4.sm90.contiguous import ContiguousWalk
 from forgekernel.kernels.gemm.fp4.sm90.widen import fold, widen4
 
@@ -66,13 +73,22 @@ K_STEPS = TILE_K // 32  # WGMMA k32 steps per k-tile = scale sub-blocks per k-ti
 class GemmFp4GroupedSm90:
     """See the module docstring. `tokens`: h, the tokens per tile (WGMMA's N)."""
 
-    def __init__(self, tokens: int, stages: int = 0, contiguous: bool = False):
-        if tokens not in TOKENS:
-            raise ValueError(f"tokens per tile must be one of {TOKENS}, got {tokens}")
+    TILES = TOKENS  # the tokens per tile this form compiles
+
+    def __init__(
+        self, tokens: int, stages: int = 0, contiguous: bool = False, staged_sa: bool = False
+    ):
+        if tokens not in self.TILES:
+            raise ValueError(f"tokens per tile must be one of {self.TILES}, got {tokens}")
         self.h = tokens
         # the contiguous layout (`contiguous.py`): A (M, K, 1), C (M, N, 1), sa (M, K/128, 1)
         # and mCount the rows' experts m_indices (M,) instead of the counts
         self.contiguous = contiguous
+        # the tokens' activation scales of each k-tile cp.async'd by the producer lanes into
+        # the stage (on its full barrier) instead of loaded by each consumer thread from global
+        # memory: those loads' scoreboard held every other k-tile's promotion for an L2 round
+        # trip (docs/gemm/NOTES.md "FP4 at 16-96 tokens")
+        self.staged_sa = staged_sa
         self.num_mma_wg = TILE_W // 64
         self.num_mma_threads = self.num_mma_wg * THREADS_PER_WG
         self.threads_per_cta = (1 + self.num_mma_wg) * THREADS_PER_WG
@@ -80,10 +96,12 @@ class GemmFp4GroupedSm90:
         self.consumer_regs = 232
         # 4 KB held back: the stages' barriers, the buffers' 1024-byte alignment and the 1 KB
         # of static shared memory the compiled kernel reports (tests/test_gemm_fp4.py adds it up)
-        fit = (SMEM_CAPACITY - SMEM_RESERVE) // stage_bytes(tokens)
+        fit = (SMEM_CAPACITY - SMEM_RESERVE) // ring_bytes(tokens, staged_sa)
         self.stages = stages or fit
         if not 2 <= self.stages <= fit:
-            raise ValueError(f"{self.stages} stages of {stage_bytes(tokens)} B do not fit")
+            raise ValueError(
+                f"{self.stages} stages of {ring_bytes(tokens, staged_sa)} B do not fit"
+            )
 
     def _setup(self):
         fp8 = cutlass.Float8E4M3FN
@@ -143,7 +161,19 @@ class GemmFp4GroupedSm90:
                 cute.struct.MemRange[cutlass.Float8E4M3FN, cute.cosize(self.sB_layout)], 1024
             ]
 
-        self.shared_storage = SharedStorage
+        @cute.struct
+        class StagedStorage:
+            barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            sW: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Uint8, cute.cosize(self.sW_layout)], 1024
+            ]
+            sE: cute.struct.Align[cute.struct.MemRange[Int32, cute.cosize(self.sE_layout)], 128]
+            sSA: cute.struct.Align[cute.struct.MemRange[Float32, self.h * self.stages], 128]
+            sB: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Float8E4M3FN, cute.cosize(self.sB_layout)], 1024
+            ]
+
+        self.shared_storage = StagedStorage if self.staged_sa else SharedStorage
         self.kernel(
             (tma_w, tma_mW),
             (tma_e, tma_mE),
@@ -183,13 +213,30 @@ class GemmFp4GroupedSm90:
             for atom in (load_w[0], load_e[0], load_b[0]):
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
         storage = SmemAllocator().allocate(self.shared_storage)
-        ab_pipe = tma_pipeline(
-            storage.barriers, self.stages, stage_bytes(self.h), self.num_mma_threads // 32
-        )
+        if cutlass.const_expr(self.staged_sa):
+            # a full barrier also takes each producer lane's cp.async arrival (`_stage_sa`), an
+            # empty one every consumer thread's (`_retire`)
+            ab_pipe = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.barriers.data_ptr(),
+                num_stages=self.stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + WARP_SIZE),
+                consumer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, self.num_mma_threads
+                ),
+                tx_count=stage_bytes(self.h),
+                defer_sync=True,
+            )
+        else:
+            ab_pipe = tma_pipeline(
+                storage.barriers, self.stages, stage_bytes(self.h), self.num_mma_threads // 32
+            )
         init_arrive()
         sW = smem_tensor(storage.sW, sW_layout)
         sE = storage.sE.get_tensor(sE_layout)
         sB = smem_tensor(storage.sB, sB_layout)
+        sSA = None
+        if cutlass.const_expr(self.staged_sa):
+            sSA = storage.sSA.get_tensor(cute.make_layout((self.h, self.stages)))
         k_tiles = load_b[1].shape[1] // TILE_K
         walk_args = (mCount, mC.shape[0], mC.shape[1] // TILE_W)
         if cutlass.const_expr(self.contiguous):
@@ -200,7 +247,10 @@ class GemmFp4GroupedSm90:
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self._produce((load_w, load_e, load_b), (sW, sE, sB), ab_pipe, walk_args, k_tiles)
+                self._produce(
+                    (load_w, load_e, load_b), (sW, sE, sB), ab_pipe, walk_args, k_tiles,
+                    (sSA, mSFA),
+                )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             thr_mma = tiled_mma.get_slice((wg_idx - 1) * THREADS_PER_WG)
@@ -218,7 +268,7 @@ class GemmFp4GroupedSm90:
             lane = t % 32
             row0 = t // 32 * 16 + lane // 4  # warp q of the two warpgroups: rows 16q ..
             mma = (tiled_mma, regs_a, tCrB, accs)
-            smem = (w16, sE)
+            smem = (w16, sE, sSA)
             out = (mC, mSFA, mCount)
             self._consume(mma, smem, ab_pipe, out, walk_args, k_tiles, (row0, lane % 4))
 
@@ -233,15 +283,16 @@ class GemmFp4GroupedSm90:
         return 0 if cutlass.const_expr(self.contiguous) else expert
 
     @cute.jit
-    def _produce(self, loads, smem, ab_pipe, walk_args, k_tiles):
-        """The producer warp: every k-tile of each tile's weights, exponents and tokens."""
+    def _produce(self, loads, smem, ab_pipe, walk_args, k_tiles, staged):
+        """The producer warp: every k-tile of each tile's weights, exponents and tokens (and,
+        with `staged_sa`, the tokens' activation scales: `staged` = (sSA, mSFA))."""
         (tma_w, mW), (tma_e, mE), (tma_b, mB) = loads
         sW, sE, sB = smem
         prod = producer_state(self.stages)
         walk = self._walk(walk_args)
         work, expert, before, rows = walk.first()
         while walk.valid(expert):
-            tile_t, tile_n, _ = walk.tile(work, before, rows)
+            tile_t, tile_n, tile_rows = walk.tile(work, before, rows)
             gW = cute.local_tile(mW[None, None, expert], (TILE_W, PACKED_ROW), (tile_n, None))
             gE = cute.local_tile(mE[None, None, expert], (TILE_W, 1), (tile_n, None))
             gB = cute.local_tile(
@@ -259,10 +310,39 @@ class GemmFp4GroupedSm90:
                 bar = ab_pipe.producer_get_barrier(prod)
                 for atom, ts, tg in parts:
                     cute.copy(atom, tg[(None, kt)], ts[(None, prod.index)], tma_bar_ptr=bar)
+                if cutlass.const_expr(self.staged_sa):
+                    first = tile_t * self.h
+                    sfa = staged[1][None, None, self._batch(expert)]
+                    self._stage_sa(staged[0], sfa, (first, first + tile_rows - 1), kt, prod)
+                    cute.arch.cp_async_mbarrier_arrive_noinc(bar)
                 ab_pipe.producer_commit(prod)
                 prod.advance()
             work, expert, before, rows = walk.next(work, expert, before, rows)
         ab_pipe.producer_tail(prod)
+
+    @cute.jit
+    def _stage_sa(self, sSA, sfa, tokens, kt, prod):
+        """The tile's tokens' activation scales of k-tile `kt` into stage `prod`, one cp.async
+        of 4 bytes per token: token lane + 32 i by lane (rows past the count read the last
+        counted row's, as the consumers did). Each lane's cp.async arrival on the stage's full
+        barrier follows (the barrier counts 1 + 32 arrivals)."""
+        first, last = tokens
+        lane = cute.arch.lane_idx()
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
+        for i in cutlass.range_constexpr((self.h + WARP_SIZE - 1) // WARP_SIZE):
+            tok = lane + WARP_SIZE * i
+            row = cutlass.min(first + tok, last)
+            src = cute.make_tensor(
+                sfa.iterator + cute.crd2idx((row, kt), sfa.layout), cute.make_layout(1)
+            )
+            dst = cute.make_tensor(
+                sSA.iterator + cute.crd2idx((tok, prod.index), sSA.layout), cute.make_layout(1)
+            )
+            if cutlass.const_expr(self.h % WARP_SIZE == 0):
+                cute.copy(atom, src, dst)
+            else:
+                if tok < self.h:  # h = 8, 16: lanes h .. 31 copy nothing
+                    cute.copy(atom, src, dst)
 
     @cute.jit
     def _consume(self, mma, smem, ab_pipe, out, walk_args, k_tiles, who):
@@ -343,17 +423,20 @@ class GemmFp4GroupedSm90:
         Returns its scales as one flat tuple (the rows' k-tile scales, then the tokens'), used
         at its promotion one step later: a loop-carried value of the caller's loop."""
         ra, tCrB = operands
-        ((w16, sE), sfa, (first, last), row0, quad), kt = at
+        ((w16, sE, sSA), sfa, (first, last), row0, quad), kt = at
         ab_pipe.consumer_wait(read)
         stage = read.index
         scale_lo, tabs_lo = fold(sE[row0, 0, stage])
         scale_hi, tabs_hi = fold(sE[row0 + 8, 0, stage])
         # this thread's token columns' activation scales (column 8 (i / 2) + 2 quad + i % 2):
         # rows past the count read the last counted row's (their columns are never stored)
-        sa = tuple(
-            sfa[cutlass.min(first + 8 * (i // 2) + 2 * quad + i % 2, last), kt]
-            for i in range(self.h // 4)
-        )
+        if cutlass.const_expr(self.staged_sa):
+            sa = tuple(sSA[8 * (i // 2) + 2 * quad + i % 2, stage] for i in range(self.h // 4))
+        else:
+            sa = tuple(
+                sfa[cutlass.min(first + 8 * (i // 2) + 2 * quad + i % 2, last), kt]
+                for i in range(self.h // 4)
+            )
         packed = cute.recast_tensor(ra, Int32)
         # 16-bit word of (row, step, half): byte row * 64 + 16 step + 8 half + 2 quad, its
         # 16-byte chunk (= step) swizzled by (row >> 1) & 3, the same for row0 and row0 + 8
@@ -377,9 +460,15 @@ class GemmFp4GroupedSm90:
     @cute.jit
     def _retire(self, pending, ab_pipe, release):
         """Wait until at most `pending` WGMMA groups are in flight, then release the stage of
-        the oldest k-tile still held."""
+        the oldest k-tile still held (`staged_sa`: every consumer thread arrives, each one's
+        reads of the staged scales released by its own arrive, as racecheck follows them; the
+        FP8 kernel's staged scales, docs/gemm/NOTES.md "Racecheck's WAR on the staged
+        scales")."""
         warpgroup.wait_group(pending)
-        ab_pipe.consumer_release(release)
+        if cutlass.const_expr(self.staged_sa):
+            cute.arch.mbarrier_arrive(ab_pipe.consumer_get_barrier(release))
+        else:
+            ab_pipe.consumer_release(release)
 
     @cute.jit
     def _promote(self, acc, frag, scales):

@@ -60,18 +60,25 @@ def gemm_fp4_masked(
     expected_m: int,
     out: torch.Tensor,
     tokens: int | None = None,
+    staged_sa: bool = False,
+    converter: bool | int = False,
 ) -> None:
     """out[e, t] = (a[e, t] x scale_a[e, t]) @ dequant(b[e], words[e])^T for t < masked_m[e];
     the other rows of out are not written. a (E, max_m, K) float8_e4m3fn, b (E, N, K/2) int8
     or uint8 (packed e2m1), words (E, N, K/128) int32 N-major (`scale_words_ready`), scale_a
     (E, max_m, K/128) fp32 any strides, masked_m int32 (E,) contiguous, out (E, max_m, N)
-    16-bit TMA-ready. `tokens`: force the tokens per tile (tuning), else by `expected_m`."""
+    16-bit TMA-ready. `tokens`: force the tokens per tile (tuning), else by `expected_m`;
+    `staged_sa` / `converter`: the opt-in forms staging the activation scales in the ring /
+    widening in a converter warpgroup (tuning, the bench's `staged*` / `convert*` variants;
+    docs/gemm/NOTES.md "FP4 at 16-96 tokens")."""
     experts, max_m, _ = a.shape
     n = b.shape[1]
     if max_m == 0 or experts == 0:
         return
     h = tokens or choose_tokens(expected_m)
-    fn = get_kernel(SPEC, params_for(dtype_name(out.dtype), h))
+    fn = get_kernel(
+        SPEC, params_for(dtype_name(out.dtype), h, staged_sa=staged_sa, converter=converter)
+    )
     tiles = experts * -(-max_m // h) * (n // TILE_W)  # the walk's upper bound
     ctas = max(1, min(num_sms(a.device.index), tiles))
     with on_device(a.device):
@@ -94,19 +101,25 @@ def gemm_fp4_contiguous(
     m_indices: torch.Tensor,
     out: torch.Tensor,
     tokens: int | None = None,
+    staged_sa: bool = False,
+    converter: bool | int = False,
 ) -> None:
     """out[r] = (a[r] x scale_a[r]) @ dequant(b[e], words[e])^T, e = m_indices[r] >= 0; rows
     with a negative index (padding) are not written. a (M, K) float8_e4m3fn with every
     expert's rows contiguous and padded to a multiple of 128, b (E, N, K/2) int8 / uint8,
     words (E, N, K/128) int32 N-major, scale_a (M, K/128) fp32 any strides, m_indices int32
     (M,) contiguous, out (M, N) 16-bit TMA-ready. `tokens`: the tokens per tile (a hint: the
-    tokens an expert is expected to hold), else CONTIGUOUS_TOKENS."""
+    tokens an expert is expected to hold), else CONTIGUOUS_TOKENS. `staged_sa` / `converter`:
+    the opt-in forms, as `gemm_fp4_masked`'s."""
     m = a.shape[0]
     n = b.shape[1]
     if m == 0:
         return
     h = choose_tokens(tokens, contiguous=True) if tokens else CONTIGUOUS_TOKENS
-    fn = get_kernel(SPEC, params_for(dtype_name(out.dtype), h, contiguous=True))
+    params = params_for(
+        dtype_name(out.dtype), h, contiguous=True, staged_sa=staged_sa, converter=converter
+    )
+    fn = get_kernel(SPEC, params)
     ctas = max(1, min(num_sms(a.device.index), -(-m // h) * (n // TILE_W)))
     with on_device(a.device):
         fn(

@@ -64,6 +64,12 @@ KEEP = 0x7777  # the selector mask of a kept sub-block (the magnitude bits of fo
 SIGN_SELECT = 0xD9C8
 
 
+# widen8's high half: result byte i <- the sign of code 4 + i: bytes 2 (x << 4: code 4), 6
+# (x: code 5), 3 (x << 4: code 6), 7 (x: code 7)
+SIGN_SELECT_HI = 0xFBEA
+KEEP8 = 0x77777777  # a kept sub-block's selector mask for eight codes (`fold(..., eight=True)`)
+
+
 def widen4(codes: Int32, table: tuple) -> Int32:
     """Four e2m1 codes (the low 16 bits of `codes`) -> four e4m3 bytes, through `table` =
     (t0, t1, keep) of their sub-block (`fold`)."""
@@ -73,6 +79,20 @@ def widen4(codes: Int32, table: tuple) -> Int32:
     # a fresh one per use (16 copies per k-tile)
     neg = prmt(codes << 4, codes, Int32(SIGN_SELECT))
     return mag | (neg & Int32(-0x7F7F7F80))  # 0x80808080 as an int32
+
+
+def widen8(word: Int32, table: tuple) -> tuple:
+    """Eight e2m1 codes (a 32-bit word, the first K element in the low nibble) -> two registers
+    of four e4m3 bytes: `widen4` of the low 16 bits, then of the high 16 bits (the same bytes),
+    with one selector mask, one shift and one sign source for both; `table` = (t0, t1, keep)
+    from `fold(..., eight=True)` (keep covering all eight codes)."""
+    t0, t1, keep = table
+    sel = word & keep
+    up = word << 4
+    sign = Int32(-0x7F7F7F80)  # 0x80808080 as an int32
+    lo = prmt(t0, t1, sel) | (prmt(up, word, Int32(SIGN_SELECT)) & sign)
+    hi = prmt(t0, t1, sel >> 16) | (prmt(up, word, Int32(SIGN_SELECT_HI)) & sign)
+    return lo, hi
 
 
 @dsl_user_op
@@ -91,12 +111,12 @@ def as_float(bits: Int32, *, loc=None, ip=None) -> Float32:
     )
 
 
-def fold(word: Int32):
+def fold(word: Int32, eight: bool = False):
     """One weight row's k-tile exponent word (four UE8M0 bytes, sub-block i in byte i) ->
     (the row's fp32 k-tile scale 2^(s - 127), the four sub-blocks' (t0, t1, keep)), with
     s = max(max_i e_i - HEADROOM, 1) and shift e_i - s per sub-block: t = TABLE + (e_i - s) x
     STEP, as (TABLE - s x STEP) + e_i x STEP (one multiply-add per word and sub-block), keep
-    KEEP for e_i - s >= SHIFT_MIN, else 0 (flushed)."""
+    KEEP (KEEP8 with `eight`: `widen8`'s) for e_i - s >= SHIFT_MIN, else 0 (flushed)."""
     exps = [(word >> (8 * i)) & 0xFF for i in range(4)]
     top = exps[0]
     for e in exps[1:]:
@@ -105,6 +125,7 @@ def fold(word: Int32):
     base_lo = Int32(TABLE_LO) - s * STEP_LO
     base_hi = Int32(TABLE_HI) - s * STEP_HI
     lowest = s + SHIFT_MIN
-    keeps = [cutlass.select_(e >= lowest, Int32(KEEP), Int32(0)) for e in exps]
+    kept = KEEP8 if eight else KEEP
+    keeps = [cutlass.select_(e >= lowest, Int32(kept), Int32(0)) for e in exps]
     subs = [(base_lo + e * STEP_LO, base_hi + e * STEP_HI, k) for e, k in zip(exps, keeps)]
     return as_float(s << 23), subs

@@ -1,7 +1,13 @@
 """Gated DeltaNet backward, kernel 1: the reverse state recurrence over chunks, sm_90a.
 DSL-free declaration; the kernel is `reverse_state.py`, the launcher `launch.py`, the CPU
-model `forgekernel.reference.gdn_bwd_state`. Not wired into the op yet (its backward is the
-interim torch path of `forgekernel.ops.gated_delta_rule_bwd`)."""
+model `forgekernel.reference.gdn_bwd_state`. Wired into the op's backward behind
+`FORGEKERNEL_GDN_BWD_KERNEL=1` (`forgekernel.ops.gated_delta_rule_bwd._backward_kernel`: two
+launches, the forward's chunk states by the same recurrence fed transposed inputs, then the
+reverse pass); the default is still the interim torch path until the GPU check passes.
+Variant `channel_decay` (e^(G_C) per key channel): Kimi Delta Attention's backward
+(`forgekernel.ops.kda_bwd._backward_kernel`, behind `FORGEKERNEL_KDA_BWD_KERNEL=1`). Variants
+`out16` (dU, dS in kernel 2's 16-bit forms) and `forward` (the forward launch: P^T = I, Qe = 0
+built in, outputs in chunk order): Gated DeltaNet's path (`STATES16`)."""
 
 from __future__ import annotations
 
@@ -20,12 +26,27 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    return [
+    gdn = [
         params_for(dtype, d_final_state=d, dke=dke)
         for dtype in DTYPES
         for d in (False, True)
         for dke in (False, True)
     ]
+    # Kimi Delta Attention's per-key-channel e^(G_C): the dh variant its backward runs
+    kda = [
+        params_for(dtype, d_final_state=d, channel_decay=True)
+        for dtype in DTYPES
+        for d in (False, True)
+    ]
+    # the op's kernel path: both launches write kernel 2's 16-bit h / dh, U / dU (out16); the
+    # forward launch with P^T = I, Qe = 0 built in, in chunk order (forward)
+    out16 = [
+        params_for(dtype, d_final_state=d, out16=True, forward=fw)
+        for dtype in DTYPES
+        for d in (False, True)
+        for fw in (False, True)
+    ]
+    return gdn + kda + out16
 
 
 SPEC = KernelSpec(

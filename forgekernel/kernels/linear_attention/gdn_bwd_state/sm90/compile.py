@@ -1,8 +1,10 @@
 """Compile the Gated DeltaNet backward's reverse state recurrence against fake tensors: B, T, HV,
 the chunk count and every outer stride dynamic; K, V, the dtype, the final-state gradient and
-whether dke replaces dh baked in. The 16-bit tiles: unit last strides, the others multiples of
-8 elements, 16-byte aligned (TMA); e^(G_C) fp32 (B, NC, HV) unit last stride; the fp32 outputs
-and the final-state gradient: unit last strides, others multiples of 4."""
+whether dke replaces dh (or out16: dU, dh in 16 bits, dh (B, NC, HV, K, V) with its (K, V)
+tiles compact) baked in. The 16-bit tiles: unit last strides, the others multiples of
+8 elements, 16-byte aligned (TMA); e^(G_C) fp32 (B, NC, HV) unit last stride (channel_decay:
+(B, NC, HV, K), TMA-ready: outer strides multiples of 4, 16-byte aligned); the fp32 outputs and
+the final-state gradient: unit last strides, others multiples of 4."""
 
 from __future__ import annotations
 
@@ -17,8 +19,10 @@ from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.reverse_state impor
 
 def kernel_for(params: dict) -> GdnBwdStateSm90:
     return GdnBwdStateSm90(
-        params["k"], params["v"], d_final_state=params["d_final_state"], dke=params["dke"]
-    )
+        params["k"], params["v"], d_final_state=params["d_final_state"], dke=params["dke"],
+        channel_decay=params.get("channel_decay", False), out16=params.get("out16", False),
+        forward=params.get("forward", False),
+    )  # fmt: skip
 
 
 def compile_gdn_bwd_state(params: dict, arch: str = "sm_90a", extra_options: str = "", kernel=None):
@@ -30,25 +34,40 @@ def compile_gdn_bwd_state(params: dict, arch: str = "sm_90a", extra_options: str
     f32 = cutlass.Float32
     kernel = kernel_for(params) if kernel is None else kernel
     dke = params["dke"]
+    out16 = params.get("out16", False)
+    out = dtype if out16 else f32  # dU, dh: 16-bit with out16
+
+    def side():
+        if not out16:
+            return fake.rowmajor(f32, (b, nc, hv, vd, kd), divisibility=4)
+        # 16-bit dS (K, V) tiles compact (static strides): the transposed fragment's 2-byte
+        # stores take immediate offsets (dynamic ones spilled a register without a final state)
+        outer = tuple(cute.sym_int64(divisibility=8) for _ in range(3))
+        return make_fake_tensor(dtype, (b, nc, hv, kd, vd), stride=(*outer, vd, 1),
+                                assumed_align=16)  # fmt: skip
 
     def state():
         return fake.rowmajor(f32, (b, hv, kd, vd), divisibility=4)
 
-    e_last = make_fake_tensor(
-        f32, (b, nc, hv), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4
-    )
+    if params.get("channel_decay", False):
+        e_last = fake.rowmajor(f32, (b, nc, hv, kd), divisibility=4)
+    else:
+        e_last = make_fake_tensor(
+            f32, (b, nc, hv), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4
+        )
+    fw = params.get("forward", False)  # P^T and Qe not passed (I and 0 built in)
     return cute.compile(
         kernel,
         fake.rowmajor(dtype, (b, t, hv, vd)),
-        fake.rowmajor(dtype, (b, t, hv, CHUNK)),
+        None if fw else fake.rowmajor(dtype, (b, t, hv, CHUNK)),
         fake.rowmajor(dtype, (b, t, hv, kd)),
-        fake.rowmajor(dtype, (b, t, hv, kd)),
+        None if fw else fake.rowmajor(dtype, (b, t, hv, kd)),
         fake.rowmajor(dtype, (b, t, hv, kd)),
         fake.rowmajor(dtype, (b, t, hv, vd)) if dke else None,
         e_last,
         state() if params["d_final_state"] else None,
-        fake.rowmajor(f32, (b, t, hv, vd), divisibility=4),
-        None if dke else fake.rowmajor(f32, (b, nc, hv, vd, kd), divisibility=4),
+        fake.rowmajor(out, (b, t, hv, vd), divisibility=4),
+        None if dke else side(),
         fake.rowmajor(f32, (b, t, hv, kd), divisibility=4) if dke else None,
         state(),
         fake.stream(),

@@ -22,18 +22,35 @@ assert (PRODUCER_REGS + STATE_WGS * STATE_REGS) * THREADS_PER_WG <= REGISTERS_PE
 TILES = ("do", "pt", "ke", "qe", "w", "u")
 
 
+def stage_bytes(
+    k: int = 128,
+    v: int = 128,
+    elem_bytes: int = 2,
+    dke: bool = False,
+    channel_decay: bool = False,
+    forward: bool = False,
+) -> int:
+    """One ring stage: the five tiles (`forward`: three, P^T and Qe built in), U (C, V) with
+    `dke`, e^(G_C) (K,) fp32 with `channel_decay`."""
+    if forward:
+        return CHUNK * (v + 2 * k) * elem_bytes
+    tiles = CHUNK * (v + CHUNK + 3 * k + (v if dke else 0)) * elem_bytes
+    return tiles + (4 * k if channel_decay else 0)
 
 
-def stage_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2, dke: bool = False) -> int:
-    """One ring stage: the five tiles, and U (C, V) with `dke`."""
-    return CHUNK * (v + CHUNK + 3 * k + (v if dke else 0)) * elem_bytes
-
-
-def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2, dke: bool = False) -> int:
+def smem_bytes(
+    k: int = 128,
+    v: int = 128,
+    elem_bytes: int = 2,
+    dke: bool = False,
+    channel_decay: bool = False,
+    forward: bool = False,
+) -> int:
     """Shared memory of one CTA (the kernel's SharedStorage, alignment padding included): the
     ring, and with `dke` the chunk-end dS (K, V) in 16 bits that both state warpgroups read."""
     ds = k * v * elem_bytes if dke else 0
-    return STAGES * stage_bytes(k, v, elem_bytes, dke) + ds + 2 * STAGES * 8 + 7 * 1024
+    ring = STAGES * stage_bytes(k, v, elem_bytes, dke, channel_decay, forward)
+    return ring + ds + 2 * STAGES * 8 + 7 * 1024
 
 
 def params_for(
@@ -42,15 +59,32 @@ def params_for(
     *,
     d_final_state: bool = False,
     dke: bool = False,
+    channel_decay: bool = False,
+    out16: bool = False,
+    forward: bool = False,
 ) -> tuple:
     """Compile key: the 16-bit dtype of the tiles, (K, V), whether a final-state gradient is
     read (without one, dS starts from zero), and the state-side output: dke = U dS^T per token
     (`dke`: U read, dS through shared memory, no dh written) or dh = dS^T per chunk (fp32 to
-    HBM, 1 KB a token and head: the first form, what the later passes of the reference read)."""
+    HBM, 1 KB a token and head: the first form, what the later passes of the reference read).
+    `channel_decay` (Kimi Delta Attention: e^(G_C) a (K,) vector per chunk, (B, NC, HV, K),
+    scaling dS^T's columns) is in the key only when set: Gated DeltaNet's keys are unchanged.
+    `out16` (dU and dS (K, V) a chunk in the tiles' 16-bit dtype, kernel 2's forms; not with
+    dke) and `forward` (the forward launch: P^T = I and Qe = 0 compile-time forms, not read; the
+    outputs at chunk NC - 1 - c, the forward's chunk order; needs out16) likewise only when
+    set."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
     if tuple(head_dims) not in HEAD_DIMS:
         raise ValueError(f"(K, V) must be one of {HEAD_DIMS}, got {tuple(head_dims)}")
+    if out16 and dke:
+        raise ValueError("out16 writes dh in 16 bits: not with dke")
+    if forward and not out16:
+        raise ValueError("forward needs out16")
     k, v = head_dims
     key = {"dtype": dtype, "k": k, "v": v, "d_final_state": d_final_state, "dke": dke}
+    for name, on in (("channel_decay", channel_decay), ("out16", out16),
+                     ("forward", forward)):  # fmt: skip
+        if on:
+            key[name] = True
     return tuple(sorted(key.items()))

@@ -14,9 +14,7 @@ from forgekernel.runtime.device import as_tma_ready, dtype_name, on_device
 Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def check_inputs(
-    do, pt, ke, qe, w, e_last, d_final_state, u=None
-) -> tuple[int, int, int, int]:
+def check_inputs(do, pt, ke, qe, w, e_last, d_final_state, u=None) -> tuple[int, int, int, int]:
     """(B, T, HV, NC) of a valid call, else ValueError / TypeError saying what is off."""
     if do.dim() != 4:
         raise ValueError(f"do must be (B, T, HV, V), got {tuple(do.shape)}")
@@ -28,13 +26,16 @@ def check_inputs(
     want = {"pt": (b, t, hv, CHUNK), "ke": (b, t, hv, k), "qe": (b, t, hv, k), "w": (b, t, hv, k),
             "u": (b, t, hv, v)}  # fmt: skip
     for name, x in zip(want, (pt, ke, qe, w, do if u is None else u)):
+        if x is None and name in ("pt", "qe"):  # the forward launch: I and 0 built in
+            continue
         if tuple(x.shape) != want[name]:
             raise ValueError(f"{name} must be {want[name]}, got {tuple(x.shape)}")
         if x.dtype != do.dtype:
             raise TypeError(f"{name} must be {do.dtype} (do's dtype), got {x.dtype}")
     params_for(dtype_name(do.dtype), (k, v))  # K, V supported
-    if tuple(e_last.shape) != (b, nc, hv) or e_last.dtype != torch.float32:
-        raise ValueError(f"e_last must be float32 {(b, nc, hv)}, got {e_last.dtype} "
+    if tuple(e_last.shape) not in ((b, nc, hv), (b, nc, hv, k)) or e_last.dtype != torch.float32:
+        raise ValueError(f"e_last must be float32 {(b, nc, hv)} (one decay a chunk) or "
+                         f"{(b, nc, hv, k)} (one a key channel), got {e_last.dtype} "
                          f"{tuple(e_last.shape)}")  # fmt: skip
     if d_final_state is not None and (
         tuple(d_final_state.shape) != (b, hv, k, v) or d_final_state.dtype != torch.float32
@@ -44,12 +45,16 @@ def check_inputs(
     return b, t, hv, nc
 
 
-def empty_outputs(do: torch.Tensor, k: int, dke: bool = False) -> Outputs:
+def empty_outputs(do: torch.Tensor, k: int, dke: bool = False, out16: bool = False) -> Outputs:
     """(dU (B, T, HV, V), dh (B, NC, HV, V, K) or with `dke` dke (B, T, HV, K), dh0 (B, HV, K,
-    V)), fp32, uninitialized."""
+    V)), fp32, uninitialized; `out16`: dU and dh (B, NC, HV, K, V) in do's dtype."""
     b, t, hv, v = do.shape
     nc = -(-t // CHUNK)
     f32 = {"dtype": torch.float32, "device": do.device}
+    if out16:
+        low = {"dtype": do.dtype, "device": do.device}
+        return (torch.empty(b, t, hv, v, **low), torch.empty(b, nc, hv, k, v, **low),
+                torch.empty(b, hv, k, v, **f32))  # fmt: skip
     side = torch.empty(b, t, hv, k, **f32) if dke else torch.empty(b, nc, hv, v, k, **f32)
     return torch.empty(b, t, hv, v, **f32), side, torch.empty(b, hv, k, v, **f32)
 
@@ -65,34 +70,51 @@ def gdn_bwd_state(
     u: torch.Tensor | None = None,
     *,
     out: Outputs | None = None,
+    out16: bool = False,
+    forward: bool = False,
 ) -> Outputs:
     """The reverse recurrence dU = P^T dO + Ke dS, dS <- e^(G_C) dS + Qe^T dO - W^T dU over the
     chunks of each (sequence, value head), last first, dS from d_final_state (or zero).
     do (B, T, HV, V), pt (B, T, HV, 64), ke, qe, w (B, T, HV, K) in one 16-bit dtype; e_last
-    (B, NC, HV) fp32; d_final_state (B, HV, K, V) fp32 or None; u (B, T, HV, V) 16-bit (the
-    forward's corrected values U = u - W S0) or None. Returns (dU (B, T, HV, V), the state side:
+    fp32 (B, NC, HV) (Gated DeltaNet) or (B, NC, HV, K) (Kimi Delta Attention: dS <-
+    diag(e^(G_C)) dS + ..., the `channel_decay` kernel); d_final_state (B, HV, K, V) fp32 or
+    None; u (B, T, HV, V) 16-bit (the forward's corrected values U = u - W S0) or None.
+    Returns (dU (B, T, HV, V), the state side:
     without u dh = dS^T at every chunk's end (B, NC, HV, V, K), with u dke = U dS^T per token
     (B, T, HV, K) (dS the gradient at the token's chunk end; dh then never reaches HBM), the
     initial state's gradient (B, HV, K, V)), fp32, written into `out` (contiguous) when
-    given."""
+    given. `out16` (without u): dU and the state side in do's dtype, the state side as dS
+    itself (B, NC, HV, K, V) (kernel 2's forms); `forward` (with out16; the op's forward
+    launch, `reference.gdn_bwd_state.forward_state_tiles`): pt and qe None, P^T = I and Qe = 0
+    built into the kernel, and dU's rows and dh of the chunk processed c-th from the start land
+    at chunk c (its inputs come chunks reversed: U and h in the forward's chunk order)."""
     b, t, hv, nc = check_inputs(do, pt, ke, qe, w, e_last, d_final_state, u)
     dke = u is not None
-    du, side, dh0 = empty_outputs(do, ke.shape[-1], dke) if out is None else out
-    for x in (du, side, dh0):
-        if not x.is_contiguous() or x.dtype != torch.float32:
-            raise ValueError("out must be contiguous float32 tensors")
+    if (out16 and dke) or (forward and not out16):
+        raise ValueError("out16 excludes u (dke); forward needs out16")
+    if (pt is None or qe is None) != forward:
+        raise ValueError("pt and qe are None exactly when forward (I and 0 built in)")
+    du, side, dh0 = empty_outputs(do, ke.shape[-1], dke, out16) if out is None else out
+    want = (do.dtype, do.dtype, torch.float32) if out16 else (torch.float32,) * 3
+    for x, dt in zip((du, side, dh0), want):
+        if not x.is_contiguous() or x.dtype != dt:
+            raise ValueError(f"out must be contiguous tensors of dtypes {want}")
     if b * hv == 0:
         return du, side, dh0
     if t == 0:
         dh0.copy_(d_final_state) if d_final_state is not None else dh0.zero_()
         return du, side, dh0
+    channel_decay = e_last.dim() == 4
     params = params_for(dtype_name(do.dtype), (ke.shape[-1], do.shape[-1]),
-                        d_final_state=d_final_state is not None, dke=dke)  # fmt: skip
+                        d_final_state=d_final_state is not None, dke=dke,
+                        channel_decay=channel_decay, out16=out16,
+                        forward=forward)  # fmt: skip
     fn = get_kernel(SPEC, params)
-    tiles = [as_tma_ready(x) for x in (do, pt, ke, qe, w)]
+    tiles = [None if x is None else as_tma_ready(x) for x in (do, pt, ke, qe, w)]
     tiles.append(as_tma_ready(u) if dke else None)
     dht = None if d_final_state is None else d_final_state.contiguous()
     dh, dke_out = (None, side) if dke else (side, None)
     with on_device(do.device):
-        fn(*tiles, e_last.contiguous(), dht, du, dh, dke_out, dh0)
+        el = as_tma_ready(e_last) if channel_decay else e_last.contiguous()
+        fn(*tiles, el, dht, du, dh, dke_out, dh0)
     return du, side, dh0

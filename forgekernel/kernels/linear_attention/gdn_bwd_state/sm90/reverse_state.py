@@ -35,8 +35,27 @@ Warp roles (3 warpgroups, 384 threads, setmaxnreg split in config.py):
 - warpgroups 1, 2 (state): value rows [64 w, 64 w + 64) of dS^T; the products above; dU^T and
   dS^T to global memory.
 
+Variant `channel_decay` (compile flag; Kimi Delta Attention, 2026-12-05): e^(G_C) is a (K,)
+vector per chunk, dS <- diag(e^(G_C)) dS + ..., i.e. dS^T's column k scales by e^(G_C)_k. The
+vector (B, NC, HV, K) fp32 rides the ring as a sixth TMA box (1, K) (512 B a stage) and each
+thread reads its accumulator fragment's columns from shared memory (as the KDA forward's
+`recurrence.py` decays S^T); every other factor tile carries its per-channel decays already.
+
+Variant `out16` (compile flag; 2026-12-05): dU and the per-chunk state in kernel 2's 16-bit
+forms instead of fp32: dU (B, T, HV, V) in the tiles' dtype and dS itself (not dS^T) at every
+chunk's end (B, NC, HV, K, V), each thread's fragment converted in registers and stored through
+the transposed view (the torch conversions and transposes of 1.5 KB a token-head of fp32 go).
+Variant `forward` (compile flag, with out16; the op's forward launch, which runs the FORWARD
+recurrence through this one: `reference.gdn_bwd_state.forward_state_tiles`): P^T = I and Qe = 0
+are compile-time forms, neither read (two boxes of five, 24 of 72 KB a chunk) nor multiplied:
+dU^T = dS^T Ke^T + dO^T (the dO^T registers added after the product), dS^T <- e^(G_C) dS^T -
+dU^T W. Its chunks arrive reversed (slot c is chunk NC - 1 - c), so dU and dh land at chunk
+NC - 1 - c: U and h in the forward's chunk order, no flip. Neither flag is in Gated DeltaNet's
+or KDA's standard keys unless set.
+
 Constraints: K = V = 128, 16-bit tiles with unit last strides and 16-byte aligned token strides
-(TMA); e^(G_C) and the states fp32, unit last strides.
+(TMA); e^(G_C) and the states fp32, unit last strides (channel_decay: e^(G_C) 16-byte aligned
+outer strides, TMA).
 """
 
 from __future__ import annotations
@@ -56,6 +75,7 @@ from forgekernel.kernels.common.sm90 import softmax
 from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
 from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG, WARP_SIZE
 from forgekernel.kernels.common.sm90.layout import (
+    acc_as_operand_a,
     acc_to_operand_a,
     rows_cols,
     select,
@@ -100,12 +120,29 @@ class GdnBwdStateSm90:
     """Warp-specialized reverse state recurrence of the Gated DeltaNet backward; see the module
     docstring."""
 
-    def __init__(self, k: int, v: int, *, d_final_state: bool, dke: bool = False):
+    def __init__(
+        self,
+        k: int,
+        v: int,
+        *,
+        d_final_state: bool,
+        dke: bool = False,
+        channel_decay: bool = False,
+        out16: bool = False,
+        forward: bool = False,
+    ):
         if (k, v) != (128, 128):
             raise ValueError(f"(K, V) must be (128, 128), got {(k, v)}")
+        if out16 and dke:
+            raise ValueError("out16 writes dh: not with dke")
+        if forward and not out16:
+            raise ValueError("forward needs out16")
         self.k, self.v = k, v
         self.d_final_state = d_final_state
         self.dke = dke
+        self.channel_decay = channel_decay
+        self.out16 = out16
+        self.forward = forward
 
     def _setup(self):
         dt = self.dtype
@@ -128,14 +165,16 @@ class GdnBwdStateSm90:
         self.sS_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, self.k, self.v), dt, 1)
         self.sD_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, self.k), dt, STAGES)
         self.sP_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, CHUNK), dt, STAGES)
+        # e^(G_C) (1, K) fp32 a stage (channel_decay)
+        self.sE_layout = cute.make_layout((1, self.k, STAGES), stride=(self.k, 1, self.k))
 
     @cute.jit
     def __call__(
         self,
         mDO: cute.Tensor,
-        mPT: cute.Tensor,
+        mPT: cute.Tensor | None,
         mKe: cute.Tensor,
-        mQe: cute.Tensor,
+        mQe: cute.Tensor | None,
         mW: cute.Tensor,
         mU: cute.Tensor | None,
         mEl: cute.Tensor,
@@ -147,13 +186,19 @@ class GdnBwdStateSm90:
         stream: cuda.CUstream,
     ):
         """mDO (B, T, HV, V), mPT (B, T, HV, C), mKe, mQe, mW (B, T, HV, K) 16-bit; mEl fp32
-        (B, NC, HV); mDht (or None) and mDh0 fp32 (B, HV, K, V); mDU fp32 (B, T, HV, V). With
-        dke: mU (B, T, HV, V) 16-bit, mDke fp32 (B, T, HV, K), mDh None; else mU and mDke None,
-        mDh fp32 (B, NC, HV, V, K)."""
+        (B, NC, HV), with channel_decay (B, NC, HV, K); mDht (or None) and mDh0 fp32 (B, HV,
+        K, V); mDU fp32 (B, T, HV, V) (out16: 16-bit). With dke: mU (B, T, HV, V) 16-bit,
+        mDke fp32 (B, T, HV, K), mDh None; else mU and mDke None, mDh fp32 (B, NC, HV, V, K)
+        (out16: 16-bit (B, NC, HV, K, V)). With forward: mPT and mQe None (I and 0)."""
         self.dtype = mDO.element_type
-        for t in (mPT, mKe, mQe, mW) + ((mU,) if const_expr(self.dke) else ()):
+        inputs = (mKe, mW) if const_expr(self.forward) else (mPT, mKe, mQe, mW)
+        for t in inputs + ((mU,) if const_expr(self.dke) else ()):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"the 16-bit tiles must share one dtype, got {t.element_type}")
+        if const_expr(self.out16):
+            for t in (mDU, mDh):
+                if const_expr(t.element_type != self.dtype):
+                    raise TypeError(f"out16: dU, dh in the tiles' dtype, got {t.element_type}")
         self._setup()
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         sD_tile = cute.slice_(self.sD_layout, (None, None, 0))
@@ -161,17 +206,34 @@ class GdnBwdStateSm90:
         tmas = []
         for m, tile, d in ((mDO, sD_tile, self.v), (mPT, sP_tile, CHUNK), (mKe, sD_tile, self.k),
                            (mQe, sD_tile, self.k), (mW, sD_tile, self.k)):  # fmt: skip
-            tmas.append(cpasync.make_tiled_tma_atom(g2s, _tdhb(m), tile, (CHUNK, d)))
+            if const_expr(m is None):  # forward: P^T, Qe compile-time forms
+                tmas.append((None, None))
+            else:
+                tmas.append(cpasync.make_tiled_tma_atom(g2s, _tdhb(m), tile, (CHUNK, d)))
         if const_expr(self.dke):
             tmas.append(cpasync.make_tiled_tma_atom(g2s, _tdhb(mU), sD_tile, (CHUNK, self.v)))
         else:
             tmas.append((None, None))
         d_tiles = 5 if const_expr(self.dke) else 4
-        self.tx_bytes = d_tiles * cute.size_in_bytes(self.dtype, sD_tile) + cute.size_in_bytes(
-            self.dtype, sP_tile
-        )
+        if const_expr(self.forward):
+            self.tx_bytes = 3 * cute.size_in_bytes(self.dtype, sD_tile)  # dO, Ke, W
+        else:
+            self.tx_bytes = d_tiles * cute.size_in_bytes(self.dtype, sD_tile) + cute.size_in_bytes(
+                self.dtype, sP_tile
+            )
+        e_elems = 0
+        if const_expr(self.channel_decay):
+            e_tile = cute.slice_(self.sE_layout, (None, None, 0))
+            tmas.append(cpasync.make_tiled_tma_atom(g2s, _tdhb(mEl), e_tile, (1, self.k)))
+            self.tx_bytes += cute.size_in_bytes(Float32, e_tile)
+            e_elems = cute.cosize(self.sE_layout)
+            mEl = None  # read through the ring, not from global memory
+        else:
+            tmas.append((None, None))
         u_elems = cute.cosize(self.sD_layout) if const_expr(self.dke) else 0
         s_elems = cute.cosize(self.sS_layout) if const_expr(self.dke) else 0
+        p_elems = 0 if const_expr(self.forward) else cute.cosize(self.sP_layout)
+        qe_elems = 0 if const_expr(self.forward) else cute.cosize(self.sD_layout)
 
         @cute.struct
         class SharedStorage:
@@ -179,26 +241,35 @@ class GdnBwdStateSm90:
             sDO: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(self.sD_layout)], 1024
             ]
-            sPT: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, cute.cosize(self.sP_layout)], 1024
-            ]
+            sPT: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
             sKe: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(self.sD_layout)], 1024
             ]
-            sQe: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, cute.cosize(self.sD_layout)], 1024
-            ]
+            sQe: cute.struct.Align[cute.struct.MemRange[self.dtype, qe_elems], 1024]
             sW: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(self.sD_layout)], 1024
             ]
             sU: cute.struct.Align[cute.struct.MemRange[self.dtype, u_elems], 1024]
             sS: cute.struct.Align[cute.struct.MemRange[self.dtype, s_elems], 1024]
+            sE: cute.struct.Align[cute.struct.MemRange[Float32, e_elems], 128]
 
         self.shared_storage = SharedStorage
         atoms_and_views = [x for atom_view in tmas for x in atom_view]
         self.kernel(
-            *atoms_and_views, mEl, mDht, mDU, mDh, mDke, mDh0, self.mma_ks, self.mma_st,
-            self.mma_dke, self.sD_layout, self.sP_layout, self.sS_layout,
+            *atoms_and_views,
+            mEl,
+            mDht,
+            mDU,
+            mDh,
+            mDke,
+            mDh0,
+            self.mma_ks,
+            self.mma_st,
+            self.mma_dke,
+            self.sD_layout,
+            self.sP_layout,
+            self.sS_layout,
+            self.sE_layout,
         ).launch(  # fmt: skip
             grid=(mDO.shape[2], mDO.shape[0], 1),
             block=[THREADS, 1, 1],
@@ -221,7 +292,9 @@ class GdnBwdStateSm90:
         mW4: cute.Tensor,
         tma_u: cute.CopyAtom | None,
         mU4: cute.Tensor | None,
-        mEl: cute.Tensor,
+        tma_e: cute.CopyAtom | None,
+        mE4: cute.Tensor | None,
+        mEl: cute.Tensor | None,
         mDht: cute.Tensor | None,
         mDU: cute.Tensor,
         mDh: cute.Tensor | None,
@@ -233,12 +306,17 @@ class GdnBwdStateSm90:
         sD_layout: cute.ComposedLayout,
         sP_layout: cute.ComposedLayout,
         sS_layout: cute.ComposedLayout,
+        sE_layout: cute.Layout,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         atoms = (tma_do, tma_pt, tma_ke, tma_qe, tma_w)
+        if const_expr(self.forward):
+            atoms = (tma_do, tma_ke, tma_w)
         if const_expr(self.dke):
             atoms = atoms + (tma_u,)
+        if const_expr(self.channel_decay):
+            atoms = atoms + (tma_e,)
         if warp_idx == PRODUCER_WARP:
             for atom in atoms:
                 cpasync.prefetch_descriptor(atom)
@@ -247,15 +325,20 @@ class GdnBwdStateSm90:
             storage.barriers, STAGES, self.tx_bytes, STATE_WGS * THREADS_PER_WG // WARP_SIZE
         )
         init_arrive()
+        sPT, sQe = None, None  # forward: I and 0, not in shared memory
         sDO = smem_tensor(storage.sDO, sD_layout)
-        sPT = smem_tensor(storage.sPT, sP_layout)
+        if const_expr(not self.forward):
+            sPT = smem_tensor(storage.sPT, sP_layout)
         sKe = smem_tensor(storage.sKe, sD_layout)
-        sQe = smem_tensor(storage.sQe, sD_layout)
+        if const_expr(not self.forward):
+            sQe = smem_tensor(storage.sQe, sD_layout)
         sW = smem_tensor(storage.sW, sD_layout)
-        sU, sS = None, None
+        sU, sS, sE = None, None, None
         if const_expr(self.dke):
             sU = smem_tensor(storage.sU, sD_layout)
             sS = smem_tensor(storage.sS, sS_layout)
+        if const_expr(self.channel_decay):
+            sE = storage.sE.get_tensor(sE_layout)
         init_wait()
 
         hv, b, _ = cute.arch.block_idx()
@@ -265,26 +348,32 @@ class GdnBwdStateSm90:
         if wg == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == PRODUCER_WARP:
-                srcs = ((mDO4, sDO, self.v), (mPT4, sPT, CHUNK), (mKe4, sKe, self.k),
-                        (mQe4, sQe, self.k), (mW4, sW, self.k))  # fmt: skip
+                srcs = ((mDO4, sDO, (CHUNK, self.v)), (mPT4, sPT, (CHUNK, CHUNK)),
+                        (mKe4, sKe, (CHUNK, self.k)), (mQe4, sQe, (CHUNK, self.k)),
+                        (mW4, sW, (CHUNK, self.k)))  # fmt: skip
+                if const_expr(self.forward):
+                    srcs = (srcs[0], srcs[2], srcs[4])
                 if const_expr(self.dke):
-                    srcs = srcs + ((mU4, sU, self.v),)
+                    srcs = srcs + ((mU4, sU, (CHUNK, self.v)),)
+                if const_expr(self.channel_decay):
+                    srcs = srcs + ((mE4, sE, (1, self.k)),)  # row c: chunk c's e^(G_C)
                 self._produce(atoms, srcs, ring, hv, b, nchunks)
         else:
             cute.arch.setmaxregister_increase(STATE_REGS)
             self._state(
                 wg - 1, tidx - wg * THREADS_PER_WG, mma_ks, mma_st, mma_dke, sDO, sPT, sKe, sQe,
-                sW, sU, sS, mEl, mDht, mDU, mDh, mDke, mDh0, ring, hv, b, seqlen, nchunks,
+                sW, sU, sS, sE, mEl, mDht, mDU, mDh, mDke, mDh0, ring, hv, b, seqlen, nchunks,
             )  # fmt: skip
 
     @cute.jit
     def _produce(self, atoms, srcs, ring, hv, b, nchunks):
         """TMA: per chunk, last first, one (C, D) box of each tile (head hv, sequence b) into
-        the ring; boxes past T are zero-filled."""
+        the ring (and the (1, K) box of e^(G_C) with channel_decay); boxes past T are
+        zero-filled."""
         one = cute.make_layout(1)
         loads = []
-        for atom, (m, s, d) in zip(atoms, srcs):
-            g = cute.local_tile(m[None, None, hv, b], (CHUNK, d), (None, 0))
+        for atom, (m, s, box) in zip(atoms, srcs):
+            g = cute.local_tile(m[None, None, hv, b], box, (None, 0))
             ts, tg = cpasync.tma_partition(
                 atom, 0, one, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
             )
@@ -300,7 +389,7 @@ class GdnBwdStateSm90:
 
     @cute.jit
     def _state(
-        self, w, stid, mma_ks, mma_st, mma_dke, sDO, sPT, sKe, sQe, sW, sU, sS, mEl, mDht,
+        self, w, stid, mma_ks, mma_st, mma_dke, sDO, sPT, sKe, sQe, sW, sU, sS, sE, mEl, mDht,
         mDU, mDh, mDke, mDh0, ring, hv, b, seqlen, nchunks,
     ):  # fmt: skip
         thr_st = mma_st.get_slice(stid)
@@ -315,9 +404,11 @@ class GdnBwdStateSm90:
         tDSrDS = wg_ks.make_fragment_A(wg_ks.partition_shape_A((ROWS, self.k)))
         tDOrDO = wg_ks.make_fragment_A(wg_ks.partition_shape_A((ROWS, CHUNK)))
         tDUrDU = wg_ks.make_fragment_A(wg_ks.partition_shape_A((ROWS, CHUNK)))
+        tBrPT, tBrQe = None, None  # forward: I and 0
         tBrKe = wg_ks.make_fragment_B(wg_ks.partition_B(sKe))
-        tBrPT = wg_ks.make_fragment_B(wg_ks.partition_B(sPT))
-        tBrQe = wg_st.make_fragment_B(wg_st.partition_B(transposed(sQe)))
+        if const_expr(not self.forward):
+            tBrPT = wg_ks.make_fragment_B(wg_ks.partition_B(sPT))
+            tBrQe = wg_st.make_fragment_B(wg_st.partition_B(transposed(sQe)))
         tBrW = wg_st.make_fragment_B(wg_st.partition_B(transposed(sW)))
         sDOt = transposed(sDO)  # (V, C, stages)
         if const_expr(self.dke):
@@ -329,14 +420,15 @@ class GdnBwdStateSm90:
         st = consumer_state(STAGES)
         for i in cutlass.range(nchunks, unroll=1):
             c = nchunks - 1 - i
+            co = i if const_expr(self.forward) else c  # the outputs' chunk
             acc_du = cute.make_rmem_tensor(acc_shape, Float32)
             ring.consumer_wait(st)
             acc_to_operand_a(acc_ds, tDSrDS)
+            if const_expr(self.out16):  # dS, 16-bit: the A operand's registers, no 2nd copy
+                self._store_state16(tDSrDS, thr_st, mDh[b, co, hv, None, None], w)
             gemm(mma_ks, acc_du, tDSrDS, tBrKe[None, None, None, st.index], True, -1)
             if const_expr(self.dke):
-                acc_dke = cute.make_rmem_tensor(
-                    wg_dke.partition_shape_C((CHUNK, ROWS)), Float32
-                )
+                acc_dke = cute.make_rmem_tensor(wg_dke.partition_shape_C((CHUNK, ROWS)), Float32)
                 both.arrive_and_wait()  # the other warpgroup's previous dke has read sS
                 self._store_ds(acc_ds, mma_st, sS, w)
                 both.arrive_and_wait()
@@ -347,18 +439,25 @@ class GdnBwdStateSm90:
             r_do = cute.make_rmem_tensor(acc_shape, Float32)
             dot = cute.local_tile(sDOt[None, None, st.index], (ROWS, CHUNK), (w, 0))
             r_do.store(mma_ks.get_slice(tid).partition_C(dot).load().to(Float32))
-            acc_to_operand_a(r_do, tDOrDO)
-            gemm(mma_ks, acc_du, tDOrDO, tBrPT[None, None, None, st.index], False, -1)
-            if const_expr(not self.dke):
+            if const_expr(not self.forward):
+                acc_to_operand_a(r_do, tDOrDO)
+                gemm(mma_ks, acc_du, tDOrDO, tBrPT[None, None, None, st.index], False, -1)
+            if const_expr(not self.dke and not self.out16):
                 self._state_io(mDh[b, c, hv, None, None], acc_ds, thr_st, w, False, False)
             warpgroup.wait_group(0)
-            acc_ds.store(acc_ds.load() * mEl[b, c, hv])
-            gemm(mma_st, acc_ds, tDOrDO, tBrQe[None, None, None, st.index], False, -1)
+            if const_expr(self.forward):  # P = I: dU^T += dO^T (exact: dO is 16-bit)
+                acc_du.store(acc_du.load() + r_do.load())
+            if const_expr(self.channel_decay):
+                self._decay_columns(acc_ds, mma_st, sE, st.index)
+            else:
+                acc_ds.store(acc_ds.load() * mEl[b, c, hv])
+            if const_expr(not self.forward):  # forward: Qe = 0
+                gemm(mma_st, acc_ds, tDOrDO, tBrQe[None, None, None, st.index], False, -1)
             r_neg = cute.make_rmem_tensor(acc_shape, Float32)
             r_neg.store(-acc_du.load())
             acc_to_operand_a(r_neg, tDUrDU)
             gemm(mma_st, acc_ds, tDUrDU, tBrW[None, None, None, st.index], False, -1)
-            self._store_du(acc_du, mma_ks, mDU, tid, w, hv, b, c, seqlen)
+            self._store_du(acc_du, mma_ks, mDU, tid, w, hv, b, co, seqlen)
             if const_expr(self.dke):
                 self._store_dke(acc_dke, mma_dke, mDke, tid, w, hv, b, c, seqlen)
             warpgroup.wait_group(0)
@@ -367,8 +466,21 @@ class GdnBwdStateSm90:
         self._state_io(mDh0[b, hv, None, None], acc_ds, thr_st, w, False, True)
 
     @cute.jit
+    def _decay_columns(self, acc_ds, mma_st, sE, s):
+        """dS^T <- dS^T diag(e^(G_C)): column j (key channel j) of the accumulator times
+        e^(G_C)_j, read from ring stage s."""
+        tid = opaque_tid_x() % THREADS_PER_WG
+        t0, _, col_base = softmax.acc_coords(mma_st, tid, (ROWS, self.k))
+        a = rows_cols(acc_ds)
+        for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
+            e = sE[0, col_base + t0[0, j][1], s]
+            for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
+                a[r, j] = a[r, j] * e
+
+    @cute.jit
     def _store_du(self, acc_du, mma_ks, mDU, tid, w, hv, b, c, seqlen):
-        """dU^T to dU[b, tokens of chunk c, hv, value rows of w], the rows inside T."""
+        """dU^T to dU[b, tokens of chunk c, hv, value rows of w], the rows inside T (out16:
+        each element converted to the tiles' dtype)."""
         coords = softmax.acc_coords(mma_ks, tid, (ROWS, CHUNK))
         t0, _, col_base = coords
         dst_t = transposed(mDU[b, None, hv, None])  # (V, T)
@@ -378,7 +490,10 @@ class GdnBwdStateSm90:
         for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
             if c * CHUNK + col_base + t0[0, j][1] < seqlen:
                 for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
-                    g[r, j] = a[r, j]
+                    if const_expr(self.out16):  # element by element: no 16-bit copy held
+                        g[r, j] = a[r, j].to(self.dtype)
+                    else:
+                        g[r, j] = a[r, j]
 
     @cute.jit
     def _store_ds(self, acc_ds, mma_st, sS, w):
@@ -407,6 +522,16 @@ class GdnBwdStateSm90:
             if c * CHUNK + row_base + t0[r, 0][0] < seqlen:
                 for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
                     g[r, j] = a[r, j]
+
+    @cute.jit
+    def _store_state16(self, tDSrDS, thr_st, head, w):
+        """out16: value rows [64 w, 64 w + 64) of dS^T from the 16-bit A operand the next
+        product reads (`acc_to_operand_a`'s rounding of the accumulator) to `head` (K, V)
+        transposed: the global partition seen in the operand's register order."""
+        part = thr_st.partition_C(cute.local_tile(transposed(head), (ROWS, self.k), (w, 0)))
+        g = acc_as_operand_a(part)
+        for e in cutlass.range_constexpr(cute.size(g)):
+            g[e] = tDSrDS[e]
 
     @cute.jit
     def _state_io(

@@ -1,6 +1,7 @@
 """Chunked Gated DeltaNet forward (prefill), sm_90a. DSL-free declaration; the kernel is
 `chunked_fwd.py` (TMA + WGMMA, 64-token chunks, the state on chip; its warpgroups in
-`aux_wy.py`, `inverse.py`, `inverse_mma.py`, `state_wg.py`); the op is
+`aux_wy.py`, `inverse.py`, `inverse_mma.py`, `state_wg.py`; its `t_pre` form's aux in
+`aux_p.py`); `t_pre.py` precomputes T diag(beta) of every chunk for that form; the op is
 `forgekernel.ops.gated_delta_rule_chunked.gated_delta_rule`."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     HEAD_DIMS,
     V_SPLITS,
     params_for,
+    t_pre_params_for,
 )
 from forgekernel.runtime.spec import KernelSpec, Params
 
@@ -34,12 +36,45 @@ def _standard_params() -> list[Params]:
     ]
 
 
+def _compile_t_pre(params: Params, extra_options: str = ""):
+    from forgekernel.kernels.linear_attention.gdn_prefill.sm90.compile import compile_gdn_t_pre
+
+    return compile_gdn_t_pre(dict(params), "sm_90a", extra_options)
+
+
+def _t_pre_candidates() -> list[Params]:
+    """The chunked kernel's `t_pre` form (bench variant `t_pre`, not yet the launcher's
+    default): the suite's configurations (bf16, fla's state layout, no l2norm), state or not,
+    unsplit and split; and the same with next/gdn-tpre's state chain (`state_lds`, the bench's
+    A/B variant `t_pre_state_lds`)."""
+    suite = dict(k_last=False, l2norm=False, t_pre=True)
+    return [
+        params_for("bfloat16", initial_state=init, v_split=split, state_lds=lds, **suite)
+        for lds in (False, True)
+        for init in (False, True)
+        for split in V_SPLITS
+    ]
+
+
 SPEC = KernelSpec(
     name="gdn_prefill_sm90",
     arch="sm_90a",
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
+    candidate_params=_t_pre_candidates,
 )
 
-__all__ = ["SPEC", "params_for"]
+# T diag(beta) of every (chunk, value head) at once (`t_pre.py`), read by the t_pre form above.
+T_PRE_SPEC = KernelSpec(
+    name="gdn_t_pre_sm90",
+    arch="sm_90a",
+    directory=Path(__file__).parent,
+    compile=_compile_t_pre,
+    standard_params=lambda: [
+        t_pre_params_for(dtype, l2norm=l2) for dtype in DTYPES for l2 in (False, True)
+    ],
+)
+SPECS = (SPEC, T_PRE_SPEC)
+
+__all__ = ["SPEC", "SPECS", "T_PRE_SPEC", "params_for", "t_pre_params_for"]

@@ -144,10 +144,16 @@ class AuxWy:
             ss = self._sum_squares(sQ[None, None, stage], row)
             sNorm[row, 0, gs] = cute.math.rsqrt(ss + L2NORM_EPS, fastmath=True)
         else:
-            ss = self._sum_squares(sK[None, None, stage], row)
-            rk = cute.math.rsqrt(ss + L2NORM_EPS, fastmath=True)
-            sNorm[row, 1, gs] = rk
-            sNorm[row, 2, gs] = sG[row, gs] - cute.math.log2(rk, fastmath=True)
+            self._k_norm(sK[None, None, stage], row, sG, sNorm, gs)
+
+    @cute.jit
+    def _k_norm(self, tile, row, sG, sNorm, gs):
+        """sNorm[row, 1, gs] = rk = 1 / |k_row| and sNorm[row, 2, gs] = G2_row - log2 rk
+        (`_row_norm`; the T precompute's too)."""
+        ss = self._sum_squares(tile, row)
+        rk = cute.math.rsqrt(ss + L2NORM_EPS, fastmath=True)
+        sNorm[row, 1, gs] = rk
+        sNorm[row, 2, gs] = sG[row, gs] - cute.math.log2(rk, fastmath=True)
 
     @cute.jit
     def _sum_squares(self, tile, row) -> Float32:

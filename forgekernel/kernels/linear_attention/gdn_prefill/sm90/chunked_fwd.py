@@ -48,6 +48,19 @@ warps; 3 deep, so that the aux warpgroup loads and works up to two chunks ahead)
 the state warps), `gate` (gate warp -> aux), `aux` (aux -> state warpgroups; the aux takes its
 stage only to write P, T and the tables, after the inverse). Named barriers: `Bar`.
 
+The `t_pre` form (compile key t_pre; the launcher's `t_pre=True`, the bench's variant): T
+diag(beta) of every chunk comes from the precompute kernel (`t_pre.py`, one CTA per chunk and
+value head, all at once) through a T ring (warpgroup 0's warp 2 loads the (C, C) tile of slot
+bos // C + n + c by TMA; the state warpgroups wait for it just before U^T and release it once
+U^T is complete); the aux warpgroup (`aux_p.py`) forms only Q K^T, P and the tables (its loop
+644 SASS instructions against 1846, bf16), and the inverse's scratch is gone. Its state chain is
+shorter (state loop 754 -> 506 SASS instructions a warp, bf16): V^T by transposed ldmatrix,
+the thread-dependent views hoisted, and O handed by an mbarrier ring (full: the state
+warpgroup's 128 threads after stmatrix and a proxy fence; empty: the O warp's 32 lanes once
+read) to warpgroup 0's warp 3 (`roles.O_WARP`), which stores whole chunks by one TMA box and
+the tail chunk's rows by 16-byte copies. Key field state_lds keeps next/gdn-tpre's state chain
+(the bench's A/B, `t_pre_state_lds`).
+
 Ragged edges: a chunk that runs past its sequence loads the next sequence's rows (or TMA's
 zero fill past T): their g and beta are 0 (so G2 is flat and those rows of L, T - I and U
 vanish, and their columns are above every valid row's diagonal), and their O rows are not
@@ -79,6 +92,7 @@ from forgekernel.kernels.common.sm90.pipeline import (
     smem_tensor,
     tma_pipeline,
 )
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.aux_p import AuxP
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.aux_wy import AuxWy
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     AUX_REGS,
@@ -87,18 +101,26 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     PRODUCER_REGS,
     QK_STAGES,
     ROWS_PER_STATE_WG,
+    SCRATCH_STUB,
     STAGES,
     STATE_REGS,
     V_STAGES,
     W_STRIDE,
     X_STRIDE,
     aux_wgs,
+    first_slot,
+    o_ring_barriers,
     state_wgs,
     threads,
 )
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.gates import chunk_gates
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import (
     GATE_WARP,
+    O_EMPTY_ARRIVALS,
+    O_FULL_ARRIVALS,
+    O_WARP,
     PRODUCER_WARP,
+    T_WARP,
     gate_warp_witnesses_qk,
     qk_consumer_warps,
     v_consumer_warps,
@@ -118,11 +140,16 @@ def _async_ring(barriers, producers: int, consumers: int) -> pipeline.PipelineAs
     )
 
 
-class GdnChunkedFwdSm90(AuxWy, StateWg):
-    """Warp-specialized chunked Gated DeltaNet forward; see the module docstring."""
+class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
+    """Warp-specialized chunked Gated DeltaNet forward; see the module docstring. t_pre: the
+    form that reads T diag(beta) of every chunk from the precompute (`t_pre.py`): warp T_WARP
+    of warpgroup 0 loads it by TMA into the T ring (the state warpgroups wait for it at U^T and
+    release it after), the aux warpgroup forms only P and the tables (`aux_p.py`); the inverse's
+    scratch fields shrink to stubs (their views unused)."""
 
     def __init__(
         self, k: int, v: int, *, k_last: bool, l2norm: bool, initial_state: bool, v_split: int = 1,
+        t_pre: bool = False, state_lds: bool = False,
     ):  # fmt: skip
         if (k, v) != (128, 128):
             raise ValueError(f"(K, V) must be (128, 128), got {(k, v)}")
@@ -131,6 +158,8 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
         self.l2norm = l2norm
         self.initial_state = initial_state
         self.v_split = v_split
+        self.t_pre = t_pre
+        self.o_warp = t_pre and not state_lds  # O by warp O_WARP's TMA stores, V^T by ldmatrix
         self.state_wgs = state_wgs(v, v_split)
         self.aux_wgs = aux_wgs(v_split)
         self.v_cols = self.state_wgs * ROWS_PER_STATE_WG  # value columns of one CTA
@@ -182,10 +211,12 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
         mO: cute.Tensor,
         mFinal: cute.Tensor,
         scale: Float32,
+        mTpre: cute.Tensor | None,
         stream: cuda.CUstream,
     ):
         """mQ, mK (T, H, K); mV, mO (T, HV, V); mG, mBeta fp32 (T, HV); mCu int32 (N + 1,);
-        mInit (or None) and mFinal fp32 (N, HV, K, V), or (N, HV, V, K) with k_last."""
+        mInit (or None) and mFinal fp32 (N, HV, K, V), or (N, HV, V, K) with k_last; mTpre
+        (t_pre only, else None): T diag(beta) (slots x C, HV, C) in q's dtype (`t_pre.py`)."""
         self.dtype = mQ.element_type
         for t in (mK, mV, mO):
             if const_expr(t.element_type != self.dtype):
@@ -200,6 +231,24 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV4, sV_tile, (CHUNK, self.v_cols))
         self.qk_bytes = 2 * cute.size_in_bytes(self.dtype, sQK_tile)
         self.v_bytes = cute.size_in_bytes(self.dtype, sV_tile)
+        tma_t, tma_mT, tma_o, mO4 = None, None, None, None
+        w_words = self.aux_wgs * CHUNK * W_STRIDE
+        x_words = self.aux_wgs * 2 * BLOCK * X_STRIDE
+        t_barriers = 0
+        o_barriers = 0
+        if const_expr(self.t_pre):
+            sT_tile = cute.slice_(self.sPT_layout, (None, None, 0))
+            tma_t, tma_mT = cpasync.make_tiled_tma_atom(g2s, packed_as_sdhb(mTpre), sT_tile,
+                                                        (CHUNK, CHUNK))  # fmt: skip
+            self.t_bytes = cute.size_in_bytes(self.dtype, sT_tile)
+            w_words = x_words = SCRATCH_STUB  # no inverse here
+            t_barriers = 2 * STAGES
+        if const_expr(self.o_warp):
+            sO_tile = cute.slice_(self.sO_layout, (None, None, 0))
+            tma_o, mO4 = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(),
+                                                     packed_as_sdhb(mO), sO_tile,
+                                                     (CHUNK, ROWS_PER_STATE_WG))  # fmt: skip
+            o_barriers = o_ring_barriers(self.state_wgs)
 
         @cute.struct
         class SharedStorage:
@@ -211,12 +260,8 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
             sBeta: cute.struct.Align[cute.struct.MemRange[Float32, STAGES * CHUNK], 16]
             sTab: cute.struct.Align[cute.struct.MemRange[Float32, STAGES * 4 * CHUNK], 16]
             sNorm: cute.struct.Align[cute.struct.MemRange[Float32, STAGES * 3 * CHUNK], 16]
-            sW: cute.struct.Align[
-                cute.struct.MemRange[Float32, self.aux_wgs * CHUNK * W_STRIDE], 16
-            ]
-            sX: cute.struct.Align[
-                cute.struct.MemRange[Float32, self.aux_wgs * 2 * BLOCK * X_STRIDE], 16
-            ]
+            sW: cute.struct.Align[cute.struct.MemRange[Float32, w_words], 16]
+            sX: cute.struct.Align[cute.struct.MemRange[Float32, x_words], 16]
             sQ: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(self.sQK_layout)], 1024
             ]
@@ -235,6 +280,8 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
             sO: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(self.sO_layout)], 1024
             ]
+            t_ring: cute.struct.MemRange[cutlass.Int64, t_barriers]  # t_pre: the T ring's
+            o_ring: cute.struct.MemRange[cutlass.Int64, o_barriers]  # t_pre: O full, empty
 
         self.shared_storage = SharedStorage
         self.kernel(
@@ -258,6 +305,10 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
             self.sV_layout,
             self.sPT_layout,
             self.sO_layout,
+            tma_t,
+            tma_mT,
+            tma_o,
+            mO4,
         ).launch(  # fmt: skip
             grid=(mV.shape[1] * self.v_split, mCu.shape[0] - 1, 1),
             block=[self.threads, 1, 1],
@@ -289,12 +340,20 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
         sV_layout: cute.ComposedLayout,
         sPT_layout: cute.ComposedLayout,
         sO_layout: cute.ComposedLayout,
+        tma_t: cute.CopyAtom | None,
+        mT4: cute.Tensor | None,
+        tma_o: cute.CopyAtom | None,
+        mO4: cute.Tensor | None,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == PRODUCER_WARP:
             for atom in (tma_q, tma_k, tma_v):
                 cpasync.prefetch_descriptor(atom)
+            if const_expr(self.t_pre):
+                cpasync.prefetch_descriptor(tma_t)
+            if const_expr(self.o_warp):
+                cpasync.prefetch_descriptor(tma_o)
         storage = SmemAllocator().allocate(self.shared_storage)
         wgs = self.state_wgs
         qk_pipe = tma_pipeline(
@@ -303,6 +362,18 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
         v_pipe = tma_pipeline(storage.v_barriers, V_STAGES, self.v_bytes, v_consumer_warps(wgs))
         gate_pipe = _async_ring(storage.gate_barriers, WARP_SIZE, THREADS_PER_WG)
         aux_pipe = _async_ring(storage.aux_barriers, THREADS_PER_WG, wgs * THREADS_PER_WG)
+        t_pipe, o_ring = None, None
+        if const_expr(self.t_pre):
+            t_pipe = tma_pipeline(storage.t_ring, STAGES, self.t_bytes, v_consumer_warps(wgs))
+        if const_expr(self.o_warp):
+            o_full = storage.o_ring.data_ptr()
+            o_ring = (o_full, o_full + 2 * wgs)  # full[2 w + c % 2], empty[..]
+            if warp_idx == 0:
+                with cute.arch.elect_one():
+                    for i in cutlass.range_constexpr(2 * wgs):
+                        cute.arch.mbarrier_init(o_ring[0] + i, O_FULL_ARRIVALS)
+                    for i in cutlass.range_constexpr(2 * wgs):
+                        cute.arch.mbarrier_init(o_ring[1] + i, O_EMPTY_ARRIVALS)
         init_arrive()
         sQ = smem_tensor(storage.sQ, sQK_layout)
         sK = smem_tensor(storage.sK, sQK_layout)
@@ -335,6 +406,12 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
                 )  # fmt: skip
             elif warp_idx == GATE_WARP:
                 self._gates(mG, mBeta, sG, sBeta, gate_pipe, qk_pipe, hv, bos, seqlen, nchunks)
+            if const_expr(self.t_pre):
+                if warp_idx == T_WARP:
+                    self._produce_t(tma_t, mT4, sT, t_pipe, hv, first_slot(bos, n), nchunks)
+            if const_expr(self.o_warp):
+                if warp_idx == O_WARP:
+                    self._drain_o(tma_o, mO4, mO, sO, o_ring, hv, part, bos, seqlen, nchunks)
         elif wg == 1 if const_expr(self.aux_wgs == 1) else wg <= self.aux_wgs:
             cute.arch.setmaxregister_decrease(AUX_REGS)
             a = 0  # aux warpgroup a takes chunks a, a + aux_wgs, ...
@@ -343,17 +420,23 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
                 a = wg - 1
                 sW_a = cute.make_tensor(sW.iterator + a * (CHUNK * W_STRIDE), sW.layout)
                 sX_a = cute.make_tensor(sX.iterator + a * (2 * BLOCK * X_STRIDE), sX.layout)
-            self._aux(
-                mma_aux, sQ, sK, sP, sT, sG, sBeta, sTab, sNorm, sW_a, sX_a,
-                qk_pipe, gate_pipe, aux_pipe, scale, nchunks, a,
-            )  # fmt: skip
+            if const_expr(self.t_pre):
+                self._aux_p(
+                    mma_aux, sQ, sK, sP, sG, sBeta, sTab, sNorm, qk_pipe, gate_pipe, aux_pipe,
+                    scale, nchunks, a,
+                )  # fmt: skip
+            else:
+                self._aux(
+                    mma_aux, sQ, sK, sP, sT, sG, sBeta, sTab, sNorm, sW_a, sX_a,
+                    qk_pipe, gate_pipe, aux_pipe, scale, nchunks, a,
+                )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(STATE_REGS)
             first = 1 + self.aux_wgs  # the first state warpgroup
             self._state(
                 wg - first, tidx - (wg * THREADS_PER_WG), mma_ks, mma_st, sQ, sK, sV, sP, sT,
                 sTab, sO, mInit, mFinal, mO, qk_pipe, v_pipe, aux_pipe, hv, part, n, bos,
-                seqlen, nchunks,
+                seqlen, nchunks, t_pipe, o_ring,
             )  # fmt: skip
 
     # ---------------------------------------------------------------- producer warps
@@ -392,6 +475,22 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
             vs.advance()
 
     @cute.jit
+    def _produce_t(self, tma_t, mT4, sT, t_pipe, hv, slot0, nchunks):
+        """t_pre: per chunk c the (C, C) T diag(beta) tile of slot slot0 + c, head hv, into the T
+        ring: warp T_WARP's own loop (in the producer warp's, its waits for the state
+        warpgroups' releases would hold back the q / k / v loads they wait for)."""
+        g = cute.local_tile(mT4[None, None, hv, 0], (CHUNK, CHUNK), (None, 0))
+        ts, tg = cpasync.tma_partition(
+            tma_t, 0, cute.make_layout(1), cute.group_modes(sT, 0, 2), cute.group_modes(g, 0, 2)
+        )
+        st = producer_state(STAGES)
+        for c in cutlass.range(nchunks, unroll=1):
+            t_pipe.producer_acquire(st)
+            cute.copy(tma_t, tg[(None, slot0 + c)], ts[(None, st.index)],
+                      tma_bar_ptr=t_pipe.producer_get_barrier(st))  # fmt: skip
+            st.advance()
+
+    @cute.jit
     def _gates(self, mG, mBeta, sG, sBeta, gate_pipe, qk_pipe, hv, bos, seqlen, nchunks):
         """Per chunk: lane l takes tokens 2 l and 2 l + 1; g and beta (0 past the sequence), the
         inclusive cumulative sum of g over the chunk by a warp scan, times log2(e). With two
@@ -401,20 +500,7 @@ class GdnChunkedFwdSm90(AuxWy, StateWg):
         st = producer_state(STAGES)
         ld = consumer_state(QK_STAGES)
         for c in cutlass.range(nchunks, unroll=1):
-            t0 = c * CHUNK + 2 * lane
-            vals = []
-            for e in cutlass.range_constexpr(2):
-                t = cutlass.min(t0 + e, seqlen - 1)  # in bounds; masked below
-                inside = t0 + e < seqlen
-                g = cutlass.select_(inside, Float32(mG[bos + t, hv]), Float32(0.0))
-                b = cutlass.select_(inside, Float32(mBeta[bos + t, hv]), Float32(0.0))
-                vals.append((g, b))
-            pair = vals[0][0] + vals[1][0]
-            incl = pair
-            for i in cutlass.range_constexpr(5):
-                up = cute.arch.shuffle_sync_up(incl, 1 << i)
-                incl = cutlass.select_(lane >= (1 << i), incl + up, incl)
-            before = incl - pair
+            before, incl, vals = chunk_gates(mG, mBeta, hv, bos, seqlen, c, lane)
             gate_pipe.producer_acquire(st)
             sG[2 * lane, st.index] = (before + vals[0][0]) * LOG2E
             sG[2 * lane + 1, st.index] = incl * LOG2E

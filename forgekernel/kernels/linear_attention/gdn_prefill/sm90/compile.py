@@ -12,12 +12,15 @@ from cutlass.cute.runtime import make_fake_tensor
 
 from forgekernel.kernels.common.sm90 import fake
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.chunked_fwd import GdnChunkedFwdSm90
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import CHUNK
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.t_pre import GdnTPreSm90
 
 
 def kernel_for(params: dict) -> GdnChunkedFwdSm90:
     return GdnChunkedFwdSm90(
         params["k"], params["v"], k_last=params["k_last"], l2norm=params["l2norm"],
         initial_state=params["initial_state"], v_split=params.get("v_split", 1),
+        t_pre=params.get("t_pre", False), state_lds=params.get("state_lds", False),
     )  # fmt: skip
 
 
@@ -46,6 +49,30 @@ def compile_gdn_prefill(params: dict, arch: str = "sm_90a", extra_options: str =
         fake.rowmajor(dtype, (t, hv, vd)),
         fake.rowmajor(f32, state_shape, divisibility=4),
         cutlass.Float32(1.0),
+        fake.rowmajor(dtype, (cute.sym_int32(), hv, CHUNK)) if params.get("t_pre") else None,
+        fake.stream(),
+        options=fake.options(arch, extra_options),
+    )
+
+
+def compile_gdn_t_pre(params: dict, arch: str = "sm_90a", extra_options: str = "", kernel=None):
+    """The T precompute (`t_pre.py`): T, H, HV, N, the slot rows and every outer stride
+    dynamic; the k dtype, K and l2norm baked in. kernel: a `GdnTPreSm90` to compile, or None."""
+    dtype = fake.dtype_of(params["dtype"])
+    t, h, hv, rows = (cute.sym_int32() for _ in range(4))
+    kernel = GdnTPreSm90(params["k"], l2norm=params["l2norm"]) if kernel is None else kernel
+
+    def gates():
+        return make_fake_tensor(cutlass.Float32, (t, hv), stride=(cute.sym_int64(), 1),
+                                assumed_align=4)  # fmt: skip
+
+    return cute.compile(
+        kernel,
+        fake.rowmajor(dtype, (t, h, params["k"])),
+        gates(),
+        gates(),
+        fake.offsets(),
+        fake.rowmajor(dtype, (rows, hv, CHUNK)),
         fake.stream(),
         options=fake.options(arch, extra_options),
     )

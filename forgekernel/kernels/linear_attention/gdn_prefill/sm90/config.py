@@ -73,17 +73,54 @@ W_STRIDE = CHUNK + 8  # fp32 words per row of the inverse's scratch (8-byte stor
 X_STRIDE = 2 * BLOCK + 8  # the 32 x 32 scratch of the 32 -> 64 merge
 
 
-def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2, v_split: int = 1) -> int:
-    """Shared memory of one CTA (the kernel's SharedStorage, alignment padding included)."""
+def smem_bytes(
+    k: int = 128, v: int = 128, elem_bytes: int = 2, v_split: int = 1, t_pre: bool = False
+) -> int:
+    """Shared memory of one CTA (the kernel's SharedStorage, alignment padding included).
+    t_pre: the form reading T diag(beta) (`t_pre.py`): no inverse scratch, a T ring's barriers."""
     wgs = state_wgs(v, v_split)
     v_cols = wgs * ROWS_PER_STATE_WG  # the CTA's value columns
     tiles = CHUNK * (QK_STAGES * 2 * k + V_STAGES * v_cols) * elem_bytes  # q, k, v rings
     aux = 2 * STAGES * CHUNK * CHUNK * elem_bytes  # P and T diag(beta) rings
     out = wgs * 2 * CHUNK * ROWS_PER_STATE_WG * elem_bytes  # O tiles, double-buffered
     scratch = aux_wgs(v_split) * (CHUNK * W_STRIDE + 2 * BLOCK * X_STRIDE) * 4
+    if t_pre:
+        scratch = 2 * SCRATCH_STUB * 4
     tables = (2 * STAGES * CHUNK + STAGES * 4 * CHUNK + STAGES * 3 * CHUNK) * 4
-    barriers = 2 * (QK_STAGES + V_STAGES + 2 * STAGES) * 8
+    barriers = 2 * (QK_STAGES + V_STAGES + (3 if t_pre else 2) * STAGES) * 8
+    if t_pre:
+        barriers += o_ring_barriers(wgs) * 8
     return tiles + aux + out + scratch + tables + barriers + 1024 * 4
+
+
+# T precomputed (`t_pre.py`, the chunked kernel's `t_pre` form): T diag(beta) of every (chunk,
+# value head) in a 16-bit buffer (slots x C, HV, C), chunk c of sequence n at slot
+# bos_n // C + n + c. Slots never overlap (floor(b / C) + ceil(l / C) <= floor((b + l) / C) + 1)
+# and need no table: both kernels compute them from cu_seqlens; T // C + N slots in all, the
+# ones between sequences unwritten and unread.
+SCRATCH_STUB = 4  # fp32 words of the t_pre form's unused inverse scratch fields
+
+
+def o_ring_barriers(wgs: int) -> int:
+    """The t_pre form's O hand-off (state warpgroup -> the O store warp): a full and an empty
+    mbarrier for each of a state warpgroup's two O tiles."""
+    return 2 * 2 * wgs
+
+
+def first_slot(bos, n):
+    """T's slot of chunk 0 of sequence n starting at token bos (ints or DSL integers)."""
+    return bos // CHUNK + n
+
+
+def t_slots(tokens: int, sequences: int) -> int:
+    """Slots of the T buffer: T // C + N."""
+    return tokens // CHUNK + sequences
+
+
+def t_pre_params_for(dtype: str, k: int = 128, *, l2norm: bool = False) -> tuple:
+    """The T precompute's compile key: the k dtype, K, and whether k is l2-normalized in the
+    kernel (rk_i rk_j folded into L, as the chunked kernel's aux does)."""
+    return tuple(sorted({"dtype": dtype, "k": k, "l2norm": l2norm}.items()))
 
 
 def params_for(
@@ -94,16 +131,28 @@ def params_for(
     l2norm: bool = False,
     initial_state: bool = False,
     v_split: int = 1,
+    t_pre: bool = False,
+    state_lds: bool = False,
 ) -> tuple:
     """Compile key: the q / k / v dtype, (K, V), the state's layout (k_last: (N, HV, V, K),
     FlashInfer's; else (N, HV, K, V), fla's), the q / k l2norm in the kernel, whether an
     initial state is read (without one every sequence starts from zero), and the V split
     (CTAs per sequence and head, `v_split_for`). The final state is always written: 64 KB per
     (sequence, head), against the 64 KB per 128 tokens the inputs read, it is not worth a
-    variant."""
+    variant. t_pre: the form that reads T diag(beta) from the precompute (`t_pre.py`) instead
+    of forming it in the aux warpgroup; named in the key only when on (the standard keys, and
+    so their cache entries, unchanged). state_lds (t_pre only): the state chain of next/gdn-tpre
+    (V^T by 16-bit loads, O stored by the state warps), kept as the bench's A/B of the t_pre
+    form's O warp and ldmatrix V^T; named only when on."""
     if v_split not in V_SPLITS:
         raise ValueError(f"v_split must be one of {V_SPLITS}, got {v_split}")
+    if state_lds and not t_pre:
+        raise ValueError("state_lds is a form of t_pre (the standard form has no O warp)")
     k, v = head_dims
     key = {"dtype": dtype, "k": k, "v": v, "k_last": k_last, "l2norm": l2norm,
            "initial_state": initial_state, "v_split": v_split}  # fmt: skip
+    if t_pre:
+        key["t_pre"] = True
+        if state_lds:
+            key["state_lds"] = True
     return tuple(sorted(key.items()))

@@ -14,6 +14,11 @@ accumulator for the whole sequence, b = `config.value_row_block(part, w, state w
 
 then O^T -> 16 bits -> transposed stmatrix into this warpgroup's O tile (token-major, two
 alternating) -> the rows inside the sequence to global memory, 16 bytes a thread and copy.
+The `t_pre` form (`o_warp`: its key without state_lds) reads V^T by transposed ldmatrix and
+hands the O tile to warpgroup 0's O warp through an mbarrier pair a tile (`_hand_o`,
+`_drain_o`: a TMA store a whole chunk), its thread-dependent views hoisted out of the loop.
+Both t_pre forms (the T ring's) release the v stage after U^T, once every V^T load has been
+read, not after the corrections (NOTES, "t_pre failed on the H100").
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, const_expr
+from cutlass.cute.nvgpu import cpasync
 
 from forgekernel.kernels.common.sm90 import softmax
-from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG
+from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG, WARP_SIZE
 from forgekernel.kernels.common.sm90.layout import acc_to_operand_a, rows_cols, transposed
 from forgekernel.kernels.common.sm90.mma import gemm
 from forgekernel.kernels.common.sm90.pipeline import consumer_state
@@ -49,8 +55,12 @@ class StateWg:
     @cute.jit
     def _state(
         self, w, stid, mma_ks, mma_st, sQ, sK, sV, sP, sT, sTab, sO, mInit, mFinal, mO,
-        qk_pipe, v_pipe, aux_pipe, hv, part, n, bos, seqlen, nchunks,
+        qk_pipe, v_pipe, aux_pipe, hv, part, n, bos, seqlen, nchunks, t_pipe=None, o_ring=None,
     ):  # fmt: skip
+        """t_pipe: the T ring of the `t_pre` form (T diag(beta) loaded by TMA: waited for just
+        before U^T, released once U^T is complete), or None (T from the aux ring's stage).
+        o_ring: the `t_pre` form's O hand-off, (full, empty) mbarrier pointers (`_hand_o`), or
+        None (the rows stored by this warpgroup, `_store_o`)."""
         blk = value_row_block(part, w, self.state_wgs)  # this warpgroup's 64 rows of S^T
         thr_st = mma_st.get_slice(stid)
         acc_st = cute.make_rmem_tensor(thr_st.partition_shape_C((ROWS, self.k)), Float32)
@@ -60,7 +70,10 @@ class StateWg:
             acc_st.fill(0.0)
         # Operand descriptors are warpgroup-uniform; thread-dependent views (V^T and stmatrix
         # addresses, coordinates) are rebuilt each chunk from a threadIdx the compiler may not
-        # hoist (hoisted, they are live registers across the loop: spills at 192).
+        # hoist (hoisted, they are live registers across the loop: spills at 192). The t_pre
+        # form (o_warp) hoists them: without the O rows' global addresses they fit (0 spills at 192;
+        # its state loop 562 -> 506 SASS instructions, bf16). More registers for the state
+        # (aux 80, state 200) bought 3 instructions more: the split stays 24 / 104 / 192.
         wg_ks = mma_ks.get_slice(0)
         wg_st = mma_st.get_slice(0)
         acc_shape = wg_ks.partition_shape_C((ROWS, CHUNK))
@@ -78,6 +91,7 @@ class StateWg:
         ld = consumer_state(QK_STAGES)
         vs = consumer_state(V_STAGES)
         ax = consumer_state(STAGES)
+        ts = consumer_state(STAGES) if const_expr(t_pipe is not None) else None
         for c in cutlass.range(nchunks, unroll=1):
             acc_x = cute.make_rmem_tensor(acc_shape, Float32)
             acc_o = cute.make_rmem_tensor(acc_shape, Float32)
@@ -89,15 +103,29 @@ class StateWg:
             aux_pipe.consumer_wait(ax)
             v_pipe.consumer_wait(vs)
             cute.nvgpu.warpgroup.wait_group(0)
-            tid = opaque_tid_x() % THREADS_PER_WG
+            tid = stid
+            if const_expr(not self.o_warp):
+                tid = opaque_tid_x() % THREADS_PER_WG
             coords = softmax.acc_coords(mma_ks, tid, (ROWS, CHUNK))
             vt = cute.local_tile(sVt[None, None, vs.index], (ROWS, CHUNK), (w, 0))
-            r_v = cute.make_rmem_tensor(acc_shape, Float32)
-            r_v.store(mma_ks.get_slice(tid).partition_C(vt).load().to(Float32))
+            r_v = self._load_vt(mma_ks, vt, tid, acc_shape, self.o_warp)
             self._correct(acc_x, acc_o, r_v, coords, sTab, ax.index)
-            v_pipe.consumer_release(vs)  # v consumed: its stage may load chunk c + 2
+            if const_expr(t_pipe is None):
+                v_pipe.consumer_release(vs)  # v consumed: its stage may load chunk c + 2
             acc_to_operand_a(acc_x, tXrX)
-            gemm(mma_ks, acc_u, tXrX, tBrT[None, None, None, ax.index], True, 0)
+            if const_expr(t_pipe is None):
+                gemm(mma_ks, acc_u, tXrX, tBrT[None, None, None, ax.index], True, 0)
+            else:
+                t_pipe.consumer_wait(ts)
+                gemm(mma_ks, acc_u, tXrX, tBrT[None, None, None, ts.index], True, 0)
+                t_pipe.consumer_release(ts)
+                # v released once U^T, built from V^T, has completed: released after _correct,
+                # ptxas hoisted the arrive over the T ring's wait to right behind the V^T loads
+                # (3 of 4 LDSM, or 3 of 32 LDS.U16 with state_lds, still in flight), leaving
+                # their reads' order against the producer's next box into the stage to the
+                # hardware (NOTES, "t_pre failed on the H100"; the standard form reads them all
+                # first). The stage is needed again two chunks on.
+                v_pipe.consumer_release(vs)
             acc_to_operand_a(acc_u, tUrU)
             gemm(mma_ks, acc_o, tUrU, tBrP[None, None, None, ax.index], False, -1)
             self._scale_by_table(acc_u, coords, sTab, 2, ax.index)
@@ -106,11 +134,37 @@ class StateWg:
             gemm(mma_st, acc_st, tUrUd, tBrKt[None, None, None, ld.index], False, 0)
             qk_pipe.consumer_release(ld)
             aux_pipe.consumer_release(ax)
-            self._store_o(acc_o, mma_ks, sO, mO, out_bar, w, blk, tid, hv, bos, c, seqlen)
+            if const_expr(o_ring is None):
+                self._store_o(acc_o, mma_ks, sO, mO, out_bar, w, blk, tid, hv, bos, c, seqlen)
+            else:
+                self._hand_o(acc_o, mma_ks, sO, o_ring, w, tid, c)
             ld.advance()
             vs.advance()
             ax.advance()
+            if const_expr(t_pipe is not None):
+                ts.advance()
         self._state_io(mFinal, acc_st, thr_st, n, hv, blk, False)
+
+    @cute.jit
+    def _load_vt(self, mma_ks, vt, tid, acc_shape, ldsm: cutlass.Constexpr[bool]):
+        """This warpgroup's V^T (64 value rows, C tokens) in the accumulator layout, fp32.
+        ldsm (the `t_pre` form's, `o_warp`): 4 transposed ldmatrix a thread (the v tile is
+        token-major, so the accumulator's column pairs are two tokens: 16-bit loads by element
+        otherwise, 32 LDS.U16 a thread and their addresses, ~150 cycles of a state warp's chain
+        a chunk by scripts/sass_warp_model.py); the same values either way."""
+        r_v = cute.make_rmem_tensor(acc_shape, Float32)
+        if const_expr(ldsm):
+            s2r = cute.make_tiled_copy_C(
+                cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(True, 4), self.dtype),
+                mma_ks,
+            )
+            thr = s2r.get_slice(tid)
+            r_v16 = cute.make_rmem_tensor(acc_shape, self.dtype)
+            cute.copy(s2r, thr.partition_S(vt), thr.retile(r_v16))
+            r_v.store(r_v16.load().to(Float32))
+        else:
+            r_v.store(mma_ks.get_slice(tid).partition_C(vt).load().to(Float32))
+        return r_v
 
     @cute.jit
     def _correct(self, acc_x, acc_o, r_v, coords, sTab, s):
@@ -152,16 +206,86 @@ class StateWg:
         cute.copy(r2s, thr_r2s.retile(r_o), thr_r2s.partition_D(transposed(sO[None, None, buf])))
         out_bar.arrive_and_wait()
         valid = cutlass.min(seqlen - c * CHUNK, CHUNK)
-        tile = sO[None, None, buf]
+        self._copy_o_rows(sO[None, None, buf], mO, stid, THREADS_PER_WG, valid, hv,
+                          bos + c * CHUNK, blk)  # fmt: skip
+
+    @cute.jit
+    def _hand_o(self, acc_o, mma_ks, sO, o_ring, w, stid, c):
+        """t_pre: O^T -> 16 bits -> this warpgroup's O tile c % 2 (as `_store_o`), handed to the
+        O warp (`_drain_o`) by an mbarrier: no named barrier, no LDS / STG and no global
+        addresses on the state chain (~0.5 k cycles of a state warp's ~1.7 k a chunk alone, by
+        scripts/sass_warp_model.py). The tile's previous use (chunk c - 2) is waited for
+        first: its empty phase completes once the O warp has read it."""
+        full, empty = o_ring
+        buf = 2 * w + c % 2
+        cute.arch.mbarrier_wait(empty + buf, (c // 2) % 2 ^ 1)
+        r_o = cute.make_rmem_tensor(acc_o.shape, self.dtype)
+        r_o.store(acc_o.load().to(self.dtype))
+        r2s = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(True, 4), self.dtype), mma_ks
+        )
+        thr_r2s = r2s.get_slice(stid)
+        cute.copy(r2s, thr_r2s.retile(r_o), thr_r2s.partition_D(transposed(sO[None, None, buf])))
+        cute.arch.fence_proxy("async.shared", space="cta")  # the TMA store reads it
+        cute.arch.mbarrier_arrive(full + buf)
+
+    @cute.jit
+    def _drain_o(self, tma_o, mO4, mO, sO, o_ring, hv, part, bos, seqlen, nchunks):
+        """t_pre, warp O_WARP: per chunk and state warpgroup, its O tile -> global memory. A
+        whole chunk by one TMA store (64 tokens x 64 value columns); the tail chunk by the
+        warp's 16-byte copies of the rows inside the sequence (a box would write the next
+        sequence's rows, which another CTA owns). The tile is released once read."""
+        full, empty = o_ring
+        lane = cute.arch.lane_idx()
+        one = cute.make_layout(1)
+        g = cute.local_tile(
+            cute.domain_offset((bos, 0), mO4[None, None, hv, 0]), (CHUNK, ROWS), (None, None)
+        )
+        ts, tg = cpasync.tma_partition(
+            tma_o, 0, one, cute.group_modes(sO, 0, 2), cute.group_modes(g, 0, 2)
+        )
+        for c in cutlass.range(nchunks, unroll=1):
+            valid = cutlass.min(seqlen - c * CHUNK, CHUNK)
+            for w in cutlass.range_constexpr(self.state_wgs):
+                buf = 2 * w + c % 2
+                blk = value_row_block(part, w, self.state_wgs)
+                cute.arch.mbarrier_wait(full + buf, (c // 2) % 2)
+                if valid == CHUNK:
+                    if lane == 0:  # one thread (the DSL elects none for a TMA store)
+                        cute.copy(tma_o, ts[(None, buf)], tg[(None, c, blk)])
+                        cute.arch.cp_async_bulk_commit_group()
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                else:
+                    self._copy_o_rows(sO[None, None, buf], mO, lane, WARP_SIZE, valid, hv,
+                                      bos + c * CHUNK, blk, True)  # fmt: skip
+                cute.arch.mbarrier_arrive(empty + buf)  # lane 0's only after its read wait
+        if lane == 0:
+            cute.arch.cp_async_bulk_wait_group(0)
+
+    @cute.jit
+    def _copy_o_rows(self, tile, mO, tid, nthreads: cutlass.Constexpr[int], valid, hv, row0,
+                     blk, rolled: cutlass.Constexpr[bool] = False):  # fmt: skip
+        """Rows < valid of an O tile to o rows row0 .., value columns 64 blk ..: 16 bytes a
+        thread and copy, `nthreads` threads. rolled: a loop, not unrolled (the O warp's 24
+        registers: unrolled, its 16 rows' addresses are hoisted and spill)."""
+        steps = CHUNK * (ROWS // VEC) // nthreads
+        if const_expr(rolled):
+            for k in cutlass.range(steps, unroll=1):
+                self._copy_o_row(tile, mO, tid, nthreads, k, valid, hv, row0, blk)
+        else:
+            for k in cutlass.range_constexpr(steps):
+                self._copy_o_row(tile, mO, tid, nthreads, k, valid, hv, row0, blk)
+
+    @cute.jit
+    def _copy_o_row(self, tile, mO, tid, nthreads: cutlass.Constexpr[int], k, valid, hv, row0,
+                    blk):  # fmt: skip
         per_row = ROWS // VEC
-        for k in cutlass.range_constexpr(CHUNK * per_row // THREADS_PER_WG):
-            row = stid // per_row + k * (THREADS_PER_WG // per_row)
-            col = stid % per_row
-            if row < valid:
-                src = cute.local_tile(tile[row, None], (VEC,), (col,))
-                dst_row = mO[bos + c * CHUNK + row, hv, None]
-                dst = cute.local_tile(dst_row, (VEC,), (blk * per_row + col,))
-                dst.store(src.load())
+        row = tid // per_row + k * (nthreads // per_row)
+        col = tid % per_row
+        if row < valid:
+            src = cute.local_tile(tile[row, None], (VEC,), (col,))
+            dst = cute.local_tile(mO[row0 + row, hv, None], (VEC,), (blk * per_row + col,))
+            dst.store(src.load())
 
     @cute.jit
     def _state_io(self, mS, acc_st, thr_st, n, hv, blk, load: cutlass.Constexpr[bool]):

@@ -15,7 +15,8 @@ from forgekernel.kernels.linear_attention.kda_prefill.sm90.recurrence import Kda
 
 def kernel_for(params: dict) -> KdaRecurrenceSm90:
     return KdaRecurrenceSm90(params["k"], params["v"], initial_state=params["initial_state"],
-                             value_split=params["value_split"])  # fmt: skip
+                             value_split=params["value_split"],
+                             warmup=params.get("warmup", False))  # fmt: skip
 
 
 def compile_kda_recurrence(params: dict, arch: str = "sm_90a", extra_options: str = "",
@@ -42,6 +43,7 @@ def compile_kda_recurrence(params: dict, arch: str = "sm_90a", extra_options: st
         fake.offsets(),
         fake.rowmajor(io, (t, hv, vd)),
         fake.rowmajor(f32, (n, hv, kd, vd), divisibility=4),
+        fake.offsets() if params.get("warmup", False) else None,
         fake.stream(),
         options=fake.options(arch, extra_options),
     )

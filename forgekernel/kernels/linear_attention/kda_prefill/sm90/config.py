@@ -50,12 +50,17 @@ def params_for(
     *,
     initial_state: bool = False,
     value_split: bool = False,
+    warmup: bool = False,
 ) -> tuple:
     """Compile key: the q / v / o dtype (the chunk operands are bf16), (K, V), whether an
     initial state is read (fla's (N, HV, K, V) layout; without one every sequence starts from
     zero), and value_split (two CTAs per (sequence, head), one state warpgroup each: chosen
-    where sequences x heads leave SMs idle). The final state is always written."""
+    where sequences x heads leave SMs idle). The final state is always written. warmup
+    (opt-in, named in the key only when on): sequence n walks mWarm[n] chunks before its first
+    stored row (`launch._pieces`)."""
     k, v = head_dims
     key = {"dtype": dtype, "k": k, "v": v, "initial_state": initial_state,
            "value_split": value_split}  # fmt: skip
+    if warmup:
+        key["warmup"] = True
     return tuple(sorted(key.items()))

@@ -83,7 +83,8 @@ class KdaRecurrenceSm90(StateWg):
     transposed stmatrix to the rows inside the sequence) and `_state_io` (the state to or from
     the accumulator), which read self.dtype (here the v / o dtype), self.k and self.k_last."""
 
-    def __init__(self, k: int, v: int, *, initial_state: bool, value_split: bool = False):
+    def __init__(self, k: int, v: int, *, initial_state: bool, value_split: bool = False,
+                 warmup: bool = False):  # fmt: skip
         if (k, v) != (128, 128):
             raise ValueError(f"(K, V) must be (128, 128), got {(k, v)}")
         self.k, self.v = k, v
@@ -92,6 +93,10 @@ class KdaRecurrenceSm90(StateWg):
         # value_split: grid z = 2, each CTA one state warpgroup for value rows 64 z .. (twice
         # the CTAs where (sequences x heads) would leave SMs idle; the operands load twice)
         self.value_split = value_split
+        # warmup (opt-in, `launch._pieces`): sequence n starts mWarm[n] chunks before mCu[n]
+        # (from its mInit, or zero) and stores o from mCu[n] on: a piece of a long sequence
+        # after warm-up chunks whose decays bound what the state before them can still add
+        self.warmup = warmup
         self.state_wgs = 1 if value_split else STATE_WGS
         self.threads = (1 + self.state_wgs) * THREADS_PER_WG
         self.consumer_warps = self.state_wgs * THREADS_PER_WG // WARP_SIZE
@@ -139,11 +144,13 @@ class KdaRecurrenceSm90(StateWg):
         mChunk: cute.Tensor,
         mO: cute.Tensor,
         mFinal: cute.Tensor,
+        mWarm: cute.Tensor | None,
         stream: cuda.CUstream,
     ):
         """mQg, mKg, mKd bf16 (R, HV, K); mT, mP bf16 (R, HV, 64); mD fp32 (NC, HV, K); mV, mO
         (T, HV, V); mCu int32 (N + 1,); mChunk int32 (N,) the first global chunk of each
-        sequence; mInit (or None), mFinal fp32 (N, HV, K, V)."""
+        sequence; mInit (or None), mFinal fp32 (N, HV, K, V); mWarm int32 (N,) with `warmup`
+        (else None): chunks walked before mCu[n], their o not stored."""
         self.op_dtype = mQg.element_type
         self.dtype = mV.element_type
         if const_expr(mO.element_type != self.dtype):
@@ -206,7 +213,7 @@ class KdaRecurrenceSm90(StateWg):
         self.shared_storage = SharedStorage
         self.kernel(
             tma_qg, tma_mQg, tma_kg, tma_mKg, tma_kd, tma_mKd, tma_t, tma_mT, tma_p, tma_mP,
-            tma_d, tma_mD, tma_v, tma_mV, mInit, mCu, mChunk, mO, mFinal,
+            tma_d, tma_mD, tma_v, tma_mV, mInit, mCu, mChunk, mO, mFinal, mWarm,
             self.mma_ks, self.mma_st, self.sQK_layout, self.sKd_layout, self.sPT_layout,
             self.sV_layout, self.sO_layout, self.sD_layout,
         ).launch(
@@ -238,6 +245,7 @@ class KdaRecurrenceSm90(StateWg):
         mChunk: cute.Tensor,
         mO: cute.Tensor,
         mFinal: cute.Tensor,
+        mWarm: cute.Tensor | None,
         mma_ks: cute.TiledMma,
         mma_st: cute.TiledMma,
         sQK_layout: cute.ComposedLayout,
@@ -273,8 +281,14 @@ class KdaRecurrenceSm90(StateWg):
         hv, n, half = cute.arch.block_idx()
         bos = mCu[n]
         seqlen = mCu[n + 1] - bos
-        nchunks = (seqlen + CHUNK - 1) // CHUNK
         first = mChunk[n]
+        warm = 0
+        if const_expr(self.warmup):
+            warm = mWarm[n]
+            bos = bos - warm * CHUNK
+            seqlen = seqlen + warm * CHUNK
+            first = first - warm
+        nchunks = (seqlen + CHUNK - 1) // CHUNK
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         if wg == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -288,7 +302,7 @@ class KdaRecurrenceSm90(StateWg):
             w = half if const_expr(self.value_split) else wg - 1
             self._recur(
                 w, tidx - wg * THREADS_PER_WG, mma_ks, mma_st, smem, mInit, mFinal, mO,
-                qk_pipe, v_pipe, aux_pipe, hv, n, bos, seqlen, nchunks,
+                qk_pipe, v_pipe, aux_pipe, hv, n, bos, seqlen, nchunks, warm,
             )  # fmt: skip
 
     @cute.jit
@@ -340,7 +354,7 @@ class KdaRecurrenceSm90(StateWg):
     @cute.jit
     def _recur(
         self, w, stid, mma_ks, mma_st, smem, mInit, mFinal, mO, qk_pipe, v_pipe, aux_pipe, hv,
-        n, bos, seqlen, nchunks,
+        n, bos, seqlen, nchunks, warm,
     ):  # fmt: skip
         thr_st = mma_st.get_slice(stid)
         acc_st = cute.make_rmem_tensor(thr_st.partition_shape_C((ROWS, self.k)), Float32)
@@ -389,7 +403,13 @@ class KdaRecurrenceSm90(StateWg):
             self._decay_state(acc_st, mma_st, smem["d"], ax.index)
             gemm(mma_st, acc_st, tUrU, tBrKd[None, None, None, ax.index], False, 0)
             aux_pipe.consumer_release(ax)
-            self._store_o(acc_o, mma_ks, smem["o"], mO, out_bar, w, w, tid, hv, bos, c, seqlen)
+            if const_expr(self.warmup):
+                if c >= warm:
+                    self._store_o(acc_o, mma_ks, smem["o"], mO, out_bar, w, w, tid, hv, bos, c,
+                                  seqlen)  # fmt: skip
+            else:
+                self._store_o(acc_o, mma_ks, smem["o"], mO, out_bar, w, w, tid, hv, bos, c,
+                              seqlen)  # fmt: skip
             ld.advance()
             vs.advance()
             ax.advance()

@@ -1,0 +1,41 @@
+"""Gated DeltaNet backward, kernel 2: the chunk-parallel output-side gradients (reference
+`_output_grads`: dq, dk, dw, dG's rows), sm_90a. DSL-free declaration; the kernel is
+`chunk_grads.py`, the launcher `launch.py`, the CPU model `forgekernel.reference.gdn_bwd_chunk`.
+Wired into the op's backward behind `FORGEKERNEL_GDN_BWD_KERNEL=1`
+(`forgekernel.ops.gated_delta_rule_bwd._backward_kernel`, after kernel 1's two launches); the
+WY half (`_wy_grads`) stays in torch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.config import DTYPES, params_for
+from forgekernel.runtime.spec import KernelSpec, Params
+
+
+def _compile(params: Params, extra_options: str = ""):
+    from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.compile import (
+        compile_gdn_bwd_chunk,
+    )
+
+    return compile_gdn_bwd_chunk(dict(params), "sm_90a", extra_options)
+
+
+def _standard_params() -> list[Params]:
+    standard = [params_for(dtype, wy=wy) for dtype in DTYPES for wy in (False, True)]
+    # the op's path: the WY variant with dv in 16 bits, reading q / k at their own H heads when
+    # value heads are grouped (H < HV)
+    return standard + [
+        params_for(dtype, wy=True, grouped=g, dv16=True) for dtype in DTYPES for g in (False, True)
+    ]
+
+
+SPEC = KernelSpec(
+    name="gdn_bwd_chunk_sm90",
+    arch="sm_90a",
+    directory=Path(__file__).parent,
+    compile=_compile,
+    standard_params=_standard_params,
+)
+
+__all__ = ["SPEC", "params_for"]

@@ -1,0 +1,52 @@
+"""Gated DeltaNet backward kernel 2 (the chunk-parallel output-side gradients) configurations
+and fixed geometry (DSL-free: the launcher and the tests read it)."""
+
+from __future__ import annotations
+
+from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG
+
+DTYPES = ("float16", "bfloat16")
+HEAD_DIMS = ((128, 128),)  # (K, V)
+CHUNK = 64  # tokens per chunk (one CTA), the M of every product: one math warpgroup
+THREADS = 2 * THREADS_PER_WG  # warpgroup 0: the TMA warp; warpgroup 1: every product
+# the tiles of one chunk: dO, U, dU (C, V), q (scaled), k (C, K), h, dh (K, V)
+TOKEN_TILES = ("do", "u", "du", "q", "k")
+STATE_TILES = ("h", "dh")
+
+
+def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2, wy: bool = False) -> int:
+    """Shared memory of one CTA (the kernel's SharedStorage, alignment padding included): the
+    five token tiles, the two states, dPD^T (C, C) 16-bit, one barrier pair, G; with `wy` also
+    T^T, M^T (C, C), w, u (C, K / V) and dw (C, K)."""
+    tokens = CHUNK * (3 * v + 2 * k) * elem_bytes
+    extra = (2 * CHUNK * CHUNK + CHUNK * (2 * k + v)) * elem_bytes if wy else 0
+    head = 16 + CHUNK * 4  # the barrier pair and G (fp32), before the 1024-aligned tiles
+    return tokens + 2 * k * v * elem_bytes + CHUNK * CHUNK * elem_bytes + extra + head + 1024
+
+
+def params_for(
+    dtype: str,
+    head_dims: tuple[int, int] = (128, 128),
+    *,
+    wy: bool = False,
+    grouped: bool = False,
+    dv16: bool = False,
+) -> tuple:
+    """Compile key: the 16-bit dtype of the tiles, (K, V) and `wy`: the WY half (`_wy_grads`)
+    in the kernel too (dw stays on chip; dv, dbeta out) or `_output_grads` only (dw out);
+    `grouped` (in the key only when set): q, k (B, T, H, K) with H < HV, value head hv reading
+    q / k head hv // (HV / H) (no HV-repeated copies); `dv16` (wy only, in the key only when
+    set): dv written in the tiles' 16-bit dtype (the op's cast to v's dtype moved in)."""
+    if dv16 and not wy:
+        raise ValueError("dv16 needs wy (dv is the WY half's output)")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
+    if tuple(head_dims) not in HEAD_DIMS:
+        raise ValueError(f"(K, V) must be one of {HEAD_DIMS}, got {tuple(head_dims)}")
+    k, v = head_dims
+    key = {"dtype": dtype, "k": k, "v": v, "wy": wy}
+    if grouped:
+        key["grouped"] = True
+    if dv16:
+        key["dv16"] = True
+    return tuple(sorted(key.items()))

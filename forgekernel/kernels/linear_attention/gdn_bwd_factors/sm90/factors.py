@@ -1,0 +1,393 @@
+"""Gated DeltaNet backward, kernel 0: the chunk factors for Hopper (sm_90a). TMA + WGMMA, one
+CTA per (chunk, value head, sequence), every chunk at once (reference/gdn_bwd_factors.py is
+its CPU model; what kernel 1's two launches and kernel 2 read, formed here instead of by the
+batched torch `_Factors` pass).
+
+Per chunk of C = 64 tokens (q scaled and normalized by the caller; value head hv reads q / k
+head hv // (HV / H); G = cumsum g within the chunk, G2 = log2(e) G for the forward's masks):
+
+    K K^T -> A = beta_i d_ij (K K^T), j < i       SS, 8 x 64x64x16   (AuxWy._decay_mask)
+    T = (I + A)^-1                                fp32 diagonal blocks, tf32 mma.sync merges
+                                                  (the forward's inverse.py, inverse_mma.py)
+    Q K^T -> P = d_ij (Q K^T), j <= i             SS, 8 x 64x64x16, issued under the merges
+    u = [T diag(beta)] V                          A = 16-bit registers, B = v MN-major,
+    W = [T diag(beta e^G)] K                      4 x 64x128x16 each (AuxWy._scale_by_beta)
+    Ke = K e^(G_C - G), Qe = Q e^G                the tiles' own rows, in shared memory
+
+Outputs (16-bit, through shared memory by TMA stores; every chunk's 64 rows, the padded ones
+zero as the zero-filled loads make them): W, u, P^T, Ke, Qe, T^T at chunk c; u, -W, -Ke at
+chunk NC - 1 - c (kernel 1's forward launch runs the chunks reversed with these signs,
+`reference.gdn_bwd_state.forward_state_tiles`); e^(G_C) and G fp32 by plain stores.
+
+Warp roles (2 warpgroups, 256 threads): warpgroup 0, warp 0: the three TMA loads (one barrier,
+no ring: one chunk a CTA); warpgroup 1: the gates (its warp 0: two tokens a lane, a warp scan
+as the forward's gate warp), every product, the stores (thread 0 issues the TMA stores).
+
+Constraints: K = V = 128, 16-bit q, k, v with unit last strides and 16-byte aligned outer
+strides (TMA), likewise the output tiles; g, beta fp32 (B, T, HV) unit last stride.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+from forgekernel.kernels.common.sm90 import softmax
+from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
+from forgekernel.kernels.common.sm90.constants import LOG2E, THREADS_PER_WG, WARP_SIZE
+from forgekernel.kernels.common.sm90.layout import acc_to_operand_a, rows_cols, select, transposed
+from forgekernel.kernels.common.sm90.mma import gemm
+from forgekernel.kernels.common.sm90.pipeline import (
+    consumer_state,
+    init_arrive,
+    init_wait,
+    producer_state,
+    smem_tensor,
+    tma_pipeline,
+)
+from forgekernel.kernels.common.sm90.ptx import opaque_tid_x
+from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.chunk_grads import GdnBwdChunkSm90
+from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90.config import CHUNK, THREADS
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.aux_wy import AuxWy
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
+    BLOCK,
+    W_STRIDE,
+    X_STRIDE,
+)
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse import invert_diagonal
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse_mma import invert_merge_mma
+
+PRODUCER_WARP = 0
+BAR_MATH = FIRST_FREE  # the math warpgroup: gates in shared memory, tiles written
+BAR_INVERSE = FIRST_FREE + 1  # the math warpgroup inside the inverse (its phases)
+
+
+def _tdhb(t: cute.Tensor) -> cute.Tensor:
+    """(B, T, H, D) as (T, D, H, B): the TMA view, the chunk's tokens and columns leading."""
+    return select(t, [1, 3, 2, 0])
+
+
+class GdnBwdFactorsSm90(AuxWy):
+    """One CTA per (chunk, value head, sequence): the chunk's factors; see the module
+    docstring. The forward's aux-warpgroup masks (`AuxWy._decay_mask`, `_scale_by_beta`) and
+    kernel 2's shared-memory tile store (`_store_tile`) are used as they are."""
+
+    _store_tile = GdnBwdChunkSm90._store_tile
+
+    def __init__(self, k: int, v: int):
+        if (k, v) != (128, 128):
+            raise ValueError(f"(K, V) must be (128, 128), got {(k, v)}")
+        self.k, self.v = k, v
+        self.l2norm = False  # q, k arrive normalized (AuxWy's masks read this)
+
+    def _setup(self):
+        dt = self.dtype
+        k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
+        rmem = warpgroup.OperandSource.RMEM
+        # K K^T, Q K^T: (C, C) over K, both operands K-major in shared memory (the forward's)
+        self.mma_aux = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, k_major, k_major, Float32, (1, 1, 1), (CHUNK, CHUNK)
+        )
+        # u, W: (C, V / K) over the chunk, A = T diag(.) from registers, B v / k MN-major
+        self.mma_rs = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, k_major, mn_major, Float32, (1, 1, 1), (CHUNK, self.k), a_source=rmem
+        )
+        row = LayoutEnum.ROW_MAJOR
+        self.sT_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, self.v), dt, 1)
+        self.sP_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, CHUNK), dt, 1)
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mG: cute.Tensor,
+        mBeta: cute.Tensor,
+        mW: cute.Tensor,
+        mU: cute.Tensor,
+        mPt: cute.Tensor,
+        mKe: cute.Tensor,
+        mQe: cute.Tensor,
+        mTt: cute.Tensor,
+        mFwU: cute.Tensor,
+        mFwW: cute.Tensor,
+        mFwKe: cute.Tensor,
+        mElast: cute.Tensor,
+        mBigG: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
+        """mQ (scaled, normalized), mK (B, T, H, K), mV (B, T, HV, V) 16-bit; mG, mBeta fp32
+        (B, T, HV). Outputs in mQ's dtype, (B, NC C, HV, D): mW, mU, mPt (D = C), mKe, mQe,
+        mTt (D = C) at chunk c, mFwU (u), mFwW (-W), mFwKe (-Ke) at chunk NC - 1 - c; fp32
+        mElast (B, NC, HV) = e^(G_C), mBigG (B, NC C, HV) = G."""
+        self.dtype = mQ.element_type
+        for t in (mK, mV, mW, mU, mPt, mKe, mQe, mTt, mFwU, mFwW, mFwKe):
+            if const_expr(t.element_type != self.dtype):
+                raise TypeError(f"the 16-bit tiles must share one dtype, got {t.element_type}")
+        self._setup()
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        s2g = cpasync.CopyBulkTensorTileS2GOp()
+        sT_tile = cute.slice_(self.sT_layout, (None, None, 0))
+        sP_tile = cute.slice_(self.sP_layout, (None, None, 0))
+        loads = []
+        for m, d in ((mQ, self.k), (mK, self.k), (mV, self.v)):
+            loads.append(cpasync.make_tiled_tma_atom(g2s, _tdhb(m), sT_tile, (CHUNK, d)))
+        stores = []
+        for m in (mW, mU, mKe, mQe, mFwU, mFwW, mFwKe):
+            stores.append(cpasync.make_tiled_tma_atom(s2g, _tdhb(m), sT_tile, (CHUNK, self.k)))
+        for m in (mPt, mTt):
+            stores.append(cpasync.make_tiled_tma_atom(s2g, _tdhb(m), sP_tile, (CHUNK, CHUNK)))
+        self.tx_bytes = 3 * cute.size_in_bytes(self.dtype, sT_tile)
+        t_elems = cute.cosize(self.sT_layout)
+        p_elems = cute.cosize(self.sP_layout)
+
+        @cute.struct
+        class SharedStorage:
+            barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            sG2: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]
+            sBeta: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]
+            sBetaEg: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]
+            sW: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK * W_STRIDE], 16]
+            sX: cute.struct.Align[cute.struct.MemRange[Float32, 2 * BLOCK * X_STRIDE], 16]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sOw: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sOu: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sOke: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sOqe: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sOnw: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sOnke: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sOpt: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
+            sOtt: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
+
+        self.shared_storage = SharedStorage
+        flat = [x for pair in (*loads, *stores) for x in pair]
+        nc = (mQ.shape[1] + CHUNK - 1) // CHUNK
+        args = (*flat, mG, mBeta, mElast, mBigG, self.mma_aux, self.mma_rs)
+        self.kernel(*args, self.sT_layout, self.sP_layout).launch(
+            grid=(nc, mV.shape[2], mV.shape[0]),
+            block=[THREADS, 1, 1],
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_q: cute.CopyAtom,
+        mQ4: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        mK4: cute.Tensor,
+        tma_v: cute.CopyAtom,
+        mV4: cute.Tensor,
+        tma_w: cute.CopyAtom,
+        mW4: cute.Tensor,
+        tma_u: cute.CopyAtom,
+        mU4: cute.Tensor,
+        tma_ke: cute.CopyAtom,
+        mKe4: cute.Tensor,
+        tma_qe: cute.CopyAtom,
+        mQe4: cute.Tensor,
+        tma_fu: cute.CopyAtom,
+        mFwU4: cute.Tensor,
+        tma_fw: cute.CopyAtom,
+        mFwW4: cute.Tensor,
+        tma_fk: cute.CopyAtom,
+        mFwKe4: cute.Tensor,
+        tma_pt: cute.CopyAtom,
+        mPt4: cute.Tensor,
+        tma_tt: cute.CopyAtom,
+        mTt4: cute.Tensor,
+        mG: cute.Tensor,
+        mBeta: cute.Tensor,
+        mElast: cute.Tensor,
+        mBigG: cute.Tensor,
+        mma_aux: cute.TiledMma,
+        mma_rs: cute.TiledMma,
+        sT_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == PRODUCER_WARP:
+            for atom in (tma_q, tma_k, tma_v):
+                cpasync.prefetch_descriptor(atom)
+        storage = SmemAllocator().allocate(self.shared_storage)
+        ring = tma_pipeline(storage.barriers, 1, self.tx_bytes, THREADS_PER_WG // WARP_SIZE)
+        init_arrive()
+        sQ = smem_tensor(storage.sQ, sT_layout)
+        sK = smem_tensor(storage.sK, sT_layout)
+        sV = smem_tensor(storage.sV, sT_layout)
+        outs = [smem_tensor(f, sT_layout) for f in (storage.sOw, storage.sOu, storage.sOke,
+                storage.sOqe, storage.sOnw, storage.sOnke)]  # fmt: skip
+        sPt = smem_tensor(storage.sOpt, sP_layout)
+        sTt = smem_tensor(storage.sOtt, sP_layout)
+        gates = [f.get_tensor(cute.make_layout((CHUNK, 1)))
+                 for f in (storage.sG2, storage.sBeta, storage.sBetaEg)]  # fmt: skip
+        sW = storage.sW.get_tensor(cute.make_layout((CHUNK, CHUNK), stride=(W_STRIDE, 1)))
+        sX = storage.sX.get_tensor(cute.make_layout((2 * BLOCK, 2 * BLOCK), stride=(X_STRIDE, 1)))
+        init_wait()
+
+        c, hv, b = cute.arch.block_idx()
+        hq = hv // (mV4.shape[2] // mQ4.shape[2])
+        wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
+        if wg == 0:
+            if warp_idx == PRODUCER_WARP:
+                one = cute.make_layout(1)
+                st = producer_state(1)
+                ring.producer_acquire(st)
+                bar = ring.producer_get_barrier(st)
+                for atom, m, s, head in ((tma_q, mQ4, sQ, hq), (tma_k, mK4, sK, hq),
+                                         (tma_v, mV4, sV, hv)):  # fmt: skip
+                    g = cute.local_tile(m[None, None, head, b], (CHUNK, self.k), (c, 0))
+                    ts, tg = cpasync.tma_partition(
+                        atom, 0, one, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
+                    )
+                    cute.copy(atom, tg, ts[(None, 0)], tma_bar_ptr=bar)
+        else:
+            self._math(mma_aux, mma_rs, sQ, sK, sV, outs, sPt, sTt, gates, sW, sX, mG, mBeta,
+                       mElast, mBigG, ring, c, hv, b)  # fmt: skip
+            named_barrier(BAR_MATH, THREADS_PER_WG).arrive_and_wait()  # every tile written
+            if tidx == THREADS_PER_WG:
+                nc = mElast.shape[1]
+                tiles = ((tma_w, mW4, outs[0], c), (tma_u, mU4, outs[1], c),
+                         (tma_ke, mKe4, outs[2], c), (tma_qe, mQe4, outs[3], c),
+                         (tma_fu, mFwU4, outs[1], nc - 1 - c),
+                         (tma_fw, mFwW4, outs[4], nc - 1 - c),
+                         (tma_fk, mFwKe4, outs[5], nc - 1 - c))  # fmt: skip
+                for atom, m, s, slot in tiles:
+                    self._tma_store(atom, m, s, slot, self.k, hv, b)
+                for atom, m, s in ((tma_pt, mPt4, sPt), (tma_tt, mTt4, sTt)):
+                    self._tma_store(atom, m, s, c, CHUNK, hv, b)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _tma_store(self, atom, m, s, slot, d, hv, b):
+        """The (C, d) shared-memory tile s to rows [C slot, C slot + C) of m[., ., hv, b]."""
+        g = cute.local_tile(m[None, None, hv, b], (CHUNK, d), (slot, 0))
+        ts, tg = cpasync.tma_partition(
+            atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
+        )
+        cute.copy(atom, ts[(None, 0)], tg)
+
+    @cute.jit
+    def _gates(self, gates, mG, mBeta, mElast, mBigG, c, hv, b):
+        """Warp 0 of the math warpgroup, lane l tokens 2 l, 2 l + 1 (0 past T): G by a warp
+        scan; sG2 = log2(e) G, sBeta, sBetaEg = beta e^G; G and e^(G_C) to global."""
+        sG2, sBeta, sBetaEg = gates
+        lane = cute.arch.lane_idx()
+        seqlen = mG.shape[1]
+        t0 = c * CHUNK + 2 * lane
+        vals = []
+        for e in cutlass.range_constexpr(2):
+            t = cutlass.min(t0 + e, seqlen - 1)  # in bounds; masked below
+            inside = t0 + e < seqlen
+            g_t = cutlass.select_(inside, Float32(mG[b, t, hv]), Float32(0.0))
+            vals.append((g_t, cutlass.select_(inside, Float32(mBeta[b, t, hv]), Float32(0.0))))
+        pair = vals[0][0] + vals[1][0]
+        incl = pair
+        for i in cutlass.range_constexpr(5):
+            up = cute.arch.shuffle_sync_up(incl, 1 << i)
+            incl = cutlass.select_(lane >= (1 << i), incl + up, incl)
+        big = (incl - pair + vals[0][0], incl)
+        for e in cutlass.range_constexpr(2):
+            j = 2 * lane + e
+            sG2[j, 0] = big[e] * LOG2E
+            sBeta[j, 0] = vals[e][1]
+            sBetaEg[j, 0] = vals[e][1] * cute.math.exp(big[e], fastmath=True)
+            mBigG[b, t0 + e, hv] = big[e]
+        if lane == WARP_SIZE - 1:
+            mElast[b, c, hv] = cute.math.exp(incl, fastmath=True)
+
+    @cute.jit
+    def _math(self, mma_aux, mma_rs, sQ, sK, sV, outs, sPt, sTt, gates, sW, sX, mG, mBeta,
+              mElast, mBigG, ring, c, hv, b):  # fmt: skip
+        sG2, sBeta, sBetaEg = gates
+        math = named_barrier(BAR_MATH, THREADS_PER_WG)
+        inv = named_barrier(BAR_INVERSE, THREADS_PER_WG)
+        if opaque_tid_x() < THREADS_PER_WG + WARP_SIZE:
+            self._gates(gates, mG, mBeta, mElast, mBigG, c, hv, b)
+        math.arrive_and_wait()
+        st = consumer_state(1)
+        ring.consumer_wait(st)
+        wg_a = mma_aux.get_slice(0)
+        tSrQ = wg_a.make_fragment_A(wg_a.partition_A(sQ))
+        tSrKa = wg_a.make_fragment_A(wg_a.partition_A(sK))
+        tSrKb = wg_a.make_fragment_B(wg_a.partition_B(sK))
+        acc_shape = wg_a.partition_shape_C((CHUNK, CHUNK))
+        # A = beta_i d_ij (K K^T), j < i -> the fp32 scratch -> T in place (the forward's order)
+        acc = cute.make_rmem_tensor(acc_shape, Float32)
+        gemm(mma_aux, acc, tSrKa[None, None, None, 0], tSrKb[None, None, None, 0], True, 0)
+        atid = opaque_tid_x() - THREADS_PER_WG
+        coords = softmax.acc_coords(mma_aux, atid, (CHUNK, CHUNK))
+        self._decay_mask(acc, coords, sG2, sBeta, sG2, 0, Float32(1.0), True)
+        tWsW = mma_aux.get_slice(atid).partition_C(sW)
+        tWsW.store(acc.load())
+        cute.arch.sync_warp()
+        invert_diagonal(sW, atid)
+        acc_p = cute.make_rmem_tensor(acc_shape, Float32)
+        gemm(mma_aux, acc_p, tSrQ[None, None, None, 0], tSrKb[None, None, None, 0], True, -1)
+        invert_merge_mma(sW, sX, atid, inv)
+        warpgroup.wait_group(0)
+        self._decay_mask(acc_p, coords, sG2, sBeta, sG2, 0, Float32(1.0), False)
+        self._store_tile(acc_p, mma_aux, sPt, True)  # P^T
+        acc.store(tWsW.load())  # T, every block final after the merges' last barrier
+        self._store_tile(acc, mma_aux, sTt, True)  # T^T
+        # u = [T diag(beta)] V, W = [T diag(beta e^G)] K: 16-bit register A operands
+        wg_r = mma_rs.get_slice(0)
+        tb = cute.make_rmem_tensor(acc_shape, Float32)
+        tb.store(acc.load())
+        self._scale_by_beta(tb, coords, sBeta, 0)
+        tUrA = wg_r.make_fragment_A(wg_r.partition_shape_A((CHUNK, CHUNK)))
+        acc_to_operand_a(tb, tUrA)
+        out_shape = wg_r.partition_shape_C((CHUNK, self.v))
+        acc_u = cute.make_rmem_tensor(out_shape, Float32)
+        tBrV = wg_r.make_fragment_B(wg_r.partition_B(transposed(sV)))
+        gemm(mma_rs, acc_u, tUrA, tBrV[None, None, None, 0], True, -1)
+        self._scale_by_beta(acc, coords, sBetaEg, 0)
+        tWrA = wg_r.make_fragment_A(wg_r.partition_shape_A((CHUNK, CHUNK)))
+        acc_to_operand_a(acc, tWrA)
+        acc_w = cute.make_rmem_tensor(out_shape, Float32)
+        tBrK = wg_r.make_fragment_B(wg_r.partition_B(transposed(sK)))
+        gemm(mma_rs, acc_w, tWrA, tBrK[None, None, None, 0], True, 0)
+        s_w, s_u, s_ke, s_qe, s_nw, s_nke = outs
+        self._store_tile(acc_u, mma_rs, s_u, False)
+        self._store_tile(acc_w, mma_rs, s_w, False)
+        acc_w.store(-acc_w.load())
+        self._store_tile(acc_w, mma_rs, s_nw, False)
+        # Ke, -Ke, Qe: the loaded rows times their decays
+        t0, row_base, _ = softmax.acc_coords(mma_rs, atid, (CHUNK, self.k))
+        g_last = sG2[CHUNK - 1, 0]
+        e_end, e_g = [], []
+        for r in cutlass.range_constexpr(2):
+            g_i = sG2[row_base + t0[r, 0][0], 0]
+            e_end.append(cute.math.exp2(g_last - g_i, fastmath=True))
+            e_g.append(cute.math.exp2(g_i, fastmath=True))
+        self._scaled_rows(mma_rs, atid, sK, (s_ke, s_nke), e_end, out_shape)
+        self._scaled_rows(mma_rs, atid, sQ, (s_qe,), e_g, out_shape)
+        cute.arch.fence_view_async_shared()
+        ring.consumer_release(st)
+
+    @cute.jit
+    def _scaled_rows(self, mma, tid, src, dsts, scales, shape):
+        """dsts[0] = diag(scales) src and dsts[1] = its negation (if given), this thread's
+        rows in the (C, K) accumulator partition of `mma` (16-bit tiles in shared memory)."""
+        thr = mma.get_slice(tid)
+        x = cute.make_rmem_tensor(shape, Float32)
+        x.store(thr.partition_C(src[None, None, 0]).load().to(Float32))
+        xv = rows_cols(x)
+        for r in cutlass.range_constexpr(2):
+            for j in cutlass.range_constexpr(cute.size(xv, mode=[1])):
+                xv[r, j] = xv[r, j] * scales[r]
+        thr.partition_C(dsts[0][None, None, 0]).store(x.load().to(self.dtype))
+        if const_expr(len(dsts) > 1):
+            thr.partition_C(dsts[1][None, None, 0]).store((-x.load()).to(self.dtype))

@@ -1,0 +1,572 @@
+"""Kimi Delta Attention backward, kernel 2: pass 3's output side for Hopper (sm_90a). TMA +
+WGMMA, one CTA per (chunk, value head, sequence), every chunk at once (reference/kda_bwd.py
+`_output_grads`, its per-channel dG reverse-cumsummed within the chunk; the CPU model is
+`reference.kda_bwd_chunk`, whose docstring has the math).
+
+Per chunk of C = 64 tokens (q scaled; G (C, K) the within-chunk cumulative log decay per key
+channel; four sub-chunks of 16 rows, warp w of the math warpgroup holds sub-chunk w's rows, with
+reference points r_I = G at row 16 I + 8 clamped inside T; h the state at the chunk's start, dh
+the state gradient at its end):
+
+    dw  = -dU h^T                      (C x K x V)  SS, tile dtype; out at once
+    dqe = dO h^T,  S = dO U^T          (C x K x V), (C x C x V)  SS, tile dtype
+    dP  = S, j < i, rows inside T      its diagonal dP_ii kept in fp32; dP^T to shared memory
+                                       (transposed stmatrix), dP to a register A operand, bf16
+    (k er), (q el)                     bf16 (C, K) B operands formed on chip, over dU's and
+                                       dO's bytes (their products done)
+    dq  = el o (e^(r_w) o dqe + sum_(J <= w) E_(w,J) o (dP[:, J] (k er)[J]))  + dP_ii k_i
+                                       four 64 x 128 x 16 WGMMAs (A = dP's k-block J), each
+                                       scaled per column by E_(w,J) = e^(r_w - r_J) <= 1
+    dke = U dh^T                       (C x K x V)  SS, tile dtype
+    dk  = er o (e^(G_C - r_w) o dke + sum_(I >= w) E_(I,w) o (dP^T[:, I] (q el)[I])) + dP_jj q_j
+                                       four 64 x 128 x 16 WGMMAs (A = dP^T's k-block I)
+    dG rows = q o dq - k o dk          without the diagonal's terms (they cancel exactly; in
+                                       16-bit operands they would not: reference docstring)
+    te  = sum_rows k o dke o e^(G_C - G)   quad shuffles, four warps' partials in a table
+    dG  = reverse cumsum of the rows + te + e^(G_C) o rowsum(h o dh), one key channel a thread
+
+el = e^(G - r_w), er = e^(r_w - G) <= e^(8 max|g|) (zero past T); no factor is e^(-G). The
+block products run in bf16 for either tile dtype (er overflows fp16 at g = -5 a step, as in the
+forward's first pass).
+
+Warp roles (2 warpgroups, 256 threads): warpgroup 0, warp 0: the chunk's 7 TMA boxes (one
+barrier, no ring: one chunk a CTA); warps 1, 2: rowsum(h o dh) per key channel from the 16-bit
+state tiles (named barrier BAR_HDH hands it, and h's bytes for dG's rows, to the math
+warpgroup); warpgroup 1: everything else, 64 token rows. G (C, K) fp32 is read by the math
+warpgroup from global into shared memory (swizzled rows, `_gi`) while the boxes land.
+
+Constraints: K = V = 128, 16-bit tiles with unit last strides and 16-byte aligned outer strides
+(TMA); G and the fp32 outputs (B, T, HV, K) unit last strides.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Float32, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+from forgekernel.kernels.common.sm90 import softmax
+from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
+from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG, WARP_SIZE
+from forgekernel.kernels.common.sm90.layout import acc_to_operand_a, rows_cols, transposed
+from forgekernel.kernels.common.sm90.mma import gemm
+from forgekernel.kernels.common.sm90.pipeline import (
+    consumer_state,
+    init_arrive,
+    init_wait,
+    producer_state,
+    smem_tensor,
+    tma_pipeline,
+)
+from forgekernel.kernels.common.sm90.ptx import opaque_tid_x
+from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.chunk_grads import (
+    GdnBwdChunkSm90,
+    _kvchb,
+    _tdhb,
+)
+from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90.config import (
+    CHUNK,
+    HDH_WARPS,
+    NS,
+    SUB,
+    THREADS,
+)
+
+PRODUCER_WARP = 0
+QUAD = 4
+BAR_MATH = FIRST_FREE  # the math warpgroup: G and the tables, dP^T, (k er), (q el), dG's rows
+BAR_HDH = FIRST_FREE + 1  # the <h, dh> warps (arrive) -> math warpgroup: rowsum(h o dh) done
+HDH_THREADS = HDH_WARPS * WARP_SIZE
+PAIRS = NS * (NS - 1) // 2  # E_(I, J) of I > J
+G_STRIDE = 128 + 8  # the fp32 (C, K) tiles' padded rows (`_gi`)
+
+
+class KdaBwdChunkSm90(GdnBwdChunkSm90):
+    """One CTA per (chunk, value head, sequence): `_output_grads` of the chunk with KDA's
+    per-channel decays; see the module docstring. Gated DeltaNet's kernel 2's row store
+    (`_store_rows`) is used as it is."""
+
+    def __init__(self, k: int, v: int):
+        super().__init__(k, v, wy=False)
+        # the per-channel fp32 tables, (rows of K floats): r_I, e^(r_I), e^(G_C - r_J), E_(I, J)
+        # (I > J), te's warp partials, rowsum(h o dh); then dP's diagonal (C floats)
+        self.t_r, self.t_er, self.t_gr = 0, NS, 2 * NS
+        self.t_e, self.t_te = 3 * NS, 3 * NS + PAIRS
+        self.t_hdh = 4 * NS + PAIRS
+        self.table = (4 * NS + PAIRS + 1) * k + CHUNK
+
+    def _setup(self):
+        dt, bf = self.dtype, BFloat16
+        k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
+        rmem = warpgroup.OperandSource.RMEM
+        # dqe, dke, dw: (C, K) reduced over V, both operands K-major in shared memory
+        self.mma_w = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, k_major, k_major, Float32, (1, 1, 1), (CHUNK, self.k)
+        )
+        # S = dO U^T: (C, C) reduced over V
+        self.mma_s = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, k_major, k_major, Float32, (1, 1, 1), (CHUNK, CHUNK)
+        )
+        # dq's blocks: A = dP (registers, bf16), B = (k er)'s transposed (MN-major) view
+        self.mma_q = sm90_utils.make_trivial_tiled_mma(
+            bf, bf, k_major, mn_major, Float32, (1, 1, 1), (CHUNK, self.k), a_source=rmem
+        )
+        # dk's blocks: A = dP^T from shared memory (K-major), B = (q el)'s transposed view
+        self.mma_k = sm90_utils.make_trivial_tiled_mma(
+            bf, bf, k_major, mn_major, Float32, (1, 1, 1), (CHUNK, self.k)
+        )
+        row = LayoutEnum.ROW_MAJOR
+        self.sT_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, self.v), dt, 1)
+        self.sH_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, self.k, self.v), dt, 1)
+        self.sP_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, CHUNK), bf, 1)
+        self.sB_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, self.k), bf, 1)
+
+    @cute.jit
+    def __call__(
+        self,
+        mDO: cute.Tensor,
+        mU: cute.Tensor,
+        mDU: cute.Tensor,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mH: cute.Tensor,
+        mDH: cute.Tensor,
+        mG: cute.Tensor,
+        mDQ: cute.Tensor,
+        mDK: cute.Tensor,
+        mDW: cute.Tensor,
+        mDG: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
+        """mDO, mU, mDU (B, T, HV, V), mQ (scaled), mK (B, T, HV, K), mH, mDH (B, NC, HV, K, V)
+        16-bit; mG fp32 (B, T, HV, K); outputs fp32 (B, T, HV, K): mDQ, mDK, mDW, mDG (dG, the
+        reverse cumsum within the chunk done)."""
+        self.dtype = mDO.element_type
+        for t in (mU, mDU, mQ, mK, mH, mDH):
+            if const_expr(t.element_type != self.dtype):
+                raise TypeError(f"the 16-bit tiles must share one dtype, got {t.element_type}")
+        self._setup()
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        sT_tile = cute.slice_(self.sT_layout, (None, None, 0))
+        sH_tile = cute.slice_(self.sH_layout, (None, None, 0))
+        tmas = []
+        for m, d in ((mDO, self.v), (mU, self.v), (mDU, self.v), (mQ, self.k), (mK, self.k)):
+            tmas.append(cpasync.make_tiled_tma_atom(g2s, _tdhb(m), sT_tile, (CHUNK, d)))
+        for m in (mH, mDH):
+            tmas.append(cpasync.make_tiled_tma_atom(g2s, _kvchb(m), sH_tile, (self.k, self.v)))
+        self.tx_bytes = 5 * cute.size_in_bytes(self.dtype, sT_tile) + 2 * cute.size_in_bytes(
+            self.dtype, sH_tile
+        )
+        t_elems = cute.cosize(self.sT_layout)
+        h_elems = cute.cosize(self.sH_layout)
+        p_elems = cute.cosize(self.sP_layout)
+
+        @cute.struct
+        class SharedStorage:
+            barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            sTab: cute.struct.Align[cute.struct.MemRange[Float32, self.table], 16]
+            sG: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK * G_STRIDE], 1024]
+            sDO: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sU: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sDU: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sH: cute.struct.Align[cute.struct.MemRange[self.dtype, h_elems], 1024]
+            sDH: cute.struct.Align[cute.struct.MemRange[self.dtype, h_elems], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[BFloat16, p_elems], 1024]
+
+        self.shared_storage = SharedStorage
+        atoms_and_views = [x for atom_view in tmas for x in atom_view]
+        nc = (mDO.shape[1] + CHUNK - 1) // CHUNK
+        mmas = (self.mma_w, self.mma_s, self.mma_q, self.mma_k)
+        layouts = (self.sT_layout, self.sH_layout, self.sP_layout, self.sB_layout)
+        self.kernel(*atoms_and_views, mG, mDQ, mDK, mDW, mDG, *mmas, *layouts).launch(
+            grid=(nc, mDO.shape[2], mDO.shape[0]),
+            block=[THREADS, 1, 1],
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_do: cute.CopyAtom,
+        mDO4: cute.Tensor,
+        tma_u: cute.CopyAtom,
+        mU4: cute.Tensor,
+        tma_du: cute.CopyAtom,
+        mDU4: cute.Tensor,
+        tma_q: cute.CopyAtom,
+        mQ4: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        mK4: cute.Tensor,
+        tma_h: cute.CopyAtom,
+        mH5: cute.Tensor,
+        tma_dh: cute.CopyAtom,
+        mDH5: cute.Tensor,
+        mG: cute.Tensor,
+        mDQ: cute.Tensor,
+        mDK: cute.Tensor,
+        mDW: cute.Tensor,
+        mDG: cute.Tensor,
+        mma_w: cute.TiledMma,
+        mma_s: cute.TiledMma,
+        mma_q: cute.TiledMma,
+        mma_k: cute.TiledMma,
+        sT_layout: cute.ComposedLayout,
+        sH_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout,
+        sB_layout: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        atoms = (tma_do, tma_u, tma_du, tma_q, tma_k, tma_h, tma_dh)
+        if warp_idx == PRODUCER_WARP:
+            for atom in atoms:
+                cpasync.prefetch_descriptor(atom)
+        storage = SmemAllocator().allocate(self.shared_storage)
+        ring = tma_pipeline(storage.barriers, 1, self.tx_bytes, THREADS_PER_WG // WARP_SIZE)
+        init_arrive()
+        sDO = smem_tensor(storage.sDO, sT_layout)
+        sU = smem_tensor(storage.sU, sT_layout)
+        sDU = smem_tensor(storage.sDU, sT_layout)
+        sQ = smem_tensor(storage.sQ, sT_layout)
+        sK = smem_tensor(storage.sK, sT_layout)
+        sH = smem_tensor(storage.sH, sH_layout)
+        sDH = smem_tensor(storage.sDH, sH_layout)
+        sP = smem_tensor(storage.sP, sP_layout)
+        # (k er) over dU's bytes, (q el) over dO's: bf16 whatever the tiles' dtype
+        sKr = cute.make_tensor(
+            cute.recast_ptr(storage.sDU.data_ptr(), sB_layout.inner, BFloat16), sB_layout.outer
+        )
+        sQl = cute.make_tensor(
+            cute.recast_ptr(storage.sDO.data_ptr(), sB_layout.inner, BFloat16), sB_layout.outer
+        )
+        flat = cute.make_layout(CHUNK * G_STRIDE)
+        sG = storage.sG.get_tensor(flat)
+        # dG's rows over (k er)'s and h's bytes (adjacent fields; free once dq's blocks and the
+        # <h, dh> warps are done: BAR_HDH)
+        sRows = cute.make_tensor(cute.recast_ptr(storage.sDU.data_ptr(), dtype=Float32), flat)
+        sTab = storage.sTab.get_tensor(cute.make_layout(self.table))
+        init_wait()
+
+        c, hv, b = cute.arch.block_idx()
+        seqlen = mDO4.shape[0]
+        wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
+        if wg == 0:
+            if warp_idx == PRODUCER_WARP:
+                self._load(atoms, (mDO4, mU4, mDU4, mQ4, mK4, mH5, mDH5),
+                           (sDO, sU, sDU, sQ, sK, sH, sDH), ring, c, hv, b)  # fmt: skip
+            elif warp_idx <= HDH_WARPS:
+                self._rowsum_hdh(sH, sDH, sTab, ring)
+        else:
+            self._math(
+                mma_w, mma_s, mma_q, mma_k, sDO, sU, sDU, sQ, sK, sH, sDH, sP, sKr, sQl, sG,
+                sRows, sTab, mG, mDQ, mDK, mDW, mDG, ring, c, hv, b, seqlen,
+            )  # fmt: skip
+
+    @cute.jit
+    def _load(self, atoms, globals_, smems, ring, c, hv, b):
+        """The TMA warp: the chunk's five token tiles and its two states, one barrier."""
+        one = cute.make_layout(1)
+        st = producer_state(1)
+        ring.producer_acquire(st)
+        bar = ring.producer_get_barrier(st)
+        dims = (self.v, self.v, self.v, self.k, self.k)
+        for n in cutlass.range_constexpr(5):
+            g = cute.local_tile(globals_[n][None, None, hv, b], (CHUNK, dims[n]), (c, 0))
+            ts, tg = cpasync.tma_partition(
+                atoms[n], 0, one, cute.group_modes(smems[n], 0, 2), cute.group_modes(g, 0, 2)
+            )
+            cute.copy(atoms[n], tg, ts[(None, 0)], tma_bar_ptr=bar)
+        for n in cutlass.range_constexpr(5, 7):
+            g = cute.local_tile(globals_[n][None, None, c, hv, b], (self.k, self.v), (0, 0))
+            ts, tg = cpasync.tma_partition(
+                atoms[n], 0, one, cute.group_modes(smems[n], 0, 2), cute.group_modes(g, 0, 2)
+            )
+            cute.copy(atoms[n], tg, ts[(None, 0)], tma_bar_ptr=bar)
+
+    @cute.jit
+    def _rowsum_hdh(self, sH, sDH, sTab, ring):
+        """Warps 1, 2 of warpgroup 0: rowsum(h o dh) of key channels tid and tid + 64 over the
+        16-bit state tiles, into the table; then BAR_HDH (h's bytes free for dG's rows)."""
+        ring.consumer_wait(consumer_state(1))  # the TMA'd states, seen by these warps too
+        tid = opaque_tid_x() - WARP_SIZE
+        hh, dd = sH[None, None, 0], sDH[None, None, 0]
+        for half in cutlass.range_constexpr(2):
+            row = tid + half * CHUNK
+            part = Float32(0.0)
+            for col in cutlass.range(self.v, unroll=8):
+                part = part + Float32(hh[row, col]) * Float32(dd[row, col])
+            sTab[self.t_hdh * self.k + row] = part
+        named_barrier(BAR_HDH, THREADS_PER_WG + HDH_THREADS).arrive()
+
+    @cute.jit
+    def _coords(self, mma):
+        """This thread's accumulator coordinates (`softmax.acc_coords`) from a fresh, opaque
+        thread index: the shared-memory reads of G, q and k in each phase then have addresses of
+        their own, so the compiler reloads them instead of keeping the 64 values of an earlier
+        phase live (it did: 30 of them spilled)."""
+        return softmax.acc_coords(mma, opaque_tid_x() % THREADS_PER_WG, (CHUNK, self.k))
+
+    def _gi(self, row, col):
+        """Index of (row, col) in a flat fp32 (C, K) tile with rows padded to G_STRIDE: an
+        accumulator partition's 8 rows x 8 columns a warp reach 2-way bank conflicts at most
+        (8-way unpadded; an XOR swizzle kept 32 column offsets live and spilled), a row's
+        columns none, and every address is a thread base plus an immediate."""
+        return row * G_STRIDE + col
+
+    @cute.jit
+    def _tables(self, mG, sG, sTab, first, seqlen, b, hv):
+        """Math thread = key channel c: G's column c into shared memory (zero past T), r_I
+        (G at row 16 I + 8 clamped to the last row inside T), e^(r_I), e^(G_C - r_J), E_(I, J) =
+        e^(r_I - r_J) (I > J)."""
+        col = opaque_tid_x() % THREADS_PER_WG
+        for i in cutlass.range(CHUNK, unroll=8):
+            g_t = Float32(0.0)
+            if first + i < seqlen:
+                g_t = mG[b, first + i, hv, col]
+            sG[self._gi(i, col)] = g_t
+        last = cutlass.min(first + CHUNK, seqlen) - 1 - first
+        g_last = sG[self._gi(last, col)]
+        r = [Float32(0.0)] * NS
+        for j in cutlass.range_constexpr(NS):
+            r[j] = sG[self._gi(cutlass.min(j * SUB + SUB // 2, last), col)]
+            sTab[(self.t_r + j) * self.k + col] = r[j]
+            sTab[(self.t_er + j) * self.k + col] = cute.math.exp(r[j], fastmath=True)
+            sTab[(self.t_gr + j) * self.k + col] = cute.math.exp(g_last - r[j], fastmath=True)
+        for i in cutlass.range_constexpr(1, NS):
+            for j in cutlass.range_constexpr(i):
+                pair = i * (i - 1) // 2 + j
+                sTab[(self.t_e + pair) * self.k + col] = cute.math.exp(r[i] - r[j], fastmath=True)
+
+    @cute.jit
+    def _block_operands(self, sQ, sK, sKr, sQl, sG, sTab, first, seqlen):
+        """Math thread = key channel c: (k er) and (q el) (C, K) bf16 into their tiles, zero past
+        T (er = e^(r_w - G), el = e^(G - r_w), w the row's sub-chunk)."""
+        col = opaque_tid_x() % THREADS_PER_WG
+        qq, kk = sQ[None, None, 0], sK[None, None, 0]
+        kr, ql = sKr[None, None, 0], sQl[None, None, 0]
+        for i in cutlass.range(CHUNK, unroll=4):
+            a = sG[self._gi(i, col)] - sTab[(self.t_r + i // SUB) * self.k + col]
+            el, er = Float32(0.0), Float32(0.0)
+            if first + i < seqlen:
+                el = cute.math.exp(a, fastmath=True)
+                er = cute.math.exp(-a, fastmath=True)
+            kr[i, col] = BFloat16(Float32(kk[i, col]) * er)
+            ql[i, col] = BFloat16(Float32(qq[i, col]) * el)
+
+    @cute.jit
+    def _gemm_block(self, tiled_mma, acc, tA, tB):
+        """acc = A B over one k-block (16), one commit group, waited."""
+        warpgroup.fence()
+        atom = cute.make_mma_atom(tiled_mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, False)
+        cute.gemm(atom, acc, tA, tB, acc)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
+    @cute.jit
+    def _math(
+        self, mma_w, mma_s, mma_q, mma_k, sDO, sU, sDU, sQ, sK, sH, sDH, sP, sKr, sQl, sG, sRows,
+        sTab, mG, mDQ, mDK, mDW, mDG, ring, c, hv, b, seqlen,
+    ):  # fmt: skip
+        wg_w = mma_w.get_slice(0)
+        wg_s = mma_s.get_slice(0)
+        wg_q = mma_q.get_slice(0)
+        wg_k = mma_k.get_slice(0)
+        tArDO = wg_w.make_fragment_A(wg_w.partition_A(sDO))
+        tArU = wg_w.make_fragment_A(wg_w.partition_A(sU))
+        tArDU = wg_w.make_fragment_A(wg_w.partition_A(sDU))
+        tBrH = wg_w.make_fragment_B(wg_w.partition_B(sH))
+        tBrDH = wg_w.make_fragment_B(wg_w.partition_B(sDH))
+        tSrDO = wg_s.make_fragment_A(wg_s.partition_A(sDO))
+        tSrU = wg_s.make_fragment_B(wg_s.partition_B(sU))
+        tQrP = wg_q.make_fragment_A(wg_q.partition_shape_A((CHUNK, CHUNK)))
+        tQrKr = wg_q.make_fragment_B(wg_q.partition_B(transposed(sKr)))
+        tKrP = wg_k.make_fragment_A(wg_k.partition_A(sP))
+        tKrQl = wg_k.make_fragment_B(wg_k.partition_B(transposed(sQl)))
+        math = named_barrier(BAR_MATH, THREADS_PER_WG)
+        first = c * CHUNK
+        tid = opaque_tid_x() % THREADS_PER_WG
+        w = tid // WARP_SIZE  # the warp's sub-chunk
+        self._tables(mG, sG, sTab, first, seqlen, b, hv)
+        math.arrive_and_wait()
+        st = consumer_state(1)
+        ring.consumer_wait(st)
+
+        # dw = -dU h^T, out at once
+        acc = cute.make_rmem_tensor(wg_w.partition_shape_C((CHUNK, self.k)), Float32)
+        gemm(mma_w, acc, tArDU[None, None, None, 0], tBrH[None, None, None, 0], True, 0)
+        acc.store(-acc.load())
+        self._store_rows(acc, mma_w, mDW, tid, b, hv, c, seqlen)
+        # dqe = dO h^T, S = dO U^T
+        gemm(mma_w, acc, tArDO[None, None, None, 0], tBrH[None, None, None, 0], True, -1)
+        acc_s = cute.make_rmem_tensor(wg_s.partition_shape_C((CHUNK, CHUNK)), Float32)
+        gemm(mma_s, acc_s, tSrDO[None, None, None, 0], tSrU[None, None, None, 0], True, 0)
+        t0s, row_s, col_s = softmax.acc_coords(mma_s, tid, (CHUNK, CHUNK))
+        t0, row_w, col_w = softmax.acc_coords(mma_w, tid, (CHUNK, self.k))
+        diag = self.table - CHUNK  # dP's diagonal in the table
+        s = rows_cols(acc_s)
+        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+            i = row_s + t0s[r, 0][0]
+            for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                col = col_s + t0s[0, j][1]
+                if col == i:
+                    sTab[diag + i] = s[r, j]
+                if col >= i or first + i >= seqlen:
+                    s[r, j] = Float32(0.0)
+        self._store_bf16(acc_s, mma_s, sP, True)  # dP^T for dk's blocks
+        acc_to_operand_a(acc_s, tQrP)
+        math.arrive_and_wait()  # every thread's dO / dU products retired, dP^T stored
+        self._block_operands(sQ, sK, sKr, sQl, sG, sTab, first, seqlen)
+        cute.arch.fence_view_async_shared()
+        math.arrive_and_wait()
+
+        # dq = el o (e^(r_w) o dqe + sum_(J <= w) E_(w,J) o blocks) + dP_ii k_i
+        qa = rows_cols(acc)
+        self._scale_cols(qa, sTab, self.t_er + w, t0, col_w)
+        acc_b = cute.make_rmem_tensor(wg_w.partition_shape_C((CHUNK, self.k)), Float32)
+        ba = rows_cols(acc_b)
+        for j in cutlass.range_constexpr(NS):
+            self._gemm_block(mma_q, acc_b, tQrP[None, None, j], tQrKr[None, None, j, 0])
+            if w == j:
+                qa.store(qa.load() + ba.load())
+            elif w > j:
+                self._add_scaled_cols(qa, ba, sTab, w, j, t0, col_w)
+        self._scale_rows_g(qa, mma_w, sG, sTab, w, first, seqlen, True)
+        # every math thread's dq blocks retired and the <h, dh> warps done: (k er)'s and h's
+        # bytes free for dG's rows
+        named_barrier(BAR_HDH, THREADS_PER_WG + HDH_THREADS).arrive_and_wait()
+        self._rows_out(qa, mma_w, sQ, sK, sRows, sTab, diag, True)
+        self._store_rows(acc, mma_w, mDQ, tid, b, hv, c, seqlen)
+
+        # dk = er o (e^(G_C - r_w) o dke + sum_(I >= w) E_(I,w) o blocks) + dP_jj q_j
+        gemm(mma_w, acc, tArU[None, None, None, 0], tBrDH[None, None, None, 0], True, 0)
+        self._te(qa, mma_w, sK, sG, sTab, w, first, seqlen)
+        self._scale_cols(qa, sTab, self.t_gr + w, t0, col_w)
+        for i in cutlass.range_constexpr(NS):
+            self._gemm_block(mma_k, acc_b, tKrP[None, None, i, 0], tKrQl[None, None, i, 0])
+            if w == i:
+                qa.store(qa.load() + ba.load())
+            elif w < i:
+                self._add_scaled_cols(qa, ba, sTab, i, w, t0, col_w)
+        self._scale_rows_g(qa, mma_w, sG, sTab, w, first, seqlen, False)
+        self._rows_out(qa, mma_w, sK, sQ, sRows, sTab, diag, False)
+        self._store_rows(acc, mma_w, mDK, tid, b, hv, c, seqlen)
+        math.arrive_and_wait()  # dG's rows and te's partials in shared memory
+        self._finish_dg(sG, sRows, sTab, mDG, first, seqlen, b, hv, tid)
+        ring.consumer_release(st)
+
+    @cute.jit
+    def _scale_cols(self, a, sTab, t_row, t0, col_w):
+        """a (rows, cols) *= table row t_row's value of each column."""
+        for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
+            f = sTab[t_row * self.k + col_w + t0[0, j][1]]
+            for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
+                a[r, j] = a[r, j] * f
+
+    @cute.jit
+    def _add_scaled_cols(self, a, blk, sTab, i, j, t0, col_w):
+        """a += E_(i, j) o blk per column (i > j; i, j compile-time or warp-uniform)."""
+        pair = i * (i - 1) // 2 + j
+        for n in cutlass.range_constexpr(cute.size(a, mode=[1])):
+            f = sTab[(self.t_e + pair) * self.k + col_w + t0[0, n][1]]
+            for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
+                a[r, n] = a[r, n] + f * blk[r, n]
+
+    @cute.jit
+    def _scale_rows_g(self, a, mma, sG, sTab, w, first, seqlen, left: cutlass.Constexpr[bool]):
+        """a *= el = e^(G - r_w) (left) or er = e^(r_w - G), zero past T."""
+        t0, row_w, col_w = self._coords(mma)
+        for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
+            i = row_w + t0[r, 0][0]
+            inside = first + i < seqlen
+            for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
+                col = col_w + t0[0, j][1]
+                x = sG[self._gi(i, col)] - sTab[(self.t_r + w) * self.k + col]
+                if const_expr(not left):
+                    x = -x
+                f = cute.math.exp(x, fastmath=True)
+                a[r, j] = a[r, j] * f
+                if not inside:
+                    a[r, j] = Float32(0.0)
+
+    @cute.jit
+    def _te(self, a, mma, sK, sG, sTab, w, first, seqlen):
+        """te's partial column sums of this warp: sum over its 16 rows of k o dke o
+        e^(G_C - G) (quad rows by butterfly shuffles over lanes 4, 8, 16), into the table."""
+        t0, row_w, col_w = self._coords(mma)
+        kk = sK[None, None, 0]
+        lane = opaque_tid_x() % WARP_SIZE
+        last = cutlass.min(first + CHUNK, seqlen) - 1 - first
+        for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
+            col = col_w + t0[0, j][1]
+            g_last = sG[self._gi(last, col)]
+            part = Float32(0.0)
+            for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
+                i = row_w + t0[r, 0][0]
+                if first + i < seqlen:
+                    f = cute.math.exp(g_last - sG[self._gi(i, col)], fastmath=True)
+                    part = part + a[r, j] * f * Float32(kk[i, col])
+            for sh in cutlass.range_constexpr(2, 5):
+                part = part + cute.arch.shuffle_sync_bfly(part, 1 << sh)
+            if lane < QUAD:
+                sTab[(self.t_te + w) * self.k + col] = part
+
+    @cute.jit
+    def _rows_out(self, a, mma, sX, sY, sRows, sTab, diag, first_half: cutlass.Constexpr[bool]):
+        """dG's rows: q o dq (first_half: stored) or -= k o dk (the thread's own earlier
+        elements), before the diagonal's term; then a += dP_ii y_i (dq: y = k, dk: y = q; dP_ii
+        at table offset `diag`, zero past T: S's rows are masked there)."""
+        t0, row_w, col_w = self._coords(mma)
+        xx, yy = sX[None, None, 0], sY[None, None, 0]
+        for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
+            i = row_w + t0[r, 0][0]
+            d = sTab[diag + i]
+            for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
+                col = col_w + t0[0, j][1]
+                n = self._gi(i, col)
+                if const_expr(first_half):
+                    sRows[n] = Float32(xx[i, col]) * a[r, j]
+                else:
+                    sRows[n] = sRows[n] - Float32(xx[i, col]) * a[r, j]
+                a[r, j] = a[r, j] + d * Float32(yy[i, col])
+
+    @cute.jit
+    def _finish_dg(self, sG, sRows, sTab, mDG, first, seqlen, b, hv, tid):
+        """Math thread = key channel c: dG of every token of the chunk, the reverse cumulative
+        sum of the rows from the last plus te + e^(G_C) rowsum(h o dh)."""
+        col = tid
+        last = cutlass.min(first + CHUNK, seqlen) - 1 - first
+        hdh = sTab[self.t_hdh * self.k + col]
+        acc = cute.math.exp(sG[self._gi(last, col)], fastmath=True) * hdh
+        for j in cutlass.range_constexpr(NS):
+            acc = acc + sTab[(self.t_te + j) * self.k + col]
+        for n in cutlass.range(CHUNK, unroll=8):
+            i = CHUNK - 1 - n
+            acc = acc + sRows[self._gi(i, col)]
+            if first + i < seqlen:
+                mDG[b, first + i, hv, col] = acc
+
+    @cute.jit
+    def _store_bf16(self, acc, mma, s_tile, transpose: cutlass.Constexpr[bool]):
+        """An accumulator (rows i, columns j), bf16, into the K-major tile s_tile as (j, i)
+        (`transpose`: the transposed stmatrix) or (i, j), fenced for the WGMMAs."""
+        tid = opaque_tid_x() % THREADS_PER_WG
+        r2s = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose, 4), BFloat16), mma
+        )
+        thr = r2s.get_slice(tid)
+        r_p = cute.make_rmem_tensor(acc.shape, BFloat16)
+        r_p.store(acc.load().to(BFloat16))
+        dst = s_tile[None, None, 0]
+        if const_expr(transpose):
+            dst = transposed(dst)
+        cute.copy(r2s, thr.retile(r_p), thr.partition_D(dst))
+        cute.arch.fence_view_async_shared()

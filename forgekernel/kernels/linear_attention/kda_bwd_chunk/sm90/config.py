@@ -1,0 +1,37 @@
+"""Kimi Delta Attention backward kernel 2 (the chunk-parallel output-side gradients)
+configurations and fixed geometry (DSL-free: the launcher and the tests read it)."""
+
+from __future__ import annotations
+
+from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG
+
+DTYPES = ("float16", "bfloat16")
+HEAD_DIMS = ((128, 128),)  # (K, V)
+CHUNK = 64  # tokens per chunk (one CTA), the M of every product: one math warpgroup
+SUB = 16  # sub-chunk rows (one reference point each; a math warp's rows)
+NS = CHUNK // SUB
+THREADS = 2 * THREADS_PER_WG  # warpgroup 0: the TMA warp, the <h, dh> warps; 1: the products
+HDH_WARPS = 2  # warps 1, 2 of warpgroup 0: rowsum(h o dh) per key channel
+
+
+def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2) -> int:
+    """Shared memory of one CTA (the kernel's SharedStorage, alignment padding included): the
+    five token tiles, the two states, dP^T (C, C) bf16, G (C, K) fp32 with rows padded by 8,
+    the per-channel tables (r, e^(r_I), e^(G_C - r_J), the six E_(I, J) of I > J, the te
+    partials, rowsum(h o dh), dP's diagonal), one barrier pair. (k er), (q el) and dG's rows
+    reuse dU's, dO's and the states' bytes."""
+    tokens = CHUNK * (3 * v + 2 * k) * elem_bytes
+    tables = (3 * NS + 6 + NS + 1) * k * 4 + CHUNK * 4
+    states, p_t, g = 2 * k * v * elem_bytes, CHUNK * CHUNK * 2, CHUNK * (k + 8) * 4
+    return tokens + states + p_t + g + tables + 16 + 1024
+
+
+def params_for(dtype: str, head_dims: tuple[int, int] = (128, 128)) -> tuple:
+    """Compile key: the 16-bit dtype of the tiles and (K, V) (the block products run in bf16
+    for both: e^(+-a) reaches e^(8 max|g|), past fp16's range)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
+    if tuple(head_dims) not in HEAD_DIMS:
+        raise ValueError(f"(K, V) must be one of {HEAD_DIMS}, got {tuple(head_dims)}")
+    k, v = head_dims
+    return tuple(sorted({"dtype": dtype, "k": k, "v": v}.items()))

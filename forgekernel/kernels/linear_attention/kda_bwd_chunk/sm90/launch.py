@@ -1,0 +1,77 @@
+"""Host launcher of Kimi Delta Attention's backward kernel 2 (the chunk-parallel output-side
+gradients): torch only (no DSL). Its inputs are `forgekernel.reference.kda_bwd_chunk`'s
+`chunk_grad_tiles`."""
+
+from __future__ import annotations
+
+import torch
+
+from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90 import SPEC
+from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90.config import CHUNK, params_for
+from forgekernel.runtime.cache import get_kernel
+from forgekernel.runtime.device import as_tma_ready, dtype_name, on_device
+
+Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def check_inputs(do, u, du, q, k, h, dh, big_g) -> tuple[int, int, int, int]:
+    """(B, T, HV, NC) of a valid call, else ValueError / TypeError saying what is off."""
+    if do.dim() != 4:
+        raise ValueError(f"do must be (B, T, HV, V), got {tuple(do.shape)}")
+    b, t, hv, v = do.shape
+    nc = -(-t // CHUNK)
+    if do.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"do must be float16 or bfloat16, got {do.dtype}")
+    kd = q.shape[-1]
+    want = {"u": (b, t, hv, v), "du": (b, t, hv, v), "q": (b, t, hv, kd), "k": (b, t, hv, kd),
+            "h": (b, nc, hv, kd, v), "dh": (b, nc, hv, kd, v)}  # fmt: skip
+    for name, x in zip(want, (u, du, q, k, h, dh)):
+        if tuple(x.shape) != want[name]:
+            raise ValueError(f"{name} must be {want[name]}, got {tuple(x.shape)}")
+        if x.dtype != do.dtype:
+            raise TypeError(f"{name} must be {do.dtype} (do's dtype), got {x.dtype}")
+    params_for(dtype_name(do.dtype), (kd, v))  # K, V supported
+    if tuple(big_g.shape) != (b, t, hv, kd) or big_g.dtype != torch.float32:
+        raise ValueError(f"G must be float32 {(b, t, hv, kd)}, got {big_g.dtype} "
+                         f"{tuple(big_g.shape)}")  # fmt: skip
+    return b, t, hv, nc
+
+
+def empty_outputs(do: torch.Tensor, k: int) -> Outputs:
+    """(dq, dk, dw, dg) (B, T, HV, K) fp32, uninitialized."""
+    b, t, hv, _ = do.shape
+    return (*(torch.empty(b, t, hv, k, dtype=torch.float32, device=do.device)
+              for _ in range(4)),)  # fmt: skip
+
+
+def kda_bwd_chunk(
+    do: torch.Tensor,
+    u: torch.Tensor,
+    du: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    h: torch.Tensor,
+    dh: torch.Tensor,
+    big_g: torch.Tensor,
+    *,
+    out: Outputs | None = None,
+) -> Outputs:
+    """Per chunk of 64 tokens (every chunk at once), reference/kda_bwd.py's `_output_grads`:
+    dq, dk, dw and dg (its per-channel dG after the reverse cumsum within the chunk); the
+    products as `reference.kda_bwd_chunk.chunk_grads_model` forms them. do, u, du (B, T, HV,
+    V), q (scaled), k (B, T, HV, K), h, dh (B, NC, HV, K, V: the state at each chunk's start,
+    its gradient at the chunk's end) in one 16-bit dtype; big_g (B, T, HV, K) fp32 the
+    within-chunk cumulative log decay per key channel. Returns (dq, dk, dw, dg) (B, T, HV, K)
+    fp32, written into `out` (contiguous) when given."""
+    b, t, hv, _ = check_inputs(do, u, du, q, k, h, dh, big_g)
+    outs = empty_outputs(do, q.shape[-1]) if out is None else out
+    for x in outs:
+        if not x.is_contiguous() or x.dtype != torch.float32:
+            raise ValueError("out must be contiguous float32 tensors")
+    if b * hv * t == 0:
+        return outs
+    fn = get_kernel(SPEC, params_for(dtype_name(do.dtype), (q.shape[-1], do.shape[-1])))
+    tiles = [as_tma_ready(x) for x in (do, u, du, q, k, h, dh)]
+    with on_device(do.device):
+        fn(*tiles, big_g.contiguous(), *outs)
+    return outs

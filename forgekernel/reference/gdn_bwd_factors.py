@@ -1,0 +1,140 @@
+"""The CPU model of the Gated DeltaNet backward's kernel 0 (kernels/linear_attention/
+gdn_bwd_factors/sm90): the chunk factors that kernel 1's two launches and kernel 2 read, in
+their layouts, formed per (chunk, value head) from q, k, v, g, beta.
+
+`factor_tiles` builds them from reference/delta_rule_bwd.py's `_Factors` (the torch pass the
+kernel replaces, and its fallback); `factors_model` is the tile emulation of the kernel: every
+chunk at once, the products in the kernel's order, its 16-bit operands rounded by `rounding`
+(T diag(beta e^G) and T diag(beta), the A operands of W = . K and u = . V) and the outputs in
+`dtype`. Per chunk of C = 64 tokens (q scaled and normalized, G = cumsum g within the chunk,
+zero gates and rows past T):
+
+    A   = beta_i k_i.k_j e^(G_i - G_j)  (j < i),   T = (I + A)^-1
+    W   = T diag(beta e^G) K,   u = T diag(beta) V,   P = (Q K^T) o e^(G_i - G_j)  (j <= i)
+    Ke  = K e^(G_C - G),   Qe = Q e^G,   e^(G_C)
+
+Outputs (`NAMES`; token tiles (B, NC C, HV, D) in `dtype`, every chunk's 64 rows written,
+the padded ones zero; vectors fp32):
+
+    w, u, pt (row j: column j of P), ke, qe, tt (row j: column j of T)   chunks in order
+    fw_u = u, fw_w = -W, fw_ke = -Ke                                      chunks reversed
+    e_last (B, NC, HV) = e^(G_C),  big_g (B, NC C, HV) = G
+
+Kernel 1's reverse launch reads pt, ke, qe, w (and e_last); its forward launch fw_u, fw_w,
+fw_ke as do, ke, w (`reference.gdn_bwd_state.forward_state_tiles`: pt = I, qe = 0, e_last
+reversed); kernel 2 reads w, u, tt and big_g cut to T tokens (`wy_tiles`, `chunk_grad_tiles`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from forgekernel.reference.delta_rule_bwd import _Factors
+from forgekernel.reference.gdn_bwd_state import CHUNK, to_chunks, to_tokens
+
+NAMES = ("w", "u", "pt", "ke", "qe", "tt", "fw_u", "fw_w", "fw_ke", "e_last", "big_g")
+TOKEN_TILES = NAMES[:9]
+
+
+def _tiles(w, u, p, ke, qe, inverse, e_last, big_g, dtype) -> dict[str, torch.Tensor]:
+    """Chunk pieces (B, NC, HV, C, ...) -> the kernel's outputs (module docstring)."""
+
+    def tok(x, flip=False):
+        return to_tokens((x.flip(1) if flip else x).to(dtype))
+
+    wide = torch.promote_types(e_last.dtype, torch.float32)  # fp64 stays (the exact checks)
+    out = {"w": tok(w), "u": tok(u), "pt": tok(p.transpose(-1, -2)), "ke": tok(ke),
+           "qe": tok(qe), "tt": tok(inverse.transpose(-1, -2)), "fw_u": tok(u, True),
+           "fw_w": tok(-w, True), "fw_ke": tok(-ke, True)}  # fmt: skip
+    out["e_last"] = e_last.to(wide).contiguous()
+    out["big_g"] = to_tokens(big_g.to(wide))
+    return out
+
+
+def factor_tiles(f: _Factors, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The kernel's outputs from the torch factors of every chunk (`chunk_factors`: pieces
+    (B, NC, HV, C, ...)): what the op's kernel path formed before kernel 0."""
+    c = f.lower.shape[-1]
+    eye = torch.eye(c, dtype=f.lower.dtype, device=f.lower.device)
+    inverse = torch.linalg.solve_triangular(f.lower, eye, upper=False, unitriangular=True)
+    big_g = f.e_g.log()  # G itself: e^G > 0 on every row (zero gates past T)
+    return _tiles(f.w, f.u, f.p, f.ke, f.qe, inverse, f.e_last[..., 0], big_g, dtype)
+
+
+def factors_model(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    dtype: torch.dtype,
+    rounding: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    inverse: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """The kernel's outputs from its inputs: q (scaled, normalized), k (B, T, H, K), v (B, T,
+    HV, V), g, beta (B, T, HV); value head hv reads q / k head hv // (HV / H). Computed in the
+    inputs' float dtype (fp64 for the checks); `rounding`: the kernel's 16-bit A operands of W
+    and u (None: none); `inverse`: (I + A) -> T (None: the exact triangular solve; the tests
+    may pass the tf32 replay of the forward's blocked inverse)."""
+    b, t, h, _ = q.shape
+    hv = v.shape[2]
+    nc = -(-t // CHUNK)
+    f = torch.promote_types(q.dtype, torch.float32)
+    group = hv // h
+    qc, kc = (to_chunks(x.to(f).repeat_interleave(group, dim=2), nc) for x in (q, k))
+    vc, gc, bc = (to_chunks(x.to(f), nc) for x in (v, g, beta))
+    big_g = gc.cumsum(-1)
+    e_g = big_g.exp()
+    e_end = (big_g[..., -1:] - big_g).exp()
+    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
+    strict = causal.tril(-1)
+    diff = big_g.unsqueeze(-1) - big_g.unsqueeze(-2)
+    decay = torch.where(causal, diff.masked_fill(~causal, 0).exp(), 0)
+    a = bc.unsqueeze(-1) * (kc @ kc.transpose(-1, -2)) * decay * strict
+    lower = torch.eye(CHUNK, dtype=f, device=q.device) + a
+    eye = torch.eye(CHUNK, dtype=f, device=q.device)
+    if inverse is None:
+        tri = torch.linalg.solve_triangular(lower, eye, upper=False, unitriangular=True)
+    else:
+        tri = inverse(lower)
+    rnd = rounding or (lambda x: x)
+    w = rnd(tri * (bc * e_g).unsqueeze(-2)) @ kc
+    u = rnd(tri * bc.unsqueeze(-2)) @ vc
+    p = (qc @ kc.transpose(-1, -2)) * decay
+    ke = kc * e_end.unsqueeze(-1)
+    qe = qc * e_g.unsqueeze(-1)
+    return _tiles(w, u, p, ke, qe, tri, e_g[..., -1], big_g, dtype)
+
+
+def for_kernel2(tiles: dict[str, torch.Tensor], t: int) -> dict[str, torch.Tensor]:
+    """Kernel 2's views of the outputs: w, u, tt and big_g cut to T tokens (views: strided
+    when B > 1, which TMA reads in place)."""
+    return {n: tiles[n][:, :t] for n in ("w", "u", "tt", "big_g")}
+
+
+def forward_launch_tiles(
+    tiles: dict[str, torch.Tensor], identity: bool = True
+) -> dict[str, torch.Tensor]:
+    """Kernel 1's forward launch's inputs from the outputs (`forward_state_tiles`' dict): do =
+    fw_u, pt = I, ke = fw_w, qe = 0, w = fw_ke (token-major, chunks reversed), e_last reversed
+    (fp32). The identity and zero tiles are the only ones made here; `identity` False: pt and
+    qe None (kernel 1's `forward` variant builds them in)."""
+    fw_u = tiles["fw_u"]
+    if not identity:
+        out = {"do": fw_u, "pt": None, "ke": tiles["fw_w"], "qe": None, "w": tiles["fw_ke"]}
+        out["e_last"] = tiles["e_last"].flip(1).float().contiguous()
+        return out
+    b, rows, hv, _ = fw_u.shape
+    eye = torch.eye(CHUNK, dtype=fw_u.dtype, device=fw_u.device).view(1, 1, CHUNK, 1, CHUNK)
+    eye = eye.expand(b, rows // CHUNK, CHUNK, hv, CHUNK).contiguous().view(b, rows, hv, CHUNK)
+    zeros = torch.zeros_like(tiles["fw_ke"])
+    out = {"do": fw_u, "pt": eye, "ke": tiles["fw_w"], "qe": zeros, "w": tiles["fw_ke"]}
+    out["e_last"] = tiles["e_last"].flip(1).float().contiguous()
+    return out
+
+
+def rounding_to(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> x rounded to `dtype`, kept in x's dtype (the kernel's 16-bit operands)."""
+    return lambda x: x.to(dtype).to(x.dtype)

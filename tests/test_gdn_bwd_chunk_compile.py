@@ -1,0 +1,128 @@
+"""The Gated DeltaNet backward's kernel 2 (chunk-parallel pass 3) compiled for sm_90a on the
+CPU (the DSL compiles, ptxas assembles, cuobjdump reads the cubin), 256 threads, nothing
+spilled. `_output_grads` variant: 168 registers; 156,672 bytes of shared memory (within
+config's bound); per CTA the WGMMAs dO h^T, U dh^T, -dU h^T (8 x 64x128x16 each), dO U^T (8 x
+64x64x16), dPD k and dPD^T q (4 x 64x128x16 each, B transposed), six commit groups; seven TMA
+tiles (five token tiles, two states: fourteen 64-column halves); dPD^T by four transposed
+stmatrix a thread; three quad row dots (twelve shuffles) and the finish warps' <dh, h> (five
+more). WY variant (all of pass 3): 255
+registers, 222,208 bytes; 80 HGMMA in 13 groups (adds T^T dw, T^T du, M k, M^T k: 4 x
+64x128x16 each; dkb w^T, dvb u^T: 8 x 64x64x16 each, A from registers; K K^T: 8 x 64x64x16);
+nineteen TMA halves; dw by eight stmatrix, M^T by four transposed; 37 shuffles."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("cutlass")
+
+from dsl_toolchain import dsl_toolchain  # noqa: E402
+
+from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY  # noqa: E402
+from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90 import config  # noqa: E402
+from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.compile import (  # noqa: E402
+    compile_gdn_bwd_chunk,
+    kernel_for,
+)
+from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_instructions, sass_text  # noqa: E402
+
+if find_tool("cuobjdump") is None:
+    pytest.skip("cuobjdump not found", allow_module_level=True)
+
+REGISTERS = {False: 168, True: 255}  # compiled figures (2026-12-04); a rise: look at it
+SMEM = {False: 156672, True: 222208}
+CONFIGS = [(dtype, wy) for dtype in config.DTYPES for wy in (False, True)]
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    cache = {}
+
+    def get(dtype, wy, grouped=False, dv16=False):
+        if (dtype, wy, grouped, dv16) not in cache:
+            params = dict(config.params_for(dtype, wy=wy, grouped=grouped, dv16=dv16))
+            kernel = kernel_for(params)
+            with tempfile.TemporaryDirectory() as d:
+                fn = compile_gdn_bwd_chunk(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
+                                           kernel=kernel)  # fmt: skip
+                cubin = fn.artifacts.CUBIN
+                if isinstance(cubin, bytes):
+                    Path(d, "k.cubin").write_bytes(cubin)
+                    cubin = Path(d, "k.cubin")
+                res = inspect_cubin(cubin)
+                sass = sass_text(cubin)
+            cache[dtype, wy, grouped, dv16] = (res, sass_instructions(sass),
+                                               kernel.shared_storage.size_in_bytes())  # fmt: skip
+        return cache[dtype, wy, grouped, dv16]
+
+    return get
+
+
+@pytest.mark.parametrize(("dtype", "wy"), CONFIGS)
+def test_registers_and_no_spills(compiled, dtype, wy):
+    res, instrs, _ = compiled(dtype, wy)
+    assert res["registers"] <= min(REGISTERS[wy], 65536 // config.THREADS)
+    assert res["spill_bytes"] == 0
+    assert not [op for op, _ in instrs if op.startswith(("LDL", "STL"))]
+
+
+@pytest.mark.parametrize(("dtype", "wy"), CONFIGS)
+def test_shared_memory_fits(compiled, dtype, wy):
+    res, _, smem = compiled(dtype, wy)
+    assert smem == SMEM[wy] <= config.smem_bytes(wy=wy) <= SMEM_CAPACITY
+    assert smem + res["smem_bytes"] <= SMEM_CAPACITY
+
+
+@pytest.mark.parametrize(("dtype", "wy"), CONFIGS)
+def test_wgmmas_and_tma(compiled, dtype, wy):
+    _, instrs, _ = compiled(dtype, wy)
+    ops = [op for op, _ in instrs]
+    shapes = [(op, a) for op, a in instrs if op.startswith("HGMMA")]
+    assert sum(op.startswith("HGMMA.64x64x16") for op, _ in shapes) == 8 + 24 * wy
+    wide = [a for op, a in shapes if op.startswith("HGMMA.64x128x16")]
+    assert len(wide) == 3 * 8 + 2 * 4 + 4 * 4 * wy
+    # dPD k, dPD^T q (and T^T dw, T^T du, M k, M^T k): B transposed
+    assert sum("tnspB" in a for a in wide) == 2 * 4 + 4 * 4 * wy
+    assert sum("gsb0" in a for _, a in shapes) == 6 + 7 * wy  # one commit group a product
+    assert ops.count("UTMALDG.4D") == 10 + 5 * wy and ops.count("UTMALDG.5D") == 4
+    assert ops.count("STSM.16.MT88.4") == 4 + 4 * wy
+    assert ops.count("STSM.16.M88.4") == 8 * wy
+    assert ops.count("SHFL.BFLY") == 17 + 20 * wy
+
+
+@pytest.mark.parametrize("dtype", config.DTYPES)
+def test_grouped_wy_resources(compiled, dtype):
+    """`grouped` (q, k read at head hv // (HV / H), the op's path): the WY variant's registers,
+    shared memory, products and loads unchanged, no spill; only the producer's head index
+    differs (one integer division a CTA: a MUFU.RCP more)."""
+    res, instrs, smem = compiled(dtype, True, True)
+    base_res, base_instrs, base_smem = compiled(dtype, True)
+    assert res["spill_bytes"] == 0
+    assert not [op for op, _ in instrs if op.startswith(("LDL", "STL"))]
+    assert res["registers"] == base_res["registers"] and smem == base_smem == SMEM[True]
+    assert res["registers"] <= REGISTERS[True]
+    for prefix in ("HGMMA", "UTMALDG", "STSM", "SHFL", "STG", "MUFU.EX2"):
+        got = sorted(op for op, _ in instrs if op.startswith(prefix))
+        assert got == sorted(op for op, _ in base_instrs if op.startswith(prefix)), prefix
+
+
+@pytest.mark.parametrize("dtype", config.DTYPES)
+def test_dv16_resources(compiled, dtype):
+    """`dv16` with `grouped` (the op's key): the WY variant's registers and shared memory, no
+    spill; dv's 32 fp32 pair stores (STG.E.64) become 32 packed 16-bit pair stores (STG.E)."""
+    res, instrs, smem = compiled(dtype, True, True, True)
+    base_res, base_instrs, _ = compiled(dtype, True, True)
+    assert res["spill_bytes"] == 0
+    assert not [op for op, _ in instrs if op.startswith(("LDL", "STL"))]
+    assert res["registers"] == base_res["registers"] and smem == SMEM[True]
+    ops, base_ops = [op for op, _ in instrs], [op for op, _ in base_instrs]
+    assert ops.count("STG.E.64") < base_ops.count("STG.E.64")
+    if dsl_toolchain() == "cu13":
+        assert ops.count("STG.E.64") == base_ops.count("STG.E.64") - 32
+        assert ops.count("STG.E") == base_ops.count("STG.E") + 32
+    for prefix in ("HGMMA", "UTMALDG", "STSM", "SHFL"):
+        got = sorted(op for op in ops if op.startswith(prefix))
+        assert got == sorted(op for op in base_ops if op.startswith(prefix)), prefix

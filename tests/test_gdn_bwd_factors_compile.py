@@ -1,0 +1,90 @@
+"""The Gated DeltaNet backward's kernel 0 (the chunk factors) compiled for sm_90a on the CPU
+(the DSL compiles, ptxas assembles, cuobjdump reads the cubin), 256 threads, nothing spilled:
+241 registers (bf16) and 253 (fp16) with cu13's ptxas (CI's cu12 toolchain: not measured
+here, only the ceiling and no spill are pinned); 188,416 bytes of shared memory (within
+config's bound); per CTA the WGMMAs K K^T and Q K^T (8 x 64x64x16 each, both operands in
+shared memory) and u = [T diag(beta)] V, W = [T diag(beta e^G)] K (4 x 64x128x16 each, A from
+registers, B transposed), four commit groups; the forward's tf32 inverse merges (28
+HMMA.1688 tf32); three TMA loads (six 64-column halves) and nine TMA stores (sixteen halves:
+seven 128-wide tiles, P^T and T^T); P^T and T^T by four transposed stmatrix a thread, W, -W,
+u by eight each; the gates' warp scan (five SHFL.UP)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("cutlass")
+
+from dsl_toolchain import dsl_toolchain  # noqa: E402  (tests/ is on the path)
+
+from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY  # noqa: E402
+from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90 import config  # noqa: E402
+from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90.compile import (  # noqa: E402
+    compile_gdn_bwd_factors,
+    kernel_for,
+)
+from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_instructions, sass_text  # noqa: E402
+
+if find_tool("cuobjdump") is None:
+    pytest.skip("cuobjdump not found", allow_module_level=True)
+
+REGISTERS = {"bfloat16": 241, "float16": 253}  # cu13, compiled 2026-12-05; a rise: look at it
+SMEM = 188416
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    cache = {}
+
+    def get(dtype):
+        if dtype not in cache:
+            params = dict(config.params_for(dtype))
+            kernel = kernel_for(params)
+            with tempfile.TemporaryDirectory() as d:
+                fn = compile_gdn_bwd_factors(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
+                                             kernel=kernel)  # fmt: skip
+                cubin = fn.artifacts.CUBIN
+                if isinstance(cubin, bytes):
+                    Path(d, "k.cubin").write_bytes(cubin)
+                    cubin = Path(d, "k.cubin")
+                res = inspect_cubin(cubin)
+                sass = sass_text(cubin)
+            cache[dtype] = (res, sass_instructions(sass), kernel.shared_storage.size_in_bytes())
+        return cache[dtype]
+
+    return get
+
+
+@pytest.mark.parametrize("dtype", config.DTYPES)
+def test_registers_and_no_spills(compiled, dtype):
+    res, instrs, _ = compiled(dtype)
+    ceiling = 65536 // config.THREADS
+    want = REGISTERS[dtype] if dsl_toolchain() == "cu13" else ceiling
+    assert res["registers"] <= min(want, ceiling)
+    assert res["spill_bytes"] == 0
+    assert not [op for op, _ in instrs if op.startswith(("LDL", "STL"))]
+
+
+@pytest.mark.parametrize("dtype", config.DTYPES)
+def test_shared_memory_fits(compiled, dtype):
+    res, _, smem = compiled(dtype)
+    assert smem == SMEM <= config.smem_bytes() <= SMEM_CAPACITY
+    assert smem + res["smem_bytes"] <= SMEM_CAPACITY
+
+
+@pytest.mark.parametrize("dtype", config.DTYPES)
+def test_wgmmas_inverse_and_tma(compiled, dtype):
+    _, instrs, _ = compiled(dtype)
+    ops = [op for op, _ in instrs]
+    shapes = [(op, a) for op, a in instrs if op.startswith("HGMMA")]
+    assert sum(op.startswith("HGMMA.64x64x16") for op, _ in shapes) == 2 * 8
+    wide = [a for op, a in shapes if op.startswith("HGMMA.64x128x16")]
+    assert len(wide) == 2 * 4 and all("tnspB" in a for a in wide)  # u, W: B transposed
+    assert sum("gsb0" in a for _, a in shapes) == 4  # one commit group a product
+    assert ops.count("HMMA.1688.F32.TF32") == 28  # the forward's merges (inverse_mma.py)
+    assert ops.count("UTMALDG.4D") == 6 and ops.count("UTMASTG.4D") == 16
+    assert ops.count("STSM.16.MT88.4") == 2 * 4 and ops.count("STSM.16.M88.4") == 3 * 8
+    assert ops.count("SHFL.UP") == 5

@@ -1,0 +1,545 @@
+"""The Gated DeltaNet backward's kernel path (ops/gated_delta_rule_bwd.py `_backward_kernel`,
+`FORGEKERNEL_GDN_BWD_KERNEL=1`) on the CPU, kernel 1 replaced by the tile emulation of
+tests/test_gdn_bwd_state.py (`tile_model`: token-major tiles, transposed state, zero tail, the
+register operands rounded to the tiles' dtype) and kernel 2 by its tile emulation
+(`reference.gdn_bwd_chunk.chunk_grads_model`, dPD rounded likewise) and kernel 0 by its
+(`reference.gdn_bwd_factors.factors_model`, T diag(.) rounded likewise): the batched factor helpers
+against their chunk-layout forms (reference/gdn_bwd_state.py), the kernel fed the forward's
+recurrence (`forward_state_tiles`) against the reference's pass 1, the whole path against the
+interim backward to fp32 tolerance (32-bit tiles: nothing rounded) on awkward sizes, and the op
+with the switch on (bf16 tiles rounded) against autograd through the fp64 recurrence. The GPU
+twin: tests/gpu/test_gdn_bwd_kernel_path_gpu.py."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_gdn_bwd_state import tile_model
+
+import forgekernel
+from forgekernel.reference.delta_rule_bwd import _Factors, _states
+from forgekernel.reference.gdn_bwd_chunk import chunk_grads_model, kernel_dg, wy_grads_model
+from forgekernel.reference.gdn_bwd_factors import factors_model, rounding_to
+from forgekernel.reference.gdn_bwd_norm import qk_grad_model
+from forgekernel.reference.gdn_bwd_state import (
+    _layout,
+    _per_chunk,
+    batched_state_pass_factors,
+    chunk_factors,
+    corrected_values,
+    forward_state_tiles,
+    forward_states,
+    out16_forms,
+    reverse_state_pass,
+    state_pass_factors,
+)
+
+bwd = importlib.import_module("forgekernel.ops.gated_delta_rule_bwd")
+fwd = importlib.import_module("forgekernel.ops.gated_delta_rule_chunked")
+TILES = ("pt", "ke", "qe", "w")
+
+
+def _inputs(b, t, h, hv=None, dk=16, dv=8, seed=0, dtype=torch.float64):
+    hv = hv or h
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=dtype)
+
+    q, k = rnd(b, t, h, dk), F.normalize(rnd(b, t, h, dk), dim=-1)
+    v, do = rnd(b, t, hv, dv), rnd(b, t, hv, dv)
+    g, beta = F.logsigmoid(rnd(b, t, hv) + 2.0), torch.sigmoid(rnd(b, t, hv))
+    return q, k, v, g, beta, do, rnd(b, hv, dk, dv) * 0.5, rnd(b, hv, dk, dv) * 0.5
+
+
+def emulated_kernel(calls=None):
+    """kernel 1's stand-in: the tile emulation in fp64, the register operands rounded to the
+    tiles' dtype where it is 16-bit, fp32 outputs (the launcher's)."""
+
+    def run(do, pt, ke, qe, w, e_last, dht, out16=False, forward=False):
+        assert out16 or not forward
+        assert (pt is None and qe is None) == forward  # the forward variant builds I and 0 in
+        if forward:
+            b, rows, hv, _ = do.shape
+            eye = torch.eye(64, dtype=do.dtype).view(1, 1, 64, 1, 64)
+            pt = eye.expand(b, rows // 64, 64, hv, 64).reshape(b, rows, hv, 64)
+            qe = torch.zeros_like(ke)
+        if calls is not None:
+            calls.append(do.dtype)
+            FLAGS.append((out16, forward))
+        # strided views allowed (TMA reads them in place): head slices, kernel 0's tiles cut to T
+        for x in (do, pt, ke, qe, w):
+            assert x.stride(-1) == 1 and x.dtype == do.dtype and x.shape[:3] == do.shape[:3]
+        assert e_last.dtype == torch.float32 and e_last.shape == (do.shape[0], -(-do.shape[1]
+                                                                  // 64), do.shape[2])  # fmt: skip
+        low = do.dtype in (torch.float16, torch.bfloat16)
+
+        def rounding(x):
+            return x.to(do.dtype).to(x.dtype) if low else x
+
+        factors = {n: x.double() for n, x in zip(TILES, (pt, ke, qe, w))}
+        factors["e_last"] = e_last.double()
+        dst = None if dht is None else dht.double()
+        du, dh, dh0 = (x.float() for x in tile_model(factors, do.double(), dst, rounding))
+        if out16:  # the kernel's 16-bit forms (fp32 where the test runs fp32 tiles)
+            du, dh = out16_forms(du, dh, do.dtype, forward)
+        return du, dh, dh0
+
+    return run
+
+
+def emulated_chunk_kernel(calls=None):
+    """kernel 2's stand-in: its tile emulation (`chunk_grads_model`, `kernel_dg`) in fp64, dPD
+    rounded to the tiles' dtype where it is 16-bit, fp32 outputs (the launcher's: dq, dk, dw,
+    dG); raw: the model's (dq, dk, dw, dg rows, te) in fp64 (the WY variant's first half)."""
+
+    def run(do, u, du, q, k, h, dh, big_g, raw=False):
+        for x in (do, u, du, q, k, h, dh):  # strided views allowed (TMA)
+            assert x.stride(-1) == 1 and x.dtype == do.dtype
+        assert big_g.dtype == torch.float32 and big_g.shape == do.shape[:3]
+        nc = -(-do.shape[1] // 64)
+        assert h.shape == dh.shape == (do.shape[0], nc, do.shape[2], q.shape[-1], do.shape[-1])
+        if calls is not None:
+            calls.append(do.dtype)
+        low = do.dtype in (torch.float16, torch.bfloat16)
+
+        def rounding(x):
+            return x.to(do.dtype).to(x.dtype)
+
+        wide = [x.double() for x in (do, u, du, q, k, h, dh, big_g)]
+        dq, dk, dw, dg, te = chunk_grads_model(*wide, rounding if low else None)
+        if raw:
+            return dq, dk, dw, dg, te
+        return tuple(x.float() for x in (dq, dk, dw, kernel_dg(dg, te, *wide[5:])))
+
+    return run
+
+
+def emulated_chunk_wy_kernel(calls=None):
+    """kernel 2's WY variant's stand-in: `chunk_grads_model` then `wy_grads_model` in fp64,
+    dPD, dw, dkb, dvb and M rounded to the tiles' dtype where it is 16-bit, fp32 outputs."""
+    first = emulated_chunk_kernel(calls)
+
+    def run(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta, dv16=False):
+        for x in (tt, w, uw, v):  # kernel 0's outputs cut to T tokens: strided views (TMA)
+            assert x.stride(-1) == 1 and x.dtype == do.dtype and x.shape[:3] == do.shape[:3]
+        assert beta.dtype == torch.float32 and beta.shape == do.shape[:3]
+        assert tt.shape[-1] == 64 and w.shape[-1] == q.shape[-1] and uw.shape == v.shape
+        low = do.dtype in (torch.float16, torch.bfloat16)
+
+        def rounding(x):
+            return x.to(do.dtype).to(x.dtype)
+
+        r = rounding if low else None
+        outs = first(do, u, du, q, k, h, dh, big_g, raw=True)
+        wide = [x.double() for x in (du, k, h, big_g, tt, w, uw, v, beta)]
+        dq, dk, dg, te, dv, dbeta = wy_grads_model(outs, *wide, r, r)
+        dg = kernel_dg(dg, te, h.double(), dh.double(), big_g.double())
+        dq, dk, dg, dv, dbeta = (x.float() for x in (dq, dk, dg, dv, dbeta))
+        if dv16:  # the kernel's 16-bit dv
+            DV16.append(do.dtype)
+            dv = dv.to(do.dtype)
+        return dq, dk, dg, dv, dbeta
+
+    return run
+
+
+def emulated_factors_kernel(calls=None):
+    """kernel 0's stand-in: its tile emulation (`factors_model`) in fp64 from the kernel's
+    inputs, T diag(.) rounded to the tiles' dtype where it is 16-bit, the outputs in the
+    launcher's dtypes (tiles in q's dtype, e_last and G fp32)."""
+
+    def run(q, k, v, g, beta):
+        assert q.dtype == k.dtype == v.dtype and q.shape == k.shape and q.shape[:2] == v.shape[:2]
+        assert g.shape == beta.shape == v.shape[:3]
+        if calls is not None:
+            calls.append(q.dtype)
+        low = q.dtype in (torch.float16, torch.bfloat16)
+        wide = [x.double() for x in (q, k, v, g, beta)]
+        out = factors_model(*wide, q.dtype, rounding_to(q.dtype) if low else None)
+        out["e_last"], out["big_g"] = out["e_last"].float(), out["big_g"].float()
+        return out
+
+    return run
+
+
+def emulated_norm_kernel(calls=None):
+    """The q / k epilogue's stand-in: its model (`qk_grad_model`) in fp64, the output in x's
+    dtype; calls recorded as (x's heads, dxs's heads, l2norm)."""
+
+    def run(dxs, x, scale, l2norm):
+        assert dxs.dtype == torch.float32 and dxs.shape[:2] == x.shape[:2]
+        assert dxs.shape[2] % x.shape[2] == 0
+        if calls is not None:
+            calls.append((x.shape[2], dxs.shape[2], l2norm))
+        return qk_grad_model(dxs.double(), x.double(), scale, l2norm, x.dtype)
+
+    return run
+
+
+def _both_emulated(monkeypatch, calls=None, chunk_calls=None, factor_calls=None, norm_calls=None):
+    monkeypatch.setattr(bwd, "_qk_grads", emulated_norm_kernel(norm_calls))
+    monkeypatch.setattr(bwd, "_factors", emulated_factors_kernel(factor_calls))
+    monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel(calls))
+    monkeypatch.setattr(bwd, "_chunk_grads", emulated_chunk_kernel(chunk_calls))
+    monkeypatch.setattr(bwd, "_chunk_grads_wy", emulated_chunk_wy_kernel(chunk_calls))
+
+
+@pytest.mark.parametrize("t", [1, 63, 64, 65, 200])
+@pytest.mark.parametrize("b", [1, 3])
+def test_batched_factors_match_the_layout_forms(t, b):
+    q, k, v, g, beta, *_ = _inputs(b, t, 2)
+    got = batched_state_pass_factors(q, k, v, g, beta, scale=0.3, dtype=torch.float64)
+    want = state_pass_factors(q, k, v, g, beta, scale=0.3, dtype=torch.float64)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("t", [1, 63, 64, 65, 200])
+@pytest.mark.parametrize("b", [1, 3])
+@pytest.mark.parametrize("with_h0", [False, True])
+def test_forward_recurrence_on_the_reverse_kernel(t, b, with_h0):
+    """Kernel 1's model (`reverse_state_pass`) and its tile emulation fed `forward_state_tiles`
+    give the forward's chunk states h and U = u - W h (reference pass 1, `_states`; U also
+    against `corrected_values`) and the final state (to e^(G_C)'s fp32 rounding)."""
+    q, k, v, g, beta, _, h0, _ = _inputs(b, t, 2)
+    h0 = h0 if with_h0 else None
+    f = chunk_factors(q * 0.25, k, v, g, beta)
+    tiles = forward_state_tiles(f, torch.float64)
+    factors = {n: tiles[n] for n in (*TILES, "e_last")}
+    layout = _layout(b, t, q.device)
+    flat = [x.reshape(b * t, *x.shape[2:]) for x in (q * 0.25, k, v, g, beta)]
+    fl = _Factors(*(layout.gather(x) for x in flat))
+    start = torch.zeros(b, 2, 16, 8, dtype=torch.float64) if h0 is None else h0
+    h_ref, u_ref = _states(fl, start, layout.steps)
+    h_ref = _per_chunk(h_ref, b)
+    u_tok = corrected_values(q, k, v, g, beta, h0, scale=0.25, dtype=torch.float64)
+    for run in (lambda: reverse_state_pass(factors, tiles["do"], h0),
+                lambda: emulated_kernel()(tiles["do"], *(tiles[n] for n in TILES),
+                                          tiles["e_last"].float(), h0)):  # fmt: skip
+        du, dh, final = run()
+        h, big_u = forward_states(du, dh)
+        tol = 1e-5  # e^(G_C) goes to the kernel in fp32
+        torch.testing.assert_close(h.to(h_ref.dtype), h_ref, rtol=tol, atol=tol)
+        got_u = big_u.transpose(2, 3).flatten(1, 2)[:, :t].to(u_tok.dtype)
+        torch.testing.assert_close(got_u, u_tok, rtol=tol, atol=tol)
+        s_end = f.e_last[:, -1, :, :, None] * h[:, -1] + f.ke[:, -1].transpose(-1, -2) @ (
+            big_u[:, -1].to(f.ke.dtype)
+        )
+        torch.testing.assert_close(final.to(s_end.dtype), s_end, rtol=tol, atol=tol)
+
+
+CASES = [
+    # (b, t, h, hv, l2norm, with_h0, with_dht)
+    (1, 1, 2, 2, False, False, False),
+    (2, 63, 2, 4, True, True, True),
+    (3, 64, 1, 2, False, True, False),
+    (1, 65, 2, 2, True, False, True),
+    (2, 200, 2, 4, False, True, True),
+    (3, 65, 2, 2, False, False, True),
+    (1, 200, 1, 1, True, True, False),
+    (2, 1, 1, 2, True, True, True),
+]
+
+
+@pytest.mark.parametrize(("b", "t", "h", "hv", "l2norm", "with_h0", "with_dht"), CASES)
+@pytest.mark.parametrize("k_last", [False, True])
+@pytest.mark.parametrize("wy", [True, False])
+def test_kernel_path_equals_the_interim_path(monkeypatch, b, t, h, hv, l2norm, with_h0,
+                                              with_dht, k_last, wy):  # fmt: skip
+    """fp32 inputs (so fp32 tiles, nothing rounded): `_backward_kernel` is the interim
+    backward to fp32 tolerance, every gradient, grouped heads, both state layouts; kernel 2 as
+    all of pass 3 (`wy`) or `_output_grads` only (the WY half in torch)."""
+    _both_emulated(monkeypatch)
+    monkeypatch.setattr(bwd, "WY_IN_KERNEL", wy)
+    q, k, v, g, beta, do, h0, dht = _inputs(b, t, h, hv, dk=32, dv=16, seed=t + b,
+                                           dtype=torch.float32)  # fmt: skip
+    if l2norm:
+        q, k = q * 3.0, k * 2.0
+    h0 = h0 if with_h0 else None
+    dht = dht if with_dht else None
+    if k_last:
+        h0, dht = (None if x is None else x.transpose(-1, -2).contiguous() for x in (h0, dht))
+    flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v, g, beta, do)]
+    cu = torch.arange(b + 1, dtype=torch.int32) * t
+    want = bwd._backward_interim(*flat[:5], h0, cu, flat[5], dht, 0.2, k_last, l2norm)
+    got = bwd._backward_kernel(*flat[:5], h0, flat[5], dht, 0.2, k_last, l2norm, b)
+    for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
+        assert a.shape == r.shape and a.dtype == r.dtype, name
+        err = float((a - r).abs().max())
+        assert err <= 1e-4 * float(r.abs().max()) + 1e-6, (name, err, float(r.abs().max()))
+
+
+@pytest.mark.parametrize(("b", "t", "h", "hv", "l2norm", "with_h0", "with_dht"), CASES[:4])
+def test_factors_on_kernel_0_are_the_torch_factors(monkeypatch, b, t, h, hv, l2norm, with_h0,
+                                                   with_dht):  # fmt: skip
+    """Kernel 0 (emulated) forms the factors once a pass; the path's gradients are the torch
+    factors' (FACTORS_IN_KERNEL = False, kernel 0 never called) to fp32 tolerance."""
+    q, k, v, g, beta, do, h0, dht = _inputs(b, t, h, hv, dk=32, dv=16, seed=t + 7,
+                                           dtype=torch.float32)  # fmt: skip
+    flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v, g, beta, do)]
+    args = (h0 if with_h0 else None, flat[5], dht if with_dht else None, 0.2, False, l2norm, b)
+    grads = {}
+    for on in (True, False):
+        calls = []
+        _both_emulated(monkeypatch, factor_calls=calls)
+        monkeypatch.setattr(bwd, "FACTORS_IN_KERNEL", on)
+        grads[on] = bwd._backward_kernel(*flat[:5], *args)
+        assert calls == ([torch.float32] if on else [])
+    for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads[True], grads[False]):
+        err = float((a - r).abs().max())
+        assert err <= 1e-5 * float(r.abs().max()) + 1e-7, (name, err)
+
+
+@pytest.mark.parametrize(("b", "t", "h", "hv", "l2norm", "with_h0", "with_dht"), CASES[:4])
+def test_states16_are_the_fp32_states(monkeypatch, b, t, h, hv, l2norm, with_h0, with_dht):
+    """Kernel 1 writing kernel 2's forms (`out16`; the forward launch with I and 0 built in,
+    `forward`) and the 16-bit glue (`_backward_device`) give the fp32-out path's gradients
+    (STATES16 = False: torch flips, transposes and converts) to fp32 tolerance (32-bit tiles:
+    nothing rounded); the launches carry the flags."""
+    q, k, v, g, beta, do, h0, dht = _inputs(b, t, h, hv, dk=32, dv=16, seed=t + 11,
+                                           dtype=torch.float32)  # fmt: skip
+    flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v, g, beta, do)]
+    args = (h0 if with_h0 else None, flat[5], dht if with_dht else None, 0.2, False, l2norm, b)
+    grads = {}
+    for on in (True, False):
+        FLAGS.clear()
+        _both_emulated(monkeypatch, calls=[])
+        monkeypatch.setattr(bwd, "STATES16", on)
+        grads[on] = bwd._backward_kernel(*flat[:5], *args)
+        assert FLAGS == ([(True, True), (True, False)] if on else [(False, False)] * 2)
+    for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads[True], grads[False]):
+        assert a.shape == r.shape and a.dtype == r.dtype, name
+        err = float((a - r).abs().max())
+        assert err <= 1e-5 * float(r.abs().max()) + 1e-7, (name, err)
+
+
+@pytest.mark.parametrize(("b", "t", "h", "hv", "l2norm", "with_h0", "with_dht"), CASES[:4])
+def test_norm_epilogue_is_the_torch_one(monkeypatch, b, t, h, hv, l2norm, with_h0, with_dht):
+    """The q / k epilogue (emulated: `qk_grad_model`) once for q, once for k, at H heads from
+    HV, gives the torch group sum and l2norm backward's gradients (NORM_IN_KERNEL off) to fp32
+    tolerance."""
+    q, k, v, g, beta, do, h0, dht = _inputs(b, t, h, hv, dk=32, dv=16, seed=t + 13,
+                                           dtype=torch.float32)  # fmt: skip
+    flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v, g, beta, do)]
+    args = (h0 if with_h0 else None, flat[5], dht if with_dht else None, 0.2, False, l2norm, b)
+    grads = {}
+    for on in (True, False):
+        calls = []
+        _both_emulated(monkeypatch, norm_calls=calls)
+        monkeypatch.setattr(bwd, "NORM_IN_KERNEL", on)
+        grads[on] = bwd._backward_kernel(*flat[:5], *args)
+        assert calls == ([(h, hv, l2norm)] * 2 if on else [])
+    for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads[True], grads[False]):
+        assert a.shape == r.shape and a.dtype == r.dtype, name
+        err = float((a - r).abs().max())
+        assert err <= 1e-5 * float(r.abs().max()) + 1e-7, (name, err)
+
+
+@pytest.mark.parametrize("t", [1, 63, 64, 65, 200])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_out16_forms(t, dtype):
+    """`out16_forms`: dU converted, dS = dh^T; with `forward` (on the forward launch's outputs)
+    exactly `forward_states`' h and U back in token order, converted."""
+    gen = torch.Generator().manual_seed(t)
+    nc = -(-t // 64)
+    du = torch.randn(2, nc * 64, 3, 8, generator=gen, dtype=torch.float64)
+    dh = torch.randn(2, nc, 3, 8, 16, generator=gen, dtype=torch.float64)
+    u16, ds16 = out16_forms(du[:, :t], dh, dtype)
+    assert u16.dtype == ds16.dtype == dtype and ds16.shape == (2, nc, 3, 16, 8)
+    assert torch.equal(u16, du[:, :t].to(dtype))
+    assert torch.equal(ds16, dh.transpose(-1, -2).to(dtype))
+    u_f, h_f = out16_forms(du, dh, dtype, forward=True)
+    h, big_u = forward_states(du, dh)
+    assert torch.equal(h_f, h.to(dtype))
+    assert torch.equal(u_f, big_u.transpose(2, 3).flatten(1, 2).to(dtype))
+    u_t, _ = out16_forms(du[:, :t], dh, dtype, forward=True)  # T rows: the padding's zeros
+    padded = du.clone()
+    padded[:, t:] = 0
+    want = out16_forms(padded, dh, dtype, forward=True)[0][:, :t]
+    assert torch.equal(u_t, want)
+
+
+def test_head_passes_are_the_one_pass(monkeypatch):
+    """Value heads in several passes (the memory bound) give the one pass's gradients."""
+    _both_emulated(monkeypatch)
+    q, k, v, g, beta, do, h0, dht = _inputs(2, 70, 4, 8, dk=16, dv=8, dtype=torch.float32)
+    flat = [x.reshape(140, *x.shape[2:]) for x in (q, k, v, g, beta, do)]
+    one = bwd._backward_kernel(*flat[:5], h0, flat[5], dht, 0.2, False, True, 2)
+    monkeypatch.setattr(bwd, "TOKEN_HEADS_PER_PASS", 140 * 2)  # one q head (2 value heads)
+    split = bwd._backward_kernel(*flat[:5], h0, flat[5], dht, 0.2, False, True, 2)
+    for a, r in zip(split, one):
+        torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-6)
+
+
+# ---- the op with the switch on (bf16, the forward launcher stubbed as tests/test_gdn_bwd_op)
+
+
+@pytest.fixture
+def kernel_path(monkeypatch):
+    calls = []
+    monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
+    _both_emulated(monkeypatch, calls, CHUNK_CALLS, FACTOR_CALLS)
+    CHUNK_CALLS.clear()
+    FACTOR_CALLS.clear()
+    FLAGS.clear()
+    DV16.clear()
+    monkeypatch.setattr(bwd, "check_cuda", lambda name, t: None)
+    return calls
+
+
+CHUNK_CALLS: list = []  # kernel 2's launches under the kernel_path fixture (their dtypes)
+FLAGS: list = []  # kernel 1's (out16, forward) a launch, whenever its emulation records calls
+DV16: list = []  # kernel 2's dv16 launches (their dtypes)
+FACTOR_CALLS: list = []  # kernel 0's, likewise
+
+
+def _bf16_problem(b, t, h, hv, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, t, h, 128, generator=gen).bfloat16()
+    k = (torch.randn(b, t, h, 128, generator=gen) * 2.0).bfloat16()
+    v = torch.randn(b, t, hv, 128, generator=gen).bfloat16()
+    g = -torch.rand(b, t, hv, generator=gen)
+    beta = torch.rand(b, t, hv, generator=gen)
+    do = torch.randn(b, t, hv, 128, generator=gen).bfloat16()
+    h0 = torch.randn(b, hv, 128, 128, generator=gen) * 0.1
+    dht = torch.randn(b, hv, 128, 128, generator=gen) * 0.1
+    return q, k, v, g, beta, do, h0, dht
+
+
+@pytest.mark.parametrize(("b", "t", "h", "hv"), [(2, 65, 1, 2), (1, 130, 2, 2)])
+def test_explicit_backward_on_the_kernel_path(kernel_path, b, t, h, hv):
+    """`gated_delta_rule_backward` with the switch on takes the kernel path (two launches:
+    the forward states, the reverse pass) and matches autograd through the fp64 recurrence
+    within 2e-2 of each gradient's max (bf16 tiles, the emulation's bf16 operands)."""
+    from test_gdn_bwd_op import _fp64_grads
+
+    q, k, v, g, beta, do, h0, dht = _bf16_problem(b, t, h, hv, seed=t)
+    got = forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, initial_state=h0,
+                                                d_final_state=dht,
+                                                use_qk_l2norm_in_kernel=True)  # fmt: skip
+    assert kernel_path == [torch.bfloat16, torch.bfloat16] and CHUNK_CALLS == [torch.bfloat16]
+    assert FACTOR_CALLS == [torch.bfloat16]
+    assert FLAGS == [(True, True), (True, False)]  # 16-bit outputs; the forward variant first
+    assert DV16 == [torch.bfloat16]  # dv in 16 bits from kernel 2
+    want = _fp64_grads([q, k, v, g, beta, h0], None, do, dht, l2norm=True, with_state=True)
+    for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
+        err = float((a.double() - r).abs().max())
+        assert err <= 2e-2 * float(r.abs().max()), (name, err, float(r.abs().max()))
+
+
+@pytest.mark.parametrize(
+    ("lens", "h0_too"),
+    [([1, 63, 0, 64, 65, 130], True), ([70, 70, 70], False), ([3, 129, 7], True)],
+)
+def test_varlen_padded_equals_the_interim_path(monkeypatch, lens, h0_too):
+    """Several sequences behind cu_seqlens: padded to the longest on the kernel path (fp32
+    tiles, exact emulation) equals the interim path, empty sequences included."""
+    monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
+    monkeypatch.setattr(bwd, "TILE_DTYPES", (torch.float32,))
+    calls, chunk_calls = [], []
+    _both_emulated(monkeypatch, calls, chunk_calls)
+    n, t = len(lens), sum(lens)
+    q, k, v, g, beta, do, *_ = _inputs(1, t, 2, 4, dk=32, dv=16, seed=n, dtype=torch.float32)
+    _, _, _, _, _, _, h0, dht = _inputs(n, 1, 2, 4, dk=32, dv=16, seed=9, dtype=torch.float32)
+    flat = [x[0] for x in (q, k, v, g, beta, do)]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    h0 = h0 if h0_too else None
+    want = bwd._backward_interim(*flat[:5], h0, cu, flat[5], dht, 0.2, False, True)
+    got = bwd._backward_eager(*flat[:5], h0, cu, flat[5], dht, 0.2, False, True, 0)
+    assert len(calls) == 2 and len(chunk_calls) == 1
+    for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
+        assert a.shape == r.shape, name
+        err = float((a - r).abs().max())
+        assert err <= 1e-4 * float(r.abs().max()) + 1e-6, (name, err, float(r.abs().max()))
+
+
+def test_varlen_routing(kernel_path, monkeypatch):
+    """Varlen reads the offsets (kernel path, padded); one long sequence among many short
+    ones (padding > PAD_WASTE_LIMIT x) keeps the interim path; one sequence: no host read."""
+    seen = []
+    interim = bwd._backward_interim
+    monkeypatch.setattr(bwd, "_backward_interim", lambda *a: seen.append(1) or interim(*a))
+    q, k, v, g, beta, do, h0, _ = _bf16_problem(1, 610, 1, 2)
+    for lens, kernel in (([300, 310], True), ([600] + [1] * 10, False)):
+        kernel_path.clear()
+        seen.clear()
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, cu_seqlens=cu,
+                                              use_qk_l2norm_in_kernel=True)  # fmt: skip
+        assert (len(kernel_path), seen) == ((2, []) if kernel else (0, [1]))
+    kernel_path.clear()
+    cu = torch.tensor([0, 610], dtype=torch.int32)
+    monkeypatch.setattr(bwd, "_backward_varlen", lambda *a: pytest.fail("host read"))
+    forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, initial_state=h0[:1],
+                                          cu_seqlens=cu)  # fmt: skip
+    assert len(kernel_path) == 2
+
+
+def test_switch_off_is_the_interim_path(kernel_path, monkeypatch):
+    monkeypatch.delenv(bwd.KERNEL_SWITCH)
+    q, k, v, g, beta, do, *_ = _bf16_problem(1, 10, 1, 1)
+    forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do)
+    assert kernel_path == []
+
+
+def test_autograd_one_sequence_on_the_kernel_path(kernel_path, monkeypatch):
+    """Autograd through `gated_delta_rule` (the forward launcher stubbed): one sequence and
+    B = 2 (offsets the wrapper made: `equal_lengths`) take the kernel path with no host read."""
+    from test_gdn_bwd_op import _fp64_grads
+
+    _stub_forward(monkeypatch)
+    monkeypatch.setattr(bwd, "_backward_varlen", lambda *a: pytest.fail("host read"))
+    for b, launches in ((1, 2), (2, 2)):
+        kernel_path.clear()
+        q, k, v, g, beta, do, h0, _ = _bf16_problem(b, 70, 1, 2, seed=b)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
+        o, _ = forgekernel.gated_delta_rule(*leaves[:5], initial_state=leaves[5],
+                                            use_qk_l2norm_in_kernel=True)  # fmt: skip
+        got = torch.autograd.grad((o.float() * do.float()).sum(), leaves)
+        assert len(kernel_path) == launches
+        want = _fp64_grads([q, k, v, g, beta, h0], None, do, None, l2norm=True,
+                           with_state=True)  # fmt: skip
+        for a, r in zip(got, want):
+            assert float((a.double() - r).abs().max()) <= 2e-2 * float(r.abs().max())
+
+
+def _stub_forward(monkeypatch):
+    """tests/test_gdn_bwd_op.py's forward stub: the fp32 chunked reference as the launcher."""
+    from forgekernel.reference.delta_rule import gated_delta_rule_chunked
+
+    def launch(q, k, v, g, beta, initial_state, cu_seqlens, scale, k_last, l2norm, out=None):
+        o, final = gated_delta_rule_chunked(
+            *(x.unsqueeze(0) for x in (q, k, v, g, beta)), scale=scale,
+            initial_state=initial_state, output_final_state=True, cu_seqlens=cu_seqlens,
+            use_qk_l2norm=l2norm,
+        )  # fmt: skip
+        return o[0].to(q.dtype).contiguous(), final.contiguous()
+
+    monkeypatch.setattr(fwd, "_launch", launch)
+    monkeypatch.setattr(fwd, "check_cuda", lambda name, t: None)
+
+
+def test_equal_lengths_registry(monkeypatch):
+    """The wrapper notes the offsets it makes for autograd (not a caller's, not without grad);
+    the entry leaves with the tensor."""
+    _stub_forward(monkeypatch)
+    q, k, v, g, beta, *_ = _bf16_problem(3, 20, 1, 1)
+    seen = []
+    monkeypatch.setattr(fwd, "_note_equal_lengths", lambda o, b: seen.append((o, b)))
+    forgekernel.gated_delta_rule(q, k, v, g, beta)
+    assert seen == []
+    forgekernel.gated_delta_rule(q, k, v, g.requires_grad_(), beta)
+    ((offsets, b),) = seen
+    assert b == 3 and offsets.tolist() == [0, 20, 40, 60]
+    monkeypatch.undo()
+    made = torch.arange(4, dtype=torch.int32) * 20
+    fwd._note_equal_lengths(made, 3)
+    assert fwd.equal_lengths(made) == 3 and fwd.equal_lengths(made.clone()) == 0
+    key = id(made)
+    del made
+    assert key not in fwd._EQUAL_LENGTHS

@@ -1,0 +1,284 @@
+"""T precomputed, compiled for sm_90a on the CPU (cuobjdump reads the cubins):
+
+- the precompute (`t_pre.py`, gdn_t_pre_sm90), bf16 / fp16, l2norm or not: 128 threads, no
+  spills, registers and shared memory for five CTAs an SM (T diag(beta) over the k tile; its CTAs
+  are short and latency-bound, a load, the aux chain, a store); K K^T one WGMMA group (8 x
+  64x64x16), the inverse's 28 tf32 HMMA, T diag(beta) by 4 stmatrix a thread, the k box (two
+  64-column halves) in and one 64 x 64 TMA store out;
+- the chunked kernel's `t_pre` form: the standard split (24 / 104 / 192, no spills), less
+  shared memory than the standard (no inverse scratch), the aux warpgroup's WGMMAs Q K^T only
+  (8; the state's 24 + 4 unchanged), no HMMA, P the only stmatrix of the aux, one more TMA box
+  a chunk (T), the T ring's barriers (one expect-tx, then the state warps' releases); its
+  state chain (V^T by ldmatrix.trans, O handed to the O warp's TMA store: the O ring's
+  barriers, no named barrier, LDS.U16 or state-side STG) and the `state_lds` key's, which keeps
+  next/gdn-tpre's."""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("cutlass")
+
+from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY, THREADS_PER_WG  # noqa: E402
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90 import config  # noqa: E402
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.compile import (  # noqa: E402
+    compile_gdn_prefill,
+    compile_gdn_t_pre,
+    kernel_for,
+)
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import (  # noqa: E402
+    O_EMPTY_ARRIVALS,
+    O_FULL_ARRIVALS,
+    qk_consumer_warps,
+    v_consumer_warps,
+)
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.t_pre import (  # noqa: E402
+    THREADS,
+    GdnTPreSm90,
+)
+from forgekernel.runtime.resources import (  # noqa: E402
+    find_tool,
+    inspect_cubin,
+    sass_instructions,
+    sass_text,
+)
+
+if find_tool("cuobjdump") is None:
+    pytest.skip("cuobjdump not found", allow_module_level=True)
+
+SM_SHARED = 233472  # bytes of shared memory an H100 / H200 SM holds (228 KB)
+CTAS_PER_SM = 5  # the precompute's target occupancy (T over the k tile: 42 KB a CTA)
+
+PRE = {"bf16": ("bfloat16", False), "fp16_l2norm": ("float16", True)}
+FORMS = {
+    "bf16": {"dtype": "bfloat16"},
+    "bf16_state_vsplit": {"dtype": "bfloat16", "initial_state": True, "v_split": 2},
+    "fp16_l2norm_klast_state": {
+        "dtype": "float16",
+        "l2norm": True,
+        "k_last": True,
+        "initial_state": True,
+    },  # fmt: skip
+}
+
+STATE_LDS = {"bf16_state_lds": {"dtype": "bfloat16", "state_lds": True}}  # the bench's A/B
+
+
+def _build(compile_fn, params, kernel):
+    with tempfile.TemporaryDirectory() as d:
+        compiled = compile_fn(params, "sm_90a", f"--keep-cubin --keep-ptx --dump-dir {d}",
+                              kernel=kernel)  # fmt: skip
+        ptx = compiled.artifacts.PTX
+        ptx = ptx if isinstance(ptx, str) else ptx.decode()
+        path = Path(d) / "k.cubin"
+        path.write_bytes(compiled.artifacts.CUBIN)
+        res = inspect_cubin(path)
+        sass = sass_text(str(path))
+    return res, sass_instructions(sass), kernel.shared_storage.size_in_bytes(), ptx
+
+
+@pytest.fixture(scope="module")
+def built():
+    cache = {}
+
+    def get(kind, name):
+        if (kind, name) not in cache:
+            if kind == "pre":
+                dtype, l2 = PRE[name]
+                params = dict(config.t_pre_params_for(dtype, l2norm=l2))
+                kernel = GdnTPreSm90(128, l2norm=l2)
+                cache[kind, name] = _build(compile_gdn_t_pre, params, kernel)
+            else:
+                kw = dict(FORMS[name] if name in FORMS else STATE_LDS[name])
+                params = dict(config.params_for(kw.pop("dtype"), **kw, t_pre=True))
+                cache[kind, name] = _build(compile_gdn_prefill, params, kernel_for(params))
+        return cache[kind, name]
+
+    return get
+
+
+def _ops(instrs):
+    return [op for op, _ in instrs]
+
+
+def _mbarrier_init_counts(ptx: str) -> list[int]:
+    regs = dict(re.findall(r"mov\.b32\s+(%r\d+), (\d+);", ptx))
+    return [
+        int(regs.get(c, c))
+        for c in re.findall(r"mbarrier\.init\.shared\.b64\s+\[[^]]+\], ([^;]+);", ptx)
+    ]
+
+
+# ------------------------------------------------------------------------ the precompute
+
+
+@pytest.mark.parametrize("name", list(PRE))
+def test_precompute_resources(built, name):
+    res, instrs, smem, _ = built("pre", name)
+    assert THREADS == THREADS_PER_WG
+    assert res["spill_bytes"] == 0 and not [op for op in _ops(instrs) if op[:3] in ("LDL", "STL")]
+    assert res["registers"] * THREADS * CTAS_PER_SM <= 65536
+    assert CTAS_PER_SM * (smem + res["smem_bytes"] + 1024) <= SM_SHARED  # 1 KB a CTA reserved
+
+
+@pytest.mark.parametrize("name", list(PRE))
+def test_precompute_products_and_copies(built, name):
+    _, instrs, _, ptx = built("pre", name)
+    ops = _ops(instrs)
+    hgmma = [a for op, a in instrs if op.startswith("HGMMA")]
+    assert ops.count("HGMMA.64x64x16.F32.BF16" if name == "bf16" else "HGMMA.64x64x16.F32") == 8
+    assert sum("gsb0" in a for a in hgmma) == 1  # one group: K K^T
+    assert ops.count("WARPGROUP.DEPBAR.LE") == 1
+    assert ops.count("HMMA.1688.F32.TF32") == 28  # the inverse's merges, as the aux's
+    assert ops.count("STSM.16.M88.4") == 4  # T diag(beta)
+    assert ops.count("UTMALDG.3D") == 2 and ops.count("UTMASTG.3D") == 1
+    assert _mbarrier_init_counts(ptx) == [1, THREADS // 32]
+
+
+@pytest.mark.parametrize("name", list(PRE))
+def test_precompute_store_completes_before_exit(built, name):
+    """T is the chunked kernel's input: the store waited for whole (`cp.async.bulk.wait_group
+    0`, whose SASS adds CCTL.IVALL to the read wait's DEPBAR), not only its shared-memory read,
+    before the CTA exits (NOTES, "t_pre failed on the H100")."""
+    _, instrs, _, ptx = built("pre", name)
+    assert "cp.async.bulk.wait_group 0;" in " ".join(ptx.split())
+    assert "cp.async.bulk.wait_group.read" not in ptx
+    tail = _ops(instrs)[_ops(instrs).index("UTMASTG.3D") :]
+    assert tail.index("DEPBAR.LE") < tail.index("CCTL.IVALL") < tail.index("EXIT")
+
+
+# ------------------------------------------------------------------------ the t_pre form
+
+
+def _wgs(name):
+    return config.state_wgs(128, FORMS[name].get("v_split", 1))
+
+
+@pytest.mark.parametrize("name", list(FORMS))
+def test_form_registers_and_shared_memory(built, name):
+    res, instrs, smem, _ = built("form", name)
+    split = FORMS[name].get("v_split", 1)
+    assert res["spill_bytes"] == 0 and not [op for op in _ops(instrs) if op[:3] in ("LDL", "STL")]
+    maxreg = sorted(int(a.split(",")[-1], 16) for op, a in instrs if op.startswith("USETMAXREG"))
+    assert maxreg == sorted([config.PRODUCER_REGS, config.AUX_REGS, config.STATE_REGS])
+    assert smem <= config.smem_bytes(v_split=split, t_pre=True) < config.smem_bytes(v_split=split)
+    assert smem + res["smem_bytes"] <= SMEM_CAPACITY
+
+
+@pytest.mark.parametrize("name", list(FORMS))
+def test_form_aux_forms_only_p(built, name):
+    _, instrs, _, ptx = built("form", name)
+    ops = _ops(instrs)
+    shapes = [op for op in ops if op.startswith("HGMMA")]
+    assert sum(s.startswith("HGMMA.64x64x16") for s in shapes) == 8 + 24
+    assert sum(s.startswith("HGMMA.64x128x16") for s in shapes) == 4
+    hgmma = [a for op, a in instrs if op.startswith("HGMMA")]
+    assert sum("gsb0" in a for a in hgmma) == 1 + 5  # Q K^T; the state's five
+    assert not [op for op in ops if op.startswith("HMMA")]  # no inverse
+    assert ops.count("STSM.16.M88.4") == 4  # P only
+    assert ops.count("STSM.16.MT88.4") == 4
+    assert ops.count("UTMALDG.3D") == 4 + _wgs(name) + 1  # q, k halves, v, the T tile
+
+
+@pytest.mark.parametrize("name", list(FORMS))
+def test_form_ring_arrive_counts(built, name):
+    """The standard rings, then the T ring: one expect-tx a stage full, the state warps'
+    lane-0 releases empty."""
+    *_, ptx = built("form", name)
+    wg, stages, wgs = THREADS_PER_WG, config.STAGES, _wgs(name)
+    want = (
+        [1] * config.QK_STAGES + [qk_consumer_warps(wgs)] * config.QK_STAGES
+        + [1] * config.V_STAGES + [v_consumer_warps(wgs)] * config.V_STAGES
+        + [32] * stages + [wg] * stages
+        + [wg] * stages + [wgs * wg] * stages
+        + [1] * stages + [v_consumer_warps(wgs)] * stages
+        + [O_FULL_ARRIVALS] * 2 * wgs + [O_EMPTY_ARRIVALS] * 2 * wgs
+    )  # fmt: skip
+    assert _mbarrier_init_counts(ptx) == want
+    assert config.o_ring_barriers(wgs) == 4 * wgs
+
+
+@pytest.mark.parametrize("name", list(FORMS))
+def test_form_state_chain(built, name):
+    """The state warps' chunk chain off the tensor pipe (NOTES, "The t_pre form's state
+    chain"): V^T by 4 transposed ldmatrix a thread (no 16-bit LDS), O by 4 transposed
+    stmatrix and an mbarrier hand-off (no named barrier, no LDS.128 / STG: the O warp stores
+    it, one TMA box a chunk and state warpgroup)."""
+    _, instrs, _, _ = built("form", name)
+    ops = _ops(instrs)
+    assert ops.count("LDSM.16.MT88.4") == 4  # V^T
+    assert not [op for op in ops if op.startswith("LDS.U16")]
+    assert ops.count("UTMASTG.3D") == _wgs(name)  # the O warp's, one per state warpgroup
+    named = [a for op, a in instrs if op == "BAR.SYNC.DEFER_BLOCKING" and "0x80" in a]
+    assert len(named) == (1 if FORMS[name].get("l2norm") else 0)  # the aux's, l2norm only
+    assert ops.count("STG.E.128") == _wgs(name)  # the O warp's tail rows (a rolled loop)
+
+
+V_EMPTY = 2 * config.QK_STAGES * 8 + config.V_STAGES * 8  # byte offset of the v ring's empties
+
+
+@pytest.mark.parametrize("name", [*FORMS, *STATE_LDS])
+def test_form_v_released_after_u(built, name):
+    """The state warps release their v stage only once U^T, built from the V^T registers, has
+    completed: released after `_correct` (before the fix) ptxas issued the arrive with 3 of the
+    4 LDSM (3 of 32 LDS.U16 with state_lds) in flight (NOTES, "t_pre failed on the H100"). In
+    SASS: the lane-0 arrive on a v empty barrier comes after a WARPGROUP.DEPBAR that follows
+    the last V^T load."""
+    _, instrs, _, _ = built("form", name)
+    loads = ("LDSM.16.MT88.4", "LDS.U16")
+    last_ldsm = max(i for i, (op, _) in enumerate(instrs) if op in loads)
+    releases = [
+        i for i, (op, a) in enumerate(instrs)
+        if op == "SYNCS.ARRIVE.TRANS64.A1T0" and a.rstrip().endswith(f"+{V_EMPTY:#x}], RZ")
+    ]  # fmt: skip
+    assert len(releases) == 1 and releases[0] > last_ldsm
+    between = [op for op, _ in instrs[last_ldsm : releases[0]]]
+    assert "WARPGROUP.DEPBAR.LE" in between and any(op.startswith("HGMMA") for op in between)
+
+
+def _arrives_behind_loads(instrs) -> list[str]:
+    """The mbarrier arrives (SYNCS.ARRIVE ... A1T0) issued while a shared-memory load's
+    destination registers are still unread, straight-line (a branch, barrier, MEMBAR or
+    WARPGROUP.DEPBAR starts afresh): such an arrive may release a stage before the load has
+    read it, unless the SM orders the two."""
+    widths = {"LDSM.16.MT88.4": 4, "LDSM.16.M88.4": 4, "LDS.128": 4, "LDS.64": 2}
+    pending, found = set(), []
+    for op, args in instrs:
+        if op.startswith(("MEMBAR", "BAR.", "WARPGROUP.DEPBAR", "EXIT", "BRA")):
+            pending.clear()
+            continue
+        pending -= {int(r) for r in re.findall(r"\bR(\d+)\b", args.partition(",")[2] or args)}
+        if op == "SYNCS.ARRIVE.TRANS64.A1T0" and pending:
+            found.append(args.strip())
+        if op.startswith("LDS"):
+            first = int(re.match(r"\s*R(\d+)", args).group(1))
+            pending |= set(range(first, first + widths.get(op, 1)))
+    return found
+
+
+@pytest.mark.parametrize("name", [*FORMS, *STATE_LDS])
+def test_form_no_arrive_behind_shared_loads(built, name):
+    """No mbarrier arrive of the t_pre forms is issued with a shared-memory load unread (before
+    the fix: the v stage's release, behind 3 V^T LDSM / LDS.U16; NOTES, "t_pre failed on the
+    H100"). The standard form's v release has only the tables' loads of the aux stage behind
+    it, released later."""
+    _, instrs, _, _ = built("form", name)
+    assert _arrives_behind_loads(instrs) == []
+
+
+@pytest.mark.parametrize("name", list(STATE_LDS))
+def test_state_lds_form_keeps_the_previous_chain(built, name):
+    """Key field state_lds: next/gdn-tpre's t_pre state chain (V^T by 32 LDS.U16 a thread, O
+    by the state warps' named barrier, LDS.128 and STG; no O warp, no O ring), the baseline of
+    the bench's `t_pre_state_lds` (its SASS was byte-identical to next/gdn-tpre's t_pre form
+    when built, 2026-12-05)."""
+    res, instrs, _, ptx = built("form", name)
+    ops = _ops(instrs)
+    assert res["spill_bytes"] == 0
+    assert ops.count("LDS.U16") == 32 and "LDSM.16.MT88.4" not in ops
+    assert "UTMASTG.3D" not in ops and ops.count("STG.E.128") == 4
+    assert O_FULL_ARRIVALS not in _mbarrier_init_counts(ptx)[-4:]

@@ -1,0 +1,102 @@
+"""Kimi Delta Attention's backward kernel 2 (kernels/linear_attention/kda_bwd_chunk/sm90) on
+the CPU: its tile emulation (`reference.kda_bwd_chunk.chunk_grads_model`: the sub-chunk column
+blocks, the kernel's on-chip 16-bit operands rounded as it rounds them) equals
+reference/kda_bwd.py's `_output_grads` (dG after its reverse cumsum within the chunk) in fp64 and
+within tolerance with bf16 / fp16 tiles, on awkward T and strong decay; the launcher's torch-only
+checks. The op with the kernels emulated: tests/test_kda_bwd_kernel_path.py; the GPU twin:
+tests/gpu/test_kda_bwd_chunk_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from forgekernel.reference.gdn_bwd_state import chunk_factors, to_chunks, to_tokens
+from forgekernel.reference.kda_bwd import _Factors, _output_grads
+from forgekernel.reference.kda_bwd_chunk import chunk_grad_tiles, chunk_grads_model
+
+NAMES = ("dq", "dk", "dw", "dg")
+
+
+def problem(b, t, hv, dk=16, dv=8, g_range=(-5.0, 0.0), seed=0, dtype=torch.float64):
+    """KDA's chunk factors of random inputs and random h, dh, U, dU (zero past T, as the
+    recurrences leave them) -> (f, do, h, dh, U, dU, qs, ks, g) (token-major do, qs, ks, g)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=dtype)
+
+    qs, ks = rnd(b, t, hv, dk) * 0.3, F.normalize(rnd(b, t, hv, dk), dim=-1)
+    v, do = rnd(b, t, hv, dv), rnd(b, t, hv, dv)
+    lo, hi = g_range
+    g = lo + (hi - lo) * torch.rand(b, t, hv, dk, generator=gen, dtype=dtype)
+    beta = torch.sigmoid(rnd(b, t, hv))
+    f = chunk_factors(qs, ks, v, g, beta, _Factors)
+    nc = f.w.shape[1]
+    h, dh = rnd(b, nc, hv, dk, dv) * 0.5, rnd(b, nc, hv, dk, dv) * 0.5
+    big_u, d_u = (to_chunks(rnd(b, t, hv, dv), nc) for _ in range(2))
+    return f, do, h, dh, big_u, d_u, qs, ks, g
+
+
+def reference(p):
+    """`_output_grads` of problem p, dG reverse-cumsummed, token-major."""
+    f, do, h, dh, big_u, d_u = p[:6]
+    t, nc = do.shape[1], h.shape[1]
+    dq, dk, dw, d_g = _output_grads(f, to_chunks(do, nc), h, dh, big_u, d_u)
+    dg = d_g.flip(-2).cumsum(-2).flip(-2)
+    return tuple(to_tokens(x)[:, :t] for x in (dq, dk, dw, dg))
+
+
+def emulate(p, dtype):
+    """The kernel's outputs on p's inputs in `dtype` (fp64 arithmetic; for 16-bit dtypes the
+    on-chip block operands rounded to bf16)."""
+    f, do, h, dh, big_u, d_u, qs, ks, g = p
+    tiles = [x.double() for x in chunk_grad_tiles(qs, ks, do, big_u, d_u, h, dh, g, dtype)]
+    low = dtype in (torch.float16, torch.bfloat16)
+
+    def rounding(x):
+        return x.to(torch.bfloat16).to(x.dtype)  # the block operands: bf16 for both dtypes
+
+    return chunk_grads_model(*tiles, rounding if low else None)
+
+
+def rel(a, b) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("g_range", [(-5.0, 0.0), (-5.0, -4.0)])
+@pytest.mark.parametrize("b", [1, 2])
+@pytest.mark.parametrize("t", [1, 63, 64, 65, 200])
+def test_emulation_equals_output_grads_fp64(t, b, g_range):
+    p = problem(b, t, 3, g_range=g_range, seed=t + b)
+    for name, ours, ref in zip(NAMES, emulate(p, torch.float64), reference(p)):
+        assert ours.shape == ref.shape
+        assert rel(ours, ref) < 1e-9, name
+
+
+@pytest.mark.parametrize("g_range", [(-5.0, 0.0), (-5.0, -4.0)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t", [1, 65, 200])
+def test_emulation_rounded_within_tolerance(t, dtype, g_range):
+    p = problem(2, t, 3, dk=32, dv=32, g_range=g_range, seed=7 * t)
+    for name, ours, ref in zip(NAMES, emulate(p, dtype), reference(p)):
+        assert torch.isfinite(ours).all(), name
+        assert rel(ours, ref) < 2e-2, name
+
+
+def test_emulation_head_dims_128():
+    """The kernel's (K, V) = (128, 128), bf16 tiles, 200 tokens, strong decay."""
+    p = problem(1, 200, 2, dk=128, dv=128, g_range=(-5.0, -4.0), seed=3)
+    for name, ours, ref in zip(NAMES, emulate(p, torch.bfloat16), reference(p)):
+        assert rel(ours, ref) < 2e-2, name
+
+
+def test_reference_points_clamped_inside_t():
+    """A chunk's tail past T carries nothing: G zero-filled there (the kernel's loads) gives the
+    reference's outputs, references clamped to the last row inside T (no e^(-G) overflow)."""
+    p = problem(1, 70, 1, g_range=(-5.0, -4.0), seed=11)
+    ours = emulate(p, torch.float64)
+    assert all(torch.isfinite(x).all() for x in ours)
+    for name, a, ref in zip(NAMES, ours, reference(p)):
+        assert rel(a, ref) < 1e-9, name

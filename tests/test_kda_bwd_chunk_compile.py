@@ -1,0 +1,98 @@
+"""Kimi Delta Attention's backward kernel 2 (pass 3's output side) compiled for sm_90a on the
+CPU (the DSL compiles, ptxas assembles, cuobjdump reads the cubin), both dtypes: 256 threads,
+nothing spilled, 222 registers (cu13 ptxas); 202,752 bytes of shared memory (within config's
+bound); per CTA the WGMMAs -dU h^T, dO h^T, U dh^T (8 x 64x128x16 each, the tiles' dtype),
+dO U^T (8 x 64x64x16), and the eight sub-chunk blocks of dq and dk (one 64x128x16 each, bf16
+for both dtypes, B transposed), twelve commit groups; seven TMA tiles (fourteen 64-column
+halves); dP^T by four transposed stmatrix a thread; te's column sums by 96 butterfly shuffles
+(32 columns x lanes 4, 8, 16)."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("cutlass")
+
+sys.path.insert(0, str(Path(__file__).parent))
+from dsl_toolchain import dsl_toolchain  # noqa: E402
+
+from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY  # noqa: E402
+from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90 import SPEC, config  # noqa: E402
+from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90.compile import (  # noqa: E402
+    compile_kda_bwd_chunk,
+    kernel_for,
+)
+from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_instructions, sass_text  # noqa: E402
+
+if find_tool("cuobjdump") is None:
+    pytest.skip("cuobjdump not found", allow_module_level=True)
+
+REGISTERS = 222  # compiled figure under cu13 (2026-12-05); a rise: look at it
+SMEM = 202752
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    cache = {}
+
+    def get(dtype):
+        if dtype not in cache:
+            params = dict(config.params_for(dtype))
+            kernel = kernel_for(params)
+            with tempfile.TemporaryDirectory() as d:
+                fn = compile_kda_bwd_chunk(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
+                                           kernel=kernel)  # fmt: skip
+                cubin = fn.artifacts.CUBIN
+                if isinstance(cubin, bytes):
+                    Path(d, "k.cubin").write_bytes(cubin)
+                    cubin = Path(d, "k.cubin")
+                res = inspect_cubin(cubin)
+                sass = sass_text(cubin)
+            cache[dtype] = (res, sass_instructions(sass), kernel.shared_storage.size_in_bytes())
+        return cache[dtype]
+
+    return get
+
+
+def test_standard_params():
+    assert SPEC.name == "kda_bwd_chunk_sm90"
+    assert [dict(p)["dtype"] for p in SPEC.standard_params()] == list(config.DTYPES)
+
+
+@pytest.mark.parametrize("dtype", config.DTYPES)
+def test_registers_and_no_spills(compiled, dtype):
+    res, instrs, _ = compiled(dtype)
+    assert res["registers"] <= 65536 // config.THREADS
+    if dsl_toolchain() == "cu13":
+        assert res["registers"] == REGISTERS
+    assert res["spill_bytes"] == 0
+    assert not [op for op, _ in instrs if op.startswith(("LDL", "STL"))]
+
+
+@pytest.mark.parametrize("dtype", config.DTYPES)
+def test_shared_memory_fits(compiled, dtype):
+    res, _, smem = compiled(dtype)
+    assert smem == SMEM <= config.smem_bytes() <= SMEM_CAPACITY
+    assert smem + res["smem_bytes"] <= SMEM_CAPACITY
+
+
+@pytest.mark.parametrize("dtype", config.DTYPES)
+def test_wgmmas_and_tma(compiled, dtype):
+    _, instrs, _ = compiled(dtype)
+    ops = [op for op, _ in instrs]
+    shapes = [(op, a) for op, a in instrs if op.startswith("HGMMA")]
+    assert sum(op.startswith("HGMMA.64x64x16") for op, _ in shapes) == 8
+    wide = [(op, a) for op, a in shapes if op.startswith("HGMMA.64x128x16")]
+    assert len(wide) == 3 * 8 + 2 * 4
+    blocks = [op for op, a in wide if "tnspB" in a]  # dq's and dk's sub-chunk blocks
+    assert len(blocks) == 8 and all(op.endswith(".BF16") for op in blocks)
+    tile = "BF16" if dtype == "bfloat16" else "F32"
+    assert all(op.endswith(tile) for op, a in wide if "tnspB" not in a)
+    assert sum("gsb0" in a for _, a in shapes) == 4 + 8  # one commit group a product
+    assert ops.count("UTMALDG.4D") == 10 and ops.count("UTMALDG.5D") == 4
+    assert ops.count("STSM.16.MT88.4") == 4
+    assert ops.count("SHFL.BFLY") == 96

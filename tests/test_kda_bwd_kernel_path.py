@@ -1,0 +1,329 @@
+"""Kimi Delta Attention's backward on kernels 1 and 2 (ops/kda_bwd.py `_backward_kernel`,
+`FORGEKERNEL_KDA_BWD_KERNEL=1`) on the CPU, kernel 1 replaced by the tile emulation of
+tests/test_gdn_bwd_state.py (`tile_model`: token-major tiles, transposed state, zero tail,
+dS^T's columns scaled per key channel, the register operands rounded to the tiles' dtype) and
+kernel 2 (`CHUNK_IN_KERNEL`) by `reference.kda_bwd_chunk.chunk_grads_model` (its on-chip block
+operands rounded to bf16 for 16-bit tiles; CHUNK_IN_KERNEL = False: pass 3 in torch): the
+kernel fed KDA's forward recurrence (`forward_state_tiles` on the sub-chunked factors) against
+reference/kda_bwd.py's pass 1, the whole path against the interim backward to fp32 tolerance
+(32-bit tiles: nothing rounded) on awkward sizes and strong per-channel decays (g in [-5, -4]
+a step), and the op with the switch on (bf16 tiles rounded) against autograd through the fp64
+recurrence; the routing (no host read for equal lengths; varlen, the switch off, other head
+dims: the interim path). The GPU twin: tests/gpu/test_kda_bwd_kernel_path_gpu.py."""
+
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_gdn_bwd_state import tile_model
+from test_kda_bwd_op import (
+    _fp64_grads,
+    cpu_forward,  # noqa: F401  (the fixture)
+)
+from test_kda_bwd_op import _inputs as op_inputs
+
+from forgekernel.reference.gdn_bwd_state import (
+    CHUNK,
+    chunk_factors,
+    forward_state_tiles,
+    forward_states,
+)
+from forgekernel.reference.kda_bwd import _Factors, _states
+from forgekernel.reference.kda_bwd_chunk import chunk_grads_model
+
+bwd = importlib.import_module("forgekernel.ops.kda_bwd")
+op = importlib.import_module("forgekernel.ops.kda_chunked")
+NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+
+def emulated_kernel(calls=None):
+    """kernel 1's stand-in (its `channel_decay` variant): the tile emulation in fp64, the
+    register operands rounded to the tiles' dtype where it is 16-bit, fp32 outputs (the
+    launcher's)."""
+
+    def run(do, pt, ke, qe, w, e_last, dht):
+        for x in (do, pt, ke, qe, w):
+            assert x.is_contiguous() and x.dtype == do.dtype and x.shape[:3] == do.shape[:3]
+        b, t, hv = do.shape[:3]
+        assert e_last.dtype == torch.float32 and e_last.is_contiguous()
+        assert e_last.shape == (b, -(-t // CHUNK), hv, ke.shape[-1])  # per key channel
+        if calls is not None:
+            calls.append(do.dtype)
+        low = do.dtype in (torch.float16, torch.bfloat16)
+
+        def rounding(x):
+            return x.to(do.dtype).to(x.dtype) if low else x
+
+        factors = {n: x.double() for n, x in zip(("pt", "ke", "qe", "w"), (pt, ke, qe, w))}
+        factors["e_last"] = e_last.double()
+        dst = None if dht is None else dht.double()
+        return tuple(x.float() for x in tile_model(factors, do.double(), dst, rounding))
+
+    return run
+
+
+def emulated_chunk_kernel(calls=None):
+    """kernel 2's stand-in: `chunk_grads_model` in fp64 on the launcher's inputs (checked as the
+    launcher checks them), the block operands rounded to bf16 for 16-bit tiles, fp32 outputs."""
+
+    def run(do, u, du, q, k, h, dh, big_g):
+        b, t, hv = do.shape[:3]
+        for x in (do, u, du, q, k, h, dh):
+            assert x.is_contiguous() and x.dtype == do.dtype
+        assert big_g.dtype == torch.float32 and big_g.shape == (b, t, hv, q.shape[-1])
+        assert h.shape == dh.shape == (b, -(-t // CHUNK), hv, q.shape[-1], do.shape[-1])
+        if calls is not None:
+            calls.append(do.dtype)
+        low = do.dtype in (torch.float16, torch.bfloat16)
+
+        def rounding(x):
+            return x.to(torch.bfloat16).to(x.dtype)
+
+        tiles = (x.double() for x in (do, u, du, q, k, h, dh, big_g))
+        return tuple(x.float() for x in chunk_grads_model(*tiles, rounding if low else None))
+
+    return run
+
+
+def _inputs(b, t, h, hv=None, dk=16, dv=8, seed=0, strong=False, dtype=torch.float64):
+    """g (B, T, HV, K) per key channel: in [-5, -4] when `strong`, else in [-1, 0]."""
+    hv = hv or h
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=dtype)
+
+    q, k = rnd(b, t, h, dk), F.normalize(rnd(b, t, h, dk), dim=-1)
+    v, do = rnd(b, t, hv, dv), rnd(b, t, hv, dv)
+    lo = -5.0 if strong else -1.0
+    g = lo + torch.rand(b, t, hv, dk, generator=gen, dtype=dtype)
+    beta = torch.rand(b, t, hv, generator=gen, dtype=dtype)
+    return q, k, v, g, beta, do, rnd(b, hv, dk, dv) * 0.5, rnd(b, hv, dk, dv) * 0.5
+
+
+@pytest.mark.parametrize("t", [1, 65, 200])
+@pytest.mark.parametrize("b", [1, 3])
+@pytest.mark.parametrize("with_h0", [False, True])
+def test_forward_recurrence_on_the_reverse_kernel(t, b, with_h0):
+    """Kernel 1 fed KDA's `forward_state_tiles` (e^(G_C) per key channel, chunks reversed)
+    runs pass 1: h and U equal reference/kda_bwd.py's `_states` (fp64, exact emulation)."""
+    q, k, v, g, beta, _, h0, _ = _inputs(b, t, 2, seed=t, strong=t == 200)
+    h0 = h0 if with_h0 else None
+    f = chunk_factors(q, k, v, g, beta, _Factors)
+    fw = forward_state_tiles(f, torch.float64)
+    assert fw["e_last"].shape == (b, f.w.shape[1], 2, 16)
+    tiles = {n: fw[n] for n in ("pt", "ke", "qe", "w", "e_last")}
+    du, dh, _ = tile_model(tiles, fw["do"], h0, rounding=lambda x: x)
+    h, big_u = forward_states(du, dh)
+    nc = f.w.shape[1]
+
+    def steps(x):  # (B, NC, ...) -> the reference's step-major (NC B, ...)
+        return x.transpose(0, 1).flatten(0, 1)
+
+    ref = SimpleNamespace(q=steps(f.q), u=steps(f.u), w=steps(f.w), ke=steps(f.ke),
+                          e_last=steps(f.e_last))  # fmt: skip
+    start = torch.zeros(b, 2, 16, 8, dtype=torch.float64) if h0 is None else h0
+    want_h, want_u = _states(ref, start, [(j * b, b) for j in range(nc)])
+    torch.testing.assert_close(h, want_h.unflatten(0, (nc, b)).transpose(0, 1), rtol=1e-10,
+                               atol=1e-10)  # fmt: skip
+    torch.testing.assert_close(big_u, want_u.unflatten(0, (nc, b)).transpose(0, 1), rtol=1e-10,
+                               atol=1e-10)  # fmt: skip
+
+
+def _flat(x, b, t):
+    return x.reshape(b * t, *x.shape[2:])
+
+
+def _interim_and_kernel(b, t, h, hv, *, l2norm, with_h0, with_dht, strong, seed=0):
+    q, k, v, g, beta, do, h0, dht = _inputs(b, t, h, hv, seed=seed, strong=strong,
+                                            dtype=torch.float32)  # fmt: skip
+    if l2norm:
+        k = k * 2.0
+    h0, dht = (h0 if with_h0 else None), (dht if with_dht else None)
+    flat = [_flat(x, b, t) for x in (q, k, v, g, beta, do)]
+    cu = torch.arange(b + 1, dtype=torch.int32) * t
+    scale = 16**-0.5
+    want = bwd._backward_interim(*flat[:5], h0, cu, flat[5], dht, scale, l2norm)
+    got = bwd._backward_kernel(*flat[:5], h0, flat[5], dht, scale, l2norm, b)
+    return got, want
+
+
+def _close(name, got, want, tol):
+    assert got.shape == want.shape, name
+    assert torch.isfinite(got).all(), name
+    err = float((got.double() - want.double()).abs().max())
+    assert err <= tol * float(want.abs().max()) + 1e-6, (name, err, float(want.abs().max()))
+
+
+@pytest.mark.parametrize(
+    ("b", "t", "h", "hv", "l2norm", "with_h0", "with_dht", "strong"),
+    [
+        (1, 1, 1, 1, False, True, True, False),
+        (2, 63, 2, 2, True, False, True, False),
+        (1, 64, 1, 2, False, True, False, True),
+        (3, 65, 2, 4, True, True, True, True),
+        (2, 200, 1, 2, True, True, True, False),
+        (1, 200, 2, 2, False, False, False, True),
+    ],
+)
+@pytest.mark.parametrize("chunk_in_kernel", [True, False])
+def test_kernel_path_equals_the_interim_path(monkeypatch, b, t, h, hv, l2norm, with_h0,
+                                             with_dht, strong, chunk_in_kernel):  # fmt: skip
+    """fp32 tiles and the exact emulations: every gradient within 1e-4 of its max of the
+    interim path's (T = 1, 63, 64, 65, 200; grouped heads; l2norm; g in [-5, -4] a step), pass
+    3's output side on kernel 2 or in torch."""
+    calls, chunk_calls = [], []
+    monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel(calls))
+    monkeypatch.setattr(bwd, "_chunk_grads", emulated_chunk_kernel(chunk_calls))
+    monkeypatch.setattr(bwd, "CHUNK_IN_KERNEL", chunk_in_kernel)
+    got, want = _interim_and_kernel(b, t, h, hv, l2norm=l2norm, with_h0=with_h0,
+                                    with_dht=with_dht, strong=strong, seed=t)  # fmt: skip
+    assert calls == [torch.float32, torch.float32]  # the forward states, the reverse pass
+    assert chunk_calls == [torch.float32] * chunk_in_kernel
+    for name, a, r in zip(NAMES, got, want):
+        _close(name, a, r, 1e-4)
+
+
+def test_head_passes_are_the_one_pass(monkeypatch):
+    """Value heads in passes (one q head's group a pass) give the one pass's gradients."""
+    monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel())
+    chunk_calls = []
+    monkeypatch.setattr(bwd, "_chunk_grads", emulated_chunk_kernel(chunk_calls))
+    one, _ = _interim_and_kernel(2, 70, 2, 4, l2norm=True, with_h0=True, with_dht=True,
+                                 strong=False)  # fmt: skip
+    monkeypatch.setattr(bwd, "TOKEN_HEADS_PER_PASS", 140 * 2)
+    calls = []
+    monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel(calls))
+    passes, _ = _interim_and_kernel(2, 70, 2, 4, l2norm=True, with_h0=True, with_dht=True,
+                                    strong=False)  # fmt: skip
+    assert len(calls) == 4 and len(chunk_calls) == 1 + 2  # kernel 2 once a pass
+    for name, a, r in zip(NAMES, passes, one):
+        torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-6, msg=name)
+
+
+# ---- the op with the switch on (bf16, the forward launcher stubbed as tests/test_kda_bwd_op)
+
+
+@pytest.fixture
+def kernel_path(monkeypatch, request):
+    request.getfixturevalue("cpu_forward")  # the forward launcher stubbed
+    calls = []
+    monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
+    monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel(calls))
+    monkeypatch.setattr(bwd, "_chunk_grads", emulated_chunk_kernel())
+    return calls
+
+
+def _bf16_problem(b, t, h, hv, *, decay=(-1.0, 0.0), seed=0):
+    inputs, _ = op_inputs([t], h, hv, l2norm=True, decay=decay, seed=seed, b=b)
+    gen = torch.Generator().manual_seed(seed + 1)
+    do = torch.randn(*inputs[2].shape, generator=gen).bfloat16()
+    dht = torch.randn(*inputs[5].shape, generator=gen) * 0.1
+    return inputs, do, dht
+
+
+@pytest.mark.parametrize(
+    ("b", "t", "h", "hv", "decay"),
+    [(2, 65, 1, 2, (-1.0, 0.0)), (1, 130, 2, 2, (-5.0, -4.0)), (2, 64, 1, 1, (-5.0, 0.0))],
+)
+def test_explicit_backward_on_the_kernel_path(kernel_path, monkeypatch, b, t, h, hv, decay):
+    """`kimi_delta_attention_backward` with the switch on takes the kernel path (two launches:
+    the forward states, the reverse pass) and matches autograd through the fp64 recurrence
+    within 2e-2 of each gradient's max (bf16 tiles, the emulation's bf16 operands), g in
+    [-5, -4] per channel included."""
+    (q, k, v, g, beta, h0), do, dht = _bf16_problem(b, t, h, hv, decay=decay, seed=t)
+    monkeypatch.setattr(bwd, "_backward_interim", lambda *a: pytest.fail("interim path"))
+    got = bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, initial_state=h0,
+                                            d_final_state=dht,
+                                            use_qk_l2norm_in_kernel=True)  # fmt: skip
+    assert kernel_path == [torch.bfloat16, torch.bfloat16]
+    want = _fp64_grads([q, k, v, g, beta, h0], None, do, dht, l2norm=True)
+    for name, a, r in zip(NAMES, got, want):
+        like = {"dq": q, "dk": k, "dv": v, "dg": g, "dbeta": beta}.get(name, dht)
+        assert a.dtype == like.dtype, name
+        _close(name, a, r, 2e-2)
+
+
+def test_equal_varlen_equals_the_batch(kernel_path):
+    """B equal sequences behind cu_seqlens (B = 1 + offsets: the suite's batch form) give the
+    (B, T) call's gradients."""
+    (q, k, v, g, beta, h0), do, dht = _bf16_problem(2, 70, 1, 2, seed=4)
+    kw = {"initial_state": h0, "d_final_state": dht, "use_qk_l2norm_in_kernel": True}
+    batch = bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, **kw)
+    flat = [x.flatten(0, 1).unsqueeze(0) for x in (q, k, v, g, beta, do)]
+    cu = torch.tensor([0, 70, 140], dtype=torch.int32)
+    varlen = bwd.kimi_delta_attention_backward(*flat, cu_seqlens=cu, **kw)
+    assert len(kernel_path) == 4
+    for name, a, r in zip(NAMES, varlen, batch):
+        assert torch.isfinite(r).all(), name
+        torch.testing.assert_close(a.reshape(r.shape), r, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("b", [1, 2])
+def test_autograd_on_the_kernel_path(kernel_path, monkeypatch, b):
+    """Autograd of `kimi_delta_attention` without cu_seqlens (B = 1, and B = 2: the offsets the
+    wrapper made, found in the registry) takes the kernel path with no host read and matches
+    autograd through the fp64 recurrence."""
+    monkeypatch.setattr(bwd, "_backward_interim", lambda *a: pytest.fail("interim path"))
+    inputs, do, dht = _bf16_problem(b, 100, 2, 4, decay=(-5.0, 0.0), seed=b)
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    o, final = op.kimi_delta_attention(*leaves[:5], initial_state=leaves[5],
+                                       output_final_state=True,
+                                       use_qk_l2norm_in_kernel=True)  # fmt: skip
+    grads = torch.autograd.grad((o.float() * do.float()).sum() + (final * dht).sum(), leaves)
+    assert kernel_path == [torch.bfloat16, torch.bfloat16]
+    want = _fp64_grads(inputs, None, do, dht, l2norm=True)
+    for name, a, r in zip(NAMES, grads, want):
+        _close(name, a, r, 2e-2)
+
+
+def test_routing_to_the_interim_path(kernel_path, monkeypatch):
+    """Unequal sequences behind cu_seqlens, the switch off, and head dims other than kernel
+    1's take the interim path; equal ones behind cu_seqlens (the offsets read on the host)
+    and one sequence take the kernel path."""
+    seen = []
+    interim = bwd._backward_interim
+    monkeypatch.setattr(bwd, "_backward_interim", lambda *a: seen.append(1) or interim(*a))
+    (q, k, v, g, beta, h0), do, dht = _bf16_problem(1, 130, 1, 2, seed=3)
+    cu = torch.tensor([0, 60, 130], dtype=torch.int32)
+    h0 = h0.expand(2, -1, -1, -1).contiguous()
+    bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, initial_state=h0, cu_seqlens=cu)
+    assert seen == [1] and kernel_path == []
+    one = torch.tensor([0, 130], dtype=torch.int32)  # one sequence: the kernel path
+    bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, initial_state=h0[:1], cu_seqlens=one)
+    assert seen == [1] and kernel_path == [torch.bfloat16, torch.bfloat16]
+    equal = torch.tensor([0, 65, 130], dtype=torch.int32)  # read on the host: equal lengths
+    bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, initial_state=h0, cu_seqlens=equal)
+    assert seen == [1] and len(kernel_path) == 4
+    monkeypatch.delenv(bwd.KERNEL_SWITCH)
+    bwd.kimi_delta_attention_backward(q, k, v, g, beta, do)
+    assert seen == [1, 1] and len(kernel_path) == 4
+    monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
+    assert bwd._kernel_path(q.flatten(0, 1), v.flatten(0, 1))
+    assert not bwd._kernel_path(q.flatten(0, 1)[..., :64], v.flatten(0, 1))  # (K, V) (64, 128)
+    assert not bwd._kernel_path(q.flatten(0, 1).float(), v.flatten(0, 1))  # 32-bit
+    assert not bwd._kernel_path(q.flatten(0, 1)[:0], v.flatten(0, 1)[:0])  # T = 0
+
+
+@pytest.mark.parametrize("decay", [(-5.0, 0.0), (-5.0, -4.0)])
+def test_kernel_2_on_the_path_and_its_fallback(kernel_path, monkeypatch, decay):
+    """bf16 with the switch on: kernel 2 (emulated, bf16 block operands) once, fed the tiles'
+    dtype; CHUNK_IN_KERNEL = False runs pass 3 in torch instead; both within 2e-2 of autograd
+    through the fp64 recurrence, and within 1e-2 of each other."""
+    (q, k, v, g, beta, h0), do, dht = _bf16_problem(2, 130, 1, 2, decay=decay, seed=9)
+    kw = {"initial_state": h0, "d_final_state": dht, "use_qk_l2norm_in_kernel": True}
+    chunk_calls = []
+    monkeypatch.setattr(bwd, "_chunk_grads", emulated_chunk_kernel(chunk_calls))
+    on_chip = bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, **kw)
+    assert chunk_calls == [torch.bfloat16]
+    monkeypatch.setattr(bwd, "CHUNK_IN_KERNEL", False)
+    in_torch = bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, **kw)
+    assert chunk_calls == [torch.bfloat16]
+    want = _fp64_grads([q, k, v, g, beta, h0], None, do, dht, l2norm=True)
+    for name, a, b, r in zip(NAMES, on_chip, in_torch, want):
+        _close(name, a, r, 2e-2)
+        _close(name, a, b, 1e-2)
