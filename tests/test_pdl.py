@@ -161,14 +161,18 @@ def _first(lines, pattern) -> int:
 # (seesaw.py, `pdl.wait(self.pdl)` at the top), its compare the seesaw pass's: ~8 s of CI's CPU
 # (an MLA compile) fewer; its standard build keeps every check of its own.
 DECODE_OFF = ("paged_pass", "paged_combine", "mla_seesaw", "mla_combine", "mla_ranges_combine")
+# The standard builds CI checks: the paged pass, and the MLA ones its `mla` scope compiles for
+# other files anyway (test_mla_worklist, test_mla_seesaw_compile, test_mla_schedule: conftest's
+# SHARED_COMPILES), so their checks cost no compile; the two combines are sweeps (`slow`).
+CI_KERNELS = ("paged_pass", "mla_seesaw", "mla_ranges_pass", "mla_ranges_combine")
 
 
-@pytest.mark.parametrize("name", slow_past(KERNELS))
+@pytest.mark.parametrize(
+    "name", [n if n in CI_KERNELS else pytest.param(n, marks=pytest.mark.slow) for n in KERNELS]
+)
 def test_wait_precedes_every_global_access(compiled, name):
     """The standard (PDL) build: one ACQBULK (griddepcontrol.wait), before the first global
-    load, store or TMA, and one PREEXIT (launch_dependents); the build without PDL (DECODE_OFF)
-    has neither and the same registers, no local memory in either, the same SASS counts but
-    the two."""
+    load, store or TMA, and one PREEXIT (launch_dependents); no local memory."""
     spec, params = KERNELS[name]
     res, lines = compiled(spec, params)
     joined = "\n".join(lines)
@@ -186,8 +190,15 @@ def test_wait_precedes_every_global_access(compiled, name):
         assert wait < _first(lines, GLOBAL)
     assert res["spill_bytes"] == 0
     assert res["sass"].get("LDL", 0) == res["sass"].get("STL", 0) == 0
-    if name not in DECODE_OFF:
-        return
+
+
+@pytest.mark.parametrize("name", slow_past(DECODE_OFF))
+def test_the_build_without_pdl_is_the_standard_one_without_its_two_instructions(compiled, name):
+    """The build without PDL (one a kernel class and `pdl.wait` site: DECODE_OFF) has neither
+    ACQBULK nor PREEXIT, the standard build's registers and SASS counts but the two, no local
+    memory."""
+    spec, params = KERNELS[name]
+    res, _ = compiled(spec, params)
     off, off_lines = compiled(spec, pdl.key(params, False))
     assert not re.search(r"\b(ACQBULK|PREEXIT)\b", "\n".join(off_lines))
     assert off["spill_bytes"] == 0
@@ -195,7 +206,8 @@ def test_wait_precedes_every_global_access(compiled, name):
     assert res["sass"] == off["sass"]
 
 
-@pytest.mark.parametrize("ranges", slow_past([False, True]))
+# (both in CI: the ranges build is test_mla_schedule's, compiled in the same `mla` scope)
+@pytest.mark.parametrize("ranges", [False, True])
 def test_the_scheduling_kernel_waits_before_its_first_store(compiled, ranges):
     """The work list's kernel fills the partial LSEs first (ranges: writes the list and the row
     ranges a previous step's calls may still read): its wait precedes that store."""
