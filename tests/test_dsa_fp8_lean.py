@@ -403,12 +403,13 @@ def test_wide_keys():
         params_for("partial", "bfloat16", 16, direct=True, wide=True)
 
 
-# CI: the 16-head FP8 pair (its standard direct build is test_lean_sass's, as above: one
-# compile of its own); the adopted 64-head FP8 pair and the 16-bit one are slow
+# CI: the adopted 64-head FP8 pair (the launcher's default with lean at WIDE_HEADS; ~3.5 s
+# more than the 16-head candidate's, whose direct build test_lean_sass shares); the 16-head
+# FP8 pair and the 16-bit one are slow
 @pytest.mark.parametrize(
     ("heads", "dtype", "fp8"),
     slow_past([(64, FP8_DTYPE, True), (16, FP8_DTYPE, True), (64, "float16", False)],
-              keep=(16, FP8_DTYPE, True), unpack=True),
+              keep=(64, FP8_DTYPE, True), unpack=True),
 )  # fmt: skip
 def test_wide_sass(heads, dtype, fp8):
     """The wide compile beside the standard direct one: the epilogue's 128 scalar 16-bit stores
