@@ -188,7 +188,8 @@ RUN_FIRST = (
 # work-list's `res`, the PDL ranges pass the schedule's), the paged pass (PDL and paged schedule
 # tests); about 17 s a MLA compile on CI's CPU. The DSA decode's sparse keys: test_dsa_sparse's
 # direct-form compares and test_dsa_fp8_lean's lean / wide ones share three (the FP8 16-head
-# sparse pass, direct and not, and the 16-bit 64-head direct one: ~9 s). xdist's loadfile keeps
+# sparse pass, direct and not, and the 16-bit 64-head direct one: ~9 s; in CI's run, its slow
+# pairs left out, the direct FP8 16-head one alone). xdist's loadfile keeps
 # a file on one worker, not files: a group is one scope (`pytest_xdist_make_scheduler`), so each
 # of those builds compiles once in a run.
 SHARED_COMPILES = {

@@ -10,19 +10,18 @@ marked `slow` (tests/sweeps.py): they run before landing a kernel change."""
 from __future__ import annotations
 
 import re
-import tempfile
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("cutlass")
 
-from sweeps import slow_past  # noqa: E402  (tests/ is on the path)
+from cubins import build  # noqa: E402  (tests/ is on the path)
+from sweeps import slow_past  # noqa: E402
 
 from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import SPEC, config  # noqa: E402
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY  # noqa: E402
-from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text  # noqa: E402
+from forgekernel.runtime.resources import find_tool  # noqa: E402
 
 if find_tool("cuobjdump") is None:
     pytest.skip("cuobjdump not found", allow_module_level=True)
@@ -30,23 +29,11 @@ if find_tool("cuobjdump") is None:
 _OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9x.]+)?)")
 
 
-_BUILT: dict = {}
-
-
 def _build(params) -> tuple[dict, str]:
-    """inspect_cubin's resources and the SASS text of one build, compiled once a process (the
-    h64 tests read both: compiling twice took ~18 s of CI's CPU)."""
-    if params not in _BUILT:
-        with tempfile.TemporaryDirectory() as d:
-            compiled = SPEC.compile(params, f"--keep-cubin --dump-dir {d}")
-            cubin = compiled.artifacts.CUBIN
-            if isinstance(cubin, bytes):
-                path = Path(d) / "k.cubin"
-                path.write_bytes(cubin)
-                cubin = str(path)
-            _BUILT[params] = (inspect_cubin(cubin), sass_text(cubin))
-    res, sass = _BUILT[params]
-    return dict(res), sass
+    """inspect_cubin's resources and the SASS text of one build, compiled once a process by
+    tests/cubins.py's `build` (the h64 tests read both)."""
+    found = build(SPEC, params)
+    return found.resources, found.sass
 
 
 def _compiled(params) -> tuple[dict, Counter]:

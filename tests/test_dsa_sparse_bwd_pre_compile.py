@@ -7,15 +7,15 @@ where the key has a sink."""
 from __future__ import annotations
 
 import re
-import tempfile
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("cutlass")
 
+from cubins import build  # noqa: E402  (tests/ is on the path)
+
 from forgekernel.kernels.attention.dsa_sparse_bwd_pre.sm90 import SPEC, config  # noqa: E402
-from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text  # noqa: E402
+from forgekernel.runtime.resources import find_tool  # noqa: E402
 
 if find_tool("cuobjdump") is None:
     pytest.skip("cuobjdump not found", allow_module_level=True)
@@ -24,14 +24,8 @@ MAX_REGISTERS = 48  # 16 CTAs of 128 threads an SM (the launch's residency) need
 
 
 def _compiled(params) -> tuple[dict, str]:
-    with tempfile.TemporaryDirectory() as d:
-        compiled = SPEC.compile(params, f"--keep-cubin --dump-dir {d}")
-        cubin = compiled.artifacts.CUBIN
-        if isinstance(cubin, bytes):
-            path = Path(d) / "k.cubin"
-            path.write_bytes(cubin)
-            cubin = str(path)
-        return inspect_cubin(cubin), sass_text(cubin)
+    found = build(SPEC, params)  # tests/cubins.py: once a process
+    return found.resources, found.sass
 
 
 @pytest.mark.parametrize("params", SPEC.standard_params(), ids=str)

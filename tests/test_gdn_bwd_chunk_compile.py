@@ -20,6 +20,7 @@ import pytest
 pytest.importorskip("cutlass")
 
 from dsl_toolchain import dsl_toolchain  # noqa: E402
+from sweeps import slow_past  # noqa: E402  (tests/ is on the path)
 
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY  # noqa: E402
 from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90 import config  # noqa: E402
@@ -34,7 +35,12 @@ if find_tool("cuobjdump") is None:
 
 REGISTERS = {False: 168, True: 255}  # compiled figures (2026-12-04); a rise: look at it
 SMEM = {False: 156672, True: 222208}
-CONFIGS = [(dtype, wy) for dtype in config.DTYPES for wy in (False, True)]
+# CI: the first dtype's builds, both variants; the other dtype's are slow (tests/sweeps.py)
+CONFIGS = [
+    (dtype, wy) if dtype == config.DTYPES[0] else pytest.param(dtype, wy, marks=pytest.mark.slow)
+    for dtype in config.DTYPES
+    for wy in (False, True)
+]
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +99,7 @@ def test_wgmmas_and_tma(compiled, dtype, wy):
     assert ops.count("SHFL.BFLY") == 17 + 20 * wy
 
 
-@pytest.mark.parametrize("dtype", config.DTYPES)
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
 def test_grouped_wy_resources(compiled, dtype):
     """`grouped` (q, k read at head hv // (HV / H), the op's path): the WY variant's registers,
     shared memory, products and loads unchanged, no spill; only the producer's head index
@@ -109,7 +115,7 @@ def test_grouped_wy_resources(compiled, dtype):
         assert got == sorted(op for op, _ in base_instrs if op.startswith(prefix)), prefix
 
 
-@pytest.mark.parametrize("dtype", config.DTYPES)
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
 def test_dv16_resources(compiled, dtype):
     """`dv16` with `grouped` (the op's key): the WY variant's registers and shared memory, no
     spill; dv's 32 fp32 pair stores (STG.E.64) become 32 packed 16-bit pair stores (STG.E)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sweeps import slow_past  # tests/ is on the path
 
 from forgekernel.kernels.gemm.fp4.sm90 import config
 from forgekernel.kernels.gemm.fp4.sm90 import widen as W
@@ -382,7 +383,8 @@ def test_chooser_and_stages():
 
 
 # ---------------------------------------------------------------- the compiled kernel
-@pytest.mark.parametrize("tokens", [8, 64])
+# the compiles below: CI builds each test's first configuration, the others are slow
+@pytest.mark.parametrize("tokens", slow_past([8, 64]))
 def test_kernel_compiles_for_sm90a_without_spills(tokens, tmp_path):
     pytest.importorskip("cutlass")
     from forgekernel.kernels.gemm.fp4.sm90 import SPEC
@@ -480,7 +482,7 @@ def _producer_max_register(sass: str) -> int:
     return max(int(r) for r in re.findall(r"\bR(\d+)\b", body))
 
 
-@pytest.mark.parametrize("tokens", [16, 32, 64])
+@pytest.mark.parametrize("tokens", slow_past([16, 32, 64]))
 def test_staged_sa_takes_the_scales_off_the_consumers_path(tokens, tmp_path):
     """Compiled for sm_90a with `staged_sa`: no spills, 168 registers at entry, the producer
     inside its 40; per k-tile the producer lanes' ceil(h / 32) LDGSTS (4 bytes: one token's
@@ -571,7 +573,8 @@ def _region_max_registers(sass: str) -> dict[str, int]:
 
 
 @pytest.mark.parametrize(
-    "tokens, converters", [(16, 1), (32, 1), (64, 1), (96, 1), (32, 2), (64, 2)]
+    "tokens, converters",
+    slow_past([(16, 1), (32, 1), (64, 1), (96, 1), (32, 2), (64, 2)], unpack=True),
 )
 def test_converter_compiles_with_the_widening_out_of_the_mma_warpgroups(
     tokens, converters, tmp_path
@@ -907,7 +910,9 @@ def test_shared_memory_budget_of_the_opt_in_forms(tokens):
     assert s == {8: 18, 16: 16, 32: 13, 64: 10, 96: 8}[tokens]
 
 
-@pytest.mark.parametrize("form", [{"staged_sa": True}, {"converter": 1}, {"converter": 2}])
+@pytest.mark.parametrize(
+    "form", slow_past([{"staged_sa": True}, {"converter": 1}, {"converter": 2}])
+)
 def test_contiguous_opt_in_forms_compile_without_spills(form, tmp_path):
     """The contiguous layout's default tile (32 tokens) in each opt-in form: 0 spills, 16
     QGMMA, no divergent fallbacks, the MMA loop free of global loads."""

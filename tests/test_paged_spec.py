@@ -13,6 +13,7 @@ import pytest
 import torch
 from cubins import build  # tests/ is on the path
 from script_modules import load_script
+from sweeps import slow_past
 
 from forgekernel.bench.suites import attention_paged as suite
 from forgekernel.kernels.attention.paged.sm90 import SPEC, config
@@ -157,7 +158,7 @@ def test_early_ids_schedule(page_size, sk, width, splits, per_split, stages):
         assert kept_all  # a sequence that fills its table: no split reads its ids twice
 
 
-@pytest.mark.parametrize("ramp", ["", "serial"])
+@pytest.mark.parametrize("ramp", slow_past(["", "serial"]))  # CI: the standard build
 def test_early_ids_in_the_sass(ramp):
     """bf16 D 128, 4 heads (the b1 / b4 / b64 bench cases' pass): after the wait the length's
     load, then the STAGES x 8 guessed page-table loads, all before the length's first use,
@@ -295,7 +296,8 @@ LEAVES = [(128, 4, 1), (128, 4, 2), (128, 4, 4), (128, 8, 2), (128, 8, 4), (64, 
 
 
 @pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
-@pytest.mark.parametrize(("d", "heads", "qtokens"), LEAVES)
+# CI: the 4-head decode leaf (test_early_ids_in_the_sass's build); the other leaves are slow
+@pytest.mark.parametrize(("d", "heads", "qtokens"), slow_past(LEAVES, unpack=True))
 def test_main_loop_copies_wait_on_no_page_read_of_their_iteration(d, heads, qtokens):
     """Compiled (sm_90a), page ids ahead: the main loop issues its tile's 16-byte copies (2 a
     row: K and V) before any page-table read, and reads the next tile's ids after them, one per
@@ -432,7 +434,8 @@ def _loop_ops(sass: str) -> list[str]:
 
 
 @pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
-@pytest.mark.parametrize(("heads", "qtokens"), [(4, 2), (4, 4), (8, 2), (8, 4)])
+@pytest.mark.parametrize(("heads", "qtokens"), slow_past([(4, 2), (4, 4), (8, 2), (8, 4)],
+                                                          unpack=True))  # fmt: skip
 def test_merge_rows_compiles_within_the_residency(heads, qtokens):
     """Compiled (sm_90a), the merge candidate of the spec leaves the bench runs: registers
     within 2 CTAs an SM, no spill, the main loop the standard leaf's work (the same MMA,
