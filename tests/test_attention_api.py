@@ -297,7 +297,7 @@ def test_bench_config_variants_pass_their_config(cpu_kernel):
     the others candidate keys or a rule's standard one), on the config's grid, and write what
     the default launch writes: the cases a rule moved carry `was`, the three long 192/128 ones
     also the open `dyn_kahead` / `dyn_sec12`; the cases left unmoved the L2 round's variants
-    (`wave0`, causal `wave0_dyn`, D = 128 non-causal MHA `wave0_sec12`)."""
+    (`wave0`, causal `wave0_dyn`)."""
     from forgekernel.bench.suites import attention as suite
     from forgekernel.kernels.attention.fwd.sm90 import SPEC
     from forgekernel.kernels.attention.fwd.sm90.config import fixed_rule
@@ -320,9 +320,7 @@ def test_bench_config_variants_pass_their_config(cpu_kernel):
         elif moved:
             assert set(runs) == {"was"}
         else:
-            sec12 = (p["d"], p["sq"], p["hq"]) == (128, 2048, p["hkv"])  # the MHA D = 128 one
-            full = {"wave0", "wave0_sec12"} if sec12 else {"wave0"}
-            assert set(runs) == ({"wave0", "wave0_dyn"} if p["causal"] else full)
+            assert set(runs) == ({"wave0", "wave0_dyn"} if p["causal"] else {"wave0"})
         q, k, v = qkv(b=1, sq=130, sk=300, hq=4, hkv=4, d=p["d"], dv=p["dv"])
         inputs = {"q": q, "k": k, "v": v, "causal": p["causal"], "softmax_scale": None}
         want = suite.run_ours(inputs, None)
@@ -357,6 +355,7 @@ def test_the_launcher_runs_the_fixed_rule_of_the_problem(cpu_kernel, monkeypatch
         (6, 16, 1024, 32, 32, 128, 128, True),
         (4, 4, 2048, 16, 16, 256, 256, True),
         (1, 1, 2048, 128, 128, 192, 128, True),
+        (8, 8, 2048, 32, 32, 128, 128, False),
     ]
     for rule, b, s, hq, hkv, d, dv, causal in cases:
         for sq, want in ((s, rule_params("bfloat16", rule)),

@@ -207,8 +207,8 @@ def test_d192_schedule_candidates_are_keys_only_when_on():
     """k_ahead (docs/attention/NOTES.md, "192/128 against FA4's schedule") is in no standard
     key (its default), wave_kv_mib only in the fixed-length rules' (FIXED_RULES); both are in
     the open 192/128 candidate keys (bf16 causal, fixed length, with the tile counter) as set
-    and round-trip through the key; paged refuses k_ahead. D = 128 has wave_kv_mib 0
-    candidates (both masks: the bench's undecided non-causal case and causal control)."""
+    and round-trip through the key; paged refuses k_ahead. D = 128 has a causal wave_kv_mib 0
+    candidate (the GQA-4 causal control); its non-causal one is rule 8's standard key."""
     rules = {rule_params(dtype, i) for dtype in ("bfloat16", "float16")
              for i in range(1, len(FIXED_RULES) + 1)}  # fmt: skip
     for p in SPEC.standard_params():
@@ -227,8 +227,11 @@ def test_d192_schedule_candidates_are_keys_only_when_on():
     wave0 = [dict(p) for p in SPEC.candidate_params() if "wave_kv_mib" in dict(p)
              and dict(p)["head_dim"] == 128 and "dynamic" not in dict(p)
              and dict(p)["l2_kv_mib"] == 24]  # fmt: skip
-    assert sorted(p["causal"] for p in wave0) == [False, True]
+    assert [p["causal"] for p in wave0] == [True]
     assert all(knobs_of(p) == {"wave_kv_mib": 0} and not p["varlen"] for p in wave0)
+    wave0_full = params_for("bfloat16", 128, 128, False, replace(default_config(128, 128),
+                                                                 wave_kv_mib=0))  # fmt: skip
+    assert wave0_full == rule_params("bfloat16", 8) and wave0_full in rules
     base = default_config(192, 128)
     for p in d192:
         assert p["dtype"] == "bfloat16" and p["causal"] and not p["varlen"]
@@ -242,9 +245,9 @@ def test_d192_schedule_candidates_are_keys_only_when_on():
 
 def test_l2_candidates_are_keys_only_when_on():
     """The L2 candidates still open (L2_CANDIDATES: D = 64 causal in sections, alone and with
-    the tile counter; D = 128 non-causal in 12 MiB sections; docs/attention/NOTES.md, "192/128
-    and the L2 rules adopted"): bf16 fixed-length keys of the head dim's default config with
-    exactly those knobs set, none a standard key."""
+    the tile counter; docs/attention/NOTES.md, "192/128 and the L2 rules adopted"; D = 128
+    non-causal in 12 MiB sections dropped with rule 8): bf16 fixed-length keys of the head
+    dim's default config with exactly those knobs set, none a standard key."""
     standard = set(SPEC.standard_params())
     cands = [dict(p) for p in SPEC.candidate_params()]
     for d, causal, knobs in L2_CANDIDATES:
@@ -255,8 +258,9 @@ def test_l2_candidates_are_keys_only_when_on():
         assert dict(key).get("dynamic", False) == knobs.get("dynamic", False)
         assert dict(key)["l2_kv_mib"] == knobs.get("l2_kv_mib", default_config(d, d).l2_kv_mib)
         assert AttnConfig.from_params(dict(key)) == cfg
-    assert len(L2_CANDIDATES) == 3
+    assert len(L2_CANDIDATES) == 2
     assert len(cands) == len({tuple(sorted(p.items())) for p in cands})  # no key twice
+    assert not any(p["head_dim"] == 128 and p["l2_kv_mib"] == 12 for p in cands)  # wave0_sec12
 
 
 @pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
@@ -279,10 +283,11 @@ def test_l2_candidates_build_as_the_standard(tmp_path, candidate):
 
 
 def test_fixed_rules_are_standard_builds_of_their_head_dims_default():
-    """Each FIXED_RULES config (docs/attention/NOTES.md, "192/128 and the L2 rules adopted") is
-    its head dims' default with the rule's knobs (sections at every size; the tile counter
-    where the rule takes it), a standard key in both dtypes for its mask only (fixed length),
-    and the default it replaced (the bench's `was`) stays standard."""
+    """Each FIXED_RULES config (docs/attention/NOTES.md, "192/128 and the L2 rules adopted",
+    "Rule 8: D = 128 non-causal MHA in sections") is its head dims' default with the rule's
+    knobs (sections at every size; the tile counter where the rule takes it), a standard key
+    in both dtypes for its mask only (fixed length), no other's key and no candidate, and the
+    default it replaced (the bench's `was`) stays standard."""
     standard = set(SPEC.standard_params())
     for i, rule in enumerate(FIXED_RULES, 1):
         d, dv = rule.head_dims
@@ -295,6 +300,8 @@ def test_fixed_rules_are_standard_builds_of_their_head_dims_default():
             assert dict(key)["causal"] == rule.causal and not dict(key)["varlen"]
             assert params_for(dtype, d, dv, rule.causal) in standard  # `was`
     assert rule_config(128, 128, 0) == default_config(128, 128)
+    assert len(standard) == len(SPEC.standard_params())  # no rule's key twice
+    assert not standard & set(SPEC.candidate_params())
 
 
 # CI compares the D = 128 causal rule's build with SAMPLE_KEEP (its default, built once)

@@ -7,8 +7,9 @@ blocks, `was`, wide at 16 heads and wide without lean), the launcher's pick thro
 of the sparse pass against reference.dsa (the keys of the default, of plan_form(lean=False) and
 FORGEKERNEL_MLA_LEAN=0, and of the scalar form for an out whose rows are not 16-byte aligned;
 the replay runs every form alike, so its results being equal says nothing of the forms' bits:
-tests/gpu/test_dsa_fp8_lean_gpu.py checks those), the bench's variants and check cases, and the
-SASS of both forms beside the form before's (cu13 ptxas, sm_90a)."""
+tests/gpu/test_dsa_fp8_lean_gpu.py checks those), the bench's variants and check cases, wide's
+send (each warpgroup its own columns, after its own barrier) and the SASS of both forms beside
+the form before's (cu13 ptxas, sm_90a)."""
 
 from __future__ import annotations
 
@@ -403,6 +404,53 @@ def test_wide_keys():
         params_for("partial", "bfloat16", 16, direct=True, wide=True)
 
 
+@pytest.mark.parametrize("heads", [64, 16])
+def test_wide_send_is_per_warpgroup(heads):
+    """`_send_wide`'s vectors (thread t of warpgroup w: i = t + 128 k, row i // 32, vector w 32
+    + i % 32 of the row): every vector of the rows < G once, 16 a thread at G = 64; a thread
+    reads only columns its own warpgroup staged (warpgroup w's acc_o: columns 256 w .. + 255),
+    a warp one half row (512 contiguous bytes); and the kernel's source: the staging, then
+    this warpgroup's O_STAGED wait (its own id, 128 threads), then the send, no __syncthreads
+    between them (the racecheck report of 2026-12-05, MLA_NOTES.md). O_STAGED's two ids are
+    the kernel's own and hardware ones."""
+    import inspect
+
+    from forgekernel.kernels.attention.mla.sm90 import decode
+    from forgekernel.kernels.common.sm90.barriers import MAX_BARRIERS
+
+    per_half, wgs, wg_threads = decode.COLS // decode.OSTORE_VEC, decode.WARPGROUPS, 128
+    rows = decode.ROWS
+    sent = Counter()
+    for tidx in range(wgs * wg_threads):
+        w, t = tidx // wg_threads, tidx % wg_threads
+        mine = 0
+        for k in range(rows * per_half // wg_threads):
+            i = t + k * wg_threads
+            r, vec = i // per_half, w * per_half + i % per_half
+            first = vec * decode.OSTORE_VEC
+            assert w * decode.COLS <= first and first + decode.OSTORE_VEC <= (w + 1) * decode.COLS
+            if r < heads:
+                sent[r, vec] += 1
+                mine += 1
+        assert mine == heads * per_half // wg_threads
+        if t % 32 == 0:  # the warp's vectors for each k: one half row, in order
+            for k in range(rows * per_half // wg_threads):
+                i = [t + lane + k * wg_threads for lane in range(32)]
+                assert len({j // per_half for j in i}) == 1
+                assert [j % per_half for j in i] == list(range(per_half))
+    assert sent == Counter({(r, v): 1 for r in range(heads) for v in range(2 * per_half)})
+    src = inspect.getsource(decode.MlaDecodeSm90.kernel)
+    block = src[src.index("if const_expr(self.wide):") :]
+    stage = block.index("cute.autovec_copy(tOrO, mma_o.get_slice(tidx).partition_C(sO))")
+    send = block.index("self._send_wide(mOp, sO, q_off, head0, tidx)")
+    waits = [block.index(f"named_barrier(Bar.O_STAGED{off}, THREADS_PER_WG).arrive_and_wait()")
+             for off in ("", " + 1")]  # fmt: skip
+    assert stage < min(waits) and max(waits) < send
+    assert "sync_threads" not in block[stage:send]
+    ids = [int(b) for b in decode.Bar] + [decode.Bar.O_STAGED + 1]
+    assert len(set(ids)) == len(ids) and max(ids) < MAX_BARRIERS and min(ids) > 0
+
+
 # CI: the adopted 64-head FP8 pair (the launcher's default with lean at WIDE_HEADS; ~3.5 s
 # more than the 16-head candidate's, whose direct build test_lean_sass shares); the 16-head
 # FP8 pair and the 16-bit one are slow
@@ -415,23 +463,36 @@ def test_wide_sass(heads, dtype, fp8):
     """The wide compile beside the standard direct one: the epilogue's 128 scalar 16-bit stores
     a thread become 16 STG.E.128 at 64 heads, 4 at 16 (rows past G: none; after the staging's
     32-bit shared stores and as many LDS.128), the
-    LSE's two STG.E stay; the mainloop's WGMMAs, barriers (one __syncthreads more), copies and
-    dequantization unchanged; registers within 4 of the standard's, no spills, the same dynamic
-    shared memory (the staging lies over the K stages)."""
+    LSE's two STG.E stay; the mainloop's WGMMAs, barriers, copies and dequantization
+    unchanged; the staging and the send parted by each warpgroup's own O_STAGED wait (BAR.SYNC
+    0x6 / 0x7, 0x80, once each, after the last __syncthreads: the same __syncthreads as the
+    standard's, none between the staging and the send; every LDS.128 of the send after both);
+    registers within 4 of the standard's, no spills, the same dynamic shared memory (the
+    staging lies over the K stages)."""
     from forgekernel.runtime.resources import find_tool
 
     if find_tool("cuobjdump") is None:
         pytest.skip("cuobjdump not found")
     base = params_for("sparse", dtype, heads, fp8=fp8, direct=True)
-    res0, ops0, _ = _sass(base)
-    res, ops, _ = _sass(params_for("sparse", dtype, heads, fp8=fp8, direct=True, wide=True))
+    res0, ops0, lines0 = _sass(base)
+    res, ops, lines = _sass(params_for("sparse", dtype, heads, fp8=fp8, direct=True, wide=True))
     assert res["spill_bytes"] == res0["spill_bytes"] == 0 and ops["STL"] == ops["LDL"] == 0
     assert res["registers"] <= res0["registers"] + 4 and res["smem_bytes"] == res0["smem_bytes"]
     assert ops0["STG.E.U16"] == 128 and ops["STG.E.U16"] == 0
     vectors = heads * (LATENT // 8) // 256  # a thread's 16-byte vectors of the G rows
     assert ops["STG.E.128"] == vectors and ops["STG.E"] == ops0["STG.E"] == 2
     assert ops["LDS.128"] == ops0["LDS.128"] + vectors
-    assert ops["BAR.SYNC.DEFER_BLOCKING"] == ops0["BAR.SYNC.DEFER_BLOCKING"] + 1
+    assert ops["BAR.SYNC.DEFER_BLOCKING"] == ops0["BAR.SYNC.DEFER_BLOCKING"] + 2
+    texts = [t for _, t in lines]
+    sync0 = [i for i, t in enumerate(texts) if t.endswith("BAR.SYNC.DEFER_BLOCKING 0x0")]
+    assert len(sync0) == sum(t.endswith("BAR.SYNC.DEFER_BLOCKING 0x0") for _, t in lines0)
+    staged = [[i for i, t in enumerate(texts)
+               if t.endswith(f"BAR.SYNC.DEFER_BLOCKING {hex(Bar.O_STAGED + w)}, 0x80")]
+              for w in range(2)]  # fmt: skip
+    assert all(len(at) == 1 for at in staged), staged
+    waits = [at[0] for at in staged]
+    sends = [i for i, t in enumerate(texts) if "LDS.128 " in t][-vectors:]
+    assert max(sync0) < min(waits) and max(waits) < min(sends)
     same = ("HGMMA.64", "WARPGROUP.ARRIVE", "WARPGROUP.DEPBAR.LE", "BAR.ARV",
             "LDGSTS.E.BYPASS.128", "STSM.16.M88.4", "LDGDEPBAR", "HMUL2.BF16_V2")  # fmt: skip
     for name in same:

@@ -59,10 +59,9 @@ def test_candidate_matches_the_reference_and_the_default(knobs, shape, dtype, ca
 
 
 # The L2 candidates still open (L2_CANDIDATES: D = 64 causal in sections, alone and with the
-# counter; D = 128 non-causal in 12 MiB sections; the adopted ones are
-# test_attention_fixed_rules_gpu.py's), bf16, on
-# the shapes above but the first and GQA 4 on the off-tile one: only the tile order and the deal
-# move, so the output is the default config's, bit for bit.
+# counter; the adopted ones are test_attention_fixed_rules_gpu.py's), bf16, on the shapes above
+# but the first and GQA 4 on the off-tile one: only the tile order and the deal move, so the
+# output is the default config's, bit for bit.
 L2_SHAPES = [(2, 4, 1000, 1003, 1), (2, 8, 1000, 1003, 4), (1, 8, 300, 2100, 1),
              (1, 4, 700, 250, 1), (2, 16, 2048, 2048, 1)]  # fmt: skip
 L2_CASES = [

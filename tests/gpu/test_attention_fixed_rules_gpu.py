@@ -1,11 +1,11 @@
 """The attention forward's fixed-length rules (config.FIXED_RULES, docs/attention/NOTES.md
-"192/128 and the L2 rules adopted": L2 sections at every size, with the tile counter where the
-rule takes it), on the GPU. Each rule's config forced through the launcher on awkward shapes
-(lengths off the tiles, GQA 4, Sq < Sk, Sq > Sk: rows that see no key, many tiles a CTA), bf16
-and fp16; then each rule's class at its smallest corner through the op, as users reach it.
-Against the suite's reference and tolerance, every element written (NaN-poisoned out), bitwise
-the same on a second call and as the plan before's output (`was`: only the tile order and the
-deal move, each tile's math is the same)."""
+"192/128 and the L2 rules adopted", "Rule 8: D = 128 non-causal MHA in sections": L2 sections
+at every size, with the tile counter where the rule takes it), on the GPU. Each rule's config
+forced through the launcher on awkward shapes (lengths off the tiles, GQA 4, Sq < Sk, Sq > Sk:
+rows that see no key, many tiles a CTA), bf16 and fp16; then each rule's class at its smallest
+corner through the op, as users reach it. Against the suite's reference and tolerance, every
+element written (NaN-poisoned out), bitwise the same on a second call and as the plan before's
+output (`was`: only the tile order and the deal move, each tile's math is the same)."""
 
 from __future__ import annotations
 

@@ -259,18 +259,18 @@ GRID_TIMED = {
 
 
 # The fixed-length rules (config.FIXED_RULES, adopted 2026-12-05: docs/attention/NOTES.md
-# "192/128 and the L2 rules adopted"): on each case they moved, `was` runs the plan before (the
-# head dims' default: the global order or the static deal), so the bench shows was / ours. Still
-# open on the three long 192/128 cases: `dyn_kahead` (K a key block ahead of V, with the
-# counter: AttnConfig.k_ahead) and `dyn_sec12` (the counter in 12 MiB sections); these cases run
-# in sections by size, so the candidates' wave_kv_mib (320) is moot there. On the cases the
-# rules left unmoved, the L2 round's variants as timed: `wave0` (sections at every size,
-# AttnConfig.wave_kv_mib = 0), causal `wave0_dyn` (with the counter), D = 128 non-causal
-# `wave0_sec12` (12 MiB sections): D = 128 non-causal is undecided (b8 hq32 s2048 0.645, the
-# GQA-4 control 1.016), D = 64 causal a tie with the counter, the long GQA-4 D = 128 cases the
-# energy controls. Each on the head dims' default config with the knobs set; the bf16 kernels
-# of the open ones are SPEC.candidate_params (D192_CANDIDATES, L2_CANDIDATES), `was` and the
-# rules' own keys standard builds.
+# "192/128 and the L2 rules adopted", "Rule 8: D = 128 non-causal MHA in sections"): on each
+# case they moved, `was` runs the plan before (the head dims' default: the global order or the
+# static deal), so the bench shows was / ours. Still open on the three long 192/128 cases:
+# `dyn_kahead` (K a key block ahead of V, with the counter: AttnConfig.k_ahead) and `dyn_sec12`
+# (the counter in 12 MiB sections); these cases run in sections by size, so the candidates'
+# wave_kv_mib (320) is moot there. On the cases the rules left unmoved, the L2 round's variants
+# as timed: `wave0` (sections at every size, AttnConfig.wave_kv_mib = 0), causal `wave0_dyn`
+# (with the counter): D = 64 causal a tie with the counter, the long GQA-4 D = 128 cases the
+# energy controls (non-causal 1.014 / 1.015 at 19:56, outside rule 8). Each on the head dims'
+# default config with the knobs set; the bf16 kernels of the open ones are
+# SPEC.candidate_params (D192_CANDIDATES, L2_CANDIDATES), `was` and the rules' own keys (the
+# D = 128 non-causal `wave0`: rule 8's) standard builds.
 WAS: dict[str, Any] = {}
 CONFIG_CANDIDATES: dict[str, dict[str, dict[str, Any]]] = {
     "d192": {
@@ -280,10 +280,6 @@ CONFIG_CANDIDATES: dict[str, dict[str, dict[str, Any]]] = {
     },
     "moved": {"was": WAS},
     "global-full": {"wave0": {"wave_kv_mib": 0}},
-    "global-full-d128": {
-        "wave0": {"wave_kv_mib": 0},
-        "wave0_sec12": {"l2_kv_mib": 12, "wave_kv_mib": 0},
-    },
     "global-causal": {
         "wave0": {"wave_kv_mib": 0},
         "wave0_dyn": {"dynamic": True, "wave_kv_mib": 0},
@@ -302,8 +298,8 @@ CONFIG_TIMED = {
     "b16-hq8-hkv4-s1024-d256": "moved",
     "b16-hq32-hkv32-s1024-d128-causal": "moved",
     "b32-hq16-hkv16-s512-d64": "moved",
+    "b8-hq32-hkv32-s2048-d128": "moved",
     # unmoved
-    "b8-hq32-hkv32-s2048-d128": "global-full-d128",
     "b4-hq32-hkv8-s8192-d128": "global-full",
     "b1-hq32-hkv8-s32768-d128": "global-full",
     "b1-hq32-hkv8-s32768-d128-causal": "global-causal",

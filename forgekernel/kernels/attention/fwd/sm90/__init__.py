@@ -101,30 +101,31 @@ D192_CANDIDATES = (
 
 # The L2 model's candidates on the cases FIXED_RULES left unmoved (docs/attention/NOTES.md,
 # "The L2 model over every forward class", "192/128 and the L2 rules adopted"): D = 64 causal in
-# sections alone (1.100) and with the counter (0.994: a tie, not taken), D = 128 non-causal in
-# 12 MiB sections (1.000 of 24 MiB; D = 128 non-causal undecided). (head_dim, causal, knobs),
-# bf16, fixed length, on the head dim's default config otherwise. D = 128 in sections at every
-# size, both masks, is `_candidate_params`' own (the non-causal question and the causal
-# control); D = 128 causal with the counter is FIXED_RULES' (standard).
+# sections alone (1.100) and with the counter (0.994: a tie, not taken). (head_dim, causal,
+# knobs), bf16, fixed length, on the head dim's default config otherwise. D = 128 causal in
+# sections at every size is `_candidate_params`' own (the GQA-4 causal control); D = 128 causal
+# with the counter and D = 128 non-causal in sections are FIXED_RULES' (standard: rules 6 and 8,
+# the latter also the non-causal GQA-4 controls' `wave0`). D = 128 non-causal in 12 MiB sections
+# (`wave0_sec12`: 1.000 of 24 MiB, twice) dropped with rule 8.
 L2_CANDIDATES = (
     (64, True, {"wave_kv_mib": 0}),
     (64, True, {"dynamic": True, "wave_kv_mib": 0}),
-    (128, False, {"l2_kv_mib": 12, "wave_kv_mib": 0}),
 )
 
 
 def _candidate_params() -> list[Params]:
     """The static deal of the D = 128 varlen launch (its default before the tile counter),
     bf16 causal: the bench's `static` variant (docs/attention/NOTES.md, "Measured 2026-12-04
-    00:40-00:50"); the 192/128 schedule candidates (D192_CANDIDATES); D = 128 in L2 sections
-    at every size; the other head dims' L2 candidates (L2_CANDIDATES)."""
+    00:40-00:50"); the 192/128 schedule candidates (D192_CANDIDATES); D = 128 causal in L2
+    sections at every size (non-causal: rule 8's standard key); the other head dims' L2
+    candidates (L2_CANDIDATES)."""
     static = replace(default_config(128, 128, varlen=True), dynamic=False)
     d192 = [replace(default_config(192, 128), **knobs) for knobs in D192_CANDIDATES]
     wave0 = replace(default_config(128, 128), wave_kv_mib=0)
     return (
         [params_for("bfloat16", 128, 128, True, static, varlen=True)]
         + [params_for("bfloat16", 192, 128, True, cfg) for cfg in d192]
-        + [params_for("bfloat16", 128, 128, causal, wave0) for causal in (True, False)]
+        + [params_for("bfloat16", 128, 128, True, wave0)]
         + [
             params_for("bfloat16", d, d, causal, replace(default_config(d, d), **knobs))
             for d, causal, knobs in L2_CANDIDATES

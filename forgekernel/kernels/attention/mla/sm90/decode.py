@@ -59,7 +59,12 @@ lean) and dropped.
 config.WIDE_HEADS, 64 heads a CTA, where out's rows are 16-byte aligned): `_write_split`
 normalizes O in place, the epilogue stages it in q's dtype over the retired K stages and sends
 16-byte vectors (`_send_wide`) instead of 128 scalar 16-bit stores a thread (lean_wide 0.776x
-the form before's time at t64-h128, H100 2026-12-05; a tie at 16 heads).
+the form before's time at t64-h128, H100 2026-12-05; a tie at 16 heads). Each warpgroup
+stages and sends only its own 256 columns, parted by its own named barrier (Bar.O_STAGED +
+wg, 128 threads), not a __syncthreads: with every thread sending both halves, racecheck
+reported 512 RAW hazards a launch (warpgroup 1's staging stores, warpgroup 0's 16-byte
+reads; H100 2026-12-05, MLA_NOTES.md "The wide epilogue's racecheck report"), and no
+hand-over between the warpgroups is left to misorder.
 
 `sparse` (DeepSeek sparse attention, DSA): query token t attends to the cache rows its top-k
 list names (mPT (tokens, topk) int32, entries page * page_size + slot, -1 padding, anywhere),
@@ -133,13 +138,16 @@ OSTORE_VEC = 8  # 16-bit elements a thread moves per 16-byte vector (LDS.128 / S
 
 
 class Bar(IntEnum):
-    """The kernel's named barriers (id 0 is __syncthreads), each over both warpgroups."""
+    """The kernel's named barriers (id 0 is __syncthreads): FULL .. STAGE_FREE over both
+    warpgroups, STAGED and O_STAGED over one (128 threads)."""
 
     FULL = FIRST_FREE  # the next tile landed: warpgroup 1 arrives, 0 waits
     P_READY = FIRST_FREE + 1  # P and the rescale factors written: 0 arrives, 1 waits
     P_FREE = FIRST_FREE + 2  # warpgroup 1 has read P: 1 arrives, 0 waits
     STAGE_FREE = FIRST_FREE + 3  # warpgroup 0's P V done: 0 arrives, 1 waits
     STAGED = FIRST_FREE + 4  # fp8: warpgroup 1 alone, between the in-place phases
+    # `wide`: 6, 7: warpgroup w's half of O staged (O_STAGED + w, its 128 threads alone)
+    O_STAGED = FIRST_FREE + 5
 
 
 class MlaDecodeSm90:
@@ -472,7 +480,9 @@ class MlaDecodeSm90:
         if const_expr(self.wide):
             # every WGMMA on the K stages retired (each warpgroup's wait_group 0) and every
             # cp.async into them waited before the __syncthreads above: generic stores may
-            # overwrite them
+            # overwrite them. Each warpgroup stages its own columns (wg COLS .. + COLS - 1 of
+            # every row) and sends them itself after its own barrier: no hand-over between
+            # the warpgroups (`_send_wide`)
             sO = cute.make_tensor(
                 cute.recast_ptr(storage.kl.data_ptr(), dtype=mOp.element_type),
                 cute.make_layout((ROWS, D_LATENT), stride=(O16_STRIDE, 1)),
@@ -480,7 +490,12 @@ class MlaDecodeSm90:
             tOrO = cute.make_rmem_tensor_like(acc_o, mOp.element_type)
             tOrO.store(acc_o.load().to(mOp.element_type))  # normalized in `_write_split`
             cute.autovec_copy(tOrO, mma_o.get_slice(tidx).partition_C(sO))
-            cute.arch.sync_threads()  # every row staged before any thread reads one
+            # this warpgroup's rows staged before any of its threads reads one (ids as
+            # immediates: BAR.SYNC 0x6 / 0x7, 0x80)
+            if wg == 0:
+                named_barrier(Bar.O_STAGED, THREADS_PER_WG).arrive_and_wait()
+            else:
+                named_barrier(Bar.O_STAGED + 1, THREADS_PER_WG).arrive_and_wait()
             self._send_wide(mOp, sO, q_off, head0, tidx)
 
     @cute.jit
@@ -946,17 +961,30 @@ class MlaDecodeSm90:
 
     @cute.jit
     def _send_wide(self, mOp, sO, q_off, head0, tidx):
-        """`wide` (after the __syncthreads that follows the staging): 16-byte vectors i = tidx
-        + k x THREADS of the staged rows, row i // 64, columns 8 (i % 64) .. + 7 (a warp: half
-        a row, 512 contiguous bytes), to out[q_off, head0 + r] for the rows r < G (one query
-        token a CTA); out's rows 16-byte aligned (the compile's)."""
-        per_row = D_LATENT // OSTORE_VEC
-        for k in cutlass.range_constexpr(ROWS * per_row // THREADS):
-            i = tidx + k * THREADS
-            r = i // per_row
+        """`wide` (after warpgroup wg's O_STAGED barrier that follows its staging): warpgroup
+        wg sends its own columns, those its acc_o held and its threads staged: its thread t =
+        tidx - 128 wg takes the 16-byte vectors i = t + 128 k (k < 16) of its half rows, row
+        i // 32, columns 256 wg + 8 (i % 32) .. + 7 (a warp: one half row, 512 contiguous
+        bytes), to out[q_off, head0 + r] for the rows r < G (one query token a CTA); out's
+        rows 16-byte aligned (the compile's).
+
+        Why per warpgroup: every thread sent vectors of both halves after a __syncthreads
+        (warp 1 the first half row of warpgroup 1's columns), and compute-sanitizer's
+        racecheck reported 512 RAW hazards a launch on t3-h128-p16-k64-L0-64-scattered-fp8
+        (H100 2026-12-05: warpgroup 1's staging STS, warpgroup 0's LDS.128, the BAR.SYNC 0x0
+        between them; MLA_NOTES.md, "The wide epilogue's racecheck report"). No thread reads
+        a byte another warpgroup wrote now: the hand-over is within one warpgroup, at its own
+        named barrier, whatever either warpgroup's barrier history."""
+        per_half = COLS // OSTORE_VEC  # a warpgroup's vectors a row
+        # (from tidx, not the warp-uniform wg: the compiler then knows 0 <= t < 128, and drops
+        # the vectors of rows past G at compile time, 12 of 16 at 16 heads)
+        wg, t = tidx // THREADS_PER_WG, tidx % THREADS_PER_WG
+        for k in cutlass.range_constexpr(ROWS * per_half // THREADS_PER_WG):
+            i = t + k * THREADS_PER_WG
+            r = i // per_half
             if r < self.g:
                 dst = mOp[q_off, head0 + r, None]
-                col = i % per_row
+                col = wg * per_half + i % per_half
                 cute.autovec_copy(
                     cute.local_tile(sO[r, None], (OSTORE_VEC,), (col,)),
                     cute.local_tile(dst, (OSTORE_VEC,), (col,)),
