@@ -261,6 +261,11 @@ def _operands(m, n, k, seed):
     return inputs["a"], inputs["b"], inputs["sa"], inputs["sb"]
 
 
+# CI: eight cases, one of each kind (whole, ragged, stream-K, one warpgroup, the narrow tiles'
+# blocks); six more are slow (~14 s of CI's CPU, 2026-12-06)
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize(
     ("tile_m", "tile_n", "shape", "tile", "k0", "count"),
     [
@@ -268,16 +273,21 @@ def _operands(m, n, k, seed):
         (128, 128, (300, 300, 6 * 128), (2, 2), 0, 6),  # the ragged corner: row/column clamps
         (128, 128, (130, 256, 5 * 128), (0, 1), 2, 2),  # a stream-K unit in mid-K, even
         (64, 128, (70, 200, 4 * 128), (1, 0), 1, 3),  # one warpgroup, M past the tile
-        (64, 128, (64, 128, 128), (0, 0), 0, 1),  # one k-tile
-        (64, 128, (64, 256, 6 * 128), (0, 1), 1, 5),  # two loop trips, odd tail
-        (64, 64, (64, 192, 3 * 128), (0, 1), 0, 3),  # a 64-column tile in a block's 2nd half
+        pytest.param(64, 128, (64, 128, 128), (0, 0), 0, 1, marks=SLOW),  # one k-tile
+        # two loop trips, odd tail
+        pytest.param(64, 128, (64, 256, 6 * 128), (0, 1), 1, 5, marks=SLOW),
+        # a 64-column tile in a block's 2nd half
+        pytest.param(64, 64, (64, 192, 3 * 128), (0, 1), 0, 3, marks=SLOW),
         (64, 32, (64, 200, 2 * 128), (0, 5), 0, 2),  # 32 columns: a block's last quarter
         # narrow tiles over two blocks of B's scales (columns 96..143: groups 4, 5 on block 1)
         (64, 48, (64, 576, 3 * 128), (0, 2), 0, 3),
-        (128, 48, (200, 300, 3 * 128), (1, 2), 0, 3),  # two warpgroups, M past the tile
+        # two warpgroups, M past the tile
+        pytest.param(128, 48, (200, 300, 3 * 128), (1, 2), 0, 3, marks=SLOW),
         (64, 80, (16, 140, 5 * 128), (0, 1), 0, 5),  # 80..159 over N = 140: block 1 partial
-        (64, 96, (64, 400, 2 * 128), (0, 3), 0, 2),  # 288..383: inside block 2, no group moves
-        (64, 112, (64, 260, 4 * 128), (0, 2), 1, 3),  # 224..335, N = 260: block 2 the last
+        # 288..383: inside block 2, no group moves
+        pytest.param(64, 96, (64, 400, 2 * 128), (0, 3), 0, 2, marks=SLOW),
+        # 224..335, N = 260: block 2 the last
+        pytest.param(64, 112, (64, 260, 4 * 128), (0, 2), 1, 3, marks=SLOW),
         (64, 48, (64, 150, 1 * 128), (0, 3), 0, 1),  # 144..191 past N's last block: clamped
     ],
 )  # fmt: skip

@@ -19,6 +19,7 @@ import inspect
 
 import pytest
 import torch
+from sweeps import slow_past  # tests/ is on the path
 
 pytest.importorskip("cutlass")
 
@@ -259,7 +260,11 @@ def test_check_and_sanitize_cases_run_both_ostore_compiles(monkeypatch):
 OSTORE_BASELINE = ("bfloat16", 64, 1)
 
 
-@pytest.mark.parametrize("dtype, heads, qtokens", [("bfloat16", 64, 1), ("float16", 32, 2)])
+# CI: the baseline block; the f16 32 x 2 block is slow (~12 s of CI's CPU, 2026-12-06)
+@pytest.mark.parametrize(
+    "dtype, heads, qtokens",
+    slow_past([("bfloat16", 64, 1), ("float16", 32, 2)], keep=OSTORE_BASELINE, unpack=True),
+)
 def test_ostore_compile(dtype, heads, qtokens):
     """16 STG.E.128 and 16 LDS.128 a thread, no 16-bit scalar store, the LSE's two STG.E; no
     spills. Against the default direct compile of the block (OSTORE_BASELINE): its 128

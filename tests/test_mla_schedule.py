@@ -343,6 +343,9 @@ def test_packed_row_ranges():
     assert rows[cu[-1] :] == [None] * (len(rows) - cu[-1])
 
 
+# slow: the b32 ragged batch's replay (~20 s of CI's CPU, 2026-12-06); its schedule is
+# test_ragged_bench_batch_spreads_the_long_sequence's, replays against the reference the tests above
+@pytest.mark.slow
 def test_ragged_bench_batch_matches_the_reference(cpu_worklist, stale_scratch):  # noqa: F811
     """The suite's b32 ragged batch at 16 heads through the launcher on the replay: the
     schedule's items (the long sequence in 16 splits) and the reference's output."""
