@@ -146,48 +146,39 @@ def sm90_missing() -> str | None:
     return None
 
 
-# The longest test files on CI's CPU, longest first (sm_90a compiles; setup + call + teardown
-# seconds each on CI's 2-core CPU, both workers busy, the mean of two runs, 2026-12-05). xdist's
-# loadfile hands out files in the collection's order (its own reorder, by test count, is turned
-# off in pytest_configure: it put these few-test files last, one worker left alone with a 40 s
-# file at the end: 22 s idle in one measured run). Each name once: with a name listed twice the
-# last places rank past the unlisted files (the 2026-12-04 tuple, two names twice, sent
-# test_mla_pair and test_attention_paged, 24 s, to the end of the run).
+# The longest test files on CI's CPU, longest first (sm_90a compiles; seconds each on the 2-core
+# machine, both workers busy, 2026-12-04). xdist's loadfile hands out files in the collection's
+# order (its own reorder, by test count, is turned off in pytest_configure: it put these few-test
+# files last, one worker left alone with a 40 s file at the end: 22 s idle in one measured run).
 RUN_FIRST = (
-    # SHARED_COMPILES' files, one scope of 5 (112 s of a worker): placed first, they are the
-    # first worker's first work
-    "test_mla_schedule.py",  # 52
-    "test_pdl.py",  # 27
-    "test_paged_schedule.py",  # 22
-    "test_mla_worklist.py",  # 2, its builds compiled by the files above
-    "test_mla_seesaw_compile.py",  # 9
-    "test_build_sm90.py",  # 66, two compile processes of its own
-    "test_gemm_fp8_mainloop.py",  # 58
-    "test_dsa_fp8_lean.py",  # 23, one scope with test_dsa_sparse (SHARED_COMPILES): 51
-    "test_dsa_sparse.py",  # 28
-    "test_mla_ostore.py",  # 37
-    "test_attention_build.py",  # 34
-    "test_dsa_fused_prefill_compile.py",  # 25
-    "test_mla_gather_compile.py",  # 21
-    "test_dsa_sparse_bwd_kernel_compile.py",  # 19
-    "test_gemm_stream_k_clusters.py",  # 17
-    "test_gdn_bwd_state_compile.py",  # 16
-    "test_gdn_prefill_compile.py",  # 16
-    "test_kda_prefill_compile.py",  # 16
-    "test_dsa_indexer_bwd_kernel_compile.py",  # 16
-    "test_kda_op.py",  # 16
-    "test_kda_intra_loop_compile.py",  # 15
-    "test_gdn_bwd_chunk_compile.py",  # 15
-    "test_attention_paged.py",  # 14
-    "test_gdn_prefill.py",  # 14
-    "test_kda_bwd_chunk_compile.py",  # 13
-    "test_host_overhead.py",  # 12
-    "test_mla_seesaw.py",  # 12
-    "test_gdn_prefill_suite.py",  # 12
-    "test_gdn_prefill_t_pre_compile.py",  # 11
-    "test_gemm_fp4.py",  # 11
-    "test_mla_pair.py",  # 11
-    "test_conv_wgrad_reduce.py",  # 11
+    # SHARED_COMPILES' files, one scope of 5 (about 115 s of a worker, 2026-12-04): placed
+    # first, they are the first worker's first work
+    "test_mla_schedule.py",
+    "test_mla_worklist.py",
+    "test_mla_seesaw_compile.py",
+    "test_pdl.py",
+    "test_paged_schedule.py",
+    "test_attention_build.py",  # 89 (2026-12-05 18:37, next/integration34, idle machine)
+    "test_conv_compile.py",  # 60
+    "test_build_sm90.py",  # 59, two compile processes of its own
+    "test_gemm_fp8_mainloop.py",  # 54
+    "test_dsa_fused_prefill_compile.py",  # 49
+    "test_dsa_sparse_bwd_kernel_compile.py",  # ~48 (65 before its h64 builds compiled once)
+    "test_dsa_fp8_lean.py",  # 46
+    "test_dsa_sparse.py",  # 30, test_dsa_fp8_lean's scope (SHARED_COMPILES)
+    "test_mla_ostore.py",  # 39
+    "test_gdn_bwd_chunk_compile.py",  # 29
+    "test_conv_tall.py",  # ~25 (125 before its thread sample)
+    "test_paged_spec.py",  # 25
+    "test_mla_worklist.py",  # 20
+    "test_mla_gather_compile.py",  # 19
+    "test_mla_seesaw_compile.py",  # 18
+    "test_gemm_stream_k_clusters.py",  # 14
+    "test_gdn_prefill_compile.py",  # 13
+    "test_kda_prefill_compile.py",  # 13
+    "test_kda_intra_loop_compile.py",  # 13
+    "test_mla_pair.py",  # 10
+    "test_attention_paged.py",  # 10
 )
 
 
