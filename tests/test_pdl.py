@@ -64,10 +64,12 @@ def keys_only(monkeypatch):
     return paged, mla
 
 
-def _paged_keys(paged, b, length):
-    """The compile keys the paged plan of Llama-3 8B (32 / 8 heads, D 128, page 16) launches."""
+def _paged_keys(paged, b, length, scheduled=False):
+    """The compile keys the paged plan of Llama-3 8B (32 / 8 heads, D 128, page 16) launches;
+    scheduled: with a step's schedule (the suite's `ours`: the ranges pass and combine)."""
     bf16 = torch.bfloat16
-    partial, combine, _, _ = paged._plan(bf16, bf16, b, 32, 8, 128, length, 1, 0, False)
+    partial, combine, _, _ = paged._plan(bf16, bf16, b, 32, 8, 128, length, 1, 0, False,
+                                         scheduled=scheduled)  # fmt: skip
     return [k for k in (partial, combine) if k is not None]
 
 
@@ -94,15 +96,18 @@ def test_the_bench_cases_are_the_suites():
         assert all("no_pdl" in suite.variants(c) for c in cases)
 
 
+@pytest.mark.parametrize("scheduled", [False, True])
 @pytest.mark.parametrize("b, length", PAGED_NO_PDL)
-def test_paged_plans_take_prebuilt_keys(keys_only, b, length):
-    """Default plans launch standard (PDL) builds, `pdl.off()` plans the candidates without."""
+def test_paged_plans_take_prebuilt_keys(keys_only, b, length, scheduled):
+    """Default plans launch standard (PDL) builds, `pdl.off()` plans the candidates without,
+    with a step's schedule too (its ranges pair was compiled at the bench's first no_pdl case
+    until 2026-12-06)."""
     paged, _ = keys_only
     standard, candidates = PAGED_SPEC.standard_params(), PAGED_SPEC.candidate_params()
-    on = _paged_keys(paged, b, length)
+    on = _paged_keys(paged, b, length, scheduled)
     assert on and all(k in standard for k in on)
     with pdl.off():
-        off = _paged_keys(paged, b, length)
+        off = _paged_keys(paged, b, length, scheduled)
     assert off == [pdl.key(k, False) for k in on]
     assert all(k in candidates for k in off)
 

@@ -104,9 +104,19 @@ def serial_ramp_key(params: Params) -> Params:
 
 def no_pdl_params() -> list[Params]:
     """The kernels of the bench's variant `no_pdl` (Llama-3 8B's GQA 4 at bf16, D 128, one query
-    token: the pass and the combine) built without PDL (compile key pdl "off", runtime/pdl.py)."""
-    partial = params_for("partial", "bfloat16", 128, heads_for(4, 1, 128))
-    return [pdl.key(p, False) for p in (partial, params_for("combine", "bfloat16", 128))]
+    token: the pass and the combine, the width plan's and the step schedule's ranges forms, the
+    ranges combine in both forms: CTA at one sequence, warps at 64) built without PDL (compile
+    key pdl "off", runtime/pdl.py). The ranges forms were missing until 2026-12-06: the H100
+    bench of 01:31 compiled two of them at its first no_pdl case."""
+    heads = heads_for(4, 1, 128)
+    kernels = [
+        params_for("partial", "bfloat16", 128, heads),
+        params_for("combine", "bfloat16", 128),
+        params_for("partial", "bfloat16", 128, heads, ranges=True),
+        params_for("combine", "bfloat16", 128, ranges=True),
+        params_for("combine", "bfloat16", 128, ranges=True, warps=True),
+    ]
+    return [pdl.key(p, False) for p in kernels]
 
 
 def merge_rows(dtype: str, head_dim: int, kv: str, qtokens: int) -> bool:
