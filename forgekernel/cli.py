@@ -89,14 +89,22 @@ def _build(
     only: list[str] | None = None,
     jobs: int | None = None,
     representatives: bool = False,
+    keys: Path | None = None,
 ) -> int:
     jobs = jobs or os.cpu_count() or 1
     start = time.perf_counter()
     try:
         from forgekernel.runtime.build import build_all
+        from forgekernel.runtime.cache import read_keylog
 
         records = build_all(
-            arch, out_dir, candidates, only, jobs=jobs, representatives=representatives
+            arch,
+            out_dir,
+            candidates,
+            only,
+            jobs=jobs,
+            representatives=representatives,
+            keys=None if keys is None else read_keylog(keys),
         )
     except ImportError as e:
         print(f"{NEED_DSL}: {e}", file=sys.stderr)
@@ -214,7 +222,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         from forgekernel.runtime.cache import package_prebuilt_dir
 
         out = package_prebuilt_dir(arch)
-    return _build(arch, out, args.candidates, args.only, args.jobs, args.representatives)
+    return _build(arch, out, args.candidates, args.only, args.jobs, args.representatives, args.keys)
 
 
 def cmd_bundle(args: argparse.Namespace) -> int:
@@ -346,6 +354,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--representatives",
         action="store_true",
         help="one configuration per kernel (what the tests build to prove each leaf)",
+    )
+    p.add_argument(
+        "--keys",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="only the configurations a key log names ($FORGEKERNEL_KEYLOG's lines: what "
+        "earlier runs loaded), of those the other options choose",
     )
 
     p = add("bundle", cmd_bundle, "prebuilt kernels for a GPU host without the DSL")

@@ -8,7 +8,9 @@
 #     its wheels.sh (the DSL, its tvm-ffi, the comparators) into /root/wheels-site;
 #   - FK_BUILD=1: `forgekernel build` of every kernel missing from /root/fk-kernels (the ones
 #     whose sources changed since the tarball), all cores, log in /tmp/forgekernel-logs/build.log;
-#     FK_BUILD_ARGS="--only KERNEL ..." restricts it to the kernels the call needs;
+#     FK_BUILD_ARGS="--only KERNEL ..." restricts it to the kernels the call needs, and
+#     "--keys benchmarks/keys/sm_90a.jsonl" to the configurations earlier calls loaded
+#     (FORGEKERNEL_KEYLOG, below; a configuration missing there compiles at its first call);
 #   - exports KERNELS / FORGEKERNEL_KERNEL_DIR, FORGEKERNEL_PENDING_SUITES=1, PYTHONPATH (this
 #     tree first) for scripts/device_streams.sh, device_jit_run.sh and the diag scripts.
 fk_setup() {
@@ -27,6 +29,9 @@ fk_setup() {
   fi
   export KERNELS=/root/fk-kernels FORGEKERNEL_KERNEL_DIR=/root/fk-kernels
   export FORGEKERNEL_PENDING_SUITES=1 PYTHONPATH=$PWD:$PYTHONPATH
+  # every kernel the call's processes load, one JSON line each (runtime/cache.py): it comes back
+  # in logs.tar and take_results.sh keeps the union in benchmarks/keys/, for `build --keys`
+  export FORGEKERNEL_KEYLOG=/tmp/forgekernel-logs/keys.jsonl
   python3 -c "import tvm_ffi, cutlass, torch; assert torch.cuda.is_available()" || return 1
   if [ "${FK_BUILD:-0}" = 1 ]; then
     # shellcheck disable=SC2086  # FK_BUILD_ARGS: e.g. "--only gemm_dense_sm90 --only ..."

@@ -23,4 +23,12 @@ if ls "$src"/reports/* >/dev/null 2>&1; then
   arch=$(ls "$src"/results 2>/dev/null | head -1); arch=${arch:-sm_90a}
   mkdir -p "$root/benchmarks/reports/$arch" && cp "$src"/reports/* "$root/benchmarks/reports/$arch/"
 fi
+# the kernels the call loaded (scripts/device_setup.sh's FORGEKERNEL_KEYLOG), kept as the union
+# of every call's: `forgekernel build --keys benchmarks/keys/sm_90a.jsonl` builds only those
+if [ -f "$src/logs.tar" ] && tar -tf "$src/logs.tar" ./keys.jsonl > /dev/null 2>&1; then
+  keys=$root/benchmarks/keys/sm_90a.jsonl
+  mkdir -p "$(dirname "$keys")"
+  { [ -f "$keys" ] && cat "$keys"; tar -xOf "$src/logs.tar" ./keys.jsonl; } | sort -u > "$keys.new"
+  mv "$keys.new" "$keys"
+fi
 git -C "$root" status --short benchmarks

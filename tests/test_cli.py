@@ -101,7 +101,7 @@ def test_build_jobs_and_wall_time(monkeypatch, capsys):
     monkeypatch.setattr(build, "build_all", fake_build_all)
     argv = ["build", "--arch", "sm_90a", "--only", "gemm_dense_sm90", "-j", "3"]
     assert cli.main([*argv, "--representatives"]) == 0
-    assert seen == {"jobs": 3, "representatives": True, "only": ["gemm_dense_sm90"]}
+    assert seen == {"jobs": 3, "representatives": True, "only": ["gemm_dense_sm90"], "keys": None}
     last = capsys.readouterr().out.splitlines()[-1]
     assert last.startswith("built 2 kernels in ") and last.endswith(" s with 2 processes")
     assert cli.main(["build", "--arch", "sm_90a"]) == 0

@@ -26,14 +26,19 @@ def build_all(
     only: list[str] | None = None,
     jobs: int | None = None,
     representatives: bool = False,
+    keys: list[Task] | None = None,
 ) -> list[dict[str, Any]]:
     """Compile all standard (spec, params) for `arch` into `out_dir` (default: user cache), one
     record per configuration in the specs' order; with `candidates`, also the configurations a
     tuning sweep times; `only`: kernel names (KernelSpec.name) to restrict to; `jobs`: processes
     (default: all cores); `representatives`: only each kernel's representative configuration
-    (what the tests build)."""
+    (what the tests build); `keys` (a key log's, cache.read_keylog): only those of the
+    configurations chosen above."""
     target = Path(out_dir) if out_dir else user_cache_dir(arch)
     tasks = build_tasks(arch, candidates, only, representatives)
+    if keys is not None:
+        wanted = set(keys)
+        tasks = [t for t in tasks if t in wanted]
     unique = list(dict.fromkeys(tasks))
     done = dict(zip(unique, _run(unique, target, jobs or os.cpu_count() or 1), strict=True))
     records, seen = [], set()

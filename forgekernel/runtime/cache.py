@@ -8,6 +8,7 @@ compiling the same key serialize on a lock file and the loser loads the winner's
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import subprocess
 import sys
@@ -62,11 +63,37 @@ def get_kernel(spec: KernelSpec, params: Params) -> Any:
     return fn
 
 
+# Where `_load` appends each (kernel, params) it loads, one JSON line each (prebuilt or
+# compiled), when set: the device calls' record of the keys their suites and tests launch
+# (scripts/device_setup.sh), from which `forgekernel build --keys` builds only those next time.
+KEYLOG_ENV = "FORGEKERNEL_KEYLOG"
+
+
+def _log_key(spec: KernelSpec, params: Params) -> None:
+    path = os.environ.get(KEYLOG_ENV)
+    if not path:
+        return
+    line = json.dumps({"name": spec.name, "params": [list(kv) for kv in params]})
+    with open(path, "a") as f:  # one short write a line: appends from processes stay whole
+        f.write(line + "\n")
+
+
+def read_keylog(path: Path) -> list[tuple[str, Params]]:
+    """The distinct (kernel name, params) of a key log, in first-seen order."""
+    keys: dict[tuple[str, Params], None] = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            keys[(rec["name"], tuple((k, v) for k, v in rec["params"]))] = None
+    return list(keys)
+
+
 def _load(spec: KernelSpec, params: Params) -> Any:
     stem = artifact_stem(spec, params)
     fn = _LOADED.get(stem)
     if fn is not None:
         return fn
+    _log_key(spec, params)
     if resolve_arch(None) != spec.arch:
         raise RuntimeError(f"{spec.name} is built for {spec.arch}, this device is not")
     for d in search_dirs(spec.arch):
