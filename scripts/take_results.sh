@@ -30,5 +30,18 @@ if [ -f "$src/logs.tar" ] && tar -tf "$src/logs.tar" ./keys.jsonl > /dev/null 2>
   mkdir -p "$(dirname "$keys")"
   { [ -f "$keys" ] && cat "$keys"; tar -xOf "$src/logs.tar" ./keys.jsonl; } | sort -u > "$keys.new"
   mv "$keys.new" "$keys"
+  # loaded but not built by `forgekernel build --candidates`: compiled at their first call there
+  tar -xOf "$src/logs.tar" ./keys.jsonl | python3 -c "
+import sys, tempfile
+from forgekernel.runtime.cache import read_keylog
+from forgekernel.runtime.spec import all_specs
+with tempfile.NamedTemporaryFile('w', suffix='.jsonl') as f:
+    f.write(sys.stdin.read()); f.flush()
+    keys = read_keylog(f.name)
+built = {(s.name, p) for s in all_specs() for p in (*s.standard_params(), *s.candidate_params())}
+for name, params in keys:
+    if (name, params) not in built:
+        print(f'take_results: loaded, not prebuilt: {name} {dict(params)}')
+"
 fi
 git -C "$root" status --short benchmarks
