@@ -13,8 +13,9 @@ chunked form and its overflow-free exponents). Value head hv reads q / k head hv
 Varlen: B = 1 and cu_seqlens (N + 1,), every sequence starting from its own initial-state row
 (zeros without one). Differentiable in q, k, v, g, beta and the initial state (gradients on o
 and on the final state): the custom op's autograd formula is ops/gated_delta_rule_bwd.py's,
-whose backward is for now an interim fp32 torch path (the chunked backward of
-reference/delta_rule_bwd.py) until a backward kernel replaces it (registered when the package
+whose backward runs on its kernels by default since 2026-12-06 (16-bit CUDA inputs;
+`FORGEKERNEL_GDN_BWD_KERNEL=0`, CPU tensors and the calls the kernels decline: the interim fp32
+torch path, the chunked backward of reference/delta_rule_bwd.py) (registered when the package
 imports: ops/__init__ imports that module). Calls autograd would record take the custom op;
 forward-only calls pay for no bookkeeping."""
 

@@ -19,8 +19,8 @@ recurrence runs on the tensor cores (`recurrence.py`: TMA + WGMMA, the state on 
 offsets are never read on the host (no sync; the call can be captured in a CUDA graph): the
 first pass lays its chunks out on the device over an upper bound of chunks known from T and N
 (exact for a batch or one sequence). Differentiable: ops/kda_bwd.py registers the backward
-of `forgekernel::kda_chunked` (`torch.library.register_autograd`; an interim torch path
-until a backward kernel lands).
+of `forgekernel::kda_chunked` (`torch.library.register_autograd`; its kernel path by default
+since 2026-12-06, `FORGEKERNEL_KDA_BWD_KERNEL=0` and CPU tensors the interim torch path).
 """
 
 from __future__ import annotations
