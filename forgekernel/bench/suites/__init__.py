@@ -17,6 +17,10 @@ from forgekernel.bench.suite import OpSuite
 PENDING_SUITE_MODULES: dict[str, str] = {
     # issue 22: the fused DSA prefill (q RoPE + sparse MQA with sink + out RoPE + FP8 cast)
     "dsa_fused_prefill": "forgekernel.bench.suites.dsa_fused_prefill",
+    # the brief's shapes outside the suites (2026-12-06): gemm's and attention's kernels on
+    # fixed samples of model shapes their suites do not bench
+    "gemm_outside": "forgekernel.bench.suites.gemm_outside",
+    "attention_outside": "forgekernel.bench.suites.attention_outside",
 }
 SUITE_MODULES = {
     "gemm": "forgekernel.bench.suites.gemm",
