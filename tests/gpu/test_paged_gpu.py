@@ -1,5 +1,5 @@
-"""Paged GQA decode on the GPU against the fp32 reference (issue 18): page sizes 1 / 16 / 64,
-GQA 1 / 4 / 8 / 3, head dims 64 / 128 / 256, empty and long sequences, the combined cache
+"""Paged GQA decode on the GPU against the fp32 reference (issue 18): page sizes 1 / 16 / 32 /
+64 / 128, GQA 1 / 4 / 8 / 3, head dims 64 / 128 / 256, empty and long sequences, the combined cache
 view, fp16 and bf16, NaN-poisoned outputs; FP8 (e4m3) caches over the same shapes, e4m3
 subnormals, speculative decoding. Chunked prefill on the attention forward's paged mode: page
 sizes 8 to 256, D 64 / 128 / 256, GQA 1 / 3 / 4 / 8, odd lengths, sequences without queries or
@@ -30,6 +30,9 @@ CASES = [
     (2, 16, 2, 256, 64, [129, 2048], False),
     (2, 24, 8, 128, 32, [77, 700], False),
     (64, 32, 8, 128, 16, [4096] * 64, False),
+    # page 128 (the issue's largest): lengths off the page, an empty one, the combined view
+    (3, 32, 8, 128, 128, [1, 300, 0], False),
+    (2, 16, 4, 64, 128, [129, 5000], True),
 ]
 
 

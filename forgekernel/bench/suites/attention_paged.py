@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import math
 from typing import Any
 
 import torch
@@ -123,6 +124,19 @@ def _prefill_case(hq, hkv, page, chunks, cached, decode_lens, tag: str) -> Case:
 
 
 MIXED = tuple(range(100, 48 * 170, 170))  # 48 KV lengths, 100 .. 8090: a server's decode batch
+
+
+def _tailed_lens(n: int, median: int, sigma: float, seed: int) -> tuple[int, ...]:
+    """n KV lengths drawn log-normal around `median` (a fixed draw, 16 .. 65536): a serving
+    batch's long tail, where one long sequence holds a fifth of the keys."""
+    gen = torch.Generator().manual_seed(seed)
+    draw = torch.exp(torch.randn(n, generator=gen) * sigma + math.log(median))
+    return tuple(draw.round().clamp(16, 65536).int().tolist())
+
+
+# 64 lengths, 66 .. 55661 (median ~1.3k, 291k keys): the ragged batch issue 18's bar names, long-
+# tailed as real traffic is (MIXED is a linear ramp)
+TAILED = _tailed_lens(64, 1500, 1.3, seed=5)
 # Llama-3 8B (32 / 8 heads, D 128) over page 16 at the issue's batch x length points; the
 # long-sequence, small-batch corner where split-KV matters; Llama-3 70B per GPU (64 / 8 at
 # tp 1, 8 / 1 at tp 8); D 64 / 256; pages 1 and 64; mixed lengths as a server batch has them.
@@ -145,6 +159,7 @@ DECODE_BENCH_CASES = (
     _case(32, 16, 16, 64, 16, 4096, group="head-dim"),
     _case(16, 16, 2, 256, 64, 4096, group="head-dim"),
     _case(48, 32, 8, 128, 16, MIXED, group="mixed", tag="mixed"),
+    _case(64, 32, 8, 128, 16, TAILED, group="mixed", tag="tailed"),
     # a decode step as a serving engine's captured graph sends it: the table 128k tokens wide
     _case(8, 32, 8, 128, 16, 4096, group="serving", width=131072),
     _case(32, 32, 8, 128, 16, MIXED[:32], group="serving", tag="mixed", width=131072),
