@@ -27,21 +27,21 @@ fi
 # of every call's: `forgekernel build --keys benchmarks/keys/sm_90a.jsonl` builds only those
 if [ -f "$src/logs.tar" ] && tar -tf "$src/logs.tar" ./keys.jsonl > /dev/null 2>&1; then
   keys=$root/benchmarks/keys/sm_90a.jsonl
+  call=$(mktemp)
+  tar -xOf "$src/logs.tar" ./keys.jsonl > "$call"
   mkdir -p "$(dirname "$keys")"
-  { [ -f "$keys" ] && cat "$keys"; tar -xOf "$src/logs.tar" ./keys.jsonl; } | sort -u > "$keys.new"
+  { [ -f "$keys" ] && cat "$keys"; cat "$call"; } | sort -u > "$keys.new"
   mv "$keys.new" "$keys"
   # loaded but not built by `forgekernel build --candidates`: compiled at their first call there
-  tar -xOf "$src/logs.tar" ./keys.jsonl | python3 -c "
-import sys, tempfile
+  python3 -c "
+import sys
+from forgekernel.runtime.build import build_tasks
 from forgekernel.runtime.cache import read_keylog
-from forgekernel.runtime.spec import all_specs
-with tempfile.NamedTemporaryFile('w', suffix='.jsonl') as f:
-    f.write(sys.stdin.read()); f.flush()
-    keys = read_keylog(f.name)
-built = {(s.name, p) for s in all_specs() for p in (*s.standard_params(), *s.candidate_params())}
-for name, params in keys:
+built = set(build_tasks('sm_90a', candidates=True))
+for name, params in read_keylog(sys.argv[1]):
     if (name, params) not in built:
         print(f'take_results: loaded, not prebuilt: {name} {dict(params)}')
-"
+" "$call"
+  rm -f "$call"
 fi
 git -C "$root" status --short benchmarks

@@ -64,8 +64,8 @@ def test_standard_params():
     assert [dict(p)["dtype"] for p in SPEC.standard_params()] == list(config.DTYPES)
 
 
-# CI: the first dtype's compile, read by the three tests below; the other's is slow (~7 s of
-# CI's CPU, 2026-12-06)
+# CI: the first dtype's compile, read by this test and the next two; the other's is slow (~7 s
+# of CI's CPU, 2026-12-06)
 @pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
 def test_registers_and_no_spills(compiled, dtype):
     res, instrs, _ = compiled(dtype)
