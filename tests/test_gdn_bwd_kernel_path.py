@@ -15,6 +15,7 @@ tests/gpu/test_gdn_bwd_kernel_path_gpu.py."""
 from __future__ import annotations
 
 import importlib
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -551,7 +552,8 @@ def test_cpu_tensors_take_the_interim_path_by_default(monkeypatch):
 
 def test_autograd_one_sequence_on_the_kernel_path(kernel_path, monkeypatch):
     """Autograd through `gated_delta_rule` (the forward launcher stubbed): one sequence and
-    B = 2 (offsets the wrapper made: `equal_lengths`) take the kernel path with no host read."""
+    B = 2 (offsets the wrapper made: the forward op's `batch`) take the kernel path with no host
+    read."""
     from test_gdn_bwd_op import _fp64_grads
 
     _stub_forward(monkeypatch)
@@ -586,22 +588,58 @@ def _stub_forward(monkeypatch):
     monkeypatch.setattr(fwd, "check_cuda", lambda name, t: None)
 
 
-def test_equal_lengths_registry(monkeypatch):
-    """The wrapper notes the offsets it makes for autograd (not a caller's, not without grad);
-    the entry leaves with the tensor."""
+def test_the_wrapper_passes_its_equal_batch(monkeypatch):
+    """The wrapper gives the forward op `batch` = B for the offsets it makes for a (B, T) batch
+    (with grad, and traced), 0 for a caller's cu_seqlens; the op refuses a count other than 0
+    or the number of sequences."""
     _stub_forward(monkeypatch)
     q, k, v, g, beta, *_ = _bf16_problem(3, 20, 1, 1)
     seen = []
-    monkeypatch.setattr(fwd, "_note_equal_lengths", lambda o, b: seen.append((o, b)))
-    forgekernel.gated_delta_rule(q, k, v, g, beta)
+    real = torch.ops.forgekernel.gated_delta_rule_chunked
+    monkeypatch.setattr(torch.ops.forgekernel, "gated_delta_rule_chunked",
+                        lambda *a: seen.append((a[6].tolist(), a[-1])) or real(*a))  # fmt: skip
+    forgekernel.gated_delta_rule(q, k, v, g, beta)  # forward only: the launcher directly
     assert seen == []
     forgekernel.gated_delta_rule(q, k, v, g.requires_grad_(), beta)
-    ((offsets, b),) = seen
-    assert b == 3 and offsets.tolist() == [0, 20, 40, 60]
+    assert seen == [([0, 20, 40, 60], 3)]
+    flat = [x.flatten(0, 1).unsqueeze(0) for x in (q, k, v, g, beta)]
+    cu = torch.tensor([0, 20, 40, 60], dtype=torch.int32)
+    forgekernel.gated_delta_rule(*flat, cu_seqlens=cu)
+    assert seen[1:] == [([0, 20, 40, 60], 0)]
     monkeypatch.undo()
-    made = torch.arange(4, dtype=torch.int32) * 20
-    fwd._note_equal_lengths(made, 3)
-    assert fwd.equal_lengths(made) == 3 and fwd.equal_lengths(made.clone()) == 0
-    key = id(made)
-    del made
-    assert key not in fwd._EQUAL_LENGTHS
+    args = (*(x[0].detach() for x in flat), None, cu, 0.1, False, False)
+    with pytest.raises(ValueError, match="batch must be 0 or the number of sequences 3"):
+        torch.ops.forgekernel.gated_delta_rule_chunked(*args, 2)
+
+
+def test_autograd_equal_batch_compiled_reads_no_offsets(kernel_path, monkeypatch):
+    """Autograd of `gated_delta_rule` at B = 3 equal lengths, eager and under torch.compile
+    (fullgraph): the forward op's `batch` reaches the backward (autograd's setup saves it; the
+    compiled backward graph passes 3 to the backward op), which takes the kernel path without
+    reading the offsets on the host (`_backward_varlen` fails the test); the compiled gradients
+    equal the eager ones."""
+    from compile_graphs import graphs_backend
+
+    _stub_forward(monkeypatch)
+    monkeypatch.setattr(bwd, "_backward_varlen", lambda *a: pytest.fail("host read"))
+    q, k, v, g, beta, do, h0, _ = _bf16_problem(3, 70, 1, 2, seed=7)
+
+    def loss(q, k, v, g, beta, h0):
+        o, _ = forgekernel.gated_delta_rule(q, k, v, g, beta, initial_state=h0,
+                                            use_qk_l2norm_in_kernel=True)  # fmt: skip
+        return (o.float() * do.float()).sum()
+
+    inputs = (q, k, v, g, beta, h0)
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    eager = torch.autograd.grad(loss(*leaves), leaves)
+    assert len(kernel_path) == 2
+    graphs: list[str] = []
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, fullgraph=True, backend=graphs_backend(graphs))
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    got = torch.autograd.grad(compiled(*leaves), leaves)
+    assert len(kernel_path) == 4 and len(graphs) == 2
+    assert re.search(r"gated_delta_rule_chunked_bwd\.default\]\(args = \(.*, 3\), kw", graphs[1])
+    for a, r in zip(got, eager):
+        assert torch.isfinite(r).all()
+        torch.testing.assert_close(a, r, rtol=0, atol=0)

@@ -16,6 +16,7 @@ tests/gpu/test_kda_bwd_kernel_path_gpu.py."""
 from __future__ import annotations
 
 import importlib
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -269,9 +270,10 @@ def test_equal_varlen_equals_the_batch(kernel_path):
 @pytest.mark.parametrize("b", [1, 2])
 def test_autograd_on_the_kernel_path(kernel_path, monkeypatch, b):
     """Autograd of `kimi_delta_attention` without cu_seqlens (B = 1, and B = 2: the offsets the
-    wrapper made, found in the registry) takes the kernel path with no host read and matches
+    wrapper made, the forward op's `batch`) takes the kernel path with no host read and matches
     autograd through the fp64 recurrence."""
     monkeypatch.setattr(bwd, "_backward_interim", lambda *a: pytest.fail("interim path"))
+    monkeypatch.setattr(bwd, "_equal_lengths_on_host", lambda *a: pytest.fail("host read"))
     inputs, do, dht = _bf16_problem(b, 100, 2, 4, decay=(-5.0, 0.0), seed=b)
     leaves = [x.clone().requires_grad_() for x in inputs]
     o, final = op.kimi_delta_attention(*leaves[:5], initial_state=leaves[5],
@@ -282,6 +284,58 @@ def test_autograd_on_the_kernel_path(kernel_path, monkeypatch, b):
     want = _fp64_grads(inputs, None, do, dht, l2norm=True)
     for name, a, r in zip(NAMES, grads, want):
         _close(name, a, r, 2e-2)
+
+
+def test_autograd_equal_batch_compiled_reads_no_offsets(kernel_path, monkeypatch):
+    """Autograd of `kimi_delta_attention` at B = 3 equal lengths, eager and under torch.compile
+    (fullgraph): the forward op's `batch` reaches the backward (autograd's setup saves it; the
+    compiled backward graph passes 3 to the backward op), which takes the kernel path without
+    reading the offsets on the host; the compiled gradients equal the eager ones."""
+    from compile_graphs import graphs_backend
+
+    monkeypatch.setattr(bwd, "_backward_interim", lambda *a: pytest.fail("interim path"))
+    monkeypatch.setattr(bwd, "_equal_lengths_on_host", lambda *a: pytest.fail("host read"))
+    inputs, do, dht = _bf16_problem(3, 70, 1, 2, seed=7)
+
+    def loss(q, k, v, g, beta, h0):
+        o, final = op.kimi_delta_attention(q, k, v, g, beta, initial_state=h0,
+                                           output_final_state=True,
+                                           use_qk_l2norm_in_kernel=True)  # fmt: skip
+        return (o.float() * do.float()).sum() + (final * dht).sum()
+
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    eager = torch.autograd.grad(loss(*leaves), leaves)
+    assert len(kernel_path) == 2
+    graphs: list[str] = []
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, fullgraph=True, backend=graphs_backend(graphs))
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    got = torch.autograd.grad(compiled(*leaves), leaves)
+    assert len(kernel_path) == 4 and len(graphs) == 2
+    assert re.search(r"kda_chunked_bwd\.default\]\(args = \(.*, 3\), kw", graphs[1])
+    for name, a, r in zip(NAMES, got, eager):
+        assert torch.isfinite(r).all(), name
+        torch.testing.assert_close(a, r, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.usefixtures("cpu_forward")  # the forward launcher stubbed
+def test_the_wrapper_passes_its_equal_batch(monkeypatch):
+    """The wrapper gives the forward op `batch` = B for the offsets it makes for a (B, T) batch,
+    0 for a caller's cu_seqlens; the op refuses a count other than 0 or the sequences'."""
+    (q, k, v, g, beta, _), _, _ = _bf16_problem(3, 20, 1, 1)
+    seen = []
+    real = torch.ops.forgekernel.kda_chunked
+    monkeypatch.setattr(torch.ops.forgekernel, "kda_chunked",
+                        lambda *a: seen.append((a[6].tolist(), a[-1])) or real(*a))  # fmt: skip
+    op.kimi_delta_attention(q, k, v, g.requires_grad_(), beta)
+    assert seen == [([0, 20, 40, 60], 3)]
+    flat = [x.flatten(0, 1).unsqueeze(0) for x in (q, k, v, g, beta)]
+    cu = torch.tensor([0, 20, 40, 60], dtype=torch.int32)
+    op.kimi_delta_attention(*flat, cu_seqlens=cu)
+    assert seen[1:] == [([0, 20, 40, 60], 0)]
+    args = (*(x[0].detach() for x in flat), None, cu, 0.1, False)
+    with pytest.raises(ValueError, match="batch must be 0 or the number of sequences 3"):
+        real(*args, 2)
 
 
 def test_routing_to_the_interim_path(kernel_path, monkeypatch):

@@ -41,10 +41,11 @@ l2norm's backward and the scale, kernel 2 writes dv in 16 bits (`dv16`): torch i
 k normalized and scaled into 16 bits (~0.27 KB a token-head written; NOTES.md "GDN backward:
 the torch glue"). The kernels
 take equal-length sequences ((B, T, HV, D) tiles): the explicit backward without
-cu_seqlens, autograd of `gated_delta_rule` without cu_seqlens (the offsets it made are
-known equal: `gated_delta_rule_chunked.equal_lengths`) and one sequence run with no host read
-(CUDA-graph capturable); several sequences behind a caller's cu_seqlens read the offsets on
-the host (one sync, as the interim path) and are padded to the longest
+cu_seqlens, autograd of `gated_delta_rule` without cu_seqlens (the forward op's `batch`
+argument says B equal lengths; autograd's setup saves it, eager and under torch.compile alike)
+and one sequence run with no host read (CUDA-graph capturable); several sequences behind a
+caller's cu_seqlens read the offsets on the host (one sync, as the interim path) and are padded
+to the longest
 (`_backward_varlen`; above PAD_WASTE_LIMIT x padding, T = 0 or 32-bit inputs: the interim).
 
 Eager calls take the custom op when autograd records them (the dispatcher's ~30 us are nothing
@@ -523,12 +524,12 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, k
 
 
 def _setup(ctx, inputs, output) -> None:
-    q, k, v, g, beta, initial_state, cu_seqlens, scale, k_last, l2norm = inputs
+    q, k, v, g, beta, initial_state, cu_seqlens, scale, k_last, l2norm, batch = inputs
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
     ctx.flags = (scale, k_last, l2norm)
     ctx.has_state = initial_state is not None
     n = cu_seqlens.shape[0] - 1  # one sequence, or offsets the wrapper made for B equal lengths
-    ctx.batch = 1 if n == 1 else fwd.equal_lengths(cu_seqlens)
+    ctx.batch = 1 if n == 1 else batch
 
 
 def _grad(ctx, do, d_final):
@@ -537,7 +538,7 @@ def _grad(ctx, do, d_final):
     grads = _backward(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, *ctx.flags,
                       ctx.batch)  # fmt: skip
     dh0 = grads[5] if ctx.has_state else None
-    return (*grads[:5], dh0, None, None, None, None)
+    return (*grads[:5], dh0, None, None, None, None, None)
 
 
 torch.library.register_autograd(

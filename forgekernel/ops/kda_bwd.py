@@ -35,8 +35,8 @@ tiles, pass 3's output side on kernel 2 (kernels/linear_attention/kda_bwd_chunk/
 chip; CHUNK_IN_KERNEL = False: reference/kda_bwd.py's `_output_grads` in torch, the fallback),
 the WY half (`_wy_grads`) in torch, scale, l2norm, the group sum. Equal lengths known on the host
 (the explicit backward without cu_seqlens, one sequence, autograd of a call without cu_seqlens:
-the forward notes its offsets in Gated DeltaNet's registry,
-`gated_delta_rule_chunked.equal_lengths`) run with no host read (CUDA-graph capturable);
+the forward op's `batch` argument says B equal lengths; autograd's setup saves it, eager and
+under torch.compile alike) run with no host read (CUDA-graph capturable);
 several sequences behind a caller's cu_seqlens have their offsets read on the host (one sync,
 as the interim path's): equal lengths take the kernel path, unequal ones the interim path
 (`_backward_eager`).
@@ -54,7 +54,6 @@ from contextlib import contextmanager
 import torch
 
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.config import HEAD_DIMS
-from forgekernel.ops import gated_delta_rule_chunked as gdn_fwd
 from forgekernel.ops import kda_chunked as fwd
 from forgekernel.ops._dispatch import refuse_capture
 from forgekernel.ops._dispatch import traced as _traced
@@ -314,12 +313,12 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, l
 
 
 def _setup(ctx, inputs, output) -> None:
-    q, k, v, g, beta, initial_state, cu_seqlens, scale, l2norm = inputs
+    q, k, v, g, beta, initial_state, cu_seqlens, scale, l2norm, batch = inputs
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
     ctx.flags = (scale, l2norm)
     ctx.has_state = initial_state is not None
     n = cu_seqlens.shape[0] - 1  # one sequence, or offsets the wrapper made for B equal lengths
-    ctx.batch = 1 if n == 1 else gdn_fwd.equal_lengths(cu_seqlens)
+    ctx.batch = 1 if n == 1 else batch
 
 
 def _grad(ctx, do, d_final):
@@ -328,7 +327,7 @@ def _grad(ctx, do, d_final):
     grads = _backward(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, *ctx.flags,
                       ctx.batch)  # fmt: skip
     dh0 = grads[5] if ctx.has_state else None
-    return (*grads[:5], dh0, None, None, None)
+    return (*grads[:5], dh0, None, None, None, None)
 
 
 torch.library.register_autograd("forgekernel::kda_chunked", _grad, setup_context=_setup)
