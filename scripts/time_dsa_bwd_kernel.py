@@ -5,8 +5,10 @@ DSA_BWD_NOTES.md, "Kernel v1": the prediction and its falsifiers):
 
 One line each, ms a launch (graph replays, `runtime.timing.time_interleaved`): the op (q and the
 combined cache read in place, the preprocess kernel, the kernel, the dkv cast; the gradients
-views); the launcher alone (the torch preprocess, zeroed accumulator, the standard kernel:
-xchg4s, red4s under xchg); xchg4s with the probe build whose dkv reductions never run
+views); the launcher alone (the torch preprocess, zeroed accumulator, the default: the v1 kernel
+at H 16 and 32, xchg4s, red4s under xchg; the h64 kernels at H a multiple of 64, where
+`launcher, v1` is the v1 kernel, h64=False, the default before 2026-12-06); the v1 lines below
+all pass h64=False: xchg4s with the probe build whose dkv reductions never run
 (`params_for(..., reduce=False)`: the MMA / gather / softmax side alone); the same for xchg
 without red4s's staging (no reductions); the `red4s` candidate (S^T / dP^T split over the heads:
 the standard form before 2026-12-04 04:23, after an agreement check) with and without
@@ -17,10 +19,10 @@ the preprocess alone (torch: the launcher's `preprocess`), the preprocess kernel
 the preprocess kernel's results (`pre=`: what the op runs), and the op given q and the cache as
 separate tensors (the two concatenations the v1 kernel's one-row interface still costs;
 docs/attention/DSA_BWD_NOTES.md "Torch around the kernel"). At H a multiple of 64 also the
-bench variant h64 (kernel_h64.py, after an agreement check): the launcher with h64=True, its kv
-part without reductions (with the dq part), its kv part with the v2 reductions, and its dq part
-alone (`h64 dq part`: the second gather and dq = dS K; docs/attention/DSA_BWD_NOTES.md "H >= 64:
-one gather a token").
+h64 kernels' parts (kernel_h64.py, after an agreement check of h64 against v1): its kv part
+without reductions (with the dq part), its kv part with the v2 reductions, and its dq part alone
+(`h64 dq part`: the second gather and dq = dS K; docs/attention/DSA_BWD_NOTES.md "H >= 64: one
+gather a token").
 The kernel at 5504 FLOP per (token, head, entry). Build first: `python3 -m forgekernel build
 --only dsa_sparse_bwd_sm90 --only dsa_sparse_bwd_pre_sm90 --candidates`."""
 
@@ -45,11 +47,11 @@ WIDTH, LATENT = 576, 512
 
 
 def _agrees(args, name: str, **flags) -> bool:
-    """One call of candidate `name` (launcher flags `flags`, default {name: True}) against the
-    default build: its lines are timed only if dq and dkv agree within 2e-2 of the largest entry
-    (fp32 atomics in another order; a fault here stops the probe before any timing)."""
-    want = launch.dsa_sparse_bwd(*args)
-    got = launch.dsa_sparse_bwd(*args, **(flags or {name: True}))
+    """One call of candidate `name` (launcher flags `flags`) against the v1 kernel's standard
+    build (h64=False): its lines are timed only if dq and dkv agree within 2e-2 of the largest
+    entry (fp32 atomics in another order; a fault here stops the probe before any timing)."""
+    want = launch.dsa_sparse_bwd(*args, h64=False)
+    got = launch.dsa_sparse_bwd(*args, **flags)
     torch.cuda.synchronize()
     errs = [float((a - b).abs().max() / (b.abs().max() + 1e-6)) for a, b in zip(got, want)]
     ok = all(e <= 2e-2 for e in errs)
@@ -93,27 +95,31 @@ def main(s: int = 4096, h: int = 16, topk: int = 2048, s_kv: int = 8192) -> None
     fns = {
         "op (the kernel)": op,
         "launcher": lambda: launch.dsa_sparse_bwd(*args),
+    }
+    v1 = {"h64": False}
+    if launch.h64_unsupported(q) is None:
+        fns["launcher, v1"] = lambda: launch.dsa_sparse_bwd(*args, **v1)
+    fns |= {
         "xchg4s, no reductions": lambda: launch.dsa_sparse_bwd(
-            *args, reduce=False, xchg=True, red4s=True
+            *args, reduce=False, xchg=True, red4s=True, **v1
         ),
         "xchg, no reductions": lambda: launch.dsa_sparse_bwd(
-            *args, reduce=False, xchg=True, red4s=False
+            *args, reduce=False, xchg=True, red4s=False, **v1
         ),
     }
-    if _agrees(args, "red4s", xchg=False):  # the standard form before 04:23
+    if _agrees(args, "red4s", xchg=False, **v1):  # the standard form before 04:23
         fns |= {
-            "launcher, red4s": lambda: launch.dsa_sparse_bwd(*args, xchg=False),
+            "launcher, red4s": lambda: launch.dsa_sparse_bwd(*args, xchg=False, **v1),
             "red4s, no reductions": lambda: launch.dsa_sparse_bwd(
-                *args, reduce=False, xchg=False, red4s=True
+                *args, reduce=False, xchg=False, red4s=True, **v1
             ),
         }
-    fns["launcher, v2"] = lambda: launch.dsa_sparse_bwd(*args, xchg=False, red4s=False)
+    fns["launcher, v2"] = lambda: launch.dsa_sparse_bwd(*args, xchg=False, red4s=False, **v1)
     fns["v2, no reductions"] = lambda: launch.dsa_sparse_bwd(
-        *args, reduce=False, xchg=False, red4s=False
+        *args, reduce=False, xchg=False, red4s=False, **v1
     )
-    if launch.h64_unsupported(q) is None and _agrees(args, "h64"):
+    if launch.h64_unsupported(q) is None and _agrees(args, "h64", h64=True):
         fns |= {
-            "launcher, h64": lambda: launch.dsa_sparse_bwd(*args, h64=True),
             "h64, no reductions": lambda: launch.dsa_sparse_bwd(*args, h64=True, reduce=False),
             "h64, v2": lambda: launch.dsa_sparse_bwd(*args, h64=True, h64_v2=True),
             "h64 dq part": _h64_dq_part(q, kv, idx),

@@ -1,12 +1,15 @@
-"""The h64 variant of the DSA sparse backward (kernels/attention/dsa_sparse_bwd/sm90/
-kernel_h64.py) on the CPU: its compile keys and budgets (shared memory, the setmaxnreg split,
-the work split), and the launcher's two launches replayed through torch stand-ins that follow
-the kernels' stated contracts (`kv`: dkv and dS of every position of whole tiles into the
-(tokens, rows, H) workspace, 0 past topk and at invalid entries; `dq`: dq = dS K over the
-workspace's rows), against the fp64 reference on awkward sizes: 64 / 128 heads, topk not a
-multiple of 64, -1 and past-the-cache entries, a row without entries, a sink and a loss on the
-LSE. The kernels' numbers on a GPU: tests/gpu/test_dsa_sparse_bwd_kernel_gpu.py -k h64; their
-SASS: tests/test_dsa_sparse_bwd_kernel_compile.py."""
+"""The h64 kernels of the DSA sparse backward (kernels/attention/dsa_sparse_bwd/sm90/
+kernel_h64.py; the launcher's default at H a multiple of 64) on the CPU: their compile keys
+(standard builds, so that no default call compiles) and budgets (shared memory, the setmaxnreg
+split, the work split), the default's choice of path, and the launcher's launches replayed
+through torch stand-ins that follow the kernels' stated contracts (`kv`: dkv and dS of every
+position of whole tiles into the (tokens, rows, H) workspace, 0 past topk and at invalid
+entries; `dq`: dq = dS K over the workspace's rows), against the fp64 reference on awkward
+sizes: 64 / 128 heads, topk not a multiple of 64, -1 and past-the-cache entries, a row without
+entries, a sink and a loss on the LSE; one chunk or several (the workspace's cap,
+config.H64_WS_CAP_BYTES, or a smaller h64_ws), and through the op. The kernels' numbers on a
+GPU: tests/gpu/test_dsa_sparse_bwd_kernel_gpu.py -k h64; their SASS:
+tests/test_dsa_sparse_bwd_kernel_compile.py."""
 
 from __future__ import annotations
 
@@ -40,17 +43,26 @@ def test_params_h64():
     assert dict(config.params_h64("bfloat16", "kv", shfl4=False))["v2"] is True
     with pytest.raises(ValueError, match="dtype"):
         config.params_h64("float32", "kv")
-    cands = [p for p in SPEC.candidate_params() if "h64" in dict(p)]
-    assert len(cands) == len(set(cands)) == 8
     assert dict(config.params_h64("bfloat16", "dq", dq_heads=128))["dq_heads"] == 128
     with pytest.raises(ValueError, match="dq_heads"):
         config.params_h64("bfloat16", "kv", dq_heads=128)
     with pytest.raises(ValueError, match="dq_heads"):
         config.params_h64("bfloat16", "dq", dq_heads=96)
-    assert {(dict(p)["dtype"], dict(p)["h64"], dict(p).get("dq_heads", 64)) for p in cands} == {
+
+
+def test_h64_builds_standard_and_candidates():
+    """The default's h64 builds are standard (`forgekernel build` prebuilds them): the kv part
+    and the dq part at 64 and 128 heads a CTA, both dtypes; the candidates keep only the probe's
+    kv part without reductions and with v2 reductions, none of them twice."""
+    std = [p for p in SPEC.standard_params() if "h64" in dict(p)]
+    cands = [p for p in SPEC.candidate_params() if "h64" in dict(p)]
+    assert len(std) == len(set(std)) == 6 and len(SPEC.standard_params()) == 10
+    assert {(dict(p)["dtype"], dict(p)["h64"], dict(p).get("dq_heads", 64)) for p in std} == {
         *((d, part, 64) for d in config.DTYPES for part in config.H64_PARTS),
         *((d, "dq", 128) for d in config.DTYPES)}  # fmt: skip
-    assert not {dict(p).get("h64") for p in SPEC.standard_params()} - {None}
+    assert cands == [config.params_h64("bfloat16", "kv", reduce=False),
+                     config.params_h64("bfloat16", "kv", shfl4=False)]  # fmt: skip
+    assert not set(std) & set(SPEC.candidate_params())
 
 
 def test_h64_budgets():
@@ -75,6 +87,26 @@ def test_h64_budgets():
     assert config.H64_DQ_THREADS == 512
     assert [config.h64_workspace_rows(k) for k in (1, 64, 65, 100, 2048)] == [64, 64, 128, 128,
                                                                                2048]  # fmt: skip
+
+
+def test_h64_chunk_tokens():
+    """The workspace's cap (1 GiB): the suite's H 64 cases in one chunk (exactly 1 GiB), its H 128
+    ones in 2 / 4 chunks of 2048 tokens; at least one token a chunk, at most all of them."""
+    assert config.H64_WS_CAP_BYTES == 1 << 30
+
+    def chunks(tokens, heads, topk):
+        rows = config.h64_workspace_rows(topk)
+        chunk = config.h64_chunk_tokens(tokens, rows, heads)
+        assert chunk * rows * heads * 2 <= config.H64_WS_CAP_BYTES or chunk == 1
+        return chunk, -(-tokens // chunk)
+
+    assert chunks(4096, 64, 2048) == (4096, 1)
+    assert chunks(16384, 64, 512) == (16384, 1)
+    assert chunks(4096, 128, 2048) == (2048, 2)
+    assert chunks(8192, 128, 2048) == (2048, 4)
+    assert chunks(32768, 128, 2048) == (2048, 16)
+    assert chunks(7, 64, 100) == (7, 1)
+    assert config.h64_chunk_tokens(5, 1 << 22, 256) == 1  # one token's 2 GiB: one a chunk
     assert config.h64_supported(64) and config.h64_supported(128)
     assert not any(config.h64_supported(h) for h in (0, 16, 32, 96))
 
@@ -141,18 +173,42 @@ def _problem(tokens, heads, topk, slots, dtype, seed):
     return q, kv, idx, dout, sink, dlse
 
 
+def _reference_problem(tokens, heads, topk, dtype, seed, slots=300):
+    """_problem with the fp64 forward's out (rounded to dtype) and fp32 LSE, the indices with
+    the past-the-cache entries as -1 (`clean`: what the reference and the op take)."""
+    q, kv, idx, dout, sink, dlse = _problem(tokens, heads, topk, slots, dtype, seed)
+    clean = torch.where(idx < slots, idx, -1)
+    out, lse = dsa_sparse_attention_ref(q, kv, clean, WIDTH**-0.5, attn_sink=sink,
+                                        dtype=torch.float64)  # fmt: skip
+    return q, kv, idx, clean, dout, out.to(dtype), lse.float(), sink, dlse
+
+
+def _assert_reference(got, q, kv, clean, dout, out, lse, sink, dlse):
+    """(dq, dkv, d_sink) within 2e-2 of the fp64 reference's largest entry and 2x the error of
+    the reference in q's dtype plus 1e-3 of it (the GPU tests' bounds); rows without entries 0."""
+    kw = {"attn_sink": sink, "out": out, "lse": lse, "dlse": dlse}
+    scale = WIDTH**-0.5
+    want = dsa_sparse_attention_bwd_ref(q, kv, clean, scale, dout, dtype=torch.float64, **kw)
+    low = dsa_sparse_attention_bwd_ref(q, kv, clean, scale, dout, dtype=q.dtype, **kw)
+    for a, b, lp in zip(got, want, low):
+        assert torch.isfinite(a).all()
+        top = float(b.abs().max())
+        err = float((a.double() - b).abs().max())
+        assert err <= 2e-2 * top
+        assert err <= 2 * float((lp.double() - b).abs().max()) + 1e-3 * top
+    assert (got[0][(clean < 0).all(1)] == 0).all()
+
+
 @pytest.mark.parametrize("dtype,heads,topk", [(torch.bfloat16, 64, 100), (torch.float16, 64, 64),
                                               (torch.bfloat16, 128, 130)])  # fmt: skip
 def test_h64_launches_replayed_give_the_reference(monkeypatch, dtype, heads, topk):
     calls = _fake_kernels(monkeypatch)
-    tokens, slots, scale = 5, 300, WIDTH**-0.5
-    q, kv, idx, dout, sink, dlse = _problem(tokens, heads, topk, slots, dtype, heads + topk)
-    clean = torch.where(idx < slots, idx, -1)
-    out, lse = dsa_sparse_attention_ref(q, kv, clean, scale, attn_sink=sink, dtype=torch.float64)
-    out, lse = out.to(dtype), lse.float()
+    tokens, scale = 5, WIDTH**-0.5
+    q, kv, idx, clean, dout, out, lse, sink, dlse = _reference_problem(tokens, heads, topk, dtype,
+                                                                       heads + topk)  # fmt: skip
     dq = torch.full_like(q, float("nan"))
     got = launch.dsa_sparse_bwd(q, kv, dout, out, lse, dlse, sink, idx, scale, dq=dq, h64=True)
-    # two launches, kv then dq, on one workspace of whole tiles
+    # two launches, kv then dq, on one workspace of whole tiles (one chunk: 5 tokens' is 80 KiB)
     name = dtype_name(dtype)
     assert [c[0] for c in calls] == [dict(config.params_h64(name, "kv")), dict(
         config.params_h64(name, "dq", dq_heads=config.h64_dq_heads(heads)))]  # fmt: skip
@@ -160,33 +216,147 @@ def test_h64_launches_replayed_give_the_reference(monkeypatch, dtype, heads, top
     assert ws is calls[1][1][2]
     assert ws.shape == (tokens, config.h64_workspace_rows(topk), heads) and ws.dtype == dtype
     assert math.isclose(calls[0][1][8], scale * math.log2(math.e))
-    assert calls[1][1][3] is dq is got[0]
-    kw = {"attn_sink": sink, "out": out, "lse": lse, "dlse": dlse}
-    want = dsa_sparse_attention_bwd_ref(q, kv, clean, scale, dout, dtype=torch.float64, **kw)
-    low = dsa_sparse_attention_bwd_ref(q, kv, clean, scale, dout, dtype=dtype, **kw)
-    for a, b, lp in zip(got, want, low):
-        top = float(b.abs().max())
-        err = float((a.double() - b).abs().max())
-        assert err <= 2e-2 * top
-        assert err <= 2 * float((lp.double() - b).abs().max()) + 1e-3 * top
-    assert (got[0][1] == 0).all()
+    assert calls[0][1][0] is q and calls[1][1][3] is dq is got[0]
+    _assert_reference(got, q, kv, clean, dout, out, lse, sink, dlse)
+
+
+@pytest.mark.parametrize("by", ["cap", "ws"])
+@pytest.mark.parametrize("dtype,heads,topk,chunk", [(torch.bfloat16, 64, 100, 3),
+                                                    (torch.float16, 128, 130, 2),
+                                                    (torch.bfloat16, 192, 64, 1)])  # fmt: skip
+def test_chunked_h64_launches_give_the_reference(monkeypatch, dtype, heads, topk, chunk, by):
+    """The default (h64 at these H) in chunks of `chunk` tokens, by the workspace's cap (a fresh
+    (chunk, rows, H) workspace) or by a smaller h64_ws (NaN-poisoned): kv then dq a chunk on
+    row slices of q, dout, lse2, Delta', the indices and dq (the same memory, not copies), one
+    workspace reused, one dkv accumulator; the gradients the fp64 reference's."""
+    calls = _fake_kernels(monkeypatch)
+    tokens = 8
+    q, kv, idx, clean, dout, out, lse, sink, dlse = _reference_problem(tokens, heads, topk, dtype,
+                                                                       heads + chunk)  # fmt: skip
+    rows = config.h64_workspace_rows(topk)
+    per_token = rows * heads * q.element_size()
+    forms = {}
+    if by == "cap":
+        monkeypatch.setattr(config, "H64_WS_CAP_BYTES", (chunk + 1) * per_token - 1)
+    else:
+        forms["h64_ws"] = torch.full((chunk, rows, heads), float("nan"), dtype=dtype)
+    dq = torch.full_like(q, float("nan"))
+    got = launch.dsa_sparse_bwd(q, kv, dout, out, lse, dlse, sink, idx, WIDTH**-0.5, dq=dq,
+                                **forms)  # fmt: skip
+    spans = [(t0, min(t0 + chunk, tokens)) for t0 in range(0, tokens, chunk)]
+    assert len(spans) >= 3
+    assert [c[0]["h64"] for c in calls] == ["kv", "dq"] * len(spans)
+    ws_ptr = calls[0][1][6].data_ptr()
+    if by == "ws":
+        assert ws_ptr == forms["h64_ws"].data_ptr()
+    for (t0, t1), (kv_call, dq_call) in zip(spans, zip(calls[::2], calls[1::2])):
+        a, d = kv_call[1], dq_call[1]
+        n = t1 - t0
+        for arg, whole in ((a[0], q), (a[2], dout), (a[5], idx), (d[1], idx), (d[3], dq)):
+            assert arg.shape[0] == n and arg.data_ptr() == whole[t0].data_ptr()
+            assert arg.stride() == whole.stride()
+        assert a[3].shape == a[4].shape == (n, heads)
+        assert a[1] is d[0] is kv and a[7] is got[1]
+        assert a[6] is d[2] and a[6].shape == (n, rows, heads) and a[6].data_ptr() == ws_ptr
+    _assert_reference(got, q, kv, clean, dout, out, lse, sink, dlse)
+
+
+@pytest.mark.parametrize("heads", [64, 128])
+def test_op_default_runs_h64_chunked(monkeypatch, heads):
+    """The op (explicit backward; the kernel's `unsupported` and the preprocess kernel's faked
+    on the CPU) runs the launcher's default: the h64 launches, here in 3 chunks by the cap, its
+    gradients (dq split, dkv cast to q's dtype) the fp64 reference's."""
+    from forgekernel.ops import dsa as fwd
+    from forgekernel.ops import dsa_bwd
+
+    calls = _fake_kernels(monkeypatch)
+    monkeypatch.setattr(dsa_bwd.kernel_launch, "unsupported", lambda *a: None)
+    monkeypatch.setattr(dsa_bwd.pre_launch, "unsupported", lambda *a: "the CPU")
+    monkeypatch.setattr(fwd, "check_cuda", lambda name, t: None)
+    tokens, topk, dtype = 7, 100, torch.bfloat16
+    q, kv, _, clean, dout, out, lse, sink, dlse = _reference_problem(tokens, heads, topk, dtype,
+                                                                     heads)  # fmt: skip
+    per_token = config.h64_workspace_rows(topk) * heads * 2
+    monkeypatch.setattr(config, "H64_WS_CAP_BYTES", 3 * per_token)
+    dq_nope, dq_pe, dkv, dkpe, d_sink = dsa_bwd.dsa_sparse_attention_backward(
+        q[..., :LATENT], q[..., LATENT:], kv.view(-1, 1, 1, WIDTH), None, clean, dout,
+        softmax_scale=WIDTH**-0.5, out=out, lse=lse, attn_sink=sink, dlse=dlse,
+    )  # fmt: skip
+    assert [c[0]["h64"] for c in calls] == ["kv", "dq"] * 3
+    assert dkpe is None and dkv.shape == (kv.shape[0], 1, 1, WIDTH) and dkv.dtype == dtype
+    got = (torch.cat((dq_nope, dq_pe), -1), dkv.view(-1, WIDTH), d_sink)
+    _assert_reference(got, q, kv, clean, dout, out, lse, sink, dlse)
+
+
+def test_chunked_h64_launches_read_nothing_back(monkeypatch):
+    """The chunk loop runs on shapes only: on meta tensors (the kernels no-ops) nothing is
+    read back or copied from the host (tests/capture_safety.py), so CUDA-graph capture holds."""
+    from capture_safety import assert_capturable, meta
+
+    monkeypatch.setattr(launch, "get_kernel", lambda spec, params: lambda *a: None)
+    monkeypatch.setattr(launch, "as_tma_ready", lambda t: t)
+    q, kv, idx, dout, sink, dlse = _problem(8, 128, 100, 300, torch.bfloat16, 3)
+    lse = torch.randn(q.shape[:2])
+    monkeypatch.setattr(config, "H64_WS_CAP_BYTES", 3 * 128 * 128 * 2)
+    args = meta(q, kv, dout, dout, lse, dlse, sink, idx)
+    assert_capturable(launch.dsa_sparse_bwd, *args, WIDTH**-0.5)
 
 
 def test_h64_launcher_rejects_and_keys(monkeypatch):
     calls = _fake_kernels(monkeypatch)
     q, kv, idx, dout, _, _ = _problem(3, 32, 64, 50, torch.bfloat16, 0)
     lse = torch.zeros(q.shape[:2])
+    args = (q, kv, dout, dout, lse, None, None, idx, 0.1)
     with pytest.raises(ValueError, match="multiple of 64"):
-        launch.dsa_sparse_bwd(q, kv, dout, dout, lse, None, None, idx, 0.1, h64=True)
+        launch.dsa_sparse_bwd(*args, h64=True)
     assert launch.h64_unsupported(q) is not None
+    for bad in ({"h64_v2": True}, {"h64_ws": torch.empty(3, 64, 32, dtype=q.dtype)}):
+        with pytest.raises(ValueError, match="apply to the h64 kernels"):
+            launch.dsa_sparse_bwd(*args, **bad)  # H 32: the default is v1
     q, kv, idx, dout, _, _ = _problem(3, 64, 64, 50, torch.bfloat16, 0)
     assert launch.h64_unsupported(q) is None
     lse = torch.zeros(q.shape[:2])
-    launch.dsa_sparse_bwd(q, kv, dout, dout, lse, None, None, idx, 0.1, h64=True, reduce=False)
-    launch.dsa_sparse_bwd(q, kv, dout, dout, lse, None, None, idx, 0.1, h64=True, h64_v2=True)
+    args = (q, kv, dout, dout, lse, None, None, idx, 0.1)
+    for bad in ({"xchg": False}, {"red4s": True}, {"h64": True, "xchg": True}):
+        with pytest.raises(ValueError, match="pass h64=False"):
+            launch.dsa_sparse_bwd(*args, **bad)
+    with pytest.raises(ValueError, match="apply to the h64 kernels"):
+        launch.dsa_sparse_bwd(*args, h64=False, h64_v2=True)
+    for shape, dtype in (((3, 64, 64), torch.float16), ((3, 128, 64), torch.bfloat16),
+                         ((0, 64, 64), torch.bfloat16), ((64, 64), torch.bfloat16)):  # fmt: skip
+        with pytest.raises(ValueError, match="h64_ws must be"):
+            launch.dsa_sparse_bwd(*args, h64_ws=torch.empty(shape, dtype=dtype))
+    assert not calls
+    launch.dsa_sparse_bwd(*args, h64=True, reduce=False)
+    launch.dsa_sparse_bwd(*args, h64_v2=True)
     keys = [tuple(sorted(c[0].items())) for c in calls]
     assert keys == [config.params_h64("bfloat16", "kv", reduce=False),
                     config.params_h64("bfloat16", "dq"),
                     config.params_h64("bfloat16", "kv", shfl4=False),
                     config.params_h64("bfloat16", "dq")]  # fmt: skip
-    assert set(keys) <= set(SPEC.candidate_params())
+    assert set(keys) <= {*SPEC.standard_params(), *SPEC.candidate_params()}
+
+
+@pytest.mark.parametrize("heads", [16, 32, 64, 96, 128, 192, 256])
+def test_default_takes_h64_exactly_at_multiples_of_64(monkeypatch, heads):
+    """h64=None (the default) runs the two h64 launches iff H % 64 == 0 (dq at 128 heads a CTA
+    iff H % 128 == 0), v1's xchg4s otherwise; h64=False v1 at every H; every key the default
+    reaches a standard build (no user call compiles)."""
+    seen = []
+    monkeypatch.setattr(launch, "get_kernel", lambda spec, params: seen.append(params)
+                        or (lambda *a: None))  # fmt: skip
+    monkeypatch.setattr(launch, "as_tma_ready", lambda t: t)
+    q, kv, idx, dout, _, _ = _problem(3, heads, 64, 50, torch.float16, heads)
+    args = (q, kv, dout, dout, torch.zeros(q.shape[:2]), None, None, idx, 0.1)
+    launch.dsa_sparse_bwd(*args)
+    v1 = config.params_for("float16", config.block_heads(heads), xchg=True, red4s=True)
+    if heads % 64 == 0:
+        dq_heads = 128 if heads % 128 == 0 else 64
+        assert seen == [config.params_h64("float16", "kv"),
+                        config.params_h64("float16", "dq", dq_heads=dq_heads)]  # fmt: skip
+    else:
+        assert seen == [v1]
+    assert set(seen) <= set(SPEC.standard_params())
+    seen.clear()
+    launch.dsa_sparse_bwd(*args, h64=False)
+    assert seen == [v1]

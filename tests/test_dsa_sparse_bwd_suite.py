@@ -106,14 +106,26 @@ def test_ledger_key_holds_the_kernel():
 
 
 def test_red4s_variant_runs_the_previous_standard_form(monkeypatch):
-    """Variant `red4s` on every bench case: the op's launches with the launcher's xchg=False
-    (the candidate red4s, built by `--candidates`), its dq / dkv split and cast as the op's
-    (the kernel faked on the CPU: dq = 2 q, dkv = the slot index in every column)."""
+    """Variant `red4s` on every bench case: the op's launches with the launcher's h64=False,
+    xchg=False (v1's candidate red4s, built by `--candidates`), its dq / dkv split and cast as
+    the op's (the kernel faked on the CPU: dq = 2 q, dkv = the slot index in every column)."""
     from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import SPEC as BWD
     from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import launch
 
-    assert all(set(suite_mod.variants(c)) == {"red4s"} | ({"h64"} if c.params["hq"] % 64 == 0
+    assert all(set(suite_mod.variants(c)) == {"red4s"} | ({"was"} if c.params["hq"] % 64 == 0
                else set()) for c in suite_mod.BENCH_CASES)  # fmt: skip
+    for heads in (16, 64):
+        case = next(c for c in suite_mod.CHECK_CASES if c.params["hq"] == heads)
+        seen = _fake_v1(monkeypatch, launch)
+        out = _run_faked(suite_mod.variants(case)["red4s"], case)
+        block = 16 if heads == 16 else 32
+        assert [dict(p) for p in seen] == [{"dtype": "bfloat16", "block": block, "red4s": True}]
+        assert seen[0] in BWD.candidate_params()
+        assert torch.equal(out[0], 2 * out[-1]["q"][..., :512])
+
+
+def _fake_v1(monkeypatch, launch) -> list:
+    """v1's kernel faked (dq = 2 q, dkv = the slot index in every column); the keys it gets."""
     seen = []
 
     def kernel(q, kv, dout, lse2, delta, idx, dq, dkv, *scales):
@@ -122,48 +134,50 @@ def test_red4s_variant_runs_the_previous_standard_form(monkeypatch):
 
     monkeypatch.setattr(launch, "get_kernel", lambda spec, params: seen.append(params) or kernel)
     monkeypatch.setattr(launch, "as_tma_ready", lambda t: t)
-    case = suite_mod.CHECK_CASES[0]
+    return seen
+
+
+def _run_faked(run, case) -> tuple:
+    """run (a variant) on the case's inputs: its (dq_nope, dq_pe, dkv, d_sink) checked for the
+    faked kernels' split and cast (dkv = the slot index), then with the inputs appended."""
     inputs = _inputs(case)
-    run = suite_mod.variants(case)["red4s"]
     out = run(inputs, suite_mod.alloc_out(inputs))
-    assert [dict(p) for p in seen] == [{"dtype": "bfloat16", "block": 16, "red4s": True}]
-    assert seen[0] in BWD.candidate_params()
     q = inputs["q"]
-    assert torch.equal(out[0], 2 * q[..., :512]) and torch.equal(out[1], 2 * q[..., 512:])
+    assert out[0].shape == q[..., :512].shape and out[1].shape == q[..., 512:].shape
     slots = torch.arange(case.params["ctx"], dtype=torch.bfloat16)
     assert torch.equal(out[2], slots.view(-1, 1, 1, 1).expand_as(out[2]))
     assert out[3].shape == (case.params["hq"],) and torch.isfinite(out[3]).all()
+    return (*out, inputs)
 
 
-def test_h64_variant_runs_the_h64_launches(monkeypatch):
-    """Variant `h64` on the H 64 / 128 bench cases only: the op's launches with the launcher's
-    h64=True (the kv part, then the dq part on its workspace; both candidate builds), dq / dkv
-    split and cast as the op's (the kernels faked on the CPU: dq = 3 q, dkv = the slot index)."""
+def test_was_variant_runs_v1_where_ours_runs_h64(monkeypatch):
+    """Variant `was` on the H 64 / 128 bench cases only (where the op's default runs the h64
+    kernels): the op's launches with the launcher's h64=False, v1's standard xchg4s at blocks of
+    32 (a standard build), dq / dkv split and cast as the op's; the launcher's default on the
+    same inputs runs the h64 kernels' two launches (standard builds too)."""
     from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import SPEC as BWD
-    from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import launch
+    from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import config, launch
 
-    assert {c.params["hq"] for c in suite_mod.BENCH_CASES if "h64" in suite_mod.variants(c)} == {
+    assert {c.params["hq"] for c in suite_mod.BENCH_CASES if "was" in suite_mod.variants(c)} == {
         64, 128}  # fmt: skip
+    case = next(c for c in suite_mod.CHECK_CASES if c.params["hq"] == 64)
+    seen = _fake_v1(monkeypatch, launch)
+    out = _run_faked(suite_mod.variants(case)["was"], case)
+    assert seen == [config.params_for("bfloat16", 32, xchg=True, red4s=True)]
+    assert seen[0] in BWD.standard_params()
+    assert torch.equal(out[0], 2 * out[-1]["q"][..., :512])
+    assert torch.equal(out[1], 2 * out[-1]["q"][..., 512:])
+
     seen = []
 
     def kv_part(q, kv, dout, lse2, delta, idx, ws, dkv, *scales):
         dkv.copy_(torch.arange(dkv.shape[0], dtype=dkv.dtype)[:, None].expand_as(dkv))
-        ws.fill_(1.0)
 
     def get_kernel(spec, params):
         seen.append(params)
-        if dict(params)["h64"] == "kv":
-            return kv_part
-        return lambda kv, idx, ws, dq: dq.copy_(3 * q_in)
+        return kv_part if dict(params)["h64"] == "kv" else lambda kv, idx, ws, dq: dq.zero_()
 
     monkeypatch.setattr(launch, "get_kernel", get_kernel)
-    monkeypatch.setattr(launch, "as_tma_ready", lambda t: t)
-    case = next(c for c in suite_mod.CHECK_CASES if c.params["hq"] == 64)
-    inputs = _inputs(case)
-    q_in = inputs["q"]
-    out = suite_mod.variants(case)["h64"](inputs, suite_mod.alloc_out(inputs))
+    out = _run_faked(lambda i, o: suite_mod._run_launcher(i, o), case)
     assert [dict(p)["h64"] for p in seen] == ["kv", "dq"]
-    assert set(seen) <= set(BWD.candidate_params())
-    assert torch.equal(out[0], 3 * q_in[..., :512]) and torch.equal(out[1], 3 * q_in[..., 512:])
-    slots = torch.arange(case.params["ctx"], dtype=torch.bfloat16)
-    assert torch.equal(out[2], slots.view(-1, 1, 1, 1).expand_as(out[2]))
+    assert set(seen) <= set(BWD.standard_params())

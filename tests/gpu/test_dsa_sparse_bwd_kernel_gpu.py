@@ -10,15 +10,19 @@ dkv is the kernel's fp32 accumulator (zeroed by the launcher by contract).
 Tolerance: each gradient within 2e-2 of its reference's largest entry (the op's GPU tests'
 bound: 16-bit P / dS operands, fp32 accumulation), and at most 2x the error of the same
 reference run in the input dtype plus 1e-3 of the largest entry (FlashAttention's criterion).
-The standard build is xchg4s (S^T in one warpgroup, dP^T in the other; dkv by
+v1 (kernel.py, launcher h64=False: at H 64 / 128 the default before 2026-12-06 and the bench
+variant `was`): its standard build is xchg4s (S^T in one warpgroup, dP^T in the other; dkv by
 red.global.add.v4.f32 from a staging in the tile's released stage) at both blocks; on every bf16
 case also the candidate red4s (S^T / dP^T split over the heads: the standard form before
 2026-12-04 04:23) and the fragments' red.global.add.v2 alone (the builds' test ids:
-standard-bf16, standard-fp16, red4s, v2; e.g. `-k red4s`). The bench variant h64 (launcher
-h64=True: kernel_h64.py's kv and dq parts, 64 heads a CTA) on its own cases (`-k h64`): H 64 /
-128, top-k 64, 100, 1000 and 2048 (not multiples of 64 among them), the suite's shapes cut to
-64 / 32 tokens (the bench verifies the whole ones), bf16 and fp16. Then the op with
-FORGEKERNEL_DSA_BWD_KERNEL=1 against its interim path."""
+standard-bf16, standard-fp16, red4s, v2; e.g. `-k red4s`). The h64 kernels (kernel_h64.py's kv
+and dq parts, 64 heads a CTA; the launcher's default at H a multiple of 64) on their own cases
+(`-k h64`): H 64 / 128 / 192 / 256, top-k 20, 64, 100, 1000 and 2048 (not multiples of 64 among
+them), the suite's shapes cut to 64 / 32 tokens (the bench verifies the whole ones), bf16 and
+fp16; in one chunk (a poisoned workspace of every token), in chunks of a smaller poisoned
+h64_ws and in chunks by a lowered workspace cap (`-k h64_chunked`); the launcher's and the op's
+defaults at H 64 / 128 (`-k h64_default`). Then the op with FORGEKERNEL_DSA_BWD_KERNEL=1
+against its interim path."""
 
 from __future__ import annotations
 
@@ -74,7 +78,7 @@ CASES = [  # tokens, heads, topk, slots, sink, dlse
 ]
 
 
-BUILDS = [  # dtype, xchg, red4s (None: the standard form: xchg4s, xchg with red4s)
+BUILDS = [  # dtype, xchg, red4s of v1 (None: the standard form: xchg4s, xchg with red4s)
     pytest.param(torch.bfloat16, None, None, id="standard-bf16"),
     pytest.param(torch.float16, None, None, id="standard-fp16"),
     pytest.param(torch.bfloat16, False, None, id="red4s"),
@@ -87,7 +91,7 @@ BUILDS = [  # dtype, xchg, red4s (None: the standard form: xchg4s, xchg with red
 def test_kernel_matches_fp64(dtype, xchg, red4s, tokens, heads, topk, slots, sink, dlse):
     if dtype is torch.float16 and (tokens, heads) not in ((7, 16), (7, 64)):
         pytest.skip("fp16 on the 7-token 16 / 64-head cases")
-    _check(dtype, tokens, heads, topk, slots, sink, dlse, xchg=xchg, red4s=red4s)
+    _check(dtype, tokens, heads, topk, slots, sink, dlse, h64=False, xchg=xchg, red4s=red4s)
 
 
 H64_CASES = [  # tokens, heads, topk, slots, sink, dlse
@@ -117,6 +121,63 @@ def test_h64_matches_fp64(dtype, tokens, heads, topk, slots, sink, dlse):
     _check(dtype, tokens, heads, topk, slots, sink, dlse, h64=True, h64_ws=ws)
 
 
+H64_CHUNKED = [  # tokens, heads, topk, slots, sink, dlse, chunk
+    (7, 64, 100, 500, True, True, 3),
+    (130, 64, 2048, 4000, False, False, 48),
+    (7, 128, 64, 200, False, True, 2),
+    (64, 128, 2048, 8192, True, False, 20),  # t4096-h128-kv8192-k2048 cut: chunks of 20, 4 left
+    (5, 192, 130, 500, True, True, 1),
+]
+
+
+@pytest.mark.parametrize("tokens,heads,topk,slots,sink,dlse,chunk", H64_CHUNKED)
+@pytest.mark.parametrize("by", ["ws", "cap"], ids=["h64_chunked-ws", "h64_chunked-cap"])
+def test_h64_chunked_matches_fp64(monkeypatch, by, tokens, heads, topk, slots, sink, dlse, chunk):
+    """The default (h64) in chunks of `chunk` tokens: by a NaN-poisoned h64_ws of `chunk`
+    tokens (the first chunk's cells the kv part leaves unwritten turn dq non-finite), or by the
+    workspace cap lowered to `chunk` tokens' workspace (a fresh one): row slices of the
+    per-token tensors launched kv then dq a chunk, dkv summed over the chunks."""
+    rows = config.h64_workspace_rows(topk)
+    forms = {}
+    if by == "ws":
+        forms["h64_ws"] = torch.full((chunk, rows, heads), float("nan"), dtype=torch.bfloat16,
+                                     device="cuda")  # fmt: skip
+    else:
+        monkeypatch.setattr(config, "H64_WS_CAP_BYTES", chunk * rows * heads * 2)
+    _check(torch.bfloat16, tokens, heads, topk, slots, sink, dlse, **forms)
+
+
+@pytest.mark.parametrize("tokens,heads,topk,slots,sink,dlse", [
+    (7, 64, 100, 500, True, True),
+    (64, 128, 2048, 8192, True, False),
+])  # fmt: skip
+def test_h64_default_matches_fp64(monkeypatch, tokens, heads, topk, slots, sink, dlse):
+    """The launcher's default (no form named) takes the h64 kernels at H 64 / 128 and matches
+    the fp64 reference; so does the op's explicit backward (its preprocess kernel, the h64
+    launches, the dkv cast) in 3 chunks by a lowered cap."""
+    from forgekernel.ops.dsa_bwd import dsa_sparse_attention_backward
+
+    ran = []
+    h64 = launch._launch_h64
+    monkeypatch.setattr(launch, "_launch_h64", lambda *a: ran.append(1) or h64(*a))
+    _check(torch.bfloat16, tokens, heads, topk, slots, sink, dlse)
+    assert ran == [1]
+    q, kv, idx, dout, s, d = _problem(tokens, heads, topk, slots, torch.bfloat16, sink=sink,
+                                      dlse=dlse, seed=tokens * heads + topk)  # fmt: skip
+    clean, out, lse = _forward(q, kv, idx, s, torch.bfloat16)
+    rows = config.h64_workspace_rows(topk)
+    monkeypatch.setattr(config, "H64_WS_CAP_BYTES", -(-tokens // 3) * rows * heads * 2)
+    grads = dsa_sparse_attention_backward(
+        q[..., :LATENT], q[..., LATENT:], kv.view(-1, 1, 1, WIDTH), None, clean, dout,
+        softmax_scale=SCALE, out=out, lse=lse, attn_sink=s, dlse=d,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    assert ran == [1, 1]
+    assert (grads[4] is None) == (s is None)
+    got = (torch.cat(grads[:2], -1), grads[2].view(-1, WIDTH), grads[4])
+    _compare(got, q, kv, clean, dout, out, lse, s, d)
+
+
 def _check(dtype, tokens, heads, topk, slots, sink, dlse, **forms):
     q, kv, idx, dout, s, d = _problem(tokens, heads, topk, slots, dtype, sink=sink, dlse=dlse,
                                       seed=tokens * heads + topk)  # fmt: skip
@@ -126,11 +187,19 @@ def _check(dtype, tokens, heads, topk, slots, sink, dlse, **forms):
     dq, dkv, d_sink = launch.dsa_sparse_bwd(q, kv, dout, out, lse, d, s, idx, SCALE, dq=dq,
                                             **forms)  # fmt: skip
     torch.cuda.synchronize()
+    _compare((dq, dkv, d_sink if s is not None else None), q, kv, clean, dout, out, lse, s, d)
+
+
+def _compare(got, q, kv, clean, dout, out, lse, s, d):
+    """(dq, dkv, d_sink or None) against the fp64 reference: each within 2e-2 of its largest
+    entry and 2x the error of the reference in q's dtype (dq) / fp32 rounded to q's dtype (dkv,
+    d_sink) plus 1e-3 of it; finite (no poison left); rows without entries 0 in dq, slots no
+    entry lists 0 in dkv."""
+    dtype, slots = q.dtype, kv.shape[0]
     kw = {"attn_sink": s, "out": out, "lse": lse, "dlse": d}
     want = dsa_sparse_attention_bwd_ref(q, kv, clean, SCALE, dout, dtype=torch.float64, **kw)
     low = dsa_sparse_attention_bwd_ref(q, kv, clean, SCALE, dout, dtype=torch.float32, **kw)
     low_dq = dsa_sparse_attention_bwd_ref(q, kv, clean, SCALE, dout, dtype=dtype, **kw)[0]
-    got = (dq, dkv, d_sink if s is not None else None)
     lows = (low_dq, low[1].to(dtype), low[2])
     for name, a, b, lp in zip(("dq", "dkv", "d_sink"), got, want, lows):
         if b is None:
@@ -140,6 +209,7 @@ def _check(dtype, tokens, heads, topk, slots, sink, dlse, **forms):
         err = _err(a, b)
         assert err <= 2e-2 * top, f"{name}: {err:.3g} vs largest {top:.3g}"
         assert err <= 2 * _err(lp, b) + 1e-3 * top, f"{name}: {err:.3g}, low {_err(lp, b):.3g}"
+    dq, dkv = got[0], got[1]
     empty = (clean < 0).all(1)
     assert (dq[empty] == 0).all()
     assert (dkv[~torch.isin(torch.arange(slots, device="cuda"), clean)] == 0).all()

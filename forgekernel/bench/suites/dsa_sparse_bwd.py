@@ -1,10 +1,11 @@
 """DSA sparse attention backward suite (issue 22; the v1 kernel, checked 2026-12-03): the
 gradients of `forgekernel.dsa_sparse_attention` in q, the latent rows and the sink from dO,
-given the forward's out and KV-only LSE (`ops.dsa_bwd.dsa_sparse_attention_backward`: the v1
-kernel, kernels/attention/dsa_sparse_bwd/sm90, after its preprocess kernel,
-kernels/attention/dsa_sparse_bwd_pre/sm90, both run and sanitized by every case of the op;
-FORGEKERNEL_DSA_BWD_KERNEL=0 runs
-the INTERIM fp32 torch path; docs/attention/DSA_BWD_NOTES.md "Kernel v1").
+given the forward's out and KV-only LSE (`ops.dsa_bwd.dsa_sparse_attention_backward`: the
+kernels of kernels/attention/dsa_sparse_bwd/sm90, after its preprocess kernel,
+kernels/attention/dsa_sparse_bwd_pre/sm90, both run and sanitized by every case of the op: v1,
+kernel.py, at H 16 and the h64 kernels, kernel_h64.py, at H a multiple of 64;
+FORGEKERNEL_DSA_BWD_KERNEL=0 runs the INTERIM fp32 torch path; docs/attention/DSA_BWD_NOTES.md
+"Kernel v1", "H >= 64: one gather a token", "h64 adopted").
 
 Shapes (DeepSeek-V3.2 training / prefill, dsa_recompute's form): one sequence of `ctx` keys
 whose last `tokens` positions are the queries, token i picking min(visible, topk) of the
@@ -34,11 +35,13 @@ handling of -1 inside the list is not documented, so set-up compacts each row (v
 first, order is free), writes 0 past them, passes topk_length = the valid count and pads topk
 to a multiple of its 64-row tiles, as Megatron's DSA integration sanitizes them.
 
-Variants: `red4s` (every case), the op's launches with the kernel's previous standard form
-(xchg=False) timed beside the standard xchg4s; `h64` (H a multiple of 64), the same launches
-with the launcher's h64=True: 64 heads a CTA and dq split into a second kernel
-(kernels/attention/dsa_sparse_bwd/sm90/kernel_h64.py; docs/attention/DSA_BWD_NOTES.md "H >= 64:
-one gather a token"), verified against the fp64 reference on the case like every variant.
+Variants, each verified against the fp64 reference on the case like ours: `red4s` (every
+case), the op's launches with v1's form before xchg4s (launcher h64=False, xchg=False); `was`
+(H a multiple of 64: the h64 and tp1 groups), the same launches with the launcher's h64=False:
+the default before the h64 kernels (v1's xchg4s, CTAs of 32 heads), which they replaced on
+2026-12-06 (H100 01:37, h64 / this: 0.762 t4096-h64-kv16384-k2048, 0.656 t16384-h64-kv65536-k512,
+0.840 t4096-h128-kv8192-k2048, 0.641 t8192-h128-kv65536-k2048 in graph timing; then unchunked,
+now the two H 128 cases run in 2 / 4 chunks of the dS workspace, config.H64_WS_CAP_BYTES).
 """
 
 from __future__ import annotations
@@ -128,7 +131,8 @@ def alloc_out(inputs: Inputs) -> tuple[torch.Tensor, ...]:
 
 
 def run_ours(inputs: Inputs, out: tuple | None) -> tuple:
-    """The op (the v1 kernel; FORGEKERNEL_DSA_BWD_KERNEL=0 times the interim path)."""
+    """The op (v1 at H 16, the h64 kernels at H a multiple of 64; FORGEKERNEL_DSA_BWD_KERNEL=0
+    times the interim path)."""
     from forgekernel.ops.dsa_bwd import dsa_sparse_attention_backward
 
     i = inputs
@@ -171,24 +175,24 @@ def _run_launcher(inputs: Inputs, out: tuple | None, **forms: Any) -> tuple:
 
 
 def _run_red4s(inputs: Inputs, out: tuple | None) -> tuple:
-    """The kernel's candidate red4s (launcher xchg=False: S^T / dP^T split over the heads), the
-    standard form before xchg4s (2026-12-04 04:23, docs/attention/DSA_BWD_NOTES.md: the
+    """v1's candidate red4s (launcher h64=False, xchg=False: S^T / dP^T split over the heads),
+    its standard form before xchg4s (2026-12-04 04:23, docs/attention/DSA_BWD_NOTES.md: the
     launcher 6.597 / 29.526 ms against xchg4s's 6.064 / 27.591 at H 16 / 128)."""
-    return _run_launcher(inputs, out, xchg=False)
+    return _run_launcher(inputs, out, h64=False, xchg=False)
 
 
-def _run_h64(inputs: Inputs, out: tuple | None) -> tuple:
-    """The h64 kernels (launcher h64=True): one gather and one dkv partial a (token, 64 heads)
-    instead of a (token, 32 heads), dq = dS K from a dS workspace in a second kernel."""
-    return _run_launcher(inputs, out, h64=True)
+def _run_was(inputs: Inputs, out: tuple | None) -> tuple:
+    """The default before the h64 kernels at H a multiple of 64 (launcher h64=False: v1's
+    xchg4s, one gather and one dkv partial a (token, 32 heads))."""
+    return _run_launcher(inputs, out, h64=False)
 
 
 def variants(case: Case) -> dict[str, Any]:
-    """Every case: the previous standard form red4s beside xchg4s (`_run_red4s`); H a multiple
-    of 64 (the h64 and tp1 groups): the h64 kernels (`_run_h64`)."""
+    """Every case: v1's previous form red4s (`_run_red4s`); H a multiple of 64 (the h64 and tp1
+    groups, where ours runs the h64 kernels): v1's xchg4s, the default before (`_run_was`)."""
     forms = {"red4s": _run_red4s}
     if case.params["hq"] % 64 == 0:
-        forms["h64"] = _run_h64
+        forms["was"] = _run_was
     return forms
 
 

@@ -1,7 +1,9 @@
-"""DeepSeek sparse attention backward (DSA, issue 22), sm_90a, v1 (kernel.py): dq and the fp32
-dkv accumulator of `forgekernel::dsa_sparse_attention_bwd`, one CTA per (query token, head
-block). DSL-free declaration; the launcher is launch.py (preprocess and cast in torch), the op
-ops/dsa_bwd.py takes it unless FORGEKERNEL_DSA_BWD_KERNEL=0 (the interim path)."""
+"""DeepSeek sparse attention backward (DSA, issue 22), sm_90a: dq and the fp32 dkv accumulator
+of `forgekernel::dsa_sparse_attention_bwd`. v1 (kernel.py): one CTA per (query token, head block
+of 16 / 32); h64 (kernel_h64.py, the default where H is a multiple of 64): a kv part of 64 heads a
+CTA writing dkv and a dS workspace, then a dq part. DSL-free declaration; the launcher is
+launch.py (preprocess and cast in torch), the op ops/dsa_bwd.py takes it unless
+FORGEKERNEL_DSA_BWD_KERNEL=0 (the interim path)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from pathlib import Path
 from forgekernel.kernels.attention.dsa_sparse_bwd.sm90.config import (
     BLOCKS,
     DTYPES,
-    H64_PARTS,
+    H64_BLOCK,
+    H64_DQ_HEADS,
     params_for,
     params_h64,
     standard_red4s,
@@ -25,18 +28,31 @@ def _compile(params: Params, extra_options: str = ""):
         compile_sparse_bwd,
     )
 
-    if "h64" in dict(params):  # the bench variant h64 (kernel_h64.py)
+    if "h64" in dict(params):  # kernel_h64.py's two parts
         return compile_h64(dict(params), "sm_90a", extra_options)
     return compile_sparse_bwd(dict(params), "sm_90a", extra_options)
 
 
 def _standard_params() -> list[Params]:
-    """Every dtype x head block (16: H = 16; 32: H = 32, 64, 128): xchg4s (red4s under xchg,
-    measured 2026-12-04 04:23)."""
+    """What the launcher's default reaches, every dtype: the head blocks (16: H = 16; 32: H a
+    multiple of 32 but not of 64, and the launcher's h64=False) as xchg4s (red4s under xchg,
+    measured 2026-12-04 04:23); at H a multiple of 64 the h64 kv part (shfl4 reductions) and the
+    dq part at 64 heads a CTA (H 64, 192, ...) and at 128 (H a multiple of 128)."""
     return [
-        params_for(d, b, xchg=standard_xchg(b), red4s=standard_red4s(b))
+        *(
+            params_for(d, b, xchg=standard_xchg(b), red4s=standard_red4s(b))
+            for d in DTYPES
+            for b in BLOCKS
+        ),
+        *_h64_standard_params(),
+    ]
+
+
+def _h64_standard_params() -> list[Params]:
+    return [
+        params_h64(d, part, dq_heads=dq_heads)
         for d in DTYPES
-        for b in BLOCKS
+        for part, dq_heads in (("kv", H64_BLOCK), *(("dq", h) for h in H64_DQ_HEADS))
     ]
 
 
@@ -61,12 +77,10 @@ def _candidate_params() -> list[Params]:
     ]
 
 
-def _h64_params() -> list[Params]:
-    """The bench variant h64's builds (kernel_h64.py), both dtypes (the GPU tests take fp16
-    too), and for the probe its kv part without reductions and with the v2 reductions."""
+def _h64_candidate_params() -> list[Params]:
+    """The probe's h64 builds beside the standard ones: the kv part without reductions and
+    with the fragments' v2 reductions (scripts/time_dsa_bwd_kernel.py)."""
     return [
-        *(params_h64(d, part) for d in DTYPES for part in H64_PARTS),
-        *(params_h64(d, "dq", dq_heads=128) for d in DTYPES),
         params_h64("bfloat16", "kv", reduce=False),
         params_h64("bfloat16", "kv", shfl4=False),
     ]
@@ -78,7 +92,7 @@ SPEC = KernelSpec(
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
-    candidate_params=lambda: [*_candidate_params(), *_h64_params()],
+    candidate_params=lambda: [*_candidate_params(), *_h64_candidate_params()],
     representative=lambda: params_for("bfloat16", 16, xchg=True, red4s=True),
 )
 

@@ -47,7 +47,7 @@ def compile_sparse_bwd(params: dict, arch: str = "sm_90a", extra_options: str = 
 
 
 def compile_h64(params: dict, arch: str = "sm_90a", extra_options: str = ""):
-    """The h64 variant's kernels (kernel_h64.py): part `kv` takes kernel.py's operands with the
+    """The h64 kernels (kernel_h64.py): part `kv` takes kernel.py's operands with the
     dS workspace (tokens, rows, H) in place of dq; part `dq` kv, the index rows, the workspace
     and dq. The workspace's rows 16-byte aligned (H a multiple of 64)."""
     from forgekernel.kernels.attention.dsa_sparse_bwd.sm90.kernel_h64 import (

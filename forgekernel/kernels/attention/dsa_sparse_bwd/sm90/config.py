@@ -157,7 +157,9 @@ def params_for(
 
 
 # ---- h64: one gather a token at H >= 64 (kernel_h64.py; docs/attention/DSA_BWD_NOTES.md "H >= 64:
-# one gather a token"), a bench variant only. Two kernels: `kv` (one CTA a (token, 64 heads): S^T,
+# one gather a token"), the launcher's default wherever H is a multiple of 64 (measured 2026-12-06
+# 01:37 on the H100: 0.64-0.84 of the blocks-of-32 kernel's time on the suite's four H >= 64
+# cases; DSA_BWD_NOTES.md "h64 adopted"). Two kernels: `kv` (one CTA a (token, 64 heads): S^T,
 # dP^T, P^T, dS^T and the dkv blocks, no dq accumulator; dS (16-bit) into a (tokens, TILE x tiles,
 # H) workspace) and `dq` (dq = dS K: the rows gathered again, dq^T of 64 heads in registers).
 H64_BLOCK = 64  # heads of one CTA in both kernels (the WGMMAs' N in S^T / dP^T, the K of dkv)
@@ -216,12 +218,29 @@ def h64_workspace_rows(topk: int) -> int:
     return -(-topk // TILE) * TILE
 
 
+# The dS workspace's cap: the launcher runs the tokens in chunks (kv then dq a chunk, on one
+# workspace of the chunk's tokens) so that it never exceeds this. Unchunked it is topk x H x 2 B a
+# token, 512 KiB at top-2048 H 128: 4 GiB at 8192 tokens, 16 GiB at 32768, more than the dq
+# gradient itself (1.2 KiB x H a token). 1 GiB keeps >= 2048 tokens a chunk at top-2048 H 128
+# (4096 kv CTAs, ~31 waves on 132 SMs: a chunk's tail wave costs <= ~3 %) and leaves the suite's H
+# 64 cases (exactly 1 GiB) unchunked.
+H64_WS_CAP_BYTES = 1 << 30
+
+
+def h64_chunk_tokens(tokens: int, rows: int, heads: int, elem_bytes: int = BYTES) -> int:
+    """Tokens a chunk of the h64 launches: as many as keep the (chunk, rows, heads) workspace
+    within H64_WS_CAP_BYTES (read at call time), at least 1 (a single token's workspace may
+    exceed the cap only past ~4M list positions at H 128), at most `tokens`."""
+    per_token = rows * heads * elem_bytes
+    return max(1, min(tokens, H64_WS_CAP_BYTES // per_token))
+
+
 def params_h64(
     dtype: str, part: str, reduce: bool = True, shfl4: bool = True, dq_heads: int = H64_BLOCK
 ) -> tuple:
     """Compile key of an h64 kernel: dtype and part (`kv` or `dq`); reduce False (kv only): the
     timing probe's build whose dkv reductions never run; shfl4 (kv only): dkv by
-    red.global.add.v4.f32 after a butterfly shuffle (the variant's form), False: kernel.py's
+    red.global.add.v4.f32 after a butterfly shuffle (the standard form), False: kernel.py's
     fragments' red.global.add.v2 (the probe's comparison); dq_heads (dq only): heads a CTA,
     64 or 128 (`h64_dq_heads`)."""
     if dtype not in DTYPES:

@@ -1,8 +1,9 @@
-"""DSA sparse attention backward at H >= 64, `h64` (a bench variant; docs/attention/
-DSA_BWD_NOTES.md "H >= 64: one gather a token"): the standard kernel (kernel.py) splits the heads
-into CTAs of 32, each gathering the token's rows and reducing its own dkv partial. Here one CTA
-takes 64 heads (so H 64 gathers and reduces once a token, H 128 twice), made possible by moving
-dq out of the tile loop into a second kernel:
+"""DSA sparse attention backward at H >= 64, `h64` (the launcher's default at H a multiple of 64
+since 2026-12-06; docs/attention/DSA_BWD_NOTES.md "H >= 64: one gather a token", "h64
+adopted"): the v1 kernel (kernel.py) splits the heads into CTAs of 32, each gathering the
+token's rows and reducing its own dkv partial. Here one CTA takes 64 heads (so H 64 gathers and
+reduces once a token, H 128 twice), made possible by moving dq out of the tile loop into a second
+kernel:
 
 `DsaSparseBwdKvSm90` (part `kv`), grid (tokens, H / 64), 384 threads:
 - warpgroup 0 (setmaxnreg 56): q (64 x 576) and dO (64 x 512) once, then every tile's 64 listed

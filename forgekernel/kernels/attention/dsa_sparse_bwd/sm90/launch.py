@@ -82,7 +82,7 @@ def dsa_sparse_bwd(
     xchg: bool | None = None,
     red4s: bool | None = None,
     pre: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    h64: bool = False,
+    h64: bool | None = None,
     h64_v2: bool = False,
     h64_ws: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -91,24 +91,35 @@ def dsa_sparse_bwd(
     dlse (tokens, H) fp32 (the forward's KV-only natural LSE), attn_sink (H,) or None,
     topk_indices int32 (tokens, topk) of slots, -1 (or any entry outside [0, slots)) adding
     nothing; dq: a contiguous (tokens, H, 576) buffer in q's dtype to write (tests poison it).
-    reduce False: the timing probe's build (dkv stays 0); xchg True: S^T and dP^T one
-    warpgroup's each (kernel.py), False: split over the heads, None: the standard form
+    pre: (lse2, Delta', d_sink) as `preprocess` gives them, computed by the caller (the op: the
+    preprocess kernel, kernels/attention/dsa_sparse_bwd_pre/sm90), None: `preprocess` here
+    (torch). reduce False: the timing probe's builds (dkv stays 0).
+
+    h64 None (the default): the h64 kernels where H is a multiple of 64 (`config.h64_supported`,
+    measured 2026-12-06 01:37: 0.64-0.84 of the standard kernel's time at H 64 / 128), the
+    standard kernel elsewhere; True: h64 (ValueError unless H is a multiple of 64); False: the
+    standard kernel (the bench variant `was`).
+
+    The standard kernel (kernel.py, CTAs of 16 / 32 heads): xchg True: S^T and dP^T one
+    warpgroup's each, False: split over the heads, None: the standard form
     (`config.standard_xchg`: xchg at every H, the split form under reduce False); red4s True:
     dkv by red.global.add.v4.f32 from a staging in the tile's stage, False: the fragments'
     red.global.add.v2, None: the standard form (`config.standard_red4s`: red4s at every H, v2
     under reduce False). The defaults run xchg4s (xchg with red4s); xchg=False the candidate
-    red4s (the standard form before 2026-12-04 04:23);
-    pre: (lse2, Delta', d_sink) as `preprocess` gives them, computed by the caller (the op: the
-    preprocess kernel, kernels/attention/dsa_sparse_bwd_pre/sm90), None: `preprocess` here
-    (torch). h64 True (H a multiple of 64; xchg / red4s ignored): the bench variant `h64`
-    (kernel_h64.py: 64 heads a CTA, dkv and a dS workspace, then dq = dS K in a second
-    kernel; h64_v2 True: its kv part with the fragments' red.global.add.v2, the probe's
-    comparison; h64_ws: the dS workspace to use, contiguous (tokens,
-    `config.h64_workspace_rows(topk)`, H) in q's dtype, None: a fresh one; the GPU tests poison
-    it with NaN so that a cell the kv part leaves unwritten shows in dq). `unsupported` must be
-    None for these inputs."""
-    if h64 and h64_unsupported(q) is not None:
-        raise ValueError(h64_unsupported(q))
+    red4s (the standard form before 2026-12-04 04:23). xchg / red4s name forms of this kernel
+    only: with the h64 path they raise ValueError (pass h64=False).
+
+    h64 (kernel_h64.py: 64 heads a CTA, dkv and a dS workspace, then dq = dS K in a second
+    kernel; `_launch_h64`): the tokens run in chunks whose workspace stays within
+    `config.H64_WS_CAP_BYTES`; h64_v2 True: its kv part with the fragments' red.global.add.v2,
+    the probe's comparison; h64_ws: the dS workspace to use, contiguous (n,
+    `config.h64_workspace_rows(topk)`, H) in q's dtype for any n >= 1 (the tokens then run in
+    chunks of n; n >= tokens: one launch of each part, as before chunking), None: a fresh one
+    within the cap; the GPU tests poison it with NaN so that a cell the kv part leaves
+    unwritten shows in dq. h64_v2 / h64_ws with the standard kernel raise ValueError.
+    `unsupported` must be None for these inputs."""
+    use_h64 = config.h64_supported(q.shape[1]) if h64 is None else h64
+    _check_forms(q, use_h64, xchg, red4s, h64_v2, h64_ws)
     lse2, delta, d_sink = preprocess(out, dout, lse, dlse, attn_sink) if pre is None else pre
     tokens, heads, _ = q.shape
     if dq is None:
@@ -117,7 +128,7 @@ def dsa_sparse_bwd(
     if tokens == 0 or topk_indices.shape[1] == 0:
         return dq.zero_(), dkv, d_sink
     idx = topk_indices if topk_indices.stride(-1) == 1 else topk_indices.contiguous()
-    if h64:
+    if use_h64:
         _launch_h64(
             q, kv, dout, lse2, delta, idx, dq, dkv, softmax_scale, reduce, not h64_v2, h64_ws
         )
@@ -136,30 +147,63 @@ def dsa_sparse_bwd(
 
 
 def h64_unsupported(q: torch.Tensor) -> str | None:
-    """Why the h64 variant cannot take q (None: it can): H a multiple of 64."""
+    """Why the h64 kernels cannot take q (None: they can): H a multiple of 64."""
     if not config.h64_supported(q.shape[1]):
         return f"h64 takes a multiple of {config.H64_BLOCK} heads, got {q.shape[1]}"
     return None
+
+
+def _check_forms(q, use_h64: bool, xchg, red4s, h64_v2: bool, h64_ws) -> None:
+    """The launcher's form keywords against the path they would run on (ValueError)."""
+    if use_h64:
+        if h64_unsupported(q) is not None:
+            raise ValueError(h64_unsupported(q))
+        if xchg is not None or red4s is not None:
+            raise ValueError("xchg / red4s name forms of the standard kernel, not of h64: pass "
+                             "h64=False with them")  # fmt: skip
+    elif h64_v2 or h64_ws is not None:
+        raise ValueError("h64_v2 / h64_ws apply to the h64 kernels (H a multiple of 64, h64 not "
+                         "False)")  # fmt: skip
 
 
 def _launch_h64(
     q, kv, dout, lse2, delta, idx, dq, dkv, softmax_scale: float, reduce: bool, shfl4: bool,
     ws: torch.Tensor | None = None,
 ):  # fmt: skip
-    """The two h64 kernels: `kv` (dkv into the accumulator, dS into a (tokens, whole tiles, H)
-    workspace in q's dtype), then `dq` (dq = dS K, every element of dq written)."""
+    """The two h64 kernels a chunk of tokens: `kv` (dkv into the accumulator, dS into the
+    chunk's (tokens, whole tiles, H) workspace in q's dtype), then `dq` (dq = dS K, every
+    element of the chunk's dq written). The chunks are row slices of the per-token tensors (q,
+    dout, lse2, delta, idx, dq: the kernels index them by token, grid.x = the slice's rows, and
+    a slice keeps its parent's strides and 16-byte alignment: q's rows are 1,152 H bytes) on
+    one workspace, reused chunk after chunk in stream order; kv and the fp32 dkv accumulator are
+    shared (the reductions add each chunk's partials). Host-side loop over shapes only: nothing
+    read back (CUDA-graph capturable)."""
     tokens, heads, _ = q.shape
     rows = config.h64_workspace_rows(idx.shape[1])
-    shape = (tokens, rows, heads)
     if ws is None:
-        ws = torch.empty(shape, dtype=q.dtype, device=q.device)
-    elif tuple(ws.shape) != shape or ws.dtype != q.dtype or not ws.is_contiguous():
-        raise ValueError(f"h64_ws must be a contiguous {shape} {q.dtype} tensor, got "
-                         f"{tuple(ws.shape)} {ws.dtype}")  # fmt: skip
+        chunk = config.h64_chunk_tokens(tokens, rows, heads, q.element_size())
+        ws = torch.empty((chunk, rows, heads), dtype=q.dtype, device=q.device)
+    elif (ws.dim() != 3 or ws.shape[0] < 1 or tuple(ws.shape[1:]) != (rows, heads)
+          or ws.dtype != q.dtype or not ws.is_contiguous()):  # fmt: skip
+        raise ValueError(f"h64_ws must be a contiguous (n >= 1, {rows}, {heads}) {q.dtype} "
+                         f"tensor, got {tuple(ws.shape)} {ws.dtype}")  # fmt: skip
+    chunk = min(ws.shape[0], tokens)
     name = dtype_name(q.dtype)
     kv_kernel = get_kernel(SPEC, config.params_h64(name, "kv", reduce, shfl4))
     dq_kernel = get_kernel(SPEC, config.params_h64(name, "dq", dq_heads=config.h64_dq_heads(heads)))
+    q, kv, dout = as_tma_ready(q), as_tma_ready(kv), as_tma_ready(dout)
     with on_device(q.device):
-        kv_kernel(as_tma_ready(q), as_tma_ready(kv), as_tma_ready(dout), lse2, delta, idx, ws,
-                  dkv, softmax_scale * LOG2E, softmax_scale)  # fmt: skip
-        dq_kernel(as_tma_ready(kv), idx, ws, dq)
+        for t0 in range(0, tokens, chunk):
+            t1 = min(t0 + chunk, tokens)
+            q_t, dout_t, lse2_t, delta_t, idx_t, dq_t = (
+                _rows(x, t0, t1) for x in (q, dout, lse2, delta, idx, dq)
+            )
+            w = _rows(ws, 0, t1 - t0)
+            kv_kernel(q_t, kv, dout_t, lse2_t, delta_t, idx_t, w, dkv, softmax_scale * LOG2E,
+                      softmax_scale)  # fmt: skip
+            dq_kernel(kv, idx_t, w, dq_t)
+
+
+def _rows(x: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
+    """x[t0:t1], x itself where that is all of it (one chunk: the launches as before chunking)."""
+    return x if t0 == 0 and t1 == x.shape[0] else x[t0:t1]
