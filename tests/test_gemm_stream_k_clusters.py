@@ -339,9 +339,10 @@ def test_the_suite_checks_every_prefill_walk():
         (config.TALL_72, False),
         (config.SWAP_TALL_72, False),
         (SWAP_STREAMED_144, False),  # swapped stream K (forced only)
-        # the 256-token candidates (config.py CASE_CANDIDATES; bf16 "nk" as built)
-        (config.SMALL_C12, False),
-        (config.SMALL_N, False),
+        # the 256-token candidates (config.py CASE_CANDIDATES; bf16 "nk" as built): candidate
+        # forms, slow (2-5 s of CI's CPU, 2026-12-06)
+        pytest.param(config.SMALL_C12, False, marks=pytest.mark.slow),
+        pytest.param(config.SMALL_N, False, marks=pytest.mark.slow),
     ],
     ids=lambda x: getattr(x, "tag", lambda: str(x))(),
 )

@@ -61,7 +61,12 @@ def _compiled(params) -> tuple[dict, Counter, str]:
     return found.resources, Counter(_OP.findall(found.sass)), found.ptx
 
 
-@pytest.fixture(scope="module", params=[("bfloat16", 16, 1), ("float16", 1, 1)])
+# CI: the standard build (bf16, 16 heads; the MLA scope's, SHARED_COMPILES); the 16-bit 1-head
+# block (the Q box's minimum pitch) is slow (12-29 s of CI's CPU, idle / loaded machine, 2026-12-06)
+@pytest.fixture(
+    scope="module",
+    params=[("bfloat16", 16, 1), pytest.param(("float16", 1, 1), marks=pytest.mark.slow)],
+)
 def compiled(request):
     dtype, heads, qtokens = request.param
     res, ops, ptx = _compiled(params_for("partial", dtype, heads, qtokens, tma=True))
