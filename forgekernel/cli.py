@@ -186,7 +186,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     names = tuple(n for n in (args.variants or "").split(",") if n)
     run_bench(suites, results_dir=args.results_dir, report_dir=report_dir, arch=arch, timing=timing,
-              variant_cases=args.variant_cases or bool(names), variant_names=names)  # fmt: skip
+              variant_cases=args.variant_cases or bool(names), variant_names=names,
+              resume=args.resume)  # fmt: skip
     return 0
 
 
@@ -322,6 +323,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="NAME,...",
         help="--variant-cases with only these variants of ours (the cases carrying one of them)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="go on from the cases of the ledger's partial bench section (a bench cut by its "
+        "time limit) written on the same kernel sources, GPU, options and comparators; without "
+        "one: from the first case",
     )
     p.add_argument(
         "--eager-reps",

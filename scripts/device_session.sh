@@ -11,7 +11,8 @@
 #        (default 100), logs (and JSON written to /tmp/probes) packed into $OUT/probes.tar; no
 #        build unless FK_BUILD=1 (2026-12-03: the default built all 1044 kernels, 133 s, for a
 #        probe that compiles its own)
-#   bash scripts/device_session.sh benches OP ...   one stream of benches (BENCH_TIMEOUT each)
+#   bash scripts/device_session.sh benches OP ...   one stream of benches (BENCH_TIMEOUT each; a
+#        bench cut there is resumed by the next call that benches it: `bench --resume`)
 # Then here: scripts/take_results.sh on each call's files IN CALL ORDER (it keeps an earlier
 # call's sections on the same sources where a later call on a fresh host lacks them).
 set -uo pipefail

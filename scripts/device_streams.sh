@@ -11,7 +11,10 @@
 # Each argument is one stream's OP list; the environment applies to every stream, and
 # STREAM_ENV_N="VAR=value ..." to stream N alone (e.g. GPU_TESTS=1 in one stream). Benches time
 # the device: they are refused with more than one stream (one stream of benches, or a call of
-# their own). Each stream runs under STREAM_TIMEOUT (default 540 s), KILLed after.
+# their own). Each stream runs under STREAM_TIMEOUT (default 540 s), KILLed after. A bench cut by
+# BENCH_TIMEOUT or by the stream's limit has written the cases it finished to its ledger's partial
+# section after each one (atomically: the kill leaves the last whole file): that ledger is newer
+# than the stamp, so results.tar carries it, and `bench --resume` (device_jit_run.sh) goes on.
 # scripts/take_results.sh DIR unpacks results.tar and reports.tar.
 set -uo pipefail
 R=${OUT:-/tmp/forgekernel-out}

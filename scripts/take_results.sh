@@ -12,6 +12,7 @@ for f in "$src"/results/*/*.json; do
   [ -e "$f" ] || continue
   arch=$(basename "$(dirname "$f")")
   # the ledger's sections this call lacks but an earlier call wrote on the same sources stay
+  # (a partial bench too, until a call brings that suite's complete bench section)
   python3 -c "import sys; from forgekernel.bench.ledger import take; take(*sys.argv[1:])" \
     "$f" "$root/benchmarks/results/$arch/$(basename "$f")"
 done

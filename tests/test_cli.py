@@ -150,7 +150,9 @@ def test_bench_timing_options(monkeypatch, tmp_path):
         methods=("eager",), warmup=5, reps=9, eager_reps=40, host_calls=0
     )
     assert seen["report_dir"] == tmp_path and seen["arch"] == "sm_90a"
-    assert not seen["variant_cases"] and seen["variant_names"] == ()
+    assert not seen["variant_cases"] and seen["variant_names"] == () and not seen["resume"]
+    assert cli.main(["bench", "--resume", "kda_bwd", "--arch", "sm_90a"]) == 0
+    assert seen["resume"]
     assert cli.main(["bench", "gemm_fp8", "--arch", "sm_90a", "--variants", "k256,narrow"]) == 0
     assert seen["variant_cases"] and seen["variant_names"] == ("k256", "narrow")
     assert cli.main(["bench", "gemm_fp8", "--arch", "sm_90a", "--variant-cases"]) == 0

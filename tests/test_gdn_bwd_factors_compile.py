@@ -19,6 +19,7 @@ import pytest
 pytest.importorskip("cutlass")
 
 from dsl_toolchain import dsl_toolchain  # noqa: E402  (tests/ is on the path)
+from sweeps import slow_past  # noqa: E402
 
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY  # noqa: E402
 from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90 import config  # noqa: E402
@@ -58,7 +59,12 @@ def compiled():
     return get
 
 
-@pytest.mark.parametrize("dtype", config.DTYPES)
+# CI: the first dtype's build (fp16, the representative); the second dtype's is slow (~2 s of
+# CI's CPU, idle machine, 2026-12-06)
+DTYPES = slow_past(config.DTYPES)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_registers_and_no_spills(compiled, dtype):
     res, instrs, _ = compiled(dtype)
     ceiling = 65536 // config.THREADS
@@ -68,14 +74,14 @@ def test_registers_and_no_spills(compiled, dtype):
     assert not [op for op, _ in instrs if op.startswith(("LDL", "STL"))]
 
 
-@pytest.mark.parametrize("dtype", config.DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_shared_memory_fits(compiled, dtype):
     res, _, smem = compiled(dtype)
     assert smem == SMEM <= config.smem_bytes() <= SMEM_CAPACITY
     assert smem + res["smem_bytes"] <= SMEM_CAPACITY
 
 
-@pytest.mark.parametrize("dtype", config.DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_wgmmas_inverse_and_tma(compiled, dtype):
     _, instrs, _ = compiled(dtype)
     ops = [op for op, _ in instrs]

@@ -492,3 +492,109 @@ def test_named_variants_time_only_those(tmp_path, sources, fake_suite, fake_time
         device="cpu", variant_cases=True, variant_names=("absent",),
     )  # fmt: skip
     assert none == []
+
+
+class Killed(BaseException):
+    """What a time limit's SIGKILL is to the run: nothing after it (not an Exception:
+    bench_case's guard does not catch it)."""
+
+
+def _cut_at(monkeypatch, tmp_path, stop: str | None):
+    """bench_case wrapped: the cases it was called on, the partial section read back before
+    each, and a kill at the case named `stop`."""
+    real, seen = getattr(harness.bench_case, "real", harness.bench_case), []
+
+    def wrapped(suite, case, dtype, **kw):
+        path = tmp_path / "res" / "sm_90a" / f"{suite.name}.json"
+        part = (json.loads(path.read_text()) if path.exists() else {}).get("bench_partial")
+        seen.append((case.name, [r["case"] for r in (part or {}).get("cases", [])]))
+        if case.name == stop:
+            raise Killed
+        return real(suite, case, dtype, **kw)
+
+    wrapped.real = real
+    monkeypatch.setattr(harness, "bench_case", wrapped)
+    return seen
+
+
+def _doc(tmp_path, name="fake"):
+    return json.loads((tmp_path / "res" / "sm_90a" / f"{name}.json").read_text())
+
+
+def test_a_killed_bench_leaves_its_cases_and_resume_completes_the_suite(
+    tmp_path, sources, fake_suite, fake_timer, monkeypatch, capsys
+):
+    """After each case the cases so far are the ledger's partial bench section; a kill leaves
+    it (and no bench section, no host time); `resume` times only the other cases and writes the
+    suite's section from all of them in the suite's order, the earlier call's records as they
+    were, the host time once, and drops the partial."""
+    suite = fake_suite(
+        sources, comparators=_comparators, bench_cases=GROUPED, dtypes=(torch.bfloat16,)
+    )
+    seen = _cut_at(monkeypatch, tmp_path, stop="7x24x40")
+    with pytest.raises(Killed):
+        _bench(suite, tmp_path, reps=7)
+    assert seen == [("1x8x8", []), ("4x8x8", ["1x8x8"]), ("7x24x40", ["1x8x8", "4x8x8"])]
+    doc = _doc(tmp_path)
+    assert "bench" not in doc and not any(c[0] == "host" for c in fake_timer)
+    part = doc["bench_partial"]
+    assert [r["case"] for r in part["cases"]] == ["1x8x8", "4x8x8"]
+    assert part["source_hash"] == doc["source_hash"] and part["gpu"] == doc["gpu"]
+    assert part["options"] == {"timing": ["graph", "eager"], "warmup": 5, "reps": 7,
+                               "eager_reps": 100, "seed": 0}  # fmt: skip
+    assert part["comparator_versions"] == harness.ledger.comparator_versions()
+
+    seen = _cut_at(monkeypatch, tmp_path, stop=None)
+    records = harness.run_bench([suite], results_dir=tmp_path / "res", report_dir=tmp_path / "rep",
+                                arch="sm_90a", device="cpu", resume=True,
+                                timing=harness.BenchTiming(reps=7))  # fmt: skip
+    assert [c for c, _ in seen] == ["7x24x40", "9x8x16"]
+    assert seen[1][1] == ["1x8x8", "4x8x8", "7x24x40"]
+    assert "resumed 2 of 4 cases" in capsys.readouterr().out
+    doc = _doc(tmp_path)
+    assert "bench_partial" not in doc
+    bench = doc["bench"]
+    assert [r["case"] for r in bench["cases"]] == [c.name for c in GROUPED]
+    assert [r["case"] for r in records] == [c.name for c in GROUPED]
+    assert bench["cases"][:2] == part["cases"]  # kept as they were
+    assert [r["seed"] for r in bench["cases"]] == [0, 1, 2, 3]
+    assert bench["median_ratio"]["good"] == pytest.approx(2.0)
+    assert sum(c[0] == "host" for c in fake_timer) == 1 and bench["host"]["status"] == "ok"
+    assert "| 9x8x16 |" in (tmp_path / "rep" / "fake.md").read_text()
+
+
+@pytest.mark.parametrize("change", ["source", "gpu", "reps", "seed"])
+def test_resume_ignores_a_partial_of_other_sources_gpu_or_options(
+    tmp_path, sources, fake_suite, fake_timer, monkeypatch, capsys, change
+):
+    suite = fake_suite(sources, bench_cases=GROUPED, dtypes=(torch.bfloat16,))
+    _cut_at(monkeypatch, tmp_path, stop="9x8x16")
+    with pytest.raises(Killed):
+        _bench(suite, tmp_path)
+    assert len(_doc(tmp_path)["bench_partial"]["cases"]) == 3
+    kw = {"reps": 3} if change == "reps" else {}
+    if change == "source":
+        sources[0].write_text("KERNEL = 2\n")
+    if change == "gpu":
+        env = harness.ledger.environment()
+        monkeypatch.setattr(harness.ledger, "environment", lambda: {**env, "gpu": "NVIDIA H100"})
+    seen = _cut_at(monkeypatch, tmp_path, stop=None)
+    harness.run_bench([suite], results_dir=tmp_path / "res", report_dir=tmp_path / "rep",
+                      arch="sm_90a", device="cpu", resume=True, seed=5 if change == "seed" else 0,
+                      timing=harness.BenchTiming(**kw))  # fmt: skip
+    assert [c for c, _ in seen] == [c.name for c in GROUPED]  # from the first case
+    key = {"source": "source_hash", "gpu": "gpu"}.get(change, "options")
+    assert f"no partial bench resumed (its {key} " in capsys.readouterr().err
+    doc = _doc(tmp_path)
+    assert "bench_partial" not in doc and len(doc["bench"]["cases"]) == 4
+
+
+def test_without_resume_a_bench_starts_over(tmp_path, sources, fake_suite, fake_timer, monkeypatch):
+    suite = fake_suite(sources, bench_cases=GROUPED, dtypes=(torch.bfloat16,))
+    _cut_at(monkeypatch, tmp_path, stop="4x8x8")
+    with pytest.raises(Killed):
+        _bench(suite, tmp_path)
+    seen = _cut_at(monkeypatch, tmp_path, stop=None)
+    _bench(suite, tmp_path)
+    assert [c for c, _ in seen] == [c.name for c in GROUPED]
+    assert "bench_partial" not in _doc(tmp_path)

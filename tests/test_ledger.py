@@ -254,3 +254,72 @@ def test_comparator_pins_are_the_bench_extras():
     found = comparator_versions()
     assert set(found) <= {*COMPARATOR_PINS, "triton", "cudnn"}
     assert all(isinstance(v, str) and v for v in found.values())
+
+
+PARTIAL = {"cases": [{"case": "c", "comparators": {"x": {"ratio": 9.0}}}], "options": {"reps": 30}}
+
+
+def test_partial_bench_section_lives_until_the_bench_section(tmp_path, sources, fake_suite):
+    """A check written beside a partial bench keeps it (same sources); the bench section, the
+    suite completed, drops it; new sources drop it like any section."""
+    suite, results = fake_suite(sources), tmp_path / "results"
+    _write(suite, ledger.PARTIAL, PARTIAL, results)
+    path = _write(suite, "check", {"passed": True}, results)
+    assert json.loads(path.read_text())[ledger.PARTIAL]["cases"] == PARTIAL["cases"]
+    got = ledger.partial_cases(suite, {"gpu": ENV["gpu"]}, arch="sm_90a", results_dir=results)
+    assert got == (PARTIAL["cases"], "")
+    records, why = ledger.partial_cases(suite, {"options": {"reps": 7}}, arch="sm_90a",
+                                        results_dir=results)  # fmt: skip
+    assert records == [] and why.startswith("its options {'reps': 30} is not this run's")
+    _write(suite, "bench", {"cases": []}, results)
+    assert ledger.PARTIAL not in json.loads(path.read_text())
+    _write(suite, ledger.PARTIAL, PARTIAL, results)
+    sources[0].write_text("KERNEL = 2\n")
+    assert ledger.partial_cases(suite, {}, arch="sm_90a", results_dir=results)[1].startswith(
+        "its source_hash "
+    )
+    assert ledger.PARTIAL not in json.loads(_write(suite, "check", {}, results).read_text())
+
+
+def test_readme_and_gate_ignore_a_partial_bench(tmp_path, sources, fake_suite):
+    """No README figure and no gate pass from a partial suite."""
+    results = tmp_path / "results"
+    suite = fake_suite(sources, name="gemm")
+    partial = {**PARTIAL, "median_ratio": {"cublas": 9.0}, "host": {"status": "ok"}}
+    _write(suite, ledger.PARTIAL, {**partial, "passed": True}, results)
+    assert ledger.ledger_status(suite, results)[1].endswith("no check section")
+    _write(suite, "check", {"passed": True}, results)
+    table = ledger.readme_table(results)
+    assert "9.0" not in table and "cublas" not in table and "Second timing method" not in table
+    assert "| gemm | NVIDIA H200 | - | - | - | passed |" in table
+    assert ledger.ledger_status(suite, results)[0]
+
+
+def test_take_carries_a_partial_bench_until_a_later_complete_one(tmp_path, sources, fake_suite):
+    """scripts/take_results.sh: a call's partial bench comes into the repository's ledger and
+    stays through a later call that did not bench (its check on the same sources), and through
+    one whose bench section is older (the committed one it started from); a later call's
+    complete bench section supersedes it."""
+    suite, repo = fake_suite(sources), tmp_path / "repo"
+    dst = ledger.ledger_path(repo, "sm_90a", suite.name)
+
+    def call(name, section, data, date):
+        results = tmp_path / name
+        ledger.write_section(suite, section, data, arch="sm_90a", results_dir=results,
+                             env={**ENV, "date": date})  # fmt: skip
+        return ledger.ledger_path(results, "sm_90a", suite.name)
+
+    old = call("old", "bench", {"cases": [], "median_ratio": {"x": 1.0}}, "2026-12-05T10:00:00")
+    ledger.take(old, dst)
+    cut = call("cut", ledger.PARTIAL, PARTIAL, "2026-12-06T04:00:00")
+    ledger.take(cut, dst)
+    doc = json.loads(dst.read_text())
+    assert doc[ledger.PARTIAL]["cases"] == PARTIAL["cases"] and "bench" in doc
+    ledger.take(call("chk", "check", {"passed": True}, "2026-12-06T04:10:00"), dst)
+    ledger.take(old, dst)  # an older complete bench (a host that started from the commit)
+    assert ledger.PARTIAL in json.loads(dst.read_text())
+    done = call("done", "bench", {"cases": [{"case": "c"}]}, "2026-12-06T04:20:00")
+    ledger.take(done, dst)
+    doc = json.loads(dst.read_text())
+    assert ledger.PARTIAL not in doc and doc["bench"]["cases"] == [{"case": "c"}]
+    assert doc["check"]["passed"] is True

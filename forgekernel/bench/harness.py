@@ -12,18 +12,29 @@ suite's variants of ours on a case (the backward's deterministic mode) are verif
 and timed in the same interleaved run; their figure is variant time / our time, kept apart from
 the comparators'.
 
-Per suite, `host_record` measures host microseconds per eager call (`host_us_per_call`) of ours,
-the comparators and the suite's `host_comparators` (torch's own op where the comparators lack
-it) on the suite's `host_case` (default: the bench case with the fewest flops).
+Per suite, after its cases, `host_record` measures host microseconds per eager call
+(`host_us_per_call`) of ours, the comparators and the suite's `host_comparators` (torch's own op
+where the comparators lack it) on the suite's `host_case` (default: the bench case with the
+fewest flops).
 
-Once per run, before its first memory-bound suite, `device_copy` times an elementwise copy
-kernel (`COPY_OP`) of `BenchTiming.copy_bytes` with each timing method: the device's copy
-bandwidth (read + write bytes), the yardstick of every memory-bound suite's GB/s in its ledger
-and reports.
+Once per run, after the cases of its first memory-bound suite, `device_copy` times an
+elementwise copy kernel (`COPY_OP`) of `BenchTiming.copy_bytes` with each timing method: the
+device's copy bandwidth (read + write bytes), the yardstick of every memory-bound suite's GB/s in
+its ledger and reports.
+
+After each case the cases done so far go to the ledger's partial bench section
+(`ledger.PARTIAL`), so that a bench killed by its time limit keeps them; `resume=True`
+(`bench --resume`) takes the cases of a partial section written on the same sources, GPU,
+options (`bench_options`) and comparators as they were, times the others and writes the
+suite's section from all of them in the suite's order: each case's ours and comparators were
+timed in one process, which is all a ratio needs. The host time and the device copy, whole-suite
+measurements, come after the cases: only the call that completes the suite takes them.
 """
 
 from __future__ import annotations
 
+import json
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -548,6 +559,38 @@ def _progress(i: int, n: int, suite: OpSuite, rec: dict) -> str:
     return " ".join([text, *times, _wall(rec.get("seconds", {}))]).rstrip()
 
 
+def bench_options(timing: BenchTiming, seed: int) -> dict[str, Any]:
+    """What shapes a case's record besides the kernel sources, the GPU and the comparators: a
+    partial bench section is resumed only under the same (the host calls and the device copy's
+    size shape the whole-suite measurements, taken by the call that completes the suite)."""
+    keep = ("warmup", "reps", "eager_reps")
+    return {"timing": list(timing.methods), **{k: getattr(timing, k) for k in keep}, "seed": seed}
+
+
+def _job_key(case: str, dtype: str, params: Any) -> str:
+    """A job's identity in records read back from JSON (tuples there are lists)."""
+    return json.dumps([case, dtype, params], sort_keys=True, default=str)
+
+
+def _resumed(suite: OpSuite, jobs: list, match: dict, arch: str, results_dir) -> dict[int, dict]:
+    """{job index: record} of the partial bench section's cases that are jobs of this run;
+    why not on stderr when the section does not match."""
+    records, why = ledger.partial_cases(suite, match, arch=arch, results_dir=results_dir)
+    if why:
+        print(f"{suite.name}: no partial bench resumed ({why}): from the first case",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return {}
+    done = {_job_key(r.get("case"), r.get("dtype"), r.get("params")): r for r in records}
+    keys = [_job_key(c.name, report.dtype_name(d), c.params) for c, d in jobs]
+    found = {i: done[k] for i, k in enumerate(keys) if k in done}
+    print(
+        f"{suite.name}: resumed {len(found)} of {len(jobs)} cases from the partial bench"
+        f" ({len(records) - len(found)} of its records not in this suite)",
+        flush=True,
+    )
+    return found
+
+
 def _only_variants(suite: OpSuite, names: Sequence[str]) -> OpSuite:
     """The suite with only the named variants of ours (`bench --variants`)."""
     every = suite.variants_for
@@ -569,8 +612,10 @@ def run_bench(
     timing: BenchTiming | None = None,
     variant_cases: bool = False,
     variant_names: Sequence[str] = (),
+    resume: bool = False,
 ) -> list[dict[str, Any]]:
-    """Bench every suite's cases; writes the ledger's bench section and the reports.
+    """Bench every suite's cases; writes the ledger's bench section and the reports, and after
+    each case the partial section (`resume`: go on from a matching one; the module's docstring).
 
     variant_cases: only the cases that carry variants of ours (the candidates a measure-only
     device call decides), ours, the variants and the comparators timed as always; a partial
@@ -583,12 +628,11 @@ def run_bench(
     versions = ledger.comparator_versions()
     all_records: list[dict[str, Any]] = []
     copy: dict[str, Any] | None = None
+    match = {"gpu": env["gpu"], "options": bench_options(timing, seed),
+             "comparator_versions": versions}  # fmt: skip
+    resume = resume and not variant_cases  # a variant-case run writes no section to go on from
     for suite in suites:
         before = _device_check(suite, "before")
-        if suite.memory_bound and copy is None and timing.copy_bytes > 0:
-            copy = device_copy(device, timing)
-            print(f"{_copy_line(copy)} {_wall(copy['seconds'])}", flush=True)
-        suite_copy = copy if suite.memory_bound else None
         comps, missing = resolve_comparators(suite)
         cases = suite.bench_cases
         if variant_cases:
@@ -598,10 +642,11 @@ def run_bench(
             if not cases:
                 print(f"{suite.name}: no case carries a variant of ours: nothing to time")
                 continue
-        host = None if variant_cases else _suite_host(suite, comps, missing, seed, device, timing)
         jobs = [(c, d) for c in cases for d in suite.dtypes_for_bench()]
-        records = []
+        done = _resumed(suite, jobs, match, arch, results_dir) if resume else {}
         for i, (case, dtype) in enumerate(jobs):
+            if i in done:
+                continue
             rec = bench_case(
                 suite,
                 case,
@@ -613,8 +658,18 @@ def run_bench(
                 timing=timing,
             )
             print(_progress(i, len(jobs), suite, rec), flush=True)
-            records.append(rec)
+            done[i] = rec
+            if not variant_cases:  # what a kill leaves: the cases so far, in the suite's order
+                part = {"cases": [done[j] for j in sorted(done)], **match}
+                ledger.write_section(suite, ledger.PARTIAL, part, arch=arch,
+                                     results_dir=results_dir, env=env)  # fmt: skip
+        records = [done[i] for i in range(len(jobs))]
         sidecar.close_all()  # a live child would be "another process on the GPU" below
+        if suite.memory_bound and copy is None and timing.copy_bytes > 0:
+            copy = device_copy(device, timing)
+            print(f"{_copy_line(copy)} {_wall(copy['seconds'])}", flush=True)
+        suite_copy = copy if suite.memory_bound else None
+        host = None if variant_cases else _suite_host(suite, comps, missing, seed, device, timing)
         after = _device_check(suite, "after")
         if not variant_cases:
             data = bench_section(records, timing.methods, host, suite_copy)

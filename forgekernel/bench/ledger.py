@@ -16,6 +16,12 @@ per method "copy_fraction" ({name: {median, min, cases}}: GB/s / the copy's; sec
 before it hold neither), and, from the graph method, "median_ratio", "min_ratio" and
 "variant_ratio" at the top level, where the README table reads them (sections written before
 the eager method hold only these).
+
+"bench_partial" (`PARTIAL`): while a bench runs, the cases it finished so far, rewritten after
+each case ({cases, options, comparator_versions} beside the source hash and the machine), so that
+a bench killed by its time limit leaves them on disk; `bench --resume` goes on from it when the
+source hash, the GPU, the options and the comparators are the same (`partial_cases`). Writing the
+bench section drops it; nothing else reads it (no README figure, no gate).
 """
 
 from __future__ import annotations
@@ -38,7 +44,8 @@ from forgekernel.runtime.hashing import PACKAGE_ROOT, source_hash
 
 RESULTS_ENV = "FORGEKERNEL_RESULTS_DIR"
 KERNEL_DIR_ENV = "FORGEKERNEL_KERNEL_DIR"
-SECTIONS = ("check", "bench", "sanitize")
+SECTIONS = ("check", "bench", "sanitize", "bench_partial")
+PARTIAL = "bench_partial"  # a bench suite's cases so far (the module's docstring)
 README_BEGIN = "<!-- results:begin -->"
 README_END = "<!-- results:end -->"
 
@@ -158,9 +165,27 @@ def write_section(
     current = source_hash(suite.kernel_sources)
     env = env or environment()
     doc: dict[str, Any] = {"op": suite.name, "arch": arch, "source_hash": current, **env}
-    doc |= _sections_on(load(path) or {}, current, skip={section})
+    skip = {section, PARTIAL} if section == "bench" else {section}  # the whole suite's: done
+    doc |= _sections_on(load(path) or {}, current, skip=skip)
     doc[section] = {"source_hash": current, **env, **data}
     return _write(path, doc)
+
+
+def partial_cases(
+    suite: OpSuite, match: dict[str, Any], *, arch: str, results_dir: Path | None = None
+) -> tuple[list[dict[str, Any]], str]:
+    """The case records of `suite`'s partial bench section when it was written on the current
+    kernel sources and every field of `match` (gpu, options, comparator_versions) is the same;
+    else no records and why not."""
+    path = ledger_path(results_dir or default_results_dir(), arch, suite.name)
+    part = (load(path) or {}).get(PARTIAL)
+    if not isinstance(part, dict):
+        return [], f"no {PARTIAL} section in {path}"
+    current = source_hash(suite.kernel_sources)
+    for key, want in {"source_hash": current, **match}.items():
+        if part.get(key) != want:
+            return [], f"its {key} {part.get(key)!r} is not this run's {want!r}"
+    return list(part.get("cases") or []), ""
 
 
 def _sections_on(doc: dict[str, Any], source: Any, skip=()) -> dict[str, Any]:
@@ -187,11 +212,17 @@ def take(src: Path, dst: Path) -> Path:
     """Copy the ledger `src` (written on a GPU host) to `dst`, keeping the sections of the ledger
     already at `dst` that `src` lacks and that were written on `src`'s source hash: a later call
     on a fresh host starts from the committed ledgers and drops what an earlier call of the same
-    session wrote on newer sources (write_section's rule, applied across the two files)."""
+    session wrote on newer sources (write_section's rule, applied across the two files). A partial
+    bench section at `dst` is kept that way too, unless `src` holds a bench section no older than
+    it (a later call completed the suite)."""
     doc = load(src)
     if doc is None:
         raise ValueError(f"{src}: not a ledger")
     kept = _sections_on(load(dst) or {}, doc.get("source_hash"), skip=doc.keys())
+    done = doc.get("bench")
+    if PARTIAL in kept and isinstance(done, dict):
+        if str(done.get("date", "")) >= str(kept[PARTIAL].get("date", "")):
+            del kept[PARTIAL]
     merged = {k: v for k, v in doc.items() if k not in SECTIONS}
     merged |= {s: doc[s] if s in doc else kept[s] for s in SECTIONS if s in doc or s in kept}
     return _write(dst, merged)
