@@ -4,11 +4,9 @@ and the partial ledger it wrote before the kill is packed with the call's ledger
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from jit_run_fake import run_jit_run  # tests/ is on the path
 
 # The fake python3: `forgekernel bench` writes a ledger holding a partial bench section the way
 # the ledger does (temp file, rename), then outlives BENCH_TIMEOUT; anything else succeeds.
@@ -27,28 +25,10 @@ exit 0
 
 
 def test_a_bench_cut_by_its_limit_resumes_and_keeps_its_partial(tmp_path):
-    fake = tmp_path / "bin" / "python3"
-    fake.parent.mkdir()
-    fake.write_text(FAKE_PYTHON)
-    fake.chmod(0o755)
-    results = tmp_path / "results"
-    results.mkdir()
-    (results / "kept.json").write_text("{}")  # not empty: the committed ledgers not copied in
     stamp = tmp_path / "stamp"  # device_streams.sh's, made before the call's streams
     stamp.touch()
-    env = {
-        **os.environ,
-        "PATH": f"{fake.parent}{os.pathsep}/usr/bin:/bin",
-        "CALLS": str(tmp_path / "calls"),
-        "OUT": str(tmp_path / "out"),
-        "LOGS": str(tmp_path / "logs"),
-        "REPORTS": str(tmp_path / "reports"),
-        "RESULTS": str(results),
-        "CHECK": "0",
-        "BENCH_TIMEOUT": "2",
-    }
-    run = subprocess.run(["bash", "scripts/device_jit_run.sh", "fake"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    run = run_jit_run(tmp_path, FAKE_PYTHON, ["fake"], CHECK="0", BENCH_TIMEOUT="2")
+    results = tmp_path / "results"
     assert "fake: check rc=skipped bench rc=124" in run.stdout
     (call,) = (tmp_path / "calls").read_text().splitlines()
     assert call.startswith("-m forgekernel bench --resume ") and call.endswith(" fake")

@@ -5,12 +5,13 @@ file per pytest process, each under its share of GPU_TESTS_TIMEOUT (python3 fake
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from jit_run_fake import run_jit_run  # tests/ is on the path
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_DEVICE = "RuntimeError: no device here"
@@ -90,27 +91,9 @@ def test_device_jit_run_runs_gpu_tests_one_file_a_process(tmp_path):
     for name in ("test_c_bad.py", "test_a.py", "test_b_slow.py"):
         (gpu / name).write_text("")
     (tmp_path / "test_d.py").write_text("")
-    fake = tmp_path / "bin" / "python3"
-    fake.parent.mkdir()
-    fake.write_text(FAKE_PYTHON)
-    fake.chmod(0o755)
-    (tmp_path / "results").mkdir()
-    (tmp_path / "results" / "kept.json").write_text("{}")  # not empty: nothing copied in
     d = tmp_path / "test_d.py"
-    env = {
-        **os.environ,
-        "PATH": f"{fake.parent}{os.pathsep}/usr/bin:/bin",
-        "CALLS": str(tmp_path / "calls"),
-        "OUT": str(tmp_path / "out"),
-        "LOGS": str(tmp_path / "logs"),
-        "REPORTS": str(tmp_path / "reports"),
-        "RESULTS": str(tmp_path / "results"),
-        "GPU_TESTS": "1",
-        "GPU_TESTS_TIMEOUT": "6",
-        "GPU_TESTS_PATHS": f"{gpu} {d}::test_one {d}::test_two",
-    }
-    run = subprocess.run(["bash", "scripts/device_jit_run.sh"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    run = run_jit_run(tmp_path, FAKE_PYTHON, [], GPU_TESTS="1", GPU_TESTS_TIMEOUT="6",
+                      GPU_TESTS_PATHS=f"{gpu} {d}::test_one {d}::test_two")  # fmt: skip
     calls = (tmp_path / "calls").read_text().splitlines()
     assert [c.split(" -m gpu ")[1] for c in calls] == [
         f"{gpu}/test_a.py", f"{gpu}/test_b_slow.py", f"{gpu}/test_c_bad.py",
