@@ -99,6 +99,21 @@ def test_wgmmas_and_tma(compiled, dtype, wy):
     assert ops.count("SHFL.BFLY") == 17 + 20 * wy
 
 
+@pytest.mark.parametrize(("dtype", "wy"), CONFIGS)
+def test_named_barriers_are_waits(compiled, dtype, wy):
+    """Every named barrier a bar.sync, no bar.arrive: the hand-over of the stashed dG rows to
+    the finish warps (BAR_FINISH, id 2, 192 threads) is a wait on both sides, so that
+    racecheck sees the math warpgroup's last sRed stores (`_wy`'s read-modify-write) ordered
+    before the finish warps' loads (2026-12-06: 57,024 RAW reports with its bar.arrive; see
+    docs/linear_attention/NOTES.md). bar 0 once, the math warpgroup's 2 (4 with wy), the
+    finish warps' own (id 3, 64 threads) once."""
+    _, instrs, _ = compiled(dtype, wy)
+    bars = [(op, a.strip()) for op, a in instrs if op.startswith("BAR")]
+    assert not [op for op, _ in bars if not op.startswith("BAR.SYNC")]
+    got = sorted(a for _, a in bars)
+    assert got == sorted(["0x0", "0x3, 0x40"] + ["0x2, 0xc0"] * 2 + ["0x1, 0x80"] * (2 + 2 * wy))
+
+
 # slow (~4 s of CI's CPU, idle machine, 2026-12-06): `grouped` without dv16 is no standard key
 # (the op's is grouped + dv16: test_dv16_resources, which CI compares with the WY build)
 @pytest.mark.slow

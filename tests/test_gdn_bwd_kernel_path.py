@@ -1,18 +1,22 @@
 """The Gated DeltaNet backward's kernel path (ops/gated_delta_rule_bwd.py `_backward_kernel`,
-`FORGEKERNEL_GDN_BWD_KERNEL=1`) on the CPU, kernel 1 replaced by the tile emulation of
+the default on CUDA tensors; `FORGEKERNEL_GDN_BWD_KERNEL=0` the interim path) on the CPU
+(`KERNEL_DEVICES` widened to "cpu"), kernel 1 replaced by the tile emulation of
 tests/test_gdn_bwd_state.py (`tile_model`: token-major tiles, transposed state, zero tail, the
 register operands rounded to the tiles' dtype) and kernel 2 by its tile emulation
 (`reference.gdn_bwd_chunk.chunk_grads_model`, dPD rounded likewise) and kernel 0 by its
 (`reference.gdn_bwd_factors.factors_model`, T diag(.) rounded likewise): the batched factor helpers
 against their chunk-layout forms (reference/gdn_bwd_state.py), the kernel fed the forward's
 recurrence (`forward_state_tiles`) against the reference's pass 1, the whole path against the
-interim backward to fp32 tolerance (32-bit tiles: nothing rounded) on awkward sizes, and the op
-with the switch on (bf16 tiles rounded) against autograd through the fp64 recurrence. The GPU
-twin: tests/gpu/test_gdn_bwd_kernel_path_gpu.py."""
+interim backward to fp32 tolerance (32-bit tiles: nothing rounded) on awkward sizes, the op
+on the kernel path (bf16 tiles rounded) against autograd through the fp64 recurrence, and the
+switch (default on CUDA tensors, "0", `interim()`, CPU tensors, a bad value). The GPU twin:
+tests/gpu/test_gdn_bwd_kernel_path_gpu.py."""
 
 from __future__ import annotations
 
 import importlib
+import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -383,6 +387,7 @@ def test_head_passes_are_the_one_pass(monkeypatch):
 def kernel_path(monkeypatch):
     calls = []
     monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
+    monkeypatch.setattr(bwd, "KERNEL_DEVICES", ("cuda", "cpu"))
     _both_emulated(monkeypatch, calls, CHUNK_CALLS, FACTOR_CALLS)
     CHUNK_CALLS.clear()
     FACTOR_CALLS.clear()
@@ -440,6 +445,7 @@ def test_varlen_padded_equals_the_interim_path(monkeypatch, lens, h0_too):
     """Several sequences behind cu_seqlens: padded to the longest on the kernel path (fp32
     tiles, exact emulation) equals the interim path, empty sequences included."""
     monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
+    monkeypatch.setattr(bwd, "KERNEL_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(bwd, "TILE_DTYPES", (torch.float32,))
     calls, chunk_calls = [], []
     _both_emulated(monkeypatch, calls, chunk_calls)
@@ -481,15 +487,73 @@ def test_varlen_routing(kernel_path, monkeypatch):
 
 
 def test_switch_off_is_the_interim_path(kernel_path, monkeypatch):
-    monkeypatch.delenv(bwd.KERNEL_SWITCH)
+    """The switch "0" and `interim()`: the interim path; unset: the kernel path (the default)."""
     q, k, v, g, beta, do, *_ = _bf16_problem(1, 10, 1, 1)
-    forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do)
+    monkeypatch.setenv(bwd.KERNEL_SWITCH, "0")
+    want = forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do)
     assert kernel_path == []
+    monkeypatch.delenv(bwd.KERNEL_SWITCH)
+    with bwd.interim():
+        got = forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do)
+    assert kernel_path == []
+    for a, r in zip(got, want):
+        assert torch.equal(a, r)
+    forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do)
+    assert len(kernel_path) == 2
+
+
+def _like(device, dtype=torch.bfloat16, tokens=10, heads=2):
+    """A stand-in for a flat (T, heads, 128) tensor on `device` (CUDA without a GPU: the
+    switch reads only the device, dtype and shape)."""
+    return SimpleNamespace(device=torch.device(device), dtype=dtype, shape=(tokens, heads, 128))
+
+
+def test_the_switch(monkeypatch):
+    """Unset: the kernel path on CUDA tensors that fit (16-bit, a token, a value head), the
+    interim path on CPU tensors; "1" likewise; "0" and `interim()`: the interim path
+    everywhere; another value raises."""
+    cuda, cpu = _like("cuda"), _like("cpu")
+    monkeypatch.delenv(bwd.KERNEL_SWITCH, raising=False)
+    assert bwd.kernel_selected() and bwd._kernel_path(cuda, cuda)
+    assert not bwd._kernel_path(cpu, cpu)
+    assert not bwd._kernel_path(_like("cuda", torch.float32), cuda)  # 32-bit
+    assert not bwd._kernel_path(_like("cuda", tokens=0), _like("cuda", tokens=0))  # T = 0
+    assert not bwd._kernel_path(cuda, _like("cuda", heads=0))  # no value head
+    with bwd.interim():
+        assert not bwd.kernel_selected() and not bwd._kernel_path(cuda, cuda)
+    assert bwd._kernel_path(cuda, cuda)  # `interim()` undone on exit
+    monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
+    assert bwd._kernel_path(cuda, cuda) and not bwd._kernel_path(cpu, cpu)
+    monkeypatch.setenv(bwd.KERNEL_SWITCH, "0")
+    assert not bwd.kernel_selected() and not bwd._kernel_path(cuda, cuda)
+    for bad in ("2", "true", "on", " 1"):
+        monkeypatch.setenv(bwd.KERNEL_SWITCH, bad)
+        with pytest.raises(ValueError, match=bwd.KERNEL_SWITCH):
+            bwd._kernel_path(cuda, cuda)
+
+
+def test_cpu_tensors_take_the_interim_path_by_default(monkeypatch):
+    """The switch unset, CPU tensors: the interim path, whose gradients match autograd through
+    the fp64 recurrence; no kernel entry is reached."""
+    from test_gdn_bwd_op import _fp64_grads
+
+    monkeypatch.delenv(bwd.KERNEL_SWITCH, raising=False)
+    monkeypatch.setattr(bwd, "check_cuda", lambda name, t: None)
+    monkeypatch.setattr(bwd, "_backward_kernel", lambda *a: pytest.fail("kernel path"))
+    q, k, v, g, beta, do, h0, dht = _bf16_problem(1, 70, 1, 2, seed=5)
+    got = forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, initial_state=h0[:1],
+                                                d_final_state=dht[:1],
+                                                use_qk_l2norm_in_kernel=True)  # fmt: skip
+    want = _fp64_grads([q, k, v, g, beta, h0[:1]], None, do, dht[:1], l2norm=True,
+                       with_state=True)  # fmt: skip
+    for a, r in zip(got, want):
+        assert float((a.double() - r).abs().max()) <= 2e-2 * float(r.abs().max())
 
 
 def test_autograd_one_sequence_on_the_kernel_path(kernel_path, monkeypatch):
     """Autograd through `gated_delta_rule` (the forward launcher stubbed): one sequence and
-    B = 2 (offsets the wrapper made: `equal_lengths`) take the kernel path with no host read."""
+    B = 2 (offsets the wrapper made: the forward op's `batch`) take the kernel path with no host
+    read."""
     from test_gdn_bwd_op import _fp64_grads
 
     _stub_forward(monkeypatch)
@@ -524,22 +588,58 @@ def _stub_forward(monkeypatch):
     monkeypatch.setattr(fwd, "check_cuda", lambda name, t: None)
 
 
-def test_equal_lengths_registry(monkeypatch):
-    """The wrapper notes the offsets it makes for autograd (not a caller's, not without grad);
-    the entry leaves with the tensor."""
+def test_the_wrapper_passes_its_equal_batch(monkeypatch):
+    """The wrapper gives the forward op `batch` = B for the offsets it makes for a (B, T) batch
+    (with grad, and traced), 0 for a caller's cu_seqlens; the op refuses a count other than 0
+    or the number of sequences."""
     _stub_forward(monkeypatch)
     q, k, v, g, beta, *_ = _bf16_problem(3, 20, 1, 1)
     seen = []
-    monkeypatch.setattr(fwd, "_note_equal_lengths", lambda o, b: seen.append((o, b)))
-    forgekernel.gated_delta_rule(q, k, v, g, beta)
+    real = torch.ops.forgekernel.gated_delta_rule_chunked
+    monkeypatch.setattr(torch.ops.forgekernel, "gated_delta_rule_chunked",
+                        lambda *a: seen.append((a[6].tolist(), a[-1])) or real(*a))  # fmt: skip
+    forgekernel.gated_delta_rule(q, k, v, g, beta)  # forward only: the launcher directly
     assert seen == []
     forgekernel.gated_delta_rule(q, k, v, g.requires_grad_(), beta)
-    ((offsets, b),) = seen
-    assert b == 3 and offsets.tolist() == [0, 20, 40, 60]
+    assert seen == [([0, 20, 40, 60], 3)]
+    flat = [x.flatten(0, 1).unsqueeze(0) for x in (q, k, v, g, beta)]
+    cu = torch.tensor([0, 20, 40, 60], dtype=torch.int32)
+    forgekernel.gated_delta_rule(*flat, cu_seqlens=cu)
+    assert seen[1:] == [([0, 20, 40, 60], 0)]
     monkeypatch.undo()
-    made = torch.arange(4, dtype=torch.int32) * 20
-    fwd._note_equal_lengths(made, 3)
-    assert fwd.equal_lengths(made) == 3 and fwd.equal_lengths(made.clone()) == 0
-    key = id(made)
-    del made
-    assert key not in fwd._EQUAL_LENGTHS
+    args = (*(x[0].detach() for x in flat), None, cu, 0.1, False, False)
+    with pytest.raises(ValueError, match="batch must be 0 or the number of sequences 3"):
+        torch.ops.forgekernel.gated_delta_rule_chunked(*args, 2)
+
+
+def test_autograd_equal_batch_compiled_reads_no_offsets(kernel_path, monkeypatch):
+    """Autograd of `gated_delta_rule` at B = 3 equal lengths, eager and under torch.compile
+    (fullgraph): the forward op's `batch` reaches the backward (autograd's setup saves it; the
+    compiled backward graph passes 3 to the backward op), which takes the kernel path without
+    reading the offsets on the host (`_backward_varlen` fails the test); the compiled gradients
+    equal the eager ones."""
+    from compile_graphs import graphs_backend
+
+    _stub_forward(monkeypatch)
+    monkeypatch.setattr(bwd, "_backward_varlen", lambda *a: pytest.fail("host read"))
+    q, k, v, g, beta, do, h0, _ = _bf16_problem(3, 70, 1, 2, seed=7)
+
+    def loss(q, k, v, g, beta, h0):
+        o, _ = forgekernel.gated_delta_rule(q, k, v, g, beta, initial_state=h0,
+                                            use_qk_l2norm_in_kernel=True)  # fmt: skip
+        return (o.float() * do.float()).sum()
+
+    inputs = (q, k, v, g, beta, h0)
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    eager = torch.autograd.grad(loss(*leaves), leaves)
+    assert len(kernel_path) == 2
+    graphs: list[str] = []
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, fullgraph=True, backend=graphs_backend(graphs))
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    got = torch.autograd.grad(compiled(*leaves), leaves)
+    assert len(kernel_path) == 4 and len(graphs) == 2
+    assert re.search(r"gated_delta_rule_chunked_bwd\.default\]\(args = \(.*, 3\), kw", graphs[1])
+    for a, r in zip(got, eager):
+        assert torch.isfinite(r).all()
+        torch.testing.assert_close(a, r, rtol=0, atol=0)

@@ -225,10 +225,12 @@ def test_opcheck_of_the_backward_op(cpu_forward):
     torch.library.opcheck(torch.ops.forgekernel.gated_delta_rule_chunked_bwd.default, args)
 
 
-def test_opcheck_of_the_differentiable_forward_op(cpu_forward):
-    inputs, cu = _inputs([5, 70], 1, 2, seed=12)
+@pytest.mark.parametrize(("lens", "batch"), [([5, 70], 0), ([35, 35], 2)])
+def test_opcheck_of_the_differentiable_forward_op(cpu_forward, lens, batch):
+    """`batch`: 0, or the number of equal-length sequences (the wrapper's (B, T) batch)."""
+    inputs, cu = _inputs(lens, 1, 2, seed=12)
     flat = _leaves([x[0] for x in inputs[:5]])
-    args = (*flat, inputs[5].requires_grad_(), cu, 0.1, False, False)
+    args = (*flat, inputs[5].requires_grad_(), cu, 0.1, False, False, batch)
     torch.library.opcheck(torch.ops.forgekernel.gated_delta_rule_chunked.default, args)
 
 

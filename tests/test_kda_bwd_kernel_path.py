@@ -1,5 +1,6 @@
-"""Kimi Delta Attention's backward on kernels 1 and 2 (ops/kda_bwd.py `_backward_kernel`,
-`FORGEKERNEL_KDA_BWD_KERNEL=1`) on the CPU, kernel 1 replaced by the tile emulation of
+"""Kimi Delta Attention's backward on kernels 1 and 2 (ops/kda_bwd.py `_backward_kernel`, the
+default on CUDA tensors; `FORGEKERNEL_KDA_BWD_KERNEL=0` the interim path) on the CPU
+(`KERNEL_DEVICES` widened to "cpu"), kernel 1 replaced by the tile emulation of
 tests/test_gdn_bwd_state.py (`tile_model`: token-major tiles, transposed state, zero tail,
 dS^T's columns scaled per key channel, the register operands rounded to the tiles' dtype) and
 kernel 2 (`CHUNK_IN_KERNEL`) by `reference.kda_bwd_chunk.chunk_grads_model` (its on-chip block
@@ -7,13 +8,15 @@ operands rounded to bf16 for 16-bit tiles; CHUNK_IN_KERNEL = False: pass 3 in to
 kernel fed KDA's forward recurrence (`forward_state_tiles` on the sub-chunked factors) against
 reference/kda_bwd.py's pass 1, the whole path against the interim backward to fp32 tolerance
 (32-bit tiles: nothing rounded) on awkward sizes and strong per-channel decays (g in [-5, -4]
-a step), and the op with the switch on (bf16 tiles rounded) against autograd through the fp64
-recurrence; the routing (no host read for equal lengths; varlen, the switch off, other head
-dims: the interim path). The GPU twin: tests/gpu/test_kda_bwd_kernel_path_gpu.py."""
+a step), and the op on the kernel path (bf16 tiles rounded) against autograd through the fp64
+recurrence; the routing (no host read for equal lengths; varlen, the switch "0", `interim()`,
+CPU tensors, other head dims: the interim path; a bad value raises). The GPU twin:
+tests/gpu/test_kda_bwd_kernel_path_gpu.py."""
 
 from __future__ import annotations
 
 import importlib
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -213,6 +216,7 @@ def kernel_path(monkeypatch, request):
     request.getfixturevalue("cpu_forward")  # the forward launcher stubbed
     calls = []
     monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
+    monkeypatch.setattr(bwd, "KERNEL_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel(calls))
     monkeypatch.setattr(bwd, "_chunk_grads", emulated_chunk_kernel())
     return calls
@@ -266,9 +270,10 @@ def test_equal_varlen_equals_the_batch(kernel_path):
 @pytest.mark.parametrize("b", [1, 2])
 def test_autograd_on_the_kernel_path(kernel_path, monkeypatch, b):
     """Autograd of `kimi_delta_attention` without cu_seqlens (B = 1, and B = 2: the offsets the
-    wrapper made, found in the registry) takes the kernel path with no host read and matches
+    wrapper made, the forward op's `batch`) takes the kernel path with no host read and matches
     autograd through the fp64 recurrence."""
     monkeypatch.setattr(bwd, "_backward_interim", lambda *a: pytest.fail("interim path"))
+    monkeypatch.setattr(bwd, "_equal_lengths_on_host", lambda *a: pytest.fail("host read"))
     inputs, do, dht = _bf16_problem(b, 100, 2, 4, decay=(-5.0, 0.0), seed=b)
     leaves = [x.clone().requires_grad_() for x in inputs]
     o, final = op.kimi_delta_attention(*leaves[:5], initial_state=leaves[5],
@@ -281,10 +286,62 @@ def test_autograd_on_the_kernel_path(kernel_path, monkeypatch, b):
         _close(name, a, r, 2e-2)
 
 
+def test_autograd_equal_batch_compiled_reads_no_offsets(kernel_path, monkeypatch):
+    """Autograd of `kimi_delta_attention` at B = 3 equal lengths, eager and under torch.compile
+    (fullgraph): the forward op's `batch` reaches the backward (autograd's setup saves it; the
+    compiled backward graph passes 3 to the backward op), which takes the kernel path without
+    reading the offsets on the host; the compiled gradients equal the eager ones."""
+    from compile_graphs import graphs_backend
+
+    monkeypatch.setattr(bwd, "_backward_interim", lambda *a: pytest.fail("interim path"))
+    monkeypatch.setattr(bwd, "_equal_lengths_on_host", lambda *a: pytest.fail("host read"))
+    inputs, do, dht = _bf16_problem(3, 70, 1, 2, seed=7)
+
+    def loss(q, k, v, g, beta, h0):
+        o, final = op.kimi_delta_attention(q, k, v, g, beta, initial_state=h0,
+                                           output_final_state=True,
+                                           use_qk_l2norm_in_kernel=True)  # fmt: skip
+        return (o.float() * do.float()).sum() + (final * dht).sum()
+
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    eager = torch.autograd.grad(loss(*leaves), leaves)
+    assert len(kernel_path) == 2
+    graphs: list[str] = []
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, fullgraph=True, backend=graphs_backend(graphs))
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    got = torch.autograd.grad(compiled(*leaves), leaves)
+    assert len(kernel_path) == 4 and len(graphs) == 2
+    assert re.search(r"kda_chunked_bwd\.default\]\(args = \(.*, 3\), kw", graphs[1])
+    for name, a, r in zip(NAMES, got, eager):
+        assert torch.isfinite(r).all(), name
+        torch.testing.assert_close(a, r, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.usefixtures("cpu_forward")  # the forward launcher stubbed
+def test_the_wrapper_passes_its_equal_batch(monkeypatch):
+    """The wrapper gives the forward op `batch` = B for the offsets it makes for a (B, T) batch,
+    0 for a caller's cu_seqlens; the op refuses a count other than 0 or the sequences'."""
+    (q, k, v, g, beta, _), _, _ = _bf16_problem(3, 20, 1, 1)
+    seen = []
+    real = torch.ops.forgekernel.kda_chunked
+    monkeypatch.setattr(torch.ops.forgekernel, "kda_chunked",
+                        lambda *a: seen.append((a[6].tolist(), a[-1])) or real(*a))  # fmt: skip
+    op.kimi_delta_attention(q, k, v, g.requires_grad_(), beta)
+    assert seen == [([0, 20, 40, 60], 3)]
+    flat = [x.flatten(0, 1).unsqueeze(0) for x in (q, k, v, g, beta)]
+    cu = torch.tensor([0, 20, 40, 60], dtype=torch.int32)
+    op.kimi_delta_attention(*flat, cu_seqlens=cu)
+    assert seen[1:] == [([0, 20, 40, 60], 0)]
+    args = (*(x[0].detach() for x in flat), None, cu, 0.1, False)
+    with pytest.raises(ValueError, match="batch must be 0 or the number of sequences 3"):
+        real(*args, 2)
+
+
 def test_routing_to_the_interim_path(kernel_path, monkeypatch):
-    """Unequal sequences behind cu_seqlens, the switch off, and head dims other than kernel
-    1's take the interim path; equal ones behind cu_seqlens (the offsets read on the host)
-    and one sequence take the kernel path."""
+    """Unequal sequences behind cu_seqlens, the switch "0", `interim()`, and head dims other
+    than kernel 1's take the interim path; equal ones behind cu_seqlens (the offsets read on
+    the host) and one sequence take the kernel path."""
     seen = []
     interim = bwd._backward_interim
     monkeypatch.setattr(bwd, "_backward_interim", lambda *a: seen.append(1) or interim(*a))
@@ -299,10 +356,15 @@ def test_routing_to_the_interim_path(kernel_path, monkeypatch):
     equal = torch.tensor([0, 65, 130], dtype=torch.int32)  # read on the host: equal lengths
     bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, initial_state=h0, cu_seqlens=equal)
     assert seen == [1] and len(kernel_path) == 4
-    monkeypatch.delenv(bwd.KERNEL_SWITCH)
+    monkeypatch.setenv(bwd.KERNEL_SWITCH, "0")
     bwd.kimi_delta_attention_backward(q, k, v, g, beta, do)
     assert seen == [1, 1] and len(kernel_path) == 4
-    monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
+    monkeypatch.delenv(bwd.KERNEL_SWITCH)  # the default: the kernel path
+    with bwd.interim():
+        bwd.kimi_delta_attention_backward(q, k, v, g, beta, do)
+    assert seen == [1, 1, 1] and len(kernel_path) == 4
+    bwd.kimi_delta_attention_backward(q, k, v, g, beta, do)
+    assert seen == [1, 1, 1] and len(kernel_path) == 6
     assert bwd._kernel_path(q.flatten(0, 1), v.flatten(0, 1))
     assert not bwd._kernel_path(q.flatten(0, 1)[..., :64], v.flatten(0, 1))  # (K, V) (64, 128)
     assert not bwd._kernel_path(q.flatten(0, 1).float(), v.flatten(0, 1))  # 32-bit
@@ -327,3 +389,52 @@ def test_kernel_2_on_the_path_and_its_fallback(kernel_path, monkeypatch, decay):
     for name, a, b, r in zip(NAMES, on_chip, in_torch, want):
         _close(name, a, r, 2e-2)
         _close(name, a, b, 1e-2)
+
+
+def _like(device, dtype=torch.bfloat16, tokens=10, heads=2, dim=128):
+    """A stand-in for a flat (T, heads, dim) tensor on `device` (CUDA without a GPU: the switch
+    reads only the device, dtype and shape)."""
+    return SimpleNamespace(device=torch.device(device), dtype=dtype, shape=(tokens, heads, dim))
+
+
+def test_the_switch(monkeypatch):
+    """Unset: the kernel path on CUDA tensors that fit (16-bit, (K, V) = (128, 128), a token, a
+    value head), the interim path on CPU tensors; "1" likewise; "0" and `interim()`: the
+    interim path everywhere; another value raises."""
+    cuda, cpu = _like("cuda"), _like("cpu")
+    monkeypatch.delenv(bwd.KERNEL_SWITCH, raising=False)
+    assert bwd.kernel_selected() and bwd._kernel_path(cuda, cuda)
+    assert not bwd._kernel_path(cpu, cpu)
+    assert not bwd._kernel_path(_like("cuda", torch.float32), cuda)  # 32-bit
+    assert not bwd._kernel_path(_like("cuda", dim=64), cuda)  # (K, V) (64, 128)
+    assert not bwd._kernel_path(_like("cuda", tokens=0), _like("cuda", tokens=0))  # T = 0
+    assert not bwd._kernel_path(cuda, _like("cuda", heads=0))  # no value head
+    with bwd.interim():
+        assert not bwd.kernel_selected() and not bwd._kernel_path(cuda, cuda)
+    assert bwd._kernel_path(cuda, cuda)  # `interim()` undone on exit
+    monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
+    assert bwd._kernel_path(cuda, cuda) and not bwd._kernel_path(cpu, cpu)
+    monkeypatch.setenv(bwd.KERNEL_SWITCH, "0")
+    assert not bwd.kernel_selected() and not bwd._kernel_path(cuda, cuda)
+    for bad in ("2", "true", "on", " 1"):
+        monkeypatch.setenv(bwd.KERNEL_SWITCH, bad)
+        with pytest.raises(ValueError, match=bwd.KERNEL_SWITCH):
+            bwd._kernel_path(cuda, cuda)
+
+
+def test_cpu_tensors_take_the_interim_path_by_default(monkeypatch, request):
+    """The switch unset, CPU tensors: autograd of `kimi_delta_attention` takes the interim
+    path, whose gradients match autograd through the fp64 recurrence; no kernel entry is
+    reached."""
+    request.getfixturevalue("cpu_forward")  # the forward launcher stubbed
+    monkeypatch.delenv(bwd.KERNEL_SWITCH, raising=False)
+    monkeypatch.setattr(bwd, "_backward_kernel", lambda *a: pytest.fail("kernel path"))
+    inputs, do, dht = _bf16_problem(1, 70, 1, 2, decay=(-5.0, 0.0), seed=6)
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    o, final = op.kimi_delta_attention(*leaves[:5], initial_state=leaves[5],
+                                       output_final_state=True,
+                                       use_qk_l2norm_in_kernel=True)  # fmt: skip
+    grads = torch.autograd.grad((o.float() * do.float()).sum() + (final * dht).sum(), leaves)
+    want = _fp64_grads(inputs, None, do, dht, l2norm=True)
+    for name, a, r in zip(NAMES, grads, want):
+        _close(name, a, r, 2e-2)

@@ -8,17 +8,20 @@ state, the offsets) and nothing the kernel produced, and calls
 and the initial state (grouped value heads: dq, dk summed over the value heads that share a
 q / k head; l2norm's backward included; k_last: the state gradients in FlashInfer's layout).
 
-INTERIM PATH (the default): the backward op runs
-`reference.delta_rule_bwd.gated_delta_rule_chunked_backward` in fp32 on the GPU with torch ops
+INTERIM PATH (`FORGEKERNEL_GDN_BWD_KERNEL=0`, inside `interim()`, CPU tensors, and the calls
+the kernel path declines): the backward op runs
+`reference.delta_rule_bwd.gated_delta_rule_chunked_backward` in fp32 with torch ops
 (`_backward_interim`: recompute of the chunk states, the reverse state recurrence as one
 batched GEMM step per chunk, every chunk's gradients batched;
 it reads the offsets on the host, one sync a call: a CUDA-graph capture is refused before any
-work, `ops._dispatch.refuse_capture`). Correct, not fast: a backward kernel replaces
-`_backward_interim` and nothing else (docs/linear_attention/NOTES.md "Backward"). Python
-loops over chunk steps: ~14.7 ms a call at 1 x 2048 h16 hv32 on the H200.
+work, `ops._dispatch.refuse_capture`). Correct, not fast: Python loops over chunk steps,
+~14.7 ms a call at 1 x 2048 h16 hv32 on the H200 (the bench's `interim` variant, `interim()`).
 
-KERNEL PATH (opt-in, `FORGEKERNEL_GDN_BWD_KERNEL=1`; default OFF until its GPU check passes:
-tests/gpu/test_gdn_bwd_kernel_path_gpu.py, NOTES.md "Backward on kernel 1"): `_backward_kernel`
+KERNEL PATH (the default since 2026-12-06, `_kernel_path`: FORGEKERNEL_GDN_BWD_KERNEL unset or
+"1", outside `interim()`, CUDA tensors, 16-bit, at least one token and value head; its GPU check
+tests/gpu/test_gdn_bwd_kernel_path_gpu.py passed on the H100 2026-12-05, 64 tests, with
+`forgekernel check gdn_bwd` and its sanitizers; NOTES.md "Backward on kernel 1", "The backward
+kernel path the default"): `_backward_kernel`
 runs both sequential recurrences on kernel 1 (kernels/linear_attention/gdn_bwd_state/sm90,
 `gdn_bwd_state`): the forward's chunk states h and U = u - W h (the kernel's recurrence fed
 transposed inputs, `reference.gdn_bwd_state.forward_state_tiles`), then the reverse recurrence
@@ -38,10 +41,11 @@ l2norm's backward and the scale, kernel 2 writes dv in 16 bits (`dv16`): torch i
 k normalized and scaled into 16 bits (~0.27 KB a token-head written; NOTES.md "GDN backward:
 the torch glue"). The kernels
 take equal-length sequences ((B, T, HV, D) tiles): the explicit backward without
-cu_seqlens, autograd of `gated_delta_rule` without cu_seqlens (the offsets it made are
-known equal: `gated_delta_rule_chunked.equal_lengths`) and one sequence run with no host read
-(CUDA-graph capturable); several sequences behind a caller's cu_seqlens read the offsets on
-the host (one sync, as the interim path) and are padded to the longest
+cu_seqlens, autograd of `gated_delta_rule` without cu_seqlens (the forward op's `batch`
+argument says B equal lengths; autograd's setup saves it, eager and under torch.compile alike)
+and one sequence run with no host read (CUDA-graph capturable); several sequences behind a
+caller's cu_seqlens read the offsets on the host (one sync, as the interim path) and are padded
+to the longest
 (`_backward_varlen`; above PAD_WASTE_LIMIT x padding, T = 0 or 32-bit inputs: the interim).
 
 Eager calls take the custom op when autograd records them (the dispatcher's ~30 us are nothing
@@ -53,6 +57,8 @@ callers with their own autograd and for the suite's backward timing.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -83,6 +89,7 @@ from forgekernel.reference.gdn_bwd_state import (
     to_chunks,
     to_tokens,
 )
+from forgekernel.runtime.plans import overriding
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 NOT_CAPTURABLE = (
@@ -111,7 +118,31 @@ def _backward_interim(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, 
     return (*flat, dh0)
 
 
+# "0": the interim path everywhere; unset or "1": the kernel path where it fits (`_kernel_path`).
 KERNEL_SWITCH = "FORGEKERNEL_GDN_BWD_KERNEL"
+KERNEL_DEVICES = ("cuda",)  # CPU tensors take the interim path (the CPU tests add "cpu")
+_interim = [False]  # True inside `interim()`
+
+
+def kernel_selected() -> bool:
+    """Whether the kernel path is chosen where it fits: False inside `interim()`, else
+    KERNEL_SWITCH ("0" or "1", default "1")."""
+    if _interim[0]:
+        return False
+    env = os.environ.get(KERNEL_SWITCH, "")
+    if env not in ("", "0", "1"):
+        raise ValueError(f"{KERNEL_SWITCH} must be '0' or '1', got {env!r}")
+    return env != "0"
+
+
+@contextmanager
+def interim() -> Iterator[None]:
+    """The backward calls inside take the interim path, as with KERNEL_SWITCH "0" (the bench's
+    `interim` variant)."""
+    with overriding(_interim, True):
+        yield
+
+
 # Token x value heads of one pass of the kernel path: its temporaries were ~56 KB a token-head
 # allocated over the pass, ~25 KB live at the peak with pass 3 in torch (CPU profile and
 # resident set at K = V = 128): ~26 GB at 2^20 (4 x 8192 HV 32 is one pass; 8 x 32768 HV 32
@@ -170,8 +201,9 @@ NOT_CAPTURABLE_VARLEN = (
 
 
 def _kernel_path(q, v) -> bool:
-    """The switch is on and the call fits kernel 1: 16-bit, at least one token and head."""
-    return (os.environ.get(KERNEL_SWITCH) == "1" and q.shape[0] > 0
+    """The kernel path is selected (`kernel_selected`) and the call fits kernel 1: a CUDA
+    tensor, 16-bit, at least one token and value head."""
+    return (kernel_selected() and q.device.type in KERNEL_DEVICES and q.shape[0] > 0
             and q.dtype in TILE_DTYPES and v.shape[1] > 0)  # fmt: skip
 
 
@@ -464,9 +496,10 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, k_last, l
 
 def _backward_eager(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, k_last,
                     l2norm, batch) -> Grads:  # fmt: skip
-    """With the switch on: `batch` > 0 (the offsets are `batch` equal lengths, known on the
-    host): the kernel path, no sync; else the offsets read on the host and the kernel path on
-    the sequences padded to equal length (`_backward_varlen`). The interim path otherwise."""
+    """Where the kernel path fits (`_kernel_path`): `batch` > 0 (the offsets are `batch` equal
+    lengths, known on the host): the kernel path, no sync; else the offsets read on the host
+    and the kernel path on the sequences padded to equal length (`_backward_varlen`). The
+    interim path otherwise."""
     if _kernel_path(q, v):
         args = (q, k, v, g, beta, initial_state, do, d_final, scale, k_last, l2norm)
         grads = (_backward_kernel(*args, batch) if batch > 0
@@ -491,12 +524,12 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, k
 
 
 def _setup(ctx, inputs, output) -> None:
-    q, k, v, g, beta, initial_state, cu_seqlens, scale, k_last, l2norm = inputs
+    q, k, v, g, beta, initial_state, cu_seqlens, scale, k_last, l2norm, batch = inputs
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
     ctx.flags = (scale, k_last, l2norm)
     ctx.has_state = initial_state is not None
     n = cu_seqlens.shape[0] - 1  # one sequence, or offsets the wrapper made for B equal lengths
-    ctx.batch = 1 if n == 1 else fwd.equal_lengths(cu_seqlens)
+    ctx.batch = 1 if n == 1 else batch
 
 
 def _grad(ctx, do, d_final):
@@ -505,7 +538,7 @@ def _grad(ctx, do, d_final):
     grads = _backward(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, *ctx.flags,
                       ctx.batch)  # fmt: skip
     dh0 = grads[5] if ctx.has_state else None
-    return (*grads[:5], dh0, None, None, None, None)
+    return (*grads[:5], dh0, None, None, None, None, None)
 
 
 torch.library.register_autograd(

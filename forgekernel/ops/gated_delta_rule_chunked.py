@@ -13,14 +13,13 @@ chunked form and its overflow-free exponents). Value head hv reads q / k head hv
 Varlen: B = 1 and cu_seqlens (N + 1,), every sequence starting from its own initial-state row
 (zeros without one). Differentiable in q, k, v, g, beta and the initial state (gradients on o
 and on the final state): the custom op's autograd formula is ops/gated_delta_rule_bwd.py's,
-whose backward is for now an interim fp32 torch path (the chunked backward of
-reference/delta_rule_bwd.py) until a backward kernel replaces it (registered when the package
+whose backward runs on its kernels by default since 2026-12-06 (16-bit CUDA inputs;
+`FORGEKERNEL_GDN_BWD_KERNEL=0`, CPU tensors and the calls the kernels decline: the interim fp32
+torch path, the chunked backward of reference/delta_rule_bwd.py) (registered when the package
 imports: ops/__init__ imports that module). Calls autograd would record take the custom op;
 forward-only calls pay for no bookkeeping."""
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 
@@ -46,22 +45,11 @@ def _state_shape(n: int, hv: int, dk: int, dv: int, k_last: bool) -> tuple[int, 
     return (n, hv, dv, dk) if k_last else (n, hv, dk, dv)
 
 
-# Offsets this module made for B equal-length sequences (id -> (weak ref, B)): autograd's backward
-# (ops/gated_delta_rule_bwd.py) looks its saved offsets up here, so an equal-length batch takes
-# the backward's kernel path without reading them on the host. Entries leave with the tensor.
-_EQUAL_LENGTHS: dict[int, tuple[weakref.ref, int]] = {}
-
-
-def _note_equal_lengths(offsets: torch.Tensor, b: int) -> None:
-    key = id(offsets)
-    _EQUAL_LENGTHS[key] = (weakref.ref(offsets), b)
-    weakref.finalize(offsets, _EQUAL_LENGTHS.pop, key, None)
-
-
-def equal_lengths(offsets: torch.Tensor) -> int:
-    """B when `offsets` are ones this module made for B equal-length sequences, else 0."""
-    entry = _EQUAL_LENGTHS.get(id(offsets))
-    return entry[1] if entry is not None and entry[0]() is offsets else 0
+def check_batch(batch: int, n: int) -> None:
+    """The forward ops' `batch` argument: B when the N = B sequences behind the offsets are known
+    equal in length (the wrappers' offsets for a (B, T) batch), else 0."""
+    if batch not in (0, n):
+        raise ValueError(f"batch must be 0 or the number of sequences {n}, got {batch}")
 
 
 def _launch(q, k, v, g, beta, initial_state, cu_seqlens, scale, k_last, l2norm, out=None):
@@ -89,15 +77,21 @@ def _chunked_op(
     scale: float,
     k_last: bool,
     l2norm: bool,
+    batch: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`batch`: B when the offsets are B equal lengths (the wrapper's, for a (B, T) batch), else
+    0; unused here, saved by autograd's setup (ops/gated_delta_rule_bwd.py) so that the backward
+    takes its equal-length kernel path with no host read, eager and under torch.compile alike."""
+    check_batch(batch, cu_seqlens.shape[0] - 1)
     args = (x.contiguous() for x in (q, k, v, g, beta))
     init = None if initial_state is None else initial_state.contiguous()
     return _launch(*args, init, cu_seqlens.contiguous(), scale, k_last, l2norm)
 
 
 @_chunked_op.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, k_last, l2norm):
+def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, k_last, l2norm, batch=0):
     n = cu_seqlens.shape[0] - 1
+    check_batch(batch, n)
     shape = _state_shape(n, v.shape[1], q.shape[2], v.shape[2], k_last)
     return q.new_empty(*v.shape), q.new_empty(*shape, dtype=torch.float32)
 
@@ -182,21 +176,14 @@ def gated_delta_rule(
             raise ValueError("out must be contiguous")
         check_same_device(q=q, out=out)
     scale = check_scale("scale", scale, dk**-0.5)
-    equal = cu_seqlens is None
+    batch = b if cu_seqlens is None else 0  # B equal lengths, known on the host
     if cu_seqlens is None:
         cu_seqlens = torch.arange(b + 1, dtype=torch.int32, device=q.device) * t  # T = 0 too
     flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v, g, beta.float())]
     offsets = cu_seqlens.to(torch.int32)
-    if wants_grad(*flat, initial_state):
-        if equal and not torch.compiler.is_compiling():  # eager: no tracer sees the registry
-            _note_equal_lengths(offsets, b)
+    if wants_grad(*flat, initial_state) or _traced(*flat, initial_state, offsets, out):
         o, final = torch.ops.forgekernel.gated_delta_rule_chunked(
-            *flat, initial_state, offsets, scale, k_last, use_qk_l2norm_in_kernel
-        )
-        o = o.view(b, t, hv, dv) if out is None else out.copy_(o.view(b, t, hv, dv))
-    elif _traced(*flat, initial_state, offsets, out):
-        o, final = torch.ops.forgekernel.gated_delta_rule_chunked(
-            *flat, initial_state, offsets, scale, k_last, use_qk_l2norm_in_kernel
+            *flat, initial_state, offsets, scale, k_last, use_qk_l2norm_in_kernel, batch
         )
         o = o.view(b, t, hv, dv) if out is None else out.copy_(o.view(b, t, hv, dv))
     else:

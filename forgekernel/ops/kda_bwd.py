@@ -9,16 +9,21 @@ returns the gradients in q, k, v, g (per key channel), beta and the initial stat
 value heads: dq, dk summed over the value heads sharing a q / k head; l2norm's backward
 included), each in its input's dtype (the initial state's fp32).
 
-INTERIM PATH (the default): the backward op runs
-`reference.kda_bwd.kimi_delta_attention_chunked_backward` in fp32 on the GPU with torch ops
+INTERIM PATH (`FORGEKERNEL_KDA_BWD_KERNEL=0`, inside `interim()`, CPU tensors, and the calls
+the kernel path declines): the backward op runs
+`reference.kda_bwd.kimi_delta_attention_chunked_backward` in fp32 with torch ops
 (`_backward_interim`: recompute of the chunk states, the reverse state recurrence as one
 batched GEMM step per chunk, every chunk's gradients batched, the per-channel decays factored
 around sub-chunk reference points; it reads the offsets on the host, one sync a call: a
 CUDA-graph capture is refused before any work, `ops._dispatch.refuse_capture`). Correct, not
-fast (docs/linear_attention/NOTES.md "Kimi Delta Attention backward").
+fast (docs/linear_attention/NOTES.md "Kimi Delta Attention backward"; the bench's `interim`
+variant, `interim()`).
 
-KERNEL PATH (opt-in, `FORGEKERNEL_KDA_BWD_KERNEL=1`; default OFF until its GPU check passes:
-tests/gpu/test_kda_bwd_kernel_path_gpu.py, NOTES.md "KDA backward on kernel 1"): `_backward_kernel`
+KERNEL PATH (the default since 2026-12-06, `_kernel_path`: FORGEKERNEL_KDA_BWD_KERNEL unset or
+"1", outside `interim()`, CUDA tensors, 16-bit, (K, V) = (128, 128), at least one token and
+value head; its GPU check tests/gpu/test_kda_bwd_kernel_path_gpu.py passed on the H100
+2026-12-06, 100 tests, `forgekernel check kda_bwd` and its sanitizers 2026-12-05; NOTES.md "KDA
+backward on kernel 1", "The backward kernel path the default"): `_backward_kernel`
 runs both sequential recurrences on Gated DeltaNet's kernel 1 (kernels/linear_attention/
 gdn_bwd_state/sm90, its `channel_decay` variant: e^(G_C) per key channel) as GDN's path does
 (ops/gated_delta_rule_bwd.py): the forward's chunk states h and U = u - W h (the kernel fed
@@ -30,8 +35,8 @@ tiles, pass 3's output side on kernel 2 (kernels/linear_attention/kda_bwd_chunk/
 chip; CHUNK_IN_KERNEL = False: reference/kda_bwd.py's `_output_grads` in torch, the fallback),
 the WY half (`_wy_grads`) in torch, scale, l2norm, the group sum. Equal lengths known on the host
 (the explicit backward without cu_seqlens, one sequence, autograd of a call without cu_seqlens:
-the forward notes its offsets in Gated DeltaNet's registry,
-`gated_delta_rule_chunked.equal_lengths`) run with no host read (CUDA-graph capturable);
+the forward op's `batch` argument says B equal lengths; autograd's setup saves it, eager and
+under torch.compile alike) run with no host read (CUDA-graph capturable);
 several sequences behind a caller's cu_seqlens have their offsets read on the host (one sync,
 as the interim path's): equal lengths take the kernel path, unequal ones the interim path
 (`_backward_eager`).
@@ -43,11 +48,12 @@ for the suite's backward timing.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.config import HEAD_DIMS
-from forgekernel.ops import gated_delta_rule_chunked as gdn_fwd
 from forgekernel.ops import kda_chunked as fwd
 from forgekernel.ops._dispatch import refuse_capture
 from forgekernel.ops._dispatch import traced as _traced
@@ -76,6 +82,7 @@ from forgekernel.reference.kda_bwd import (
     kimi_delta_attention_chunked_backward,
 )
 from forgekernel.reference.kda_bwd_chunk import chunk_grad_tiles
+from forgekernel.runtime.plans import overriding
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 NOT_CAPTURABLE = (
@@ -98,8 +105,30 @@ def _backward_interim(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, 
     return (*flat, grads[5].contiguous())
 
 
+# "0": the interim path everywhere; unset or "1": the kernel path where it fits (`_kernel_path`).
 KERNEL_SWITCH = "FORGEKERNEL_KDA_BWD_KERNEL"
+KERNEL_DEVICES = ("cuda",)  # CPU tensors take the interim path (the CPU tests add "cpu")
 TILE_DTYPES = (torch.float16, torch.bfloat16)
+_interim = [False]  # True inside `interim()`
+
+
+def kernel_selected() -> bool:
+    """Whether the kernel path is chosen where it fits: False inside `interim()`, else
+    KERNEL_SWITCH ("0" or "1", default "1")."""
+    if _interim[0]:
+        return False
+    env = os.environ.get(KERNEL_SWITCH, "")
+    if env not in ("", "0", "1"):
+        raise ValueError(f"{KERNEL_SWITCH} must be '0' or '1', got {env!r}")
+    return env != "0"
+
+
+@contextmanager
+def interim() -> Iterator[None]:
+    """The backward calls inside take the interim path, as with KERNEL_SWITCH "0" (the bench's
+    `interim` variant)."""
+    with overriding(_interim, True):
+        yield
 
 
 def _state_recurrence(do, pt, ke, qe, w, e_last, d_final_state):
@@ -127,10 +156,11 @@ def _chunk_grads(do, u, du, q, k, h, dh, big_g):
 
 
 def _kernel_path(q, v) -> bool:
-    """The switch is on and the call fits kernel 1: 16-bit, (K, V) = (128, 128), at least one
-    token and head."""
-    return (os.environ.get(KERNEL_SWITCH) == "1" and q.shape[0] > 0 and v.shape[1] > 0
-            and q.dtype in TILE_DTYPES and (q.shape[2], v.shape[2]) in HEAD_DIMS)  # fmt: skip
+    """The kernel path is selected (`kernel_selected`) and the call fits kernel 1: a CUDA
+    tensor, 16-bit, (K, V) = (128, 128), at least one token and value head."""
+    return (kernel_selected() and q.device.type in KERNEL_DEVICES and q.shape[0] > 0
+            and v.shape[1] > 0 and q.dtype in TILE_DTYPES
+            and (q.shape[2], v.shape[2]) in HEAD_DIMS)  # fmt: skip
 
 
 def _chunk_pass(qs, ks, v, g, beta, do, h0, dht):
@@ -255,11 +285,12 @@ def _equal_lengths_on_host(q, cu_seqlens) -> int:
 
 def _backward_eager(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, l2norm,
                     batch) -> Grads:  # fmt: skip
-    """With the switch on: `batch` > 0 (the offsets are `batch` equal lengths, known on the
-    host): the kernel path, no sync; else the offsets read on the host and, when the lengths
-    are equal (the suite's batch cases: B = 1 + cu_seqlens), the kernel path. Unequal lengths
-    take the interim path: kernel 1 reads equal-length (B, T, HV, D) tiles, and the padding to
-    the longest sequence that Gated DeltaNet's `_backward_varlen` does is not wired here."""
+    """Where the kernel path fits (`_kernel_path`): `batch` > 0 (the offsets are `batch` equal
+    lengths, known on the host): the kernel path, no sync; else the offsets read on the host
+    and, when the lengths are equal (the suite's batch cases: B = 1 + cu_seqlens), the kernel
+    path. Unequal lengths take the interim path: kernel 1 reads equal-length (B, T, HV, D)
+    tiles, and the padding to the longest sequence that Gated DeltaNet's `_backward_varlen`
+    does is not wired here."""
     if _kernel_path(q, v):
         batch = batch if batch > 0 else _equal_lengths_on_host(q, cu_seqlens)
         if batch > 0:
@@ -282,12 +313,12 @@ def _backward(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, l
 
 
 def _setup(ctx, inputs, output) -> None:
-    q, k, v, g, beta, initial_state, cu_seqlens, scale, l2norm = inputs
+    q, k, v, g, beta, initial_state, cu_seqlens, scale, l2norm, batch = inputs
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
     ctx.flags = (scale, l2norm)
     ctx.has_state = initial_state is not None
     n = cu_seqlens.shape[0] - 1  # one sequence, or offsets the wrapper made for B equal lengths
-    ctx.batch = 1 if n == 1 else gdn_fwd.equal_lengths(cu_seqlens)
+    ctx.batch = 1 if n == 1 else batch
 
 
 def _grad(ctx, do, d_final):
@@ -296,7 +327,7 @@ def _grad(ctx, do, d_final):
     grads = _backward(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, *ctx.flags,
                       ctx.batch)  # fmt: skip
     dh0 = grads[5] if ctx.has_state else None
-    return (*grads[:5], dh0, None, None, None)
+    return (*grads[:5], dh0, None, None, None, None)
 
 
 torch.library.register_autograd("forgekernel::kda_chunked", _grad, setup_context=_setup)

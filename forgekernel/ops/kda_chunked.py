@@ -19,8 +19,8 @@ recurrence runs on the tensor cores (`recurrence.py`: TMA + WGMMA, the state on 
 offsets are never read on the host (no sync; the call can be captured in a CUDA graph): the
 first pass lays its chunks out on the device over an upper bound of chunks known from T and N
 (exact for a batch or one sequence). Differentiable: ops/kda_bwd.py registers the backward
-of `forgekernel::kda_chunked` (`torch.library.register_autograd`; an interim torch path
-until a backward kernel lands).
+of `forgekernel::kda_chunked` (`torch.library.register_autograd`; its kernel path by default
+since 2026-12-06, `FORGEKERNEL_KDA_BWD_KERNEL=0` and CPU tensors the interim torch path).
 """
 
 from __future__ import annotations
@@ -71,15 +71,21 @@ def _chunked_op(
     cu_seqlens: torch.Tensor,
     scale: float,
     l2norm: bool,
+    batch: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`batch`: B when the offsets are B equal lengths (the wrapper's, for a (B, T) batch), else
+    0; unused here, saved by autograd's setup (ops/kda_bwd.py) so that the backward takes its
+    equal-length kernel path with no host read, eager and under torch.compile alike."""
+    gdn_fwd.check_batch(batch, cu_seqlens.shape[0] - 1)
     args = (x.contiguous() for x in (q, k, v, g, beta))
     init = None if initial_state is None else initial_state.contiguous()
     return _launch(*args, init, cu_seqlens.contiguous(), scale, l2norm)
 
 
 @_chunked_op.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, l2norm):
+def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, l2norm, batch=0):
     n = cu_seqlens.shape[0] - 1
+    gdn_fwd.check_batch(batch, n)
     final = q.new_empty(n, v.shape[1], q.shape[2], v.shape[2], dtype=torch.float32)
     return q.new_empty(*v.shape), final
 
@@ -95,12 +101,11 @@ def _forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, l2norm, out=Non
     offsets = cu_seqlens.to(torch.int32)
     flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v, g, beta)]
     if wants_grad(*flat, initial_state) or _traced(*flat, initial_state, offsets, out):
-        if seq_len is not None and wants_grad(*flat, initial_state):
-            if not torch.compiler.is_compiling():
-                # eager: the backward finds B equal lengths without reading the offsets (its
-                # kernel path's capturable form, ops/kda_bwd.py; Gated DeltaNet's registry)
-                gdn_fwd._note_equal_lengths(offsets, b)
-        o, final = torch.ops.forgekernel.kda_chunked(*flat, initial_state, offsets, scale, l2norm)
+        # batch: the backward finds B equal lengths without reading the offsets (its kernel
+        # path's capturable form, ops/kda_bwd.py), eager and compiled alike
+        batch = b if seq_len is not None else 0
+        o, final = torch.ops.forgekernel.kda_chunked(*flat, initial_state, offsets, scale, l2norm,
+                                                     batch)  # fmt: skip
         if out is not None:
             o = out.copy_(o)
         return o.view(b, t, hv, dv), final

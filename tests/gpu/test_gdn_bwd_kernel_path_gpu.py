@@ -1,4 +1,6 @@
-"""The Gated DeltaNet backward on kernels 0, 1 and 2 (`FORGEKERNEL_GDN_BWD_KERNEL=1`,
+"""The Gated DeltaNet backward on kernels 0, 1 and 2 (selected explicitly here:
+`FORGEKERNEL_GDN_BWD_KERNEL=1`; the default since 2026-12-06, which
+`test_the_default_is_the_kernel_path` checks with the variable unset;
 ops/gated_delta_rule_bwd.py `_backward_kernel`: the chunk factors on kernel 0, both recurrences
 on kernel 1, pass 3 on kernel 2, the rest batched torch; FACTORS_IN_KERNEL off: the torch
 factors) on the GPU: against the fp64 chunked backward
@@ -172,7 +174,7 @@ def _check(kernel_path, monkeypatch, inputs, *, h0, dht, l2norm=False, k_last=Fa
     got = _run(inputs, h0=h0, dht=dht, l2norm=l2norm, k_last=k_last, cu=cu)
     assert len(kernel_path) == _launches(), "the kernel path was not taken"
     want = _reference(inputs, h0=h0, dht=dht, l2norm=l2norm, cu=cu)
-    monkeypatch.delenv(bwd.KERNEL_SWITCH)
+    monkeypatch.setenv(bwd.KERNEL_SWITCH, "0")  # the interim path (unset: the kernel path)
     interim = _run(inputs, h0=h0, dht=dht, l2norm=l2norm, k_last=k_last, cu=cu)
     for name, a, r, i in zip(NAMES, got, want, interim):
         if name == "dh0" and k_last:
@@ -267,6 +269,27 @@ def test_autograd_through_the_forward_kernel(kernel_path, monkeypatch, b):
                                             use_qk_l2norm_in_kernel=True)  # fmt: skip
     grads = torch.autograd.grad((o.float() * do.float()).sum() + (final * dht).sum(), leaves)
     assert len(kernel_path) == _launches()
+    want = _reference((q, k, v, g, beta, do), h0=h0, dht=dht, l2norm=True)
+    for name, a, r in zip(NAMES, grads, want):
+        _close(name, a, r)
+
+
+def test_the_default_is_the_kernel_path(monkeypatch):
+    """gated_delta_rule's autograd with FORGEKERNEL_GDN_BWD_KERNEL unset (the default since
+    2026-12-06): the kernel path (`_backward_kernel`, no interim call), its gradients against
+    the fp64 backward on the same inputs."""
+    monkeypatch.delenv(bwd.KERNEL_SWITCH, raising=False)
+    taken = []
+    kernel = bwd._backward_kernel
+    monkeypatch.setattr(bwd, "_backward_kernel", lambda *a: taken.append(1) or kernel(*a))
+    monkeypatch.setattr(bwd, "_backward_interim", lambda *a: pytest.fail("interim path"))
+    q, k, v, g, beta, do, h0, dht = _problem(2, 333, 2, 4, torch.bfloat16, seed=5, l2norm=True)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
+    o, final = forgekernel.gated_delta_rule(*leaves[:5], initial_state=leaves[5],
+                                            output_final_state=True,
+                                            use_qk_l2norm_in_kernel=True)  # fmt: skip
+    grads = torch.autograd.grad((o.float() * do.float()).sum() + (final * dht).sum(), leaves)
+    assert taken == [1]
     want = _reference((q, k, v, g, beta, do), h0=h0, dht=dht, l2norm=True)
     for name, a, r in zip(NAMES, grads, want):
         _close(name, a, r)

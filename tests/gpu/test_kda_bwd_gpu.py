@@ -1,12 +1,14 @@
-"""Autograd of `forgekernel.ops.kda_chunked.kimi_delta_attention` on the GPU (the forward on
-the torch first pass + WGMMA recurrence kernel, the backward the interim fp32 torch path of
-ops/kda_bwd.py) against torch.autograd through the fp64 recurrence: varlen with empty,
-single-token, sub-chunk and odd sequences (1, 15, 16, 17, 63, 64, 65), grouped value heads,
-l2norm on unnormalized keys, gradients on o and on the final state, no initial state, strong
-per-channel decays (g in [-5, -4] a step), fp16 and bf16, g / beta in q's dtype; one long
-sequence against the fp64 chunked backward; torch.compile of forward and backward; the
-explicit `kimi_delta_attention_backward`; fla's chunk_kda backward where it runs (skipped with
-its error otherwise); the bench shape 4 x 8192 H16 HV16 finite and timed (printed; `-s`).
+"""Autograd of `forgekernel.ops.kda_chunked.kimi_delta_attention` on the GPU (the forward on the
+torch first pass + WGMMA recurrence kernel, the backward the default path of ops/kda_bwd.py:
+since 2026-12-06 the kernel path on these 16-bit CUDA inputs with equal lengths, the interim on
+unequal varlen, `FORGEKERNEL_KDA_BWD_KERNEL=0` the interim) against torch.autograd through the
+fp64 recurrence: varlen with empty, single-token, sub-chunk and odd sequences (1, 15, 16, 17,
+63, 64, 65), grouped value heads, l2norm on unnormalized keys, gradients on o and on the final
+state, no initial state, strong per-channel decays (g in [-5, -4] a step), fp16 and bf16, g /
+beta in q's dtype; one long sequence against the fp64 chunked backward; torch.compile of forward
+and backward; the explicit `kimi_delta_attention_backward`; fla's chunk_kda backward where it
+runs (skipped with its error otherwise); the bench shape 4 x 8192 H16 HV16 finite and timed
+(printed; `-s`).
 
 Tolerance: every gradient within 2e-2 of its largest entry (dq, dk, dv are returned in 16-bit:
 ~4e-3; the forward's own 16-bit operands do not enter: the backward recomputes from the
@@ -186,8 +188,8 @@ def test_fla_backward_agrees():
 
 
 def test_bench_shape_runs_and_is_timed():
-    """4 x 8192 tokens, H = HV = 16 (the suite's batch case): finite gradients, the interim
-    backward's time and peak memory printed (the figures the kernel is to beat by far)."""
+    """4 x 8192 tokens, H = HV = 16 (the suite's batch case): finite gradients, the default
+    backward's time and peak memory printed (the kernel path since 2026-12-06)."""
     inputs, cu = _inputs([8192] * 4, 16, 16, torch.bfloat16, seed=9)
     do, ds = _cotangents(inputs[2].shape, inputs[5].shape, torch.bfloat16)
     args = (*inputs[:5], do)
@@ -202,6 +204,7 @@ def test_bench_shape_runs_and_is_timed():
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     peak = torch.cuda.max_memory_allocated() / 2**30
-    print(f"\ninterim KDA backward 4x8192 h16 hv16: {min(times):.1f} ms, peak {peak:.1f} GiB")
+    print(f"\nKDA backward (default path) 4x8192 h16 hv16: {min(times):.1f} ms, "
+          f"peak {peak:.1f} GiB")  # fmt: skip
     for name, x in zip(NAMES, grads):
         assert torch.isfinite(x).all(), name

@@ -1,5 +1,7 @@
-"""Kimi Delta Attention's backward on kernels 1 and 2 (`FORGEKERNEL_KDA_BWD_KERNEL=1`,
-ops/kda_bwd.py `_backward_kernel`: both recurrences on Gated DeltaNet's kernel 1 in its
+"""Kimi Delta Attention's backward on kernels 1 and 2 (selected explicitly here:
+`FORGEKERNEL_KDA_BWD_KERNEL=1`; the default since 2026-12-06, which
+`test_the_default_is_the_kernel_path` checks with the variable unset; ops/kda_bwd.py
+`_backward_kernel`: both recurrences on Gated DeltaNet's kernel 1 in its
 `channel_decay` variant, e^(G_C) per key channel; pass 3's output side on KDA's kernel 2
 (`CHUNK_IN_KERNEL`, its outputs NaN-poisoned too); the factors and the WY half batched torch)
 on the GPU; `CHUNK_IN_KERNEL = False` (pass 3 in torch) against it.
@@ -20,8 +22,9 @@ Tolerance: the kernel alone within 1e-2 of each output's max (tests/test_gdn_bwd
 rounded emulation of the channel variant stays within it at T = 1000, K = V = 128); the path
 within 2e-2 of each gradient's max (the suite's rule). CPU twin: tests/
 test_kda_bwd_kernel_path.py (the kernel replaced by the tile emulation); this file passes on
-the CPU with "cuda" -> "cpu", `launch.gdn_bwd_state` replaced by the emulation and the forward
-launcher by the sub-chunked reference (the graph capture and the timings left out)."""
+the CPU with "cuda" -> "cpu", `bwd.KERNEL_DEVICES` widened to "cpu", `launch.gdn_bwd_state`
+replaced by the emulation and the forward launcher by the sub-chunked reference (the graph
+capture and the timings left out)."""
 
 from __future__ import annotations
 
@@ -167,7 +170,7 @@ def _check(kernel_path, monkeypatch, inputs, *, h0, dht, l2norm=False):
     assert len(kernel_path) == 2, "the kernel path was not taken"
     assert len(bwd.chunk_calls) == 1, "kernel 2 was not launched"
     want = _reference(inputs, h0=h0, dht=dht, l2norm=l2norm)
-    monkeypatch.delenv(bwd.KERNEL_SWITCH)
+    monkeypatch.setenv(bwd.KERNEL_SWITCH, "0")  # the interim path (unset: the kernel path)
     interim = _run(inputs, h0=h0, dht=dht, l2norm=l2norm)
     for name, a, r, i in zip(NAMES, got, want, interim):
         _close(name, a, r)
@@ -247,6 +250,28 @@ def test_autograd_through_the_forward_kernels(kernel_path, monkeypatch, b):
         _close(name, a, r)
 
 
+def test_the_default_is_the_kernel_path(monkeypatch):
+    """kimi_delta_attention's autograd with FORGEKERNEL_KDA_BWD_KERNEL unset (the default
+    since 2026-12-06): the kernel path (`_backward_kernel`, no interim call), its gradients
+    against the fp64 backward on the same inputs."""
+    monkeypatch.delenv(bwd.KERNEL_SWITCH, raising=False)
+    taken = []
+    kernel = bwd._backward_kernel
+    monkeypatch.setattr(bwd, "_backward_kernel", lambda *a: taken.append(1) or kernel(*a))
+    monkeypatch.setattr(bwd, "_backward_interim", lambda *a: pytest.fail("interim path"))
+    q, k, v, g, beta, do, h0, dht = _problem(2, 333, 2, 4, torch.bfloat16, seed=5, l2norm=True,
+                                             decay=(-5.0, 0.0))  # fmt: skip
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
+    o, final = forgekernel.kimi_delta_attention(*leaves[:5], initial_state=leaves[5],
+                                                output_final_state=True,
+                                                use_qk_l2norm_in_kernel=True)  # fmt: skip
+    grads = torch.autograd.grad((o.float() * do.float()).sum() + (final * dht).sum(), leaves)
+    assert taken == [1]
+    want = _reference((q, k, v, g, beta, do), h0=h0, dht=dht, l2norm=True)
+    for name, a, r in zip(NAMES, grads, want):
+        _close(name, a, r)
+
+
 def test_cuda_graph_capture(kernel_path):
     """The equal-length kernel path has no host read: it captures, and a replay on new inputs
     (copied into the captured ones) equals an eager call."""
@@ -303,7 +328,7 @@ def test_time_at_bench_size(kernel_path, monkeypatch, hv):
     monkeypatch.setattr(bwd, "CHUNK_IN_KERNEL", False)
     torch_p3 = median(time_ms(lambda: forgekernel.kimi_delta_attention_backward(*args, **kw),
                               reps=3))  # fmt: skip
-    monkeypatch.delenv(bwd.KERNEL_SWITCH)
+    monkeypatch.setenv(bwd.KERNEL_SWITCH, "0")  # the interim path
     interim = median(time_ms(lambda: forgekernel.kimi_delta_attention_backward(*args, **kw),
                              reps=3))  # fmt: skip
     print(f"\nKDA backward on kernels 1 + 2, 4 x 8192 h16 hv{hv} bf16: {ms:.2f} ms a call "

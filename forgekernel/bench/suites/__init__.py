@@ -44,14 +44,14 @@ SUITE_MODULES = {
     # issue 21: FP4 (e2m1) weights, masked and contiguous grouped (checked 2026-12-02)
     "gemm_fp4_masked": "forgekernel.bench.suites.gemm_fp4_masked",
     "gemm_fp4_grouped": "forgekernel.bench.suites.gemm_fp4_grouped",
-    # issue 20: Gated DeltaNet backward (the interim fp32 torch path until its kernel)
+    # issue 20: Gated DeltaNet backward (the kernel path by default since 2026-12-06)
     "gdn_bwd": "forgekernel.bench.suites.gdn_bwd",
     # checked on the H200 2026-12-02 (next/integration3):
     "dsa_indexer": "forgekernel.bench.suites.dsa_indexer",  # issue 22: the FP8 lightning indexer
     # issue 20: Kimi Delta Attention forward (first-pass kernel + recurrence kernel)
     "kda_prefill": "forgekernel.bench.suites.kda_prefill",
     "dsa_recompute": "forgekernel.bench.suites.dsa_recompute",  # issue 22: the score recompute
-    # issue 20: Kimi Delta Attention backward (the interim fp32 torch path until its kernel)
+    # issue 20: Kimi Delta Attention backward (the kernel path by default since 2026-12-06)
     "kda_bwd": "forgekernel.bench.suites.kda_bwd",
     # issue 22: the indexer's training backward, its kernel (built on the CPU 2026-12-04; held:
     # the ledger gate waits for its first GPU check)

@@ -3,11 +3,15 @@ beta (and the initial state where the case has one) from dO and the final state'
 fla's form as the forward suite (gdn_prefill.py: q, k (1, T, H, 128), k unit-norm, v (1, T, HV,
 128), g = logsigmoid(N(0, 1)) fp32, beta fp32, varlen as B = 1 with cu_seqlens).
 
-Timed: the backward alone (`gated_delta_rule_backward`: today the INTERIM fp32 torch path of
-ops/gated_delta_rule_bwd.py, which recomputes the forward's chunk states itself); each
+Timed: the backward alone (`gated_delta_rule_backward`, which recomputes the forward's chunk
+states itself): its default since 2026-12-06, the KERNEL PATH of ops/gated_delta_rule_bwd.py
+(kernels 0, 1 and 2 and the q / k epilogue) on the single and batch cases; the varlen cases pad
+to 5.9x and 22x their chunks (above its PAD_WASTE_LIMIT, 4) and take the INTERIM path; the
+variant `interim` (`INTERIM_CASES`, the two smallest cases: the old default, ~14.7 ms at 1 x
+2048) the INTERIM fp32 torch path beside it (`interim()`, as FORGEKERNEL_GDN_BWD_KERNEL=0); each
 comparator's backward through autograd of its forward recorded once per input set
 (`autograd_backward`: `torch.autograd.grad` with retain_graph, its own recompute included, as
-ours). Pending (suites/__init__.py) until a GPU check passes.
+ours).
 
 Comparators (bench/sidecar.py for the sidecars: a process of their own, the case's first input
 set saved and loaded bit-identically, timed by the same methods, recorded in the same slot):
@@ -50,9 +54,9 @@ _case = gdn_prefill._case
 
 
 def kernel_sources() -> list[Path]:
-    """The forward kernel's sources, the interim backward's modules and the kernel path's
-    (kernels 0, 1 and 2's sources, the q / k epilogue's, their batched helpers:
-    `FORGEKERNEL_GDN_BWD_KERNEL=1`) (the ledger key; it does not tell which path a run took)."""
+    """The forward kernel's sources, the kernel path's (kernels 0, 1 and 2's sources, the q / k
+    epilogue's, their batched helpers: the default) and the interim backward's modules (the
+    ledger key; it does not tell which path a run took)."""
     import forgekernel.ops.gated_delta_rule_bwd as bwd_op
     import forgekernel.reference.delta_rule_bwd as bwd_ref
     import forgekernel.reference.gdn_bwd_chunk as chunk_ref
@@ -79,6 +83,7 @@ BENCH_CASES = (
     _case(_mix(16, 16384), 16, 32, group="varlen"),
     _case(_mix(64, 32768), 16, 32, group="varlen"),
 )
+INTERIM_CASES = BENCH_CASES[:2]  # the `interim` variant's: the interim path is slow
 CHECK_CASES = (
     _case([1, 63, 64, 65, 130], 2, 4),
     _case([257], 4, 8, state=False),
@@ -112,6 +117,25 @@ def run_ours(inputs: Inputs, out: tuple | None) -> tuple:
     from forgekernel.ops.gated_delta_rule_bwd import gated_delta_rule_backward
 
     return run_backward(gated_delta_rule_backward, inputs, out)
+
+
+def run_interim(inputs: Inputs, out: tuple | None) -> tuple:
+    """Ours on the interim path (the `interim` variant: FORGEKERNEL_GDN_BWD_KERNEL=0's)."""
+    from forgekernel.ops.gated_delta_rule_bwd import interim
+
+    with interim():
+        return run_ours(inputs, out)
+
+
+def variants(case: Case) -> dict[str, Any]:
+    """The two smallest cases (`INTERIM_CASES`): `interim`, the fp32 torch path the kernel path
+    replaced as the default (2026-12-06)."""
+    return interim_variant(case, INTERIM_CASES, run_interim)
+
+
+def interim_variant(case: Case, cases, run: Callable) -> dict[str, Any]:
+    """{"interim": run} on `cases` (by name), else none (shared with kda_bwd)."""
+    return {"interim": run} if case.name in {c.name for c in cases} else {}
 
 
 def run_backward(backward: Callable, inputs: Inputs, out: tuple | None) -> tuple:
@@ -282,4 +306,5 @@ def suite() -> OpSuite:
         bench_dtypes=(torch.bfloat16,),
         sanitize_cases=CHECK_CASES[:3],
         judge=judge,
+        variants=variants,
     )

@@ -4,10 +4,11 @@ the final state's gradient, in the forward suite's form (kda_prefill.py: q, k (1
 k unit-norm, v (1, T, HV, 128), g (1, T, HV, 128) = logsigmoid(N(0, 1)) fp32, or uniform in
 [-5, -4] per step and channel on the `-strong` cases, beta fp32, varlen as B = 1).
 
-Timed: the backward alone (`kimi_delta_attention_backward`: today the INTERIM fp32 torch path
-of ops/kda_bwd.py, which recomputes the forward's chunk states itself; with
-FORGEKERNEL_KDA_BWD_KERNEL=1 its kernel-1 path on the single and batch cases, the interim on
-the unequal varlen ones); fla's chunk_kda
+Timed: the backward alone (`kimi_delta_attention_backward`, which recomputes the forward's
+chunk states itself): its default since 2026-12-06, the KERNEL PATH of ops/kda_bwd.py (kernels
+1 and 2) on the single and batch cases, the INTERIM fp32 torch path on the unequal varlen ones;
+the variant `interim` (`INTERIM_CASES`, the two smallest cases: the old default) the interim
+path beside it (`interim()`, as FORGEKERNEL_KDA_BWD_KERNEL=0); fla's chunk_kda
 backward through autograd of a forward recorded once per input set (gdn_bwd.autograd_backward:
 `torch.autograd.grad` with retain_graph, its own recompute included, as ours). fla's gated
 backward refuses triton < 3.7.1 on Hopper: with FK_SIDE_SITE_TRITON set it runs in the triton
@@ -21,8 +22,7 @@ K) fp32 ("vk", kda_prefill.CUDNN_STATE_LAYOUT), converted once per input set, it
 handed back as ours (views). Its planner's sm90 default is kda_hopper_cuda, the only sm90 KDA
 backward kernel, for H = HV, bf16 and the default scale; H 16 HV 32 falls to kda_cutile where
 the cuda.tile runtime serves it, else is recorded missing with the engines' reasons; each
-record names the engine that ran (`ran`, bench/suites/cudnn_kda.py). Pending
-(suites/__init__.py) until a GPU check passes.
+record names the engine that ran (`ran`, bench/suites/cudnn_kda.py).
 
 Outputs: (dq, dk, dv, dg, dbeta[, d_initial_state]). Judged as gdn_bwd's (`judge_gradients`):
 each within 2e-2 of its reference's largest entry; reference = torch.autograd through the fp64
@@ -48,9 +48,9 @@ alloc_out = gdn_bwd.alloc_out
 
 
 def kernel_sources() -> list[Path]:
-    """The forward's sources, the interim backward's modules and the kernel path's (kernels 1
-    and 2's sources, their batched helpers: `FORGEKERNEL_KDA_BWD_KERNEL=1`) (the ledger key; it
-    does not tell which path a run took)."""
+    """The forward's sources, the kernel path's (kernels 1 and 2's sources, their batched
+    helpers: the default) and the interim backward's modules (the ledger key; it does not tell
+    which path a run took)."""
     import forgekernel.ops.kda_bwd as bwd_op
     import forgekernel.reference.delta_rule_bwd as gdn_ref
     import forgekernel.reference.gdn_bwd_state as state_ref
@@ -73,6 +73,7 @@ BENCH_CASES = (
     _case(_mix(16, 16384), 16, 16, group="varlen"),
     _case(_mix(64, 32768), 16, 16, group="varlen"),
 )
+INTERIM_CASES = BENCH_CASES[:2]  # the `interim` variant's: the interim path is slow
 CHECK_CASES = (
     _case([1, 15, 16, 17, 63, 64, 65, 130], 2, 2),
     _case([257], 4, 8, state=False),
@@ -91,6 +92,20 @@ def run_ours(inputs: Inputs, out: tuple | None) -> tuple:
     from forgekernel.ops.kda_bwd import kimi_delta_attention_backward
 
     return gdn_bwd.run_backward(kimi_delta_attention_backward, inputs, out)
+
+
+def run_interim(inputs: Inputs, out: tuple | None) -> tuple:
+    """Ours on the interim path (the `interim` variant: FORGEKERNEL_KDA_BWD_KERNEL=0's)."""
+    from forgekernel.ops.kda_bwd import interim
+
+    with interim():
+        return run_ours(inputs, out)
+
+
+def variants(case: Case) -> dict[str, Any]:
+    """The two smallest cases (`INTERIM_CASES`): `interim`, the fp32 torch path the kernel path
+    replaced as the default (2026-12-06)."""
+    return gdn_bwd.interim_variant(case, INTERIM_CASES, run_interim)
 
 
 def reference(inputs: Inputs) -> tuple:
@@ -168,4 +183,5 @@ def suite() -> OpSuite:
         bench_dtypes=(torch.bfloat16,),
         sanitize_cases=SANITIZE_CASES,
         judge=judge,
+        variants=variants,
     )

@@ -1,9 +1,10 @@
 """Gated DeltaNet backward, kernel 2: the chunk-parallel output-side gradients (reference
 `_output_grads`: dq, dk, dw, dG's rows), sm_90a. DSL-free declaration; the kernel is
 `chunk_grads.py`, the launcher `launch.py`, the CPU model `forgekernel.reference.gdn_bwd_chunk`.
-Wired into the op's backward behind `FORGEKERNEL_GDN_BWD_KERNEL=1`
-(`forgekernel.ops.gated_delta_rule_bwd._backward_kernel`, after kernel 1's two launches); the
-WY half (`_wy_grads`) stays in torch."""
+Wired into the op's backward, its kernel path (the default since 2026-12-06;
+`FORGEKERNEL_GDN_BWD_KERNEL=0`: the interim torch path), after kernel 1's two launches
+(`forgekernel.ops.gated_delta_rule_bwd._backward_kernel`); its WY variant (the op's default,
+`WY_IN_KERNEL`) does the WY half (`_wy_grads`) too."""
 
 from __future__ import annotations
 

@@ -77,7 +77,7 @@ from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.config import CHUNK
 PRODUCER_WARP = 0
 QUAD = 4
 BAR_MATH = FIRST_FREE  # the math warpgroup: dPD^T in shared memory before its WGMMA
-BAR_FINISH = FIRST_FREE + 1  # math warpgroup (arrives) -> finish warps: the rows stashed
+BAR_FINISH = FIRST_FREE + 1  # math warpgroup -> finish warps (both wait): the rows stashed
 BAR_FINISH_WARPS = FIRST_FREE + 2  # the finish warps: <dh, h>'s partials
 FINISH_WARPS = 2  # warps 1, 2 of warpgroup 0 (idle otherwise): dG's finish, one token a thread
 FINISH_THREADS = FINISH_WARPS * WARP_SIZE
@@ -422,7 +422,13 @@ class GdnBwdChunkSm90:
                      mBeta, mDV, mDB, math, e_g, t0, row_w, first, seqlen, b, hv, c)  # fmt: skip
         else:
             self._store_rows(acc_k, mma_w, mDW, tid, b, hv, c, seqlen)
-        named_barrier(BAR_FINISH, THREADS_PER_WG + FINISH_THREADS).arrive()  # rows stashed
+        # rows stashed: a wait (bar.sync), not bar.arrive. The arrive orders the stores on the
+        # hardware already (PTX), but racecheck flagged every sRed[0, C) word of the WY rows'
+        # read-modify-write (`_wy`'s tail, after the math warpgroup's last bar.sync) against the
+        # finish warps' loads (2026-12-06, 57,024 RAW reports; the `_stash_rows` words, which
+        # this warpgroup's later bar.syncs follow, were not). Here the finish warps wait from
+        # the start: the 128 threads pass at once (docs/linear_attention/NOTES.md).
+        named_barrier(BAR_FINISH, THREADS_PER_WG + FINISH_THREADS).arrive_and_wait()
         ring.consumer_release(st)
 
     @cute.jit

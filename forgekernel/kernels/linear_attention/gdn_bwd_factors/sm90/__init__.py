@@ -2,7 +2,8 @@
 the decays) of every (chunk, value head) at once from q, k, v, g, beta, in the 16-bit layouts
 kernel 1's two launches and kernel 2 read, sm_90a. DSL-free declaration; the kernel is
 `factors.py`, the launcher `launch.py`, the CPU model `forgekernel.reference.gdn_bwd_factors`.
-Wired into the op's backward behind `FORGEKERNEL_GDN_BWD_KERNEL=1`
+Wired into the op's backward, its kernel path (the default since 2026-12-06;
+`FORGEKERNEL_GDN_BWD_KERNEL=0`: the interim torch path)
 (`forgekernel.ops.gated_delta_rule_bwd._backward_kernel`, before kernel 1's launches;
 `FACTORS_IN_KERNEL = False` there: the torch factors)."""
 

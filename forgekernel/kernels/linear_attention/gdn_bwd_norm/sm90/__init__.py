@@ -1,8 +1,8 @@
 """Gated DeltaNet backward's q / k epilogue (the group sum over value heads, l2norm's backward,
 the scale, the 16-bit gradient), sm_90a. DSL-free declaration; the kernel is `norm_bwd.py`, the
 launcher `launch.py`, the CPU model `forgekernel.reference.gdn_bwd_norm`. Wired into the op's
-backward behind `FORGEKERNEL_GDN_BWD_KERNEL=1` (`forgekernel.ops.gated_delta_rule_bwd`,
-after kernel 2)."""
+backward, its kernel path (the default since 2026-12-06; `FORGEKERNEL_GDN_BWD_KERNEL=0`: the
+interim torch path) (`forgekernel.ops.gated_delta_rule_bwd`, after kernel 2)."""
 
 from __future__ import annotations
 

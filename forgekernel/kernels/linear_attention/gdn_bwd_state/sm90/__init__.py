@@ -1,11 +1,12 @@
 """Gated DeltaNet backward, kernel 1: the reverse state recurrence over chunks, sm_90a.
 DSL-free declaration; the kernel is `reverse_state.py`, the launcher `launch.py`, the CPU
-model `forgekernel.reference.gdn_bwd_state`. Wired into the op's backward behind
-`FORGEKERNEL_GDN_BWD_KERNEL=1` (`forgekernel.ops.gated_delta_rule_bwd._backward_kernel`: two
-launches, the forward's chunk states by the same recurrence fed transposed inputs, then the
-reverse pass); the default is still the interim torch path until the GPU check passes.
-Variant `channel_decay` (e^(G_C) per key channel): Kimi Delta Attention's backward
-(`forgekernel.ops.kda_bwd._backward_kernel`, behind `FORGEKERNEL_KDA_BWD_KERNEL=1`). Variants
+model `forgekernel.reference.gdn_bwd_state`. Wired into the op's backward, its kernel path
+(the default since 2026-12-06, after its GPU check; `FORGEKERNEL_GDN_BWD_KERNEL=0`: the
+interim torch path) (`forgekernel.ops.gated_delta_rule_bwd._backward_kernel`: two launches,
+the forward's chunk states by the same recurrence fed transposed inputs, then the reverse
+pass). Variant `channel_decay` (e^(G_C) per key channel): Kimi Delta Attention's backward
+(`forgekernel.ops.kda_bwd._backward_kernel`, the default likewise;
+`FORGEKERNEL_KDA_BWD_KERNEL=0`: the interim). Variants
 `out16` (dU, dS in kernel 2's 16-bit forms) and `forward` (the forward launch: P^T = I, Qe = 0
 built in, outputs in chunk order): Gated DeltaNet's path (`STATES16`)."""
 

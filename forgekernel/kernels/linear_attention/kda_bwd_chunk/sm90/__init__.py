@@ -1,9 +1,10 @@
 """Kimi Delta Attention backward, kernel 2: the chunk-parallel output-side gradients (reference
 `reference/kda_bwd.py` `_output_grads`: dq, dk, dw and the per-channel dG finished), sm_90a.
 DSL-free declaration; the kernel is `chunk_grads.py`, the launcher `launch.py`, the CPU model
-`forgekernel.reference.kda_bwd_chunk`. Wired into KDA's backward behind
-`FORGEKERNEL_KDA_BWD_KERNEL=1` and `ops.kda_bwd.CHUNK_IN_KERNEL` (`_backward_kernel`, after
-kernel 1's two launches); the WY half (`_wy_grads`) stays in torch."""
+`forgekernel.reference.kda_bwd_chunk`. Wired into KDA's backward, its kernel path (the
+default since 2026-12-06; `FORGEKERNEL_KDA_BWD_KERNEL=0`: the interim torch path) with
+`ops.kda_bwd.CHUNK_IN_KERNEL` (`_backward_kernel`, after kernel 1's two launches); the WY half
+(`_wy_grads`) stays in torch."""
 
 from __future__ import annotations
 
