@@ -40,6 +40,7 @@ from forgekernel.reference.kda_bwd_chunk import chunk_grads_model
 
 bwd = importlib.import_module("forgekernel.ops.kda_bwd")
 op = importlib.import_module("forgekernel.ops.kda_chunked")
+varlen = importlib.import_module("forgekernel.ops._linattn_varlen")
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 
@@ -191,6 +192,32 @@ def test_kernel_path_equals_the_interim_path(monkeypatch, b, t, h, hv, l2norm, w
         _close(name, a, r, 1e-4)
 
 
+@pytest.mark.parametrize(
+    ("lens", "with_h0"), [([1, 63, 0, 64, 65, 130], True), ([3, 129, 7], False), ([0, 5], True)]
+)
+def test_varlen_buckets_equal_the_interim_path(monkeypatch, lens, with_h0):
+    """Unequal sequences behind cu_seqlens on the kernel path (`_backward_varlen`: buckets of
+    sequences padded at their ends, one kernel-path call a bucket; fp32 tiles, the exact
+    emulations) equal the interim path, empty sequences included (the state gradient passes
+    through their padding)."""
+    calls, chunk_calls = [], []
+    monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel(calls))
+    monkeypatch.setattr(bwd, "_chunk_grads", emulated_chunk_kernel(chunk_calls))
+    n, t = len(lens), sum(lens)
+    q, k, v, g, beta, do, _, _ = _inputs(1, t, 2, 4, seed=n, dtype=torch.float32)
+    *_, h0, dht = _inputs(n, 1, 2, 4, seed=9, dtype=torch.float32)
+    flat = [x[0] for x in (q, k, v, g, beta, do)]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    h0 = h0 if with_h0 else None
+    want = bwd._backward_interim(*flat[:5], h0, cu, flat[5], dht, 0.25, True)
+    got = bwd._backward_varlen(*flat[:5], h0, flat[5], dht, 0.25, True, cu)
+    buckets = len(varlen.buckets(lens))
+    assert buckets > 1 or n == 2
+    assert len(calls) == 2 * buckets and len(chunk_calls) == buckets
+    for name, a, r in zip(NAMES, got, want):
+        _close(name, a, r, 1e-4)
+
+
 def test_head_passes_are_the_one_pass(monkeypatch):
     """Value heads in passes (one q head's group a pass) give the one pass's gradients."""
     monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel())
@@ -273,7 +300,7 @@ def test_autograd_on_the_kernel_path(kernel_path, monkeypatch, b):
     wrapper made, the forward op's `batch`) takes the kernel path with no host read and matches
     autograd through the fp64 recurrence."""
     monkeypatch.setattr(bwd, "_backward_interim", lambda *a: pytest.fail("interim path"))
-    monkeypatch.setattr(bwd, "_equal_lengths_on_host", lambda *a: pytest.fail("host read"))
+    monkeypatch.setattr(bwd, "_backward_varlen", lambda *a: pytest.fail("host read"))
     inputs, do, dht = _bf16_problem(b, 100, 2, 4, decay=(-5.0, 0.0), seed=b)
     leaves = [x.clone().requires_grad_() for x in inputs]
     o, final = op.kimi_delta_attention(*leaves[:5], initial_state=leaves[5],
@@ -294,7 +321,7 @@ def test_autograd_equal_batch_compiled_reads_no_offsets(kernel_path, monkeypatch
     from compile_graphs import graphs_backend
 
     monkeypatch.setattr(bwd, "_backward_interim", lambda *a: pytest.fail("interim path"))
-    monkeypatch.setattr(bwd, "_equal_lengths_on_host", lambda *a: pytest.fail("host read"))
+    monkeypatch.setattr(bwd, "_backward_varlen", lambda *a: pytest.fail("host read"))
     inputs, do, dht = _bf16_problem(3, 70, 1, 2, seed=7)
 
     def loss(q, k, v, g, beta, h0):
@@ -339,9 +366,9 @@ def test_the_wrapper_passes_its_equal_batch(monkeypatch):
 
 
 def test_routing_to_the_interim_path(kernel_path, monkeypatch):
-    """Unequal sequences behind cu_seqlens, the switch "0", `interim()`, and head dims other
-    than kernel 1's take the interim path; equal ones behind cu_seqlens (the offsets read on
-    the host) and one sequence take the kernel path."""
+    """The switch "0", `interim()`, and head dims other than kernel 1's take the interim path;
+    unequal sequences behind cu_seqlens (in buckets), equal ones (the offsets read on the host)
+    and one sequence take the kernel path."""
     seen = []
     interim = bwd._backward_interim
     monkeypatch.setattr(bwd, "_backward_interim", lambda *a: seen.append(1) or interim(*a))
@@ -349,22 +376,22 @@ def test_routing_to_the_interim_path(kernel_path, monkeypatch):
     cu = torch.tensor([0, 60, 130], dtype=torch.int32)
     h0 = h0.expand(2, -1, -1, -1).contiguous()
     bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, initial_state=h0, cu_seqlens=cu)
-    assert seen == [1] and kernel_path == []
+    assert seen == [] and kernel_path == [torch.bfloat16, torch.bfloat16]  # one bucket
     one = torch.tensor([0, 130], dtype=torch.int32)  # one sequence: the kernel path
     bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, initial_state=h0[:1], cu_seqlens=one)
-    assert seen == [1] and kernel_path == [torch.bfloat16, torch.bfloat16]
+    assert seen == [] and len(kernel_path) == 4
     equal = torch.tensor([0, 65, 130], dtype=torch.int32)  # read on the host: equal lengths
     bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, initial_state=h0, cu_seqlens=equal)
-    assert seen == [1] and len(kernel_path) == 4
+    assert seen == [] and len(kernel_path) == 6
     monkeypatch.setenv(bwd.KERNEL_SWITCH, "0")
     bwd.kimi_delta_attention_backward(q, k, v, g, beta, do)
-    assert seen == [1, 1] and len(kernel_path) == 4
+    assert seen == [1] and len(kernel_path) == 6
     monkeypatch.delenv(bwd.KERNEL_SWITCH)  # the default: the kernel path
     with bwd.interim():
         bwd.kimi_delta_attention_backward(q, k, v, g, beta, do)
-    assert seen == [1, 1, 1] and len(kernel_path) == 4
+    assert seen == [1, 1] and len(kernel_path) == 6
     bwd.kimi_delta_attention_backward(q, k, v, g, beta, do)
-    assert seen == [1, 1, 1] and len(kernel_path) == 6
+    assert seen == [1, 1] and len(kernel_path) == 8
     assert bwd._kernel_path(q.flatten(0, 1), v.flatten(0, 1))
     assert not bwd._kernel_path(q.flatten(0, 1)[..., :64], v.flatten(0, 1))  # (K, V) (64, 128)
     assert not bwd._kernel_path(q.flatten(0, 1).float(), v.flatten(0, 1))  # 32-bit

@@ -38,8 +38,8 @@ the WY half (`_wy_grads`) in torch, scale, l2norm, the group sum. Equal lengths 
 the forward op's `batch` argument says B equal lengths; autograd's setup saves it, eager and
 under torch.compile alike) run with no host read (CUDA-graph capturable);
 several sequences behind a caller's cu_seqlens have their offsets read on the host (one sync,
-as the interim path's): equal lengths take the kernel path, unequal ones the interim path
-(`_backward_eager`).
+as the interim path's): equal lengths are a reshape, unequal ones run in buckets of similar
+lengths zero-padded at their ends (`_backward_varlen`, ops/_linattn_varlen.py).
 
 `kimi_delta_attention_backward` is the same backward for callers with their own autograd and
 for the suite's backward timing.
@@ -57,6 +57,7 @@ from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.config import HEAD_
 from forgekernel.ops import kda_chunked as fwd
 from forgekernel.ops._dispatch import refuse_capture
 from forgekernel.ops._dispatch import traced as _traced
+from forgekernel.ops._linattn_varlen import run_in_buckets
 from forgekernel.ops._validate import (
     check_bools,
     check_cuda,
@@ -269,33 +270,44 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, l2norm, b
 
 
 NOT_CAPTURABLE_VARLEN = (
-    "kimi_delta_attention's backward on kernel 1 reads varlen offsets on the host (are the "
-    "lengths equal? one sync a call; equal-length calls without cu_seqlens have none)"
+    "kimi_delta_attention's backward on kernel 1 reads varlen offsets on the host (the padding "
+    "to equal lengths, one sync a call; equal-length calls without cu_seqlens have none)"
 )
 
 
-def _equal_lengths_on_host(q, cu_seqlens) -> int:
-    """N when the N sequences behind cu_seqlens all have one nonzero length, else 0: read on
-    the host (one sync, as the interim path's; a CUDA-graph capture is refused first)."""
+def _backward_varlen(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm,
+                     cu_seqlens) -> Grads | None:  # fmt: skip
+    """Varlen on the kernel path, as Gated DeltaNet's: the offsets read on the host (one sync,
+    as the interim path's; a CUDA-graph capture is refused first); equal lengths (the suite's
+    batch cases: B = 1 + cu_seqlens) are a reshape, unequal ones run in buckets of sequences
+    zero-padded at their ends (ops/_linattn_varlen.py). None (the interim path) when no
+    token."""
     refuse_capture(NOT_CAPTURABLE_VARLEN, q)
-    edges = cu_seqlens.tolist()
-    lens = {z - a for a, z in zip(edges[:-1], edges[1:])}
-    return len(edges) - 1 if len(lens) == 1 and lens.pop() > 0 else 0
+    edges = [int(e) for e in cu_seqlens.tolist()]
+    lens = [z - a for a, z in zip(edges[:-1], edges[1:])]
+    if max(lens) == 0:
+        return None
+    if all(x == lens[0] for x in lens):
+        return _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm,
+                                len(lens))  # fmt: skip
+
+    def run(q, k, v, g, beta, do, h0, dht, n):
+        return _backward_kernel(q, k, v, g, beta, h0, do, dht, scale, l2norm, n)
+
+    return run_in_buckets(run, (q, k, v, g, beta, do), (initial_state, d_final), edges)
 
 
 def _backward_eager(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, l2norm,
                     batch) -> Grads:  # fmt: skip
     """Where the kernel path fits (`_kernel_path`): `batch` > 0 (the offsets are `batch` equal
     lengths, known on the host): the kernel path, no sync; else the offsets read on the host
-    and, when the lengths are equal (the suite's batch cases: B = 1 + cu_seqlens), the kernel
-    path. Unequal lengths take the interim path: kernel 1 reads equal-length (B, T, HV, D)
-    tiles, and the padding to the longest sequence that Gated DeltaNet's `_backward_varlen`
-    does is not wired here."""
+    (`_backward_varlen`). The interim path otherwise."""
     if _kernel_path(q, v):
-        batch = batch if batch > 0 else _equal_lengths_on_host(q, cu_seqlens)
-        if batch > 0:
-            return _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale,
-                                    l2norm, batch)  # fmt: skip
+        args = (q, k, v, g, beta, initial_state, do, d_final, scale, l2norm)
+        grads = (_backward_kernel(*args, batch) if batch > 0
+                 else _backward_varlen(*args, cu_seqlens))  # fmt: skip
+        if grads is not None:
+            return grads
     return _backward_interim(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale,
                              l2norm)  # fmt: skip
 
