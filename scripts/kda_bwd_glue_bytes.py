@@ -1,8 +1,9 @@
 """The bytes, aten ops and matmul FLOPs of the torch glue of Kimi Delta Attention's backward
 kernel path (ops/kda_bwd.py `_backward_kernel` / `_chunk_pass`), counted on the CPU by
 scripts/gdn_bwd_glue_bytes.py's `Written` mode, with the kernels (1: `_state_recurrence` x 2,
-`channel_decay`; 2: `_chunk_grads`) replaced by stubs that allocate their fp32 outputs of the
-launchers' shapes uncounted. Everything is per token-head (token x value head) and grouped by
+`channel_decay`; 2: `_chunk_grads`; the q / k epilogue `_qk_grads`, Gated DeltaNet's
+gdn_bwd_norm) replaced by stubs that allocate their outputs of the launchers' shapes and dtypes
+uncounted. Everything is per token-head (token x value head) and grouped by
 the forgekernel source line that called the op.
 
     python3 scripts/kda_bwd_glue_bytes.py            # 1 x 2048, H = HV = 16, bf16, l2norm
@@ -35,8 +36,9 @@ glue = _glue()
 
 @contextlib.contextmanager
 def stub_kernels(chunk_in_kernel: bool = True):
-    """Kernels 1 and 2 as stubs giving zero fp32 outputs of the launchers' shapes (uncounted);
-    `chunk_in_kernel` False: pass 3's output side in torch (CHUNK_IN_KERNEL's fallback)."""
+    """Kernels 1 and 2 and the q / k epilogue as stubs giving zero outputs of the launchers'
+    shapes and dtypes (uncounted); `chunk_in_kernel` False: pass 3's output side in torch
+    (CHUNK_IN_KERNEL's fallback)."""
     bwd = importlib.import_module("forgekernel.ops.kda_bwd")
 
     def state(do, pt, ke, qe, w, e_last, dht):
@@ -49,8 +51,13 @@ def stub_kernels(chunk_in_kernel: bool = True):
         b, t, hv, dk = q.shape
         return tuple(torch.zeros(b, t, hv, dk) for _ in range(4))
 
-    saved = {n: getattr(bwd, n) for n in ("_state_recurrence", "_chunk_grads", "CHUNK_IN_KERNEL")}
+    def qk(dxs, x, scale, l2norm):
+        return torch.zeros_like(x)
+
+    names = ("_state_recurrence", "_chunk_grads", "_qk_grads", "CHUNK_IN_KERNEL")
+    saved = {n: getattr(bwd, n) for n in names}
     bwd._state_recurrence, bwd._chunk_grads = glue._quiet(state), glue._quiet(chunk)
+    bwd._qk_grads = glue._quiet(qk)
     bwd.CHUNK_IN_KERNEL = chunk_in_kernel
     try:
         yield bwd

@@ -15,14 +15,19 @@ kda = load_script("kda_bwd_glue_bytes")
 
 def test_kda_glue_counted_and_stubs_restored(capsys):
     bwd = importlib.import_module("forgekernel.ops.kda_bwd")
-    before = (bwd._state_recurrence, bwd._chunk_grads, bwd.CHUNK_IN_KERNEL)
+    names = ("_state_recurrence", "_chunk_grads", "_qk_grads", "CHUNK_IN_KERNEL")
+    before = [getattr(bwd, n) for n in names]
     mode = kda.count(b=1, t=70, h=1, hv=2, dk=16, dv=16)
-    assert (bwd._state_recurrence, bwd._chunk_grads, bwd.CHUNK_IN_KERNEL) == before
+    assert [getattr(bwd, n) for n in names] == before
     assert sum(mode.by_site.values()) == sum(mode.by_caller.values()) > 0
     assert sum(mode.launches.values()) == sum(mode.launches_by_caller.values()) > 50
     assert sum(mode.flops.values()) == sum(mode.flops_by_caller.values()) > 0
     callers = " ".join(mode.by_caller)
     assert "ops/kda_bwd.py" in callers and "chunk_factors" in callers and "_wy_grads" in callers
+    # one head pass: no concatenation; the q / k epilogue on its (stubbed) kernel, not in torch
+    ours = [s for s in mode.by_site if "ops/kda_bwd.py" in s]
+    assert ours and not any("torch.cat" in s or "_l2norm" in s for s in ours)
+    assert not any("delta_rule_bwd.py" in s and "_l2norm" in s for s in mode.by_site)
     # the torch fallback of pass 3 adds `_output_grads`' matmuls
     torch_chunk = kda.count(b=1, t=70, h=1, hv=2, dk=16, dv=16, chunk_in_kernel=False)
     assert sum(torch_chunk.flops.values()) > sum(mode.flops.values())
