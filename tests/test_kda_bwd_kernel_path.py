@@ -4,7 +4,9 @@ default on CUDA tensors; `FORGEKERNEL_KDA_BWD_KERNEL=0` the interim path) on the
 tests/test_gdn_bwd_state.py (`tile_model`: token-major tiles, transposed state, zero tail,
 dS^T's columns scaled per key channel, the register operands rounded to the tiles' dtype) and
 kernel 2 (`CHUNK_IN_KERNEL`) by `reference.kda_bwd_chunk.chunk_grads_model` (its on-chip block
-operands rounded to bf16 for 16-bit tiles; CHUNK_IN_KERNEL = False: pass 3 in torch): the
+operands rounded to bf16 for 16-bit tiles; CHUNK_IN_KERNEL = False: pass 3 in torch) and the
+q / k epilogue (`_qk_grads`, Gated DeltaNet's gdn_bwd_norm kernel) by its model `qk_grad_model`
+(tests/test_gdn_bwd_kernel_path.py's `emulated_norm_kernel`; NORM_IN_KERNEL = False: torch): the
 kernel fed KDA's forward recurrence (`forward_state_tiles` on the sub-chunked factors) against
 reference/kda_bwd.py's pass 1, the whole path against the interim backward to fp32 tolerance
 (32-bit tiles: nothing rounded) on awkward sizes and strong per-channel decays (g in [-5, -4]
@@ -22,6 +24,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from test_gdn_bwd_kernel_path import emulated_norm_kernel
 from test_gdn_bwd_state import tile_model
 from test_kda_bwd_op import (
     _fp64_grads,
@@ -91,6 +94,13 @@ def emulated_chunk_kernel(calls=None):
         return tuple(x.float() for x in chunk_grads_model(*tiles, rounding if low else None))
 
     return run
+
+
+def _all_emulated(monkeypatch, calls=None, chunk_calls=None, norm_calls=None):
+    """Kernel 1, kernel 2 and the q / k epilogue replaced by their emulations."""
+    monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel(calls))
+    monkeypatch.setattr(bwd, "_chunk_grads", emulated_chunk_kernel(chunk_calls))
+    monkeypatch.setattr(bwd, "_qk_grads", emulated_norm_kernel(norm_calls))
 
 
 def _inputs(b, t, h, hv=None, dk=16, dv=8, seed=0, strong=False, dtype=torch.float64):
@@ -180,14 +190,14 @@ def test_kernel_path_equals_the_interim_path(monkeypatch, b, t, h, hv, l2norm, w
     """fp32 tiles and the exact emulations: every gradient within 1e-4 of its max of the
     interim path's (T = 1, 63, 64, 65, 200; grouped heads; l2norm; g in [-5, -4] a step), pass
     3's output side on kernel 2 or in torch."""
-    calls, chunk_calls = [], []
-    monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel(calls))
-    monkeypatch.setattr(bwd, "_chunk_grads", emulated_chunk_kernel(chunk_calls))
+    calls, chunk_calls, norm_calls = [], [], []
+    _all_emulated(monkeypatch, calls, chunk_calls, norm_calls)
     monkeypatch.setattr(bwd, "CHUNK_IN_KERNEL", chunk_in_kernel)
     got, want = _interim_and_kernel(b, t, h, hv, l2norm=l2norm, with_h0=with_h0,
                                     with_dht=with_dht, strong=strong, seed=t)  # fmt: skip
     assert calls == [torch.float32, torch.float32]  # the forward states, the reverse pass
     assert chunk_calls == [torch.float32] * chunk_in_kernel
+    assert norm_calls == [(h, hv, l2norm)] * 2  # the epilogue: dq, then dk
     for name, a, r in zip(NAMES, got, want):
         _close(name, a, r, 1e-4)
 
@@ -200,9 +210,8 @@ def test_varlen_buckets_equal_the_interim_path(monkeypatch, lens, with_h0):
     sequences padded at their ends, one kernel-path call a bucket; fp32 tiles, the exact
     emulations) equal the interim path, empty sequences included (the state gradient passes
     through their padding)."""
-    calls, chunk_calls = [], []
-    monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel(calls))
-    monkeypatch.setattr(bwd, "_chunk_grads", emulated_chunk_kernel(chunk_calls))
+    calls, chunk_calls, norm_calls = [], [], []
+    _all_emulated(monkeypatch, calls, chunk_calls, norm_calls)
     n, t = len(lens), sum(lens)
     q, k, v, g, beta, do, _, _ = _inputs(1, t, 2, 4, seed=n, dtype=torch.float32)
     *_, h0, dht = _inputs(n, 1, 2, 4, seed=9, dtype=torch.float32)
@@ -214,15 +223,17 @@ def test_varlen_buckets_equal_the_interim_path(monkeypatch, lens, with_h0):
     buckets = len(varlen.buckets(lens))
     assert buckets > 1 or n == 2
     assert len(calls) == 2 * buckets and len(chunk_calls) == buckets
+    assert len(norm_calls) == 2 * buckets  # the q / k epilogue: dq, dk a bucket
     for name, a, r in zip(NAMES, got, want):
         _close(name, a, r, 1e-4)
 
 
 def test_head_passes_are_the_one_pass(monkeypatch):
-    """Value heads in passes (one q head's group a pass) give the one pass's gradients."""
-    monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel())
-    chunk_calls = []
-    monkeypatch.setattr(bwd, "_chunk_grads", emulated_chunk_kernel(chunk_calls))
+    """Value heads in passes (one q head's group a pass; their outputs concatenated) give the
+    one pass's gradients (no concatenation); the epilogue runs once for dq, once for dk either
+    way, on every value head."""
+    chunk_calls, norm_calls = [], []
+    _all_emulated(monkeypatch, chunk_calls=chunk_calls, norm_calls=norm_calls)
     one, _ = _interim_and_kernel(2, 70, 2, 4, l2norm=True, with_h0=True, with_dht=True,
                                  strong=False)  # fmt: skip
     monkeypatch.setattr(bwd, "TOKEN_HEADS_PER_PASS", 140 * 2)
@@ -231,8 +242,36 @@ def test_head_passes_are_the_one_pass(monkeypatch):
     passes, _ = _interim_and_kernel(2, 70, 2, 4, l2norm=True, with_h0=True, with_dht=True,
                                     strong=False)  # fmt: skip
     assert len(calls) == 4 and len(chunk_calls) == 1 + 2  # kernel 2 once a pass
+    assert norm_calls == [(2, 4, True)] * 4  # dq, dk: after the one pass, after the two
     for name, a, r in zip(NAMES, passes, one):
         torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("b", "t", "h", "hv", "l2norm"),
+    [(1, 65, 1, 1, True), (2, 63, 2, 4, True), (1, 200, 2, 2, False), (3, 65, 1, 2, False)],
+)
+def test_qk_epilogue_is_the_torch_one(monkeypatch, b, t, h, hv, l2norm):
+    """The q / k epilogue (`_qk_grads`, emulated: `qk_grad_model`) runs once for dq, once for
+    dk, at H heads from HV, on the op's q / k, and gives NORM_IN_KERNEL = False's torch
+    epilogue's gradients (dq, dk to 1e-5 of their max; the rest identical); both within 1e-4
+    of the interim path's."""
+    grads = {}
+    for on in (True, False):
+        norm_calls = []
+        _all_emulated(monkeypatch, norm_calls=norm_calls)
+        monkeypatch.setattr(bwd, "NORM_IN_KERNEL", on)
+        grads[on], want = _interim_and_kernel(b, t, h, hv, l2norm=l2norm, with_h0=True,
+                                              with_dht=True, strong=True, seed=t + 5)  # fmt: skip
+        assert norm_calls == ([(h, hv, l2norm)] * 2 if on else [])
+        for name, a, r in zip(NAMES, grads[on], want):
+            _close(name, a, r, 1e-4)
+    for i, (name, a, r) in enumerate(zip(NAMES, grads[True], grads[False])):
+        assert a.shape == r.shape and a.dtype == r.dtype, name
+        if i < 2:
+            _close(name, a, r, 1e-5)
+        else:
+            assert torch.equal(a, r), name
 
 
 # ---- the op with the switch on (bf16, the forward launcher stubbed as tests/test_kda_bwd_op)
@@ -244,8 +283,7 @@ def kernel_path(monkeypatch, request):
     calls = []
     monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
     monkeypatch.setattr(bwd, "KERNEL_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel(calls))
-    monkeypatch.setattr(bwd, "_chunk_grads", emulated_chunk_kernel())
+    _all_emulated(monkeypatch, calls)
     return calls
 
 

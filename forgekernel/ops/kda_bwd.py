@@ -33,13 +33,16 @@ factors (reference/kda_bwd.py's `_Factors`: no e^(-G), g down to about -5 a step
 tiles, pass 3's output side on kernel 2 (kernels/linear_attention/kda_bwd_chunk/sm90,
 `reference.kda_bwd_chunk` its model: `_output_grads` with KDA's per-channel dG finished on
 chip; CHUNK_IN_KERNEL = False: reference/kda_bwd.py's `_output_grads` in torch, the fallback),
-the WY half (`_wy_grads`) in torch, scale, l2norm, the group sum. Equal lengths known on the host
-(the explicit backward without cu_seqlens, one sequence, autograd of a call without cu_seqlens:
-the forward op's `batch` argument says B equal lengths; autograd's setup saves it, eager and
-under torch.compile alike) run with no host read (CUDA-graph capturable);
-several sequences behind a caller's cu_seqlens have their offsets read on the host (one sync,
-as the interim path's): equal lengths are a reshape, unequal ones run in buckets of similar
-lengths zero-padded at their ends (`_backward_varlen`, ops/_linattn_varlen.py).
+the WY half (`_wy_grads`) in torch; q / k normalized and scaled once at H heads (fp32: the torch
+factors read it); dq / dk's group sum, l2norm's backward, scale and cast on Gated DeltaNet's q /
+k epilogue kernel (kernels/linear_attention/gdn_bwd_norm/sm90, `_qk_grads`; NORM_IN_KERNEL =
+False: torch). Equal lengths known on the host (the explicit backward without cu_seqlens, one
+sequence, autograd of a call without cu_seqlens: the forward op's `batch` argument says B equal
+lengths; autograd's setup saves it, eager and under torch.compile alike) run with no host read
+(CUDA-graph capturable); several sequences behind a caller's cu_seqlens have their offsets read
+on the host (one sync, as the interim path's): equal lengths are a reshape, unequal ones run in
+buckets of similar lengths zero-padded at their ends (`_backward_varlen`,
+ops/_linattn_varlen.py).
 
 `kimi_delta_attention_backward` is the same backward for callers with their own autograd and
 for the suite's backward timing.
@@ -65,7 +68,12 @@ from forgekernel.ops._validate import (
     check_scale,
     check_shaped,
 )
-from forgekernel.reference.delta_rule_bwd import _l2norm, _l2norm_backward
+
+# Gated DeltaNet's q / k side, one mechanism for both ops (imported, unchanged): `_normalized`
+# (q / k normalized and scaled once at H heads), `_qk_grads` (the epilogue kernel
+# kernels/linear_attention/gdn_bwd_norm/sm90: group sum, l2norm's backward, scale, cast; the
+# CPU tests put its model on this module's name) and `_normalized_backward` (its torch form)
+from forgekernel.ops.gated_delta_rule_bwd import _normalized, _normalized_backward, _qk_grads
 from forgekernel.reference.gdn_bwd_state import (
     CHUNK,
     chunk_decay,
@@ -145,6 +153,10 @@ def _state_recurrence(do, pt, ke, qe, w, e_last, d_final_state):
 # on the kernel path; False: batched torch (the fallback if kernel 2 misbehaves on the GPU). The
 # WY half (`_wy_grads`) is torch either way.
 CHUNK_IN_KERNEL = True
+# The group sum, l2norm's backward, the scale and the cast of dq / dk on Gated DeltaNet's
+# epilogue kernel (`_qk_grads`, kernels/linear_attention/gdn_bwd_norm/sm90); False: torch
+# (`_normalized_backward`, the fallback).
+NORM_IN_KERNEL = True
 
 
 def _chunk_grads(do, u, du, q, k, h, dh, big_g):
@@ -201,42 +213,52 @@ def _chunk_pass(qs, ks, v, g, beta, do, h0, dht):
     return (*grads, dh0)
 
 
+def _normalized32(x, scale, l2norm):
+    """q / k (B, T, H, K) normalized and scaled once at H heads by Gated DeltaNet's
+    `_normalized`, in fp32: the torch factors (`_Factors`) read fp32 q / k (repeated to the
+    value heads a pass); without l2norm x is widened first (x scale rounded in fp32, not in
+    x's 16-bit dtype)."""
+    return _normalized(x if l2norm else x.float(), scale, l2norm, torch.float32)
+
+
 def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm,
                      batch) -> Grads:  # fmt: skip
     """The backward on kernel 1 (module docstring): flat tensors as `_backward_interim`'s
-    holding `batch` sequences of equal length. Grouped heads: q / k (normalized, scaled)
-    repeated to the value heads before the factors, dq / dk summed over each group after;
-    value heads in passes of reference/kda_bwd.py's TOKEN_HEADS_PER_PASS token-heads (two
-    kernel launches a pass). Gated DeltaNet's `_backward_kernel` with KDA's `_chunk_pass` and
-    no k_last (the two drivers are one function once GDN's path stops changing)."""
+    holding `batch` sequences of equal length. Grouped heads: q / k normalized and scaled once
+    at H heads in fp32 (`_normalized32`), repeated to the value heads a pass (not for HV = H)
+    before the factors; dq / dk summed over each group, through l2norm's backward and the
+    scale, in the input dtype on the epilogue kernel (`_qk_grads`, from the op's q / k; as
+    Gated DeltaNet's `_backward_device`; NORM_IN_KERNEL False: torch); value heads in passes of
+    reference/kda_bwd.py's TOKEN_HEADS_PER_PASS token-heads (two kernel-1 launches a pass), one
+    pass: no concatenation."""
     b, h, hv = batch, q.shape[1], v.shape[1]
     t, group = q.shape[0] // b, hv // h
 
     def seq(x):
         return x.reshape(b, t, *x.shape[1:])
 
-    qf, kf = seq(q).float(), seq(k).float()
-    qn, q_norm = _l2norm(qf) if l2norm else (qf, None)
-    kn, k_norm = _l2norm(kf) if l2norm else (kf, None)
+    qn = _normalized32(seq(q), scale, l2norm)
+    kn = _normalized32(seq(k), 1.0, l2norm)
     v_side = [seq(v).float(), seq(g).float(), seq(beta).float(), seq(do)]
     step = max(1, TOKEN_HEADS_PER_PASS // max(1, b * t * group))
     parts = []
     for first in range(0, h, step):  # passes over heads, not chunks
         qh, vh = slice(first, first + step), slice(first * group, (first + step) * group)
-        qs = (qn[:, :, qh] * scale).repeat_interleave(group, dim=2)
-        ks = kn[:, :, qh].repeat_interleave(group, dim=2)
+        qs, ks = (x[:, :, qh] if group == 1 else x[:, :, qh].repeat_interleave(group, dim=2)
+                  for x in (qn, kn))  # fmt: skip
         states = (None if x is None else x[:, vh].float().contiguous()
                   for x in (initial_state, d_final))  # fmt: skip
         parts.append(_chunk_pass(qs, ks, *(x[:, :, vh] for x in v_side), *states))
-    dqs, dks, dv, dg, dbeta, dh0 = (torch.cat(x, dim=1 if i == 5 else 2)
-                                    for i, x in enumerate(zip(*parts)))  # fmt: skip
-    dqn = dqs.unflatten(2, (h, group)).sum(3) * scale
-    dkn = dks.unflatten(2, (h, group)).sum(3)
-    dq = _l2norm_backward(qn, q_norm, dqn) if l2norm else dqn
-    dk = _l2norm_backward(kn, k_norm, dkn) if l2norm else dkn
-    flat = (x.flatten(0, 1).to(like.dtype) for x, like in zip((dq, dk, dv, dg, dbeta),
-                                                                (q, k, v, g, beta)))  # fmt: skip
-    return (*flat, dh0.contiguous())
+    del qn, kn
+    grads = parts[0] if len(parts) == 1 else [torch.cat(x, dim=1 if i == 5 else 2)
+                                              for i, x in enumerate(zip(*parts))]  # fmt: skip
+    del parts
+    dqs, dks, dv, dg, dbeta, dh0 = grads
+    epilogue = _qk_grads if NORM_IN_KERNEL else _normalized_backward
+    dq = epilogue(dqs, seq(q), scale, l2norm)
+    dk = epilogue(dks, seq(k), 1.0, l2norm)
+    rest = (x.flatten(0, 1).to(like.dtype) for x, like in zip((dv, dg, dbeta), (v, g, beta)))
+    return (dq.flatten(0, 1), dk.flatten(0, 1), *rest, dh0.contiguous())
 
 
 def _empty_grads(q, k, v, g, beta, cu_seqlens) -> Grads:

@@ -49,20 +49,24 @@ alloc_out = gdn_bwd.alloc_out
 
 
 def kernel_sources() -> list[Path]:
-    """The forward's sources, the kernel path's (kernels 1 and 2's sources, their batched
+    """The forward's sources, the kernel path's (kernels 1 and 2's sources, Gated DeltaNet's q /
+    k epilogue's and the GDN op module its helpers come from, the varlen buckets, their batched
     helpers: the default) and the interim backward's modules (the ledger key; it does not tell
     which path a run took)."""
     import forgekernel.ops._linattn_varlen as varlen
+    import forgekernel.ops.gated_delta_rule_bwd as gdn_op
     import forgekernel.ops.kda_bwd as bwd_op
     import forgekernel.reference.delta_rule_bwd as gdn_ref
+    import forgekernel.reference.gdn_bwd_norm as norm_ref
     import forgekernel.reference.gdn_bwd_state as state_ref
     import forgekernel.reference.kda_bwd as bwd_ref
     import forgekernel.reference.kda_bwd_chunk as chunk_ref
+    from forgekernel.kernels.linear_attention.gdn_bwd_norm.sm90 import SPEC as NORM_SPEC
     from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90 import SPEC as STATE_SPEC
     from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90 import SPEC as CHUNK_SPEC
 
-    modules = (bwd_op, varlen, bwd_ref, gdn_ref, state_ref, chunk_ref)
-    kernels = (*STATE_SPEC.sources, *CHUNK_SPEC.sources)
+    modules = (bwd_op, gdn_op, varlen, bwd_ref, gdn_ref, state_ref, chunk_ref, norm_ref)
+    kernels = (*STATE_SPEC.sources, *CHUNK_SPEC.sources, *NORM_SPEC.sources)
     return [*kda_prefill.SOURCES, *kernels, *(Path(m.__file__) for m in modules)]
 
 

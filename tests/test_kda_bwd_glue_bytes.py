@@ -1,0 +1,42 @@
+"""scripts/kda_bwd_glue_bytes.py (and gdn_bwd_glue_bytes.py's `Written` mode it imports) on a
+tiny shape: the KDA backward's torch glue is counted with the kernels stubbed (bytes, ops that
+write, matmul FLOPs, by source line and by the ops/ line that led there) and the stubs are put
+back; the GDN count gains the op and FLOP columns."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from script_modules import load_script
+
+kda = load_script("kda_bwd_glue_bytes")
+
+
+def test_kda_glue_counted_and_stubs_restored(capsys):
+    bwd = importlib.import_module("forgekernel.ops.kda_bwd")
+    names = ("_state_recurrence", "_chunk_grads", "_qk_grads", "CHUNK_IN_KERNEL")
+    before = [getattr(bwd, n) for n in names]
+    mode = kda.count(b=1, t=70, h=1, hv=2, dk=16, dv=16)
+    assert [getattr(bwd, n) for n in names] == before
+    assert sum(mode.by_site.values()) == sum(mode.by_caller.values()) > 0
+    assert sum(mode.launches.values()) == sum(mode.launches_by_caller.values()) > 50
+    assert sum(mode.flops.values()) == sum(mode.flops_by_caller.values()) > 0
+    callers = " ".join(mode.by_caller)
+    assert "ops/kda_bwd.py" in callers and "chunk_factors" in callers and "_wy_grads" in callers
+    # one head pass: no concatenation; the q / k epilogue on its (stubbed) kernel, not in torch
+    ours = [s for s in mode.by_site if "ops/kda_bwd.py" in s]
+    assert ours and not any("torch.cat" in s or "_l2norm" in s for s in ours)
+    assert not any("delta_rule_bwd.py" in s and "_l2norm" in s for s in mode.by_site)
+    # the torch fallback of pass 3 adds `_output_grads`' matmuls
+    torch_chunk = kda.count(b=1, t=70, h=1, hv=2, dk=16, dv=16, chunk_in_kernel=False)
+    assert sum(torch_chunk.flops.values()) > sum(mode.flops.values())
+    kda.main(["--t", "40", "--h", "1", "--hv", "1", "--top", "3", "--no-states"])
+    out = capsys.readouterr().out
+    assert "KB a token-head" in out and "aten ops that write" in out and "GFLOP" in out
+
+
+def test_gdn_count_has_ops_and_flops():
+    mode = kda.glue.count(b=1, t=64, h=1, hv=2, dtype=torch.bfloat16)
+    assert sum(mode.launches.values()) > 0
+    assert sum(mode.flops.values()) == 0  # GDN's path has no torch GEMM left
