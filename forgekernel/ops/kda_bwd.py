@@ -86,6 +86,7 @@ from forgekernel.reference.gdn_bwd_state import (
 from forgekernel.reference.kda_bwd import (
     TOKEN_HEADS_PER_PASS,
     _Factors,
+    _FirstPassFactors,
     _output_grads,
     _wy_grads,
     kimi_delta_attention_chunked_backward,
@@ -168,6 +169,37 @@ def _chunk_grads(do, u, du, q, k, h, dh, big_g):
     return kda_bwd_chunk(do, u, du, q, k, h, dh, big_g)
 
 
+# OPT-IN (off until measured on a GPU; docs/linear_attention/NOTES.md "KDA backward factors from
+# the forward's first pass?"): P, Qe, Ke, e^(G_C), W and u of the backward's factors from the
+# forward's first-pass kernel (`_first_pass`, one launch over every head) instead of torch
+# (`reference.kda_bwd._FirstPassFactors`), for tiles in FIRST_PASS_DTYPES (its operands are bf16).
+FACTORS_FROM_FIRST_PASS = False
+FIRST_PASS_DTYPES = (torch.bfloat16,)
+
+
+def _first_pass(q, k, g, beta, cu_seqlens, scale, seq_len):
+    """The KDA forward's first pass (kernels/linear_attention/kda_prefill/sm90 launch.py
+    `first_pass_kernel`, unchanged): q, k (B T, H, K) 16-bit unit rows where l2norm is on, g
+    (B T, HV, K), beta (B T, HV) fp32, B sequences of `seq_len` tokens -> its dict (rows
+    (B NC 64, HV, ...) bf16, decay (B NC, HV, K) fp32). The CPU tests put its torch model
+    (`operands.kda_chunk_operands`, same arguments) here."""
+    from forgekernel.kernels.linear_attention.kda_prefill.sm90.launch import first_pass_kernel
+
+    return first_pass_kernel(q, k, g, beta, cu_seqlens, scale, False, seq_len)
+
+
+def _first_pass_ops(q16, k16, g, beta, scale, b, t):
+    """`_first_pass` over every head of B equal sequences -> its token tiles as (B, NC C, HV,
+    D) and decay (B, NC, HV, K) (views)."""
+    cu = torch.arange(b + 1, dtype=torch.int32, device=q16.device) * t
+    ops = _first_pass(q16.flatten(0, 1), k16.flatten(0, 1), g.flatten(0, 1).contiguous(),
+                      beta.flatten(0, 1).contiguous(), cu, scale, t)  # fmt: skip
+    nc = -(-t // CHUNK)
+    out = {n: ops[n].unflatten(0, (b, nc * CHUNK)) for n in ("q_g", "k_g", "k_d", "t_beta", "p")}
+    out["decay"] = ops["decay"].unflatten(0, (b, nc))
+    return out
+
+
 def _kernel_path(q, v) -> bool:
     """The kernel path is selected (`kernel_selected`) and the call fits kernel 1: a CUDA
     tensor, 16-bit, (K, V) = (128, 128), at least one token and value head."""
@@ -176,13 +208,27 @@ def _kernel_path(q, v) -> bool:
             and (q.shape[2], v.shape[2]) in HEAD_DIMS)  # fmt: skip
 
 
-def _chunk_pass(qs, ks, v, g, beta, do, h0, dht):
+def _reverse_tiles(f, dtype):
+    """Kernel 1's reverse-launch tiles pt, ke, qe, w (token-major, `dtype`): the first pass's
+    ke, qe as it wrote them (`_FirstPassFactors`), the rest cast and laid out here."""
+    if isinstance(f, _FirstPassFactors):
+        pt = to_tokens(f.p.transpose(-1, -2).to(dtype))
+        ke, qe = (f.tokens[n].to(dtype).contiguous() for n in ("ke", "qe"))
+        return pt, ke, qe, to_tokens(f.w.to(dtype))
+    return tuple(to_tokens(x.to(dtype)) for x in (f.p.transpose(-1, -2), f.ke, f.qe, f.w))
+
+
+def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, ops=None):
     """Value heads of one pass, everything per value head: qs (scaled), ks (B, T, HV, K), v, do
     (B, T, HV, V), g (B, T, HV, K), beta (B, T, HV) fp32 except do (16-bit: the tiles' dtype);
-    h0, dht (B, HV, K, V) fp32 or None -> (dqs, dks (B, T, HV, K), dv, dg (B, T, HV, K), dbeta,
-    dh0) fp32."""
+    h0, dht (B, HV, K, V) fp32 or None; ops: this pass's heads of `_first_pass_ops` or None
+    (the factors in torch) -> (dqs, dks (B, T, HV, K), dv, dg (B, T, HV, K), dbeta, dh0) fp32."""
     t, dtype = qs.shape[1], do.dtype
-    f = chunk_factors(qs, ks, v, g, beta, _Factors)  # (B, NC, HV, C, ...) fp32, sub-chunked
+    if ops is None:  # (B, NC, HV, C, ...) fp32, sub-chunked
+        f = chunk_factors(qs, ks, v, g, beta, _Factors)
+    else:
+        nc = -(-t // CHUNK)
+        f = _FirstPassFactors(ops, *(to_chunks(x, nc) for x in (ks, v, g, beta)))
     nc = f.w.shape[1]
     fw = forward_state_tiles(f, dtype)  # e^(G_C) (B, NC, HV, K): S <- diag(e^(G_C)) S + ...
     du_fw, dh_fw, _ = _state_recurrence(*(fw[n] for n in ("do", "pt", "ke", "qe", "w")),
@@ -190,7 +236,7 @@ def _chunk_pass(qs, ks, v, g, beta, do, h0, dht):
     h, big_u = forward_states(du_fw, dh_fw)
     del fw, du_fw, dh_fw  # the peak: free launch 1's tiles and outputs before launch 2's
     do_c = to_chunks(do, nc)
-    tiles = (to_tokens(x.to(dtype)) for x in (f.p.transpose(-1, -2), f.ke, f.qe, f.w))
+    tiles = _reverse_tiles(f, dtype)
     du_t, dh_t, dh0 = _state_recurrence(to_tokens(do_c), *tiles, chunk_decay(f), dht)
     d_u = du_t.unflatten(1, (nc, CHUNK)).transpose(2, 3)
     dh = dh_t.transpose(-1, -2)  # dS (K, V) at every chunk's end
@@ -240,6 +286,10 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
     qn = _normalized32(seq(q), scale, l2norm)
     kn = _normalized32(seq(k), 1.0, l2norm)
     v_side = [seq(v).float(), seq(g).float(), seq(beta).float(), seq(do)]
+    ops = None
+    if FACTORS_FROM_FIRST_PASS and do.dtype in FIRST_PASS_DTYPES:  # the forward's 16-bit rows
+        q16, k16 = (x.to(do.dtype) for x in (qn, kn))  # q scaled already: the pass's scale 1
+        ops = _first_pass_ops(q16, k16, v_side[1], v_side[2], 1.0, b, t)
     step = max(1, TOKEN_HEADS_PER_PASS // max(1, b * t * group))
     parts = []
     for first in range(0, h, step):  # passes over heads, not chunks
@@ -248,7 +298,8 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
                   for x in (qn, kn))  # fmt: skip
         states = (None if x is None else x[:, vh].float().contiguous()
                   for x in (initial_state, d_final))  # fmt: skip
-        parts.append(_chunk_pass(qs, ks, *(x[:, :, vh] for x in v_side), *states))
+        mine = None if ops is None else {n: x[:, :, vh] for n, x in ops.items()}
+        parts.append(_chunk_pass(qs, ks, *(x[:, :, vh] for x in v_side), *states, ops=mine))
     del qn, kn
     grads = parts[0] if len(parts) == 1 else [torch.cat(x, dim=1 if i == 5 else 2)
                                               for i, x in enumerate(zip(*parts))]  # fmt: skip

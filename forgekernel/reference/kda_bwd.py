@@ -149,6 +149,39 @@ class _Factors:
         self.ke = k * self.e_to_end
 
 
+class _FirstPassFactors:
+    """`_Factors` (the fields kernel 1's two launches and `_wy_grads` read) with the pieces the
+    KDA forward's first pass writes taken from it (kernels/linear_attention/kda_prefill/sm90
+    `first_pass_kernel`, its torch model `operands.kda_chunk_operands`): P, Qe = q_g, Ke = k_d,
+    e^(G_C) = decay, and W = (T diag(beta)) Kg, u = (T diag(beta)) V from its t_beta and k_g
+    (two GEMMs for the triangular solve). Still in torch, for `_wy_grads`: G, the sub-chunk
+    factors, e^G, kb and M(k, k) (the first pass keeps A and T unscaled on chip).
+    `ops`: the first pass's outputs, token-major (B, NC C, HV, D) (its row layout for B equal
+    lengths: rows are to_tokens' rows); k, v, g, beta in chunks (B, NC, HV, C, ...), fp32."""
+
+    def __init__(self, ops, k, v, g, beta):
+        b, nc, hv, c, dk = k.shape
+
+        def chunks(x):  # token-major (B, NC C, HV, D) -> (B, NC, HV, C, D), a view
+            return x.unflatten(1, (nc, c)).transpose(2, 3)
+
+        self.k, self.v, self.beta = k, v, beta
+        big_g = g.cumsum(-2)
+        self.decay = _Decay(big_g)
+        self.e_g = big_g.exp()
+        self.e_last = ops["decay"].to(k.dtype)  # (B, NC, HV, K)
+        self.strict = torch.ones(c, c, dtype=torch.bool, device=k.device).tril(-1)
+        self.kk = self.decay.scores(k, k, strict=True)
+        self.lower = torch.eye(c, dtype=k.dtype, device=k.device) + beta.unsqueeze(-1) * self.kk
+        self.kb = beta.unsqueeze(-1) * k * self.e_g
+        t_beta = chunks(ops["t_beta"]).to(k.dtype)
+        self.w = t_beta @ chunks(ops["k_g"]).to(k.dtype)
+        self.u = t_beta @ v
+        self.p = chunks(ops["p"])  # the first pass's dtype (the tiles')
+        self.ke, self.qe = chunks(ops["k_d"]), chunks(ops["q_g"])
+        self.tokens = {"ke": ops["k_d"], "qe": ops["q_g"]}  # kernel 1's tiles as written
+
+
 def _states(f: _Factors, h0, steps):
     """Pass 1's recurrence: h (NC, HV, K, V) the state at every chunk's start, U (NC, HV, C, V)."""
     s = h0.clone()

@@ -335,3 +335,42 @@ def test_time_at_bench_size(kernel_path, monkeypatch, hv):
           f"(pass 3 in torch {torch_p3:.2f} ms, interim {interim:.2f} ms), kernel 1 "
           f"{' + '.join(f'{x:.3f}' for x in launches)} ms, kernel 2 "
           f"{' + '.join(f'{x:.3f}' for x in k2)} ms, peak {peak:.1f} GiB")  # fmt: skip
+
+
+# ---- opt-in: the factors' P, Qe, Ke, e^(G_C), W, u from the forward's first pass -------------
+
+
+@pytest.mark.parametrize("t", [1, 65, 1000])
+@pytest.mark.parametrize(("b", "h", "hv", "decay"),
+                         [(2, 2, 4, (-5.0, -4.0)), (3, 1, 2, (-5.0, 0.0))])  # fmt: skip
+def test_first_pass_factors(kernel_path, monkeypatch, t, b, h, hv, decay):
+    """`FACTORS_FROM_FIRST_PASS` (bf16; NOTES.md "KDA backward factors from the forward's first
+    pass?"): the first pass launched once, every gradient within 2e-2 of the fp64 backward and
+    1e-2 of the torch factors' path; the 1 x 2048 H16 times of both printed (`-s`)."""
+    q, k, v, g, beta, do, h0, dht = _problem(b, t, h, hv, torch.bfloat16, seed=t + 7,
+                                             l2norm=True, decay=decay)  # fmt: skip
+    inputs = (q, k, v, g, beta, do)
+    torch_factors = _run(inputs, h0=h0, dht=dht, l2norm=True)
+    monkeypatch.setattr(bwd, "FACTORS_FROM_FIRST_PASS", True)
+    first = []
+    real = bwd._first_pass
+    monkeypatch.setattr(bwd, "_first_pass", lambda *a: first.append(1) or real(*a))
+    got = _run(inputs, h0=h0, dht=dht, l2norm=True)
+    assert first == [1] and len(kernel_path) == 4
+    want = _reference(inputs, h0=h0, dht=dht, l2norm=True)
+    for name, a, r, f in zip(NAMES, got, want, torch_factors):
+        _close(name, a, r)
+        _close(name + " vs torch factors", a, f.double(), KERNEL_TOL)
+    if (t, b) != (1000, 2):
+        return
+    args = _problem(1, 2048, 16, 16, torch.bfloat16, seed=5, l2norm=True)
+    kw = {"initial_state": args[6], "d_final_state": args[7], "use_qk_l2norm_in_kernel": True}
+    monkeypatch.setattr(bwd, "_first_pass", real)
+    times = {}
+    for on in (False, True):
+        monkeypatch.setattr(bwd, "FACTORS_FROM_FIRST_PASS", on)
+        call = lambda: forgekernel.kimi_delta_attention_backward(*args[:6], **kw)  # noqa: E731
+        call()
+        times[on] = median(time_ms(call, reps=10))
+    print(f"\nKDA backward 1 x 2048 h16 bf16: torch factors {times[False]:.3f} ms, first-pass "
+          f"factors {times[True]:.3f} ms")  # fmt: skip

@@ -1,0 +1,97 @@
+"""KDA's backward with its factors' P, Qe, Ke, e^(G_C), W and u from the forward's first pass
+(ops/kda_bwd.py FACTORS_FROM_FIRST_PASS, opt-in; `reference.kda_bwd._FirstPassFactors`) on the
+CPU: the first-pass kernel replaced by its torch model (`operands.kda_chunk_operands`, the
+kernel's yardstick), kernels 1 and 2 by tests/test_kda_bwd_kernel_path.py's emulations. With
+32-bit operands (the model's OPERAND_DTYPE and FIRST_PASS_DTYPES widened to fp32) the path
+equals the interim path to fp32 tolerance (so the field map is right: layouts, scaling, chunk
+order, head passes); in bf16 it stays within 2e-2 of autograd through the fp64 recurrence and
+within 1e-2 of the torch factors' path."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from test_kda_bwd_kernel_path import (
+    NAMES,
+    _all_emulated,
+    _bf16_problem,
+    _close,
+    _fp64_grads,
+    _interim_and_kernel,
+    kernel_path,  # noqa: F401  (the fixture)
+)
+from test_kda_bwd_op import cpu_forward  # noqa: F401  (the fixture)
+
+from forgekernel.kernels.linear_attention.kda_prefill.sm90 import operands
+
+bwd = importlib.import_module("forgekernel.ops.kda_bwd")
+
+
+def emulated_first_pass(calls):
+    """The first pass's stand-in: its torch model on the launcher's arguments (l2norm off: the
+    backward hands it unit rows), B equal lengths known on the host."""
+
+    def run(q, k, g, beta, cu_seqlens, scale, seq_len):
+        assert q.dtype == k.dtype and g.dtype == beta.dtype == torch.float32
+        assert cu_seqlens.dtype == torch.int32 and seq_len > 0
+        calls.append((q.dtype, tuple(q.shape), g.shape[1]))
+        return operands.kda_chunk_operands(q, k, g, beta, cu_seqlens, scale, False, seq_len)
+
+    return run
+
+
+@pytest.mark.parametrize(
+    ("b", "t", "h", "hv", "l2norm", "strong", "passes"),
+    [
+        (1, 1, 1, 1, False, False, False),
+        (2, 63, 2, 2, True, False, False),
+        (1, 64, 1, 2, False, True, False),
+        (3, 65, 2, 4, True, True, False),
+        (2, 200, 1, 2, True, False, False),
+        (2, 70, 2, 4, True, False, True),
+    ],
+)
+def test_first_pass_factors_equal_the_interim_path(monkeypatch, b, t, h, hv, l2norm, strong,
+                                                   passes):  # fmt: skip
+    """32-bit operands: every gradient within 1e-4 of its max of the interim path's, the first
+    pass launched once over every head (value heads in passes included), kernel 1 twice a pass."""
+    first, calls = [], []
+    monkeypatch.setattr(bwd, "FACTORS_FROM_FIRST_PASS", True)
+    monkeypatch.setattr(bwd, "FIRST_PASS_DTYPES", (torch.float32,))
+    monkeypatch.setattr(operands, "OPERAND_DTYPE", torch.float32)
+    monkeypatch.setattr(bwd, "_first_pass", emulated_first_pass(first))
+    _all_emulated(monkeypatch, calls)
+    if passes:
+        monkeypatch.setattr(bwd, "TOKEN_HEADS_PER_PASS", b * t * (hv // h))
+    got, want = _interim_and_kernel(b, t, h, hv, l2norm=l2norm, with_h0=True, with_dht=True,
+                                    strong=strong, seed=t)  # fmt: skip
+    assert first == [(torch.float32, (b * t, h, 16), hv)]
+    assert len(calls) == 2 * (h if passes else 1)
+    for name, a, r in zip(NAMES, got, want):
+        _close(name, a, r, 1e-4)
+
+
+@pytest.mark.parametrize("decay", [(-1.0, 0.0), (-5.0, -4.0)])
+def test_first_pass_factors_in_bf16(kernel_path, monkeypatch, decay):  # noqa: F811
+    """bf16 (the first pass's operands, kernel 1's tiles): within 2e-2 of autograd through the
+    fp64 recurrence and within 1e-2 of the torch factors' path; the switch off never launches
+    the first pass, fp16 tiles neither (FIRST_PASS_DTYPES)."""
+    (q, k, v, g, beta, h0), do, dht = _bf16_problem(2, 130, 1, 2, decay=decay, seed=5)
+    kw = {"initial_state": h0, "d_final_state": dht, "use_qk_l2norm_in_kernel": True}
+    first = []
+    monkeypatch.setattr(bwd, "_first_pass", emulated_first_pass(first))
+    torch_factors = bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, **kw)
+    assert first == []
+    monkeypatch.setattr(bwd, "FACTORS_FROM_FIRST_PASS", True)
+    got = bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, **kw)
+    assert first == [(torch.bfloat16, (260, 1, 128), 2)]
+    assert kernel_path == [torch.bfloat16] * 4
+    want = _fp64_grads([q, k, v, g, beta, h0], None, do, dht, l2norm=True)
+    for name, a, t, r in zip(NAMES, got, torch_factors, want):
+        _close(name, a, r, 2e-2)
+        _close(name, a, t, 1e-2)
+    half = [x.half() if x.dtype == torch.bfloat16 else x for x in (q, k, v, g, beta, do)]
+    bwd.kimi_delta_attention_backward(*half, **kw)
+    assert len(first) == 1
