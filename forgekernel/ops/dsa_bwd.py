@@ -32,9 +32,11 @@ the suite's median then (docs/attention/DSA_BWD_NOTES.md; "Torch around the kern
 form, CPU only so far).
 Elsewhere, or with FORGEKERNEL_DSA_BWD_KERNEL=0, the INTERIM PATH: the reference's chunked
 backward in fp32 on the GPU with torch ops (`_backward_interim`: chunks of queries whose
-gathered rows and scores fit INTERIM_CHUNK_ELEMENTS, dkv by index_add). Both paths: an eager
-call reads the indices' max on the host, one sync, and raises the same ValueError for an index
-past the cache's slots; under CUDA-graph capture that check is skipped and nothing is read back.
+gathered rows and scores fit INTERIM_CHUNK_ELEMENTS, dkv by index_add). Indices: the kernel
+path reads none on the host (no sync a call, as the forward): its kernels skip an entry past the
+cache's slots as they skip -1 padding (the forward's contract: entries below the slots). The
+interim path reads the largest on the host (one sync) and raises ValueError for one past the
+slots; under CUDA-graph capture that check is skipped and nothing is read back.
 The kernel's dkv sums by fp32 atomics: not bitwise repeatable.
 
 `dsa_sparse_attention_backward` is the same backward for callers with their own autograd (the
@@ -129,13 +131,13 @@ def _backward_kernel(q_nope, q_pe, ckv, kpe, sparse_indices, scale, out, lse, do
     """The v1 kernel's backward, None where `launch.unsupported` declines the inputs. q and
     the cache as (S, H, 576) / (slots, 576) rows (`_rows`: v1 reads one row each); the
     preprocess by its kernel (kernels/attention/dsa_sparse_bwd_pre/sm90) where it takes out /
-    dO, else in torch (the launcher's); dkv cast to q's dtype once."""
+    dO, else in torch (the launcher's); dkv cast to q's dtype once. No index is read on the
+    host (no sync a call; before 2026-12-06 the largest entry was, to raise on one >= the
+    cache's slots): the kernels skip such an entry as they skip -1 padding."""
     q, kv = _rows(q_nope, q_pe, ckv, kpe)
     idx = sparse_indices
     if kernel_launch.unsupported(q, kv, idx) is not None:
         return None
-    if not _capturing(q) and idx.numel() and int(idx.max()) >= kv.shape[0]:
-        raise ValueError(f"sparse_indices: an entry is >= the cache's {kv.shape[0]} slots")
     pre = None
     if pre_launch.unsupported(out, dout) is None:
         pre = pre_launch.preprocess(out, dout, lse, dlse, attn_sink)
