@@ -42,6 +42,7 @@ case $mode in
       grep -v "UserWarning\|exe_args\|^forgekernel: compiling" "/tmp/probes/$name.log" | tail -30
       tar -cf "${OUT:-/tmp/forgekernel-out}/probes.tar" -C /tmp/probes .
     done
+    bash scripts/comparator_caches.sh pack "${OUT:-/tmp/forgekernel-out}" || true
     ;;
   benches)
     CHECK=0 BENCH_TIMEOUT=${BENCH_TIMEOUT:-150} STREAM_TIMEOUT=$left bash scripts/device_streams.sh "$*"

@@ -27,6 +27,10 @@ fk_setup() {
   else  # installed by an earlier call of this host
     export PYTHONPATH=/root/wheels-site:/root/wheels-site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
   fi
+  # the comparators' autotuning results of earlier hosts (.device-cache, carried; packed back by
+  # device_streams.sh): no re-tuning inside a bench's first calls (scripts/comparator_caches.sh)
+  export TRITON_CACHE_AUTOTUNING=1
+  bash scripts/comparator_caches.sh restore || true
   export KERNELS=/root/fk-kernels FORGEKERNEL_KERNEL_DIR=/root/fk-kernels
   export FORGEKERNEL_PENDING_SUITES=1 PYTHONPATH=$PWD:$PYTHONPATH
   # every kernel the call's processes load, one JSON line each (runtime/cache.py): it comes back

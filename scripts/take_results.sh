@@ -45,4 +45,7 @@ for name, params in read_keylog(sys.argv[1]):
 " "$call"
   rm -f "$call"
 fi
+# the comparators' autotuning results (scripts/comparator_caches.sh): .device-cache, git-ignored,
+# carried by the next session's calls
+bash "$root/scripts/comparator_caches.sh" take "$src" || true
 git -C "$root" status --short benchmarks
