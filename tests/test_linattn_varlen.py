@@ -17,6 +17,7 @@ def _check(lens, groups, waste=varlen.WASTE):
         widths = [varlen.chunks(lens[i]) for i in g]
         assert widths == sorted(widths, reverse=True)
         assert len(g) * widths[0] <= waste * sum(widths)
+        assert widths[-1] * varlen.SPREAD >= widths[0]
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -31,6 +32,8 @@ def test_buckets_of_the_suites_forms():
     assert varlen.buckets([600] + [1] * 10) == [[0], list(range(1, 11))]  # one long, many short
     assert len(varlen.buckets([64 * 2**i for i in range(9)])) == 5  # doublings: in pairs
     assert len(varlen.buckets([0, 0, 1])) == 1  # empty sequences pad to one chunk
+    # two long sequences' slack does not take a short one (the suites' mix64 before SPREAD)
+    assert varlen.buckets([12297, 12296, 141, 130]) == [[0, 1], [2, 3]]
 
 
 def test_padding_round_trip():

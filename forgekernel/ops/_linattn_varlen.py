@@ -24,6 +24,9 @@ CHUNK = 64  # the kernels' chunk (tokens)
 # padded chunks / real chunks a bucket may reach: each bucket is one more pass of launches
 # (host ~0.6 ms a call, 2026-12-06) against at most WASTE - 1 of its chunks' time in padding
 WASTE = 1.5
+# and its longest / its shortest sequence (chunks): the slack two long sequences leave must not
+# pad a short one to their length (the suites' mix64: 3 chunks padded to 193)
+SPREAD = 4
 
 
 def chunks(length: int) -> int:
@@ -35,14 +38,18 @@ def chunks(length: int) -> int:
 def buckets(lens: Sequence[int], waste: float = WASTE) -> list[list[int]]:
     """The sequences (indices into `lens`) grouped for padding: sorted longest first, a bucket
     opened by its longest sequence (m chunks) takes the next ones while (its size) x m <=
-    `waste` x (its sequences' chunks). Every index once; a bucket's sequences longest first."""
+    `waste` x (its sequences' chunks) and each has at least m / SPREAD chunks. Every index
+    once; a bucket's sequences longest first."""
     order = sorted(range(len(lens)), key=lambda i: -lens[i])
     out: list[list[int]] = []
     i = 0
     while i < len(order):
         width, real, j = chunks(lens[order[i]]), 0, i
-        while j < len(order) and (j - i + 1) * width <= waste * (real + chunks(lens[order[j]])):
-            real += chunks(lens[order[j]])
+        while j < len(order):
+            c = chunks(lens[order[j]])
+            if (j - i + 1) * width > waste * (real + c) or c * SPREAD < width:
+                break
+            real += c
             j += 1
         out.append(order[i:j])
         i = j
