@@ -120,3 +120,39 @@ def test_interim_variant_takes_the_interim_path(cpu, monkeypatch):
     out, cmps = verify(gdn_bwd.suite(), inputs, torch.device("cpu"), run=gdn_bwd.run_interim)
     assert taken == [1] and all(c.ok for c in cmps), [c.message for c in cmps]
     assert bwd_op.kernel_selected()
+
+
+@pytest.mark.parametrize(
+    ("version", "major", "refused"),
+    [
+        ("3.6.0", 9, True),
+        ("3.4.0", 9, True),
+        ("3.7.1", 9, False),
+        ("3.6.0", 8, False),
+        ("3.3.1", 9, False),
+    ],
+)
+def test_fla_refusal_known_before_its_first_call(monkeypatch, version, major, refused):
+    """In this process fla's gated backward refuses triton >= 3.4.0, < 3.7.1 on Hopper: the
+    comparator says so at its first call, without running (and autotuning) fla's forward."""
+    import sys
+    from types import SimpleNamespace
+
+    monkeypatch.setitem(sys.modules, "triton", SimpleNamespace(__version__=version))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (major, 0))
+    monkeypatch.delenv(gdn_bwd.TRITON_SITE_ENV, raising=False)
+    why = gdn_bwd.fla_refusal()
+    assert (why is not None) == refused
+    ran = []
+    monkeypatch.setattr(gdn_bwd, "fla_backward", lambda: lambda inputs: ran.append(1))
+    comp = gdn_bwd._fla()
+    if refused:
+        assert "fla #640" in why and gdn_bwd.TRITON_SITE_ENV in why
+        with pytest.raises(RuntimeError, match="refuses its gated backward"):
+            comp({})
+        assert ran == []
+    else:
+        comp({})
+        assert ran == [1]
+    monkeypatch.setattr(gdn_bwd, "fla_backward", lambda: None)
+    assert gdn_bwd._fla() is None  # fla not installed: missing, whatever triton says

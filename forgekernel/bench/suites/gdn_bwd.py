@@ -260,10 +260,35 @@ def triton_sidecar(label: str, runner: str) -> Sidecar:
     return Sidecar(label, runner, TRITON_SITE_ENV, INPUT_KEYS)
 
 
+def fla_refusal() -> str | None:
+    """Why fla 0.6.0's gated backward will refuse this process (triton >= 3.4.0, < 3.7.1 on
+    Hopper, fla #640), else None. Known before its first call: that call would run (and
+    autotune) fla's forward first, ~100 s on a fresh host (2026-12-06, H100), then raise."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    version = tuple(int(x) for x in triton.__version__.split("+")[0].split(".")[:3])
+    if (3, 4, 0) <= version < (3, 7, 1) and torch.cuda.get_device_capability()[0] == 9:
+        return (f"fla-core 0.6.0 refuses its gated backward on Hopper with triton "
+                f"{triton.__version__} (>= 3.4.0, < 3.7.1: fla #640); set {TRITON_SITE_ENV} to a "
+                "site holding triton 3.7.1 (scripts/side_wheels.sh tri)")  # fmt: skip
+    return None
+
+
+def _refused(why: str) -> Callable[[Inputs], tuple]:
+    def run(inputs: Inputs):
+        raise RuntimeError(why)
+
+    return run
+
+
 def _fla():
     if os.environ.get(TRITON_SITE_ENV):
         return triton_sidecar("fla-core 0.6.0 on triton 3.7.1", f"{__name__}:fla_backward")
-    return fla_backward()
+    run = fla_backward()
+    why = fla_refusal() if run is not None else None
+    return _refused(why) if why else run
 
 
 def comparators() -> dict[str, Any]:
