@@ -166,13 +166,16 @@ def reference(inputs: Inputs) -> tuple:
 
 def reference_gradients(recurrent: Callable, chunked_backward: Callable, inputs: Inputs) -> tuple:
     """fp64 gradients: autograd through the fp64 recurrence up to RECURRENT_UP_TO tokens, the
-    fp64 chunked backward above (shared with kda_bwd, whose recurrence and backward differ)."""
+    fp64 chunked backward above (shared with kda_bwd, whose recurrence and backward differ),
+    one q head's value heads a pass (8 x 32768 tokens in passes of 2^21 token-heads ran the
+    80 GB H100 out of memory, 2026-12-06)."""
     i = inputs
     n_out = len(_likes(i))
     if i["q"].shape[1] > RECURRENT_UP_TO:
         grads = chunked_backward(
             i["q"], i["k"], i["v"], i["g"], i["beta"], i["do"], initial_state=i["state"],
             d_final_state=i["d_final"], cu_seqlens=i["cu_seqlens_long"], dtype=torch.float64,
+            heads_per_pass=1,
         )  # fmt: skip
         return grads[:n_out]
     leaves = [x.double().requires_grad_() for x in _likes(i)]
