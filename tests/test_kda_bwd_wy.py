@@ -115,3 +115,47 @@ def test_tail_past_t_carries_nothing():
     assert all(torch.isfinite(x).all() for x in ours)
     for name, a, ref in zip(NAMES, ours, reference(p)):
         assert rel(a, ref) < 1e-10, name
+
+
+def _tiles(dtype=torch.bfloat16, b=1, t=70, hv=2, kd=128, vd=128):
+    def z(*shape, dt=dtype):
+        return torch.zeros(*shape, dtype=dt)
+
+    return [z(b, t, hv, kd), z(b, t, hv, vd), z(b, t, hv, 64), z(b, t, hv, kd), z(b, t, hv, kd),
+            z(b, t, hv, vd), z(b, t, hv, vd), z(b, t, hv, dt=torch.float32),
+            z(b, t, hv, kd, dt=torch.float32)]  # fmt: skip
+
+
+def test_launcher_checks():
+    from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.launch import check_inputs
+
+    assert check_inputs(*_tiles()) == (1, 70, 2)
+    bad = _tiles()
+    bad[2] = bad[2][..., :32]  # T^T must be 64 wide
+    with pytest.raises(ValueError, match="tt must be"):
+        check_inputs(*bad)
+    bad = _tiles()
+    bad[4] = bad[4].half()
+    with pytest.raises(TypeError, match="k must be"):
+        check_inputs(*bad)
+    bad = _tiles()
+    bad[7] = bad[7].double()
+    with pytest.raises(ValueError, match="beta must be float32"):
+        check_inputs(*bad)
+    with pytest.raises(ValueError, match=r"\(K, V\)"):
+        check_inputs(*_tiles(kd=64))
+    with pytest.raises(TypeError, match="dw must be"):
+        check_inputs(*_tiles(dtype=torch.float32))
+
+
+def test_wy_tiles_layouts():
+    """The kernel's inputs: token-major, T^T's row j of a chunk column j of T (L T = I)."""
+    p = problem(1, 70, 2, g_range=(-5.0, -4.0), seed=2)
+    f, dw, d_u, g = p
+    dw16, du, tt, w, k, u, v, beta, big_g = wy_tiles(f, dw, d_u, g, torch.bfloat16)
+    assert tt.shape == (1, 70, 2, 64) and tt.dtype == torch.bfloat16
+    assert beta.shape == (1, 70, 2) and big_g.dtype == torch.float64
+    t_exact = wy_tiles(f, dw, d_u, g, torch.float64)[2]
+    chunk = to_chunks(t_exact, 2).transpose(-1, -2)  # T
+    eye = torch.eye(64, dtype=torch.float64)
+    assert torch.allclose(f.lower[:, 0] @ chunk[:, 0], eye.expand(1, 2, 64, 64), atol=1e-10)
