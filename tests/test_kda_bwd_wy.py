@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from forgekernel.reference.gdn_bwd_state import chunk_factors, to_chunks, to_tokens
 from forgekernel.reference.kda_bwd import _Factors, _wy_grads
+from forgekernel.reference.kda_bwd_chunk import cumulative_decay
 from forgekernel.reference.kda_bwd_wy import wy_grads_model, wy_tiles
 
 NAMES = ("dk", "dv", "dg", "dbeta")
@@ -53,7 +54,8 @@ def emulate(p, dtype, arith=torch.float64):
     """The kernel's outputs on p's inputs in `dtype`, computed in `arith` (16-bit dtypes: the
     on-chip operands rounded as the kernel rounds them)."""
     f, dw, d_u, g = p
-    tiles = [x.to(arith) for x in wy_tiles(f, dw, d_u, g, dtype)]
+    big_g = cumulative_decay(g, f.w.shape[1])
+    tiles = [x.to(arith) for x in wy_tiles(f, dw, d_u, big_g, dtype)]
     low = dtype in (torch.float16, torch.bfloat16)
     dk, dv, dg, dbeta = wy_grads_model(*tiles, dtype if low else None)
     return dk, dv, dg, dbeta.unsqueeze(-1)
@@ -152,10 +154,11 @@ def test_wy_tiles_layouts():
     """The kernel's inputs: token-major, T^T's row j of a chunk column j of T (L T = I)."""
     p = problem(1, 70, 2, g_range=(-5.0, -4.0), seed=2)
     f, dw, d_u, g = p
-    dw16, du, tt, w, k, u, v, beta, big_g = wy_tiles(f, dw, d_u, g, torch.bfloat16)
+    big_g = cumulative_decay(g, 2)
+    dw16, du, tt, w, k, u, v, beta, _ = wy_tiles(f, dw, d_u, big_g, torch.bfloat16)
     assert tt.shape == (1, 70, 2, 64) and tt.dtype == torch.bfloat16
-    assert beta.shape == (1, 70, 2) and big_g.dtype == torch.float64
-    t_exact = wy_tiles(f, dw, d_u, g, torch.float64)[2]
+    assert beta.shape == (1, 70, 2) and beta.dtype == torch.float64
+    t_exact = wy_tiles(f, dw, d_u, big_g, torch.float64)[2]
     chunk = to_chunks(t_exact, 2).transpose(-1, -2)  # T
     eye = torch.eye(64, dtype=torch.float64)
     assert torch.allclose(f.lower[:, 0] @ chunk[:, 0], eye.expand(1, 2, 64, 64), atol=1e-10)

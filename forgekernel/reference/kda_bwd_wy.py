@@ -35,18 +35,17 @@ import torch
 
 from forgekernel.reference.delta_rule_bwd import _solve_lower
 from forgekernel.reference.gdn_bwd_state import CHUNK, to_chunks, to_tokens
-from forgekernel.reference.kda_bwd_chunk import NS, cumulative_decay, sub_chunk_decays
+from forgekernel.reference.kda_bwd_chunk import NS, sub_chunk_decays
 from forgekernel.reference.kda_chunked import SUB_CHUNK
 
 
-def wy_tiles(f, dw, d_u, g, dtype) -> tuple[torch.Tensor, ...]:
+def wy_tiles(f, dw, d_u, big_g, dtype) -> tuple[torch.Tensor, ...]:
     """The WY kernel's inputs: f reference/kda_bwd.py's `_Factors` of every chunk (B, NC, HV,
     C, ...), dw (B, T, HV, K) token-major (kernel 2's output), d_u (B, NC, HV, C, V) chunked
-    (kernel 1's), g (B, T, HV, K) -> (dw, du, tt (B, T, HV, C): row j of a chunk is column j of
-    T = L^-1, w, k (B, T, HV, K), u, v (B, T, HV, V)) in `dtype`, contiguous; beta (B, T, HV)
-    and G (B, T, HV, K) fp32 (fp64 for fp64 g)."""
-    t, nc = g.shape[1], f.w.shape[1]
-    wide = torch.promote_types(g.dtype, torch.float32)
+    (kernel 1's), big_g (B, T, HV, K) `kda_bwd_chunk.cumulative_decay`'s G (kernel 2's input)
+    -> (dw, du, tt (B, T, HV, C): row j of a chunk is column j of T = L^-1, w, k (B, T, HV, K),
+    u, v (B, T, HV, V)) in `dtype`, contiguous; beta (B, T, HV) in G's dtype, G itself."""
+    t = big_g.shape[1]
     eye = torch.eye(CHUNK, dtype=f.lower.dtype, device=f.lower.device)
     big_t = _solve_lower(f.lower, eye.expand_as(f.lower))
 
@@ -55,8 +54,8 @@ def wy_tiles(f, dw, d_u, g, dtype) -> tuple[torch.Tensor, ...]:
 
     chunked = (d_u, big_t.transpose(-1, -2), f.w, f.k, f.u, f.v)
     du, tt, w, k, u, v = (tok(x) for x in chunked)
-    beta = to_tokens(f.beta.to(wide).unsqueeze(-1))[:, :t, :, 0].contiguous()
-    return (dw.to(dtype).contiguous(), du, tt, w, k, u, v, beta, cumulative_decay(g, nc))
+    beta = to_tokens(f.beta.to(big_g.dtype).unsqueeze(-1))[:, :t, :, 0].contiguous()
+    return (dw.to(dtype).contiguous(), du, tt, w, k, u, v, beta, big_g)
 
 
 def _ident(x: torch.Tensor) -> torch.Tensor:
