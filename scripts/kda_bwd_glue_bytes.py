@@ -1,13 +1,14 @@
 """The bytes, aten ops and matmul FLOPs of the torch glue of Kimi Delta Attention's backward
 kernel path (ops/kda_bwd.py `_backward_kernel` / `_chunk_pass`), counted on the CPU by
 scripts/gdn_bwd_glue_bytes.py's `Written` mode, with the kernels (1: `_state_recurrence` x 2,
-`channel_decay`; 2: `_chunk_grads`; the q / k epilogue `_qk_grads`, Gated DeltaNet's
-gdn_bwd_norm) replaced by stubs that allocate their outputs of the launchers' shapes and dtypes
-uncounted. Everything is per token-head (token x value head) and grouped by
-the forgekernel source line that called the op.
+`channel_decay`; 2: `_chunk_grads`; the WY kernel `_wy_kernel` with --wy-kernel; the q / k
+epilogue `_qk_grads`, Gated DeltaNet's gdn_bwd_norm) replaced by stubs that allocate their
+outputs of the launchers' shapes and dtypes uncounted. Everything is per token-head (token x
+value head) and grouped by the forgekernel source line that called the op.
 
     python3 scripts/kda_bwd_glue_bytes.py            # 1 x 2048, H = HV = 16, bf16, l2norm
     python3 scripts/kda_bwd_glue_bytes.py --t 256 --h 2 --hv 4 --no-l2norm
+    python3 scripts/kda_bwd_glue_bytes.py --wy-kernel   # WY_IN_KERNEL: the WY half stubbed
 
 Runs against whichever forgekernel is on PYTHONPATH."""
 
@@ -35,10 +36,10 @@ glue = _glue()
 
 
 @contextlib.contextmanager
-def stub_kernels(chunk_in_kernel: bool = True):
-    """Kernels 1 and 2 and the q / k epilogue as stubs giving zero outputs of the launchers'
-    shapes and dtypes (uncounted); `chunk_in_kernel` False: pass 3's output side in torch
-    (CHUNK_IN_KERNEL's fallback)."""
+def stub_kernels(chunk_in_kernel: bool = True, wy_in_kernel: bool = False):
+    """Kernels 1 and 2, the WY kernel and the q / k epilogue as stubs giving zero outputs of
+    the launchers' shapes and dtypes (uncounted); `chunk_in_kernel` False: pass 3's output side
+    in torch (CHUNK_IN_KERNEL's fallback); `wy_in_kernel`: WY_IN_KERNEL (its tiles counted)."""
     bwd = importlib.import_module("forgekernel.ops.kda_bwd")
 
     def state(do, pt, ke, qe, w, e_last, dht):
@@ -51,14 +52,20 @@ def stub_kernels(chunk_in_kernel: bool = True):
         b, t, hv, dk = q.shape
         return tuple(torch.zeros(b, t, hv, dk) for _ in range(4))
 
+    def wy(dw, du, tt, w, k, u, v, beta, big_g):
+        b, t, hv, dk = dw.shape
+        return (torch.zeros(b, t, hv, dk), torch.zeros(b, t, hv, du.shape[-1]),
+                torch.zeros(b, t, hv, dk), torch.zeros(b, t, hv))  # fmt: skip
+
     def qk(dxs, x, scale, l2norm):
         return torch.zeros_like(x)
 
-    names = ("_state_recurrence", "_chunk_grads", "_qk_grads", "CHUNK_IN_KERNEL")
+    names = ("_state_recurrence", "_chunk_grads", "_wy_kernel", "_qk_grads", "CHUNK_IN_KERNEL",
+             "WY_IN_KERNEL")  # fmt: skip
     saved = {n: getattr(bwd, n) for n in names}
     bwd._state_recurrence, bwd._chunk_grads = glue._quiet(state), glue._quiet(chunk)
-    bwd._qk_grads = glue._quiet(qk)
-    bwd.CHUNK_IN_KERNEL = chunk_in_kernel
+    bwd._wy_kernel, bwd._qk_grads = glue._quiet(wy), glue._quiet(qk)
+    bwd.CHUNK_IN_KERNEL, bwd.WY_IN_KERNEL = chunk_in_kernel, wy_in_kernel
     try:
         yield bwd
     finally:
@@ -67,7 +74,7 @@ def stub_kernels(chunk_in_kernel: bool = True):
 
 
 def count(b=1, t=2048, h=16, hv=16, l2norm=True, dtype=torch.bfloat16, with_states=True,
-          chunk_in_kernel=True, dk=128, dv=128):  # fmt: skip
+          chunk_in_kernel=True, dk=128, dv=128, wy_in_kernel=False):  # fmt: skip
     """`_backward_kernel` on flat inputs (g per key channel in [-1, 0)) under `Written`."""
     gen = torch.Generator().manual_seed(0)
 
@@ -80,7 +87,7 @@ def count(b=1, t=2048, h=16, hv=16, l2norm=True, dtype=torch.bfloat16, with_stat
     beta = torch.rand(b * t, hv, generator=gen).to(dtype)
     s0 = rnd(b, hv, dk, dv, dt=torch.float32) if with_states else None
     ds = rnd(b, hv, dk, dv, dt=torch.float32) if with_states else None
-    with stub_kernels(chunk_in_kernel) as bwd, glue.Written() as mode:
+    with stub_kernels(chunk_in_kernel, wy_in_kernel) as bwd, glue.Written() as mode:
         bwd._backward_kernel(q, k, v, g, beta, s0, do, ds, dk**-0.5, l2norm, b)
     return mode
 
@@ -117,10 +124,13 @@ def main(argv=None) -> None:
     ap.add_argument("--no-states", action="store_true", help="no initial / final state")
     ap.add_argument("--torch-chunk", action="store_true",
                     help="CHUNK_IN_KERNEL = False: pass 3's output side in torch")  # fmt: skip
+    ap.add_argument("--wy-kernel", action="store_true",
+                    help="WY_IN_KERNEL: the WY half on its (stubbed) kernel")  # fmt: skip
     ap.add_argument("--top", type=int, default=0, help="only the N biggest sites")
     args = ap.parse_args(argv)
     mode = count(args.b, args.t, args.h, args.hv, not args.no_l2norm,
-                 with_states=not args.no_states, chunk_in_kernel=not args.torch_chunk)  # fmt: skip
+                 with_states=not args.no_states, chunk_in_kernel=not args.torch_chunk,
+                 wy_in_kernel=args.wy_kernel)  # fmt: skip
     print("\n".join(report(mode, args.b * args.t * args.hv, args.top)))
 
 

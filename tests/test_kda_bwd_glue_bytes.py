@@ -31,6 +31,12 @@ def test_kda_glue_counted_and_stubs_restored(capsys):
     # the torch fallback of pass 3 adds `_output_grads`' matmuls
     torch_chunk = kda.count(b=1, t=70, h=1, hv=2, dk=16, dv=16, chunk_in_kernel=False)
     assert sum(torch_chunk.flops.values()) > sum(mode.flops.values())
+    # the WY kernel (stubbed): `_wy_grads` and its matmuls gone, its tiles (T's solve) counted
+    wy_kernel = kda.count(b=1, t=70, h=1, hv=2, dk=16, dv=16, wy_in_kernel=True)
+    assert "_wy_grads" not in " ".join(wy_kernel.by_caller)
+    assert "wy_tiles" in " ".join(wy_kernel.by_caller)
+    assert sum(wy_kernel.by_site.values()) < sum(mode.by_site.values())
+    assert bwd.WY_IN_KERNEL is False
     kda.main(["--t", "40", "--h", "1", "--hv", "1", "--top", "3", "--no-states"])
     out = capsys.readouterr().out
     assert "KB a token-head" in out and "aten ops that write" in out and "GFLOP" in out

@@ -40,6 +40,7 @@ from forgekernel.reference.gdn_bwd_state import (
 )
 from forgekernel.reference.kda_bwd import _Factors, _states
 from forgekernel.reference.kda_bwd_chunk import chunk_grads_model
+from forgekernel.reference.kda_bwd_wy import wy_grads_model
 
 bwd = importlib.import_module("forgekernel.ops.kda_bwd")
 op = importlib.import_module("forgekernel.ops.kda_chunked")
@@ -96,10 +97,33 @@ def emulated_chunk_kernel(calls=None):
     return run
 
 
+def emulated_wy_kernel(calls=None):
+    """the WY kernel's stand-in: `wy_grads_model` in fp64 on the launcher's inputs (checked as
+    the launcher checks them), the on-chip operands rounded for 16-bit tiles (dvb, dkb to the
+    tiles' dtype, the score-gradient blocks' to bf16), fp32 outputs."""
+
+    def run(dw, du, tt, w, k, u, v, beta, big_g):
+        b, t, hv, kd = dw.shape
+        for x in (dw, du, tt, w, k, u, v):
+            assert x.is_contiguous() and x.dtype == dw.dtype and x.shape[:3] == (b, t, hv)
+        assert tt.shape[-1] == CHUNK and w.shape == k.shape == dw.shape
+        assert beta.dtype == big_g.dtype == torch.float32
+        assert beta.shape == (b, t, hv) and big_g.shape == (b, t, hv, kd)
+        if calls is not None:
+            calls.append(dw.dtype)
+        low = dw.dtype in (torch.float16, torch.bfloat16)
+        tiles = (x.double() for x in (dw, du, tt, w, k, u, v, beta, big_g))
+        return tuple(x.float() for x in wy_grads_model(*tiles, dw.dtype if low else None))
+
+    return run
+
+
 def _all_emulated(monkeypatch, calls=None, chunk_calls=None, norm_calls=None):
-    """Kernel 1, kernel 2 and the q / k epilogue replaced by their emulations."""
+    """Kernel 1, kernel 2, the WY kernel (used with WY_IN_KERNEL) and the q / k epilogue
+    replaced by their emulations."""
     monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel(calls))
     monkeypatch.setattr(bwd, "_chunk_grads", emulated_chunk_kernel(chunk_calls))
+    monkeypatch.setattr(bwd, "_wy_kernel", emulated_wy_kernel())
     monkeypatch.setattr(bwd, "_qk_grads", emulated_norm_kernel(norm_calls))
 
 
@@ -203,15 +227,43 @@ def test_kernel_path_equals_the_interim_path(monkeypatch, b, t, h, hv, l2norm, w
 
 
 @pytest.mark.parametrize(
+    ("b", "t", "h", "hv", "l2norm", "with_h0", "with_dht", "strong"),
+    [
+        (1, 1, 1, 1, False, True, True, False),
+        (2, 63, 2, 2, True, False, True, False),
+        (1, 64, 1, 2, False, True, False, True),
+        (3, 65, 2, 4, True, True, True, True),
+        (1, 200, 2, 2, False, False, False, True),
+    ],
+)
+def test_wy_kernel_path_equals_the_interim_path(monkeypatch, b, t, h, hv, l2norm, with_h0,
+                                                with_dht, strong):  # fmt: skip
+    """WY_IN_KERNEL (the WY half on its kernel, emulated by `wy_grads_model`), fp32 tiles: every
+    gradient within 1e-4 of its max of the interim path's (T = 1, 63, 64, 65, 200; grouped
+    heads; g in [-5, -4] a step); the WY kernel called once a pass, with the tiles' dtype."""
+    wy_calls = []
+    _all_emulated(monkeypatch)
+    monkeypatch.setattr(bwd, "_wy_kernel", emulated_wy_kernel(wy_calls))
+    monkeypatch.setattr(bwd, "WY_IN_KERNEL", True)
+    got, want = _interim_and_kernel(b, t, h, hv, l2norm=l2norm, with_h0=with_h0,
+                                    with_dht=with_dht, strong=strong, seed=t)  # fmt: skip
+    assert wy_calls == [torch.float32]
+    for name, a, r in zip(NAMES, got, want):
+        _close(name, a, r, 1e-4)
+
+
+@pytest.mark.parametrize(
     ("lens", "with_h0"), [([1, 63, 0, 64, 65, 130], True), ([3, 129, 7], False), ([0, 5], True)]
 )
-def test_varlen_buckets_equal_the_interim_path(monkeypatch, lens, with_h0):
+@pytest.mark.parametrize("wy_in_kernel", [False, True])
+def test_varlen_buckets_equal_the_interim_path(monkeypatch, lens, with_h0, wy_in_kernel):
     """Unequal sequences behind cu_seqlens on the kernel path (`_backward_varlen`: buckets of
     sequences padded at their ends, one kernel-path call a bucket; fp32 tiles, the exact
     emulations) equal the interim path, empty sequences included (the state gradient passes
-    through their padding)."""
+    through their padding); the WY half in torch or on its kernel (WY_IN_KERNEL)."""
     calls, chunk_calls, norm_calls = [], [], []
     _all_emulated(monkeypatch, calls, chunk_calls, norm_calls)
+    monkeypatch.setattr(bwd, "WY_IN_KERNEL", wy_in_kernel)
     n, t = len(lens), sum(lens)
     q, k, v, g, beta, do, _, _ = _inputs(1, t, 2, 4, seed=n, dtype=torch.float32)
     *_, h0, dht = _inputs(n, 1, 2, 4, seed=9, dtype=torch.float32)
@@ -452,6 +504,29 @@ def test_kernel_2_on_the_path_and_its_fallback(kernel_path, monkeypatch, decay):
     assert chunk_calls == [torch.bfloat16]
     want = _fp64_grads([q, k, v, g, beta, h0], None, do, dht, l2norm=True)
     for name, a, b, r in zip(NAMES, on_chip, in_torch, want):
+        _close(name, a, r, 2e-2)
+        _close(name, a, b, 1e-2)
+
+
+@pytest.mark.parametrize("decay", [(-5.0, 0.0), (-5.0, -4.0)])
+def test_wy_kernel_on_the_path_and_off(kernel_path, monkeypatch, decay):
+    """bf16 with the switch on: WY_IN_KERNEL off by default (the WY half in torch, the WY
+    kernel never called); on, the WY kernel (emulated, its on-chip operands rounded) once, fed
+    the tiles' dtype; both within 2e-2 of autograd through the fp64 recurrence and within 1e-2
+    of each other."""
+    (q, k, v, g, beta, h0), do, dht = _bf16_problem(2, 130, 1, 2, decay=decay, seed=9)
+    kw = {"initial_state": h0, "d_final_state": dht, "use_qk_l2norm_in_kernel": True}
+    wy_calls = []
+    monkeypatch.setattr(bwd, "_wy_kernel", emulated_wy_kernel(wy_calls))
+    assert bwd.WY_IN_KERNEL is False
+    in_torch = bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, **kw)
+    assert wy_calls == []
+    monkeypatch.setattr(bwd, "WY_IN_KERNEL", True)
+    on_chip = bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, **kw)
+    assert wy_calls == [torch.bfloat16]
+    want = _fp64_grads([q, k, v, g, beta, h0], None, do, dht, l2norm=True)
+    for name, a, b, r in zip(NAMES, on_chip, in_torch, want):
+        assert a.dtype == b.dtype, name
         _close(name, a, r, 2e-2)
         _close(name, a, b, 1e-2)
 

@@ -23,26 +23,27 @@ KERNEL PATH (the default since 2026-12-06, `_kernel_path`: FORGEKERNEL_KDA_BWD_K
 "1", outside `interim()`, CUDA tensors, 16-bit, (K, V) = (128, 128), at least one token and
 value head; its GPU check tests/gpu/test_kda_bwd_kernel_path_gpu.py passed on the H100
 2026-12-06, 100 tests, `forgekernel check kda_bwd` and its sanitizers 2026-12-05; NOTES.md "KDA
-backward on kernel 1", "The backward kernel path the default"): `_backward_kernel`
-runs both sequential recurrences on Gated DeltaNet's kernel 1 (kernels/linear_attention/
+backward on kernel 1", "The backward kernel path the default"): `_backward_kernel` runs both
+sequential recurrences on Gated DeltaNet's kernel 1 (kernels/linear_attention/
 gdn_bwd_state/sm90, its `channel_decay` variant: e^(G_C) per key channel) as GDN's path does
 (ops/gated_delta_rule_bwd.py): the forward's chunk states h and U = u - W h (the kernel fed
 `reference.gdn_bwd_state.forward_state_tiles`), then the reverse recurrence (dU, dh, the initial
 state's gradient); everything else is batched torch over every chunk at once: the sub-chunked
 factors (reference/kda_bwd.py's `_Factors`: no e^(-G), g down to about -5 a step), the 16-bit
 tiles, pass 3's output side on kernel 2 (kernels/linear_attention/kda_bwd_chunk/sm90,
-`reference.kda_bwd_chunk` its model: `_output_grads` with KDA's per-channel dG finished on
-chip; CHUNK_IN_KERNEL = False: reference/kda_bwd.py's `_output_grads` in torch, the fallback),
-the WY half (`_wy_grads`) in torch; q / k normalized and scaled once at H heads (fp32: the torch
-factors read it); dq / dk's group sum, l2norm's backward, scale and cast on Gated DeltaNet's q /
-k epilogue kernel (kernels/linear_attention/gdn_bwd_norm/sm90, `_qk_grads`; NORM_IN_KERNEL =
-False: torch). Equal lengths known on the host (the explicit backward without cu_seqlens, one
-sequence, autograd of a call without cu_seqlens: the forward op's `batch` argument says B equal
-lengths; autograd's setup saves it, eager and under torch.compile alike) run with no host read
-(CUDA-graph capturable); several sequences behind a caller's cu_seqlens have their offsets read
-on the host (one sync, as the interim path's): equal lengths are a reshape, unequal ones run in
-buckets of similar lengths zero-padded at their ends (`_backward_varlen`,
-ops/_linattn_varlen.py).
+`reference.kda_bwd_chunk` its model: `_output_grads` with KDA's per-channel dG finished on chip;
+CHUNK_IN_KERNEL = False: reference/kda_bwd.py's `_output_grads` in torch, the fallback), the WY
+half (`_wy_grads`) in torch (WY_IN_KERNEL, opt-in: on the WY kernel,
+kernels/linear_attention/kda_bwd_wy/sm90, `reference.kda_bwd_wy` its model); q / k normalized
+and scaled once at H heads (fp32: the torch factors read it); dq / dk's group sum, l2norm's
+backward, scale and cast on Gated DeltaNet's q / k epilogue kernel
+(kernels/linear_attention/gdn_bwd_norm/sm90, `_qk_grads`; NORM_IN_KERNEL = False: torch). Equal
+lengths known on the host (the explicit backward without cu_seqlens, one sequence, autograd of a
+call without cu_seqlens: the forward op's `batch` argument says B equal lengths; autograd's
+setup saves it, eager and under torch.compile alike) run with no host read (CUDA-graph
+capturable); several sequences behind a caller's cu_seqlens have their offsets read on the host
+(one sync, as the interim path's): equal lengths are a reshape, unequal ones run in buckets of
+similar lengths zero-padded at their ends (`_backward_varlen`, ops/_linattn_varlen.py).
 
 `kimi_delta_attention_backward` is the same backward for callers with their own autograd and
 for the suite's backward timing.
@@ -92,6 +93,7 @@ from forgekernel.reference.kda_bwd import (
     kimi_delta_attention_chunked_backward,
 )
 from forgekernel.reference.kda_bwd_chunk import chunk_grad_tiles
+from forgekernel.reference.kda_bwd_wy import wy_tiles
 from forgekernel.runtime.plans import overriding
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -152,7 +154,7 @@ def _state_recurrence(do, pt, ke, qe, w, e_last, d_final_state):
 
 # Pass 3's output side (`_output_grads`) on kernel 2 (kernels/linear_attention/kda_bwd_chunk/sm90)
 # on the kernel path; False: batched torch (the fallback if kernel 2 misbehaves on the GPU). The
-# WY half (`_wy_grads`) is torch either way.
+# WY half (`_wy_grads`) is torch unless WY_IN_KERNEL.
 CHUNK_IN_KERNEL = True
 # The group sum, l2norm's backward, the scale and the cast of dq / dk on Gated DeltaNet's
 # epilogue kernel (`_qk_grads`, kernels/linear_attention/gdn_bwd_norm/sm90); False: torch
@@ -167,6 +169,21 @@ def _chunk_grads(do, u, du, q, k, h, dh, big_g):
     from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90.launch import kda_bwd_chunk
 
     return kda_bwd_chunk(do, u, du, q, k, h, dh, big_g)
+
+
+# OPT-IN (off until a GPU run; docs/linear_attention/NOTES.md "KDA backward WY kernel"): the WY
+# half (`_wy_grads`) on the WY kernel (kernels/linear_attention/kda_bwd_wy/sm90) after kernel 2,
+# fed its dw; with CHUNK_IN_KERNEL only. T = L^-1 is formed in torch for its input tile.
+WY_IN_KERNEL = False
+
+
+def _wy_kernel(dw, du, tt, w, k, u, v, beta, big_g):
+    """The WY kernel (`_wy_grads` on WGMMA, every chunk at once): (dk (B, T, HV, K), dv (B, T,
+    HV, V), dG (B, T, HV, K) reverse-cumsummed within the chunk, dbeta (B, T, HV)) fp32 from
+    `wy_tiles`' inputs. The CPU tests put the tile emulation here."""
+    from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.launch import kda_bwd_wy
+
+    return kda_bwd_wy(dw, du, tt, w, k, u, v, beta, big_g)
 
 
 # OPT-IN (off until measured on a GPU; docs/linear_attention/NOTES.md "KDA backward factors from
@@ -245,7 +262,12 @@ def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, ops=None):
         tiles = chunk_grad_tiles(qs, ks, do, big_u, d_u, h, dh, g, dtype)
         del h, dh, big_u, do_c
         dq, dk, dw, dg = _chunk_grads(*tiles)
+        big_g = tiles[7]
         del tiles
+        if WY_IN_KERNEL:  # the WY half on its kernel: dG reverse-cumsummed there too
+            dk_wy, dv, dg_wy, dbeta = _wy_kernel(*wy_tiles(f, dw, d_u, big_g, dtype))
+            return dq, dk + dk_wy, dv, dg + dg_wy, dbeta, dh0
+        del big_g
         dk_wy, dv, dbeta, dg_wy = _wy_grads(f, to_chunks(dw, nc), d_u)
         dg_wy = dg_wy.flip(-2).cumsum(-2).flip(-2)  # the cumsum is linear: added after
         wy = (to_tokens(x)[:, :t] for x in (dk_wy, dv, dg_wy, dbeta))
