@@ -36,11 +36,25 @@ glue = _glue()
 
 
 @contextlib.contextmanager
-def stub_kernels(chunk_in_kernel: bool = True, wy_in_kernel: bool = False):
-    """Kernels 1 and 2, the WY kernel and the q / k epilogue as stubs giving zero outputs of
-    the launchers' shapes and dtypes (uncounted); `chunk_in_kernel` False: pass 3's output side
-    in torch (CHUNK_IN_KERNEL's fallback); `wy_in_kernel`: WY_IN_KERNEL (its tiles counted)."""
+def stub_kernels(chunk_in_kernel: bool = True, wy_in_kernel: bool = False,
+                 first_pass: bool = False):  # fmt: skip
+    """Kernels 1 and 2, the WY kernel, the q / k epilogue and the forward's first pass as stubs
+    giving zero outputs of the launchers' shapes and dtypes (uncounted); `chunk_in_kernel`
+    False: pass 3's output side in torch (CHUNK_IN_KERNEL's fallback); `wy_in_kernel`:
+    WY_IN_KERNEL (its tiles counted); `first_pass`: FACTORS_FROM_FIRST_PASS (kernel 1's factors,
+    with the WY kernel its T^T too, from the first pass)."""
     bwd = importlib.import_module("forgekernel.ops.kda_bwd")
+
+    def first(q, k, g, beta, cu_seqlens, scale, seq_len, bwd=False):
+        rows, hv, dk = -(-q.shape[0] // 64) * 64, g.shape[1], q.shape[2]
+        out = {n: torch.zeros(rows, hv, dk, dtype=q.dtype) for n in ("q_g", "k_g", "k_d")}
+        out.update(t_beta=torch.zeros(rows, hv, 64, dtype=q.dtype),
+                   p=torch.zeros(rows, hv, 64, dtype=q.dtype),
+                   decay=torch.zeros(rows // 64, hv, dk))  # fmt: skip
+        if bwd:
+            out.update(tt=torch.zeros(rows, hv, 64, dtype=q.dtype),
+                       big_g=torch.zeros(rows, hv, dk))  # fmt: skip
+        return out
 
     def state(do, pt, ke, qe, w, e_last, dht):
         b, t, hv, dv = do.shape
@@ -60,12 +74,14 @@ def stub_kernels(chunk_in_kernel: bool = True, wy_in_kernel: bool = False):
     def qk(dxs, x, scale, l2norm):
         return torch.zeros_like(x)
 
-    names = ("_state_recurrence", "_chunk_grads", "_wy_kernel", "_qk_grads", "CHUNK_IN_KERNEL",
-             "WY_IN_KERNEL")  # fmt: skip
+    names = ("_state_recurrence", "_chunk_grads", "_wy_kernel", "_qk_grads", "_first_pass",
+             "CHUNK_IN_KERNEL", "WY_IN_KERNEL", "FACTORS_FROM_FIRST_PASS")  # fmt: skip
     saved = {n: getattr(bwd, n) for n in names}
     bwd._state_recurrence, bwd._chunk_grads = glue._quiet(state), glue._quiet(chunk)
     bwd._wy_kernel, bwd._qk_grads = glue._quiet(wy), glue._quiet(qk)
+    bwd._first_pass = glue._quiet(first)
     bwd.CHUNK_IN_KERNEL, bwd.WY_IN_KERNEL = chunk_in_kernel, wy_in_kernel
+    bwd.FACTORS_FROM_FIRST_PASS = first_pass
     try:
         yield bwd
     finally:
@@ -74,7 +90,8 @@ def stub_kernels(chunk_in_kernel: bool = True, wy_in_kernel: bool = False):
 
 
 def count(b=1, t=2048, h=16, hv=16, l2norm=True, dtype=torch.bfloat16, with_states=True,
-          chunk_in_kernel=True, dk=128, dv=128, wy_in_kernel=False):  # fmt: skip
+          chunk_in_kernel=True, dk=128, dv=128, wy_in_kernel=False,
+          first_pass=False):  # fmt: skip
     """`_backward_kernel` on flat inputs (g per key channel in [-1, 0)) under `Written`."""
     gen = torch.Generator().manual_seed(0)
 
@@ -87,7 +104,7 @@ def count(b=1, t=2048, h=16, hv=16, l2norm=True, dtype=torch.bfloat16, with_stat
     beta = torch.rand(b * t, hv, generator=gen).to(dtype)
     s0 = rnd(b, hv, dk, dv, dt=torch.float32) if with_states else None
     ds = rnd(b, hv, dk, dv, dt=torch.float32) if with_states else None
-    with stub_kernels(chunk_in_kernel, wy_in_kernel) as bwd, glue.Written() as mode:
+    with stub_kernels(chunk_in_kernel, wy_in_kernel, first_pass) as bwd, glue.Written() as mode:
         bwd._backward_kernel(q, k, v, g, beta, s0, do, ds, dk**-0.5, l2norm, b)
     return mode
 
@@ -126,11 +143,13 @@ def main(argv=None) -> None:
                     help="CHUNK_IN_KERNEL = False: pass 3's output side in torch")  # fmt: skip
     ap.add_argument("--wy-kernel", action="store_true",
                     help="WY_IN_KERNEL: the WY half on its (stubbed) kernel")  # fmt: skip
+    ap.add_argument("--first-pass", action="store_true",
+                    help="FACTORS_FROM_FIRST_PASS: factors from the stubbed first pass")  # fmt: skip
     ap.add_argument("--top", type=int, default=0, help="only the N biggest sites")
     args = ap.parse_args(argv)
     mode = count(args.b, args.t, args.h, args.hv, not args.no_l2norm,
                  with_states=not args.no_states, chunk_in_kernel=not args.torch_chunk,
-                 wy_in_kernel=args.wy_kernel)  # fmt: skip
+                 wy_in_kernel=args.wy_kernel, first_pass=args.first_pass)  # fmt: skip
     print("\n".join(report(mode, args.b * args.t * args.hv, args.top)))
 
 

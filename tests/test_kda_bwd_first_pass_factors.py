@@ -27,17 +27,20 @@ from test_kda_bwd_op import cpu_forward  # noqa: F401  (the fixture)
 from forgekernel.kernels.linear_attention.kda_prefill.sm90 import operands
 
 bwd = importlib.import_module("forgekernel.ops.kda_bwd")
+kda_ref = importlib.import_module("forgekernel.reference.kda_bwd")
+wy_ref = importlib.import_module("forgekernel.reference.kda_bwd_wy")
 
 
 def emulated_first_pass(calls):
     """The first pass's stand-in: its torch model on the launcher's arguments (l2norm off: the
     backward hands it unit rows), B equal lengths known on the host."""
 
-    def run(q, k, g, beta, cu_seqlens, scale, seq_len):
+    def run(q, k, g, beta, cu_seqlens, scale, seq_len, bwd=False):
         assert q.dtype == k.dtype and g.dtype == beta.dtype == torch.float32
         assert cu_seqlens.dtype == torch.int32 and seq_len > 0
-        calls.append((q.dtype, tuple(q.shape), g.shape[1]))
-        return operands.kda_chunk_operands(q, k, g, beta, cu_seqlens, scale, False, seq_len)
+        calls.append((q.dtype, tuple(q.shape), g.shape[1]) + (("bwd",) if bwd else ()))
+        return operands.kda_chunk_operands(q, k, g, beta, cu_seqlens, scale, False, seq_len,
+                                           bwd=bwd)  # fmt: skip
 
     return run
 
@@ -53,21 +56,30 @@ def emulated_first_pass(calls):
         (2, 70, 2, 4, True, False, True),
     ],
 )
+@pytest.mark.parametrize("wy", [False, True])
 def test_first_pass_factors_equal_the_interim_path(monkeypatch, b, t, h, hv, l2norm, strong,
-                                                   passes):  # fmt: skip
+                                                   passes, wy):  # fmt: skip
     """32-bit operands: every gradient within 1e-4 of its max of the interim path's, the first
-    pass launched once over every head (value heads in passes included), kernel 1 twice a pass."""
+    pass launched once over every head (value heads in passes included), kernel 1 twice a pass.
+    With the WY kernel (emulated) the first pass's `bwd` key gives its T^T: no torch solve, no
+    sub-chunked M(k, k), none of the torch WY factors formed."""
     first, calls = [], []
     monkeypatch.setattr(bwd, "FACTORS_FROM_FIRST_PASS", True)
     monkeypatch.setattr(bwd, "FIRST_PASS_DTYPES", (torch.float32,))
     monkeypatch.setattr(operands, "OPERAND_DTYPE", torch.float32)
     monkeypatch.setattr(bwd, "_first_pass", emulated_first_pass(first))
     _all_emulated(monkeypatch, calls)
+    if wy:
+        monkeypatch.setattr(bwd, "WY_IN_KERNEL", True)
+        fail = lambda *a, **k: pytest.fail("torch WY factors")  # noqa: E731
+        monkeypatch.setattr(wy_ref, "_solve_lower", fail)
+        for name in ("decay", "e_g", "kk", "lower", "kb"):
+            monkeypatch.setattr(kda_ref._FirstPassFactors, name, property(fail))
     if passes:
         monkeypatch.setattr(bwd, "TOKEN_HEADS_PER_PASS", b * t * (hv // h))
     got, want = _interim_and_kernel(b, t, h, hv, l2norm=l2norm, with_h0=True, with_dht=True,
                                     strong=strong, seed=t)  # fmt: skip
-    assert first == [(torch.float32, (b * t, h, 16), hv)]
+    assert first == [(torch.float32, (b * t, h, 16), hv) + (("bwd",) if wy else ())]
     assert len(calls) == 2 * (h if passes else 1)
     for name, a, r in zip(NAMES, got, want):
         _close(name, a, r, 1e-4)

@@ -46,3 +46,19 @@ def test_gdn_count_has_ops_and_flops():
     mode = kda.glue.count(b=1, t=64, h=1, hv=2, dtype=torch.bfloat16)
     assert sum(mode.launches.values()) > 0
     assert sum(mode.flops.values()) == 0  # GDN's path has no torch GEMM left
+
+
+def test_first_pass_and_wy_kernel_drop_the_torch_factors():
+    """FACTORS_FROM_FIRST_PASS with WY_IN_KERNEL (both stubbed): no sub-chunked score and no
+    score gradient in torch; fewer bytes than either alone; the module's switches restored."""
+    glue_bytes = load_script("kda_bwd_glue_bytes")
+    bwd = importlib.import_module("forgekernel.ops.kda_bwd")
+    kb = {}
+    for first, wy in ((False, False), (True, False), (False, True), (True, True)):
+        mode = glue_bytes.count(t=130, h=2, hv=2, first_pass=first, wy_in_kernel=wy)
+        kb[first, wy] = sum(mode.by_site.values())
+        if first and wy:
+            sites = " ".join(mode.by_site)
+            assert "_block_scores" not in sites and "score_grads" not in sites
+    assert kb[True, True] < min(kb[True, False], kb[False, True]) < kb[False, False]
+    assert not bwd.FACTORS_FROM_FIRST_PASS and not bwd.WY_IN_KERNEL

@@ -194,25 +194,28 @@ FACTORS_FROM_FIRST_PASS = False
 FIRST_PASS_DTYPES = (torch.bfloat16,)
 
 
-def _first_pass(q, k, g, beta, cu_seqlens, scale, seq_len):
+def _first_pass(q, k, g, beta, cu_seqlens, scale, seq_len, bwd=False):
     """The KDA forward's first pass (kernels/linear_attention/kda_prefill/sm90 launch.py
-    `first_pass_kernel`, unchanged): q, k (B T, H, K) 16-bit unit rows where l2norm is on, g
-    (B T, HV, K), beta (B T, HV) fp32, B sequences of `seq_len` tokens -> its dict (rows
-    (B NC 64, HV, ...) bf16, decay (B NC, HV, K) fp32). The CPU tests put its torch model
-    (`operands.kda_chunk_operands`, same arguments) here."""
+    `first_pass_kernel`): q, k (B T, H, K) 16-bit unit rows where l2norm is on, g (B T, HV, K),
+    beta (B T, HV) fp32, B sequences of `seq_len` tokens -> its dict (rows (B NC 64, HV, ...)
+    bf16, decay (B NC, HV, K) fp32; bwd: its `bwd` key, T^T `tt` and G `big_g` too). The CPU
+    tests put its torch model (`operands.kda_chunk_operands`, same arguments) here."""
     from forgekernel.kernels.linear_attention.kda_prefill.sm90.launch import first_pass_kernel
 
-    return first_pass_kernel(q, k, g, beta, cu_seqlens, scale, False, seq_len)
+    return first_pass_kernel(q, k, g, beta, cu_seqlens, scale, False, seq_len, bwd=bwd)
 
 
 def _first_pass_ops(q16, k16, g, beta, scale, b, t):
     """`_first_pass` over every head of B equal sequences -> its token tiles as (B, NC C, HV,
-    D) and decay (B, NC, HV, K) (views)."""
+    D) and decay (B, NC, HV, K) (views); with the WY kernel (WY_IN_KERNEL) its `bwd` key's T^T
+    too, the WY kernel's input tile (no torch solve)."""
     cu = torch.arange(b + 1, dtype=torch.int32, device=q16.device) * t
     ops = _first_pass(q16.flatten(0, 1), k16.flatten(0, 1), g.flatten(0, 1).contiguous(),
-                      beta.flatten(0, 1).contiguous(), cu, scale, t)  # fmt: skip
+                      beta.flatten(0, 1).contiguous(), cu, scale, t,
+                      bwd=WY_IN_KERNEL)  # fmt: skip
     nc = -(-t // CHUNK)
-    out = {n: ops[n].unflatten(0, (b, nc * CHUNK)) for n in ("q_g", "k_g", "k_d", "t_beta", "p")}
+    rows = ("q_g", "k_g", "k_d", "t_beta", "p") + (("tt",) if WY_IN_KERNEL else ())
+    out = {n: ops[n].unflatten(0, (b, nc * CHUNK)) for n in rows}
     out["decay"] = ops["decay"].unflatten(0, (b, nc))
     return out
 

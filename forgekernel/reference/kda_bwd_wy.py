@@ -43,17 +43,21 @@ def wy_tiles(f, dw, d_u, big_g, dtype) -> tuple[torch.Tensor, ...]:
     """The WY kernel's inputs: f reference/kda_bwd.py's `_Factors` of every chunk (B, NC, HV,
     C, ...), dw (B, T, HV, K) token-major (kernel 2's output), d_u (B, NC, HV, C, V) chunked
     (kernel 1's), big_g (B, T, HV, K) `kda_bwd_chunk.cumulative_decay`'s G (kernel 2's input)
-    -> (dw, du, tt (B, T, HV, C): row j of a chunk is column j of T = L^-1, w, k (B, T, HV, K),
-    u, v (B, T, HV, V)) in `dtype`, contiguous; beta (B, T, HV) in G's dtype, G itself."""
+    -> (dw, du, tt (B, T, HV, C): row j of a chunk is column j of T = L^-1 (the first pass's
+    `tt` where f carries it as `tt_tokens`, else solved here), w, k (B, T, HV, K), u, v (B, T,
+    HV, V)) in `dtype`, contiguous; beta (B, T, HV) in G's dtype, G itself."""
     t = big_g.shape[1]
-    eye = torch.eye(CHUNK, dtype=f.lower.dtype, device=f.lower.device)
-    big_t = _solve_lower(f.lower, eye.expand_as(f.lower))
 
     def tok(x):
         return to_tokens(x.to(dtype))[:, :t].contiguous()
 
-    chunked = (d_u, big_t.transpose(-1, -2), f.w, f.k, f.u, f.v)
-    du, tt, w, k, u, v = (tok(x) for x in chunked)
+    tt_tokens = getattr(f, "tt_tokens", None)  # the first pass's `bwd` key wrote T^T
+    if tt_tokens is not None:
+        tt = tt_tokens[:, :t].to(dtype).contiguous()
+    else:
+        eye = torch.eye(CHUNK, dtype=f.lower.dtype, device=f.lower.device)
+        tt = tok(_solve_lower(f.lower, eye.expand_as(f.lower)).transpose(-1, -2))
+    du, w, k, u, v = (tok(x) for x in (d_u, f.w, f.k, f.u, f.v))
     beta = to_tokens(f.beta.to(big_g.dtype).unsqueeze(-1))[:, :t, :, 0].contiguous()
     return (dw.to(dtype).contiguous(), du, tt, w, k, u, v, beta, big_g)
 
