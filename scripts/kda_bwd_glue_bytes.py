@@ -144,7 +144,7 @@ def main(argv=None) -> None:
     ap.add_argument("--wy-kernel", action="store_true",
                     help="WY_IN_KERNEL: the WY half on its (stubbed) kernel")  # fmt: skip
     ap.add_argument("--first-pass", action="store_true",
-                    help="FACTORS_FROM_FIRST_PASS: factors from the stubbed first pass")  # fmt: skip
+                    help="FACTORS_FROM_FIRST_PASS: the stubbed first pass")  # fmt: skip
     ap.add_argument("--top", type=int, default=0, help="only the N biggest sites")
     args = ap.parse_args(argv)
     mode = count(args.b, args.t, args.h, args.hv, not args.no_l2norm,
