@@ -1,10 +1,11 @@
 """The bytes, aten ops and matmul FLOPs of the torch glue of Kimi Delta Attention's backward
 kernel path (ops/kda_bwd.py `_backward_kernel` / `_chunk_pass`), counted on the CPU by
 scripts/gdn_bwd_glue_bytes.py's `Written` mode, with the kernels (1: `_state_recurrence` x 2,
-`channel_decay`; 2: `_chunk_grads`; the WY kernel `_wy_kernel` with --wy-kernel; the q / k
-epilogue `_qk_grads`, Gated DeltaNet's gdn_bwd_norm) replaced by stubs that allocate their
-outputs of the launchers' shapes and dtypes uncounted. Everything is per token-head (token x
-value head) and grouped by the forgekernel source line that called the op.
+`channel_decay`, with --first-pass --wy-kernel the device pass's `out16` / `forward`; 2:
+`_chunk_grads`; the WY kernel `_wy_kernel` with --wy-kernel; the q / k epilogue `_qk_grads`,
+Gated DeltaNet's gdn_bwd_norm; the first pass with --first-pass) replaced by stubs that
+allocate their outputs of the launchers' shapes and dtypes uncounted. Everything is per
+token-head (token x value head) and grouped by the forgekernel source line that called the op.
 
     python3 scripts/kda_bwd_glue_bytes.py            # 1 x 2048, H = HV = 16, bf16, l2norm
     python3 scripts/kda_bwd_glue_bytes.py --t 256 --h 2 --hv 4 --no-l2norm
@@ -56,9 +57,13 @@ def stub_kernels(chunk_in_kernel: bool = True, wy_in_kernel: bool = False,
                        big_g=torch.zeros(rows, hv, dk))  # fmt: skip
         return out
 
-    def state(do, pt, ke, qe, w, e_last, dht):
+    def state(do, pt, ke, qe, w, e_last, dht, out16=False, forward=False):
         b, t, hv, dv = do.shape
         dk, nc = ke.shape[-1], -(-t // 64)
+        if out16:  # the device pass: dU and dS (K, V) a chunk in the tiles' dtype
+            return (torch.zeros(b, t, hv, dv, dtype=do.dtype),
+                    torch.zeros(b, nc, hv, dk, dv, dtype=do.dtype),
+                    torch.zeros(b, hv, dk, dv))  # fmt: skip
         return (torch.zeros(b, t, hv, dv), torch.zeros(b, nc, hv, dv, dk),
                 torch.zeros(b, hv, dk, dv))  # fmt: skip
 

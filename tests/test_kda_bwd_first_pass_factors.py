@@ -20,6 +20,7 @@ from test_kda_bwd_kernel_path import (
     _close,
     _fp64_grads,
     _interim_and_kernel,
+    emulated_kernel,
     kernel_path,  # noqa: F401  (the fixture)
 )
 from test_kda_bwd_op import cpu_forward  # noqa: F401  (the fixture)
@@ -107,3 +108,92 @@ def test_first_pass_factors_in_bf16(kernel_path, monkeypatch, decay):  # noqa: F
     half = [x.half() if x.dtype == torch.bfloat16 else x for x in (q, k, v, g, beta, do)]
     bwd.kimi_delta_attention_backward(*half, **kw)
     assert len(first) == 1
+
+
+# ---- the device pass (both opt-ins: kernel 1's 16-bit forms, `_device_pass`) -----------------
+
+
+def _device_opt_ins(monkeypatch, first, flags, fp32):
+    """Both opt-ins on, the first pass and the kernels emulated (kernel 1 recording its flags);
+    `fp32`: 32-bit operands (FIRST_PASS_DTYPES and the model's operands widened)."""
+    monkeypatch.setattr(bwd, "FACTORS_FROM_FIRST_PASS", True)
+    monkeypatch.setattr(bwd, "WY_IN_KERNEL", True)
+    if fp32:
+        monkeypatch.setattr(bwd, "FIRST_PASS_DTYPES", (torch.float32,))
+        monkeypatch.setattr(operands, "OPERAND_DTYPE", torch.float32)
+    monkeypatch.setattr(bwd, "_first_pass", emulated_first_pass(first))
+    _all_emulated(monkeypatch)
+    monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel([], flags))
+    fail = lambda *a, **k: pytest.fail("torch factors on the device pass")  # noqa: E731
+    for name in ("_reverse_tiles", "forward_state_tiles", "forward_states", "chunk_grad_tiles",
+                 "wy_tiles"):  # fmt: skip
+        monkeypatch.setattr(bwd, name, fail)
+    monkeypatch.setattr(bwd, "_FirstPassFactors", fail)
+
+
+@pytest.mark.parametrize(
+    ("b", "t", "h", "hv", "l2norm", "strong", "states", "passes"),
+    [
+        (1, 1, 1, 1, False, False, True, False),
+        (2, 63, 2, 2, True, False, True, False),
+        (1, 64, 1, 2, False, True, False, False),
+        (3, 65, 2, 4, True, True, True, False),
+        (2, 200, 1, 2, True, False, False, False),
+        (2, 70, 2, 4, True, False, True, True),
+    ],
+)
+def test_device_pass_equals_the_interim_path(monkeypatch, b, t, h, hv, l2norm, strong, states,
+                                             passes):  # fmt: skip
+    """32-bit tiles, both opt-ins: `_device_pass` (kernel 1's forward launch `out16` +
+    `forward`, then its reverse launch `out16`; kernel 2 and the WY kernel on the 16-bit
+    forms, the first pass's rows cut to T as views; no torch factor, no `_FirstPassFactors`,
+    no tile conversion of the default path) gives every gradient within 1e-4 of its max of
+    the interim path's, and within 1e-5 of the same opt-ins' fp32-out path (`_on_device`
+    False: torch flips, transposes, converts)."""
+    first, flags = [], []
+    _device_opt_ins(monkeypatch, first, flags, fp32=True)
+    if passes:
+        monkeypatch.setattr(bwd, "TOKEN_HEADS_PER_PASS", b * t * (hv // h))
+    kw = {"l2norm": l2norm, "with_h0": states, "with_dht": states, "strong": strong, "seed": t}
+    got, want = _interim_and_kernel(b, t, h, hv, **kw)
+    assert first == [(torch.float32, (b * t, h, 16), hv, "bwd")]
+    assert flags == [(True, True), (True, False)] * (h if passes else 1)
+    for name, a, r in zip(NAMES, got, want):
+        _close(name, a, r, 1e-4)
+    monkeypatch.undo()
+    first, calls = [], []
+    monkeypatch.setattr(bwd, "FACTORS_FROM_FIRST_PASS", True)
+    monkeypatch.setattr(bwd, "WY_IN_KERNEL", True)
+    monkeypatch.setattr(bwd, "FIRST_PASS_DTYPES", (torch.float32,))
+    monkeypatch.setattr(operands, "OPERAND_DTYPE", torch.float32)
+    monkeypatch.setattr(bwd, "_first_pass", emulated_first_pass(first))
+    _all_emulated(monkeypatch, calls)
+    monkeypatch.setattr(bwd, "_on_device", lambda dtype: False)
+    if passes:
+        monkeypatch.setattr(bwd, "TOKEN_HEADS_PER_PASS", b * t * (hv // h))
+    fp32_out, _ = _interim_and_kernel(b, t, h, hv, **kw)
+    assert len(calls) == 2 * (h if passes else 1)
+    for name, a, r in zip(NAMES, got, fp32_out):
+        _close(name, a, r, 1e-5)
+
+
+@pytest.mark.parametrize("decay", [(-1.0, 0.0), (-5.0, -4.0)])
+@pytest.mark.parametrize(("b", "t", "h", "hv"), [(2, 130, 1, 2), (1, 65, 2, 2)])
+def test_device_pass_in_bf16(kernel_path, monkeypatch, decay, b, t, h, hv):  # noqa: F811
+    """bf16, both opt-ins: the device pass within 2e-2 of autograd through the fp64 recurrence
+    and within 1e-2 of the torch factors' path (both opt-ins off); the gradients in their
+    inputs' dtypes; kernel 1's two launches carry out16 (+ forward first)."""
+    (q, k, v, g, beta, h0), do, dht = _bf16_problem(b, t, h, hv, decay=decay, seed=t)
+    kw = {"initial_state": h0, "d_final_state": dht, "use_qk_l2norm_in_kernel": True}
+    torch_factors = bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, **kw)
+    first, flags = [], []
+    _device_opt_ins(monkeypatch, first, flags, fp32=False)
+    got = bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, **kw)
+    assert first == [(torch.bfloat16, (b * t, h, 128), hv, "bwd")]
+    assert flags == [(True, True), (True, False)]
+    want = _fp64_grads([q, k, v, g, beta, h0], None, do, dht, l2norm=True)
+    for name, a, f, r in zip(NAMES, got, torch_factors, want):
+        like = {"dq": q, "dk": k, "dv": v, "dg": g, "dbeta": beta}.get(name, dht)
+        assert a.dtype == like.dtype, name
+        _close(name, a, r, 2e-2)
+        _close(name, a, f, 1e-2)

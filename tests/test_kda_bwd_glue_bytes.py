@@ -62,3 +62,29 @@ def test_first_pass_and_wy_kernel_drop_the_torch_factors():
             assert "_block_scores" not in sites and "score_grads" not in sites
     assert kb[True, True] < min(kb[True, False], kb[False, True]) < kb[False, False]
     assert not bwd.FACTORS_FROM_FIRST_PASS and not bwd.WY_IN_KERNEL
+
+
+def test_device_pass_drops_the_tile_conversions():
+    """Both opt-ins take the device pass (kernel 1's 16-bit forms, stubbed with out16): none of
+    the default path's tile conversions (forward_state_tiles, forward_states, to_chunks of dO,
+    the 16-bit tiles of P^T, W, h, dh, U, dU, the WY tiles) is left; what torch writes is W, u
+    (two bmm), their reversed negated copies, P^T, G and the adds: 8.4 KB a token-head at
+    1 x 2048 H16 (24.7 on the fp32-out path), under half of it at this size too (T = 130: a
+    third of the last chunk padding)."""
+    glue_bytes = load_script("kda_bwd_glue_bytes")
+    bwd = importlib.import_module("forgekernel.ops.kda_bwd")
+    on_device = bwd._on_device
+    bwd._on_device = lambda dtype: False
+    try:
+        fp32_out = glue_bytes.count(t=130, h=2, hv=2, first_pass=True, wy_in_kernel=True)
+    finally:
+        bwd._on_device = on_device
+    mode = glue_bytes.count(t=130, h=2, hv=2, first_pass=True, wy_in_kernel=True)
+    callers = " ".join(mode.by_caller)
+    assert "_device_pass" in callers
+    for name in ("forward_state_tiles", "forward_states", "chunk_grad_tiles", "wy_tiles",
+                 "_reverse_tiles", "_FirstPassFactors", "to_chunks(do"):  # fmt: skip
+        assert name not in callers, name
+    assert "_device_pass" not in " ".join(fp32_out.by_caller)
+    assert sum(mode.by_site.values()) < 0.5 * sum(fp32_out.by_site.values())
+    assert sum(mode.launches.values()) <= 45 < sum(fp32_out.launches.values())

@@ -37,6 +37,7 @@ from forgekernel.reference.gdn_bwd_state import (
     chunk_factors,
     forward_state_tiles,
     forward_states,
+    out16_forms,
 )
 from forgekernel.reference.kda_bwd import _Factors, _states
 from forgekernel.reference.kda_bwd_chunk import chunk_grads_model
@@ -48,19 +49,32 @@ varlen = importlib.import_module("forgekernel.ops._linattn_varlen")
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 
-def emulated_kernel(calls=None):
+def emulated_kernel(calls=None, flags=None):
     """kernel 1's stand-in (its `channel_decay` variant): the tile emulation in fp64, the
     register operands rounded to the tiles' dtype where it is 16-bit, fp32 outputs (the
-    launcher's)."""
+    launcher's); `out16` / `forward` (the device pass) as tests/test_gdn_bwd_kernel_path.py's:
+    `out16_forms` of them, I and 0 built in (`flags` records (out16, forward) a launch)."""
 
-    def run(do, pt, ke, qe, w, e_last, dht):
+    def run(do, pt, ke, qe, w, e_last, dht, out16=False, forward=False):
+        assert out16 or not forward
+        assert (pt is None and qe is None) == forward  # the forward variant builds I and 0 in
+        if forward:
+            b, rows, hv, _ = do.shape
+            eye = torch.eye(CHUNK, dtype=do.dtype).view(1, 1, CHUNK, 1, CHUNK)
+            pt = eye.expand(b, rows // CHUNK, CHUNK, hv, CHUNK).reshape(b, rows, hv, CHUNK)
+            qe = torch.zeros_like(ke)
+        # the default path hands contiguous tiles; the device pass strided views (head slices,
+        # the first pass's rows cut to T: TMA reads them in place, `as_tma_ready`)
         for x in (do, pt, ke, qe, w):
-            assert x.is_contiguous() and x.dtype == do.dtype and x.shape[:3] == do.shape[:3]
+            assert x.stride(-1) == 1 and x.dtype == do.dtype and x.shape[:3] == do.shape[:3]
+            assert out16 or x.is_contiguous()
         b, t, hv = do.shape[:3]
-        assert e_last.dtype == torch.float32 and e_last.is_contiguous()
+        assert e_last.dtype == torch.float32 and e_last.stride(-1) == 1
         assert e_last.shape == (b, -(-t // CHUNK), hv, ke.shape[-1])  # per key channel
         if calls is not None:
             calls.append(do.dtype)
+        if flags is not None:
+            flags.append((out16, forward))
         low = do.dtype in (torch.float16, torch.bfloat16)
 
         def rounding(x):
@@ -69,7 +83,10 @@ def emulated_kernel(calls=None):
         factors = {n: x.double() for n, x in zip(("pt", "ke", "qe", "w"), (pt, ke, qe, w))}
         factors["e_last"] = e_last.double()
         dst = None if dht is None else dht.double()
-        return tuple(x.float() for x in tile_model(factors, do.double(), dst, rounding))
+        du, dh, dh0 = (x.float() for x in tile_model(factors, do.double(), dst, rounding))
+        if out16:  # the kernel's 16-bit forms (fp32 where the test runs fp32 tiles)
+            du, dh = out16_forms(du, dh, do.dtype, forward)
+        return du, dh, dh0
 
     return run
 
@@ -80,8 +97,8 @@ def emulated_chunk_kernel(calls=None):
 
     def run(do, u, du, q, k, h, dh, big_g):
         b, t, hv = do.shape[:3]
-        for x in (do, u, du, q, k, h, dh):
-            assert x.is_contiguous() and x.dtype == do.dtype
+        for x in (do, u, du, q, k, h, dh):  # strided views allowed (TMA: `as_tma_ready`)
+            assert x.stride(-1) == 1 and x.dtype == do.dtype
         assert big_g.dtype == torch.float32 and big_g.shape == (b, t, hv, q.shape[-1])
         assert h.shape == dh.shape == (b, -(-t // CHUNK), hv, q.shape[-1], do.shape[-1])
         if calls is not None:
@@ -104,8 +121,8 @@ def emulated_wy_kernel(calls=None):
 
     def run(dw, du, tt, w, k, u, v, beta, big_g):
         b, t, hv, kd = dw.shape
-        for x in (dw, du, tt, w, k, u, v):
-            assert x.is_contiguous() and x.dtype == dw.dtype and x.shape[:3] == (b, t, hv)
+        for x in (dw, du, tt, w, k, u, v):  # strided views allowed (TMA: `as_tma_ready`)
+            assert x.stride(-1) == 1 and x.dtype == dw.dtype and x.shape[:3] == (b, t, hv)
         assert tt.shape[-1] == CHUNK and w.shape == k.shape == dw.shape
         assert beta.dtype == big_g.dtype == torch.float32
         assert beta.shape == (b, t, hv) and big_g.shape == (b, t, hv, kd)

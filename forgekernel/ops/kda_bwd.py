@@ -34,8 +34,11 @@ tiles, pass 3's output side on kernel 2 (kernels/linear_attention/kda_bwd_chunk/
 `reference.kda_bwd_chunk` its model: `_output_grads` with KDA's per-channel dG finished on chip;
 CHUNK_IN_KERNEL = False: reference/kda_bwd.py's `_output_grads` in torch, the fallback), the WY
 half (`_wy_grads`) in torch (WY_IN_KERNEL, opt-in: on the WY kernel,
-kernels/linear_attention/kda_bwd_wy/sm90, `reference.kda_bwd_wy` its model); q / k normalized
-and scaled once at H heads (fp32: the torch factors read it); dq / dk's group sum, l2norm's
+kernels/linear_attention/kda_bwd_wy/sm90, `reference.kda_bwd_wy` its model; with
+FACTORS_FROM_FIRST_PASS too, bf16: `_device_pass`, kernel 1 writing kernel 2's 16-bit forms,
+`out16` / `forward`, as Gated DeltaNet's device pass; NOTES.md "KDA's device pass"); q / k
+normalized and scaled once at H heads (fp32: the torch factors read it; 16-bit on the device
+pass); dq / dk's group sum, l2norm's
 backward, scale and cast on Gated DeltaNet's q / k epilogue kernel
 (kernels/linear_attention/gdn_bwd_norm/sm90, `_qk_grads`; NORM_IN_KERNEL = False: torch). Equal
 lengths known on the host (the explicit backward without cu_seqlens, one sequence, autograd of a
@@ -92,7 +95,7 @@ from forgekernel.reference.kda_bwd import (
     _wy_grads,
     kimi_delta_attention_chunked_backward,
 )
-from forgekernel.reference.kda_bwd_chunk import chunk_grad_tiles
+from forgekernel.reference.kda_bwd_chunk import chunk_grad_tiles, cumulative_decay
 from forgekernel.reference.kda_bwd_wy import wy_tiles
 from forgekernel.runtime.plans import overriding
 
@@ -143,13 +146,15 @@ def interim() -> Iterator[None]:
         yield
 
 
-def _state_recurrence(do, pt, ke, qe, w, e_last, d_final_state):
+def _state_recurrence(do, pt, ke, qe, w, e_last, d_final_state, **flags):
     """Kernel 1, dh variant, e_last (B, NC, HV, K) per key channel (`channel_decay`): (dU (B, T,
-    HV, V), dh = dS^T per chunk end (B, NC, HV, V, K), dS at the start (B, HV, K, V)), fp32.
+    HV, V), dh = dS^T per chunk end (B, NC, HV, V, K), dS at the start (B, HV, K, V)), fp32;
+    `flags` out16 / forward (the device pass, `_device_pass`): dU and dS (B, NC, HV, K, V) in
+    16 bits, kernel 2's forms (forward: pt, qe None, I and 0 built in, outputs in chunk order).
     The CPU tests put the tile emulation here."""
     from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.launch import gdn_bwd_state
 
-    return gdn_bwd_state(do, pt, ke, qe, w, e_last, d_final_state)
+    return gdn_bwd_state(do, pt, ke, qe, w, e_last, d_final_state, **flags)
 
 
 # Pass 3's output side (`_output_grads`) on kernel 2 (kernels/linear_attention/kda_bwd_chunk/sm90)
@@ -220,6 +225,13 @@ def _first_pass_ops(q16, k16, g, beta, scale, b, t):
     return out
 
 
+def _on_device(dtype: torch.dtype) -> bool:
+    """Both opt-ins on (the first pass's factors for `dtype` tiles, kernel 2 and the WY kernel):
+    the device pass (`_device_pass`), kernel 1 writing kernel 2's 16-bit forms."""
+    return (FACTORS_FROM_FIRST_PASS and dtype in FIRST_PASS_DTYPES and CHUNK_IN_KERNEL
+            and WY_IN_KERNEL)  # fmt: skip
+
+
 def _kernel_path(q, v) -> bool:
     """The kernel path is selected (`kernel_selected`) and the call fits kernel 1: a CUDA
     tensor, 16-bit, (K, V) = (128, 128), at least one token and value head."""
@@ -242,8 +254,11 @@ def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, ops=None):
     """Value heads of one pass, everything per value head: qs (scaled), ks (B, T, HV, K), v, do
     (B, T, HV, V), g (B, T, HV, K), beta (B, T, HV) fp32 except do (16-bit: the tiles' dtype);
     h0, dht (B, HV, K, V) fp32 or None; ops: this pass's heads of `_first_pass_ops` or None
-    (the factors in torch) -> (dqs, dks (B, T, HV, K), dv, dg (B, T, HV, K), dbeta, dh0) fp32."""
+    (the factors in torch) -> (dqs, dks (B, T, HV, K), dv, dg (B, T, HV, K), dbeta, dh0) fp32.
+    On the device pass (`_on_device`) qs, ks and v come in do's 16-bit dtype."""
     t, dtype = qs.shape[1], do.dtype
+    if ops is not None and _on_device(dtype):
+        return _device_pass(qs, ks, v, g, beta, do, h0, dht, ops)
     if ops is None:  # (B, NC, HV, C, ...) fp32, sub-chunked
         f = chunk_factors(qs, ks, v, g, beta, _Factors)
     else:
@@ -284,6 +299,44 @@ def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, ops=None):
     return (*grads, dh0)
 
 
+def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops):
+    """`_chunk_pass` with kernel 1 writing kernel 2's 16-bit forms (`out16`), as Gated DeltaNet's
+    `_device_pass`: W = (T diag(beta)) Kg and u = (T diag(beta)) V from the first pass's rows
+    (two 16-bit bmm, the only factors formed here), kernel 1's forward launch (`forward`: I and
+    0 built in) on u, -W and -Ke in reversed chunk order -> U, h (16-bit, chunk order); its
+    reverse launch on P^T and the first pass's Ke, Qe as written -> dU, dS (16-bit); kernel 2
+    and the WY kernel on those, the first pass's T^T and its rows cut to T (views). qs, ks, v,
+    do (B, T, HV, ...) in do's dtype (strided head slices allowed), g (B, T, HV, K), beta
+    (B, T, HV) fp32; ops: `_first_pass_ops`' pass of heads, with `tt`."""
+    t, dtype = qs.shape[1], do.dtype
+    nc = -(-t // CHUNK)
+
+    def chunks(x):  # token-major (B, NC C, HV, D) -> (B, NC, HV, C, D), a view
+        return x.unflatten(1, (nc, CHUNK)).transpose(2, 3)
+
+    def reversed_chunks(x):  # token-major, the chunks in reverse order: kernel 1's forward launch
+        return x.unflatten(1, (nc, CHUNK)).flip(1).flatten(1, 2)
+
+    t_beta = chunks(ops["t_beta"])
+    w16 = to_tokens(t_beta @ chunks(ops["k_g"]))  # (B, NC C, HV, K)
+    u16 = to_tokens(t_beta @ to_chunks(v, nc))  # (B, NC C, HV, V), zero rows past T
+    fw_ke, fw_w = (reversed_chunks(x).neg_() for x in (w16, ops["k_d"]))
+    u_c, h16, _ = _state_recurrence(reversed_chunks(u16), None, fw_ke, None, fw_w,
+                                    ops["decay"].flip(1), h0, out16=True,
+                                    forward=True)  # fmt: skip
+    del fw_ke, fw_w  # the peak: launch 1's tiles before launch 2's
+    pt = to_tokens(chunks(ops["p"]).transpose(-1, -2))[:, :t]
+    rev = (pt, ops["k_d"][:, :t], ops["q_g"][:, :t], w16[:, :t])
+    du16, dh16, dh0 = _state_recurrence(do, *rev, ops["decay"], dht, out16=True)
+    del rev, pt
+    big_g = cumulative_decay(g, nc)
+    dq, dk, dw, dg = _chunk_grads(do, u_c[:, :t], du16, qs, ks, h16, dh16, big_g)
+    del u_c, h16, dh16
+    wy = (dw.to(dtype), du16, ops["tt"][:, :t], w16[:, :t], ks, u16[:, :t], v, beta, big_g)
+    dk_wy, dv, dg_wy, dbeta = _wy_kernel(*wy)
+    return dq, dk + dk_wy, dv, dg + dg_wy, dbeta, dh0
+
+
 def _normalized32(x, scale, l2norm):
     """q / k (B, T, H, K) normalized and scaled once at H heads by Gated DeltaNet's
     `_normalized`, in fp32: the torch factors (`_Factors`) read fp32 q / k (repeated to the
@@ -308,9 +361,14 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
     def seq(x):
         return x.reshape(b, t, *x.shape[1:])
 
-    qn = _normalized32(seq(q), scale, l2norm)
-    kn = _normalized32(seq(k), 1.0, l2norm)
-    v_side = [seq(v).float(), seq(g).float(), seq(beta).float(), seq(do)]
+    if _on_device(do.dtype):  # q / k, v in 16 bits: the first pass and the kernels read them
+        qn = _normalized(seq(q), scale, l2norm, do.dtype)
+        kn = _normalized(seq(k), 1.0, l2norm, do.dtype)
+        v_side = [seq(v).to(do.dtype), seq(g).float(), seq(beta).float(), seq(do)]
+    else:
+        qn = _normalized32(seq(q), scale, l2norm)
+        kn = _normalized32(seq(k), 1.0, l2norm)
+        v_side = [seq(v).float(), seq(g).float(), seq(beta).float(), seq(do)]
     ops = None
     if FACTORS_FROM_FIRST_PASS and do.dtype in FIRST_PASS_DTYPES:  # the forward's 16-bit rows
         q16, k16 = (x.to(do.dtype) for x in (qn, kn))  # q scaled already: the pass's scale 1
