@@ -177,20 +177,49 @@ def test_device_pass_equals_the_interim_path(monkeypatch, b, t, h, hv, l2norm, s
         _close(name, a, r, 1e-5)
 
 
+def _launchers_accept(monkeypatch, checked):
+    """Each kernel's emulation behind its launcher's own input check, and every 16-bit tile
+    TMA-ready as handed over (`as_tma_ready` makes no copy): the device pass's views are the
+    layouts and dtypes the kernels read."""
+    from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90 import launch as state_launch
+    from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90 import launch as chunk_launch
+    from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90 import launch as wy_launch
+    from forgekernel.runtime.device import tma_ready
+
+    def wrap(name, check, tiles):
+        inner = getattr(bwd, name)
+
+        def run(*args, **flags):
+            check(*args[: tiles + 2] if name == "_state_recurrence" else args)
+            low = [x for x in args[:tiles] if x is not None]
+            assert all(tma_ready(x) for x in low), name
+            checked.append(name)
+            return inner(*args, **flags)
+
+        monkeypatch.setattr(bwd, name, run)
+
+    wrap("_state_recurrence", state_launch.check_inputs, 5)
+    wrap("_chunk_grads", chunk_launch.check_inputs, 7)
+    wrap("_wy_kernel", wy_launch.check_inputs, 7)
+
+
 @pytest.mark.parametrize("decay", [(-1.0, 0.0), (-5.0, -4.0)])
 @pytest.mark.parametrize(("b", "t", "h", "hv"), [(2, 130, 1, 2), (1, 65, 2, 2)])
 def test_device_pass_in_bf16(kernel_path, monkeypatch, decay, b, t, h, hv):  # noqa: F811
     """bf16, both opt-ins: the device pass within 2e-2 of autograd through the fp64 recurrence
     and within 1e-2 of the torch factors' path (both opt-ins off); the gradients in their
-    inputs' dtypes; kernel 1's two launches carry out16 (+ forward first)."""
+    inputs' dtypes; kernel 1's two launches carry out16 (+ forward first); every launch's
+    arguments pass its launcher's input check, 16-bit tiles TMA-ready as handed over."""
     (q, k, v, g, beta, h0), do, dht = _bf16_problem(b, t, h, hv, decay=decay, seed=t)
     kw = {"initial_state": h0, "d_final_state": dht, "use_qk_l2norm_in_kernel": True}
     torch_factors = bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, **kw)
-    first, flags = [], []
+    first, flags, checked = [], [], []
     _device_opt_ins(monkeypatch, first, flags, fp32=False)
+    _launchers_accept(monkeypatch, checked)
     got = bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, **kw)
     assert first == [(torch.bfloat16, (b * t, h, 128), hv, "bwd")]
     assert flags == [(True, True), (True, False)]
+    assert checked == ["_state_recurrence"] * 2 + ["_chunk_grads", "_wy_kernel"]
     want = _fp64_grads([q, k, v, g, beta, h0], None, do, dht, l2norm=True)
     for name, a, f, r in zip(NAMES, got, torch_factors, want):
         like = {"dq": q, "dk": k, "dv": v, "dg": g, "dbeta": beta}.get(name, dht)
