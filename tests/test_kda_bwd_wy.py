@@ -162,3 +162,25 @@ def test_wy_tiles_layouts():
     chunk = to_chunks(t_exact, 2).transpose(-1, -2)  # T
     eye = torch.eye(64, dtype=torch.float64)
     assert torch.allclose(f.lower[:, 0] @ chunk[:, 0], eye.expand(1, 2, 64, 64), atol=1e-10)
+
+
+def test_launcher_checks_out(monkeypatch):
+    """`out` of the wrong shape (the kernel writes every (B, T, HV, ...) entry: a shorter
+    tensor would be written past its end), dtype or device raises before any launch; the right
+    one reaches the kernel."""
+    from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90 import launch
+
+    launched = []
+    monkeypatch.setattr(launch, "get_kernel", lambda *a: lambda *b: launched.append(len(b)))
+    tiles = _tiles()
+    for i, name in enumerate(("dk", "dv", "dg", "dbeta")):
+        for bad in ("short", "float64"):
+            outs = list(launch.empty_outputs(tiles[0], 128))
+            outs[i] = outs[i][:, :64].contiguous() if bad == "short" else outs[i].double()
+            with pytest.raises(ValueError, match=f"out's {name} must be"):
+                launch.kda_bwd_wy(*tiles, out=tuple(outs))
+    with pytest.raises(ValueError, match="4 tensors"):
+        launch.kda_bwd_wy(*tiles, out=launch.empty_outputs(tiles[0], 128)[:3])
+    assert launched == []
+    launch.kda_bwd_wy(*tiles, out=launch.empty_outputs(tiles[0], 128))
+    assert launched == [13]

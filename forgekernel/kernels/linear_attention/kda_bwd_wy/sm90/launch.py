@@ -47,6 +47,22 @@ def empty_outputs(dw: torch.Tensor, v: int) -> Outputs:
     return empty(b, t, hv, kd), empty(b, t, hv, v), empty(b, t, hv, kd), empty(b, t, hv)
 
 
+def check_outputs(outs, dw: torch.Tensor, v: int) -> None:
+    """`out` as `empty_outputs(dw, v)` would make it (the kernel writes every entry of those
+    shapes: a smaller tensor would be written past its end), else ValueError."""
+    b, t, hv, kd = dw.shape
+    shapes = {"dk": (b, t, hv, kd), "dv": (b, t, hv, v), "dg": (b, t, hv, kd), "dbeta": (b, t, hv)}
+    if len(outs) != len(shapes):
+        raise ValueError(f"out must be 4 tensors (dk, dv, dg, dbeta), got {len(outs)}")
+    for (name, shape), x in zip(shapes.items(), outs):
+        ok = tuple(x.shape) == shape and x.dtype == torch.float32 and x.device == dw.device
+        if not ok or not x.is_contiguous():
+            raise ValueError(
+                f"out's {name} must be contiguous float32 {shape} on {dw.device}, "
+                f"got {x.dtype} {tuple(x.shape)} on {x.device}"
+            )
+
+
 def kda_bwd_wy(
     dw: torch.Tensor,
     du: torch.Tensor,
@@ -68,9 +84,7 @@ def kda_bwd_wy(
     dg, dbeta) fp32, written into `out` (contiguous) when given."""
     b, t, hv = check_inputs(dw, du, tt, w, k, u, v, beta, big_g)
     outs = empty_outputs(dw, du.shape[-1]) if out is None else out
-    for x in outs:
-        if not x.is_contiguous() or x.dtype != torch.float32:
-            raise ValueError("out must be contiguous float32 tensors")
+    check_outputs(outs, dw, du.shape[-1])
     if b * hv * t == 0:
         return outs
     fn = get_kernel(SPEC, params_for(dtype_name(dw.dtype), (dw.shape[-1], du.shape[-1])))
