@@ -226,3 +226,22 @@ def test_device_pass_in_bf16(kernel_path, monkeypatch, decay, b, t, h, hv):  # n
         assert a.dtype == like.dtype, name
         _close(name, a, r, 2e-2)
         _close(name, a, f, 1e-2)
+
+
+def test_first_pass_factors_off_with_the_torch_fallback(monkeypatch):
+    """FACTORS_FROM_FIRST_PASS with CHUNK_IN_KERNEL = False (kernel 2's torch fallback): the
+    fallback's `_output_grads` reads fields `_FirstPassFactors` does not form (q, e^(G_C - G)),
+    so the torch factors run, the first pass is not launched, and the gradients are the
+    interim path's (32-bit operands: 1e-4 of each max)."""
+    first = []
+    monkeypatch.setattr(bwd, "FACTORS_FROM_FIRST_PASS", True)
+    monkeypatch.setattr(bwd, "FIRST_PASS_DTYPES", (torch.float32,))
+    monkeypatch.setattr(operands, "OPERAND_DTYPE", torch.float32)
+    monkeypatch.setattr(bwd, "_first_pass", emulated_first_pass(first))
+    _all_emulated(monkeypatch)
+    monkeypatch.setattr(bwd, "CHUNK_IN_KERNEL", False)
+    got, want = _interim_and_kernel(2, 65, 1, 2, l2norm=True, with_h0=True, with_dht=True,
+                                    strong=True, seed=3)  # fmt: skip
+    assert first == []
+    for name, a, r in zip(NAMES, got, want):
+        _close(name, a, r, 1e-4)

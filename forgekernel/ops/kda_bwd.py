@@ -194,7 +194,9 @@ def _wy_kernel(dw, du, tt, w, k, u, v, beta, big_g):
 # OPT-IN (off until measured on a GPU; docs/linear_attention/NOTES.md "KDA backward factors from
 # the forward's first pass?"): P, Qe, Ke, e^(G_C), W and u of the backward's factors from the
 # forward's first-pass kernel (`_first_pass`, one launch over every head) instead of torch
-# (`reference.kda_bwd._FirstPassFactors`), for tiles in FIRST_PASS_DTYPES (its operands are bf16).
+# (`reference.kda_bwd._FirstPassFactors`), for tiles in FIRST_PASS_DTYPES (its operands are bf16);
+# with CHUNK_IN_KERNEL only (the torch fallback's `_output_grads` reads q and e^(G_C - G), which
+# `_FirstPassFactors` does not form).
 FACTORS_FROM_FIRST_PASS = False
 FIRST_PASS_DTYPES = (torch.bfloat16,)
 
@@ -370,7 +372,7 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
         kn = _normalized32(seq(k), 1.0, l2norm)
         v_side = [seq(v).float(), seq(g).float(), seq(beta).float(), seq(do)]
     ops = None
-    if FACTORS_FROM_FIRST_PASS and do.dtype in FIRST_PASS_DTYPES:  # the forward's 16-bit rows
+    if FACTORS_FROM_FIRST_PASS and CHUNK_IN_KERNEL and do.dtype in FIRST_PASS_DTYPES:  # 16-bit rows
         q16, k16 = (x.to(do.dtype) for x in (qn, kn))  # q scaled already: the pass's scale 1
         ops = _first_pass_ops(q16, k16, v_side[1], v_side[2], 1.0, b, t)
     step = max(1, TOKEN_HEADS_PER_PASS // max(1, b * t * group))
