@@ -47,7 +47,11 @@ def stub_kernels(chunk_in_kernel: bool = True, wy_in_kernel: bool = False,
     bwd = importlib.import_module("forgekernel.ops.kda_bwd")
 
     def first(q, k, g, beta, cu_seqlens, scale, seq_len, bwd=False):
-        rows, hv, dk = -(-q.shape[0] // 64) * 64, g.shape[1], q.shape[2]
+        from forgekernel.kernels.linear_attention.kda_prefill.sm90.operands import chunk_bound
+
+        # the launcher's rows: every sequence's chunks (B NC 64), not the tokens' (B T / 64)
+        rows = chunk_bound(q.shape[0], cu_seqlens.numel() - 1, seq_len) * 64
+        hv, dk = g.shape[1], q.shape[2]
         out = {n: torch.zeros(rows, hv, dk, dtype=q.dtype) for n in ("q_g", "k_g", "k_d")}
         out.update(t_beta=torch.zeros(rows, hv, 64, dtype=q.dtype),
                    p=torch.zeros(rows, hv, 64, dtype=q.dtype),

@@ -88,3 +88,14 @@ def test_device_pass_drops_the_tile_conversions():
     assert "_device_pass" not in " ".join(fp32_out.by_caller)
     assert sum(mode.by_site.values()) < 0.5 * sum(fp32_out.by_site.values())
     assert sum(mode.launches.values()) <= 45 < sum(fp32_out.launches.values())
+
+
+def test_first_pass_stub_rows_of_a_batch():
+    """The first pass's stub gives the launcher's rows, every sequence's chunks (B NC 64): B = 2
+    sequences of 70 tokens take 4 chunks, not the 3 of their 140 tokens (`_first_pass_ops`
+    unflattens them to (B, NC 64)), with the torch factors' path and the device pass."""
+    glue_bytes = load_script("kda_bwd_glue_bytes")
+    for wy in (False, True):
+        mode = glue_bytes.count(b=2, t=70, h=1, hv=2, dk=16, dv=16, first_pass=True,
+                                wy_in_kernel=wy)  # fmt: skip
+        assert sum(mode.by_site.values()) > 0

@@ -64,7 +64,11 @@ def test_cases_are_well_formed():
         assert all(n > 0 for n in case.params["lens"]), case.name
         assert case.params["hv"] % case.params["h"] == 0
         assert kda_bwd.flops(case) > 0 and kda_bwd.nbytes(case, torch.bfloat16) > 0
-    assert all(p.is_file() for p in kda_bwd.kernel_sources())
+    sources = kda_bwd.kernel_sources()
+    assert all(p.is_file() for p in sources)
+    names = {p.as_posix() for p in sources}
+    for tail in ("kda_bwd_wy/sm90/wy_grads.py", "reference/kda_bwd_wy.py"):  # WY_IN_KERNEL's
+        assert any(n.endswith(tail) for n in names), tail
 
 
 def test_registered():

@@ -355,7 +355,8 @@ def test_first_pass_factors(kernel_path, monkeypatch, t, b, h, hv, decay):
     monkeypatch.setattr(bwd, "FACTORS_FROM_FIRST_PASS", True)
     first = []
     real = bwd._first_pass
-    monkeypatch.setattr(bwd, "_first_pass", lambda *a: first.append(1) or real(*a))
+    # `_first_pass_ops` passes `bwd=` by keyword (WY_IN_KERNEL's T^T): the wrapper forwards it
+    monkeypatch.setattr(bwd, "_first_pass", lambda *a, **kw: first.append(1) or real(*a, **kw))
     got = _run(inputs, h0=h0, dht=dht, l2norm=True)
     assert first == [1] and len(kernel_path) == 4
     want = _reference(inputs, h0=h0, dht=dht, l2norm=True)

@@ -51,8 +51,9 @@ alloc_out = gdn_bwd.alloc_out
 def kernel_sources() -> list[Path]:
     """The forward's sources, the kernel path's (kernels 1 and 2's sources, Gated DeltaNet's q /
     k epilogue's and the GDN op module its helpers come from, the varlen buckets, their batched
-    helpers: the default) and the interim backward's modules (the ledger key; it does not tell
-    which path a run took)."""
+    helpers: the default; the WY kernel's and its model's, WY_IN_KERNEL's opt-in: a run that
+    turns it on is keyed by them too) and the interim backward's modules (the ledger key; it
+    does not tell which path a run took)."""
     import forgekernel.ops._linattn_varlen as varlen
     import forgekernel.ops.gated_delta_rule_bwd as gdn_op
     import forgekernel.ops.kda_bwd as bwd_op
@@ -61,12 +62,15 @@ def kernel_sources() -> list[Path]:
     import forgekernel.reference.gdn_bwd_state as state_ref
     import forgekernel.reference.kda_bwd as bwd_ref
     import forgekernel.reference.kda_bwd_chunk as chunk_ref
+    import forgekernel.reference.kda_bwd_wy as wy_ref
     from forgekernel.kernels.linear_attention.gdn_bwd_norm.sm90 import SPEC as NORM_SPEC
     from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90 import SPEC as STATE_SPEC
     from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90 import SPEC as CHUNK_SPEC
+    from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90 import SPEC as WY_SPEC
 
-    modules = (bwd_op, gdn_op, varlen, bwd_ref, gdn_ref, state_ref, chunk_ref, norm_ref)
-    kernels = (*STATE_SPEC.sources, *CHUNK_SPEC.sources, *NORM_SPEC.sources)
+    modules = (bwd_op, gdn_op, varlen, bwd_ref, gdn_ref, state_ref, chunk_ref, norm_ref, wy_ref)
+    specs = (STATE_SPEC, CHUNK_SPEC, NORM_SPEC, WY_SPEC)
+    kernels = tuple(p for spec in specs for p in spec.sources)
     return [*kda_prefill.SOURCES, *kernels, *(Path(m.__file__) for m in modules)]
 
 
