@@ -31,13 +31,15 @@ tables, (k er) / (k el), the block products and their column scalings are kernel
 (kernels/linear_attention/kda_bwd_chunk/sm90, `KdaBwdChunkSm90`, inherited); Gated DeltaNet's
 kernel 2 brings the row stores and row dots.
 
-Warp roles (2 warpgroups, 256 threads): warpgroup 0, warp 0: the chunk's 7 TMA boxes (one
-barrier, no ring: one chunk a CTA); warpgroup 1: everything else, 64 token rows. G (C, K) fp32
-is read by the math warpgroup from global into shared memory while the boxes land.
+Warp roles (2 warpgroups, 256 threads): warpgroup 0, warp 0: the chunk's 7 TMA tiles (13
+64-column boxes; one barrier, no ring: one chunk a CTA); warpgroup 1: everything else, 64 token
+rows. G (C, K) fp32 is read by the math warpgroup from global into shared memory while the boxes
+land.
 
-Why a kernel of its own, not kernel 2's `wy` as Gated DeltaNet does: kernel 2 holds 198 KB of
-shared memory; the WY half adds T^T, w, u, v, dw (72 KB at 16 bits) and dG's rows stay: 270 KB,
-past the 227 KB a CTA may hold. Alone it needs 197 KB (config.smem_bytes).
+Why a kernel of its own, not kernel 2's `wy` as Gated DeltaNet does: kernel 2 holds 198 KiB of
+shared memory (202,752 B); the WY half adds T^T, w, u, v, dw (72 KiB at 16 bits) and dG's rows
+stay: 270 KiB, past the 227 KiB a CTA may hold. Alone it needs 192 KiB (196,608 B compiled,
+tests/test_kda_bwd_wy_compile.py; config.smem_bytes bounds it at 197,392 B).
 
 Constraints: K = V = 128, 16-bit tiles with unit last strides and 16-byte aligned outer strides
 (TMA); beta (B, T, HV), G and the fp32 outputs unit last strides.
