@@ -72,3 +72,22 @@ def test_a_missing_state_stays_none():
 
     gx, gs = varlen.run_in_buckets(run, (x, x), (None,), edges)
     assert torch.equal(gx, x) and gs.shape == (2, 1)
+
+
+def test_backward_varlen_routes():
+    """Equal lengths: one call on the tokens as they are (no copy); no token: None (the
+    caller's interim path); unequal: the buckets."""
+    x = torch.randn(12, 2)
+    calls = []
+
+    def run(x, do, state, n):
+        calls.append((x.data_ptr(), n))
+        return x, torch.zeros(n, 1)
+
+    equal = torch.tensor([0, 4, 8, 12], dtype=torch.int32)
+    gx, gs = varlen.backward_varlen(run, (x, x), (None,), equal)
+    assert calls == [(x.data_ptr(), 3)] and gx is x and gs.shape == (3, 1)
+    assert varlen.backward_varlen(run, (x[:0], x[:0]), (None,), torch.zeros(3)) is None
+    calls.clear()
+    gx, _ = varlen.backward_varlen(run, (x, x), (None,), torch.tensor([0, 1, 12]))
+    assert torch.equal(gx, x) and len(calls) == len(varlen.buckets([1, 11]))

@@ -101,3 +101,23 @@ def run_in_buckets(
         d_state[index] = out[-1]
     assert d_state is not None  # edges hold at least one sequence
     return (*grads, d_state)
+
+
+def backward_varlen(
+    run: Callable[..., Grads],
+    tokens: Sequence[torch.Tensor],
+    states: Sequence[torch.Tensor | None],
+    cu_seqlens: torch.Tensor,
+) -> Grads | None:
+    """Both ops' varlen backward on their kernel paths: the offsets read on the host (the
+    caller refuses a CUDA-graph capture first); equal lengths run as one call of `run` on the
+    tokens as they are (a reshape, no copy), unequal ones in buckets (`run_in_buckets`); None
+    (the caller's interim path) when no sequence has a token. `run`, `tokens`, `states` as
+    `run_in_buckets`'."""
+    edges = [int(e) for e in cu_seqlens.tolist()]
+    lens = [z - a for a, z in zip(edges[:-1], edges[1:])]
+    if max(lens) == 0:
+        return None
+    if all(x == lens[0] for x in lens):
+        return run(*tokens, *states, len(lens))
+    return run_in_buckets(run, tokens, states, edges)

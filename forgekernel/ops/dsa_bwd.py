@@ -276,7 +276,9 @@ def dsa_sparse_attention_backward(
     dtype and dlse (tokens, H) fp32 or None. Caches as the forward takes them (16-bit): the
     gradients come back shaped as their inputs in q's dtype (FlashMLA's combined cache: one
     (num_pages, page_size, 1, 576) gradient as dckv_cache, dkpe_cache None); d_sink (H,) fp32,
-    None without a sink."""
+    None without a sink. sparse_indices as the forward takes them: -1 padding or an entry below
+    the cache's slots; the kernel path reads none on the host (no sync) and skips an entry past
+    the slots as padding, the interim path raises ValueError for one."""
     scale = check_softmax_scale(softmax_scale)
     ckv, kpe, fp8 = latent_cache_views(ckv_cache, kpe_cache)
     _validate(q_nope, q_pe, ckv, kpe, sparse_indices, out, lse, dout, dlse, attn_sink, fp8)

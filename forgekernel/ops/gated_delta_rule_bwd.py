@@ -65,7 +65,7 @@ import torch
 from forgekernel.ops import gated_delta_rule_chunked as fwd
 from forgekernel.ops._dispatch import refuse_capture
 from forgekernel.ops._dispatch import traced as _traced
-from forgekernel.ops._linattn_varlen import run_in_buckets
+from forgekernel.ops._linattn_varlen import backward_varlen
 from forgekernel.ops._validate import (
     check_bools,
     check_cuda,
@@ -432,18 +432,11 @@ def _backward_varlen(q, k, v, g, beta, initial_state, do, d_final, scale, k_last
     run in buckets of sequences zero-padded at their ends (ops/_linattn_varlen.py: zero rows
     change neither the state nor a real gradient). None (the interim path) when no token."""
     refuse_capture(NOT_CAPTURABLE_VARLEN, q)
-    edges = [int(e) for e in cu_seqlens.tolist()]
-    lens = [z - a for a, z in zip(edges[:-1], edges[1:])]
-    if max(lens) == 0:
-        return None
-    if all(x == lens[0] for x in lens):
-        return _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, k_last,
-                                l2norm, len(lens))  # fmt: skip
 
     def run(q, k, v, g, beta, do, h0, dht, n):
         return _backward_kernel(q, k, v, g, beta, h0, do, dht, scale, k_last, l2norm, n)
 
-    return run_in_buckets(run, (q, k, v, g, beta, do), (initial_state, d_final), edges)
+    return backward_varlen(run, (q, k, v, g, beta, do), (initial_state, d_final), cu_seqlens)
 
 
 def _empty_grads(q, k, v, g, beta, cu_seqlens, k_last) -> Grads:

@@ -64,7 +64,7 @@ from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.config import HEAD_
 from forgekernel.ops import kda_chunked as fwd
 from forgekernel.ops._dispatch import refuse_capture
 from forgekernel.ops._dispatch import traced as _traced
-from forgekernel.ops._linattn_varlen import run_in_buckets
+from forgekernel.ops._linattn_varlen import backward_varlen
 from forgekernel.ops._validate import (
     check_bools,
     check_cuda,
@@ -441,18 +441,11 @@ def _backward_varlen(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
     zero-padded at their ends (ops/_linattn_varlen.py). None (the interim path) when no
     token."""
     refuse_capture(NOT_CAPTURABLE_VARLEN, q)
-    edges = [int(e) for e in cu_seqlens.tolist()]
-    lens = [z - a for a, z in zip(edges[:-1], edges[1:])]
-    if max(lens) == 0:
-        return None
-    if all(x == lens[0] for x in lens):
-        return _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm,
-                                len(lens))  # fmt: skip
 
     def run(q, k, v, g, beta, do, h0, dht, n):
         return _backward_kernel(q, k, v, g, beta, h0, do, dht, scale, l2norm, n)
 
-    return run_in_buckets(run, (q, k, v, g, beta, do), (initial_state, d_final), edges)
+    return backward_varlen(run, (q, k, v, g, beta, do), (initial_state, d_final), cu_seqlens)
 
 
 def _backward_eager(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, l2norm,
