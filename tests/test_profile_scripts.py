@@ -384,3 +384,18 @@ def test_kernel_table_per_call():
     assert lines[0] == "  kernels 2 a call, 40.5 us a call"
     assert "k2" in lines[1] and "30.0 us" in lines[1] and "1.0x" in lines[1]
     assert "k1" in lines[2] and len(lines) == 3
+
+
+def test_kda_paths_probe_lists_without_a_gpu(capsys):
+    """scripts/probe_kda_bwd_paths.py --list: its paths and the suite's cases, no GPU; the
+    switches restored after a path's call; an unknown case named."""
+    probe = _load("probe_kda_bwd_paths")
+    assert probe.main(["--list"]) == 0
+    assert "device_pass (True, True)" in capsys.readouterr().out
+    from forgekernel.ops import kda_bwd
+
+    with probe.path_flags(kda_bwd, True, True):
+        assert kda_bwd.FACTORS_FROM_FIRST_PASS and kda_bwd.WY_IN_KERNEL
+    assert not kda_bwd.FACTORS_FROM_FIRST_PASS and not kda_bwd.WY_IN_KERNEL
+    with pytest.raises(SystemExit, match="no kda_bwd bench case"):
+        probe.main(["--case", "nope", "--list"])
