@@ -95,7 +95,7 @@ from forgekernel.reference.kda_bwd import (
     _wy_grads,
     kimi_delta_attention_chunked_backward,
 )
-from forgekernel.reference.kda_bwd_chunk import chunk_grad_tiles, cumulative_decay
+from forgekernel.reference.kda_bwd_chunk import chunk_grad_tiles
 from forgekernel.reference.kda_bwd_wy import wy_tiles
 from forgekernel.runtime.plans import overriding
 
@@ -221,7 +221,7 @@ def _first_pass_ops(q16, k16, g, beta, scale, b, t):
                       beta.flatten(0, 1).contiguous(), cu, scale, t,
                       bwd=WY_IN_KERNEL)  # fmt: skip
     nc = -(-t // CHUNK)
-    rows = ("q_g", "k_g", "k_d", "t_beta", "p") + (("tt",) if WY_IN_KERNEL else ())
+    rows = ("q_g", "k_g", "k_d", "t_beta", "p") + (("tt", "big_g") if WY_IN_KERNEL else ())
     out = {n: ops[n].unflatten(0, (b, nc * CHUNK)) for n in rows}
     out["decay"] = ops["decay"].unflatten(0, (b, nc))
     return out
@@ -307,9 +307,9 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops):
     (two 16-bit bmm, the only factors formed here), kernel 1's forward launch (`forward`: I and
     0 built in) on u, -W and -Ke in reversed chunk order -> U, h (16-bit, chunk order); its
     reverse launch on P^T and the first pass's Ke, Qe as written -> dU, dS (16-bit); kernel 2
-    and the WY kernel on those, the first pass's T^T and its rows cut to T (views). qs, ks, v,
+    and the WY kernel on those, the first pass's T^T, G and rows cut to T (views). qs, ks, v,
     do (B, T, HV, ...) in do's dtype (strided head slices allowed), g (B, T, HV, K), beta
-    (B, T, HV) fp32; ops: `_first_pass_ops`' pass of heads, with `tt`."""
+    (B, T, HV) fp32; ops: `_first_pass_ops`' pass of heads, with `tt` and `big_g`."""
     t, dtype = qs.shape[1], do.dtype
     nc = -(-t // CHUNK)
 
@@ -331,7 +331,7 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops):
     rev = (pt, ops["k_d"][:, :t], ops["q_g"][:, :t], w16[:, :t])
     du16, dh16, dh0 = _state_recurrence(do, *rev, ops["decay"], dht, out16=True)
     del rev, pt
-    big_g = cumulative_decay(g, nc)
+    big_g = ops["big_g"][:, :t]  # G = cumsum(g) within the chunk, as the first pass formed it
     dq, dk, dw, dg = _chunk_grads(do, u_c[:, :t], du16, qs, ks, h16, dh16, big_g)
     del u_c, h16, dh16
     wy = (dw.to(dtype), du16, ops["tt"][:, :t], w16[:, :t], ks, u16[:, :t], v, beta, big_g)
