@@ -45,8 +45,6 @@ forward's out / lse in hand) and for the suite's timing.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import launch as kernel_launch
@@ -54,6 +52,7 @@ from forgekernel.kernels.attention.dsa_sparse_bwd_pre.sm90 import launch as pre_
 from forgekernel.kernels.attention.mla.sm90.config import D_LATENT, D_ROPE
 from forgekernel.ops import dsa as fwd
 from forgekernel.ops._dispatch import capturing as _capturing
+from forgekernel.ops._dispatch import switch_on
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import check_same_device, check_shaped
 from forgekernel.ops.mla import check_softmax_scale, latent_cache_views
@@ -70,10 +69,7 @@ KERNEL_ENV = "FORGEKERNEL_DSA_BWD_KERNEL"
 
 
 def kernel_selected() -> bool:
-    env = os.environ.get(KERNEL_ENV, "")
-    if env not in ("", "0", "1"):
-        raise ValueError(f"{KERNEL_ENV} must be '0' or '1', got {env!r}")
-    return env != "0"
+    return switch_on(KERNEL_ENV)
 
 
 def _joined(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:

@@ -56,14 +56,12 @@ callers with their own autograd and for the suite's backward timing.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+import contextlib
 
 import torch
 
 from forgekernel.ops import gated_delta_rule_chunked as fwd
-from forgekernel.ops._dispatch import refuse_capture
+from forgekernel.ops._dispatch import KernelSwitch, refuse_capture
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._linattn_varlen import backward_varlen
 from forgekernel.ops._validate import (
@@ -90,7 +88,6 @@ from forgekernel.reference.gdn_bwd_state import (
     to_chunks,
     to_tokens,
 )
-from forgekernel.runtime.plans import overriding
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 NOT_CAPTURABLE = (
@@ -122,26 +119,19 @@ def _backward_interim(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, 
 # "0": the interim path everywhere; unset or "1": the kernel path where it fits (`_kernel_path`).
 KERNEL_SWITCH = "FORGEKERNEL_GDN_BWD_KERNEL"
 KERNEL_DEVICES = ("cuda",)  # CPU tensors take the interim path (the CPU tests add "cpu")
-_interim = [False]  # True inside `interim()`
+_SWITCH = KernelSwitch(KERNEL_SWITCH)
 
 
 def kernel_selected() -> bool:
     """Whether the kernel path is chosen where it fits: False inside `interim()`, else
     KERNEL_SWITCH ("0" or "1", default "1")."""
-    if _interim[0]:
-        return False
-    env = os.environ.get(KERNEL_SWITCH, "")
-    if env not in ("", "0", "1"):
-        raise ValueError(f"{KERNEL_SWITCH} must be '0' or '1', got {env!r}")
-    return env != "0"
+    return _SWITCH.selected()
 
 
-@contextmanager
-def interim() -> Iterator[None]:
+def interim() -> contextlib.AbstractContextManager[None]:
     """The backward calls inside take the interim path, as with KERNEL_SWITCH "0" (the bench's
     `interim` variant)."""
-    with overriding(_interim, True):
-        yield
+    return _SWITCH.off()
 
 
 # Token x value heads of one pass of the kernel path: its temporaries were ~56 KB a token-head

@@ -54,15 +54,13 @@ for the suite's backward timing.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+import contextlib
 
 import torch
 
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.config import HEAD_DIMS
 from forgekernel.ops import kda_chunked as fwd
-from forgekernel.ops._dispatch import refuse_capture
+from forgekernel.ops._dispatch import KernelSwitch, refuse_capture
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._linattn_varlen import backward_varlen
 from forgekernel.ops._validate import (
@@ -97,7 +95,6 @@ from forgekernel.reference.kda_bwd import (
 )
 from forgekernel.reference.kda_bwd_chunk import chunk_grad_tiles
 from forgekernel.reference.kda_bwd_wy import wy_tiles
-from forgekernel.runtime.plans import overriding
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 NOT_CAPTURABLE = (
@@ -124,26 +121,19 @@ def _backward_interim(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, 
 KERNEL_SWITCH = "FORGEKERNEL_KDA_BWD_KERNEL"
 KERNEL_DEVICES = ("cuda",)  # CPU tensors take the interim path (the CPU tests add "cpu")
 TILE_DTYPES = (torch.float16, torch.bfloat16)
-_interim = [False]  # True inside `interim()`
+_SWITCH = KernelSwitch(KERNEL_SWITCH)
 
 
 def kernel_selected() -> bool:
     """Whether the kernel path is chosen where it fits: False inside `interim()`, else
     KERNEL_SWITCH ("0" or "1", default "1")."""
-    if _interim[0]:
-        return False
-    env = os.environ.get(KERNEL_SWITCH, "")
-    if env not in ("", "0", "1"):
-        raise ValueError(f"{KERNEL_SWITCH} must be '0' or '1', got {env!r}")
-    return env != "0"
+    return _SWITCH.selected()
 
 
-@contextmanager
-def interim() -> Iterator[None]:
+def interim() -> contextlib.AbstractContextManager[None]:
     """The backward calls inside take the interim path, as with KERNEL_SWITCH "0" (the bench's
     `interim` variant)."""
-    with overriding(_interim, True):
-        yield
+    return _SWITCH.off()
 
 
 def _state_recurrence(do, pt, ke, qe, w, e_last, d_final_state, **flags):
