@@ -166,10 +166,12 @@ def _chunk_grads(do, u, du, q, k, h, dh, big_g):
     return kda_bwd_chunk(do, u, du, q, k, h, dh, big_g)
 
 
-# OPT-IN (off until a GPU run; docs/linear_attention/NOTES.md "KDA backward WY kernel"): the WY
-# half (`_wy_grads`) on the WY kernel (kernels/linear_attention/kda_bwd_wy/sm90) after kernel 2,
-# fed its dw; with CHUNK_IN_KERNEL only. T = L^-1 is formed in torch for its input tile.
-WY_IN_KERNEL = False
+# On since 2026-12-06 (H100: with FACTORS_FROM_FIRST_PASS, the device pass 4.6-5.8x the previous
+# default; docs/linear_attention/NOTES.md "KDA backward WY kernel"): the WY half (`_wy_grads`)
+# on the WY kernel (kernels/linear_attention/kda_bwd_wy/sm90) after kernel 2, fed its dw; with
+# CHUNK_IN_KERNEL only. T = L^-1 is formed in torch for its input tile, or read from the first
+# pass with FACTORS_FROM_FIRST_PASS.
+WY_IN_KERNEL = True
 
 
 def _wy_kernel(dw, du, tt, w, k, u, v, beta, big_g):
@@ -181,13 +183,13 @@ def _wy_kernel(dw, du, tt, w, k, u, v, beta, big_g):
     return kda_bwd_wy(dw, du, tt, w, k, u, v, beta, big_g)
 
 
-# OPT-IN (off until measured on a GPU; docs/linear_attention/NOTES.md "KDA backward factors from
-# the forward's first pass?"): P, Qe, Ke, e^(G_C), W and u of the backward's factors from the
-# forward's first-pass kernel (`_first_pass`, one launch over every head) instead of torch
-# (`reference.kda_bwd._FirstPassFactors`), for tiles in FIRST_PASS_DTYPES (its operands are bf16);
-# with CHUNK_IN_KERNEL only (the torch fallback's `_output_grads` reads q and e^(G_C - G), which
-# `_FirstPassFactors` does not form).
-FACTORS_FROM_FIRST_PASS = False
+# On since 2026-12-06 (H100, with WY_IN_KERNEL; docs/linear_attention/NOTES.md "KDA backward
+# factors from the forward's first pass?"): P, Qe, Ke, e^(G_C), W and u of the backward's
+# factors from the forward's first-pass kernel (`_first_pass`, one launch over every head)
+# instead of torch (`reference.kda_bwd._FirstPassFactors`), for tiles in FIRST_PASS_DTYPES (its
+# operands are bf16); with CHUNK_IN_KERNEL only (the torch fallback's `_output_grads` reads q and
+# e^(G_C - G), which `_FirstPassFactors` does not form).
+FACTORS_FROM_FIRST_PASS = True
 FIRST_PASS_DTYPES = (torch.bfloat16,)
 
 
