@@ -1,7 +1,10 @@
 """KDA's backward with its factors' P, Qe, Ke, e^(G_C), W and u from the forward's first pass
-(ops/kda_bwd.py FACTORS_FROM_FIRST_PASS, opt-in; `reference.kda_bwd._FirstPassFactors`) on the
-CPU: the first-pass kernel replaced by its torch model (`operands.kda_chunk_operands`, the
-kernel's yardstick), kernels 1 and 2 by tests/test_kda_bwd_kernel_path.py's emulations. With
+(ops/kda_bwd.py FACTORS_FROM_FIRST_PASS, on by default since 2026-12-06 with WY_IN_KERNEL: the
+device pass; `reference.kda_bwd._FirstPassFactors`) on the CPU: the first-pass kernel replaced
+by its torch model (`operands.kda_chunk_operands`, the kernel's yardstick; tests/
+test_kda_bwd_kernel_path.py's `emulated_first_pass`), kernels 1 and 2 and the WY kernel by that
+file's emulations. The tests set both switches explicitly, so the paths with either off (the
+torch factors, the WY half in torch) stay covered. With
 32-bit operands (the model's OPERAND_DTYPE and FIRST_PASS_DTYPES widened to fp32) the path
 equals the interim path to fp32 tolerance (so the field map is right: layouts, scaling, chunk
 order, head passes); in bf16 it stays within 2e-2 of autograd through the fp64 recurrence and
@@ -20,6 +23,7 @@ from test_kda_bwd_kernel_path import (
     _close,
     _fp64_grads,
     _interim_and_kernel,
+    emulated_first_pass,
     emulated_kernel,
     kernel_path,  # noqa: F401  (the fixture)
 )
@@ -30,20 +34,6 @@ from forgekernel.kernels.linear_attention.kda_prefill.sm90 import operands
 bwd = importlib.import_module("forgekernel.ops.kda_bwd")
 kda_ref = importlib.import_module("forgekernel.reference.kda_bwd")
 wy_ref = importlib.import_module("forgekernel.reference.kda_bwd_wy")
-
-
-def emulated_first_pass(calls):
-    """The first pass's stand-in: its torch model on the launcher's arguments (l2norm off: the
-    backward hands it unit rows), B equal lengths known on the host."""
-
-    def run(q, k, g, beta, cu_seqlens, scale, seq_len, bwd=False):
-        assert q.dtype == k.dtype and g.dtype == beta.dtype == torch.float32
-        assert cu_seqlens.dtype == torch.int32 and seq_len > 0
-        calls.append((q.dtype, tuple(q.shape), g.shape[1]) + (("bwd",) if bwd else ()))
-        return operands.kda_chunk_operands(q, k, g, beta, cu_seqlens, scale, False, seq_len,
-                                           bwd=bwd)  # fmt: skip
-
-    return run
 
 
 @pytest.mark.parametrize(
@@ -62,16 +52,16 @@ def test_first_pass_factors_equal_the_interim_path(monkeypatch, b, t, h, hv, l2n
                                                    passes, wy):  # fmt: skip
     """32-bit operands: every gradient within 1e-4 of its max of the interim path's, the first
     pass launched once over every head (value heads in passes included), kernel 1 twice a pass.
-    With the WY kernel (emulated) the first pass's `bwd` key gives its T^T: no torch solve, no
-    sub-chunked M(k, k), none of the torch WY factors formed."""
+    With the WY kernel (emulated; WY_IN_KERNEL, the default) the first pass's `bwd` key gives its
+    T^T: no torch solve, no sub-chunked M(k, k), none of the torch WY factors formed; `wy` False
+    pins WY_IN_KERNEL off (the first pass's factors, the WY half in torch)."""
     first, calls = [], []
     monkeypatch.setattr(bwd, "FACTORS_FROM_FIRST_PASS", True)
+    monkeypatch.setattr(bwd, "WY_IN_KERNEL", wy)
     monkeypatch.setattr(bwd, "FIRST_PASS_DTYPES", (torch.float32,))
     monkeypatch.setattr(operands, "OPERAND_DTYPE", torch.float32)
-    monkeypatch.setattr(bwd, "_first_pass", emulated_first_pass(first))
-    _all_emulated(monkeypatch, calls)
+    _all_emulated(monkeypatch, calls, first_calls=first)
     if wy:
-        monkeypatch.setattr(bwd, "WY_IN_KERNEL", True)
         fail = lambda *a, **k: pytest.fail("torch WY factors")  # noqa: E731
         monkeypatch.setattr(wy_ref, "_solve_lower", fail)
         for name in ("decay", "e_g", "kk", "lower", "kb"):
@@ -88,13 +78,16 @@ def test_first_pass_factors_equal_the_interim_path(monkeypatch, b, t, h, hv, l2n
 
 @pytest.mark.parametrize("decay", [(-1.0, 0.0), (-5.0, -4.0)])
 def test_first_pass_factors_in_bf16(kernel_path, monkeypatch, decay):  # noqa: F811
-    """bf16 (the first pass's operands, kernel 1's tiles): within 2e-2 of autograd through the
-    fp64 recurrence and within 1e-2 of the torch factors' path; the switch off never launches
-    the first pass, fp16 tiles neither (FIRST_PASS_DTYPES)."""
+    """bf16 (the first pass's operands, kernel 1's tiles), WY_IN_KERNEL pinned off (the WY half
+    in torch; both on: the device pass, below): within 2e-2 of autograd through the fp64
+    recurrence and within 1e-2 of the torch factors' path; the switch off (set here) never
+    launches the first pass, fp16 tiles neither (FIRST_PASS_DTYPES)."""
     (q, k, v, g, beta, h0), do, dht = _bf16_problem(2, 130, 1, 2, decay=decay, seed=5)
     kw = {"initial_state": h0, "d_final_state": dht, "use_qk_l2norm_in_kernel": True}
     first = []
     monkeypatch.setattr(bwd, "_first_pass", emulated_first_pass(first))
+    monkeypatch.setattr(bwd, "WY_IN_KERNEL", False)
+    monkeypatch.setattr(bwd, "FACTORS_FROM_FIRST_PASS", False)
     torch_factors = bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, **kw)
     assert first == []
     monkeypatch.setattr(bwd, "FACTORS_FROM_FIRST_PASS", True)
@@ -110,19 +103,19 @@ def test_first_pass_factors_in_bf16(kernel_path, monkeypatch, decay):  # noqa: F
     assert len(first) == 1
 
 
-# ---- the device pass (both opt-ins: kernel 1's 16-bit forms, `_device_pass`) -----------------
+# ---- the device pass (both switches, the default: kernel 1's 16-bit forms, `_device_pass`) ---
 
 
 def _device_opt_ins(monkeypatch, first, flags, fp32):
-    """Both opt-ins on, the first pass and the kernels emulated (kernel 1 recording its flags);
-    `fp32`: 32-bit operands (FIRST_PASS_DTYPES and the model's operands widened)."""
+    """Both switches on (the default since 2026-12-06; set explicitly), the first pass and the
+    kernels emulated (kernel 1 recording its flags); `fp32`: 32-bit operands
+    (FIRST_PASS_DTYPES and the model's operands widened)."""
     monkeypatch.setattr(bwd, "FACTORS_FROM_FIRST_PASS", True)
     monkeypatch.setattr(bwd, "WY_IN_KERNEL", True)
     if fp32:
         monkeypatch.setattr(bwd, "FIRST_PASS_DTYPES", (torch.float32,))
         monkeypatch.setattr(operands, "OPERAND_DTYPE", torch.float32)
-    monkeypatch.setattr(bwd, "_first_pass", emulated_first_pass(first))
-    _all_emulated(monkeypatch)
+    _all_emulated(monkeypatch, first_calls=first)
     monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel([], flags))
     fail = lambda *a, **k: pytest.fail("torch factors on the device pass")  # noqa: E731
     for name in ("_reverse_tiles", "forward_state_tiles", "forward_states", "chunk_grad_tiles",
@@ -144,11 +137,11 @@ def _device_opt_ins(monkeypatch, first, flags, fp32):
 )
 def test_device_pass_equals_the_interim_path(monkeypatch, b, t, h, hv, l2norm, strong, states,
                                              passes):  # fmt: skip
-    """32-bit tiles, both opt-ins: `_device_pass` (kernel 1's forward launch `out16` +
+    """32-bit tiles, both switches on: `_device_pass` (kernel 1's forward launch `out16` +
     `forward`, then its reverse launch `out16`; kernel 2 and the WY kernel on the 16-bit
     forms, the first pass's rows cut to T as views; no torch factor, no `_FirstPassFactors`,
     no tile conversion of the default path) gives every gradient within 1e-4 of its max of
-    the interim path's, and within 1e-5 of the same opt-ins' fp32-out path (`_on_device`
+    the interim path's, and within 1e-5 of the same switches' fp32-out path (`_on_device`
     False: torch flips, transposes, converts)."""
     first, flags = [], []
     _device_opt_ins(monkeypatch, first, flags, fp32=True)
@@ -166,8 +159,7 @@ def test_device_pass_equals_the_interim_path(monkeypatch, b, t, h, hv, l2norm, s
     monkeypatch.setattr(bwd, "WY_IN_KERNEL", True)
     monkeypatch.setattr(bwd, "FIRST_PASS_DTYPES", (torch.float32,))
     monkeypatch.setattr(operands, "OPERAND_DTYPE", torch.float32)
-    monkeypatch.setattr(bwd, "_first_pass", emulated_first_pass(first))
-    _all_emulated(monkeypatch, calls)
+    _all_emulated(monkeypatch, calls, first_calls=first)
     monkeypatch.setattr(bwd, "_on_device", lambda dtype: False)
     if passes:
         monkeypatch.setattr(bwd, "TOKEN_HEADS_PER_PASS", b * t * (hv // h))
@@ -206,12 +198,15 @@ def _launchers_accept(monkeypatch, checked):
 @pytest.mark.parametrize("decay", [(-1.0, 0.0), (-5.0, -4.0)])
 @pytest.mark.parametrize(("b", "t", "h", "hv"), [(2, 130, 1, 2), (1, 65, 2, 2)])
 def test_device_pass_in_bf16(kernel_path, monkeypatch, decay, b, t, h, hv):  # noqa: F811
-    """bf16, both opt-ins: the device pass within 2e-2 of autograd through the fp64 recurrence
-    and within 1e-2 of the torch factors' path (both opt-ins off); the gradients in their
-    inputs' dtypes; kernel 1's two launches carry out16 (+ forward first); every launch's
-    arguments pass its launcher's input check, 16-bit tiles TMA-ready as handed over."""
+    """bf16, both switches on (the default): the device pass within 2e-2 of autograd through the
+    fp64 recurrence and within 1e-2 of the torch factors' path (both switches set off here); the
+    gradients in their inputs' dtypes; kernel 1's two launches carry out16 (+ forward first);
+    every launch's arguments pass its launcher's input check, 16-bit tiles TMA-ready as handed
+    over."""
     (q, k, v, g, beta, h0), do, dht = _bf16_problem(b, t, h, hv, decay=decay, seed=t)
     kw = {"initial_state": h0, "d_final_state": dht, "use_qk_l2norm_in_kernel": True}
+    monkeypatch.setattr(bwd, "FACTORS_FROM_FIRST_PASS", False)
+    monkeypatch.setattr(bwd, "WY_IN_KERNEL", False)
     torch_factors = bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, **kw)
     first, flags, checked = [], [], []
     _device_opt_ins(monkeypatch, first, flags, fp32=False)
@@ -237,8 +232,7 @@ def test_first_pass_factors_off_with_the_torch_fallback(monkeypatch):
     monkeypatch.setattr(bwd, "FACTORS_FROM_FIRST_PASS", True)
     monkeypatch.setattr(bwd, "FIRST_PASS_DTYPES", (torch.float32,))
     monkeypatch.setattr(operands, "OPERAND_DTYPE", torch.float32)
-    monkeypatch.setattr(bwd, "_first_pass", emulated_first_pass(first))
-    _all_emulated(monkeypatch)
+    _all_emulated(monkeypatch, first_calls=first)
     monkeypatch.setattr(bwd, "CHUNK_IN_KERNEL", False)
     got, want = _interim_and_kernel(2, 65, 1, 2, l2norm=True, with_h0=True, with_dht=True,
                                     strong=True, seed=3)  # fmt: skip

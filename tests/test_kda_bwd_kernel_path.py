@@ -4,7 +4,10 @@ default on CUDA tensors; `FORGEKERNEL_KDA_BWD_KERNEL=0` the interim path) on the
 tests/test_gdn_bwd_state.py (`tile_model`: token-major tiles, transposed state, zero tail,
 dS^T's columns scaled per key channel, the register operands rounded to the tiles' dtype) and
 kernel 2 (`CHUNK_IN_KERNEL`) by `reference.kda_bwd_chunk.chunk_grads_model` (its on-chip block
-operands rounded to bf16 for 16-bit tiles; CHUNK_IN_KERNEL = False: pass 3 in torch) and the
+operands rounded to bf16 for 16-bit tiles; CHUNK_IN_KERNEL = False: pass 3 in torch), the WY
+kernel (`WY_IN_KERNEL`, on by default) by `reference.kda_bwd_wy.wy_grads_model`, the forward's
+first pass (`FACTORS_FROM_FIRST_PASS`, on by default: with the WY kernel, bf16 tiles take the
+device pass, `_device_pass`) by its torch model `operands.kda_chunk_operands`, and the
 q / k epilogue (`_qk_grads`, Gated DeltaNet's gdn_bwd_norm kernel) by its model `qk_grad_model`
 (tests/test_gdn_bwd_kernel_path.py's `emulated_norm_kernel`; NORM_IN_KERNEL = False: torch): the
 kernel fed KDA's forward recurrence (`forward_state_tiles` on the sub-chunked factors) against
@@ -32,6 +35,7 @@ from test_kda_bwd_op import (
 )
 from test_kda_bwd_op import _inputs as op_inputs
 
+from forgekernel.kernels.linear_attention.kda_prefill.sm90 import operands
 from forgekernel.reference.gdn_bwd_state import (
     CHUNK,
     chunk_factors,
@@ -135,12 +139,29 @@ def emulated_wy_kernel(calls=None):
     return run
 
 
-def _all_emulated(monkeypatch, calls=None, chunk_calls=None, norm_calls=None):
-    """Kernel 1, kernel 2, the WY kernel (used with WY_IN_KERNEL) and the q / k epilogue
-    replaced by their emulations."""
+def emulated_first_pass(calls=None):
+    """The first pass's stand-in: its torch model on the launcher's arguments (l2norm off: the
+    backward hands it unit rows), B equal lengths known on the host."""
+
+    def run(q, k, g, beta, cu_seqlens, scale, seq_len, bwd=False):
+        assert q.dtype == k.dtype and g.dtype == beta.dtype == torch.float32
+        assert cu_seqlens.dtype == torch.int32 and seq_len > 0
+        if calls is not None:
+            calls.append((q.dtype, tuple(q.shape), g.shape[1]) + (("bwd",) if bwd else ()))
+        return operands.kda_chunk_operands(q, k, g, beta, cu_seqlens, scale, False, seq_len,
+                                           bwd=bwd)  # fmt: skip
+
+    return run
+
+
+def _all_emulated(monkeypatch, calls=None, chunk_calls=None, norm_calls=None, first_calls=None):
+    """Kernel 1, kernel 2, the WY kernel (WY_IN_KERNEL, on by default), the forward's first pass
+    (FACTORS_FROM_FIRST_PASS, on by default: bf16 tiles, FIRST_PASS_DTYPES) and the q / k
+    epilogue replaced by their emulations (the first pass by its torch model)."""
     monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel(calls))
     monkeypatch.setattr(bwd, "_chunk_grads", emulated_chunk_kernel(chunk_calls))
     monkeypatch.setattr(bwd, "_wy_kernel", emulated_wy_kernel())
+    monkeypatch.setattr(bwd, "_first_pass", emulated_first_pass(first_calls))
     monkeypatch.setattr(bwd, "_qk_grads", emulated_norm_kernel(norm_calls))
 
 
@@ -230,10 +251,12 @@ def test_kernel_path_equals_the_interim_path(monkeypatch, b, t, h, hv, l2norm, w
                                              with_dht, strong, chunk_in_kernel):  # fmt: skip
     """fp32 tiles and the exact emulations: every gradient within 1e-4 of its max of the
     interim path's (T = 1, 63, 64, 65, 200; grouped heads; l2norm; g in [-5, -4] a step), pass
-    3's output side on kernel 2 or in torch."""
+    3's output side on kernel 2 or in torch; the WY half in torch (WY_IN_KERNEL pinned off: on,
+    the default, in the next test)."""
     calls, chunk_calls, norm_calls = [], [], []
     _all_emulated(monkeypatch, calls, chunk_calls, norm_calls)
     monkeypatch.setattr(bwd, "CHUNK_IN_KERNEL", chunk_in_kernel)
+    monkeypatch.setattr(bwd, "WY_IN_KERNEL", False)
     got, want = _interim_and_kernel(b, t, h, hv, l2norm=l2norm, with_h0=with_h0,
                                     with_dht=with_dht, strong=strong, seed=t)  # fmt: skip
     assert calls == [torch.float32, torch.float32]  # the forward states, the reverse pass
@@ -255,9 +278,10 @@ def test_kernel_path_equals_the_interim_path(monkeypatch, b, t, h, hv, l2norm, w
 )
 def test_wy_kernel_path_equals_the_interim_path(monkeypatch, b, t, h, hv, l2norm, with_h0,
                                                 with_dht, strong):  # fmt: skip
-    """WY_IN_KERNEL (the WY half on its kernel, emulated by `wy_grads_model`), fp32 tiles: every
-    gradient within 1e-4 of its max of the interim path's (T = 1, 63, 64, 65, 200; grouped
-    heads; g in [-5, -4] a step); the WY kernel called once a pass, with the tiles' dtype."""
+    """WY_IN_KERNEL (the default, set here; the WY half on its kernel, emulated by
+    `wy_grads_model`), fp32 tiles: every gradient within 1e-4 of its max of the interim path's
+    (T = 1, 63, 64, 65, 200; grouped heads; g in [-5, -4] a step); the WY kernel called once a
+    pass, with the tiles' dtype."""
     wy_calls = []
     _all_emulated(monkeypatch)
     monkeypatch.setattr(bwd, "_wy_kernel", emulated_wy_kernel(wy_calls))
@@ -343,7 +367,9 @@ def test_qk_epilogue_is_the_torch_one(monkeypatch, b, t, h, hv, l2norm):
             assert torch.equal(a, r), name
 
 
-# ---- the op with the switch on (bf16, the forward launcher stubbed as tests/test_kda_bwd_op)
+# ---- the op with the switch on (bf16, the forward launcher stubbed as tests/test_kda_bwd_op);
+# the module's defaults: bf16 takes the device pass (FACTORS_FROM_FIRST_PASS and WY_IN_KERNEL),
+# the first pass on its torch model
 
 
 @pytest.fixture
@@ -369,10 +395,10 @@ def _bf16_problem(b, t, h, hv, *, decay=(-1.0, 0.0), seed=0):
     [(2, 65, 1, 2, (-1.0, 0.0)), (1, 130, 2, 2, (-5.0, -4.0)), (2, 64, 1, 1, (-5.0, 0.0))],
 )
 def test_explicit_backward_on_the_kernel_path(kernel_path, monkeypatch, b, t, h, hv, decay):
-    """`kimi_delta_attention_backward` with the switch on takes the kernel path (two launches:
-    the forward states, the reverse pass) and matches autograd through the fp64 recurrence
-    within 2e-2 of each gradient's max (bf16 tiles, the emulation's bf16 operands), g in
-    [-5, -4] per channel included."""
+    """`kimi_delta_attention_backward` with the switch on takes the kernel path (the device pass
+    by default; two launches: the forward states, the reverse pass) and matches autograd
+    through the fp64 recurrence within 2e-2 of each gradient's max (bf16 tiles, the emulation's
+    bf16 operands), g in [-5, -4] per channel included."""
     (q, k, v, g, beta, h0), do, dht = _bf16_problem(b, t, h, hv, decay=decay, seed=t)
     monkeypatch.setattr(bwd, "_backward_interim", lambda *a: pytest.fail("interim path"))
     got = bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, initial_state=h0,
@@ -508,8 +534,9 @@ def test_routing_to_the_interim_path(kernel_path, monkeypatch):
 @pytest.mark.parametrize("decay", [(-5.0, 0.0), (-5.0, -4.0)])
 def test_kernel_2_on_the_path_and_its_fallback(kernel_path, monkeypatch, decay):
     """bf16 with the switch on: kernel 2 (emulated, bf16 block operands) once, fed the tiles'
-    dtype; CHUNK_IN_KERNEL = False runs pass 3 in torch instead; both within 2e-2 of autograd
-    through the fp64 recurrence, and within 1e-2 of each other."""
+    dtype (on the device pass, the default); CHUNK_IN_KERNEL = False runs pass 3 in torch
+    instead (the torch factors, the WY half in torch: both switches need kernel 2); both within
+    2e-2 of autograd through the fp64 recurrence, and within 1e-2 of each other."""
     (q, k, v, g, beta, h0), do, dht = _bf16_problem(2, 130, 1, 2, decay=decay, seed=9)
     kw = {"initial_state": h0, "d_final_state": dht, "use_qk_l2norm_in_kernel": True}
     chunk_calls = []
@@ -527,15 +554,17 @@ def test_kernel_2_on_the_path_and_its_fallback(kernel_path, monkeypatch, decay):
 
 @pytest.mark.parametrize("decay", [(-5.0, 0.0), (-5.0, -4.0)])
 def test_wy_kernel_on_the_path_and_off(kernel_path, monkeypatch, decay):
-    """bf16 with the switch on: WY_IN_KERNEL off by default (the WY half in torch, the WY
-    kernel never called); on, the WY kernel (emulated, its on-chip operands rounded) once, fed
-    the tiles' dtype; both within 2e-2 of autograd through the fp64 recurrence and within 1e-2
-    of each other."""
+    """bf16 with the switch on, the torch factors (FACTORS_FROM_FIRST_PASS pinned off; both
+    on, the default, is the device pass: tests/test_kda_bwd_first_pass_factors.py):
+    WY_IN_KERNEL pinned off (the WY half in torch, the WY kernel never called); on, the WY
+    kernel (emulated, its on-chip operands rounded) once, fed the tiles' dtype; both within 2e-2
+    of autograd through the fp64 recurrence and within 1e-2 of each other."""
     (q, k, v, g, beta, h0), do, dht = _bf16_problem(2, 130, 1, 2, decay=decay, seed=9)
     kw = {"initial_state": h0, "d_final_state": dht, "use_qk_l2norm_in_kernel": True}
     wy_calls = []
     monkeypatch.setattr(bwd, "_wy_kernel", emulated_wy_kernel(wy_calls))
-    assert bwd.WY_IN_KERNEL is False
+    monkeypatch.setattr(bwd, "FACTORS_FROM_FIRST_PASS", False)
+    monkeypatch.setattr(bwd, "WY_IN_KERNEL", False)
     in_torch = bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, **kw)
     assert wy_calls == []
     monkeypatch.setattr(bwd, "WY_IN_KERNEL", True)

@@ -394,8 +394,8 @@ def test_kda_paths_probe_lists_without_a_gpu(capsys):
     assert "device_pass (True, True)" in capsys.readouterr().out
     from forgekernel.ops import kda_bwd
 
-    with probe.path_flags(kda_bwd, True, True):
-        assert kda_bwd.FACTORS_FROM_FIRST_PASS and kda_bwd.WY_IN_KERNEL
-    assert not kda_bwd.FACTORS_FROM_FIRST_PASS and not kda_bwd.WY_IN_KERNEL
+    with probe.path_flags(kda_bwd, False, False):
+        assert not kda_bwd.FACTORS_FROM_FIRST_PASS and not kda_bwd.WY_IN_KERNEL
+    assert kda_bwd.FACTORS_FROM_FIRST_PASS and kda_bwd.WY_IN_KERNEL  # the defaults, restored
     with pytest.raises(SystemExit, match="no kda_bwd bench case"):
         probe.main(["--case", "nope", "--list"])

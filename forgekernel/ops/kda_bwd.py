@@ -33,10 +33,11 @@ factors (reference/kda_bwd.py's `_Factors`: no e^(-G), g down to about -5 a step
 tiles, pass 3's output side on kernel 2 (kernels/linear_attention/kda_bwd_chunk/sm90,
 `reference.kda_bwd_chunk` its model: `_output_grads` with KDA's per-channel dG finished on chip;
 CHUNK_IN_KERNEL = False: reference/kda_bwd.py's `_output_grads` in torch, the fallback), the WY
-half (`_wy_grads`) in torch (WY_IN_KERNEL, opt-in: on the WY kernel,
-kernels/linear_attention/kda_bwd_wy/sm90, `reference.kda_bwd_wy` its model; with
-FACTORS_FROM_FIRST_PASS too, bf16: `_device_pass`, kernel 1 writing kernel 2's 16-bit forms,
-`out16` / `forward`, as Gated DeltaNet's device pass; NOTES.md "KDA's device pass"); q / k
+half (`_wy_grads`) on the WY kernel (WY_IN_KERNEL, the default since 2026-12-06; False: in
+torch; kernels/linear_attention/kda_bwd_wy/sm90, `reference.kda_bwd_wy` its model; with
+FACTORS_FROM_FIRST_PASS, also the default, bf16: `_device_pass`, the factors from the forward's
+first pass and kernel 1 writing kernel 2's 16-bit forms, `out16` / `forward`, as Gated
+DeltaNet's device pass; NOTES.md "KDA's device pass"); q / k
 normalized and scaled once at H heads (fp32: the torch factors read it; 16-bit on the device
 pass); dq / dk's group sum, l2norm's
 backward, scale and cast on Gated DeltaNet's q / k epilogue kernel
@@ -220,8 +221,8 @@ def _first_pass_ops(q16, k16, g, beta, scale, b, t):
 
 
 def _on_device(dtype: torch.dtype) -> bool:
-    """Both opt-ins on (the first pass's factors for `dtype` tiles, kernel 2 and the WY kernel):
-    the device pass (`_device_pass`), kernel 1 writing kernel 2's 16-bit forms."""
+    """Both switches on (the default; the first pass's factors for `dtype` tiles, kernel 2 and
+    the WY kernel): the device pass (`_device_pass`), kernel 1 writing kernel 2's 16-bit forms."""
     return (FACTORS_FROM_FIRST_PASS and dtype in FIRST_PASS_DTYPES and CHUNK_IN_KERNEL
             and WY_IN_KERNEL)  # fmt: skip
 

@@ -51,8 +51,8 @@ alloc_out = gdn_bwd.alloc_out
 def kernel_sources() -> list[Path]:
     """The forward's sources, the kernel path's (kernels 1 and 2's sources, Gated DeltaNet's q /
     k epilogue's and the GDN op module its helpers come from, the varlen buckets, their batched
-    helpers: the default; the WY kernel's and its model's, WY_IN_KERNEL's opt-in: a run that
-    turns it on is keyed by them too) and the interim backward's modules (the ledger key; it
+    helpers: the default; the WY kernel's and its model's, WY_IN_KERNEL's, on by default: a run
+    with it on is keyed by them too) and the interim backward's modules (the ledger key; it
     does not tell which path a run took)."""
     import forgekernel.ops._linattn_varlen as varlen
     import forgekernel.ops.gated_delta_rule_bwd as gdn_op

@@ -2,7 +2,7 @@
 `reference/kda_bwd.py` `_wy_grads`: dk's WY part, dv, dbeta and its per-channel dG finished
 within the chunk), sm_90a. DSL-free declaration; the kernel is `wy_grads.py`, the launcher
 `launch.py`, the CPU model `forgekernel.reference.kda_bwd_wy`. Wired into KDA's backward,
-its kernel path, with `ops.kda_bwd.WY_IN_KERNEL` (opt-in: off until a GPU run), after kernel
+its kernel path, with `ops.kda_bwd.WY_IN_KERNEL` (on by default since 2026-12-06), after kernel
 2 (kda_bwd_chunk: its dw)."""
 
 from __future__ import annotations
