@@ -27,9 +27,12 @@ fk_setup() {
   else  # installed by an earlier call of this host
     export PYTHONPATH=/root/wheels-site:/root/wheels-site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
   fi
-  # the comparators' autotuning results of earlier hosts (.device-cache, carried; packed back by
-  # device_streams.sh): no re-tuning inside a bench's first calls (scripts/comparator_caches.sh)
+  # the comparators' autotuning results and TileLang's compiled kernels (FlashQLA's) of earlier
+  # hosts (.device-cache, carried; packed back by device_streams.sh): no re-tuning and no nvcc
+  # inside a bench's first calls (scripts/comparator_caches.sh). Exported, so that the sidecar
+  # children (forgekernel/bench/sidecar.py, which pass the environment on) read the same caches.
   export TRITON_CACHE_AUTOTUNING=1
+  export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$HOME/.tilelang/cache}
   bash scripts/comparator_caches.sh restore || true
   export KERNELS=/root/fk-kernels FORGEKERNEL_KERNEL_DIR=/root/fk-kernels
   export FORGEKERNEL_PENDING_SUITES=1 PYTHONPATH=$PWD:$PYTHONPATH

@@ -3,7 +3,11 @@
 factors, 1: state recurrence x 2, 2: chunk gradients, the q / k epilogue x 2) replaced by stubs
 that allocate their outputs uncounted: every aten op's newly written output bytes (views and
 plain allocations write none), attributed to the source line in forgekernel that called it, per
-token-head (token x value head).
+token-head (token x value head). The same mode counts the aten ops that write (each a kernel
+launch on the GPU) and the FLOPs of the matmuls (torch.utils.flop_counter's registry: mm, bmm,
+addmm, baddbmm; einsum and matmul reach it as those; triangular solves C^2 N), by the same
+source line.
+scripts/kda_bwd_glue_bytes.py counts Kimi Delta Attention's backward with this mode.
 
     python3 scripts/gdn_bwd_glue_bytes.py            # 1 x 2048, H 2, HV 4, bf16, l2norm
     python3 scripts/gdn_bwd_glue_bytes.py --t 1000 --no-l2norm
@@ -20,6 +24,7 @@ from collections import Counter
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 # ops that write nothing: views, metadata, allocations without a fill
 NO_WRITE = {
@@ -33,12 +38,19 @@ PAUSED = [False]
 
 class Written(TorchDispatchMode):
     """Bytes of every op's tensor outputs (in-place ops: the mutated argument's), by the
-    calling line (file:line function) and op name."""
+    calling line (file:line function) and op name; the ops that write (`launches`) and the
+    matmul FLOPs (`flops`), by the same line; bytes and FLOPs by the ops/ line that led there
+    (`by_caller`, `flops_by_caller`, `launches_by_caller`)."""
 
     def __init__(self):
         super().__init__()
         self.by_site: Counter = Counter()
         self.by_op: Counter = Counter()
+        self.launches: Counter = Counter()
+        self.flops: Counter = Counter()
+        self.by_caller: Counter = Counter()  # bytes by the ops/ line that led there
+        self.flops_by_caller: Counter = Counter()
+        self.launches_by_caller: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -52,17 +64,42 @@ class Written(TorchDispatchMode):
                        if isinstance(x, torch.Tensor)]  # fmt: skip
         nbytes = sum(x.numel() * x.element_size() for x in written)
         if nbytes:
-            self.by_site[_site()] += nbytes
+            site, caller = _site()
+            flops = _matmul_flops(func, args, kwargs or {}, out)
+            self.by_site[site] += nbytes
             self.by_op[name] += nbytes
+            self.launches[site] += 1
+            self.by_caller[caller] += nbytes
+            self.launches_by_caller[caller] += 1
+            if flops:
+                self.flops[site] += flops
+                self.flops_by_caller[caller] += flops
         return out
 
 
-def _site() -> str:
+def _site() -> tuple[str, str]:
+    """(the innermost forgekernel line, the innermost forgekernel/ops line) of the call."""
+    inner = caller = "?"
     for frame in reversed(traceback.extract_stack()[:-2]):
         if "forgekernel" in frame.filename and "scripts" not in frame.filename:
             path = frame.filename.split("forgekernel/", 1)[-1]
-            return f"{path}:{frame.lineno} {frame.name}: {(frame.line or '').strip()[:60]}"
-    return "?"
+            line = f"{path}:{frame.lineno} {frame.name}: {(frame.line or '').strip()[:60]}"
+            inner = line if inner == "?" else inner
+            if path.startswith("ops/"):
+                caller = line
+                break
+    return inner, caller
+
+
+def _matmul_flops(func, args, kwargs, out) -> int:
+    """torch.utils.flop_counter's count (mm, bmm, addmm, baddbmm, ...); a triangular solve
+    (A (..., C, C), B (..., C, N)): C^2 N a matrix."""
+    if func.overloadpacket in flop_registry:
+        return flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)
+    if func.overloadpacket.__name__ == "linalg_solve_triangular":
+        c, n = args[1].shape[-2:]
+        return args[1].numel() // (c * n) * c * c * n
+    return 0
 
 
 def _quiet(fn):
@@ -158,6 +195,8 @@ def main() -> None:
     for site, n in mode.by_site.most_common():
         print(f"{n / th / 1024:7.3f} KB  {site}")
     print("by op:", {k: round(v / th / 1024, 3) for k, v in mode.by_op.most_common()})
+    print(f"{sum(mode.launches.values())} aten ops that write; "
+          f"{sum(mode.flops.values()) / 1e9:.3f} GFLOP in torch matmuls")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -80,6 +80,13 @@ def parse_args(target: Target, argv: Sequence[str] | None = None) -> argparse.Na
     p.add_argument("--calls", type=int, default=1, help="profiled calls of each side")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plan", type=Path, default=None, help="write the segments' order (json)")
+    p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="no ncu: torch.profiler (CUPTI) over each side's calls; prints its kernels' GPU "
+        "time per call and the wall time per call (where a multi-kernel op's time goes)",
+    )
+    p.add_argument("--top", type=int, default=25, help="--timeline: kernels listed per side")
     p.add_argument("--list", action="store_true", help="print the cases and exit (no GPU)")
     args = p.parse_args(argv)
     if args.warmup < 0 or args.calls < 1:
@@ -206,6 +213,45 @@ def _calls(target, args, index, suite_name, case) -> dict[str, Callable[[], Any]
     return calls
 
 
+def kernel_table(kernels: Sequence[tuple[str, float]], calls: int, top: int) -> list[str]:
+    """Lines for (kernel name, GPU us) records of `calls` calls: the sum per call, then the
+    kernels by total time (count per call, us per call, share), `top` of them."""
+    total: dict[str, float] = {}
+    count: dict[str, int] = {}
+    for name, us in kernels:
+        total[name] = total.get(name, 0.0) + us
+        count[name] = count.get(name, 0) + 1
+    whole = sum(total.values())
+    lines = [f"  kernels {sum(count.values()) / calls:.0f} a call, {whole / calls:.1f} us a call"]
+    for name in sorted(total, key=lambda n: -total[n])[:top]:
+        share = total[name] / whole if whole else 0.0
+        per_call = f"{total[name] / calls:10.1f} us {count[name] / calls:5.1f}x"
+        lines.append(f"  {per_call} {share:6.1%}  {name[:110]}")
+    return lines
+
+
+def _timeline(torch, args, case_name: str, side: str, call: Callable[[], Any]) -> None:
+    """`args.calls` calls under torch.profiler: the kernels' table and the wall time a call."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(args.calls):
+            call()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) * 1e6 / args.calls
+    kernels = [
+        (e.name, e.time_range.elapsed_us())
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    print(f"{case_name}/{side}: wall {wall:.1f} us a call (profiled)", flush=True)
+    for line in kernel_table(kernels, args.calls, args.top):
+        print(line, flush=True)
+
+
 def _profile_case(target, args, index, suite_name, case) -> None:
     """Warm-ups, then the profiled segments of one case."""
     import torch
@@ -215,6 +261,10 @@ def _profile_case(target, args, index, suite_name, case) -> None:
         for _ in range(args.warmup):
             calls[side]()
     torch.cuda.synchronize()
+    if args.timeline:
+        for side in sides(args.which):
+            _timeline(torch, args, case.name, side, calls[side])
+        return
     torch.cuda.profiler.start()
     for side in sides(args.which):
         _marker(torch)

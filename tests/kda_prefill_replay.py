@@ -72,12 +72,14 @@ def intra_kernel(params: dict):
     Kl E, Kr, Ql E before the products, the outputs after; the kernel, "rows8" since
     2026-12-03, rounds Kl, Kr E, Ql instead: the same two roundings a product on the other
     operand, not modelled here) written where the kernel writes; T by the tensor-core merges'
-    model (gdn_prefill_replay.blocked_inverse: the lanes' fragments, tf32 roundings)."""
+    model (gdn_prefill_replay.blocked_inverse: the lanes' fragments, tf32 roundings). With the
+    bwd key (tt, big_g not None) those two as well, rows past the chunk's length zero."""
 
     def blocked(akk: torch.Tensor) -> torch.Tensor:  # (HV, 64, 64)
         return torch.stack([gdn_prefill_replay.blocked_inverse(a) for a in akk])
 
-    def run(q, k, g, beta, starts, lengths, q_g, k_g, k_d, t_beta, p, decay, scale):
+    def run(q, k, g, beta, starts, lengths, q_g, k_g, k_d, t_beta, p, decay, tt, big_g, scale):
+        assert (tt is None) == (big_g is None) == (not params.get("bwd", False))
         hv = g.shape[1]
         heads = torch.arange(hv, device=q.device) // (hv // q.shape[1])
         for gc, (t0, n) in enumerate(zip(starts.tolist(), lengths.tolist())):
@@ -91,12 +93,17 @@ def intra_kernel(params: dict):
                 return y.transpose(0, 1)  # (HV, 64, ...)
 
             ops = chunk_operands(rows(q, heads) * scale, rows(k, heads), rows(g), rows(beta),
-                                 operand_dtype=OPERAND,
-                                 inverse=blocked)  # fmt: skip
+                                 operand_dtype=OPERAND, inverse=blocked,
+                                 bwd=tt is not None)  # fmt: skip
             r = slice(gc * CHUNK, (gc + 1) * CHUNK)
             for name, dst in (("q_g", q_g), ("k_g", k_g), ("k_d", k_d), ("t_beta", t_beta),
                               ("p", p)):  # fmt: skip
                 dst[r] = ops[name].transpose(0, 1).to(dst.dtype)
             decay[gc] = ops["decay"]
+            if tt is not None:
+                tt[r] = 0
+                big_g[r] = 0
+                tt[r][:n] = ops["tt"].transpose(0, 1)[:n].to(tt.dtype)
+                big_g[r][:n] = ops["big_g"].transpose(0, 1)[:n]
 
     return run

@@ -1,30 +1,52 @@
-"""scripts/comparator_caches.sh on the CPU: a fake nvidia-smi names the GPU, fake Triton caches
-stand for the device host's. pack keeps only the autotuning results and the GPU's name, take
-keeps them per GPU model (a union over calls), restore copies the matching model's back."""
+"""scripts/comparator_caches.sh on the CPU: a fake nvidia-smi names the GPU, a fake nvcc the CUDA
+release, fake Triton and TileLang caches stand for the device host's. pack keeps the autotuning
+results, TileLang's compiled kernels (newest first, up to FK_COMPARATOR_CACHE_MB) and the GPU's
+name, take keeps them per GPU model (a union over calls, cut back to the cap), restore copies the
+matching model's back (TileLang's only under the nvcc release that built them)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import tarfile
+import time
 from pathlib import Path
+
+from forgekernel.bench.sidecar import Sidecar, child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "comparator_caches.sh"
 H100 = "NVIDIA H100 80GB HBM3"
 
 
-def _run(tmp: Path, gpu: str, *args: str, cache: Path, store: Path) -> str:
-    bin_dir = tmp / f"bin-{gpu.replace(' ', '_')}"
+def _run(
+    tmp: Path,
+    gpu: str,
+    *args: str,
+    cache: Path,
+    store: Path,
+    tl: Path | None = None,
+    cuda: str = "12.8",
+    cap_mb: int | None = None,
+) -> str:
+    bin_dir = tmp / f"bin-{gpu.replace(' ', '_')}-{cuda}"
     bin_dir.mkdir(exist_ok=True)
-    smi = bin_dir / "nvidia-smi"
-    smi.write_text(f"#!/bin/sh\necho '{gpu}'\n")
-    smi.chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
-           "TRITON_CACHE_DIR": str(cache), "FK_DEVICE_CACHE": str(store)}  # fmt: skip
+    nvcc = f"Cuda compilation tools, release {cuda}, V{cuda}.93"
+    for tool, line in (("nvidia-smi", gpu), ("nvcc", nvcc)):
+        (bin_dir / tool).write_text(f"#!/bin/sh\necho '{line}'\n")
+        (bin_dir / tool).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_HOME", "CUDA_PATH")}
+    env.update(
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        TRITON_CACHE_DIR=str(cache),
+        FK_DEVICE_CACHE=str(store),
+        TILELANG_CACHE_DIR=str(tl or tmp / "no-tilelang"),
+    )
+    if cap_mb is not None:
+        env["FK_COMPARATOR_CACHE_MB"] = str(cap_mb)
     done = subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True,
                           text=True, check=True)  # fmt: skip
-    return done.stdout
+    return done.stdout + done.stderr
 
 
 def _host_cache(path: Path, names: dict[str, str]) -> Path:
@@ -74,3 +96,106 @@ def test_nothing_to_pack_or_take(tmp_path):
     assert not (out / "comparator-caches.tar").exists()
     assert _run(tmp_path, H100, "take", str(out), cache=empty, store=store) == ""
     assert _run(tmp_path, H100, "restore", cache=tmp_path / "none", store=store) == ""
+
+
+NS = "0.1.15/linux-x86_64"  # tilelang's namespace: its version, the host's os and machine
+ENTRY = ("device_kernel.cu", "host_kernel.cu", "executable.so", "params.json", "manifest.json")
+
+
+def _tl_cache(path: Path, keys: dict[str, int], age: float = 0.0) -> Path:
+    """A fake TileLang cache: per key an entry of `size` bytes in executable.so, the entries
+    older in the order given (the first newest), plus a staging leftover."""
+    now = time.time() - age
+    for i, (key, size) in enumerate(keys.items()):
+        entry = path / NS / "kernels" / key
+        entry.mkdir(parents=True)
+        for name in ENTRY:
+            data = b"x" * size if name == "executable.so" else f"{key} {name}".encode()
+            (entry / name).write_bytes(data)
+        os.utime(entry, (now - 60 * i, now - 60 * i))
+    (path / NS / ".staging" / "half_written").mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def test_tilelang_kernels_round_trip(tmp_path):
+    host = _host_cache(tmp_path / "host", {"k1/f.autotune.json": "{}"})
+    tl = _tl_cache(tmp_path / "tl", {"aa11": 1000, "bb22": 2000})
+    out = tmp_path / "out"
+    out.mkdir()
+    store = tmp_path / "store"
+    said = _run(tmp_path, H100, "pack", str(out), cache=host, store=store, tl=tl)
+    assert "packed 1 autotuning results, 2 compiled TileLang kernels" in said
+    with tarfile.open(out / "comparator-caches.tar") as t:
+        names = set(t.getnames())
+        assert t.extractfile("tilelang/cuda.txt").read() == b"release 12.8\n"
+    assert {f"tilelang/{NS}/kernels/aa11/{n}" for n in ENTRY} <= names
+    assert not any(".staging" in n for n in names)  # a crashed writer's leftovers stay behind
+    said = _run(tmp_path, H100, "take", str(out), cache=host, store=store, tl=tl)
+    assert "2 compiled TileLang kernels (3 KB) kept" in said
+    # a fresh host with the same nvcc loads them (the child's TILELANG_CACHE_DIR, below)
+    fresh = tmp_path / "fresh-tl"
+    said = _run(tmp_path, H100, "restore", cache=tmp_path / "fresh", store=store, tl=fresh)
+    assert "restored 2 compiled TileLang kernels" in said and "nvcc release 12.8" in said
+    so = fresh / NS / "kernels" / "bb22" / "executable.so"
+    assert so.read_bytes() == b"x" * 2000
+    old = tl / NS / "kernels" / "bb22"
+    assert abs(so.parent.stat().st_mtime - old.stat().st_mtime) < 2  # newest-first survives
+    # another nvcc: its cubins may not load, tilelang compiles for itself
+    other = tmp_path / "other-tl"
+    said = _run(tmp_path, H100, "restore", cache=tmp_path / "o", store=store, tl=other, cuda="13.0")
+    assert "not restored" in said and not other.exists()
+    # another GPU model: nothing
+    assert _run(tmp_path, "NVIDIA H200", "restore", cache=tmp_path / "h200", store=store,
+                tl=tmp_path / "h200-tl") == ""  # fmt: skip
+
+
+def test_tilelang_cap_newest_first(tmp_path):
+    kb = 1024
+    tl = _tl_cache(tmp_path / "tl", {"new1": 400 * kb, "mid2": 400 * kb, "old3": 400 * kb})
+    out = tmp_path / "out"
+    out.mkdir()
+    store = tmp_path / "store"
+    said = _run(tmp_path, H100, "pack", str(out), cache=tmp_path / "none", store=store, tl=tl,
+                cap_mb=1)  # fmt: skip
+    assert "2 compiled TileLang kernels" in said and "dropped tilelang old3" in said
+    with tarfile.open(out / "comparator-caches.tar") as t:
+        keys = {n.split("/")[4] for n in t.getnames() if n.count("/") >= 5}
+    assert keys == {"new1", "mid2"}
+    _run(tmp_path, H100, "take", str(out), cache=tmp_path / "none", store=store, cap_mb=1)
+    # a later host's newer kernel joins; the union is cut back to the cap, oldest out
+    later = _tl_cache(tmp_path / "later", {"newer4": 400 * kb}, age=-60)
+    out2 = tmp_path / "out2"
+    out2.mkdir()
+    _run(tmp_path, H100, "pack", str(out2), cache=tmp_path / "none", store=store, tl=later,
+         cap_mb=1)  # fmt: skip
+    said = _run(tmp_path, H100, "take", str(out2), cache=tmp_path / "none", store=store, cap_mb=1)
+    assert "dropped tilelang mid2" in said and "2 compiled TileLang kernels" in said
+    kept = store / "NVIDIA_H100_80GB_HBM3" / "tilelang" / NS / "kernels"
+    assert sorted(p.name for p in kept.iterdir()) == ["new1", "newer4"]
+
+
+def test_tilelang_other_nvcc_replaces_the_store(tmp_path):
+    store = tmp_path / "store"
+    for i, (cuda, key) in enumerate((("12.8", "k128"), ("13.0", "k130"))):
+        out = tmp_path / f"out{i}"
+        out.mkdir()
+        tl = _tl_cache(tmp_path / f"tl{i}", {key: 100})
+        _run(tmp_path, H100, "pack", str(out), cache=tmp_path / "none", store=store, tl=tl,
+             cuda=cuda)  # fmt: skip
+        _run(tmp_path, H100, "take", str(out), cache=tmp_path / "none", store=store)
+    kept = store / "NVIDIA_H100_80GB_HBM3" / "tilelang"
+    assert (kept / "cuda.txt").read_text() == "release 13.0\n"
+    assert [p.name for p in (kept / NS / "kernels").iterdir()] == ["k130"]
+
+
+def test_sidecar_child_sees_the_restored_caches():
+    """device_setup.sh exports where restore put the caches; the sidecar's child inherits them."""
+    setup = (ROOT / "scripts" / "device_setup.sh").read_text()
+    assert "export TILELANG_CACHE_DIR=" in setup and "export TRITON_CACHE_AUTOTUNING=1" in setup
+    assert setup.index("export TILELANG_CACHE_DIR=") < setup.index("comparator_caches.sh restore")
+    side = Sidecar(label="x", runner="m:f", site_env="FK_SIDE_SITE_X", keys=())
+    parent = {"FK_SIDE_SITE_X": "/site", "TILELANG_CACHE_DIR": "/root/.tilelang/cache",
+              "TRITON_CACHE_AUTOTUNING": "1", "PYTHONPATH": ""}  # fmt: skip
+    env = child_env(side, parent)
+    assert env["TILELANG_CACHE_DIR"] == "/root/.tilelang/cache"
+    assert env["TRITON_CACHE_AUTOTUNING"] == "1"

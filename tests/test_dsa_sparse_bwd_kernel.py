@@ -296,6 +296,33 @@ def test_selected_kernel_falls_back_where_it_cannot_run(monkeypatch):
                                    atol=0)  # fmt: skip
 
 
+def test_kernel_path_reads_no_index_on_the_host(monkeypatch):
+    """The kernel path hands every index, one past the cache's slots included, to the kernels
+    (which skip it as -1 padding) without reading any on the host: no sync a call."""
+    tokens, heads, pages, page = 3, 16, 2, 8
+    qn, out, dout = (torch.randn(tokens, heads, LATENT).bfloat16() for _ in range(3))
+    qp = torch.randn(tokens, heads, WIDTH - LATENT).bfloat16()
+    ckv = torch.randn(pages, page, LATENT).bfloat16()
+    kpe = torch.randn(pages, page, WIDTH - LATENT).bfloat16()
+    idx = torch.randint(0, pages * page, (tokens, 4), dtype=torch.int32)
+    idx[0, 0] = pages * page  # past the slots
+    seen = []
+
+    def kernel(q, kv, dout, out, lse, dlse, sink, indices, scale, pre=None):
+        seen.append(indices)
+        return torch.zeros_like(q), torch.zeros(kv.shape, dtype=torch.float32), None
+
+    monkeypatch.setattr(launch, "unsupported", lambda *a: None)
+    monkeypatch.setattr(dsa_bwd.pre_launch, "unsupported", lambda *a: "stubbed")
+    monkeypatch.setattr(launch, "dsa_sparse_bwd", kernel)
+    for name in ("max", "tolist", "item", "__int__"):
+        monkeypatch.setattr(torch.Tensor, name, lambda *a, **k: pytest.fail("host read"))
+    args = (qn, qp, ckv, kpe, idx, 0.05, out, torch.randn(tokens, heads), dout, None, None)
+    dq, dkv, _ = dsa_bwd._backward_kernel(*args)
+    assert len(seen) == 1 and seen[0] is idx
+    assert dq.shape == (tokens, heads, WIDTH) and dkv.dtype == torch.bfloat16
+
+
 def _emulate_rounded(q, kv, idx, dout, lse2, delta, scale, dtype):
     """kernel.py's rounding: fp32 S / dP, P^T and scale dS^T rounded to `dtype` as the MMAs'
     operands, fp32 accumulation, dq rounded to `dtype`, dkv left fp32 (the accumulator)."""

@@ -42,6 +42,7 @@ from forgekernel.reference.gdn_bwd_state import (
 )
 
 bwd = importlib.import_module("forgekernel.ops.gated_delta_rule_bwd")
+varlen = importlib.import_module("forgekernel.ops._linattn_varlen")
 fwd = importlib.import_module("forgekernel.ops.gated_delta_rule_chunked")
 TILES = ("pt", "ke", "qe", "w")
 
@@ -441,9 +442,10 @@ def test_explicit_backward_on_the_kernel_path(kernel_path, b, t, h, hv):
     ("lens", "h0_too"),
     [([1, 63, 0, 64, 65, 130], True), ([70, 70, 70], False), ([3, 129, 7], True)],
 )
-def test_varlen_padded_equals_the_interim_path(monkeypatch, lens, h0_too):
-    """Several sequences behind cu_seqlens: padded to the longest on the kernel path (fp32
-    tiles, exact emulation) equals the interim path, empty sequences included."""
+def test_varlen_buckets_equal_the_interim_path(monkeypatch, lens, h0_too):
+    """Several sequences behind cu_seqlens: buckets of sequences padded at their ends, one
+    kernel-path call a bucket (fp32 tiles, exact emulation), equal the interim path, empty
+    sequences included."""
     monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
     monkeypatch.setattr(bwd, "KERNEL_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(bwd, "TILE_DTYPES", (torch.float32,))
@@ -457,7 +459,9 @@ def test_varlen_padded_equals_the_interim_path(monkeypatch, lens, h0_too):
     h0 = h0 if h0_too else None
     want = bwd._backward_interim(*flat[:5], h0, cu, flat[5], dht, 0.2, False, True)
     got = bwd._backward_eager(*flat[:5], h0, cu, flat[5], dht, 0.2, False, True, 0)
-    assert len(calls) == 2 and len(chunk_calls) == 1
+    buckets = 1 if len(set(lens)) == 1 else len(varlen.buckets(lens))
+    assert buckets == (1 if len(set(lens)) == 1 else 2)
+    assert len(calls) == 2 * buckets and len(chunk_calls) == buckets
     for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
         assert a.shape == r.shape, name
         err = float((a - r).abs().max())
@@ -466,18 +470,19 @@ def test_varlen_padded_equals_the_interim_path(monkeypatch, lens, h0_too):
 
 def test_varlen_routing(kernel_path, monkeypatch):
     """Varlen reads the offsets (kernel path, padded); one long sequence among many short
-    ones (padding > PAD_WASTE_LIMIT x) keeps the interim path; one sequence: no host read."""
+    ones: two buckets on the kernel path (the interim path before 2026-12-06); one sequence:
+    no host read."""
     seen = []
     interim = bwd._backward_interim
     monkeypatch.setattr(bwd, "_backward_interim", lambda *a: seen.append(1) or interim(*a))
     q, k, v, g, beta, do, h0, _ = _bf16_problem(1, 610, 1, 2)
-    for lens, kernel in (([300, 310], True), ([600] + [1] * 10, False)):
+    for lens, launches in (([300, 310], 2), ([600] + [1] * 10, 4)):
         kernel_path.clear()
         seen.clear()
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
         forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, cu_seqlens=cu,
                                               use_qk_l2norm_in_kernel=True)  # fmt: skip
-        assert (len(kernel_path), seen) == ((2, []) if kernel else (0, [1]))
+        assert (len(kernel_path), seen) == (launches, [])
     kernel_path.clear()
     cu = torch.tensor([0, 610], dtype=torch.int32)
     monkeypatch.setattr(bwd, "_backward_varlen", lambda *a: pytest.fail("host read"))

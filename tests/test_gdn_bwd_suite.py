@@ -91,35 +91,44 @@ def test_autograd_backward_gives_a_chunked_forwards_gradients_in_the_suites_orde
     assert all(v["ok"] for v in verdicts), [v["message"] for v in verdicts]
 
 
-def test_interim_variant_on_the_two_smallest_cases_only():
+def interim_variant_cases(suite_mod) -> None:
     """`interim` on the two bench cases of fewest tokens (the interim path is slow), none on
-    the others or the check cases."""
-    smallest = sorted(gdn_bwd.BENCH_CASES, key=lambda c: sum(c.params["lens"]))[:2]
-    for case in (*gdn_bwd.BENCH_CASES, *gdn_bwd.CHECK_CASES):
+    the others or the check cases (shared with tests/test_kda_bwd_suite.py)."""
+    smallest = sorted(suite_mod.BENCH_CASES, key=lambda c: sum(c.params["lens"]))[:2]
+    for case in (*suite_mod.BENCH_CASES, *suite_mod.CHECK_CASES):
         want = ["interim"] if case in smallest else []
-        assert list(gdn_bwd.suite().variants_for(case)) == want, case.name
+        assert list(suite_mod.suite().variants_for(case)) == want, case.name
 
 
-def test_interim_variant_takes_the_interim_path(cpu, monkeypatch):
+def interim_variant_path(suite_mod, op, inputs, monkeypatch) -> None:
     """With the kernel path open to these CPU tensors (the switch unset, `KERNEL_DEVICES`
     widened), ours reaches it and the `interim` variant does not: the interim path, within the
-    suite's judge; the switch is the default again after it."""
-    monkeypatch.delenv(bwd_op.KERNEL_SWITCH, raising=False)
-    monkeypatch.setattr(bwd_op, "KERNEL_DEVICES", ("cuda", "cpu"))
+    suite's judge; the switch is the default again after it (shared with
+    tests/test_kda_bwd_suite.py)."""
+    monkeypatch.delenv(op.KERNEL_SWITCH, raising=False)
+    monkeypatch.setattr(op, "KERNEL_DEVICES", ("cuda", "cpu"))
     taken = []
 
     def kernel(*args):
         taken.append(1)
         raise RuntimeError("kernel path")
 
-    monkeypatch.setattr(bwd_op, "_backward_kernel", kernel)
-    inputs = _inputs(gdn_bwd.CHECK_CASES[1])  # one sequence: the kernel path without a host read
+    monkeypatch.setattr(op, "_backward_kernel", kernel)
     with pytest.raises(RuntimeError, match="kernel path"):
-        gdn_bwd.run_ours(inputs, None)
+        suite_mod.run_ours(inputs, None)
     assert taken == [1]
-    out, cmps = verify(gdn_bwd.suite(), inputs, torch.device("cpu"), run=gdn_bwd.run_interim)
+    out, cmps = verify(suite_mod.suite(), inputs, torch.device("cpu"), run=suite_mod.run_interim)
     assert taken == [1] and all(c.ok for c in cmps), [c.message for c in cmps]
-    assert bwd_op.kernel_selected()
+    assert op.kernel_selected()
+
+
+def test_interim_variant_on_the_two_smallest_cases_only():
+    interim_variant_cases(gdn_bwd)
+
+
+def test_interim_variant_takes_the_interim_path(cpu, monkeypatch):
+    # one sequence: the kernel path without a host read
+    interim_variant_path(gdn_bwd, bwd_op, _inputs(gdn_bwd.CHECK_CASES[1]), monkeypatch)
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,12 @@ default on CUDA tensors; `FORGEKERNEL_KDA_BWD_KERNEL=0` the interim path) on the
 tests/test_gdn_bwd_state.py (`tile_model`: token-major tiles, transposed state, zero tail,
 dS^T's columns scaled per key channel, the register operands rounded to the tiles' dtype) and
 kernel 2 (`CHUNK_IN_KERNEL`) by `reference.kda_bwd_chunk.chunk_grads_model` (its on-chip block
-operands rounded to bf16 for 16-bit tiles; CHUNK_IN_KERNEL = False: pass 3 in torch): the
+operands rounded to bf16 for 16-bit tiles; CHUNK_IN_KERNEL = False: pass 3 in torch), the WY
+kernel (`WY_IN_KERNEL`, on by default) by `reference.kda_bwd_wy.wy_grads_model`, the forward's
+first pass (`FACTORS_FROM_FIRST_PASS`, on by default: with the WY kernel, bf16 tiles take the
+device pass, `_device_pass`) by its torch model `operands.kda_chunk_operands`, and the
+q / k epilogue (`_qk_grads`, Gated DeltaNet's gdn_bwd_norm kernel) by its model `qk_grad_model`
+(tests/test_gdn_bwd_kernel_path.py's `emulated_norm_kernel`; NORM_IN_KERNEL = False: torch): the
 kernel fed KDA's forward recurrence (`forward_state_tiles` on the sub-chunked factors) against
 reference/kda_bwd.py's pass 1, the whole path against the interim backward to fp32 tolerance
 (32-bit tiles: nothing rounded) on awkward sizes and strong per-channel decays (g in [-5, -4]
@@ -22,6 +27,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from test_gdn_bwd_kernel_path import emulated_norm_kernel
 from test_gdn_bwd_state import tile_model
 from test_kda_bwd_op import (
     _fp64_grads,
@@ -29,33 +35,50 @@ from test_kda_bwd_op import (
 )
 from test_kda_bwd_op import _inputs as op_inputs
 
+from forgekernel.kernels.linear_attention.kda_prefill.sm90 import operands
 from forgekernel.reference.gdn_bwd_state import (
     CHUNK,
     chunk_factors,
     forward_state_tiles,
     forward_states,
+    out16_forms,
 )
 from forgekernel.reference.kda_bwd import _Factors, _states
 from forgekernel.reference.kda_bwd_chunk import chunk_grads_model
+from forgekernel.reference.kda_bwd_wy import wy_grads_model
 
 bwd = importlib.import_module("forgekernel.ops.kda_bwd")
 op = importlib.import_module("forgekernel.ops.kda_chunked")
+varlen = importlib.import_module("forgekernel.ops._linattn_varlen")
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 
-def emulated_kernel(calls=None):
+def emulated_kernel(calls=None, flags=None):
     """kernel 1's stand-in (its `channel_decay` variant): the tile emulation in fp64, the
     register operands rounded to the tiles' dtype where it is 16-bit, fp32 outputs (the
-    launcher's)."""
+    launcher's); `out16` / `forward` (the device pass) as tests/test_gdn_bwd_kernel_path.py's:
+    `out16_forms` of them, I and 0 built in (`flags` records (out16, forward) a launch)."""
 
-    def run(do, pt, ke, qe, w, e_last, dht):
+    def run(do, pt, ke, qe, w, e_last, dht, out16=False, forward=False):
+        assert out16 or not forward
+        assert (pt is None and qe is None) == forward  # the forward variant builds I and 0 in
+        if forward:
+            b, rows, hv, _ = do.shape
+            eye = torch.eye(CHUNK, dtype=do.dtype).view(1, 1, CHUNK, 1, CHUNK)
+            pt = eye.expand(b, rows // CHUNK, CHUNK, hv, CHUNK).reshape(b, rows, hv, CHUNK)
+            qe = torch.zeros_like(ke)
+        # the default path hands contiguous tiles; the device pass strided views (head slices,
+        # the first pass's rows cut to T: TMA reads them in place, `as_tma_ready`)
         for x in (do, pt, ke, qe, w):
-            assert x.is_contiguous() and x.dtype == do.dtype and x.shape[:3] == do.shape[:3]
+            assert x.stride(-1) == 1 and x.dtype == do.dtype and x.shape[:3] == do.shape[:3]
+            assert out16 or x.is_contiguous()
         b, t, hv = do.shape[:3]
-        assert e_last.dtype == torch.float32 and e_last.is_contiguous()
+        assert e_last.dtype == torch.float32 and e_last.stride(-1) == 1
         assert e_last.shape == (b, -(-t // CHUNK), hv, ke.shape[-1])  # per key channel
         if calls is not None:
             calls.append(do.dtype)
+        if flags is not None:
+            flags.append((out16, forward))
         low = do.dtype in (torch.float16, torch.bfloat16)
 
         def rounding(x):
@@ -64,7 +87,10 @@ def emulated_kernel(calls=None):
         factors = {n: x.double() for n, x in zip(("pt", "ke", "qe", "w"), (pt, ke, qe, w))}
         factors["e_last"] = e_last.double()
         dst = None if dht is None else dht.double()
-        return tuple(x.float() for x in tile_model(factors, do.double(), dst, rounding))
+        du, dh, dh0 = (x.float() for x in tile_model(factors, do.double(), dst, rounding))
+        if out16:  # the kernel's 16-bit forms (fp32 where the test runs fp32 tiles)
+            du, dh = out16_forms(du, dh, do.dtype, forward)
+        return du, dh, dh0
 
     return run
 
@@ -75,8 +101,8 @@ def emulated_chunk_kernel(calls=None):
 
     def run(do, u, du, q, k, h, dh, big_g):
         b, t, hv = do.shape[:3]
-        for x in (do, u, du, q, k, h, dh):
-            assert x.is_contiguous() and x.dtype == do.dtype
+        for x in (do, u, du, q, k, h, dh):  # strided views allowed (TMA: `as_tma_ready`)
+            assert x.stride(-1) == 1 and x.dtype == do.dtype
         assert big_g.dtype == torch.float32 and big_g.shape == (b, t, hv, q.shape[-1])
         assert h.shape == dh.shape == (b, -(-t // CHUNK), hv, q.shape[-1], do.shape[-1])
         if calls is not None:
@@ -90,6 +116,53 @@ def emulated_chunk_kernel(calls=None):
         return tuple(x.float() for x in chunk_grads_model(*tiles, rounding if low else None))
 
     return run
+
+
+def emulated_wy_kernel(calls=None):
+    """the WY kernel's stand-in: `wy_grads_model` in fp64 on the launcher's inputs (checked as
+    the launcher checks them), the on-chip operands rounded for 16-bit tiles (dvb, dkb to the
+    tiles' dtype, the score-gradient blocks' to bf16), fp32 outputs."""
+
+    def run(dw, du, tt, w, k, u, v, beta, big_g):
+        b, t, hv, kd = dw.shape
+        for x in (dw, du, tt, w, k, u, v):  # strided views allowed (TMA: `as_tma_ready`)
+            assert x.stride(-1) == 1 and x.dtype == dw.dtype and x.shape[:3] == (b, t, hv)
+        assert tt.shape[-1] == CHUNK and w.shape == k.shape == dw.shape
+        assert beta.dtype == big_g.dtype == torch.float32
+        assert beta.shape == (b, t, hv) and big_g.shape == (b, t, hv, kd)
+        if calls is not None:
+            calls.append(dw.dtype)
+        low = dw.dtype in (torch.float16, torch.bfloat16)
+        tiles = (x.double() for x in (dw, du, tt, w, k, u, v, beta, big_g))
+        return tuple(x.float() for x in wy_grads_model(*tiles, dw.dtype if low else None))
+
+    return run
+
+
+def emulated_first_pass(calls=None):
+    """The first pass's stand-in: its torch model on the launcher's arguments (l2norm off: the
+    backward hands it unit rows), B equal lengths known on the host."""
+
+    def run(q, k, g, beta, cu_seqlens, scale, seq_len, bwd=False):
+        assert q.dtype == k.dtype and g.dtype == beta.dtype == torch.float32
+        assert cu_seqlens.dtype == torch.int32 and seq_len > 0
+        if calls is not None:
+            calls.append((q.dtype, tuple(q.shape), g.shape[1]) + (("bwd",) if bwd else ()))
+        return operands.kda_chunk_operands(q, k, g, beta, cu_seqlens, scale, False, seq_len,
+                                           bwd=bwd)  # fmt: skip
+
+    return run
+
+
+def _all_emulated(monkeypatch, calls=None, chunk_calls=None, norm_calls=None, first_calls=None):
+    """Kernel 1, kernel 2, the WY kernel (WY_IN_KERNEL, on by default), the forward's first pass
+    (FACTORS_FROM_FIRST_PASS, on by default: bf16 tiles, FIRST_PASS_DTYPES) and the q / k
+    epilogue replaced by their emulations (the first pass by its torch model)."""
+    monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel(calls))
+    monkeypatch.setattr(bwd, "_chunk_grads", emulated_chunk_kernel(chunk_calls))
+    monkeypatch.setattr(bwd, "_wy_kernel", emulated_wy_kernel())
+    monkeypatch.setattr(bwd, "_first_pass", emulated_first_pass(first_calls))
+    monkeypatch.setattr(bwd, "_qk_grads", emulated_norm_kernel(norm_calls))
 
 
 def _inputs(b, t, h, hv=None, dk=16, dv=8, seed=0, strong=False, dtype=torch.float64):
@@ -178,24 +251,82 @@ def test_kernel_path_equals_the_interim_path(monkeypatch, b, t, h, hv, l2norm, w
                                              with_dht, strong, chunk_in_kernel):  # fmt: skip
     """fp32 tiles and the exact emulations: every gradient within 1e-4 of its max of the
     interim path's (T = 1, 63, 64, 65, 200; grouped heads; l2norm; g in [-5, -4] a step), pass
-    3's output side on kernel 2 or in torch."""
-    calls, chunk_calls = [], []
-    monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel(calls))
-    monkeypatch.setattr(bwd, "_chunk_grads", emulated_chunk_kernel(chunk_calls))
+    3's output side on kernel 2 or in torch; the WY half in torch (WY_IN_KERNEL pinned off: on,
+    the default, in the next test)."""
+    calls, chunk_calls, norm_calls = [], [], []
+    _all_emulated(monkeypatch, calls, chunk_calls, norm_calls)
     monkeypatch.setattr(bwd, "CHUNK_IN_KERNEL", chunk_in_kernel)
+    monkeypatch.setattr(bwd, "WY_IN_KERNEL", False)
     got, want = _interim_and_kernel(b, t, h, hv, l2norm=l2norm, with_h0=with_h0,
                                     with_dht=with_dht, strong=strong, seed=t)  # fmt: skip
     assert calls == [torch.float32, torch.float32]  # the forward states, the reverse pass
     assert chunk_calls == [torch.float32] * chunk_in_kernel
+    assert norm_calls == [(h, hv, l2norm)] * 2  # the epilogue: dq, then dk
+    for name, a, r in zip(NAMES, got, want):
+        _close(name, a, r, 1e-4)
+
+
+@pytest.mark.parametrize(
+    ("b", "t", "h", "hv", "l2norm", "with_h0", "with_dht", "strong"),
+    [
+        (1, 1, 1, 1, False, True, True, False),
+        (2, 63, 2, 2, True, False, True, False),
+        (1, 64, 1, 2, False, True, False, True),
+        (3, 65, 2, 4, True, True, True, True),
+        (1, 200, 2, 2, False, False, False, True),
+    ],
+)
+def test_wy_kernel_path_equals_the_interim_path(monkeypatch, b, t, h, hv, l2norm, with_h0,
+                                                with_dht, strong):  # fmt: skip
+    """WY_IN_KERNEL (the default, set here; the WY half on its kernel, emulated by
+    `wy_grads_model`), fp32 tiles: every gradient within 1e-4 of its max of the interim path's
+    (T = 1, 63, 64, 65, 200; grouped heads; g in [-5, -4] a step); the WY kernel called once a
+    pass, with the tiles' dtype."""
+    wy_calls = []
+    _all_emulated(monkeypatch)
+    monkeypatch.setattr(bwd, "_wy_kernel", emulated_wy_kernel(wy_calls))
+    monkeypatch.setattr(bwd, "WY_IN_KERNEL", True)
+    got, want = _interim_and_kernel(b, t, h, hv, l2norm=l2norm, with_h0=with_h0,
+                                    with_dht=with_dht, strong=strong, seed=t)  # fmt: skip
+    assert wy_calls == [torch.float32]
+    for name, a, r in zip(NAMES, got, want):
+        _close(name, a, r, 1e-4)
+
+
+@pytest.mark.parametrize(
+    ("lens", "with_h0"), [([1, 63, 0, 64, 65, 130], True), ([3, 129, 7], False), ([0, 5], True)]
+)
+@pytest.mark.parametrize("wy_in_kernel", [False, True])
+def test_varlen_buckets_equal_the_interim_path(monkeypatch, lens, with_h0, wy_in_kernel):
+    """Unequal sequences behind cu_seqlens on the kernel path (`_backward_varlen`: buckets of
+    sequences padded at their ends, one kernel-path call a bucket; fp32 tiles, the exact
+    emulations) equal the interim path, empty sequences included (the state gradient passes
+    through their padding); the WY half in torch or on its kernel (WY_IN_KERNEL)."""
+    calls, chunk_calls, norm_calls = [], [], []
+    _all_emulated(monkeypatch, calls, chunk_calls, norm_calls)
+    monkeypatch.setattr(bwd, "WY_IN_KERNEL", wy_in_kernel)
+    n, t = len(lens), sum(lens)
+    q, k, v, g, beta, do, _, _ = _inputs(1, t, 2, 4, seed=n, dtype=torch.float32)
+    *_, h0, dht = _inputs(n, 1, 2, 4, seed=9, dtype=torch.float32)
+    flat = [x[0] for x in (q, k, v, g, beta, do)]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    h0 = h0 if with_h0 else None
+    want = bwd._backward_interim(*flat[:5], h0, cu, flat[5], dht, 0.25, True)
+    got = bwd._backward_varlen(*flat[:5], h0, flat[5], dht, 0.25, True, cu)
+    buckets = len(varlen.buckets(lens))
+    assert buckets > 1 or n == 2
+    assert len(calls) == 2 * buckets and len(chunk_calls) == buckets
+    assert len(norm_calls) == 2 * buckets  # the q / k epilogue: dq, dk a bucket
     for name, a, r in zip(NAMES, got, want):
         _close(name, a, r, 1e-4)
 
 
 def test_head_passes_are_the_one_pass(monkeypatch):
-    """Value heads in passes (one q head's group a pass) give the one pass's gradients."""
-    monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel())
-    chunk_calls = []
-    monkeypatch.setattr(bwd, "_chunk_grads", emulated_chunk_kernel(chunk_calls))
+    """Value heads in passes (one q head's group a pass; their outputs concatenated) give the
+    one pass's gradients (no concatenation); the epilogue runs once for dq, once for dk either
+    way, on every value head."""
+    chunk_calls, norm_calls = [], []
+    _all_emulated(monkeypatch, chunk_calls=chunk_calls, norm_calls=norm_calls)
     one, _ = _interim_and_kernel(2, 70, 2, 4, l2norm=True, with_h0=True, with_dht=True,
                                  strong=False)  # fmt: skip
     monkeypatch.setattr(bwd, "TOKEN_HEADS_PER_PASS", 140 * 2)
@@ -204,11 +335,41 @@ def test_head_passes_are_the_one_pass(monkeypatch):
     passes, _ = _interim_and_kernel(2, 70, 2, 4, l2norm=True, with_h0=True, with_dht=True,
                                     strong=False)  # fmt: skip
     assert len(calls) == 4 and len(chunk_calls) == 1 + 2  # kernel 2 once a pass
+    assert norm_calls == [(2, 4, True)] * 4  # dq, dk: after the one pass, after the two
     for name, a, r in zip(NAMES, passes, one):
         torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-6, msg=name)
 
 
-# ---- the op with the switch on (bf16, the forward launcher stubbed as tests/test_kda_bwd_op)
+@pytest.mark.parametrize(
+    ("b", "t", "h", "hv", "l2norm"),
+    [(1, 65, 1, 1, True), (2, 63, 2, 4, True), (1, 200, 2, 2, False), (3, 65, 1, 2, False)],
+)
+def test_qk_epilogue_is_the_torch_one(monkeypatch, b, t, h, hv, l2norm):
+    """The q / k epilogue (`_qk_grads`, emulated: `qk_grad_model`) runs once for dq, once for
+    dk, at H heads from HV, on the op's q / k, and gives NORM_IN_KERNEL = False's torch
+    epilogue's gradients (dq, dk to 1e-5 of their max; the rest identical); both within 1e-4
+    of the interim path's."""
+    grads = {}
+    for on in (True, False):
+        norm_calls = []
+        _all_emulated(monkeypatch, norm_calls=norm_calls)
+        monkeypatch.setattr(bwd, "NORM_IN_KERNEL", on)
+        grads[on], want = _interim_and_kernel(b, t, h, hv, l2norm=l2norm, with_h0=True,
+                                              with_dht=True, strong=True, seed=t + 5)  # fmt: skip
+        assert norm_calls == ([(h, hv, l2norm)] * 2 if on else [])
+        for name, a, r in zip(NAMES, grads[on], want):
+            _close(name, a, r, 1e-4)
+    for i, (name, a, r) in enumerate(zip(NAMES, grads[True], grads[False])):
+        assert a.shape == r.shape and a.dtype == r.dtype, name
+        if i < 2:
+            _close(name, a, r, 1e-5)
+        else:
+            assert torch.equal(a, r), name
+
+
+# ---- the op with the switch on (bf16, the forward launcher stubbed as tests/test_kda_bwd_op);
+# the module's defaults: bf16 takes the device pass (FACTORS_FROM_FIRST_PASS and WY_IN_KERNEL),
+# the first pass on its torch model
 
 
 @pytest.fixture
@@ -217,8 +378,7 @@ def kernel_path(monkeypatch, request):
     calls = []
     monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
     monkeypatch.setattr(bwd, "KERNEL_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(bwd, "_state_recurrence", emulated_kernel(calls))
-    monkeypatch.setattr(bwd, "_chunk_grads", emulated_chunk_kernel())
+    _all_emulated(monkeypatch, calls)
     return calls
 
 
@@ -235,10 +395,10 @@ def _bf16_problem(b, t, h, hv, *, decay=(-1.0, 0.0), seed=0):
     [(2, 65, 1, 2, (-1.0, 0.0)), (1, 130, 2, 2, (-5.0, -4.0)), (2, 64, 1, 1, (-5.0, 0.0))],
 )
 def test_explicit_backward_on_the_kernel_path(kernel_path, monkeypatch, b, t, h, hv, decay):
-    """`kimi_delta_attention_backward` with the switch on takes the kernel path (two launches:
-    the forward states, the reverse pass) and matches autograd through the fp64 recurrence
-    within 2e-2 of each gradient's max (bf16 tiles, the emulation's bf16 operands), g in
-    [-5, -4] per channel included."""
+    """`kimi_delta_attention_backward` with the switch on takes the kernel path (the device pass
+    by default; two launches: the forward states, the reverse pass) and matches autograd
+    through the fp64 recurrence within 2e-2 of each gradient's max (bf16 tiles, the emulation's
+    bf16 operands), g in [-5, -4] per channel included."""
     (q, k, v, g, beta, h0), do, dht = _bf16_problem(b, t, h, hv, decay=decay, seed=t)
     monkeypatch.setattr(bwd, "_backward_interim", lambda *a: pytest.fail("interim path"))
     got = bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, initial_state=h0,
@@ -273,7 +433,7 @@ def test_autograd_on_the_kernel_path(kernel_path, monkeypatch, b):
     wrapper made, the forward op's `batch`) takes the kernel path with no host read and matches
     autograd through the fp64 recurrence."""
     monkeypatch.setattr(bwd, "_backward_interim", lambda *a: pytest.fail("interim path"))
-    monkeypatch.setattr(bwd, "_equal_lengths_on_host", lambda *a: pytest.fail("host read"))
+    monkeypatch.setattr(bwd, "_backward_varlen", lambda *a: pytest.fail("host read"))
     inputs, do, dht = _bf16_problem(b, 100, 2, 4, decay=(-5.0, 0.0), seed=b)
     leaves = [x.clone().requires_grad_() for x in inputs]
     o, final = op.kimi_delta_attention(*leaves[:5], initial_state=leaves[5],
@@ -294,7 +454,7 @@ def test_autograd_equal_batch_compiled_reads_no_offsets(kernel_path, monkeypatch
     from compile_graphs import graphs_backend
 
     monkeypatch.setattr(bwd, "_backward_interim", lambda *a: pytest.fail("interim path"))
-    monkeypatch.setattr(bwd, "_equal_lengths_on_host", lambda *a: pytest.fail("host read"))
+    monkeypatch.setattr(bwd, "_backward_varlen", lambda *a: pytest.fail("host read"))
     inputs, do, dht = _bf16_problem(3, 70, 1, 2, seed=7)
 
     def loss(q, k, v, g, beta, h0):
@@ -339,9 +499,9 @@ def test_the_wrapper_passes_its_equal_batch(monkeypatch):
 
 
 def test_routing_to_the_interim_path(kernel_path, monkeypatch):
-    """Unequal sequences behind cu_seqlens, the switch "0", `interim()`, and head dims other
-    than kernel 1's take the interim path; equal ones behind cu_seqlens (the offsets read on
-    the host) and one sequence take the kernel path."""
+    """The switch "0", `interim()`, and head dims other than kernel 1's take the interim path;
+    unequal sequences behind cu_seqlens (in buckets), equal ones (the offsets read on the host)
+    and one sequence take the kernel path."""
     seen = []
     interim = bwd._backward_interim
     monkeypatch.setattr(bwd, "_backward_interim", lambda *a: seen.append(1) or interim(*a))
@@ -349,22 +509,22 @@ def test_routing_to_the_interim_path(kernel_path, monkeypatch):
     cu = torch.tensor([0, 60, 130], dtype=torch.int32)
     h0 = h0.expand(2, -1, -1, -1).contiguous()
     bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, initial_state=h0, cu_seqlens=cu)
-    assert seen == [1] and kernel_path == []
+    assert seen == [] and kernel_path == [torch.bfloat16, torch.bfloat16]  # one bucket
     one = torch.tensor([0, 130], dtype=torch.int32)  # one sequence: the kernel path
     bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, initial_state=h0[:1], cu_seqlens=one)
-    assert seen == [1] and kernel_path == [torch.bfloat16, torch.bfloat16]
+    assert seen == [] and len(kernel_path) == 4
     equal = torch.tensor([0, 65, 130], dtype=torch.int32)  # read on the host: equal lengths
     bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, initial_state=h0, cu_seqlens=equal)
-    assert seen == [1] and len(kernel_path) == 4
+    assert seen == [] and len(kernel_path) == 6
     monkeypatch.setenv(bwd.KERNEL_SWITCH, "0")
     bwd.kimi_delta_attention_backward(q, k, v, g, beta, do)
-    assert seen == [1, 1] and len(kernel_path) == 4
+    assert seen == [1] and len(kernel_path) == 6
     monkeypatch.delenv(bwd.KERNEL_SWITCH)  # the default: the kernel path
     with bwd.interim():
         bwd.kimi_delta_attention_backward(q, k, v, g, beta, do)
-    assert seen == [1, 1, 1] and len(kernel_path) == 4
+    assert seen == [1, 1] and len(kernel_path) == 6
     bwd.kimi_delta_attention_backward(q, k, v, g, beta, do)
-    assert seen == [1, 1, 1] and len(kernel_path) == 6
+    assert seen == [1, 1] and len(kernel_path) == 8
     assert bwd._kernel_path(q.flatten(0, 1), v.flatten(0, 1))
     assert not bwd._kernel_path(q.flatten(0, 1)[..., :64], v.flatten(0, 1))  # (K, V) (64, 128)
     assert not bwd._kernel_path(q.flatten(0, 1).float(), v.flatten(0, 1))  # 32-bit
@@ -374,8 +534,9 @@ def test_routing_to_the_interim_path(kernel_path, monkeypatch):
 @pytest.mark.parametrize("decay", [(-5.0, 0.0), (-5.0, -4.0)])
 def test_kernel_2_on_the_path_and_its_fallback(kernel_path, monkeypatch, decay):
     """bf16 with the switch on: kernel 2 (emulated, bf16 block operands) once, fed the tiles'
-    dtype; CHUNK_IN_KERNEL = False runs pass 3 in torch instead; both within 2e-2 of autograd
-    through the fp64 recurrence, and within 1e-2 of each other."""
+    dtype (on the device pass, the default); CHUNK_IN_KERNEL = False runs pass 3 in torch
+    instead (the torch factors, the WY half in torch: both switches need kernel 2); both within
+    2e-2 of autograd through the fp64 recurrence, and within 1e-2 of each other."""
     (q, k, v, g, beta, h0), do, dht = _bf16_problem(2, 130, 1, 2, decay=decay, seed=9)
     kw = {"initial_state": h0, "d_final_state": dht, "use_qk_l2norm_in_kernel": True}
     chunk_calls = []
@@ -387,6 +548,31 @@ def test_kernel_2_on_the_path_and_its_fallback(kernel_path, monkeypatch, decay):
     assert chunk_calls == [torch.bfloat16]
     want = _fp64_grads([q, k, v, g, beta, h0], None, do, dht, l2norm=True)
     for name, a, b, r in zip(NAMES, on_chip, in_torch, want):
+        _close(name, a, r, 2e-2)
+        _close(name, a, b, 1e-2)
+
+
+@pytest.mark.parametrize("decay", [(-5.0, 0.0), (-5.0, -4.0)])
+def test_wy_kernel_on_the_path_and_off(kernel_path, monkeypatch, decay):
+    """bf16 with the switch on, the torch factors (FACTORS_FROM_FIRST_PASS pinned off; both
+    on, the default, is the device pass: tests/test_kda_bwd_first_pass_factors.py):
+    WY_IN_KERNEL pinned off (the WY half in torch, the WY kernel never called); on, the WY
+    kernel (emulated, its on-chip operands rounded) once, fed the tiles' dtype; both within 2e-2
+    of autograd through the fp64 recurrence and within 1e-2 of each other."""
+    (q, k, v, g, beta, h0), do, dht = _bf16_problem(2, 130, 1, 2, decay=decay, seed=9)
+    kw = {"initial_state": h0, "d_final_state": dht, "use_qk_l2norm_in_kernel": True}
+    wy_calls = []
+    monkeypatch.setattr(bwd, "_wy_kernel", emulated_wy_kernel(wy_calls))
+    monkeypatch.setattr(bwd, "FACTORS_FROM_FIRST_PASS", False)
+    monkeypatch.setattr(bwd, "WY_IN_KERNEL", False)
+    in_torch = bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, **kw)
+    assert wy_calls == []
+    monkeypatch.setattr(bwd, "WY_IN_KERNEL", True)
+    on_chip = bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, **kw)
+    assert wy_calls == [torch.bfloat16]
+    want = _fp64_grads([q, k, v, g, beta, h0], None, do, dht, l2norm=True)
+    for name, a, b, r in zip(NAMES, on_chip, in_torch, want):
+        assert a.dtype == b.dtype, name
         _close(name, a, r, 2e-2)
         _close(name, a, b, 1e-2)
 

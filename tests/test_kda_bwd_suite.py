@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_gdn_bwd_suite import interim_variant_cases, interim_variant_path
 
 from forgekernel.bench import suites
 from forgekernel.bench.check import verify
@@ -64,7 +65,11 @@ def test_cases_are_well_formed():
         assert all(n > 0 for n in case.params["lens"]), case.name
         assert case.params["hv"] % case.params["h"] == 0
         assert kda_bwd.flops(case) > 0 and kda_bwd.nbytes(case, torch.bfloat16) > 0
-    assert all(p.is_file() for p in kda_bwd.kernel_sources())
+    sources = kda_bwd.kernel_sources()
+    assert all(p.is_file() for p in sources)
+    names = {p.as_posix() for p in sources}
+    for tail in ("kda_bwd_wy/sm90/wy_grads.py", "reference/kda_bwd_wy.py"):  # WY_IN_KERNEL's
+        assert any(n.endswith(tail) for n in names), tail
 
 
 def test_registered():
@@ -72,31 +77,9 @@ def test_registered():
 
 
 def test_interim_variant_on_the_two_smallest_cases_only():
-    """`interim` on the two bench cases of fewest tokens (the interim path is slow), none on
-    the others or the check cases."""
-    smallest = sorted(kda_bwd.BENCH_CASES, key=lambda c: sum(c.params["lens"]))[:2]
-    for case in (*kda_bwd.BENCH_CASES, *kda_bwd.CHECK_CASES):
-        want = ["interim"] if case in smallest else []
-        assert list(kda_bwd.suite().variants_for(case)) == want, case.name
+    interim_variant_cases(kda_bwd)
 
 
 def test_interim_variant_takes_the_interim_path(cpu, monkeypatch):
-    """With the kernel path open to these CPU tensors (the switch unset, `KERNEL_DEVICES`
-    widened), ours reaches it and the `interim` variant does not: the interim path, within the
-    suite's judge; the switch is the default again after it."""
-    monkeypatch.delenv(bwd_op.KERNEL_SWITCH, raising=False)
-    monkeypatch.setattr(bwd_op, "KERNEL_DEVICES", ("cuda", "cpu"))
-    taken = []
-
-    def kernel(*args):
-        taken.append(1)
-        raise RuntimeError("kernel path")
-
-    monkeypatch.setattr(bwd_op, "_backward_kernel", kernel)
-    inputs = _inputs(kda_bwd.CHECK_CASES[1])  # one sequence: the kernel path without a host read
-    with pytest.raises(RuntimeError, match="kernel path"):
-        kda_bwd.run_ours(inputs, None)
-    assert taken == [1]
-    out, cmps = verify(kda_bwd.suite(), inputs, torch.device("cpu"), run=kda_bwd.run_interim)
-    assert taken == [1] and all(c.ok for c in cmps), [c.message for c in cmps]
-    assert bwd_op.kernel_selected()
+    # one sequence: the kernel path without a host read
+    interim_variant_path(kda_bwd, bwd_op, _inputs(kda_bwd.CHECK_CASES[1]), monkeypatch)

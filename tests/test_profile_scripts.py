@@ -359,3 +359,43 @@ def test_device_profile_stops_without_the_dsl(tmp_path):
     run = subprocess.run(["bash", "scripts/device_profile.sh"], cwd=ROOT, env=env,
                          capture_output=True, text=True)  # fmt: skip
     assert run.returncode == 1 and "source scripts/device_setup.sh" in run.stderr
+
+
+linattn = _load("profile_linattn_bwd")
+
+
+def test_linattn_target_cases_and_timeline_flag():
+    """The linear-attention backwards' target: its default cases are the suites' bench cases,
+    its comparators theirs; --timeline and --top parse."""
+    target = linattn.TARGET
+    args = ps.parse_args(target, ["--timeline", "--top", "5", "--which", "ours"])
+    assert args.timeline and args.top == 5
+    for suite_name, case in ps.resolve_cases(target, args):
+        suite = ps.load_suite(suite_name)
+        assert case in suite.bench_cases
+        assert target.comparator[suite_name] in suite.comparators()
+    assert not ps.parse_args(target, []).timeline
+
+
+def test_kernel_table_per_call():
+    """Two calls' kernel records: totals per call, sorted by time, shares, `top` rows."""
+    records = [("k2", 30.0), ("k1", 10.0), ("k2", 30.0), ("k1", 10.0), ("tiny", 1.0)]
+    lines = ps.kernel_table(records, calls=2, top=2)
+    assert lines[0] == "  kernels 2 a call, 40.5 us a call"
+    assert "k2" in lines[1] and "30.0 us" in lines[1] and "1.0x" in lines[1]
+    assert "k1" in lines[2] and len(lines) == 3
+
+
+def test_kda_paths_probe_lists_without_a_gpu(capsys):
+    """scripts/probe_kda_bwd_paths.py --list: its paths and the suite's cases, no GPU; the
+    switches restored after a path's call; an unknown case named."""
+    probe = _load("probe_kda_bwd_paths")
+    assert probe.main(["--list"]) == 0
+    assert "device_pass (True, True)" in capsys.readouterr().out
+    from forgekernel.ops import kda_bwd
+
+    with probe.path_flags(kda_bwd, False, False):
+        assert not kda_bwd.FACTORS_FROM_FIRST_PASS and not kda_bwd.WY_IN_KERNEL
+    assert kda_bwd.FACTORS_FROM_FIRST_PASS and kda_bwd.WY_IN_KERNEL  # the defaults, restored
+    with pytest.raises(SystemExit, match="no kda_bwd bench case"):
+        probe.main(["--case", "nope", "--list"])

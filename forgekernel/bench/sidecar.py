@@ -114,7 +114,9 @@ class Sidecar:
 
 def child_env(side: Sidecar, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """The child's environment: PYTHONPATH = the site, this tree, then the parent's entries
-    except `side.drop` and what lies under them."""
+    except `side.drop` and what lies under them; the rest as the parent's, so the child reads the
+    caches scripts/comparator_caches.sh restored (TILELANG_CACHE_DIR, TRITON_CACHE_AUTOTUNING,
+    exported by scripts/device_setup.sh)."""
     drop = [os.path.normpath(d) for d in side.drop]
 
     def kept(entry: str) -> bool:

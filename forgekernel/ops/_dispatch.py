@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
@@ -79,3 +83,33 @@ def refuse_capture(what: str, t: torch.Tensor) -> None:
     a caller such as the bench's timing falls back to eager launches."""
     if capturing(t):
         raise RuntimeError(f"{what}: it cannot be captured in a CUDA graph")
+
+
+def switch_on(env: str) -> bool:
+    """An op's on / off environment switch: unset, "" or "1" on, "0" off; any other value
+    raises ValueError naming the variable."""
+    value = os.environ.get(env, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{env} must be '0' or '1', got {value!r}")
+    return value != "0"
+
+
+class KernelSwitch:
+    """An op's kernel path switch: the environment variable `env` (`switch_on`), and `off()`,
+    a context inside which the op takes its other path whatever the variable says (the bench's
+    variant of that path)."""
+
+    def __init__(self, env: str) -> None:
+        self.env = env
+        self._off = False
+
+    def selected(self) -> bool:
+        return not self._off and switch_on(self.env)
+
+    @contextmanager
+    def off(self) -> Iterator[None]:
+        saved, self._off = self._off, True
+        try:
+            yield
+        finally:
+            self._off = saved

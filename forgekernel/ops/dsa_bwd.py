@@ -32,9 +32,11 @@ the suite's median then (docs/attention/DSA_BWD_NOTES.md; "Torch around the kern
 form, CPU only so far).
 Elsewhere, or with FORGEKERNEL_DSA_BWD_KERNEL=0, the INTERIM PATH: the reference's chunked
 backward in fp32 on the GPU with torch ops (`_backward_interim`: chunks of queries whose
-gathered rows and scores fit INTERIM_CHUNK_ELEMENTS, dkv by index_add). Both paths: an eager
-call reads the indices' max on the host, one sync, and raises the same ValueError for an index
-past the cache's slots; under CUDA-graph capture that check is skipped and nothing is read back.
+gathered rows and scores fit INTERIM_CHUNK_ELEMENTS, dkv by index_add). Indices: the kernel
+path reads none on the host (no sync a call, as the forward): its kernels skip an entry past the
+cache's slots as they skip -1 padding (the forward's contract: entries below the slots). The
+interim path reads the largest on the host (one sync) and raises ValueError for one past the
+slots; under CUDA-graph capture that check is skipped and nothing is read back.
 The kernel's dkv sums by fp32 atomics: not bitwise repeatable.
 
 `dsa_sparse_attention_backward` is the same backward for callers with their own autograd (the
@@ -43,8 +45,6 @@ forward's out / lse in hand) and for the suite's timing.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import launch as kernel_launch
@@ -52,6 +52,7 @@ from forgekernel.kernels.attention.dsa_sparse_bwd_pre.sm90 import launch as pre_
 from forgekernel.kernels.attention.mla.sm90.config import D_LATENT, D_ROPE
 from forgekernel.ops import dsa as fwd
 from forgekernel.ops._dispatch import capturing as _capturing
+from forgekernel.ops._dispatch import switch_on
 from forgekernel.ops._dispatch import traced as _traced
 from forgekernel.ops._validate import check_same_device, check_shaped
 from forgekernel.ops.mla import check_softmax_scale, latent_cache_views
@@ -68,10 +69,7 @@ KERNEL_ENV = "FORGEKERNEL_DSA_BWD_KERNEL"
 
 
 def kernel_selected() -> bool:
-    env = os.environ.get(KERNEL_ENV, "")
-    if env not in ("", "0", "1"):
-        raise ValueError(f"{KERNEL_ENV} must be '0' or '1', got {env!r}")
-    return env != "0"
+    return switch_on(KERNEL_ENV)
 
 
 def _joined(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
@@ -129,13 +127,13 @@ def _backward_kernel(q_nope, q_pe, ckv, kpe, sparse_indices, scale, out, lse, do
     """The v1 kernel's backward, None where `launch.unsupported` declines the inputs. q and
     the cache as (S, H, 576) / (slots, 576) rows (`_rows`: v1 reads one row each); the
     preprocess by its kernel (kernels/attention/dsa_sparse_bwd_pre/sm90) where it takes out /
-    dO, else in torch (the launcher's); dkv cast to q's dtype once."""
+    dO, else in torch (the launcher's); dkv cast to q's dtype once. No index is read on the
+    host (no sync a call; before 2026-12-06 the largest entry was, to raise on one >= the
+    cache's slots): the kernels skip such an entry as they skip -1 padding."""
     q, kv = _rows(q_nope, q_pe, ckv, kpe)
     idx = sparse_indices
     if kernel_launch.unsupported(q, kv, idx) is not None:
         return None
-    if not _capturing(q) and idx.numel() and int(idx.max()) >= kv.shape[0]:
-        raise ValueError(f"sparse_indices: an entry is >= the cache's {kv.shape[0]} slots")
     pre = None
     if pre_launch.unsupported(out, dout) is None:
         pre = pre_launch.preprocess(out, dout, lse, dlse, attn_sink)
@@ -274,7 +272,9 @@ def dsa_sparse_attention_backward(
     dtype and dlse (tokens, H) fp32 or None. Caches as the forward takes them (16-bit): the
     gradients come back shaped as their inputs in q's dtype (FlashMLA's combined cache: one
     (num_pages, page_size, 1, 576) gradient as dckv_cache, dkpe_cache None); d_sink (H,) fp32,
-    None without a sink."""
+    None without a sink. sparse_indices as the forward takes them: -1 padding or an entry below
+    the cache's slots; the kernel path reads none on the host (no sync) and skips an entry past
+    the slots as padding, the interim path raises ValueError for one."""
     scale = check_softmax_scale(softmax_scale)
     ckv, kpe, fp8 = latent_cache_views(ckv_cache, kpe_cache)
     _validate(q_nope, q_pe, ckv, kpe, sparse_indices, out, lse, dout, dlse, attn_sink, fp8)

@@ -44,9 +44,9 @@ take equal-length sequences ((B, T, HV, D) tiles): the explicit backward without
 cu_seqlens, autograd of `gated_delta_rule` without cu_seqlens (the forward op's `batch`
 argument says B equal lengths; autograd's setup saves it, eager and under torch.compile alike)
 and one sequence run with no host read (CUDA-graph capturable); several sequences behind a
-caller's cu_seqlens read the offsets on the host (one sync, as the interim path) and are padded
-to the longest
-(`_backward_varlen`; above PAD_WASTE_LIMIT x padding, T = 0 or 32-bit inputs: the interim).
+caller's cu_seqlens read the offsets on the host (one sync, as the interim path): equal
+lengths are a reshape, unequal ones run in buckets of similar lengths zero-padded at their ends
+(`_backward_varlen`, ops/_linattn_varlen.py; no token or 32-bit inputs: the interim).
 
 Eager calls take the custom op when autograd records them (the dispatcher's ~30 us are nothing
 beside this backward); under torch.compile the backward graph records the backward custom op,
@@ -56,15 +56,14 @@ callers with their own autograd and for the suite's backward timing.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+import contextlib
 
 import torch
 
 from forgekernel.ops import gated_delta_rule_chunked as fwd
-from forgekernel.ops._dispatch import refuse_capture
+from forgekernel.ops._dispatch import KernelSwitch, refuse_capture
 from forgekernel.ops._dispatch import traced as _traced
+from forgekernel.ops._linattn_varlen import backward_varlen
 from forgekernel.ops._validate import (
     check_bools,
     check_cuda,
@@ -89,7 +88,6 @@ from forgekernel.reference.gdn_bwd_state import (
     to_chunks,
     to_tokens,
 )
-from forgekernel.runtime.plans import overriding
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 NOT_CAPTURABLE = (
@@ -121,26 +119,19 @@ def _backward_interim(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, 
 # "0": the interim path everywhere; unset or "1": the kernel path where it fits (`_kernel_path`).
 KERNEL_SWITCH = "FORGEKERNEL_GDN_BWD_KERNEL"
 KERNEL_DEVICES = ("cuda",)  # CPU tensors take the interim path (the CPU tests add "cpu")
-_interim = [False]  # True inside `interim()`
+_SWITCH = KernelSwitch(KERNEL_SWITCH)
 
 
 def kernel_selected() -> bool:
     """Whether the kernel path is chosen where it fits: False inside `interim()`, else
     KERNEL_SWITCH ("0" or "1", default "1")."""
-    if _interim[0]:
-        return False
-    env = os.environ.get(KERNEL_SWITCH, "")
-    if env not in ("", "0", "1"):
-        raise ValueError(f"{KERNEL_SWITCH} must be '0' or '1', got {env!r}")
-    return env != "0"
+    return _SWITCH.selected()
 
 
-@contextmanager
-def interim() -> Iterator[None]:
+def interim() -> contextlib.AbstractContextManager[None]:
     """The backward calls inside take the interim path, as with KERNEL_SWITCH "0" (the bench's
     `interim` variant)."""
-    with overriding(_interim, True):
-        yield
+    return _SWITCH.off()
 
 
 # Token x value heads of one pass of the kernel path: its temporaries were ~56 KB a token-head
@@ -193,7 +184,6 @@ def _chunk_grads_wy(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta, **flags):
     return gdn_bwd_chunk_wy(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta, **flags)
 
 
-PAD_WASTE_LIMIT = 4  # varlen: padded chunks / real chunks above which the interim path runs
 NOT_CAPTURABLE_VARLEN = (
     "gated_delta_rule's backward on kernel 1 reads varlen offsets on the host (the padding to "
     "equal lengths, one sync a call; equal-length calls without cu_seqlens have none)"
@@ -428,37 +418,15 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, k_last
 def _backward_varlen(q, k, v, g, beta, initial_state, do, d_final, scale, k_last, l2norm,
                      cu_seqlens) -> Grads | None:  # fmt: skip
     """Varlen on the kernel path: the offsets read on the host (one sync, as the interim
-    path's; a CUDA-graph capture is refused first), every sequence zero-padded at its end to
-    the longest's length (the reference's tail padding: zero rows change neither the state nor
-    a real gradient) and the result gathered back; equal lengths are a reshape. None (the
-    interim path) when no token or when the padded chunks exceed PAD_WASTE_LIMIT times the real
-    ones (one long sequence among short ones: packing several short sequences into one kernel
-    row is not built)."""
+    path's; a CUDA-graph capture is refused first); equal lengths are a reshape, unequal ones
+    run in buckets of sequences zero-padded at their ends (ops/_linattn_varlen.py: zero rows
+    change neither the state nor a real gradient). None (the interim path) when no token."""
     refuse_capture(NOT_CAPTURABLE_VARLEN, q)
-    edges = [int(e) for e in cu_seqlens.tolist()]
-    lens = [z - a for a, z in zip(edges[:-1], edges[1:])]
-    n, t = len(lens), max(lens)
-    rest = (d_final, scale, k_last, l2norm, n)
-    if t == 0:
-        return None
-    if all(x == t for x in lens):
-        return _backward_kernel(q, k, v, g, beta, initial_state, do, *rest)
-    real = sum(-(-x // CHUNK) for x in lens)
-    if n * -(-t // CHUNK) > PAD_WASTE_LIMIT * real:
-        return None
-    pos = torch.arange(t)
-    valid = (pos < torch.tensor(lens).unsqueeze(1)).flatten()
-    rows = (torch.tensor(edges[:-1]).unsqueeze(1) + pos).flatten()[valid].to(q.device)
-    slots = valid.nonzero()[:, 0].to(q.device)  # padded row of each token, in token order
 
-    def pad(x):
-        out = x.new_zeros(n * t, *x.shape[1:])
-        out[slots] = x[rows]
-        return out
+    def run(q, k, v, g, beta, do, h0, dht, n):
+        return _backward_kernel(q, k, v, g, beta, h0, do, dht, scale, k_last, l2norm, n)
 
-    padded = (pad(x) for x in (q, k, v, g, beta))
-    grads = _backward_kernel(*padded, initial_state, pad(do), *rest)
-    return (*(x[slots] for x in grads[:5]), grads[5])
+    return backward_varlen(run, (q, k, v, g, beta, do), (initial_state, d_final), cu_seqlens)
 
 
 def _empty_grads(q, k, v, g, beta, cu_seqlens, k_last) -> Grads:

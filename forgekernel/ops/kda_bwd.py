@@ -23,23 +23,31 @@ KERNEL PATH (the default since 2026-12-06, `_kernel_path`: FORGEKERNEL_KDA_BWD_K
 "1", outside `interim()`, CUDA tensors, 16-bit, (K, V) = (128, 128), at least one token and
 value head; its GPU check tests/gpu/test_kda_bwd_kernel_path_gpu.py passed on the H100
 2026-12-06, 100 tests, `forgekernel check kda_bwd` and its sanitizers 2026-12-05; NOTES.md "KDA
-backward on kernel 1", "The backward kernel path the default"): `_backward_kernel`
-runs both sequential recurrences on Gated DeltaNet's kernel 1 (kernels/linear_attention/
+backward on kernel 1", "The backward kernel path the default"): `_backward_kernel` runs both
+sequential recurrences on Gated DeltaNet's kernel 1 (kernels/linear_attention/
 gdn_bwd_state/sm90, its `channel_decay` variant: e^(G_C) per key channel) as GDN's path does
 (ops/gated_delta_rule_bwd.py): the forward's chunk states h and U = u - W h (the kernel fed
 `reference.gdn_bwd_state.forward_state_tiles`), then the reverse recurrence (dU, dh, the initial
 state's gradient); everything else is batched torch over every chunk at once: the sub-chunked
 factors (reference/kda_bwd.py's `_Factors`: no e^(-G), g down to about -5 a step), the 16-bit
 tiles, pass 3's output side on kernel 2 (kernels/linear_attention/kda_bwd_chunk/sm90,
-`reference.kda_bwd_chunk` its model: `_output_grads` with KDA's per-channel dG finished on
-chip; CHUNK_IN_KERNEL = False: reference/kda_bwd.py's `_output_grads` in torch, the fallback),
-the WY half (`_wy_grads`) in torch, scale, l2norm, the group sum. Equal lengths known on the host
-(the explicit backward without cu_seqlens, one sequence, autograd of a call without cu_seqlens:
-the forward op's `batch` argument says B equal lengths; autograd's setup saves it, eager and
-under torch.compile alike) run with no host read (CUDA-graph capturable);
-several sequences behind a caller's cu_seqlens have their offsets read on the host (one sync,
-as the interim path's): equal lengths take the kernel path, unequal ones the interim path
-(`_backward_eager`).
+`reference.kda_bwd_chunk` its model: `_output_grads` with KDA's per-channel dG finished on chip;
+CHUNK_IN_KERNEL = False: reference/kda_bwd.py's `_output_grads` in torch, the fallback), the WY
+half (`_wy_grads`) on the WY kernel (WY_IN_KERNEL, the default since 2026-12-06; False: in
+torch; kernels/linear_attention/kda_bwd_wy/sm90, `reference.kda_bwd_wy` its model; with
+FACTORS_FROM_FIRST_PASS, also the default, bf16: `_device_pass`, the factors from the forward's
+first pass and kernel 1 writing kernel 2's 16-bit forms, `out16` / `forward`, as Gated
+DeltaNet's device pass; NOTES.md "KDA's device pass"); q / k
+normalized and scaled once at H heads (fp32: the torch factors read it; 16-bit on the device
+pass); dq / dk's group sum, l2norm's
+backward, scale and cast on Gated DeltaNet's q / k epilogue kernel
+(kernels/linear_attention/gdn_bwd_norm/sm90, `_qk_grads`; NORM_IN_KERNEL = False: torch). Equal
+lengths known on the host (the explicit backward without cu_seqlens, one sequence, autograd of a
+call without cu_seqlens: the forward op's `batch` argument says B equal lengths; autograd's
+setup saves it, eager and under torch.compile alike) run with no host read (CUDA-graph
+capturable); several sequences behind a caller's cu_seqlens have their offsets read on the host
+(one sync, as the interim path's): equal lengths are a reshape, unequal ones run in buckets of
+similar lengths zero-padded at their ends (`_backward_varlen`, ops/_linattn_varlen.py).
 
 `kimi_delta_attention_backward` is the same backward for callers with their own autograd and
 for the suite's backward timing.
@@ -47,16 +55,15 @@ for the suite's backward timing.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+import contextlib
 
 import torch
 
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.config import HEAD_DIMS
 from forgekernel.ops import kda_chunked as fwd
-from forgekernel.ops._dispatch import refuse_capture
+from forgekernel.ops._dispatch import KernelSwitch, refuse_capture
 from forgekernel.ops._dispatch import traced as _traced
+from forgekernel.ops._linattn_varlen import backward_varlen
 from forgekernel.ops._validate import (
     check_bools,
     check_cuda,
@@ -64,7 +71,12 @@ from forgekernel.ops._validate import (
     check_scale,
     check_shaped,
 )
-from forgekernel.reference.delta_rule_bwd import _l2norm, _l2norm_backward
+
+# Gated DeltaNet's q / k side, one mechanism for both ops (imported, unchanged): `_normalized`
+# (q / k normalized and scaled once at H heads), `_qk_grads` (the epilogue kernel
+# kernels/linear_attention/gdn_bwd_norm/sm90: group sum, l2norm's backward, scale, cast; the
+# CPU tests put its model on this module's name) and `_normalized_backward` (its torch form)
+from forgekernel.ops.gated_delta_rule_bwd import _normalized, _normalized_backward, _qk_grads
 from forgekernel.reference.gdn_bwd_state import (
     CHUNK,
     chunk_decay,
@@ -77,12 +89,13 @@ from forgekernel.reference.gdn_bwd_state import (
 from forgekernel.reference.kda_bwd import (
     TOKEN_HEADS_PER_PASS,
     _Factors,
+    _FirstPassFactors,
     _output_grads,
     _wy_grads,
     kimi_delta_attention_chunked_backward,
 )
 from forgekernel.reference.kda_bwd_chunk import chunk_grad_tiles
-from forgekernel.runtime.plans import overriding
+from forgekernel.reference.kda_bwd_wy import wy_tiles
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 NOT_CAPTURABLE = (
@@ -109,41 +122,40 @@ def _backward_interim(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, 
 KERNEL_SWITCH = "FORGEKERNEL_KDA_BWD_KERNEL"
 KERNEL_DEVICES = ("cuda",)  # CPU tensors take the interim path (the CPU tests add "cpu")
 TILE_DTYPES = (torch.float16, torch.bfloat16)
-_interim = [False]  # True inside `interim()`
+_SWITCH = KernelSwitch(KERNEL_SWITCH)
 
 
 def kernel_selected() -> bool:
     """Whether the kernel path is chosen where it fits: False inside `interim()`, else
     KERNEL_SWITCH ("0" or "1", default "1")."""
-    if _interim[0]:
-        return False
-    env = os.environ.get(KERNEL_SWITCH, "")
-    if env not in ("", "0", "1"):
-        raise ValueError(f"{KERNEL_SWITCH} must be '0' or '1', got {env!r}")
-    return env != "0"
+    return _SWITCH.selected()
 
 
-@contextmanager
-def interim() -> Iterator[None]:
+def interim() -> contextlib.AbstractContextManager[None]:
     """The backward calls inside take the interim path, as with KERNEL_SWITCH "0" (the bench's
     `interim` variant)."""
-    with overriding(_interim, True):
-        yield
+    return _SWITCH.off()
 
 
-def _state_recurrence(do, pt, ke, qe, w, e_last, d_final_state):
+def _state_recurrence(do, pt, ke, qe, w, e_last, d_final_state, **flags):
     """Kernel 1, dh variant, e_last (B, NC, HV, K) per key channel (`channel_decay`): (dU (B, T,
-    HV, V), dh = dS^T per chunk end (B, NC, HV, V, K), dS at the start (B, HV, K, V)), fp32.
+    HV, V), dh = dS^T per chunk end (B, NC, HV, V, K), dS at the start (B, HV, K, V)), fp32;
+    `flags` out16 / forward (the device pass, `_device_pass`): dU and dS (B, NC, HV, K, V) in
+    16 bits, kernel 2's forms (forward: pt, qe None, I and 0 built in, outputs in chunk order).
     The CPU tests put the tile emulation here."""
     from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.launch import gdn_bwd_state
 
-    return gdn_bwd_state(do, pt, ke, qe, w, e_last, d_final_state)
+    return gdn_bwd_state(do, pt, ke, qe, w, e_last, d_final_state, **flags)
 
 
 # Pass 3's output side (`_output_grads`) on kernel 2 (kernels/linear_attention/kda_bwd_chunk/sm90)
 # on the kernel path; False: batched torch (the fallback if kernel 2 misbehaves on the GPU). The
-# WY half (`_wy_grads`) is torch either way.
+# WY half (`_wy_grads`) is torch unless WY_IN_KERNEL.
 CHUNK_IN_KERNEL = True
+# The group sum, l2norm's backward, the scale and the cast of dq / dk on Gated DeltaNet's
+# epilogue kernel (`_qk_grads`, kernels/linear_attention/gdn_bwd_norm/sm90); False: torch
+# (`_normalized_backward`, the fallback).
+NORM_IN_KERNEL = True
 
 
 def _chunk_grads(do, u, du, q, k, h, dh, big_g):
@@ -155,6 +167,66 @@ def _chunk_grads(do, u, du, q, k, h, dh, big_g):
     return kda_bwd_chunk(do, u, du, q, k, h, dh, big_g)
 
 
+# On since 2026-12-06 (H100: with FACTORS_FROM_FIRST_PASS, the device pass 4.6-5.8x the previous
+# default; docs/linear_attention/NOTES.md "KDA backward WY kernel"): the WY half (`_wy_grads`)
+# on the WY kernel (kernels/linear_attention/kda_bwd_wy/sm90) after kernel 2, fed its dw; with
+# CHUNK_IN_KERNEL only. T = L^-1 is formed in torch for its input tile, or read from the first
+# pass with FACTORS_FROM_FIRST_PASS.
+WY_IN_KERNEL = True
+
+
+def _wy_kernel(dw, du, tt, w, k, u, v, beta, big_g):
+    """The WY kernel (`_wy_grads` on WGMMA, every chunk at once): (dk (B, T, HV, K), dv (B, T,
+    HV, V), dG (B, T, HV, K) reverse-cumsummed within the chunk, dbeta (B, T, HV)) fp32 from
+    `wy_tiles`' inputs. The CPU tests put the tile emulation here."""
+    from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.launch import kda_bwd_wy
+
+    return kda_bwd_wy(dw, du, tt, w, k, u, v, beta, big_g)
+
+
+# On since 2026-12-06 (H100, with WY_IN_KERNEL; docs/linear_attention/NOTES.md "KDA backward
+# factors from the forward's first pass?"): P, Qe, Ke, e^(G_C), W and u of the backward's
+# factors from the forward's first-pass kernel (`_first_pass`, one launch over every head)
+# instead of torch (`reference.kda_bwd._FirstPassFactors`), for tiles in FIRST_PASS_DTYPES (its
+# operands are bf16); with CHUNK_IN_KERNEL only (the torch fallback's `_output_grads` reads q and
+# e^(G_C - G), which `_FirstPassFactors` does not form).
+FACTORS_FROM_FIRST_PASS = True
+FIRST_PASS_DTYPES = (torch.bfloat16,)
+
+
+def _first_pass(q, k, g, beta, cu_seqlens, scale, seq_len, bwd=False):
+    """The KDA forward's first pass (kernels/linear_attention/kda_prefill/sm90 launch.py
+    `first_pass_kernel`): q, k (B T, H, K) 16-bit unit rows where l2norm is on, g (B T, HV, K),
+    beta (B T, HV) fp32, B sequences of `seq_len` tokens -> its dict (rows (B NC 64, HV, ...)
+    bf16, decay (B NC, HV, K) fp32; bwd: its `bwd` key, T^T `tt` and G `big_g` too). The CPU
+    tests put its torch model (`operands.kda_chunk_operands`, same arguments) here."""
+    from forgekernel.kernels.linear_attention.kda_prefill.sm90.launch import first_pass_kernel
+
+    return first_pass_kernel(q, k, g, beta, cu_seqlens, scale, False, seq_len, bwd=bwd)
+
+
+def _first_pass_ops(q16, k16, g, beta, scale, b, t):
+    """`_first_pass` over every head of B equal sequences -> its token tiles as (B, NC C, HV,
+    D) and decay (B, NC, HV, K) (views); with the WY kernel (WY_IN_KERNEL) its `bwd` key's T^T
+    too, the WY kernel's input tile (no torch solve)."""
+    cu = torch.arange(b + 1, dtype=torch.int32, device=q16.device) * t
+    ops = _first_pass(q16.flatten(0, 1), k16.flatten(0, 1), g.flatten(0, 1).contiguous(),
+                      beta.flatten(0, 1).contiguous(), cu, scale, t,
+                      bwd=WY_IN_KERNEL)  # fmt: skip
+    nc = -(-t // CHUNK)
+    rows = ("q_g", "k_g", "k_d", "t_beta", "p") + (("tt", "big_g") if WY_IN_KERNEL else ())
+    out = {n: ops[n].unflatten(0, (b, nc * CHUNK)) for n in rows}
+    out["decay"] = ops["decay"].unflatten(0, (b, nc))
+    return out
+
+
+def _on_device(dtype: torch.dtype) -> bool:
+    """Both switches on (the default; the first pass's factors for `dtype` tiles, kernel 2 and
+    the WY kernel): the device pass (`_device_pass`), kernel 1 writing kernel 2's 16-bit forms."""
+    return (FACTORS_FROM_FIRST_PASS and dtype in FIRST_PASS_DTYPES and CHUNK_IN_KERNEL
+            and WY_IN_KERNEL)  # fmt: skip
+
+
 def _kernel_path(q, v) -> bool:
     """The kernel path is selected (`kernel_selected`) and the call fits kernel 1: a CUDA
     tensor, 16-bit, (K, V) = (128, 128), at least one token and value head."""
@@ -163,13 +235,30 @@ def _kernel_path(q, v) -> bool:
             and (q.shape[2], v.shape[2]) in HEAD_DIMS)  # fmt: skip
 
 
-def _chunk_pass(qs, ks, v, g, beta, do, h0, dht):
+def _reverse_tiles(f, dtype):
+    """Kernel 1's reverse-launch tiles pt, ke, qe, w (token-major, `dtype`): the first pass's
+    ke, qe as it wrote them (`_FirstPassFactors`), the rest cast and laid out here."""
+    if isinstance(f, _FirstPassFactors):
+        pt = to_tokens(f.p.transpose(-1, -2).to(dtype))
+        ke, qe = (f.tokens[n].to(dtype).contiguous() for n in ("ke", "qe"))
+        return pt, ke, qe, to_tokens(f.w.to(dtype))
+    return tuple(to_tokens(x.to(dtype)) for x in (f.p.transpose(-1, -2), f.ke, f.qe, f.w))
+
+
+def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, ops=None):
     """Value heads of one pass, everything per value head: qs (scaled), ks (B, T, HV, K), v, do
     (B, T, HV, V), g (B, T, HV, K), beta (B, T, HV) fp32 except do (16-bit: the tiles' dtype);
-    h0, dht (B, HV, K, V) fp32 or None -> (dqs, dks (B, T, HV, K), dv, dg (B, T, HV, K), dbeta,
-    dh0) fp32."""
+    h0, dht (B, HV, K, V) fp32 or None; ops: this pass's heads of `_first_pass_ops` or None
+    (the factors in torch) -> (dqs, dks (B, T, HV, K), dv, dg (B, T, HV, K), dbeta, dh0) fp32.
+    On the device pass (`_on_device`) qs, ks and v come in do's 16-bit dtype."""
     t, dtype = qs.shape[1], do.dtype
-    f = chunk_factors(qs, ks, v, g, beta, _Factors)  # (B, NC, HV, C, ...) fp32, sub-chunked
+    if ops is not None and _on_device(dtype):
+        return _device_pass(qs, ks, v, g, beta, do, h0, dht, ops)
+    if ops is None:  # (B, NC, HV, C, ...) fp32, sub-chunked
+        f = chunk_factors(qs, ks, v, g, beta, _Factors)
+    else:
+        nc = -(-t // CHUNK)
+        f = _FirstPassFactors(ops, *(to_chunks(x, nc) for x in (ks, v, g, beta)))
     nc = f.w.shape[1]
     fw = forward_state_tiles(f, dtype)  # e^(G_C) (B, NC, HV, K): S <- diag(e^(G_C)) S + ...
     du_fw, dh_fw, _ = _state_recurrence(*(fw[n] for n in ("do", "pt", "ke", "qe", "w")),
@@ -177,7 +266,7 @@ def _chunk_pass(qs, ks, v, g, beta, do, h0, dht):
     h, big_u = forward_states(du_fw, dh_fw)
     del fw, du_fw, dh_fw  # the peak: free launch 1's tiles and outputs before launch 2's
     do_c = to_chunks(do, nc)
-    tiles = (to_tokens(x.to(dtype)) for x in (f.p.transpose(-1, -2), f.ke, f.qe, f.w))
+    tiles = _reverse_tiles(f, dtype)
     du_t, dh_t, dh0 = _state_recurrence(to_tokens(do_c), *tiles, chunk_decay(f), dht)
     d_u = du_t.unflatten(1, (nc, CHUNK)).transpose(2, 3)
     dh = dh_t.transpose(-1, -2)  # dS (K, V) at every chunk's end
@@ -186,7 +275,12 @@ def _chunk_pass(qs, ks, v, g, beta, do, h0, dht):
         tiles = chunk_grad_tiles(qs, ks, do, big_u, d_u, h, dh, g, dtype)
         del h, dh, big_u, do_c
         dq, dk, dw, dg = _chunk_grads(*tiles)
+        big_g = tiles[7]
         del tiles
+        if WY_IN_KERNEL:  # the WY half on its kernel: dG reverse-cumsummed there too
+            dk_wy, dv, dg_wy, dbeta = _wy_kernel(*wy_tiles(f, dw, d_u, big_g, dtype))
+            return dq, dk + dk_wy, dv, dg + dg_wy, dbeta, dh0
+        del big_g
         dk_wy, dv, dbeta, dg_wy = _wy_grads(f, to_chunks(dw, nc), d_u)
         dg_wy = dg_wy.flip(-2).cumsum(-2).flip(-2)  # the cumsum is linear: added after
         wy = (to_tokens(x)[:, :t] for x in (dk_wy, dv, dg_wy, dbeta))
@@ -200,42 +294,100 @@ def _chunk_pass(qs, ks, v, g, beta, do, h0, dht):
     return (*grads, dh0)
 
 
+def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops):
+    """`_chunk_pass` with kernel 1 writing kernel 2's 16-bit forms (`out16`), as Gated DeltaNet's
+    `_device_pass`: W = (T diag(beta)) Kg and u = (T diag(beta)) V from the first pass's rows
+    (two 16-bit bmm, the only factors formed here), kernel 1's forward launch (`forward`: I and
+    0 built in) on u, -W and -Ke in reversed chunk order -> U, h (16-bit, chunk order); its
+    reverse launch on P^T and the first pass's Ke, Qe as written -> dU, dS (16-bit); kernel 2
+    and the WY kernel on those, the first pass's T^T, G and rows cut to T (views). qs, ks, v,
+    do (B, T, HV, ...) in do's dtype (strided head slices allowed), g (B, T, HV, K), beta
+    (B, T, HV) fp32; ops: `_first_pass_ops`' pass of heads, with `tt` and `big_g`."""
+    t, dtype = qs.shape[1], do.dtype
+    nc = -(-t // CHUNK)
+
+    def chunks(x):  # token-major (B, NC C, HV, D) -> (B, NC, HV, C, D), a view
+        return x.unflatten(1, (nc, CHUNK)).transpose(2, 3)
+
+    def reversed_chunks(x):  # token-major, the chunks in reverse order: kernel 1's forward launch
+        return x.unflatten(1, (nc, CHUNK)).flip(1).flatten(1, 2)
+
+    t_beta = chunks(ops["t_beta"])
+    w16 = to_tokens(t_beta @ chunks(ops["k_g"]))  # (B, NC C, HV, K)
+    u16 = to_tokens(t_beta @ to_chunks(v, nc))  # (B, NC C, HV, V), zero rows past T
+    fw_ke, fw_w = (reversed_chunks(x).neg_() for x in (w16, ops["k_d"]))
+    u_c, h16, _ = _state_recurrence(reversed_chunks(u16), None, fw_ke, None, fw_w,
+                                    ops["decay"].flip(1), h0, out16=True,
+                                    forward=True)  # fmt: skip
+    del fw_ke, fw_w  # the peak: launch 1's tiles before launch 2's
+    pt = to_tokens(chunks(ops["p"]).transpose(-1, -2))[:, :t]
+    rev = (pt, ops["k_d"][:, :t], ops["q_g"][:, :t], w16[:, :t])
+    du16, dh16, dh0 = _state_recurrence(do, *rev, ops["decay"], dht, out16=True)
+    del rev, pt
+    big_g = ops["big_g"][:, :t]  # G = cumsum(g) within the chunk, as the first pass formed it
+    dq, dk, dw, dg = _chunk_grads(do, u_c[:, :t], du16, qs, ks, h16, dh16, big_g)
+    del u_c, h16, dh16
+    wy = (dw.to(dtype), du16, ops["tt"][:, :t], w16[:, :t], ks, u16[:, :t], v, beta, big_g)
+    dk_wy, dv, dg_wy, dbeta = _wy_kernel(*wy)
+    return dq, dk + dk_wy, dv, dg + dg_wy, dbeta, dh0
+
+
+def _normalized32(x, scale, l2norm):
+    """q / k (B, T, H, K) normalized and scaled once at H heads by Gated DeltaNet's
+    `_normalized`, in fp32: the torch factors (`_Factors`) read fp32 q / k (repeated to the
+    value heads a pass); without l2norm x is widened first (x scale rounded in fp32, not in
+    x's 16-bit dtype)."""
+    return _normalized(x if l2norm else x.float(), scale, l2norm, torch.float32)
+
+
 def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm,
                      batch) -> Grads:  # fmt: skip
     """The backward on kernel 1 (module docstring): flat tensors as `_backward_interim`'s
-    holding `batch` sequences of equal length. Grouped heads: q / k (normalized, scaled)
-    repeated to the value heads before the factors, dq / dk summed over each group after;
-    value heads in passes of reference/kda_bwd.py's TOKEN_HEADS_PER_PASS token-heads (two
-    kernel launches a pass). Gated DeltaNet's `_backward_kernel` with KDA's `_chunk_pass` and
-    no k_last (the two drivers are one function once GDN's path stops changing)."""
+    holding `batch` sequences of equal length. Grouped heads: q / k normalized and scaled once
+    at H heads in fp32 (`_normalized32`), repeated to the value heads a pass (not for HV = H)
+    before the factors; dq / dk summed over each group, through l2norm's backward and the
+    scale, in the input dtype on the epilogue kernel (`_qk_grads`, from the op's q / k; as
+    Gated DeltaNet's `_backward_device`; NORM_IN_KERNEL False: torch); value heads in passes of
+    reference/kda_bwd.py's TOKEN_HEADS_PER_PASS token-heads (two kernel-1 launches a pass), one
+    pass: no concatenation."""
     b, h, hv = batch, q.shape[1], v.shape[1]
     t, group = q.shape[0] // b, hv // h
 
     def seq(x):
         return x.reshape(b, t, *x.shape[1:])
 
-    qf, kf = seq(q).float(), seq(k).float()
-    qn, q_norm = _l2norm(qf) if l2norm else (qf, None)
-    kn, k_norm = _l2norm(kf) if l2norm else (kf, None)
-    v_side = [seq(v).float(), seq(g).float(), seq(beta).float(), seq(do)]
+    if _on_device(do.dtype):  # q / k, v in 16 bits: the first pass and the kernels read them
+        qn = _normalized(seq(q), scale, l2norm, do.dtype)
+        kn = _normalized(seq(k), 1.0, l2norm, do.dtype)
+        v_side = [seq(v).to(do.dtype), seq(g).float(), seq(beta).float(), seq(do)]
+    else:
+        qn = _normalized32(seq(q), scale, l2norm)
+        kn = _normalized32(seq(k), 1.0, l2norm)
+        v_side = [seq(v).float(), seq(g).float(), seq(beta).float(), seq(do)]
+    ops = None
+    if FACTORS_FROM_FIRST_PASS and CHUNK_IN_KERNEL and do.dtype in FIRST_PASS_DTYPES:  # 16-bit rows
+        q16, k16 = (x.to(do.dtype) for x in (qn, kn))  # q scaled already: the pass's scale 1
+        ops = _first_pass_ops(q16, k16, v_side[1], v_side[2], 1.0, b, t)
     step = max(1, TOKEN_HEADS_PER_PASS // max(1, b * t * group))
     parts = []
     for first in range(0, h, step):  # passes over heads, not chunks
         qh, vh = slice(first, first + step), slice(first * group, (first + step) * group)
-        qs = (qn[:, :, qh] * scale).repeat_interleave(group, dim=2)
-        ks = kn[:, :, qh].repeat_interleave(group, dim=2)
+        qs, ks = (x[:, :, qh] if group == 1 else x[:, :, qh].repeat_interleave(group, dim=2)
+                  for x in (qn, kn))  # fmt: skip
         states = (None if x is None else x[:, vh].float().contiguous()
                   for x in (initial_state, d_final))  # fmt: skip
-        parts.append(_chunk_pass(qs, ks, *(x[:, :, vh] for x in v_side), *states))
-    dqs, dks, dv, dg, dbeta, dh0 = (torch.cat(x, dim=1 if i == 5 else 2)
-                                    for i, x in enumerate(zip(*parts)))  # fmt: skip
-    dqn = dqs.unflatten(2, (h, group)).sum(3) * scale
-    dkn = dks.unflatten(2, (h, group)).sum(3)
-    dq = _l2norm_backward(qn, q_norm, dqn) if l2norm else dqn
-    dk = _l2norm_backward(kn, k_norm, dkn) if l2norm else dkn
-    flat = (x.flatten(0, 1).to(like.dtype) for x, like in zip((dq, dk, dv, dg, dbeta),
-                                                                (q, k, v, g, beta)))  # fmt: skip
-    return (*flat, dh0.contiguous())
+        mine = None if ops is None else {n: x[:, :, vh] for n, x in ops.items()}
+        parts.append(_chunk_pass(qs, ks, *(x[:, :, vh] for x in v_side), *states, ops=mine))
+    del qn, kn
+    grads = parts[0] if len(parts) == 1 else [torch.cat(x, dim=1 if i == 5 else 2)
+                                              for i, x in enumerate(zip(*parts))]  # fmt: skip
+    del parts
+    dqs, dks, dv, dg, dbeta, dh0 = grads
+    epilogue = _qk_grads if NORM_IN_KERNEL else _normalized_backward
+    dq = epilogue(dqs, seq(q), scale, l2norm)
+    dk = epilogue(dks, seq(k), 1.0, l2norm)
+    rest = (x.flatten(0, 1).to(like.dtype) for x, like in zip((dv, dg, dbeta), (v, g, beta)))
+    return (dq.flatten(0, 1), dk.flatten(0, 1), *rest, dh0.contiguous())
 
 
 def _empty_grads(q, k, v, g, beta, cu_seqlens) -> Grads:
@@ -269,33 +421,37 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, l2norm, b
 
 
 NOT_CAPTURABLE_VARLEN = (
-    "kimi_delta_attention's backward on kernel 1 reads varlen offsets on the host (are the "
-    "lengths equal? one sync a call; equal-length calls without cu_seqlens have none)"
+    "kimi_delta_attention's backward on kernel 1 reads varlen offsets on the host (the padding "
+    "to equal lengths, one sync a call; equal-length calls without cu_seqlens have none)"
 )
 
 
-def _equal_lengths_on_host(q, cu_seqlens) -> int:
-    """N when the N sequences behind cu_seqlens all have one nonzero length, else 0: read on
-    the host (one sync, as the interim path's; a CUDA-graph capture is refused first)."""
+def _backward_varlen(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm,
+                     cu_seqlens) -> Grads | None:  # fmt: skip
+    """Varlen on the kernel path, as Gated DeltaNet's: the offsets read on the host (one sync,
+    as the interim path's; a CUDA-graph capture is refused first); equal lengths (the suite's
+    batch cases: B = 1 + cu_seqlens) are a reshape, unequal ones run in buckets of sequences
+    zero-padded at their ends (ops/_linattn_varlen.py). None (the interim path) when no
+    token."""
     refuse_capture(NOT_CAPTURABLE_VARLEN, q)
-    edges = cu_seqlens.tolist()
-    lens = {z - a for a, z in zip(edges[:-1], edges[1:])}
-    return len(edges) - 1 if len(lens) == 1 and lens.pop() > 0 else 0
+
+    def run(q, k, v, g, beta, do, h0, dht, n):
+        return _backward_kernel(q, k, v, g, beta, h0, do, dht, scale, l2norm, n)
+
+    return backward_varlen(run, (q, k, v, g, beta, do), (initial_state, d_final), cu_seqlens)
 
 
 def _backward_eager(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, l2norm,
                     batch) -> Grads:  # fmt: skip
     """Where the kernel path fits (`_kernel_path`): `batch` > 0 (the offsets are `batch` equal
     lengths, known on the host): the kernel path, no sync; else the offsets read on the host
-    and, when the lengths are equal (the suite's batch cases: B = 1 + cu_seqlens), the kernel
-    path. Unequal lengths take the interim path: kernel 1 reads equal-length (B, T, HV, D)
-    tiles, and the padding to the longest sequence that Gated DeltaNet's `_backward_varlen`
-    does is not wired here."""
+    (`_backward_varlen`). The interim path otherwise."""
     if _kernel_path(q, v):
-        batch = batch if batch > 0 else _equal_lengths_on_host(q, cu_seqlens)
-        if batch > 0:
-            return _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale,
-                                    l2norm, batch)  # fmt: skip
+        args = (q, k, v, g, beta, initial_state, do, d_final, scale, l2norm)
+        grads = (_backward_kernel(*args, batch) if batch > 0
+                 else _backward_varlen(*args, cu_seqlens))  # fmt: skip
+        if grads is not None:
+            return grads
     return _backward_interim(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale,
                              l2norm)  # fmt: skip
 

@@ -106,20 +106,29 @@ def chunked_backward_driver(chunk_backward, q, k, v, g, beta, do, *, scale, init
         raise ValueError(f"d_final_state must be {state_shape}, got {tuple(d_final_state.shape)}")
     edges = [i * t for i in range(b + 1)] if cu_seqlens is None else cu_seqlens.tolist()
     layout = ChunkLayout([int(e) for e in edges], chunk_size, q.device)
-    flat = [x.reshape(b * t, *x.shape[2:]).to(dtype) for x in (q, k, v, g, beta, do)]
-    zeros = flat[0].new_zeros(state_shape)
+    # in their own dtype until a pass takes its heads (an fp64 reference at 8 x 32768 tokens
+    # held ~26 GB of converted inputs, and the pass results twice over in the concatenation)
+    flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v, g, beta, do)]
+    zeros = torch.zeros(state_shape, dtype=dtype, device=q.device)
     h0 = zeros if initial_state is None else initial_state.to(dtype)
     dht = zeros if d_final_state is None else d_final_state.to(dtype)
     group = hv // h
     step = heads_per_pass or max(1, token_heads // max(1, b * t * group))
-    parts = []
+    grads = None
     for first in range(0, h, step):
         qh, vh = slice(first, first + step), slice(first * group, (first + step) * group)
-        q_side, v_side = (x[:, qh] for x in flat[:2]), (x[:, vh] for x in flat[2:])
-        parts.append(_flat_backward(*q_side, *v_side, h0[:, vh], dht[:, vh], layout=layout,
-                                    scale=_scale(scale, dk_dim), l2norm=use_qk_l2norm,
-                                    chunk_backward=chunk_backward))  # fmt: skip
-    dq, dk, dv, dg, dbeta, dh0 = (torch.cat(grads, dim=1) for grads in zip(*parts))
+        q_side = (x[:, qh].to(dtype) for x in flat[:2])
+        v_side = (x[:, vh].to(dtype) for x in flat[2:])
+        part = _flat_backward(*q_side, *v_side, h0[:, vh], dht[:, vh], layout=layout,
+                              scale=_scale(scale, dk_dim), l2norm=use_qk_l2norm,
+                              chunk_backward=chunk_backward)  # fmt: skip
+        if grads is None:  # every head's gradients, each pass writing its own
+            heads = (h, h, hv, hv, hv, hv)
+            grads = [x.new_empty(x.shape[0], n, *x.shape[2:]) for x, n in zip(part, heads)]
+        for whole, piece, rows in zip(grads, part, (qh, qh, vh, vh, vh, vh)):
+            whole[:, rows] = piece
+        del part
+    dq, dk, dv, dg, dbeta, dh0 = grads
     shaped = (x.reshape(b, t, *x.shape[1:]) for x in (dq, dk, dv, dg, dbeta))
     return (*shaped, dh0)
 

@@ -150,8 +150,10 @@ def chunk_factors(q, k, v, g, beta, factors=_Factors):
 def chunk_decay(f) -> torch.Tensor:
     """e^(G_C) as kernel 1 reads it: (B, NC, HV) from Gated DeltaNet's factors (e_last (..., 1),
     e_g (..., C)), (B, NC, HV, K) from Kimi Delta Attention's (e_last (..., K), e_g (..., C,
-    K))."""
-    per_channel = f.e_g.dim() == f.k.dim()
+    K)); a factors class that forms e_g lazily says `per_channel` itself."""
+    per_channel = getattr(f, "per_channel", None)
+    if per_channel is None:
+        per_channel = f.e_g.dim() == f.k.dim()
     return (f.e_last if per_channel else f.e_last[..., 0]).contiguous()
 
 

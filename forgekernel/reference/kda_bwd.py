@@ -43,6 +43,8 @@ Padded tail rows (k = v = q = beta = g = 0) change nothing, as in Gated DeltaNet
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from forgekernel.reference.delta_rule_bwd import (
@@ -147,6 +149,61 @@ class _Factors:
         self.w, self.u = wu.split([k.shape[-1], v.shape[-1]], -1)
         self.qe = q * self.e_g
         self.ke = k * self.e_to_end
+
+
+class _FirstPassFactors:
+    """`_Factors` (the fields kernel 1's two launches and `_wy_grads` read) with the pieces the
+    KDA forward's first pass writes taken from it (kernels/linear_attention/kda_prefill/sm90
+    `first_pass_kernel`, its torch model `operands.kda_chunk_operands`): P, Qe = q_g, Ke = k_d,
+    e^(G_C) = decay, and W = (T diag(beta)) Kg, u = (T diag(beta)) V from its t_beta and k_g
+    (two GEMMs for the triangular solve). Still in torch, for `_wy_grads`: G, the sub-chunk
+    factors, e^G, kb and M(k, k) (the first pass keeps A and T unscaled on chip).
+    `ops`: the first pass's outputs, token-major (B, NC C, HV, D) (its row layout for B equal
+    lengths: rows are to_tokens' rows); k, v, g, beta in chunks (B, NC, HV, C, ...), fp32. The
+    pieces only `_wy_grads` and the WY kernel's `wy_tiles` read (G's factors, e^G, M(k, k), L,
+    kb) are formed on first use: with the WY kernel and the first pass's `bwd` key (ops["tt"],
+    T^T token-major, kept as `tt_tokens`) none of them is."""
+
+    per_channel = True  # e^(G_C) per key channel (`chunk_decay`), without forming e_g
+
+    def __init__(self, ops, k, v, g, beta):
+        b, nc, hv, c, dk = k.shape
+
+        def chunks(x):  # token-major (B, NC C, HV, D) -> (B, NC, HV, C, D), a view
+            return x.unflatten(1, (nc, c)).transpose(2, 3)
+
+        self.k, self.v, self.beta, self._g = k, v, beta, g
+        self.e_last = ops["decay"].to(k.dtype)  # (B, NC, HV, K)
+        self.strict = torch.ones(c, c, dtype=torch.bool, device=k.device).tril(-1)
+        self.tt_tokens = ops.get("tt")
+        t_beta = chunks(ops["t_beta"]).to(k.dtype)
+        self.w = t_beta @ chunks(ops["k_g"]).to(k.dtype)
+        self.u = t_beta @ v
+        self.p = chunks(ops["p"])  # the first pass's dtype (the tiles')
+        self.ke, self.qe = chunks(ops["k_d"]), chunks(ops["q_g"])
+        self.tokens = {"ke": ops["k_d"], "qe": ops["q_g"]}  # kernel 1's tiles as written
+
+    @functools.cached_property
+    def decay(self) -> _Decay:
+        return _Decay(self._g.cumsum(-2))
+
+    @functools.cached_property
+    def e_g(self) -> torch.Tensor:
+        return self._g.cumsum(-2).exp()
+
+    @functools.cached_property
+    def kk(self) -> torch.Tensor:
+        return self.decay.scores(self.k, self.k, strict=True)
+
+    @functools.cached_property
+    def lower(self) -> torch.Tensor:
+        c = self.k.shape[-2]
+        eye = torch.eye(c, dtype=self.k.dtype, device=self.k.device)
+        return eye + self.beta.unsqueeze(-1) * self.kk
+
+    @functools.cached_property
+    def kb(self) -> torch.Tensor:
+        return self.beta.unsqueeze(-1) * self.k * self.e_g
 
 
 def _states(f: _Factors, h0, steps):

@@ -56,9 +56,15 @@ def chunk_grad_tiles(qs, ks, do, big_u, d_u, h, dh, g, dtype) -> tuple[torch.Ten
     def tile(x):
         return x.to(dtype).contiguous()
 
-    wide = g.to(torch.promote_types(g.dtype, torch.float32))  # fp64 stays (the exact checks)
-    big_g = to_tokens(to_chunks(wide, nc).cumsum(-2))[:, :t].contiguous()
+    big_g = cumulative_decay(g, nc)
     return (tile(do), tok(big_u), tok(d_u), tile(qs), tile(ks), tile(h), tile(dh), big_g)
+
+
+def cumulative_decay(g: torch.Tensor, nc: int) -> torch.Tensor:
+    """G (B, T, HV, K) of g (B, T, HV, K): the within-chunk cumulative log decay per key
+    channel, fp32 (fp64 for fp64 g: the exact checks), contiguous."""
+    wide = g.to(torch.promote_types(g.dtype, torch.float32))
+    return to_tokens(to_chunks(wide, nc).cumsum(-2))[:, : g.shape[1]].contiguous()
 
 
 def _ident(x: torch.Tensor) -> torch.Tensor:

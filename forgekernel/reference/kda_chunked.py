@@ -176,26 +176,34 @@ def _block_scores(left, right, e, block, strict: bool, operand_dtype) -> torch.T
     return scores.masked_fill(~keep, 0.0)
 
 
-def chunk_operands(q, k, g, beta, operand_dtype=None, inverse=None) -> dict[str, torch.Tensor]:
+def chunk_operands(q, k, g, beta, operand_dtype=None, inverse=None,
+                   bwd: bool = False) -> dict[str, torch.Tensor]:  # fmt: skip
     """Everything of a chunk that does not depend on the state, for chunks (..., C, K): q
     (already scaled), k, g (log decay per channel; 0 on padding), beta (..., C) (0 on
     padding). Returns k_g (K exp(G)), q_g (Q exp(G)), k_d (K exp(G_C - G)) (..., C, K), t_beta
     (T diag(beta)) and p (the masked decayed Q K^T) (..., C, C), each rounded to
     `operand_dtype` as the tensor cores take them, and decay (exp(G_C), (..., K)). The state
-    pass is then O = q_g S + p U, U = t_beta (V - k_g S), S <- diag(decay) S + k_d^T U."""
+    pass is then O = q_g S + p U, U = t_beta (V - k_g S), S <- diag(decay) S + k_d^T U.
+    bwd: also the KDA backward's tt (T^T, T = (I + diag(beta) M(k, k))^-1 unscaled, rounded as
+    t_beta) and big_g (G, unrounded)."""
     big_g = g.cumsum(dim=-2)
     ea, eb, r_row, e, block = _sub_chunk_factors(big_g)
     k_left, k_right, q_left = k * ea, k * eb, q * ea
     akk = beta.unsqueeze(-1) * _block_scores(k_left, k_right, e, block, True, operand_dtype)
     g_last = big_g[..., -1:, :]
-    return {
+    big_t = (inverse or _unit_lower_inverse)(akk)
+    out = {
         "k_g": _round(k_left * r_row.exp(), operand_dtype),
         "q_g": _round(q_left * r_row.exp(), operand_dtype),
         "k_d": _round(k_right * (g_last - r_row).exp(), operand_dtype),
-        "t_beta": _round((inverse or _unit_lower_inverse)(akk) * beta.unsqueeze(-2), operand_dtype),
+        "t_beta": _round(big_t * beta.unsqueeze(-2), operand_dtype),
         "p": _round(_block_scores(q_left, k_right, e, block, False, operand_dtype), operand_dtype),
         "decay": g_last.squeeze(-2).exp(),
     }
+    if bwd:
+        out["tt"] = _round(big_t.transpose(-1, -2), operand_dtype)
+        out["big_g"] = big_g
+    return out
 
 
 def _sequence(q, k, v, g, beta, s, c: int, operand_dtype):

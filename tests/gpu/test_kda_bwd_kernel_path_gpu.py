@@ -121,10 +121,11 @@ def test_kernel_more_ctas_than_sms():
 
 
 def _poisoned_kernel(calls):
-    def run(do, pt, ke, qe, w, e_last, dht):
-        out = tuple(x.fill_(float("nan")) for x in launch.empty_outputs(do, ke.shape[-1]))
+    def run(do, pt, ke, qe, w, e_last, dht, **flags):  # flags: the device pass's out16 / forward
+        empty = launch.empty_outputs(do, ke.shape[-1], out16=flags.get("out16", False))
+        out = tuple(x.fill_(float("nan")) for x in empty)
         calls.append(tuple(do.shape))
-        return launch.gdn_bwd_state(do, pt, ke, qe, w, e_last, dht, out=out)
+        return launch.gdn_bwd_state(do, pt, ke, qe, w, e_last, dht, out=out, **flags)
 
     return run
 
@@ -335,3 +336,93 @@ def test_time_at_bench_size(kernel_path, monkeypatch, hv):
           f"(pass 3 in torch {torch_p3:.2f} ms, interim {interim:.2f} ms), kernel 1 "
           f"{' + '.join(f'{x:.3f}' for x in launches)} ms, kernel 2 "
           f"{' + '.join(f'{x:.3f}' for x in k2)} ms, peak {peak:.1f} GiB")  # fmt: skip
+
+
+# ---- opt-in: the factors' P, Qe, Ke, e^(G_C), W, u from the forward's first pass -------------
+
+
+@pytest.mark.parametrize("t", [1, 65, 1000])
+@pytest.mark.parametrize(("b", "h", "hv", "decay"),
+                         [(2, 2, 4, (-5.0, -4.0)), (3, 1, 2, (-5.0, 0.0))])  # fmt: skip
+def test_first_pass_factors(kernel_path, monkeypatch, t, b, h, hv, decay):
+    """`FACTORS_FROM_FIRST_PASS` (bf16; NOTES.md "KDA backward factors from the forward's first
+    pass?"): the first pass launched once, every gradient within 2e-2 of the fp64 backward and
+    1e-2 of the torch factors' path; the 1 x 2048 H16 times of both printed (`-s`)."""
+    q, k, v, g, beta, do, h0, dht = _problem(b, t, h, hv, torch.bfloat16, seed=t + 7,
+                                             l2norm=True, decay=decay)  # fmt: skip
+    inputs = (q, k, v, g, beta, do)
+    torch_factors = _run(inputs, h0=h0, dht=dht, l2norm=True)
+    monkeypatch.setattr(bwd, "FACTORS_FROM_FIRST_PASS", True)
+    first = []
+    real = bwd._first_pass
+    # `_first_pass_ops` passes `bwd=` by keyword (WY_IN_KERNEL's T^T): the wrapper forwards it
+    monkeypatch.setattr(bwd, "_first_pass", lambda *a, **kw: first.append(1) or real(*a, **kw))
+    got = _run(inputs, h0=h0, dht=dht, l2norm=True)
+    assert first == [1] and len(kernel_path) == 4
+    want = _reference(inputs, h0=h0, dht=dht, l2norm=True)
+    for name, a, r, f in zip(NAMES, got, want, torch_factors):
+        _close(name, a, r)
+        _close(name + " vs torch factors", a, f.double(), KERNEL_TOL)
+    if (t, b) != (1000, 2):
+        return
+    args = _problem(1, 2048, 16, 16, torch.bfloat16, seed=5, l2norm=True)
+    kw = {"initial_state": args[6], "d_final_state": args[7], "use_qk_l2norm_in_kernel": True}
+    monkeypatch.setattr(bwd, "_first_pass", real)
+    times = {}
+    for on in (False, True):
+        monkeypatch.setattr(bwd, "FACTORS_FROM_FIRST_PASS", on)
+        call = lambda: forgekernel.kimi_delta_attention_backward(*args[:6], **kw)  # noqa: E731
+        call()
+        times[on] = median(time_ms(call, reps=10))
+    print(f"\nKDA backward 1 x 2048 h16 bf16: torch factors {times[False]:.3f} ms, first-pass "
+          f"factors {times[True]:.3f} ms")  # fmt: skip
+
+
+# ---- both opt-ins: the device pass (kernel 1's 16-bit forms; NOTES.md "KDA's device pass") ---
+
+
+@pytest.mark.parametrize("t", [1, 65, 1000])
+@pytest.mark.parametrize(("b", "h", "hv", "decay"),
+                         [(2, 2, 4, (-5.0, -4.0)), (3, 1, 2, (-5.0, 0.0)),
+                          (1, 2, 2, (-1.0, 0.0))])  # fmt: skip
+def test_device_pass(kernel_path, monkeypatch, t, b, h, hv, decay):
+    """FACTORS_FROM_FIRST_PASS and WY_IN_KERNEL (bf16): `_device_pass`, kernel 1's forward
+    launch (channel_decay + out16 + forward) and reverse launch (channel_decay + out16), kernel
+    2 and the WY kernel on their 16-bit forms, outputs NaN-poisoned: every gradient within
+    2e-2 of the fp64 backward and 1e-2 of the same opt-ins' fp32-out path (`_on_device` False)
+    and of the default path; at 1 x 2048 H16 the three times printed (`-s`)."""
+    q, k, v, g, beta, do, h0, dht = _problem(b, t, h, hv, torch.bfloat16, seed=t + 11,
+                                             l2norm=True, decay=decay)  # fmt: skip
+    inputs = (q, k, v, g, beta, do)
+    default = _run(inputs, h0=h0, dht=dht, l2norm=True)
+    monkeypatch.setattr(bwd, "FACTORS_FROM_FIRST_PASS", True)
+    monkeypatch.setattr(bwd, "WY_IN_KERNEL", True)
+    on_device = bwd._on_device
+    monkeypatch.setattr(bwd, "_on_device", lambda dtype: False)
+    fp32_out = _run(inputs, h0=h0, dht=dht, l2norm=True)
+    monkeypatch.setattr(bwd, "_on_device", on_device)
+    kernel_path.clear()
+    got = _run(inputs, h0=h0, dht=dht, l2norm=True)
+    assert len(kernel_path) == 2
+    want = _reference(inputs, h0=h0, dht=dht, l2norm=True)
+    for name, a, r, f, d in zip(NAMES, got, want, fp32_out, default):
+        _close(name, a, r)
+        _close(name + " vs fp32-out", a, f.double(), KERNEL_TOL)
+        _close(name + " vs default", a, d.double(), KERNEL_TOL)
+    if (t, b) != (1000, 3):
+        return
+    args = _problem(1, 2048, 16, 16, torch.bfloat16, seed=5, l2norm=True)
+    kw = {"initial_state": args[6], "d_final_state": args[7], "use_qk_l2norm_in_kernel": True}
+    times = {}
+    for name, opt_ins, device in (("default", False, True), ("fp32-out", True, False),
+                                  ("device pass", True, True)):  # fmt: skip
+        monkeypatch.setattr(bwd, "FACTORS_FROM_FIRST_PASS", opt_ins)
+        monkeypatch.setattr(bwd, "WY_IN_KERNEL", opt_ins)
+        monkeypatch.setattr(bwd, "_on_device", on_device if device else lambda dtype: False)
+        call = lambda: forgekernel.kimi_delta_attention_backward(*args[:6], **kw)  # noqa: E731
+        call()
+        times[name] = median(time_ms(call, reps=10))
+    print(
+        "\nKDA backward 1 x 2048 h16 bf16: "
+        + ", ".join(f"{n} {ms:.3f} ms" for n, ms in times.items())
+    )

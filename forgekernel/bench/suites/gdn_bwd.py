@@ -5,8 +5,9 @@ fla's form as the forward suite (gdn_prefill.py: q, k (1, T, H, 128), k unit-nor
 
 Timed: the backward alone (`gated_delta_rule_backward`, which recomputes the forward's chunk
 states itself): its default since 2026-12-06, the KERNEL PATH of ops/gated_delta_rule_bwd.py
-(kernels 0, 1 and 2 and the q / k epilogue) on the single and batch cases; the varlen cases pad
-to 5.9x and 22x their chunks (above its PAD_WASTE_LIMIT, 4) and take the INTERIM path; the
+(kernels 0, 1 and 2 and the q / k epilogue) on every case, the varlen ones in buckets of
+similar lengths (ops/_linattn_varlen.py; before 2026-12-06 they padded to 5.9x and 22x their
+chunks and took the INTERIM path: 60 and 127 ms on the H100); the
 variant `interim` (`INTERIM_CASES`, the two smallest cases: the old default, ~14.7 ms at 1 x
 2048) the INTERIM fp32 torch path beside it (`interim()`, as FORGEKERNEL_GDN_BWD_KERNEL=0); each
 comparator's backward through autograd of its forward recorded once per input set
@@ -57,6 +58,7 @@ def kernel_sources() -> list[Path]:
     """The forward kernel's sources, the kernel path's (kernels 0, 1 and 2's sources, the q / k
     epilogue's, their batched helpers: the default) and the interim backward's modules (the
     ledger key; it does not tell which path a run took)."""
+    import forgekernel.ops._linattn_varlen as varlen
     import forgekernel.ops.gated_delta_rule_bwd as bwd_op
     import forgekernel.reference.delta_rule_bwd as bwd_ref
     import forgekernel.reference.gdn_bwd_chunk as chunk_ref
@@ -68,7 +70,7 @@ def kernel_sources() -> list[Path]:
     from forgekernel.kernels.linear_attention.gdn_bwd_norm.sm90 import SPEC as NORM_SPEC
     from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90 import SPEC as STATE_SPEC
 
-    modules = (bwd_op, bwd_ref, state_ref, chunk_ref, factors_ref, norm_ref)
+    modules = (bwd_op, varlen, bwd_ref, state_ref, chunk_ref, factors_ref, norm_ref)
     specs = (gdn_prefill.SPEC, FACTORS_SPEC, STATE_SPEC, CHUNK_SPEC, NORM_SPEC)
     return [*(p for spec in specs for p in spec.sources), *(Path(m.__file__) for m in modules)]
 
@@ -164,13 +166,16 @@ def reference(inputs: Inputs) -> tuple:
 
 def reference_gradients(recurrent: Callable, chunked_backward: Callable, inputs: Inputs) -> tuple:
     """fp64 gradients: autograd through the fp64 recurrence up to RECURRENT_UP_TO tokens, the
-    fp64 chunked backward above (shared with kda_bwd, whose recurrence and backward differ)."""
+    fp64 chunked backward above (shared with kda_bwd, whose recurrence and backward differ),
+    one q head's value heads a pass (8 x 32768 tokens in passes of 2^21 token-heads ran the
+    80 GB H100 out of memory, 2026-12-06)."""
     i = inputs
     n_out = len(_likes(i))
     if i["q"].shape[1] > RECURRENT_UP_TO:
         grads = chunked_backward(
             i["q"], i["k"], i["v"], i["g"], i["beta"], i["do"], initial_state=i["state"],
             d_final_state=i["d_final"], cu_seqlens=i["cu_seqlens_long"], dtype=torch.float64,
+            heads_per_pass=1,
         )  # fmt: skip
         return grads[:n_out]
     leaves = [x.double().requires_grad_() for x in _likes(i)]

@@ -6,7 +6,8 @@ k unit-norm, v (1, T, HV, 128), g (1, T, HV, 128) = logsigmoid(N(0, 1)) fp32, or
 
 Timed: the backward alone (`kimi_delta_attention_backward`, which recomputes the forward's
 chunk states itself): its default since 2026-12-06, the KERNEL PATH of ops/kda_bwd.py (kernels
-1 and 2) on the single and batch cases, the INTERIM fp32 torch path on the unequal varlen ones;
+1 and 2) on every case, the unequal varlen ones in buckets of similar lengths
+(ops/_linattn_varlen.py; the INTERIM fp32 torch path before 2026-12-06);
 the variant `interim` (`INTERIM_CASES`, the two smallest cases: the old default) the interim
 path beside it (`interim()`, as FORGEKERNEL_KDA_BWD_KERNEL=0); fla's chunk_kda
 backward through autograd of a forward recorded once per input set (gdn_bwd.autograd_backward:
@@ -48,19 +49,28 @@ alloc_out = gdn_bwd.alloc_out
 
 
 def kernel_sources() -> list[Path]:
-    """The forward's sources, the kernel path's (kernels 1 and 2's sources, their batched
-    helpers: the default) and the interim backward's modules (the ledger key; it does not tell
-    which path a run took)."""
+    """The forward's sources, the kernel path's (kernels 1 and 2's sources, Gated DeltaNet's q /
+    k epilogue's and the GDN op module its helpers come from, the varlen buckets, their batched
+    helpers: the default; the WY kernel's and its model's, WY_IN_KERNEL's, on by default: a run
+    with it on is keyed by them too) and the interim backward's modules (the ledger key; it
+    does not tell which path a run took)."""
+    import forgekernel.ops._linattn_varlen as varlen
+    import forgekernel.ops.gated_delta_rule_bwd as gdn_op
     import forgekernel.ops.kda_bwd as bwd_op
     import forgekernel.reference.delta_rule_bwd as gdn_ref
+    import forgekernel.reference.gdn_bwd_norm as norm_ref
     import forgekernel.reference.gdn_bwd_state as state_ref
     import forgekernel.reference.kda_bwd as bwd_ref
     import forgekernel.reference.kda_bwd_chunk as chunk_ref
+    import forgekernel.reference.kda_bwd_wy as wy_ref
+    from forgekernel.kernels.linear_attention.gdn_bwd_norm.sm90 import SPEC as NORM_SPEC
     from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90 import SPEC as STATE_SPEC
     from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90 import SPEC as CHUNK_SPEC
+    from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90 import SPEC as WY_SPEC
 
-    modules = (bwd_op, bwd_ref, gdn_ref, state_ref, chunk_ref)
-    kernels = (*STATE_SPEC.sources, *CHUNK_SPEC.sources)
+    modules = (bwd_op, gdn_op, varlen, bwd_ref, gdn_ref, state_ref, chunk_ref, norm_ref, wy_ref)
+    specs = (STATE_SPEC, CHUNK_SPEC, NORM_SPEC, WY_SPEC)
+    kernels = tuple(p for spec in specs for p in spec.sources)
     return [*kda_prefill.SOURCES, *kernels, *(Path(m.__file__) for m in modules)]
 
 

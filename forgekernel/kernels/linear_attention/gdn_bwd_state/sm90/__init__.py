@@ -8,7 +8,9 @@ pass). Variant `channel_decay` (e^(G_C) per key channel): Kimi Delta Attention's
 (`forgekernel.ops.kda_bwd._backward_kernel`, the default likewise;
 `FORGEKERNEL_KDA_BWD_KERNEL=0`: the interim). Variants
 `out16` (dU, dS in kernel 2's 16-bit forms) and `forward` (the forward launch: P^T = I, Qe = 0
-built in, outputs in chunk order): Gated DeltaNet's path (`STATES16`)."""
+built in, outputs in chunk order): Gated DeltaNet's path (`STATES16`), and with
+`channel_decay` Kimi Delta Attention's device pass (`forgekernel.ops.kda_bwd._device_pass`,
+bf16)."""
 
 from __future__ import annotations
 
@@ -47,7 +49,15 @@ def _standard_params() -> list[Params]:
         for d in (False, True)
         for fw in (False, True)
     ]
-    return gdn + kda + out16
+    # Kimi Delta Attention's device pass (ops/kda_bwd.py `_device_pass`: the first pass's
+    # factors and the WY kernel, bf16 only, FIRST_PASS_DTYPES): the same two launches with
+    # e^(G_C) per key channel (168 registers, no spill, as the scalar keys; cu13, 2026-12-06)
+    kda16 = [
+        params_for("bfloat16", d_final_state=d, channel_decay=True, out16=True, forward=fw)
+        for d in (False, True)
+        for fw in (False, True)
+    ]
+    return gdn + kda + out16 + kda16
 
 
 SPEC = KernelSpec(

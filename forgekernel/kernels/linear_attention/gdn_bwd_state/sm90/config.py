@@ -31,10 +31,12 @@ def stage_bytes(
     forward: bool = False,
 ) -> int:
     """One ring stage: the five tiles (`forward`: three, P^T and Qe built in), U (C, V) with
-    `dke`, e^(G_C) (K,) fp32 with `channel_decay`."""
+    `dke`, e^(G_C) (K,) fp32 with `channel_decay` (the forward launch's too: Kimi Delta
+    Attention's)."""
     if forward:
-        return CHUNK * (v + 2 * k) * elem_bytes
-    tiles = CHUNK * (v + CHUNK + 3 * k + (v if dke else 0)) * elem_bytes
+        tiles = CHUNK * (v + 2 * k) * elem_bytes
+    else:
+        tiles = CHUNK * (v + CHUNK + 3 * k + (v if dke else 0)) * elem_bytes
     return tiles + (4 * k if channel_decay else 0)
 
 

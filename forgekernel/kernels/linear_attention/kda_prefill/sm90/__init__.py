@@ -30,9 +30,13 @@ def _compile_intra(params: Params, extra_options: str = ""):
     return compile_kda_intra(dict(params), "sm_90a", extra_options)
 
 
-def intra_params_for(dtype: str, k: int = 128) -> Params:
-    """The first pass's compile key: the q / k dtype and K."""
-    return tuple(sorted({"dtype": dtype, "k": k}.items()))
+def intra_params_for(dtype: str, k: int = 128, *, bwd: bool = False) -> Params:
+    """The first pass's compile key: the q / k dtype and K; bwd (opt-in, named in the key only
+    when on): also write the KDA backward's tt and big_g (`intra.py`)."""
+    key = {"dtype": dtype, "k": k}
+    if bwd:
+        key["bwd"] = True
+    return tuple(sorted(key.items()))
 
 
 def _standard_params() -> list[Params]:
@@ -43,6 +47,13 @@ def _standard_params() -> list[Params]:
         for init in (False, True)
         for split in (False, True)
     ]
+
+
+def _intra_standard_params() -> list[Params]:
+    """The forward's keys, then the KDA backward's (`bwd`: bf16 only, the backward's first-pass
+    dtype, ops/kda_bwd.py FIRST_PASS_DTYPES: fp16 tiles keep the torch factors; one more
+    compile, ~4 s on one CPU core, 2026-12-06)."""
+    return [intra_params_for(dtype) for dtype in DTYPES] + [intra_params_for("bfloat16", bwd=True)]
 
 
 SPEC = KernelSpec(
@@ -61,7 +72,7 @@ INTRA_SPEC = KernelSpec(
     arch="sm_90a",
     directory=Path(__file__).parent,
     compile=_compile_intra,
-    standard_params=lambda: [intra_params_for(dtype) for dtype in DTYPES],
+    standard_params=_intra_standard_params,
     mma=False,
 )
 SPECS = (SPEC, INTRA_SPEC)

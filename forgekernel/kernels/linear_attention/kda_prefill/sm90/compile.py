@@ -52,7 +52,8 @@ def compile_kda_recurrence(params: dict, arch: str = "sm_90a", extra_options: st
 def compile_kda_intra(params: dict, arch: str = "sm_90a", extra_options: str = "",
                       kernel=None):  # fmt: skip
     """The first pass (`intra.py`): q, k (T, H, K) in the io dtype, g fp32 (T, HV, K), beta fp32
-    (T, HV), per-chunk first tokens and lengths (NC,) int32; outputs as `operands.py`. kernel: a
+    (T, HV), per-chunk first tokens and lengths (NC,) int32; outputs as `operands.py` (with
+    `bwd` in the key also tt bf16 (R, HV, 64) and big_g fp32 (R, HV, K)). kernel: a
     `KdaIntraSm90` to compile (the tests read its shared_storage after the compile), or None for
     a fresh one."""
     from cutlass.cute.runtime import make_fake_tensor
@@ -62,10 +63,11 @@ def compile_kda_intra(params: dict, arch: str = "sm_90a", extra_options: str = "
     io = fake.dtype_of(params["dtype"])
     op = cutlass.BFloat16
     kd = params["k"]
+    bwd = params.get("bwd", False)
     t, h, hv, r, nc = (cute.sym_int32() for _ in range(5))
     f32 = cutlass.Float32
     if kernel is None:
-        kernel = KdaIntraSm90(kd)
+        kernel = KdaIntraSm90(kd, bwd=bwd)
 
     def per_chunk():
         return make_fake_tensor(cutlass.Int32, (nc,), stride=(1,))
@@ -84,6 +86,8 @@ def compile_kda_intra(params: dict, arch: str = "sm_90a", extra_options: str = "
         fake.rowmajor(op, (r, hv, CHUNK)),
         fake.rowmajor(op, (r, hv, CHUNK)),
         fake.rowmajor(f32, (nc, hv, kd), divisibility=4),
+        fake.rowmajor(op, (r, hv, CHUNK)) if bwd else None,
+        fake.rowmajor(f32, (r, hv, kd), divisibility=4) if bwd else None,
         cutlass.Float32(1.0),
         fake.stream(),
         options=fake.options(arch, extra_options),

@@ -33,6 +33,13 @@ loads of fp32, 512-byte rows):
     out      P and T diag(beta) from shared memory, 16-byte stores, a warp's 4 whole rows;
              blocks above the diagonal as 0
 
+With `bwd` (a compile-key flag, named in the key only when on) two more outputs for the KDA
+backward's WY kernel (reference/kda_bwd_wy.py `wy_tiles`' tt and G): big_g = G = ln 2 G2 fp32
+(R, HV, K), stored from the G2 sums as they are formed (no new live range), and tt = T^T
+unscaled bf16 (R, HV, 64), T read down its columns from the fp32 scratch after the out stage
+(before it the scratch holds T, the out stage scaling only its copies). Rows past the sequence
+exact zeros in both (T's padded diagonal of ones masked). Shared memory unchanged.
+
 E on the B side: the kernel before rounded Kl E_IJ (A, J < I) and Kr (B) to bf16, this one Kl
 (A) and Kr E_IJ (B): the same product, the same two bf16 roundings, placed on the other operand
 (both underflow only where 2^(G_i - G_j) is below 2^-68 of the product). That keeps 4 + 4
@@ -56,7 +63,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
 from forgekernel.kernels.common.sm90.barriers import named_barrier
-from forgekernel.kernels.common.sm90.constants import LOG2E, THREADS_PER_WG
+from forgekernel.kernels.common.sm90.constants import LN2, LOG2E, THREADS_PER_WG
 from forgekernel.kernels.common.sm90.ptx import opaque_tid_x
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     BLOCK,
@@ -141,10 +148,11 @@ def cp_async_16(dst_smem, src_gmem, *, loc=None, ip=None) -> None:
 class KdaIntraSm90:
     """The first pass; see the module docstring."""
 
-    def __init__(self, k: int):
+    def __init__(self, k: int, bwd: bool = False):
         if k != 128:
             raise ValueError(f"K must be 128 (16 groups of 8 channels), got {k}")
         self.k = k
+        self.bwd = bwd  # also write tt and big_g (the module docstring)
 
     @cute.jit
     def __call__(
@@ -161,11 +169,14 @@ class KdaIntraSm90:
         mT: cute.Tensor,
         mP: cute.Tensor,
         mD: cute.Tensor,
+        mTT: cute.Tensor | None,
+        mBigG: cute.Tensor | None,
         scale: Float32,
         stream: cuda.CUstream,
     ):
         """mQ, mK (T, H, K) 16-bit; mG fp32 (T, HV, K); mBeta fp32 (T, HV); mTok0, mLen int32
-        (NC,) each chunk's first token and valid length; outputs as `operands.py`."""
+        (NC,) each chunk's first token and valid length; outputs as `operands.py` (mTT bf16
+        (R, HV, 64), mBigG fp32 (R, HV, K) with `bwd`, else None)."""
         kd = self.k
 
         @cute.struct
@@ -177,7 +188,7 @@ class KdaIntraSm90:
 
         self.shared_storage = SharedStorage
         self.kernel(
-            mQ, mK, mG, mBeta, mTok0, mLen, mQg, mKg, mKd, mT, mP, mD, scale,
+            mQ, mK, mG, mBeta, mTok0, mLen, mQg, mKg, mKd, mT, mP, mD, mTT, mBigG, scale,
         ).launch(
             grid=(mTok0.shape[0], mG.shape[1], 1),
             block=[THREADS_PER_WG, 1, 1],
@@ -201,6 +212,8 @@ class KdaIntraSm90:
         mT: cute.Tensor,
         mP: cute.Tensor,
         mD: cute.Tensor,
+        mTT: cute.Tensor | None,
+        mBigG: cute.Tensor | None,
         scale: Float32,
     ):
         tid, _, _ = cute.arch.thread_idx()
@@ -229,12 +242,12 @@ class KdaIntraSm90:
         valid = mLen[gc]
         # a chunk of length 0 (past the last real one) has nothing to write
         if valid > 0:
-            self._chunk(mQ, mK, mG, mBeta, mQg, mKg, mKd, mT, mP, mD, scale, sm, tid, gc, hv,
-                        tok0, valid)  # fmt: skip
+            self._chunk(mQ, mK, mG, mBeta, mQg, mKg, mKd, mT, mP, mD, mTT, mBigG, scale, sm,
+                        tid, gc, hv, tok0, valid)  # fmt: skip
 
     @cute.jit
-    def _chunk(self, mQ, mK, mG, mBeta, mQg, mKg, mKd, mT, mP, mD, scale, sm, tid, gc, hv,
-               tok0, valid):  # fmt: skip
+    def _chunk(self, mQ, mK, mG, mBeta, mQg, mKg, mKd, mT, mP, mD, mTT, mBigG, scale, sm, tid,
+               gc, hv, tok0, valid):  # fmt: skip
         bar = named_barrier(Bar.AUX, THREADS_PER_WG)
         w = cute.arch.make_warp_uniform(tid // 32)
         lane = tid % 32
@@ -295,6 +308,8 @@ class KdaIntraSm90:
         off = [cutlass.select_(half == 1, lower[e], Float32(0.0)) for e in range(VEC)]
         start = [self._pick([base[j][e] for j in range(NSUB)], w) + off[e] for e in range(VEC)]
         ref_w = [self._pick([refs[j][e] for j in range(NSUB)], w) for e in range(VEC)]
+        if const_expr(self.bwd):  # G2's sums as a_s below forms them (the same adds, shared)
+            self._store_big_g(mBigG, start, run, row0 + r_first, hv, cg, r_first, valid)
         # a = G2 - r_w, formed once (its 64 values replace G2's in registers)
         a_s = [[(start[e] + run[s][e]) - ref_w[e] for e in range(VEC)] for s in range(TOK)]
         pow_r = [cute.math.exp2(ref_w[e], fastmath=True) for e in range(VEC)]
@@ -348,6 +363,37 @@ class KdaIntraSm90:
         invert_diagonal(sm["w"], tid)
         invert_merge_mma(sm["w"], sm["x"], tid, bar)  # ends with a barrier: sP visible too
         self._store_out(sm, mP, mT, row0, hv, tid)
+        if const_expr(self.bwd):  # the scratch still holds T (the out stage scaled copies)
+            self._store_tt(sm, mTT, row0, hv, tid, valid)
+
+    @cute.jit
+    def _store_big_g(self, mBigG, start, run, row, hv, cg, r_first, valid):
+        """G = ln 2 (start + run) of the thread's 8 tokens (rows row ..) and 8 channels, fp32
+        (two 16-byte stores a token), 0 past the sequence (where G2 holds G_last)."""
+        for s in cutlass.range_constexpr(TOK):
+            inside = r_first + s < valid
+            vals = cute.make_rmem_tensor(VEC, Float32)
+            for e in cutlass.range_constexpr(VEC):
+                vals[e] = cutlass.select_(inside, (start[e] + run[s][e]) * LN2, Float32(0.0))
+            cute.autovec_copy(vals, cute.local_tile(mBigG[row + s, hv, None], (VEC,), (cg,)))
+
+    @cute.jit
+    def _store_tt(self, sm, mTT, row0, hv, tid, valid):
+        """T^T (unscaled) to global, bf16: row i of tt is column i of T, read from the scratch
+        down the column (8 scalar loads a 16-byte store). Thread (warp w, lane) takes row i =
+        16 w + lane // 2 and, at step u, column group 2 u + lane % 2 (tokens j of block u): a
+        warp's store 16 whole 32-byte sectors, its loads 2-way bank conflicts (W_STRIDE = 72);
+        blocks u < w (T above its diagonal) and rows past the sequence (T's padded diagonal) 0."""
+        w = cute.arch.make_warp_uniform(tid // 32)
+        lane = tid % 32
+        i = SUB * w + lane // 2
+        inside = i < valid
+        for u in cutlass.range_constexpr(NSUB):
+            c = 2 * u + lane % 2
+            keep = inside & (w <= u)
+            col = [sm["w"][VEC * c + e, i] for e in range(VEC)]
+            vals = [cutlass.select_(keep, col[e], Float32(0.0)) for e in range(VEC)]
+            self._store(vals, cute.local_tile(mTT[row0 + i, hv, None], (VEC,), (c,)))
 
     @cute.jit
     def _raw(self, row: cute.Tensor, cg, dtype) -> cute.Tensor:

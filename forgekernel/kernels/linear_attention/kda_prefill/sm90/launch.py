@@ -120,11 +120,13 @@ def _unit_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def first_pass_kernel(q, k, g, beta, cu_seqlens: torch.Tensor, scale: float, l2norm: bool,
-                      seq_len: int | None = None) -> dict:  # fmt: skip
+                      seq_len: int | None = None, bwd: bool = False) -> dict:  # fmt: skip
     """The first pass on `intra.py` (one CTA per chunk and value head; a chunk of length 0, past
     the last real one, returns at once): the same outputs as `operands.kda_chunk_operands`
     (its model: within a few bf16 roundings on the H200, tests/gpu/test_kda_prefill_gpu.py),
-    with the rows of those empty chunks left unwritten (the recurrence never reads them)."""
+    with the rows of those empty chunks left unwritten (the recurrence never reads them).
+    bwd: its bwd key, tt and big_g too (the KDA backward's; tests/gpu/
+    test_kda_first_pass_bwd_gpu.py)."""
     if l2norm:  # the kernel reads unit rows: normalized here, in fp32, back in q's dtype
         q, k = (_unit_rows(x) for x in (q, k))
     first, starts, lengths = _tables(cu_seqlens, q.shape[0], seq_len)
@@ -137,11 +139,14 @@ def first_pass_kernel(q, k, g, beta, cu_seqlens: torch.Tensor, scale: float, l2n
     }  # fmt: skip
     out["decay"] = q.new_empty(bound, hv, dk, dtype=torch.float32)
     out["first"] = first
-    fn = get_kernel(INTRA_SPEC, _intra_params(dtype_name(q.dtype), dk))
+    if bwd:
+        out["tt"] = q.new_empty(rows, hv, CHUNK, dtype=OPERAND_DTYPE)
+        out["big_g"] = q.new_empty(rows, hv, dk, dtype=torch.float32)
+    fn = get_kernel(INTRA_SPEC, _intra_params(dtype_name(q.dtype), dk, bwd=bwd))
     with on_device(q.device):
         fn(_aligned(q), _aligned(k), _aligned(g.float().contiguous()), beta.float().contiguous(),
            starts, lengths, out["q_g"], out["k_g"], out["k_d"], out["t_beta"], out["p"],
-           out["decay"], scale)  # fmt: skip
+           out["decay"], out.get("tt"), out.get("big_g"), scale)  # fmt: skip
     return out
 
 

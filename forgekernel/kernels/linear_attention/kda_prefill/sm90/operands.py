@@ -15,6 +15,13 @@ the chunks past the last real one are zeros that the recurrence never reads.
     t_beta, p       (R, HV, 64) bf16      row i of the chunk, column j
     decay           (NC, HV, K) fp32      e^(G_C) per key channel
     first           (N,) int32
+
+and with `bwd` (the KDA backward's, `intra.py`'s bwd key) two more, rows past the sequence
+exact zeros like the others':
+
+    tt              (R, HV, 64) bf16      T^T, T = (I + diag(beta) M(k, k))^-1 unscaled: row j
+                                          of the chunk is column j of T
+    big_g           (R, HV, K) fp32       G = cumsum(g) within the chunk
 """
 
 from __future__ import annotations
@@ -114,10 +121,10 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def kda_chunk_operands(q, k, g, beta, cu_seqlens: torch.Tensor, scale: float, l2norm: bool,
-                       seq_len: int | None = None) -> dict:  # fmt: skip
+                       seq_len: int | None = None, bwd: bool = False) -> dict:  # fmt: skip
     """q, k (T, H, K) 16-bit, g (T, HV, K), beta (T, HV) (fp32 or q's dtype); cu_seqlens
-    (N + 1,) on q's device (never read on the host); seq_len as `chunk_layout`. Returns the
-    dict of the module docstring."""
+    (N + 1,) on q's device (never read on the host); seq_len as `chunk_layout`; bwd: tt and
+    big_g too. Returns the dict of the module docstring."""
     hv = g.shape[1]
     grouped = hv != q.shape[1]
     heads = torch.arange(hv, device=q.device) // (hv // q.shape[1]) if grouped else None
@@ -132,6 +139,9 @@ def kda_chunk_operands(q, k, g, beta, cu_seqlens: torch.Tensor, scale: float, l2
         "decay": q.new_empty(rows // CHUNK, hv, dk, dtype=torch.float32),
         "first": first,
     }
+    if bwd:
+        out["tt"] = q.new_empty(rows, hv, CHUNK, dtype=OPERAND_DTYPE)
+        out["big_g"] = q.new_empty(rows, hv, dk, dtype=torch.float32)
     qf, kf = q.float(), k.float()
     if l2norm:
         qf, kf = (x / torch.sqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS) for x in (qf, kf))
@@ -145,8 +155,12 @@ def kda_chunk_operands(q, k, g, beta, cu_seqlens: torch.Tensor, scale: float, l2
             return _chunks(y[:, heads] if per_head and grouped else y)
 
         ops = chunk_operands(rows_of(qf, True), rows_of(kf, True), rows_of(g), rows_of(beta),
-                             inverse=unit_lower_inverse)  # fmt: skip
+                             inverse=unit_lower_inverse, bwd=bwd)  # fmt: skip
         for name in ("q_g", "k_g", "k_d", "t_beta", "p"):
             out[name][a : a + span] = _rows(ops[name])
         out["decay"][a // CHUNK : (a + span) // CHUNK] = ops["decay"]
+        if bwd:  # rows past the sequence: T's padded diagonal of ones, G_last carried: zeroed
+            inside = 1 if part is None else (part >= 0).view(-1, 1, 1)
+            out["tt"][a : a + span] = _rows(ops["tt"]) * inside
+            out["big_g"][a : a + span] = ops["big_g"].transpose(1, 2).flatten(0, 1) * inside
     return out

@@ -1,0 +1,45 @@
+"""Compile Kimi Delta Attention's backward WY kernel against fake tensors: B, T, HV, and every
+outer stride dynamic; K, V and the dtype baked in. The 16-bit tiles: unit last strides, the
+others multiples of 8 elements, 16-byte aligned (TMA); beta (B, T, HV), G and the fp32 outputs
+unit last strides."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+
+from forgekernel.kernels.common.sm90 import fake
+from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.config import CHUNK
+from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.wy_grads import KdaBwdWySm90
+
+
+def kernel_for(params: dict) -> KdaBwdWySm90:
+    return KdaBwdWySm90(params["k"], params["v"])
+
+
+def compile_kda_bwd_wy(params: dict, arch: str = "sm_90a", extra_options: str = "",
+                       kernel=None):  # fmt: skip
+    """kernel: a `kernel_for(params)` object to compile (its shared_storage is set by the
+    compile: the tests read its size), or None for a fresh one."""
+    dtype = fake.dtype_of(params["dtype"])
+    kd, vd = params["k"], params["v"]
+    b, t, hv = (cute.sym_int32() for _ in range(3))
+    f32 = cutlass.Float32
+    kernel = kernel_for(params) if kernel is None else kernel
+
+    def tok(d):
+        return fake.rowmajor(dtype, (b, t, hv, d))
+
+    def out(d):
+        return fake.rowmajor(f32, (b, t, hv, d), divisibility=4)
+
+    def vec():
+        return fake.rowmajor(f32, (b, t, hv), divisibility=1, align=4)
+
+    return cute.compile(
+        kernel,
+        tok(kd), tok(vd), tok(CHUNK), tok(kd), tok(kd), tok(vd), tok(vd), vec(), out(kd),
+        out(kd), out(vd), out(kd), vec(),
+        fake.stream(),
+        options=fake.options(arch, extra_options),
+    )  # fmt: skip

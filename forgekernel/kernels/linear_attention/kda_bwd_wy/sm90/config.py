@@ -1,0 +1,38 @@
+"""Kimi Delta Attention backward WY kernel (the chunk-parallel WY half) configurations and
+fixed geometry (DSL-free: the launcher and the tests read it)."""
+
+from __future__ import annotations
+
+from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG
+
+DTYPES = ("float16", "bfloat16")
+HEAD_DIMS = ((128, 128),)  # (K, V)
+CHUNK = 64  # tokens per chunk (one CTA), the M of every product: one math warpgroup
+SUB = 16  # sub-chunk rows (one reference point each; a math warp's rows)
+NS = CHUNK // SUB
+THREADS = 2 * THREADS_PER_WG  # warpgroup 0: the TMA warp; warpgroup 1: every product
+# the tiles of one chunk: dw, w, k (C, K), du, u, v (C, V), T^T (C, C)
+TOKEN_TILES = ("dw", "du", "w", "k", "u", "v")
+
+
+def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2) -> int:
+    """Shared memory of one CTA (the kernel's SharedStorage, alignment padding included): the
+    six token tiles, T^T and (beta dA)^T (C, C), G and dG's rows (C, K) fp32 with rows padded
+    by 8, kernel 2's per-channel tables (`KdaBwdChunkSm90.table`), one barrier pair. (k er) and
+    (k el) reuse dw's and du's bytes."""
+    tokens = CHUNK * (3 * k + 3 * v) * elem_bytes
+    square = CHUNK * CHUNK * (elem_bytes + 2)
+    rows = 2 * CHUNK * (k + 8) * 4
+    tables = (4 * NS + NS * (NS - 1) // 2 + 1) * k * 4 + CHUNK * 4
+    return tokens + square + rows + tables + 16 + 1024
+
+
+def params_for(dtype: str, head_dims: tuple[int, int] = (128, 128)) -> tuple:
+    """Compile key: the 16-bit dtype of the tiles and (K, V) (the score-gradient blocks run in
+    bf16 for both: e^(+-a) reaches e^(8 max|g|), past fp16's range)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
+    if tuple(head_dims) not in HEAD_DIMS:
+        raise ValueError(f"(K, V) must be one of {HEAD_DIMS}, got {tuple(head_dims)}")
+    k, v = head_dims
+    return tuple(sorted({"dtype": dtype, "k": k, "v": v}.items()))

@@ -1,0 +1,94 @@
+"""Host launcher of Kimi Delta Attention's backward WY kernel (the chunk-parallel WY half):
+torch only (no DSL). Its inputs are `forgekernel.reference.kda_bwd_wy`'s `wy_tiles`."""
+
+from __future__ import annotations
+
+import torch
+
+from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90 import SPEC
+from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.config import CHUNK, params_for
+from forgekernel.runtime.cache import get_kernel
+from forgekernel.runtime.device import as_tma_ready, dtype_name, on_device
+
+Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def check_inputs(dw, du, tt, w, k, u, v, beta, big_g) -> tuple[int, int, int]:
+    """(B, T, HV) of a valid call, else ValueError / TypeError saying what is off."""
+    if dw.dim() != 4:
+        raise ValueError(f"dw must be (B, T, HV, K), got {tuple(dw.shape)}")
+    b, t, hv, kd = dw.shape
+    if dw.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"dw must be float16 or bfloat16, got {dw.dtype}")
+    vd = du.shape[-1]
+    want = {"du": (b, t, hv, vd), "tt": (b, t, hv, CHUNK), "w": (b, t, hv, kd),
+            "k": (b, t, hv, kd), "u": (b, t, hv, vd), "v": (b, t, hv, vd)}  # fmt: skip
+    for name, x in zip(want, (du, tt, w, k, u, v)):
+        if tuple(x.shape) != want[name]:
+            raise ValueError(f"{name} must be {want[name]}, got {tuple(x.shape)}")
+        if x.dtype != dw.dtype:
+            raise TypeError(f"{name} must be {dw.dtype} (dw's dtype), got {x.dtype}")
+    params_for(dtype_name(dw.dtype), (kd, vd))  # K, V supported
+    for name, x, shape in (("beta", beta, (b, t, hv)), ("G", big_g, (b, t, hv, kd))):
+        if tuple(x.shape) != shape or x.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32 {shape}, got {x.dtype} "
+                             f"{tuple(x.shape)}")  # fmt: skip
+    return b, t, hv
+
+
+def empty_outputs(dw: torch.Tensor, v: int) -> Outputs:
+    """(dk (B, T, HV, K), dv (B, T, HV, V), dg (B, T, HV, K), dbeta (B, T, HV)) fp32,
+    uninitialized."""
+    b, t, hv, kd = dw.shape
+
+    def empty(*shape):
+        return torch.empty(*shape, dtype=torch.float32, device=dw.device)
+
+    return empty(b, t, hv, kd), empty(b, t, hv, v), empty(b, t, hv, kd), empty(b, t, hv)
+
+
+def check_outputs(outs, dw: torch.Tensor, v: int) -> None:
+    """`out` as `empty_outputs(dw, v)` would make it (the kernel writes every entry of those
+    shapes: a smaller tensor would be written past its end), else ValueError."""
+    b, t, hv, kd = dw.shape
+    shapes = {"dk": (b, t, hv, kd), "dv": (b, t, hv, v), "dg": (b, t, hv, kd), "dbeta": (b, t, hv)}
+    if len(outs) != len(shapes):
+        raise ValueError(f"out must be 4 tensors (dk, dv, dg, dbeta), got {len(outs)}")
+    for (name, shape), x in zip(shapes.items(), outs):
+        ok = tuple(x.shape) == shape and x.dtype == torch.float32 and x.device == dw.device
+        if not ok or not x.is_contiguous():
+            raise ValueError(
+                f"out's {name} must be contiguous float32 {shape} on {dw.device}, "
+                f"got {x.dtype} {tuple(x.shape)} on {x.device}"
+            )
+
+
+def kda_bwd_wy(
+    dw: torch.Tensor,
+    du: torch.Tensor,
+    tt: torch.Tensor,
+    w: torch.Tensor,
+    k: torch.Tensor,
+    u: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    big_g: torch.Tensor,
+    *,
+    out: Outputs | None = None,
+) -> Outputs:
+    """Per chunk of 64 tokens (every chunk at once), reference/kda_bwd.py's `_wy_grads`: the
+    WY half's dk, dv, dg (its per-channel dG after the reverse cumsum within the chunk) and
+    dbeta, the products as `reference.kda_bwd_wy.wy_grads_model` forms them. dw, w, k (B, T,
+    HV, K), du, u, v (B, T, HV, V), tt (B, T, HV, 64: row j of a chunk is column j of T =
+    L^-1) in one 16-bit dtype; beta (B, T, HV), big_g (B, T, HV, K) fp32. Returns (dk, dv,
+    dg, dbeta) fp32, written into `out` (contiguous) when given."""
+    b, t, hv = check_inputs(dw, du, tt, w, k, u, v, beta, big_g)
+    outs = empty_outputs(dw, du.shape[-1]) if out is None else out
+    check_outputs(outs, dw, du.shape[-1])
+    if b * hv * t == 0:
+        return outs
+    fn = get_kernel(SPEC, params_for(dtype_name(dw.dtype), (dw.shape[-1], du.shape[-1])))
+    tiles = [as_tma_ready(x) for x in (dw, du, tt, w, k, u, v)]
+    with on_device(dw.device):
+        fn(*tiles, beta.contiguous(), big_g.contiguous(), *outs)
+    return outs

@@ -1,0 +1,432 @@
+"""Kimi Delta Attention backward, the WY kernel: pass 3's WY half for Hopper (sm_90a). TMA +
+WGMMA, one CTA per (chunk, value head, sequence), every chunk at once (reference/kda_bwd.py
+`_wy_grads`, its per-channel dG reverse-cumsummed within the chunk; the CPU model is
+`reference.kda_bwd_wy`, whose docstring has the math).
+
+Per chunk of C = 64 tokens (T = L^-1 an input tile, row j of a chunk T's column j; dw from
+kernel 2, du from kernel 1; G (C, K) the within-chunk cumulative log decay per key channel;
+four sub-chunks of 16 rows, warp w of the math warpgroup holds sub-chunk w's rows, reference
+points r_I = G at row 16 I + 8 clamped inside T):
+
+    dvb = T^T du                       (C x V x C)  A = T^T K-major, B = du MN-major, tile dtype
+    dv  = beta dvb;  rowsum(dvb o v)   out; dvb to a register A operand (tile dtype)
+    dA  = dvb u^T                      (C x C x V)  RS, in flight over dkb's product
+    dkb = T^T dw                       (C x K x C)  as dvb's; to a register A operand
+    dA += dkb w^T                      (C x C x K)  RS
+    z   = dkb o k o e^G                dk = beta e^G dkb out, dG's rows = beta z (shared
+                                       memory, fp32), rowsum(z)
+    dA  = -dA, j < i, rows inside T    to a bf16 register A operand; (beta dA)^T bf16 to shared
+                                       memory (transposed stmatrix)
+    (k er), (k el)                     bf16 (C, K) B operands formed on chip, over dw's and du's
+                                       bytes (their products done)
+    dx  = el o sum_(J <= w) E_(w,J) o (dA[:, J] (k er)[J])      four 64 x 128 x 16 WGMMAs
+    dy  = er o sum_(I >= w) E_(I,w) o ((beta dA)^T[:, I] (k el)[I])    four more
+    dbeta = rowsum(dvb o v) + rowsum(z) + rowsum(k o dx)
+    dk += beta dx + dy;  dG's rows += k o (beta dx - dy)
+    dG  = reverse cumsum of the rows, one key channel a thread
+
+el = e^(G - r_w), er = e^(r_w - G) <= e^(8 max|g|) (zero past T); no factor is e^(-G). The
+score-gradient blocks run in bf16 for either tile dtype (kernel 2's reason). The per-channel
+tables, (k er) / (k el), the block products and their column scalings are kernel 2's
+(kernels/linear_attention/kda_bwd_chunk/sm90, `KdaBwdChunkSm90`, inherited); Gated DeltaNet's
+kernel 2 brings the row stores and row dots.
+
+Warp roles (2 warpgroups, 256 threads): warpgroup 0, warp 0: the chunk's 7 TMA tiles (13
+64-column boxes; one barrier, no ring: one chunk a CTA); warpgroup 1: everything else, 64 token
+rows. G (C, K) fp32 is read by the math warpgroup from global into shared memory while the boxes
+land.
+
+Why a kernel of its own, not kernel 2's `wy` as Gated DeltaNet does: kernel 2 holds 198 KiB of
+shared memory (202,752 B); the WY half adds T^T, w, u, v, dw (72 KiB at 16 bits) and dG's rows
+stay: 270 KiB, past the 227 KiB a CTA may hold. Alone it needs 192 KiB (196,608 B compiled,
+tests/test_kda_bwd_wy_compile.py; config.smem_bytes bounds it at 197,392 B).
+
+Constraints: K = V = 128, 16-bit tiles with unit last strides and 16-byte aligned outer strides
+(TMA); beta (B, T, HV), G and the fp32 outputs unit last strides.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Float32, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+from forgekernel.kernels.common.sm90 import softmax
+from forgekernel.kernels.common.sm90.barriers import named_barrier
+from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG, WARP_SIZE
+from forgekernel.kernels.common.sm90.layout import acc_to_operand_a, rows_cols, transposed
+from forgekernel.kernels.common.sm90.mma import gemm
+from forgekernel.kernels.common.sm90.pipeline import (
+    consumer_state,
+    init_arrive,
+    init_wait,
+    producer_state,
+    smem_tensor,
+    tma_pipeline,
+)
+from forgekernel.kernels.common.sm90.ptx import opaque_tid_x
+from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.chunk_grads import _tdhb
+from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90.chunk_grads import (
+    BAR_MATH,
+    G_STRIDE,
+    PRODUCER_WARP,
+    QUAD,
+    KdaBwdChunkSm90,
+)
+from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.config import CHUNK, NS, THREADS
+
+
+class KdaBwdWySm90(KdaBwdChunkSm90):
+    """One CTA per (chunk, value head, sequence): `_wy_grads` of the chunk with KDA's
+    per-channel decays; see the module docstring. Kernel 2's tables, block operands and block
+    products are used as they are (its (q el) formed from k: (k el))."""
+
+    def _setup(self):
+        dt, bf = self.dtype, BFloat16
+        k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
+        rmem = warpgroup.OperandSource.RMEM
+        # dvb, dkb = T^T [du dw]: A = T^T (K-major), B du / dw's transposed (MN-major) view
+        self.mma_t = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, k_major, mn_major, Float32, (1, 1, 1), (CHUNK, self.k)
+        )
+        # dA = dvb u^T + dkb w^T: (C, C), A from registers, B u / w K-major
+        self.mma_da = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, k_major, k_major, Float32, (1, 1, 1), (CHUNK, CHUNK), a_source=rmem
+        )
+        # dx's blocks: A = dA (registers, bf16), B = (k er)'s transposed view
+        self.mma_x = sm90_utils.make_trivial_tiled_mma(
+            bf, bf, k_major, mn_major, Float32, (1, 1, 1), (CHUNK, self.k), a_source=rmem
+        )
+        # dy's blocks: A = (beta dA)^T from shared memory (K-major), B = (k el)'s transposed view
+        self.mma_y = sm90_utils.make_trivial_tiled_mma(
+            bf, bf, k_major, mn_major, Float32, (1, 1, 1), (CHUNK, self.k)
+        )
+        row = LayoutEnum.ROW_MAJOR
+        self.sT_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, self.v), dt, 1)
+        self.sTt_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, CHUNK), dt, 1)
+        self.sP_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, CHUNK), bf, 1)
+        self.sB_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, self.k), bf, 1)
+
+    @cute.jit
+    def __call__(
+        self,
+        mDW: cute.Tensor,
+        mDU: cute.Tensor,
+        mTt: cute.Tensor,
+        mW: cute.Tensor,
+        mK: cute.Tensor,
+        mU: cute.Tensor,
+        mV: cute.Tensor,
+        mBeta: cute.Tensor,
+        mG: cute.Tensor,
+        mDK: cute.Tensor,
+        mDV: cute.Tensor,
+        mDG: cute.Tensor,
+        mDB: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
+        """mDW, mW, mK (B, T, HV, K), mDU, mU, mV (B, T, HV, V), mTt (B, T, HV, C) 16-bit;
+        mBeta fp32 (B, T, HV), mG fp32 (B, T, HV, K); outputs fp32: mDK (the WY half's dk),
+        mDG (B, T, HV, K: its dG, the reverse cumsum within the chunk done), mDV (B, T, HV,
+        V), mDB (B, T, HV)."""
+        self.dtype = mDW.element_type
+        for t in (mDU, mTt, mW, mK, mU, mV):
+            if const_expr(t.element_type != self.dtype):
+                raise TypeError(f"the 16-bit tiles must share one dtype, got {t.element_type}")
+        self._setup()
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        sT_tile = cute.slice_(self.sT_layout, (None, None, 0))
+        sTt_tile = cute.slice_(self.sTt_layout, (None, None, 0))
+        dims = (self.k, self.v, self.k, self.k, self.v, self.v)
+        tmas = [cpasync.make_tiled_tma_atom(g2s, _tdhb(m), sT_tile, (CHUNK, d))
+                for m, d in zip((mDW, mDU, mW, mK, mU, mV), dims)]  # fmt: skip
+        tmas.append(cpasync.make_tiled_tma_atom(g2s, _tdhb(mTt), sTt_tile, (CHUNK, CHUNK)))
+        self.tx_bytes = 6 * cute.size_in_bytes(self.dtype, sT_tile) + cute.size_in_bytes(
+            self.dtype, sTt_tile
+        )
+        t_elems = cute.cosize(self.sT_layout)
+        tt_elems = cute.cosize(self.sTt_layout)
+        p_elems = cute.cosize(self.sP_layout)
+
+        @cute.struct
+        class SharedStorage:
+            barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            sTab: cute.struct.Align[cute.struct.MemRange[Float32, self.table], 16]
+            sG: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK * G_STRIDE], 1024]
+            sRows: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK * G_STRIDE], 1024]
+            sDW: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sDU: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sW: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sU: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sTt: cute.struct.Align[cute.struct.MemRange[self.dtype, tt_elems], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[BFloat16, p_elems], 1024]
+
+        self.shared_storage = SharedStorage
+        atoms_and_views = [x for atom_view in tmas for x in atom_view]
+        nc = (mDW.shape[1] + CHUNK - 1) // CHUNK
+        mmas = (self.mma_t, self.mma_da, self.mma_x, self.mma_y)
+        layouts = (self.sT_layout, self.sTt_layout, self.sP_layout, self.sB_layout)
+        self.kernel(*atoms_and_views, mBeta, mG, mDK, mDV, mDG, mDB, *mmas, *layouts).launch(
+            grid=(nc, mDW.shape[2], mDW.shape[0]),
+            block=[THREADS, 1, 1],
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_dw: cute.CopyAtom,
+        mDW4: cute.Tensor,
+        tma_du: cute.CopyAtom,
+        mDU4: cute.Tensor,
+        tma_w: cute.CopyAtom,
+        mW4: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        mK4: cute.Tensor,
+        tma_u: cute.CopyAtom,
+        mU4: cute.Tensor,
+        tma_v: cute.CopyAtom,
+        mV4: cute.Tensor,
+        tma_tt: cute.CopyAtom,
+        mTt4: cute.Tensor,
+        mBeta: cute.Tensor,
+        mG: cute.Tensor,
+        mDK: cute.Tensor,
+        mDV: cute.Tensor,
+        mDG: cute.Tensor,
+        mDB: cute.Tensor,
+        mma_t: cute.TiledMma,
+        mma_da: cute.TiledMma,
+        mma_x: cute.TiledMma,
+        mma_y: cute.TiledMma,
+        sT_layout: cute.ComposedLayout,
+        sTt_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout,
+        sB_layout: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        atoms = (tma_dw, tma_du, tma_w, tma_k, tma_u, tma_v, tma_tt)
+        if warp_idx == PRODUCER_WARP:
+            for atom in atoms:
+                cpasync.prefetch_descriptor(atom)
+        storage = SmemAllocator().allocate(self.shared_storage)
+        ring = tma_pipeline(storage.barriers, 1, self.tx_bytes, THREADS_PER_WG // WARP_SIZE)
+        init_arrive()
+        sDW = smem_tensor(storage.sDW, sT_layout)
+        sDU = smem_tensor(storage.sDU, sT_layout)
+        sW = smem_tensor(storage.sW, sT_layout)
+        sK = smem_tensor(storage.sK, sT_layout)
+        sU = smem_tensor(storage.sU, sT_layout)
+        sV = smem_tensor(storage.sV, sT_layout)
+        sTt = smem_tensor(storage.sTt, sTt_layout)
+        sP = smem_tensor(storage.sP, sP_layout)
+        # (k er) over dw's bytes, (k el) over du's: bf16 whatever the tiles' dtype
+        sKr = cute.make_tensor(
+            cute.recast_ptr(storage.sDW.data_ptr(), sB_layout.inner, BFloat16), sB_layout.outer
+        )
+        sKl = cute.make_tensor(
+            cute.recast_ptr(storage.sDU.data_ptr(), sB_layout.inner, BFloat16), sB_layout.outer
+        )
+        flat = cute.make_layout(CHUNK * G_STRIDE)
+        sG = storage.sG.get_tensor(flat)
+        sRows = storage.sRows.get_tensor(flat)
+        sTab = storage.sTab.get_tensor(cute.make_layout(self.table))
+        init_wait()
+
+        c, hv, b = cute.arch.block_idx()
+        seqlen = mDW4.shape[0]
+        wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
+        if wg == 0:
+            if warp_idx == PRODUCER_WARP:
+                self._load(atoms, (mDW4, mDU4, mW4, mK4, mU4, mV4, mTt4),
+                           (sDW, sDU, sW, sK, sU, sV, sTt), ring, c, hv, b)  # fmt: skip
+        else:
+            self._math(
+                mma_t, mma_da, mma_x, mma_y, sDW, sDU, sW, sK, sU, sV, sTt, sP, sKr, sKl, sG,
+                sRows, sTab, mBeta, mG, mDK, mDV, mDG, mDB, ring, c, hv, b, seqlen,
+            )  # fmt: skip
+
+    @cute.jit
+    def _load(self, atoms, globals_, smems, ring, c, hv, b):
+        """The TMA warp: the chunk's six token tiles and T^T, one barrier."""
+        one = cute.make_layout(1)
+        st = producer_state(1)
+        ring.producer_acquire(st)
+        bar = ring.producer_get_barrier(st)
+        dims = (self.k, self.v, self.k, self.k, self.v, self.v, CHUNK)
+        for n in cutlass.range_constexpr(7):
+            g = cute.local_tile(globals_[n][None, None, hv, b], (CHUNK, dims[n]), (c, 0))
+            ts, tg = cpasync.tma_partition(
+                atoms[n], 0, one, cute.group_modes(smems[n], 0, 2), cute.group_modes(g, 0, 2)
+            )
+            cute.copy(atoms[n], tg, ts[(None, 0)], tma_bar_ptr=bar)
+
+    @cute.jit
+    def _math(
+        self, mma_t, mma_da, mma_x, mma_y, sDW, sDU, sW, sK, sU, sV, sTt, sP, sKr, sKl, sG,
+        sRows, sTab, mBeta, mG, mDK, mDV, mDG, mDB, ring, c, hv, b, seqlen,
+    ):  # fmt: skip
+        wg_t = mma_t.get_slice(0)
+        wg_da = mma_da.get_slice(0)
+        wg_x = mma_x.get_slice(0)
+        wg_y = mma_y.get_slice(0)
+        tArT = wg_t.make_fragment_A(wg_t.partition_A(sTt))
+        tBrDU = wg_t.make_fragment_B(wg_t.partition_B(transposed(sDU)))
+        tBrDW = wg_t.make_fragment_B(wg_t.partition_B(transposed(sDW)))
+        tDArV = wg_da.make_fragment_A(wg_da.partition_shape_A((CHUNK, self.v)))
+        tDArB = wg_da.make_fragment_A(wg_da.partition_shape_A((CHUNK, self.k)))
+        tDBrU = wg_da.make_fragment_B(wg_da.partition_B(sU))
+        tDBrW = wg_da.make_fragment_B(wg_da.partition_B(sW))
+        tXrA = wg_x.make_fragment_A(wg_x.partition_shape_A((CHUNK, CHUNK)))
+        tXrKr = wg_x.make_fragment_B(wg_x.partition_B(transposed(sKr)))
+        tYrP = wg_y.make_fragment_A(wg_y.partition_A(sP))
+        tYrKl = wg_y.make_fragment_B(wg_y.partition_B(transposed(sKl)))
+        math = named_barrier(BAR_MATH, THREADS_PER_WG)
+        first = c * CHUNK
+        tid = opaque_tid_x() % THREADS_PER_WG
+        w = tid // WARP_SIZE  # the warp's sub-chunk
+        self._tables(mG, sG, sTab, first, seqlen, b, hv)
+        t0, row_w, col_w = softmax.acc_coords(mma_t, tid, (CHUNK, self.k))
+        beta = [Float32(0.0), Float32(0.0)]  # zero past T: every row product there is zero
+        for r in cutlass.range_constexpr(2):
+            i = first + row_w + t0[r, 0][0]
+            if i < seqlen:
+                beta[r] = mBeta[b, i, hv]
+        math.arrive_and_wait()
+        st = consumer_state(1)
+        ring.consumer_wait(st)
+
+        # dvb = T^T du: dv = beta dvb out, rowsum(dvb o v), dA = dvb u^T in flight
+        acc = cute.make_rmem_tensor(wg_t.partition_shape_C((CHUNK, self.k)), Float32)
+        gemm(mma_t, acc, tArT[None, None, None, 0], tBrDU[None, None, None, 0], True, 0)
+        acc_to_operand_a(acc, tDArV)
+        acc_a = cute.make_rmem_tensor(wg_da.partition_shape_C((CHUNK, CHUNK)), Float32)
+        gemm(mma_da, acc_a, tDArV, tDBrU[None, None, None, 0], True, -1)
+        dbeta = self._row_dots(acc, mma_t, sV, tid)
+        self._scale_rows(acc, beta)
+        self._store_rows(acc, mma_t, mDV, tid, b, hv, c, seqlen)
+        # dkb = T^T dw: dA += dkb w^T; dk = beta e^G dkb out, dG's rows = beta z, rowsum(z)
+        gemm(mma_t, acc, tArT[None, None, None, 0], tBrDW[None, None, None, 0], True, 0)
+        acc_to_operand_a(acc, tDArB)
+        gemm(mma_da, acc_a, tDArB, tDBrW[None, None, None, 0], False, -1)
+        z = self._kb_rows(acc, mma_t, sK, sG, sRows, beta)
+        self._store_rows(acc, mma_t, mDK, tid, b, hv, c, seqlen)
+        warpgroup.wait_group(0)
+        # dA: negated, j < i, rows inside T; dx's A operand, then (beta dA)^T for dy's
+        t0s, row_s, col_s = softmax.acc_coords(mma_da, tid, (CHUNK, CHUNK))
+        s = rows_cols(acc_a)
+        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+            i = row_s + t0s[r, 0][0]
+            for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                col = col_s + t0s[0, j][1]
+                s[r, j] = -s[r, j]
+                if col >= i or first + i >= seqlen:
+                    s[r, j] = Float32(0.0)
+        acc_to_operand_a(acc_a, tXrA)
+        self._scale_rows(acc_a, beta)
+        self._store_bf16(acc_a, mma_da, sP, True)
+        math.arrive_and_wait()  # every thread's T^T products retired, (beta dA)^T stored
+        self._block_operands(sK, sK, sKr, sKl, sG, sTab, first, seqlen)
+        cute.arch.fence_view_async_shared()
+        math.arrive_and_wait()
+
+        # dx = el o sum_(J <= w) E_(w,J) o blocks: rowsum(k o dx) into dbeta, then beta dx
+        acc.fill(0.0)
+        xa = rows_cols(acc)
+        acc_b = cute.make_rmem_tensor(wg_t.partition_shape_C((CHUNK, self.k)), Float32)
+        ba = rows_cols(acc_b)
+        for j in cutlass.range_constexpr(NS):
+            self._gemm_block(mma_x, acc_b, tXrA[None, None, j], tXrKr[None, None, j, 0])
+            if w == j:
+                xa.store(xa.load() + ba.load())
+            elif w > j:
+                self._add_scaled_cols(xa, ba, sTab, w, j, t0, col_w)
+        self._scale_rows_g(xa, mma_t, sG, sTab, w, first, seqlen, True)
+        kx = self._row_dots(acc, mma_t, sK, tid)
+        for r in cutlass.range_constexpr(2):
+            dbeta[r] = dbeta[r] + z[r] + kx[r]
+        self._store_vec(dbeta, t0, row_w, tid, mDB, b, hv, first, seqlen)
+        self._scale_rows(acc, beta)
+        self._rows_add(xa, mma_t, sK, sRows, True)
+        self._add_rows(acc, mma_t, mDK, tid, b, hv, c, seqlen)
+
+        # dy = er o sum_(I >= w) E_(I,w) o blocks
+        acc.fill(0.0)
+        for i in cutlass.range_constexpr(NS):
+            self._gemm_block(mma_y, acc_b, tYrP[None, None, i, 0], tYrKl[None, None, i, 0])
+            if w == i:
+                xa.store(xa.load() + ba.load())
+            elif w < i:
+                self._add_scaled_cols(xa, ba, sTab, i, w, t0, col_w)
+        self._scale_rows_g(xa, mma_t, sG, sTab, w, first, seqlen, False)
+        self._rows_add(xa, mma_t, sK, sRows, False)
+        self._add_rows(acc, mma_t, mDK, tid, b, hv, c, seqlen)
+        math.arrive_and_wait()  # dG's rows in shared memory
+        self._finish_rows(sRows, mDG, first, seqlen, b, hv, tid)
+        ring.consumer_release(st)
+
+    @cute.jit
+    def _scale_rows(self, acc, vals):
+        """acc's rows *= vals (this thread's two rows)."""
+        a = rows_cols(acc)
+        for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
+            for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
+                a[r, j] = a[r, j] * vals[r]
+
+    @cute.jit
+    def _kb_rows(self, acc, mma, sK, sG, sRows, beta):
+        """From dkb (the accumulator): z = dkb o k o e^G; dG's rows = beta z into sRows, acc =
+        beta e^G dkb (dk's first term); returns rowsum(z) of this thread's two rows (quad
+        reduced). Rows past T: beta and k zero there (TMA's fill), G zero."""
+        t0, row_w, col_w = self._coords(mma)
+        kk = sK[None, None, 0]
+        a = rows_cols(acc)
+        out = [Float32(0.0), Float32(0.0)]
+        for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
+            i = row_w + t0[r, 0][0]
+            part = Float32(0.0)
+            for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
+                col = col_w + t0[0, j][1]
+                n = self._gi(i, col)
+                x = a[r, j] * cute.math.exp(sG[n], fastmath=True)
+                zz = x * Float32(kk[i, col])
+                part = part + zz
+                sRows[n] = beta[r] * zz
+                a[r, j] = beta[r] * x
+            out[r] = cute.arch.warp_reduction_sum(part, threads_in_group=QUAD)
+        return out
+
+    @cute.jit
+    def _rows_add(self, a, mma, sK, sRows, plus: cutlass.Constexpr[bool]):
+        """dG's rows +=  k o a (plus) or -= k o a: this thread's own elements of `_kb_rows`."""
+        t0, row_w, col_w = self._coords(mma)
+        kk = sK[None, None, 0]
+        for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
+            i = row_w + t0[r, 0][0]
+            for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
+                col = col_w + t0[0, j][1]
+                n = self._gi(i, col)
+                if const_expr(plus):
+                    sRows[n] = sRows[n] + Float32(kk[i, col]) * a[r, j]
+                else:
+                    sRows[n] = sRows[n] - Float32(kk[i, col]) * a[r, j]
+
+    @cute.jit
+    def _finish_rows(self, sRows, mDG, first, seqlen, b, hv, tid):
+        """Math thread = key channel c: dG of every token of the chunk, the reverse cumulative
+        sum of the rows from the last (rows past T zero)."""
+        acc = Float32(0.0)
+        for n in cutlass.range(CHUNK, unroll=8):
+            i = CHUNK - 1 - n
+            acc = acc + sRows[self._gi(i, tid)]
+            if first + i < seqlen:
+                mDG[b, first + i, hv, tid] = acc

@@ -1,0 +1,166 @@
+"""The bytes, aten ops and matmul FLOPs of the torch glue of Kimi Delta Attention's backward
+kernel path (ops/kda_bwd.py `_backward_kernel` / `_chunk_pass`), counted on the CPU by
+scripts/gdn_bwd_glue_bytes.py's `Written` mode, with the kernels (1: `_state_recurrence` x 2,
+`channel_decay`, with --first-pass --wy-kernel the device pass's `out16` / `forward`; 2:
+`_chunk_grads`; the WY kernel `_wy_kernel` with --wy-kernel; the q / k epilogue `_qk_grads`,
+Gated DeltaNet's gdn_bwd_norm; the first pass with --first-pass) replaced by stubs that
+allocate their outputs of the launchers' shapes and dtypes uncounted. Everything is per
+token-head (token x value head) and grouped by the forgekernel source line that called the op.
+
+    python3 scripts/kda_bwd_glue_bytes.py            # 1 x 2048, H = HV = 16, bf16, l2norm
+    python3 scripts/kda_bwd_glue_bytes.py --t 256 --h 2 --hv 4 --no-l2norm
+    python3 scripts/kda_bwd_glue_bytes.py --wy-kernel   # WY_IN_KERNEL: the WY half stubbed
+
+Runs against whichever forgekernel is on PYTHONPATH."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.util
+from pathlib import Path
+
+import torch
+
+
+def _glue():
+    """scripts/gdn_bwd_glue_bytes.py as a module (its `Written` mode and `_quiet`)."""
+    path = Path(__file__).resolve().with_name("gdn_bwd_glue_bytes.py")
+    spec = importlib.util.spec_from_file_location("gdn_bwd_glue_bytes", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+glue = _glue()
+
+
+@contextlib.contextmanager
+def stub_kernels(chunk_in_kernel: bool = True, wy_in_kernel: bool = False,
+                 first_pass: bool = False):  # fmt: skip
+    """Kernels 1 and 2, the WY kernel, the q / k epilogue and the forward's first pass as stubs
+    giving zero outputs of the launchers' shapes and dtypes (uncounted); `chunk_in_kernel`
+    False: pass 3's output side in torch (CHUNK_IN_KERNEL's fallback); `wy_in_kernel`:
+    WY_IN_KERNEL (its tiles counted); `first_pass`: FACTORS_FROM_FIRST_PASS (kernel 1's factors,
+    with the WY kernel its T^T too, from the first pass)."""
+    bwd = importlib.import_module("forgekernel.ops.kda_bwd")
+
+    def first(q, k, g, beta, cu_seqlens, scale, seq_len, bwd=False):
+        from forgekernel.kernels.linear_attention.kda_prefill.sm90.operands import chunk_bound
+
+        # the launcher's rows: every sequence's chunks (B NC 64), not the tokens' (B T / 64)
+        rows = chunk_bound(q.shape[0], cu_seqlens.numel() - 1, seq_len) * 64
+        hv, dk = g.shape[1], q.shape[2]
+        out = {n: torch.zeros(rows, hv, dk, dtype=q.dtype) for n in ("q_g", "k_g", "k_d")}
+        out.update(t_beta=torch.zeros(rows, hv, 64, dtype=q.dtype),
+                   p=torch.zeros(rows, hv, 64, dtype=q.dtype),
+                   decay=torch.zeros(rows // 64, hv, dk))  # fmt: skip
+        if bwd:
+            out.update(tt=torch.zeros(rows, hv, 64, dtype=q.dtype),
+                       big_g=torch.zeros(rows, hv, dk))  # fmt: skip
+        return out
+
+    def state(do, pt, ke, qe, w, e_last, dht, out16=False, forward=False):
+        b, t, hv, dv = do.shape
+        dk, nc = ke.shape[-1], -(-t // 64)
+        if out16:  # the device pass: dU and dS (K, V) a chunk in the tiles' dtype
+            return (torch.zeros(b, t, hv, dv, dtype=do.dtype),
+                    torch.zeros(b, nc, hv, dk, dv, dtype=do.dtype),
+                    torch.zeros(b, hv, dk, dv))  # fmt: skip
+        return (torch.zeros(b, t, hv, dv), torch.zeros(b, nc, hv, dv, dk),
+                torch.zeros(b, hv, dk, dv))  # fmt: skip
+
+    def chunk(do, u, du, q, k, h, dh, big_g):
+        b, t, hv, dk = q.shape
+        return tuple(torch.zeros(b, t, hv, dk) for _ in range(4))
+
+    def wy(dw, du, tt, w, k, u, v, beta, big_g):
+        b, t, hv, dk = dw.shape
+        return (torch.zeros(b, t, hv, dk), torch.zeros(b, t, hv, du.shape[-1]),
+                torch.zeros(b, t, hv, dk), torch.zeros(b, t, hv))  # fmt: skip
+
+    def qk(dxs, x, scale, l2norm):
+        return torch.zeros_like(x)
+
+    names = ("_state_recurrence", "_chunk_grads", "_wy_kernel", "_qk_grads", "_first_pass",
+             "CHUNK_IN_KERNEL", "WY_IN_KERNEL", "FACTORS_FROM_FIRST_PASS")  # fmt: skip
+    saved = {n: getattr(bwd, n) for n in names}
+    bwd._state_recurrence, bwd._chunk_grads = glue._quiet(state), glue._quiet(chunk)
+    bwd._wy_kernel, bwd._qk_grads = glue._quiet(wy), glue._quiet(qk)
+    bwd._first_pass = glue._quiet(first)
+    bwd.CHUNK_IN_KERNEL, bwd.WY_IN_KERNEL = chunk_in_kernel, wy_in_kernel
+    bwd.FACTORS_FROM_FIRST_PASS = first_pass
+    try:
+        yield bwd
+    finally:
+        for n, x in saved.items():
+            setattr(bwd, n, x)
+
+
+def count(b=1, t=2048, h=16, hv=16, l2norm=True, dtype=torch.bfloat16, with_states=True,
+          chunk_in_kernel=True, dk=128, dv=128, wy_in_kernel=False,
+          first_pass=False):  # fmt: skip
+    """`_backward_kernel` on flat inputs (g per key channel in [-1, 0)) under `Written`."""
+    gen = torch.Generator().manual_seed(0)
+
+    def rnd(*shape, dt=dtype):
+        return torch.randn(*shape, generator=gen).to(dt)
+
+    q, k = rnd(b * t, h, dk), rnd(b * t, h, dk)
+    v, do = rnd(b * t, hv, dv), rnd(b * t, hv, dv)
+    g = (-torch.rand(b * t, hv, dk, generator=gen)).to(dtype)
+    beta = torch.rand(b * t, hv, generator=gen).to(dtype)
+    s0 = rnd(b, hv, dk, dv, dt=torch.float32) if with_states else None
+    ds = rnd(b, hv, dk, dv, dt=torch.float32) if with_states else None
+    with stub_kernels(chunk_in_kernel, wy_in_kernel, first_pass) as bwd, glue.Written() as mode:
+        bwd._backward_kernel(q, k, v, g, beta, s0, do, ds, dk**-0.5, l2norm, b)
+    return mode
+
+
+def report(mode, token_heads: int, top: int = 0) -> list[str]:
+    """The table: KB a token-head, ops and GFLOP by source line, biggest writes first."""
+    th, total = token_heads, sum(mode.by_site.values())
+    lines = [f"total {total / th / 1024:.2f} KB a token-head ({total / 2**20:.1f} MiB), "
+             f"{sum(mode.launches.values())} aten ops that write, "
+             f"{sum(mode.flops.values()) / 1e9:.3f} GFLOP in torch matmuls",
+             "     KB  ops   GFLOP  site"]  # fmt: skip
+    sites = mode.by_site.most_common(top or None)
+    for site, n in sites:
+        f = mode.flops[site] / 1e9
+        lines.append(f"{n / th / 1024:7.3f} {mode.launches[site]:4d} {f:7.3f}  {site}")
+    lines.append("GFLOP by site: " + "; ".join(
+        f"{s.split(' ', 1)[0]} {n / 1e9:.3f}" for s, n in mode.flops.most_common()))  # fmt: skip
+    lines.append("by the ops/ line that led there:\n     KB  ops   GFLOP  line")
+    for site, n in mode.by_caller.most_common():
+        f, ops = mode.flops_by_caller[site] / 1e9, mode.launches_by_caller[site]
+        lines.append(f"{n / th / 1024:7.3f} {ops:4d} {f:7.3f}  {site}")
+    lines.append("KB by op: " + str({k: round(v / th / 1024, 3)
+                                     for k, v in mode.by_op.most_common()}))  # fmt: skip
+    return lines
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--b", type=int, default=1)
+    ap.add_argument("--t", type=int, default=2048)
+    ap.add_argument("--h", type=int, default=16)
+    ap.add_argument("--hv", type=int, default=16)
+    ap.add_argument("--no-l2norm", action="store_true")
+    ap.add_argument("--no-states", action="store_true", help="no initial / final state")
+    ap.add_argument("--torch-chunk", action="store_true",
+                    help="CHUNK_IN_KERNEL = False: pass 3's output side in torch")  # fmt: skip
+    ap.add_argument("--wy-kernel", action="store_true",
+                    help="WY_IN_KERNEL: the WY half on its (stubbed) kernel")  # fmt: skip
+    ap.add_argument("--first-pass", action="store_true",
+                    help="FACTORS_FROM_FIRST_PASS: the stubbed first pass")  # fmt: skip
+    ap.add_argument("--top", type=int, default=0, help="only the N biggest sites")
+    args = ap.parse_args(argv)
+    mode = count(args.b, args.t, args.h, args.hv, not args.no_l2norm,
+                 with_states=not args.no_states, chunk_in_kernel=not args.torch_chunk,
+                 wy_in_kernel=args.wy_kernel, first_pass=args.first_pass)  # fmt: skip
+    print("\n".join(report(mode, args.b * args.t * args.hv, args.top)))
+
+
+if __name__ == "__main__":
+    main()

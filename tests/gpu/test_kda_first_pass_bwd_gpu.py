@@ -1,0 +1,106 @@
+"""The KDA forward's first pass with its `bwd` key (kernels/linear_attention/kda_prefill/sm90
+`intra.py`, `launch.first_pass_kernel(..., bwd=True)`) on the GPU against its torch model
+(`operands.kda_chunk_operands(..., bwd=True)`): tt (T^T unscaled, bf16) and big_g (G, fp32)
+over the real chunks, rows past each sequence exact zeros, and the forward's outputs bitwise
+those of the forward's key. The CPU twin: tests/test_kda_first_pass_bwd.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+C = 64
+
+
+def _inputs(lens, h, hv, dtype, seed, strong):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    total = sum(lens)
+
+    def rnd(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen)
+
+    q = rnd(total, h, 128).to(dtype)
+    k = F.normalize(rnd(total, h, 128), dim=-1).to(dtype)
+    if strong:
+        g = -4.0 - torch.rand(total, hv, 128, device="cuda", generator=gen)
+    else:
+        g = F.logsigmoid(rnd(total, hv, 128) + 2.0)
+    beta = torch.sigmoid(rnd(total, hv))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
+    return q, k, g, beta, cu.to(torch.int32)
+
+
+def _close(got, want, rel, atol=1e-5):
+    assert got.shape == want.shape and torch.isfinite(got).all()
+    err = float((got.double() - want.double()).abs().max())
+    assert err <= rel * float(want.abs().max()) + atol, err
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "lens, h, hv, strong",
+    [
+        ([1, 63, 64, 65, 200], 2, 4, True),
+        ([100, 0, 37, 0, 1000], 4, 4, False),
+        ([129], 1, 2, False),
+    ],
+)
+def test_bwd_outputs_equal_the_model(dtype, lens, h, hv, strong):
+    """tt within 1e-2 of T's largest entry (tf32 merges, bf16 operands: the bound t_beta is
+    held to), big_g within 2e-5 of G's largest magnitude (ln 2 x the kernel's exp2-form sums
+    vs the model's cumsum), zeros past each sequence; the forward's outputs bitwise the
+    forward key's (the flag adds stores only)."""
+    from forgekernel.kernels.linear_attention.kda_prefill.sm90 import launch, operands
+
+    q, k, g, beta, cu = _inputs(lens, h, hv, dtype, seed=31, strong=strong)
+    real = sum(-(-n // C) for n in lens)
+    got = launch.first_pass_kernel(q, k, g, beta, cu, 0.1, False, bwd=True)
+    want = operands.kda_chunk_operands(q, k, g, beta, cu, 0.1, False, bwd=True)
+    assert got["tt"].dtype == torch.bfloat16 and got["big_g"].dtype == torch.float32
+    _close(got["tt"][: C * real].float(), want["tt"][: C * real].float(), 1e-2)
+    _close(got["big_g"][: C * real], want["big_g"][: C * real], 2e-5)
+    fwd = launch.first_pass_kernel(q, k, g, beta, cu, 0.1, False)
+    for name in ("q_g", "k_g", "k_d", "t_beta", "p", "decay"):
+        cut = real if name == "decay" else C * real
+        assert torch.equal(got[name][:cut], fwd[name][:cut]), name
+    row = 0  # rows past each sequence's end, within its last chunk: exact zeros
+    for n in lens:
+        chunks = -(-n // C)
+        pad = slice(row + n, row + C * chunks)
+        assert not got["tt"][pad].any() and not got["big_g"][pad].any()
+        row += C * chunks
+
+
+def test_bwd_outputs_for_the_backward_layout():
+    """B equal lengths (the backward's call: seq_len known, l2norm off) at 1 x 2048 H16 and
+    2 x 200: tt as reference/kda_bwd_wy.py `wy_tiles` lays it out (B, T, HV, 64) by a view of
+    the rows, within 1e-2 of the model's; prints the first pass's time with and without the
+    flag (CUDA events, 20 runs)."""
+    from forgekernel.kernels.linear_attention.kda_prefill.sm90 import launch, operands
+
+    for b, t, hv in ((1, 2048, 16), (2, 200, 4)):
+        q, k, g, beta, _ = _inputs([b * t], hv, hv, torch.bfloat16, seed=32, strong=False)
+        cu = (torch.arange(b + 1, device="cuda") * t).to(torch.int32)
+        got = launch.first_pass_kernel(q, k, g, beta, cu, 0.1, False, seq_len=t, bwd=True)
+        want = operands.kda_chunk_operands(q, k, g, beta, cu, 0.1, False, seq_len=t, bwd=True)
+        rows = got["tt"].shape[0] // b
+        tt = got["tt"].unflatten(0, (b, rows))[:, :t]
+        tt_want = want["tt"].unflatten(0, (b, rows))[:, :t]
+        assert tt.shape == (b, t, hv, C)
+        _close(tt.float(), tt_want.float(), 1e-2)
+        _close(got["big_g"], want["big_g"], 2e-5)
+        times = {}
+        for bwd in (False, True):
+            for _ in range(3):
+                launch.first_pass_kernel(q, k, g, beta, cu, 0.1, False, seq_len=t, bwd=bwd)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(20):
+                launch.first_pass_kernel(q, k, g, beta, cu, 0.1, False, seq_len=t, bwd=bwd)
+            end.record()
+            end.synchronize()
+            times[bwd] = start.elapsed_time(end) / 20 * 1e3
+        print(f"first pass {b}x{t} HV{hv}: forward key {times[False]:.1f} us, "
+              f"bwd key {times[True]:.1f} us")  # fmt: skip

@@ -1,0 +1,201 @@
+"""The KDA forward's first pass with its `bwd` key (kernels/linear_attention/kda_prefill/sm90
+`intra.py`; `intra_params_for(dtype, k, bwd=True)`): the two more outputs the KDA backward's WY
+kernel reads (reference/kda_bwd_wy.py `wy_tiles`' tt and G), on the CPU.
+
+- the model (`operands.kda_chunk_operands(..., bwd=True)`): tt = T^T (T = L^-1 unscaled) and
+  big_g = G equal reference/kda_bwd.py `_Factors`' (its `lower` inverted and transposed, g's
+  cumsum within the chunk; fp64) to bf16 / fp32 rounding on awkward lengths, grouped heads and
+  g in [-5, -4]; rows past the sequence exact zeros; the forward's outputs unchanged;
+- the launcher's bwd call on the kernel's CPU replay (tests/kda_prefill_replay.py) equals the
+  model, varlen with empty sequences;
+- the compile key: the forward's keys as before, `bwd` named only when on;
+- the bwd key compiled for sm_90a: no spill, three CTAs an SM as the forward's key, the same
+  shared memory, 20 more 16-byte stores (tt 4, big_g 16) and 32 scalar shared loads."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from forgekernel.kernels.linear_attention.kda_prefill.sm90 import intra_params_for, operands
+from forgekernel.reference.delta_rule_bwd import _solve_lower
+from forgekernel.reference.gdn_bwd_state import chunk_factors, to_chunks, to_tokens
+from forgekernel.reference.kda_bwd import _Factors
+
+C = 64
+K = 128
+SMEM_FORWARD = 73984  # the forward key's SharedStorage (the DSL adds a 1 KB static)
+
+
+def _inputs(b, t, h, hv, strong, seed):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q = rnd(b, t, h, K).to(torch.bfloat16)
+    k = F.normalize(rnd(b, t, h, K), dim=-1).to(torch.bfloat16)
+    if strong:
+        g = -4.0 - torch.rand(b, t, hv, K, generator=gen)
+    else:
+        g = F.logsigmoid(rnd(b, t, hv, K) + 2.0)
+    beta = torch.sigmoid(rnd(b, t, hv))
+    return q, k, g, beta
+
+
+def _reference(k, g, beta, hv):
+    """(T^T, G) of reference/kda_bwd.py `_Factors` in fp64, token-major (B, T, HV, ...)."""
+    b, t = k.shape[:2]
+    kx = k.double().repeat_interleave(hv // k.shape[2], dim=2)
+    v = torch.zeros(b, t, hv, 1, dtype=torch.float64)
+    f = chunk_factors(kx, kx, v, g.double(), beta.double(), _Factors)
+    eye = torch.eye(C, dtype=torch.float64).expand_as(f.lower)
+    tt = _solve_lower(f.lower, eye).transpose(-1, -2)
+    big_g = to_chunks(g.double(), f.lower.shape[1]).cumsum(-2)
+    return to_tokens(tt)[:, :t], to_tokens(big_g)[:, :t]
+
+
+def _model(q, k, g, beta, bwd=True):
+    b, t = q.shape[:2]
+    cu = torch.arange(b + 1, dtype=torch.int32) * t
+    flat = (x.flatten(0, 1) for x in (q, k, g, beta))
+    return operands.kda_chunk_operands(*flat, cu, 0.1, False, seq_len=t, bwd=bwd)
+
+
+CASES = [
+    (1, 1, 1, 1, False),
+    (2, 63, 2, 2, False),
+    (1, 64, 1, 2, True),
+    (3, 65, 2, 4, True),
+    (2, 200, 1, 2, True),
+    (2, 200, 2, 2, False),
+]
+
+
+@pytest.mark.parametrize(("b", "t", "h", "hv", "strong"), CASES)
+def test_model_equals_the_backward_factors(b, t, h, hv, strong):
+    """tt within one bf16 rounding (2^-8 relative) of fp64 T^T plus fp32 noise (1e-5 of its
+    largest entry); big_g within 1e-5 of G's largest magnitude (fp32 cumsum); the padded rows
+    (past each sequence, to the chunk's end) exact zeros in both."""
+    q, k, g, beta = _inputs(b, t, h, hv, strong, seed=t)
+    got = _model(q, k, g, beta)
+    rows = got["tt"].shape[0] // b
+    assert rows == -(-t // C) * C
+    tt, big_g = (got[n].unflatten(0, (b, rows)) for n in ("tt", "big_g"))
+    assert got["tt"].dtype == torch.bfloat16 and got["big_g"].dtype == torch.float32
+    tt_ref, g_ref = _reference(k, g, beta, hv)
+    err = (tt[:, :t].double() - tt_ref).abs()
+    assert (err <= 2**-8 * tt_ref.abs() + 1e-5 * tt_ref.abs().max()).all(), float(err.max())
+    assert float(tt_ref.abs().max()) >= 1.0  # the unit diagonal (T is unscaled)
+    g_err = float((big_g[:, :t].double() - g_ref).abs().max())
+    assert g_err <= 1e-5 * float(g_ref.abs().max()) + 1e-6, g_err
+    assert not tt[:, t:].any() and not big_g[:, t:].any()
+
+
+def test_bwd_leaves_the_forward_outputs_as_they_were():
+    q, k, g, beta = _inputs(2, 130, 2, 4, True, seed=3)
+    on, off = _model(q, k, g, beta, bwd=True), _model(q, k, g, beta, bwd=False)
+    assert set(on) - set(off) == {"tt", "big_g"}
+    for name, x in off.items():
+        assert torch.equal(on[name], x), name
+
+
+def test_launcher_bwd_on_the_kernel_replay(monkeypatch):
+    """first_pass_kernel(bwd=True) with get_kernel answering the kernel's CPU replay: the bwd
+    key asked for, tt and big_g as the model's over the real chunks (varlen: empty sequences,
+    lengths off the chunk, grouped heads, strong decay): T by the tensor-core merges' tf32
+    model, so within 1e-2 of T's largest entry; G bitwise (the same fp32 cumsum)."""
+    import kda_prefill_replay as replay  # tests/ is on the path
+
+    from forgekernel.kernels.linear_attention.kda_prefill.sm90 import launch
+
+    keys = []
+
+    def get(spec, params):
+        keys.append(params)
+        return replay.intra_kernel(dict(params))
+
+    monkeypatch.setattr(launch, "get_kernel", get)
+    lens = [1, 0, 63, 64, 65, 130]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    q, k, g, beta = (x[0] for x in _inputs(1, sum(lens), 2, 4, True, seed=5))
+    got = launch.first_pass_kernel(q, k, g, beta, cu, 0.1, False, bwd=True)
+    want = operands.kda_chunk_operands(q, k, g, beta, cu, 0.1, False, bwd=True)
+    assert keys == [intra_params_for("bfloat16", 128, bwd=True)]
+    real = C * sum(-(-n // C) for n in lens)
+    assert got["tt"].shape == want["tt"].shape and got["big_g"].shape == want["big_g"].shape
+    tt, tt_want = got["tt"][:real].float(), want["tt"][:real].float()
+    assert float((tt - tt_want).abs().max()) <= 1e-2 * float(tt_want.abs().max())
+    assert torch.equal(got["big_g"][:real], want["big_g"][:real])
+
+
+def test_compile_keys():
+    """The forward's keys as before the flag; bwd named only when on; the standard builds the
+    forward's two, then the backward's bf16 key (prebuilt: `forgekernel build`)."""
+    from forgekernel.kernels.linear_attention.kda_prefill.sm90 import INTRA_SPEC
+
+    assert INTRA_SPEC.standard_params() == [
+        (("dtype", "float16"), ("k", 128)),
+        (("dtype", "bfloat16"), ("k", 128)),
+        (("bwd", True), ("dtype", "bfloat16"), ("k", 128)),
+    ]
+    assert intra_params_for("bfloat16") == (("dtype", "bfloat16"), ("k", 128))
+    assert intra_params_for("float16", 128, bwd=False) == (("dtype", "float16"), ("k", 128))
+    assert intra_params_for("bfloat16", bwd=True) == (
+        ("bwd", True), ("dtype", "bfloat16"), ("k", 128),
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- the compile
+
+
+def _compiled(dtype: str, bwd: bool):
+    pytest.importorskip("cutlass")
+    from forgekernel.kernels.linear_attention.kda_prefill.sm90.compile import compile_kda_intra
+    from forgekernel.kernels.linear_attention.kda_prefill.sm90.intra import KdaIntraSm90
+    from forgekernel.runtime.resources import (
+        find_tool,
+        inspect_cubin,
+        sass_instructions,
+        sass_text,
+    )
+
+    if find_tool("cuobjdump") is None:
+        pytest.skip("cuobjdump not found")
+    kernel = KdaIntraSm90(K, bwd=bwd)
+    with tempfile.TemporaryDirectory() as d:
+        params = dict(intra_params_for(dtype, K, bwd=bwd))
+        compiled = compile_kda_intra(params, "sm_90a", f"--keep-cubin --dump-dir {d}", kernel)
+        cubin = compiled.artifacts.CUBIN
+        if isinstance(cubin, bytes):
+            path = Path(d) / "k.cubin"
+            path.write_bytes(cubin)
+            cubin = path
+        res = inspect_cubin(cubin)
+        ops = [op for op, _ in sass_instructions(sass_text(cubin))]
+    return res, ops, kernel.shared_storage.size_in_bytes()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float16", marks=pytest.mark.slow)])
+def test_bwd_key_compiles(dtype):
+    """No spill, three CTAs an SM (registers within the launch bound 168: 152 bf16 / 162 fp16,
+    cu13 ptxas 2026-12-06; the forward's key 168), 73,984 B of shared memory as the forward's
+    key; the forward's 34 STG.128 plus tt's 4 and big_g's 16 (two a token), tt's 32 scalar
+    column loads (LDS); the mma.sync blocks unchanged."""
+    from forgekernel.kernels.common.sm90.constants import REGISTERS_PER_SM, THREADS_PER_WG
+
+    res, ops, smem = _compiled(dtype, bwd=True)
+    assert res["spill_bytes"] == 0
+    assert not [op for op in ops if op.startswith(("LDL", "STL"))]
+    regs = -(-res["registers"] // 8) * 8
+    assert 3 * regs * THREADS_PER_WG <= REGISTERS_PER_SM
+    assert smem == SMEM_FORWARD and res["smem_bytes"] == 1024
+    assert 3 * (smem + res["smem_bytes"] + 1024) <= 228 * 1024
+    assert ops.count("STG.E.128") == sum(op.startswith("STG") for op in ops) == 34 + 4 + 16
+    assert ops.count("LDS") == 157  # the forward's 125 + 32
+    assert ops.count("HMMA.16816.F32.BF16") == 3 * 2 * 16
+    assert ops.count("HMMA.1688.F32.TF32") == 7 * 4
