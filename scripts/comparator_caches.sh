@@ -2,7 +2,7 @@
 # The comparators' caches, carried from one device host to the next, so that a fresh host neither
 # autotunes nor JIT-compiles them again inside a bench's first calls (2026-12-06, H100: kda_bwd's
 # first case spent 235 s there, gdn_bwd's 104 s on fla's forward before its backward refused
-# triton 3.6; 2026-12-07, a fresh host: gdn_bwd's first case 293 s in its sidecars, FlashQLA's
+# triton 3.6; 2026-12-06 08:25, a fresh host: gdn_bwd's first case 293 s in its sidecars, FlashQLA's
 # nvcc compiles and fla's tuning, kda_bwd's 200 s; scripts/warm_comparators.py moves that cost,
 # this removes it on later hosts). Kept per GPU model (the comparators tune and compile for the
 # card they run on). What is kept:
