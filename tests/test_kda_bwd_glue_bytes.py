@@ -15,7 +15,8 @@ kda = load_script("kda_bwd_glue_bytes")
 
 def test_kda_glue_counted_and_stubs_restored(capsys):
     bwd = importlib.import_module("forgekernel.ops.kda_bwd")
-    names = ("_state_recurrence", "_chunk_grads", "_qk_grads", "CHUNK_IN_KERNEL")
+    names = ("_state_recurrence", "_chunk_grads", "_qk_grads", "CHUNK_IN_KERNEL", "WY_IN_KERNEL",
+             "FACTORS_FROM_FIRST_PASS")  # fmt: skip
     before = [getattr(bwd, n) for n in names]
     mode = kda.count(b=1, t=70, h=1, hv=2, dk=16, dv=16)
     assert [getattr(bwd, n) for n in names] == before
@@ -36,7 +37,7 @@ def test_kda_glue_counted_and_stubs_restored(capsys):
     assert "_wy_grads" not in " ".join(wy_kernel.by_caller)
     assert "wy_tiles" in " ".join(wy_kernel.by_caller)
     assert sum(wy_kernel.by_site.values()) < sum(mode.by_site.values())
-    assert bwd.WY_IN_KERNEL is False
+    assert [getattr(bwd, n) for n in names] == before  # the switches restored (defaults: on)
     kda.main(["--t", "40", "--h", "1", "--hv", "1", "--top", "3", "--no-states"])
     out = capsys.readouterr().out
     assert "KB a token-head" in out and "aten ops that write" in out and "GFLOP" in out
@@ -53,7 +54,7 @@ def test_first_pass_and_wy_kernel_drop_the_torch_factors():
     score gradient in torch; fewer bytes than either alone; the module's switches restored."""
     glue_bytes = load_script("kda_bwd_glue_bytes")
     bwd = importlib.import_module("forgekernel.ops.kda_bwd")
-    kb = {}
+    kb, switches = {}, (bwd.FACTORS_FROM_FIRST_PASS, bwd.WY_IN_KERNEL)
     for first, wy in ((False, False), (True, False), (False, True), (True, True)):
         mode = glue_bytes.count(t=130, h=2, hv=2, first_pass=first, wy_in_kernel=wy)
         kb[first, wy] = sum(mode.by_site.values())
@@ -61,7 +62,7 @@ def test_first_pass_and_wy_kernel_drop_the_torch_factors():
             sites = " ".join(mode.by_site)
             assert "_block_scores" not in sites and "score_grads" not in sites
     assert kb[True, True] < min(kb[True, False], kb[False, True]) < kb[False, False]
-    assert not bwd.FACTORS_FROM_FIRST_PASS and not bwd.WY_IN_KERNEL
+    assert (bwd.FACTORS_FROM_FIRST_PASS, bwd.WY_IN_KERNEL) == switches  # restored
 
 
 def test_device_pass_drops_the_tile_conversions():
