@@ -51,6 +51,9 @@ class Written(TorchDispatchMode):
         self.by_caller: Counter = Counter()  # bytes by the ops/ line that led there
         self.flops_by_caller: Counter = Counter()
         self.launches_by_caller: Counter = Counter()
+        # every op that writes, in the order called: (op, dtype, shape, bytes written, bytes
+        # of its tensor arguments (read; an in-place op's target counted), site)
+        self.ops: list[tuple[str, str, tuple, int, int, str]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -71,10 +74,24 @@ class Written(TorchDispatchMode):
             self.launches[site] += 1
             self.by_caller[caller] += nbytes
             self.launches_by_caller[caller] += 1
+            args_in = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+            read = sum(x.numel() * x.element_size() for x in args_in
+                       if isinstance(x, torch.Tensor)
+                       and not any(_same(x, w) for w in written))  # fmt: skip
+            if name.endswith("_") and name != "copy_":  # in place: its target is read too
+                read += nbytes
+            dtype = str(written[0].dtype).removeprefix("torch.")
+            self.ops.append((name, dtype, tuple(written[0].shape), nbytes, read, site))
             if flops:
                 self.flops[site] += flops
                 self.flops_by_caller[caller] += flops
         return out
+
+
+def _same(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """The same view (an `out=` argument and the op's result)."""
+    return (x.data_ptr(), x.shape, x.stride(), x.dtype) == (y.data_ptr(), y.shape, y.stride(),
+                                                            y.dtype)  # fmt: skip
 
 
 def _site() -> tuple[str, str]:

@@ -58,6 +58,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn.functional as F
 
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.config import HEAD_DIMS
 from forgekernel.ops import kda_chunked as fwd
@@ -245,7 +246,7 @@ def _reverse_tiles(f, dtype):
     return tuple(to_tokens(x.to(dtype)) for x in (f.p.transpose(-1, -2), f.ke, f.qe, f.w))
 
 
-def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, ops=None):
+def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, ops=None, dg_dtype=torch.float32):
     """Value heads of one pass, everything per value head: qs (scaled), ks (B, T, HV, K), v, do
     (B, T, HV, V), g (B, T, HV, K), beta (B, T, HV) fp32 except do (16-bit: the tiles' dtype);
     h0, dht (B, HV, K, V) fp32 or None; ops: this pass's heads of `_first_pass_ops` or None
@@ -253,7 +254,7 @@ def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, ops=None):
     On the device pass (`_on_device`) qs, ks and v come in do's 16-bit dtype."""
     t, dtype = qs.shape[1], do.dtype
     if ops is not None and _on_device(dtype):
-        return _device_pass(qs, ks, v, g, beta, do, h0, dht, ops)
+        return _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_dtype)
     if ops is None:  # (B, NC, HV, C, ...) fp32, sub-chunked
         f = chunk_factors(qs, ks, v, g, beta, _Factors)
     else:
@@ -294,10 +295,33 @@ def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, ops=None):
     return (*grads, dh0)
 
 
-def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops):
+# W = T_beta Kg and u = T_beta V one value head a launch (`_chunk_products`) from this many
+# chunks a head (B NC) up; below, one batched product over every head with the layout copies
+# (each of 2 x HV launches then too small to pay for itself).
+HEADWISE_PRODUCTS_FROM = 128
+
+
+def _chunk_products(a, x, nc):
+    """A X per chunk and value head: a (B, NC C, HV, C), x (B, NC C, HV, D) token-major in one
+    16-bit dtype (head slices allowed) -> (B, NC C, HV, D) token-major, contiguous. From
+    HEADWISE_PRODUCTS_FROM chunks a head: one strided bmm a value head written in place (cuBLAS
+    reads both operands' token-major rows and writes the product's at their strides: none of
+    the three layout copies the batched `chunks(a) @ chunks(x)` makes, nor to_tokens')."""
+    b, _, hv, d = x.shape
+    if b * nc < HEADWISE_PRODUCTS_FROM:  # (B, NC, HV, C, ...) views: matmul copies them
+        ac, xc = (y.unflatten(1, (nc, CHUNK)).transpose(2, 3) for y in (a, x))
+        return to_tokens(ac @ xc)
+    out = x.new_empty(b, nc * CHUNK, hv, d)
+    a3, x3, o3 = (y.unflatten(1, (nc, CHUNK)).flatten(0, 1) for y in (a, x, out))
+    for i in range(hv):
+        torch.bmm(a3[:, :, i], x3[:, :, i], out=o3[:, :, i])
+    return out
+
+
+def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_dtype=torch.float32):
     """`_chunk_pass` with kernel 1 writing kernel 2's 16-bit forms (`out16`), as Gated DeltaNet's
     `_device_pass`: W = (T diag(beta)) Kg and u = (T diag(beta)) V from the first pass's rows
-    (two 16-bit bmm, the only factors formed here), kernel 1's forward launch (`forward`: I and
+    (`_chunk_products`, the only factors formed here), kernel 1's forward launch (`forward`: I and
     0 built in) on u, -W and -Ke in reversed chunk order -> U, h (16-bit, chunk order); its
     reverse launch on P^T and the first pass's Ke, Qe as written -> dU, dS (16-bit); kernel 2
     and the WY kernel on those, the first pass's T^T, G and rows cut to T (views). qs, ks, v,
@@ -312,9 +336,9 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops):
     def reversed_chunks(x):  # token-major, the chunks in reverse order: kernel 1's forward launch
         return x.unflatten(1, (nc, CHUNK)).flip(1).flatten(1, 2)
 
-    t_beta = chunks(ops["t_beta"])
-    w16 = to_tokens(t_beta @ chunks(ops["k_g"]))  # (B, NC C, HV, K)
-    u16 = to_tokens(t_beta @ to_chunks(v, nc))  # (B, NC C, HV, V), zero rows past T
+    w16 = _chunk_products(ops["t_beta"], ops["k_g"], nc)  # (B, NC C, HV, K)
+    v_rows = v if t == nc * CHUNK else F.pad(v, (0, 0, 0, 0, 0, nc * CHUNK - t))  # zero rows
+    u16 = _chunk_products(ops["t_beta"], v_rows, nc)  # (B, NC C, HV, V)
     fw_ke, fw_w = (reversed_chunks(x).neg_() for x in (w16, ops["k_d"]))
     u_c, h16, _ = _state_recurrence(reversed_chunks(u16), None, fw_ke, None, fw_w,
                                     ops["decay"].flip(1), h0, out16=True,
@@ -324,12 +348,19 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops):
     rev = (pt, ops["k_d"][:, :t], ops["q_g"][:, :t], w16[:, :t])
     du16, dh16, dh0 = _state_recurrence(do, *rev, ops["decay"], dht, out16=True)
     del rev, pt
-    big_g = ops["big_g"][:, :t]  # G = cumsum(g) within the chunk, as the first pass formed it
+    # G = cumsum(g) within the chunk, as the first pass formed it; kernel 2's and the WY
+    # kernel's launchers read it contiguous (`.contiguous()`): cut to T it is not where B > 1
+    # and T is no multiple of 64 (or in a head pass), so made so once here for both
+    big_g = ops["big_g"][:, :t].contiguous()
     dq, dk, dw, dg = _chunk_grads(do, u_c[:, :t], du16, qs, ks, h16, dh16, big_g)
     del u_c, h16, dh16
     wy = (dw.to(dtype), du16, ops["tt"][:, :t], w16[:, :t], ks, u16[:, :t], v, beta, big_g)
     dk_wy, dv, dg_wy, dbeta = _wy_kernel(*wy)
-    return dq, dk + dk_wy, dv, dg + dg_wy, dbeta, dh0
+    # the two halves summed into kernel 2's buffers (its outputs, ours); dg in the op's dtype
+    # `dg_dtype` at once where that is 16-bit (the sum rounded once, as the cast after it was)
+    dg = dg.add_(dg_wy) if dg_dtype == dg.dtype else torch.add(dg, dg_wy, out=dg_wy.new_empty(
+        dg.shape, dtype=dg_dtype))  # fmt: skip
+    return dq, dk.add_(dk_wy), dv, dg, dbeta, dh0
 
 
 def _normalized32(x, scale, l2norm):
@@ -377,7 +408,8 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
         states = (None if x is None else x[:, vh].float().contiguous()
                   for x in (initial_state, d_final))  # fmt: skip
         mine = None if ops is None else {n: x[:, :, vh] for n, x in ops.items()}
-        parts.append(_chunk_pass(qs, ks, *(x[:, :, vh] for x in v_side), *states, ops=mine))
+        parts.append(_chunk_pass(qs, ks, *(x[:, :, vh] for x in v_side), *states, ops=mine,
+                                 dg_dtype=g.dtype))  # fmt: skip
     del qn, kn
     grads = parts[0] if len(parts) == 1 else [torch.cat(x, dim=1 if i == 5 else 2)
                                               for i, x in enumerate(zip(*parts))]  # fmt: skip
