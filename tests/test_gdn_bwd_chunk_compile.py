@@ -8,10 +8,13 @@ stmatrix a thread; three quad row dots (twelve shuffles) and the finish warps' <
 more). WY variant (all of pass 3): 255
 registers, 222,208 bytes; 80 HGMMA in 13 groups (adds T^T dw, T^T du, M k, M^T k: 4 x
 64x128x16 each; dkb w^T, dvb u^T: 8 x 64x64x16 each, A from registers; K K^T: 8 x 64x64x16);
-nineteen TMA halves; dw by eight stmatrix, M^T by four transposed; 37 shuffles."""
+nineteen TMA halves; dw by eight stmatrix, M^T by four transposed; 37 shuffles. Both: the
+TMA tiles on five mbarriers (config.LOAD_GROUPS, 2026-12-06; the `_output_grads` variant at
+163 registers since)."""
 
 from __future__ import annotations
 
+import re
 import tempfile
 from pathlib import Path
 
@@ -112,6 +115,44 @@ def test_named_barriers_are_waits(compiled, dtype, wy):
     assert not [op for op, _ in bars if not op.startswith("BAR.SYNC")]
     got = sorted(a for _, a in bars)
     assert got == sorted(["0x0", "0x3, 0x40"] + ["0x2, 0xc0"] * 2 + ["0x1, 0x80"] * (2 + 2 * wy))
+
+
+def _trywait_offsets(instrs):
+    """The byte offsets (from the first mbarrier) of every mbarrier try_wait, in SASS order."""
+    out = []
+    for op, a in instrs:
+        if op == "SYNCS.PHASECHK.TRANS64.TRYWAIT":
+            m = re.search(r"\[[^\]]*?(?:\+(0x[0-9a-f]+))?\]", a)
+            out.append(int(m.group(1), 16) if m.group(1) else 0)
+    return out
+
+
+@pytest.mark.parametrize(("dtype", "wy"), CONFIGS)
+def test_load_barriers_split(compiled, dtype, wy):
+    """The chunk's TMA boxes on one mbarrier a load group (config.LOAD_GROUPS, 5, in the math
+    warpgroup's order; 2026-12-06, was one barrier pair): 5 inits, 5 arms (arrive.expect_tx,
+    no consumer release), and the waits: the math warpgroup's one a group, the finish warps'
+    on the states' groups (each wait a try_wait twice: the fast path and the retry loop). dqe
+    = dO h^T (8 HGMMA) is in flight while U's group is waited: no DEPBAR between."""
+    _, instrs, _ = compiled(dtype, wy)
+    ops = [op for op, _ in instrs]
+    n = len(config.LOAD_GROUPS)
+    assert ops.count("SYNCS.EXCH.64") == n
+    assert ops.count("SYNCS.ARRIVE.TRANS64") == n
+    assert not [op for op in ops if op.startswith("SYNCS.ARRIVE.TRANS64.")]
+    waits = [8 * g for g in config.STATE_GROUPS] + [8 * g for g in range(n)]
+    assert sorted(_trywait_offsets(instrs)) == sorted(2 * waits)
+    # the math warpgroup's waits on groups 0 and 1 (only it waits on group 1) and between them
+    kinds = []
+    for op, a in instrs:
+        if op == "SYNCS.PHASECHK.TRANS64.TRYWAIT":
+            kinds.append(("wait", _trywait_offsets([(op, a)])[0]))
+        elif op.startswith(("HGMMA", "WARPGROUP.DEPBAR")):
+            kinds.append((op.split(".")[0], None))
+    end = kinds.index(("wait", 8))
+    start = end - 1 - kinds[end - 1 :: -1].index(("wait", 0))
+    seq = kinds[start : end + 1]
+    assert [x for x, _ in seq[1:-1]] == ["HGMMA"] * 8
 
 
 # slow (~4 s of CI's CPU, idle machine, 2026-12-06): `grouped` without dv16 is no standard key

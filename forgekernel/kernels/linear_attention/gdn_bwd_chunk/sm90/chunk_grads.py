@@ -32,10 +32,13 @@ then dG finished (`_finish_dg`): the last token's extra term (te's chunk sum + e
 the 16-bit state tiles) and the reverse cumsum within the chunk. Without `wy` the WY half is
 torch's. h and dh arrive as 16-bit (K, V) tiles converted in torch.
 
-Warp roles (2 warpgroups, 256 threads): warpgroup 0, warp 0: the TMA boxes of the chunk (7, 10
-with `wy`; one barrier, no ring: one chunk a CTA); warps 1, 2: dG's finish, after the math
-warpgroup's rows (named barrier BAR_FINISH); warpgroup 1: every product, 64 token rows.
-Registers: 168 without `wy`, 255 with (no spill: G staged in shared memory, dvb's products
+Warp roles (2 warpgroups, 256 threads): warpgroup 0, warp 0: the TMA tiles of the chunk (7, 10
+with `wy`), all issued at once on five mbarriers armed once (no ring: one chunk a CTA), one a
+load group in the order the math consumes them (config.LOAD_GROUPS: dO + h, U, q + k, dh, dU
++ the WY tiles), so that the first products run while the later groups stream in; warps 1,
+2: dG's finish, after the math warpgroup's rows (named barrier BAR_FINISH); warpgroup 1: every
+product, 64 token rows, each load group waited just before its first product.
+Registers: 163 without `wy`, 255 with (no spill: G staged in shared memory, dvb's products
 before dkb's, the dG finish off the math warpgroup).
 
 Constraints: K = V = 128, 16-bit tiles with unit last strides and 16-byte aligned outer strides
@@ -63,16 +66,17 @@ from forgekernel.kernels.common.sm90.layout import (
     transposed,
 )
 from forgekernel.kernels.common.sm90.mma import gemm
-from forgekernel.kernels.common.sm90.pipeline import (
-    consumer_state,
-    init_arrive,
-    init_wait,
-    producer_state,
-    smem_tensor,
-    tma_pipeline,
-)
+from forgekernel.kernels.common.sm90.pipeline import init_arrive, init_wait, smem_tensor
 from forgekernel.kernels.common.sm90.ptx import opaque_tid_x
-from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.config import CHUNK, THREADS
+from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.config import (
+    CHUNK,
+    LOAD_GROUPS,
+    STATE_GROUPS,
+    STATE_TILES,
+    THREADS,
+    TOKEN_TILES,
+    WY_TILES,
+)
 
 PRODUCER_WARP = 0
 QUAD = 4
@@ -177,16 +181,19 @@ class GdnBwdChunkSm90:
         for m in (mH, mDH):
             tmas.append(cpasync.make_tiled_tma_atom(g2s, _kvchb(m), sH_tile, (self.k, self.v)))
         sP_tile = cute.slice_(self.sP_layout, (None, None, 0))
-        self.tx_bytes = 5 * cute.size_in_bytes(self.dtype, sT_tile) + 2 * cute.size_in_bytes(
-            self.dtype, sH_tile
+        t_bytes = cute.size_in_bytes(self.dtype, sT_tile)
+        tile_bytes = dict.fromkeys(TOKEN_TILES + WY_TILES[1:], t_bytes)
+        tile_bytes.update(dict.fromkeys(STATE_TILES, cute.size_in_bytes(self.dtype, sH_tile)))
+        tile_bytes[WY_TILES[0]] = cute.size_in_bytes(self.dtype, sP_tile)
+        # the bytes each load group's mbarrier expects (`_load_groups`)
+        self.group_bytes = tuple(
+            sum(tile_bytes[t] for t in group if self.wy or t not in WY_TILES)
+            for group in LOAD_GROUPS
         )
         if const_expr(self.wy):
             tmas.append(cpasync.make_tiled_tma_atom(g2s, _tdhb(mTt), sP_tile, (CHUNK, CHUNK)))
             for m, d in ((mW, self.k), (mUw, self.v)):
                 tmas.append(cpasync.make_tiled_tma_atom(g2s, _tdhb(m), sT_tile, (CHUNK, d)))
-            self.tx_bytes = self.tx_bytes + 2 * cute.size_in_bytes(
-                self.dtype, sT_tile
-            ) + cute.size_in_bytes(self.dtype, sP_tile)
         else:
             tmas += [(None, None)] * 3
         t_elems = cute.cosize(self.sT_layout)
@@ -197,7 +204,7 @@ class GdnBwdChunkSm90:
 
         @cute.struct
         class SharedStorage:
-            barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            barriers: cute.struct.MemRange[cutlass.Int64, len(LOAD_GROUPS)]
             sG: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]
             sRed: cute.struct.Align[cute.struct.MemRange[Float32, 2 * CHUNK + 4], 16]
             sDO: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
@@ -278,7 +285,11 @@ class GdnBwdChunkSm90:
             for atom in atoms:
                 cpasync.prefetch_descriptor(atom)
         storage = SmemAllocator().allocate(self.shared_storage)
-        ring = tma_pipeline(storage.barriers, 1, self.tx_bytes, THREADS_PER_WG // WARP_SIZE)
+        bars = storage.barriers.data_ptr()  # one mbarrier a load group, armed once (phase 0)
+        if warp_idx == PRODUCER_WARP:
+            with cute.arch.elect_one():
+                for i in cutlass.range_constexpr(len(LOAD_GROUPS)):
+                    cute.arch.mbarrier_init(bars + i, 1)
         init_arrive()
         sDO = smem_tensor(storage.sDO, sT_layout)
         sU = smem_tensor(storage.sU, sT_layout)
@@ -302,44 +313,55 @@ class GdnBwdChunkSm90:
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         if wg == 0:
             if warp_idx == PRODUCER_WARP:
-                one = cute.make_layout(1)
-                st = producer_state(1)
-                ring.producer_acquire(st)
-                bar = ring.producer_get_barrier(st)
                 hq = hv  # q / k head: hv // (HV / H) when grouped
                 if const_expr(self.grouped):
                     hq = hv // (mDO4.shape[2] // mQ4.shape[2])
-                tiles = ((tma_do, mDO4, sDO, self.v, hv), (tma_u, mU4, sU, self.v, hv),
-                         (tma_du, mDU4, sDU, self.v, hv), (tma_q, mQ4, sQ, self.k, hq),
-                         (tma_k, mK4, sK, self.k, hq))  # fmt: skip
+                tiles = {"do": (tma_do, mDO4, sDO, self.v, hv), "u": (tma_u, mU4, sU, self.v, hv),
+                         "du": (tma_du, mDU4, sDU, self.v, hv),
+                         "q": (tma_q, mQ4, sQ, self.k, hq), "k": (tma_k, mK4, sK, self.k, hq),
+                         "h": (tma_h, mH5, sH), "dh": (tma_dh, mDH5, sDH)}  # fmt: skip
                 if const_expr(self.wy):
-                    tiles = tiles + ((tma_tt, mTt4, wy_smem[0], CHUNK, hv),
-                                     (tma_w, mW4, wy_smem[1], self.k, hv),
-                                     (tma_uw, mUw4, wy_smem[2], self.v, hv))  # fmt: skip
-                for atom, m, s, d, head in tiles:
-                    g = cute.local_tile(m[None, None, head, b], (CHUNK, d), (c, 0))
-                    ts, tg = cpasync.tma_partition(
-                        atom, 0, one, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
-                    )
-                    cute.copy(atom, tg, ts[(None, 0)], tma_bar_ptr=bar)
-                for atom, m, s in ((tma_h, mH5, sH), (tma_dh, mDH5, sDH)):
-                    g = cute.local_tile(m[None, None, c, hv, b], (self.k, self.v), (0, 0))
-                    ts, tg = cpasync.tma_partition(
-                        atom, 0, one, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
-                    )
-                    cute.copy(atom, tg, ts[(None, 0)], tma_bar_ptr=bar)
+                    tiles.update({"tt": (tma_tt, mTt4, wy_smem[0], CHUNK, hv),
+                                  "w": (tma_w, mW4, wy_smem[1], self.k, hv),
+                                  "uw": (tma_uw, mUw4, wy_smem[2], self.v, hv)})  # fmt: skip
+                self._load_groups(tiles, bars, c, hv, b)
             elif warp_idx <= FINISH_WARPS:
-                self._finish_dg(sH, sDH, sRed, sG, mDG, ring, b, hv, c, seqlen)
+                self._finish_dg(sH, sDH, sRed, sG, mDG, bars, b, hv, c, seqlen)
         else:
             self._math(
                 mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sDU, sQ, sK, sH, sDH, sP, wy_smem,
-                sG, sRed, mG, mDQ, mDK, mDW, mDG, mV, mBeta, mDV, mDB, ring, c, hv, b, seqlen,
+                sG, sRed, mG, mDQ, mDK, mDW, mDG, mV, mBeta, mDV, mDB, bars, c, hv, b, seqlen,
             )  # fmt: skip
+
+    @cute.jit
+    def _load_groups(self, tiles, bars, c, hv, b):
+        """The producer warp, whole: the chunk's TMA boxes, group by group in LOAD_GROUPS'
+        order (the math warpgroup's), each group on its own mbarrier armed once by the elected
+        lane with the group's bytes, all in flight together: the first products start when
+        their operands land while the later groups still stream in."""
+        one = cute.make_layout(1)
+        for i in cutlass.range_constexpr(len(LOAD_GROUPS)):
+            bar = bars + i
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, self.group_bytes[i])
+            for name in LOAD_GROUPS[i]:
+                if const_expr(name in tiles):
+                    tile = tiles[name]
+                    if const_expr(name in STATE_TILES):  # (K, V) of chunk c
+                        atom, m, s = tile
+                        g = cute.local_tile(m[None, None, c, hv, b], (self.k, self.v), (0, 0))
+                    else:  # the chunk's C token rows
+                        atom, m, s, d, head = tile
+                        g = cute.local_tile(m[None, None, head, b], (CHUNK, d), (c, 0))
+                    ts, tg = cpasync.tma_partition(
+                        atom, 0, one, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
+                    )
+                    cute.copy(atom, tg, ts[(None, 0)], tma_bar_ptr=bar)
 
     @cute.jit
     def _math(
         self, mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sDU, sQ, sK, sH, sDH, sP, wy_smem,
-        sG, sRed, mG, mDQ, mDK, mDW, mDG, mV, mBeta, mDV, mDB, ring, c, hv, b, seqlen,
+        sG, sRed, mG, mDQ, mDK, mDW, mDG, mV, mBeta, mDV, mDB, bars, c, hv, b, seqlen,
     ):  # fmt: skip
         wg_w = mma_w.get_slice(0)
         wg_s = mma_s.get_slice(0)
@@ -365,12 +387,13 @@ class GdnBwdChunkSm90:
                 g_t = mG[b, first + gtid, hv]
             sG[gtid] = g_t
         math.arrive_and_wait()
-        st = consumer_state(1)
-        ring.consumer_wait(st)
 
+        # each load group's mbarrier waited just before its first product (LOAD_GROUPS)
         acc_q = cute.make_rmem_tensor(wg_w.partition_shape_C((CHUNK, self.k)), Float32)
         acc_s = cute.make_rmem_tensor(wg_s.partition_shape_C((CHUNK, CHUNK)), Float32)
+        cute.arch.mbarrier_wait(bars + 0, 0)  # dO, h
         gemm(mma_w, acc_q, tArDO[None, None, None, 0], tBrH[None, None, None, 0], True, -1)
+        cute.arch.mbarrier_wait(bars + 1, 0)  # U (dqe in flight)
         gemm(mma_s, acc_s, tSrDO[None, None, None, 0], tSrU[None, None, None, 0], True, 0)
         tid = opaque_tid_x() % THREADS_PER_WG
         t0s, row_s, col_s = softmax.acc_coords(mma_s, tid, (CHUNK, CHUNK))
@@ -394,11 +417,13 @@ class GdnBwdChunkSm90:
         for r in cutlass.range_constexpr(cute.size(qa, mode=[0])):
             for j in cutlass.range_constexpr(cute.size(qa, mode=[1])):
                 qa[r, j] = qa[r, j] * e_g[r]
+        cute.arch.mbarrier_wait(bars + 2, 0)  # q, k
         gemm(mma_q, acc_q, tQrP, tQrK[None, None, None, 0], False, 0)
         dg = self._row_dots(acc_q, mma_w, sQ, tid)
         self._store_rows(acc_q, mma_w, mDQ, tid, b, hv, c, seqlen)
 
         acc_k = cute.make_rmem_tensor(wg_w.partition_shape_C((CHUNK, self.k)), Float32)
+        cute.arch.mbarrier_wait(bars + 3, 0)  # dh
         gemm(mma_w, acc_k, tArU[None, None, None, 0], tBrDH[None, None, None, 0], True, 0)
         ka = rows_cols(acc_k)
         for r in cutlass.range_constexpr(cute.size(ka, mode=[0])):
@@ -413,6 +438,7 @@ class GdnBwdChunkSm90:
             dg[r] = dg[r] - dk_k[r]
         self._stash_rows(dg, te, sRed, t0, row_w, tid, first, seqlen)  # frees them for the WY
 
+        cute.arch.mbarrier_wait(bars + 4, 0)  # dU (and T^T, w, u with wy)
         gemm(mma_w, acc_k, tArDU[None, None, None, 0], tBrH[None, None, None, 0], True, 0)
         acc_k.store(-acc_k.load())
         if const_expr(self.wy):
@@ -429,7 +455,6 @@ class GdnBwdChunkSm90:
         # this warpgroup's later bar.syncs follow, were not). Here the finish warps wait from
         # the start: the 128 threads pass at once (docs/linear_attention/NOTES.md).
         named_barrier(BAR_FINISH, THREADS_PER_WG + FINISH_THREADS).arrive_and_wait()
-        ring.consumer_release(st)
 
     @cute.jit
     def _stash_rows(self, dg, te, sRed, t0, row_w, tid, first, seqlen):
@@ -445,14 +470,15 @@ class GdnBwdChunkSm90:
                 sRed[CHUNK + i] = row_te
 
     @cute.jit
-    def _finish_dg(self, sH, sDH, sRed, sG, mDG, ring, b, hv, c, seqlen):
+    def _finish_dg(self, sH, sDH, sRed, sG, mDG, bars, b, hv, c, seqlen):
         """Warps 1, 2 of warpgroup 0, once the math warpgroup has stashed the rows: dG of every
         token of the chunk (one a thread): the rows' dg, the last position's term sum(te) +
         e^(G_C) <dh, h> (the 16-bit state tiles, two columns a thread), and the reverse
         cumulative sum within the chunk (G = cumsum(g)). Off the math warpgroup: at 255
         registers there, this tail spilled."""
         named_barrier(BAR_FINISH, THREADS_PER_WG + FINISH_THREADS).arrive_and_wait()
-        ring.consumer_wait(consumer_state(1))  # the TMA'd states, seen by these warps too
+        for i in cutlass.range_constexpr(len(STATE_GROUPS)):  # the TMA'd states, seen here too
+            cute.arch.mbarrier_wait(bars + STATE_GROUPS[i], 0)
         tid = opaque_tid_x() - WARP_SIZE
         first = c * CHUNK
         hh, dd = sH[None, None, 0], sDH[None, None, 0]

@@ -12,15 +12,21 @@ THREADS = 2 * THREADS_PER_WG  # warpgroup 0: the TMA warp; warpgroup 1: every pr
 # the tiles of one chunk: dO, U, dU (C, V), q (scaled), k (C, K), h, dh (K, V)
 TOKEN_TILES = ("do", "u", "du", "q", "k")
 STATE_TILES = ("h", "dh")
+WY_TILES = ("tt", "w", "uw")  # with `wy`: T^T (C, C), w (C, K), u (C, V)
+# The TMA boxes' mbarriers, one a group, in the order the math warpgroup consumes them (it waits
+# on each just before its first product): dqe = dO h^T; S = dO U^T; dq += dPD k (and dq.q);
+# dke = U dh^T; dw = -dU h^T and the WY half. The WY tiles join the last group (`wy` only).
+LOAD_GROUPS = (("do", "h"), ("u",), ("q", "k"), ("dh",), ("du", *WY_TILES))
+STATE_GROUPS = (0, 3)  # the groups of h, dh: the finish warps wait on these
 
 
 def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2, wy: bool = False) -> int:
     """Shared memory of one CTA (the kernel's SharedStorage, alignment padding included): the
-    five token tiles, the two states, dPD^T (C, C) 16-bit, one barrier pair, G; with `wy` also
-    T^T, M^T (C, C), w, u (C, K / V) and dw (C, K)."""
+    five token tiles, the two states, dPD^T (C, C) 16-bit, one mbarrier a load group, G; with
+    `wy` also T^T, M^T (C, C), w, u (C, K / V) and dw (C, K)."""
     tokens = CHUNK * (3 * v + 2 * k) * elem_bytes
     extra = (2 * CHUNK * CHUNK + CHUNK * (2 * k + v)) * elem_bytes if wy else 0
-    head = 16 + CHUNK * 4  # the barrier pair and G (fp32), before the 1024-aligned tiles
+    head = 8 * len(LOAD_GROUPS) + CHUNK * 4  # mbarriers, G (fp32), before the aligned tiles
     return tokens + 2 * k * v * elem_bytes + CHUNK * CHUNK * elem_bytes + extra + head + 1024
 
 
