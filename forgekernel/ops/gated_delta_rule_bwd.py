@@ -108,6 +108,12 @@ def _to_kv(state: torch.Tensor | None, k_last: bool) -> torch.Tensor | None:
     return state.transpose(-1, -2) if state is not None and k_last else state
 
 
+def given(**buffers: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The out= keywords of a kernel wrapper call that were given (a call without out= passes
+    none: the wrappers' stand-ins in tests and scripts need not take them)."""
+    return {name: x for name, x in buffers.items() if x is not None}
+
+
 def written(out: GradsOut, grads, likes) -> Grads:
     """The six gradients in their inputs' dtypes (`likes`: q, k, v, g, beta's; the state's
     fp32, contiguous), each written into its `out` buffer where one is given (a copy, the cast,
@@ -369,7 +375,7 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None):
 
     def reverse_launch():
         rev = tuple(out[n][:, :t] for n in ("pt", "ke", "qe", "w"))
-        return _state_recurrence(do, *rev, out["e_last"], dht, out16=True, dh0=dh0_o)
+        return _state_recurrence(do, *rev, out["e_last"], dht, out16=True, **given(dh0=dh0_o))
 
     if concurrent_state_launches(do.shape[0], do.shape[2], _device_sms(device)):
         (u16, h16, _), (du16, dh16, dh0) = side_by_side(device, forward_launch, reverse_launch)
@@ -384,7 +390,7 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None):
     tiles = (do, u16[:, :t], du16, qs, ks, h16, dh16, k2["big_g"])
     wy_out = None if into is None else _wy_buffers(do, qs.shape[-1], dg_o, dv_o, dbeta_o)
     dq, dk, dg, dv, dbeta = _chunk_grads_wy(*tiles, k2["tt"], k2["w"], k2["u"], v, wide,
-                                            dv16=True, out=wy_out)  # fmt: skip
+                                            dv16=True, **given(out=wy_out))  # fmt: skip
     return dq, dk, dv, dg, dbeta, dh0
 
 
@@ -496,8 +502,8 @@ def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b, out=None,
     dv, dg, dbeta, dh0 = (_joined(parts, i, outs[i]) for i in range(2, 6))
     del parts
     epilogue = _qk_grads if NORM_IN_KERNEL else _normalized_backward
-    dq = epilogue(dqs, seq(q), scale, l2norm, out=outs[0])
-    dk = epilogue(dks, seq(k), 1.0, l2norm, out=outs[1])
+    dq = epilogue(dqs, seq(q), scale, l2norm, **given(out=outs[0]))
+    dk = epilogue(dks, seq(k), 1.0, l2norm, **given(out=outs[1]))
     return (*(x.flatten(0, 1) for x in (dq, dk, dv, dg, dbeta)), dh0)
 
 

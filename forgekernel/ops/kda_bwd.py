@@ -76,7 +76,7 @@ from forgekernel.ops._validate import (
 # kernels/linear_attention/gdn_bwd_norm/sm90: group sum, l2norm's backward, scale, cast; the
 # CPU tests put its model on this module's name) and `_normalized_backward` (its torch form);
 # its kernel-1 decision (`concurrent_state_launches`: the same kernel, the same CTAs) and its
-# out= helpers (`check_grads_out`, `flat_out`, `_joined`, `written`)
+# out= helpers (`check_grads_out`, `flat_out`, `given`, `_joined`, `written`)
 from forgekernel.ops.gated_delta_rule_bwd import (
     GradsOut,
     _device_sms,
@@ -87,6 +87,7 @@ from forgekernel.ops.gated_delta_rule_bwd import (
     check_grads_out,
     concurrent_state_launches,
     flat_out,
+    given,
     written,
 )
 from forgekernel.reference.gdn_bwd_state import (
@@ -417,8 +418,8 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
     dg = _joined(parts, 3, outs[3])
     del parts
     epilogue = _qk_grads if NORM_IN_KERNEL else _normalized_backward
-    dq = epilogue(dqs, seq(q), scale, l2norm, out=outs[0])
-    dk = epilogue(dks, seq(k), 1.0, l2norm, out=outs[1])
+    dq = epilogue(dqs, seq(q), scale, l2norm, **given(out=outs[0]))
+    dk = epilogue(dks, seq(k), 1.0, l2norm, **given(out=outs[1]))
     grads = (*(x.flatten(0, 1) for x in (dq, dk, dv, dg, dbeta)), dh0)
     return written(out, grads, (q, k, v, g, beta))
 
