@@ -64,7 +64,7 @@ def emulated_kernel(calls=None):
     """kernel 1's stand-in: the tile emulation in fp64, the register operands rounded to the
     tiles' dtype where it is 16-bit, fp32 outputs (the launcher's)."""
 
-    def run(do, pt, ke, qe, w, e_last, dht, out16=False, forward=False):
+    def run(do, pt, ke, qe, w, e_last, dht, dh0=None, out16=False, forward=False):
         assert out16 or not forward
         assert (pt is None and qe is None) == forward  # the forward variant builds I and 0 in
         if forward:
@@ -88,12 +88,23 @@ def emulated_kernel(calls=None):
         factors = {n: x.double() for n, x in zip(TILES, (pt, ke, qe, w))}
         factors["e_last"] = e_last.double()
         dst = None if dht is None else dht.double()
+        out_dh0 = dh0
         du, dh, dh0 = (x.float() for x in tile_model(factors, do.double(), dst, rounding))
         if out16:  # the kernel's 16-bit forms (fp32 where the test runs fp32 tiles)
             du, dh = out16_forms(du, dh, do.dtype, forward)
-        return du, dh, dh0
+        return du, dh, written_to(out_dh0, dh0)
 
     return run
+
+
+def written_to(out, x):
+    """x, or written into `out` as the launcher's out= (an indexed store: no Python-level
+    `copy_`, which the no-copy tests count)."""
+    if out is None:
+        return x
+    assert out.is_contiguous() and out.dtype == x.dtype and out.shape == x.shape
+    out[...] = x
+    return out
 
 
 def emulated_chunk_kernel(calls=None):
@@ -128,7 +139,7 @@ def emulated_chunk_wy_kernel(calls=None):
     dPD, dw, dkb, dvb and M rounded to the tiles' dtype where it is 16-bit, fp32 outputs."""
     first = emulated_chunk_kernel(calls)
 
-    def run(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta, dv16=False):
+    def run(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta, dv16=False, out=None):
         for x in (tt, w, uw, v):  # kernel 0's outputs cut to T tokens: strided views (TMA)
             assert x.stride(-1) == 1 and x.dtype == do.dtype and x.shape[:3] == do.shape[:3]
         assert beta.dtype == torch.float32 and beta.shape == do.shape[:3]
@@ -147,7 +158,8 @@ def emulated_chunk_wy_kernel(calls=None):
         if dv16:  # the kernel's 16-bit dv
             DV16.append(do.dtype)
             dv = dv.to(do.dtype)
-        return dq, dk, dg, dv, dbeta
+        got = (dq, dk, dg, dv, dbeta)
+        return got if out is None else tuple(written_to(o, x) for o, x in zip(out, got))
 
     return run
 
@@ -175,12 +187,12 @@ def emulated_norm_kernel(calls=None):
     """The q / k epilogue's stand-in: its model (`qk_grad_model`) in fp64, the output in x's
     dtype; calls recorded as (x's heads, dxs's heads, l2norm)."""
 
-    def run(dxs, x, scale, l2norm):
+    def run(dxs, x, scale, l2norm, out=None):
         assert dxs.dtype == torch.float32 and dxs.shape[:2] == x.shape[:2]
         assert dxs.shape[2] % x.shape[2] == 0
         if calls is not None:
             calls.append((x.shape[2], dxs.shape[2], l2norm))
-        return qk_grad_model(dxs.double(), x.double(), scale, l2norm, x.dtype)
+        return written_to(out, qk_grad_model(dxs.double(), x.double(), scale, l2norm, x.dtype))
 
     return run
 

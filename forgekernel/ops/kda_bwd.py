@@ -76,8 +76,22 @@ from forgekernel.ops._validate import (
 # Gated DeltaNet's q / k side, one mechanism for both ops (imported, unchanged): `_normalized`
 # (q / k normalized and scaled once at H heads), `_qk_grads` (the epilogue kernel
 # kernels/linear_attention/gdn_bwd_norm/sm90: group sum, l2norm's backward, scale, cast; the
-# CPU tests put its model on this module's name) and `_normalized_backward` (its torch form)
-from forgekernel.ops.gated_delta_rule_bwd import _normalized, _normalized_backward, _qk_grads
+# CPU tests put its model on this module's name) and `_normalized_backward` (its torch form);
+# its kernel-1 decision (`concurrent_state_launches`: the same kernel, the same CTAs) and its
+# out= helpers (`check_grads_out`, `flat_out`, `given`, `_joined`, `written`)
+from forgekernel.ops.gated_delta_rule_bwd import (
+    GradsOut,
+    _device_sms,
+    _joined,
+    _normalized,
+    _normalized_backward,
+    _qk_grads,
+    check_grads_out,
+    concurrent_state_launches,
+    flat_out,
+    given,
+    written,
+)
 from forgekernel.reference.gdn_bwd_state import (
     CHUNK,
     chunk_decay,
@@ -97,6 +111,7 @@ from forgekernel.reference.kda_bwd import (
 )
 from forgekernel.reference.kda_bwd_chunk import chunk_grad_tiles
 from forgekernel.reference.kda_bwd_wy import wy_tiles
+from forgekernel.runtime.device import side_by_side
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 NOT_CAPTURABLE = (
@@ -106,7 +121,7 @@ NOT_CAPTURABLE = (
 
 
 def _backward_interim(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale,
-                      l2norm) -> Grads:  # fmt: skip
+                      l2norm, out=None) -> Grads:  # fmt: skip
     """INTERIM: the chunked backward in fp32 torch (the kernel's stand-in). Flat tensors:
     q, k (T, H, K), v, do (T, HV, V), g (T, HV, K), beta (T, HV); states (N, HV, K, V)."""
     refuse_capture(NOT_CAPTURABLE, q)
@@ -115,8 +130,7 @@ def _backward_interim(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, 
         initial_state=initial_state, d_final_state=d_final, cu_seqlens=cu_seqlens,
         use_qk_l2norm=l2norm, dtype=torch.float32,
     )  # fmt: skip
-    flat = (x[0].to(like.dtype) for x, like in zip(grads[:5], (q, k, v, g, beta)))
-    return (*flat, grads[5].contiguous())
+    return written(out, (*(x[0] for x in grads[:5]), grads[5]), (q, k, v, g, beta))
 
 
 # "0": the interim path everywhere; unset or "1": the kernel path where it fits (`_kernel_path`).
@@ -246,15 +260,16 @@ def _reverse_tiles(f, dtype):
     return tuple(to_tokens(x.to(dtype)) for x in (f.p.transpose(-1, -2), f.ke, f.qe, f.w))
 
 
-def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, ops=None, dg_dtype=torch.float32):
+def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, ops=None, dg_out=None, dg_dtype=torch.float32):
     """Value heads of one pass, everything per value head: qs (scaled), ks (B, T, HV, K), v, do
     (B, T, HV, V), g (B, T, HV, K), beta (B, T, HV) fp32 except do (16-bit: the tiles' dtype);
     h0, dht (B, HV, K, V) fp32 or None; ops: this pass's heads of `_first_pass_ops` or None
     (the factors in torch) -> (dqs, dks (B, T, HV, K), dv, dg (B, T, HV, K), dbeta, dh0) fp32.
-    On the device pass (`_on_device`) qs, ks and v come in do's 16-bit dtype."""
+    On the device pass (`_on_device`) qs, ks and v come in do's 16-bit dtype and dG goes into
+    dg_out where given (`_device_pass`; the other paths ignore it)."""
     t, dtype = qs.shape[1], do.dtype
     if ops is not None and _on_device(dtype):
-        return _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_dtype)
+        return _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out, dg_dtype)
     if ops is None:  # (B, NC, HV, C, ...) fp32, sub-chunked
         f = chunk_factors(qs, ks, v, g, beta, _Factors)
     else:
@@ -318,7 +333,7 @@ def _chunk_products(a, x, nc):
     return out
 
 
-def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_dtype=torch.float32):
+def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=torch.float32):
     """`_chunk_pass` with kernel 1 writing kernel 2's 16-bit forms (`out16`), as Gated DeltaNet's
     `_device_pass`: W = (T diag(beta)) Kg and u = (T diag(beta)) V from the first pass's rows
     (`_chunk_products`, the only factors formed here), kernel 1's forward launch (`forward`: I and
@@ -326,7 +341,10 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_dtype=torch.float32):
     reverse launch on P^T and the first pass's Ke, Qe as written -> dU, dS (16-bit); kernel 2
     and the WY kernel on those, the first pass's T^T, G and rows cut to T (views). qs, ks, v,
     do (B, T, HV, ...) in do's dtype (strided head slices allowed), g (B, T, HV, K), beta
-    (B, T, HV) fp32; ops: `_first_pass_ops`' pass of heads, with `tt` and `big_g`."""
+    (B, T, HV) fp32; ops: `_first_pass_ops`' pass of heads, with `tt` and `big_g`. Kernel 1's
+    two launches side by side where both fit one wave (`concurrent_state_launches`: neither
+    reads what the other writes); dg_out: the buffer for dG (B, T, HV, K) (the sum of kernel 2's
+    and the WY kernel's written there) or None; without it dG comes in `dg_dtype`."""
     t, dtype = qs.shape[1], do.dtype
     nc = -(-t // CHUNK)
 
@@ -340,14 +358,24 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_dtype=torch.float32):
     v_rows = v if t == nc * CHUNK else F.pad(v, (0, 0, 0, 0, 0, nc * CHUNK - t))  # zero rows
     u16 = _chunk_products(ops["t_beta"], v_rows, nc)  # (B, NC C, HV, V)
     fw_ke, fw_w = (reversed_chunks(x).neg_() for x in (w16, ops["k_d"]))
-    u_c, h16, _ = _state_recurrence(reversed_chunks(u16), None, fw_ke, None, fw_w,
-                                    ops["decay"].flip(1), h0, out16=True,
-                                    forward=True)  # fmt: skip
-    del fw_ke, fw_w  # the peak: launch 1's tiles before launch 2's
-    pt = to_tokens(chunks(ops["p"]).transpose(-1, -2))[:, :t]
-    rev = (pt, ops["k_d"][:, :t], ops["q_g"][:, :t], w16[:, :t])
-    du16, dh16, dh0 = _state_recurrence(do, *rev, ops["decay"], dht, out16=True)
-    del rev, pt
+
+    def forward_launch():
+        return _state_recurrence(reversed_chunks(u16), None, fw_ke, None, fw_w,
+                                 ops["decay"].flip(1), h0, out16=True,
+                                 forward=True)  # fmt: skip
+
+    def reverse_launch():
+        pt = to_tokens(chunks(ops["p"]).transpose(-1, -2))[:, :t]
+        rev = (pt, ops["k_d"][:, :t], ops["q_g"][:, :t], w16[:, :t])
+        return _state_recurrence(do, *rev, ops["decay"], dht, out16=True)
+
+    device = do.device
+    if concurrent_state_launches(do.shape[0], do.shape[2], _device_sms(device)):
+        (u_c, h16, _), (du16, dh16, dh0) = side_by_side(device, forward_launch, reverse_launch)
+    else:
+        u_c, h16, _ = forward_launch()
+        del fw_ke, fw_w  # the peak: launch 1's tiles before launch 2's
+        du16, dh16, dh0 = reverse_launch()
     # G = cumsum(g) within the chunk, as the first pass formed it; kernel 2's and the WY
     # kernel's launchers read it contiguous (`.contiguous()`): cut to T it is not where B > 1
     # and T is no multiple of 64 (or in a head pass), so made so once here for both
@@ -356,10 +384,15 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_dtype=torch.float32):
     del u_c, h16, dh16
     wy = (dw.to(dtype), du16, ops["tt"][:, :t], w16[:, :t], ks, u16[:, :t], v, beta, big_g)
     dk_wy, dv, dg_wy, dbeta = _wy_kernel(*wy)
-    # the two halves summed into kernel 2's buffers (its outputs, ours); dg in the op's dtype
-    # `dg_dtype` at once where that is 16-bit (the sum rounded once, as the cast after it was)
-    dg = dg.add_(dg_wy) if dg_dtype == dg.dtype else torch.add(dg, dg_wy, out=dg_wy.new_empty(
-        dg.shape, dtype=dg_dtype))  # fmt: skip
+    # the two halves summed into kernel 2's buffers (its outputs, ours), or dG into `dg_out`;
+    # dg in the op's dtype `dg_dtype` at once where that is 16-bit (the sum rounded once, as
+    # the cast after it was)
+    if dg_out is not None:
+        dg = torch.add(dg, dg_wy, out=dg_out)
+    elif dg_dtype == dg.dtype:
+        dg = dg.add_(dg_wy)
+    else:
+        dg = torch.add(dg, dg_wy, out=dg_wy.new_empty(dg.shape, dtype=dg_dtype))
     return dq, dk.add_(dk_wy), dv, dg, dbeta, dh0
 
 
@@ -372,7 +405,7 @@ def _normalized32(x, scale, l2norm):
 
 
 def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm,
-                     batch) -> Grads:  # fmt: skip
+                     batch, out: GradsOut = None) -> Grads:  # fmt: skip
     """The backward on kernel 1 (module docstring): flat tensors as `_backward_interim`'s
     holding `batch` sequences of equal length. Grouped heads: q / k normalized and scaled once
     at H heads in fp32 (`_normalized32`), repeated to the value heads a pass (not for HV = H)
@@ -380,7 +413,10 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
     scale, in the input dtype on the epilogue kernel (`_qk_grads`, from the op's q / k; as
     Gated DeltaNet's `_backward_device`; NORM_IN_KERNEL False: torch); value heads in passes of
     reference/kda_bwd.py's TOKEN_HEADS_PER_PASS token-heads (two kernel-1 launches a pass), one
-    pass: no concatenation."""
+    pass: no concatenation. `out` (flat buffers, `GradsOut`): dq, dk written by the epilogue,
+    an fp32 dg by the device pass's last add (one pass; several: their concatenation), dv,
+    dbeta and d_initial_state copied in (the WY kernel writes dv, dbeta in fp32 and kernel 1
+    dh0 into buffers of its own: the cast and two small copies)."""
     b, h, hv = batch, q.shape[1], v.shape[1]
     t, group = q.shape[0] // b, hv // h
 
@@ -400,8 +436,12 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
         q16, k16 = (x.to(do.dtype) for x in (qn, kn))  # q scaled already: the pass's scale 1
         ops = _first_pass_ops(q16, k16, v_side[1], v_side[2], 1.0, b, t)
     step = max(1, TOKEN_HEADS_PER_PASS // max(1, b * t * group))
+    heads = range(0, h, step)
+    outs = (None,) * 5 if out is None else tuple(None if o is None else seq(o) for o in out[:5])
+    dg_out = outs[3] if len(heads) == 1 and outs[3] is not None and g.dtype == torch.float32 \
+        else None  # fmt: skip
     parts = []
-    for first in range(0, h, step):  # passes over heads, not chunks
+    for first in heads:  # passes over heads, not chunks
         qh, vh = slice(first, first + step), slice(first * group, (first + step) * group)
         qs, ks = (x[:, :, qh] if group == 1 else x[:, :, qh].repeat_interleave(group, dim=2)
                   for x in (qn, kn))  # fmt: skip
@@ -409,17 +449,16 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
                   for x in (initial_state, d_final))  # fmt: skip
         mine = None if ops is None else {n: x[:, :, vh] for n, x in ops.items()}
         parts.append(_chunk_pass(qs, ks, *(x[:, :, vh] for x in v_side), *states, ops=mine,
-                                 dg_dtype=g.dtype))  # fmt: skip
+                                 dg_out=dg_out, dg_dtype=g.dtype))  # fmt: skip
     del qn, kn
-    grads = parts[0] if len(parts) == 1 else [torch.cat(x, dim=1 if i == 5 else 2)
-                                              for i, x in enumerate(zip(*parts))]  # fmt: skip
+    dqs, dks, dv, dbeta, dh0 = (_joined(parts, i, None) for i in (0, 1, 2, 4, 5))
+    dg = _joined(parts, 3, outs[3])
     del parts
-    dqs, dks, dv, dg, dbeta, dh0 = grads
     epilogue = _qk_grads if NORM_IN_KERNEL else _normalized_backward
-    dq = epilogue(dqs, seq(q), scale, l2norm)
-    dk = epilogue(dks, seq(k), 1.0, l2norm)
-    rest = (x.flatten(0, 1).to(like.dtype) for x, like in zip((dv, dg, dbeta), (v, g, beta)))
-    return (dq.flatten(0, 1), dk.flatten(0, 1), *rest, dh0.contiguous())
+    dq = epilogue(dqs, seq(q), scale, l2norm, **given(out=outs[0]))
+    dk = epilogue(dks, seq(k), 1.0, l2norm, **given(out=outs[1]))
+    grads = (*(x.flatten(0, 1) for x in (dq, dk, dv, dg, dbeta)), dh0)
+    return written(out, grads, (q, k, v, g, beta))
 
 
 def _empty_grads(q, k, v, g, beta, cu_seqlens) -> Grads:
@@ -459,7 +498,7 @@ NOT_CAPTURABLE_VARLEN = (
 
 
 def _backward_varlen(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm,
-                     cu_seqlens) -> Grads | None:  # fmt: skip
+                     cu_seqlens, out=None) -> Grads | None:  # fmt: skip
     """Varlen on the kernel path, as Gated DeltaNet's: the offsets read on the host (one sync,
     as the interim path's; a CUDA-graph capture is refused first); equal lengths (the suite's
     batch cases: B = 1 + cu_seqlens) are a reshape, unequal ones run in buckets of sequences
@@ -467,34 +506,36 @@ def _backward_varlen(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
     token."""
     refuse_capture(NOT_CAPTURABLE_VARLEN, q)
 
-    def run(q, k, v, g, beta, do, h0, dht, n):
-        return _backward_kernel(q, k, v, g, beta, h0, do, dht, scale, l2norm, n)
+    def run(q, k, v, g, beta, do, h0, dht, n, out=None):
+        return _backward_kernel(q, k, v, g, beta, h0, do, dht, scale, l2norm, n, out)
 
-    return backward_varlen(run, (q, k, v, g, beta, do), (initial_state, d_final), cu_seqlens)
+    return backward_varlen(run, (q, k, v, g, beta, do), (initial_state, d_final), cu_seqlens,
+                           out)  # fmt: skip
 
 
 def _backward_eager(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, l2norm,
-                    batch) -> Grads:  # fmt: skip
+                    batch, out=None) -> Grads:  # fmt: skip
     """Where the kernel path fits (`_kernel_path`): `batch` > 0 (the offsets are `batch` equal
     lengths, known on the host): the kernel path, no sync; else the offsets read on the host
-    (`_backward_varlen`). The interim path otherwise."""
+    (`_backward_varlen`). The interim path otherwise. `out`: the flat gradient buffers."""
     if _kernel_path(q, v):
         args = (q, k, v, g, beta, initial_state, do, d_final, scale, l2norm)
-        grads = (_backward_kernel(*args, batch) if batch > 0
-                 else _backward_varlen(*args, cu_seqlens))  # fmt: skip
+        grads = (_backward_kernel(*args, batch, out) if batch > 0
+                 else _backward_varlen(*args, cu_seqlens, out))  # fmt: skip
         if grads is not None:
             return grads
     return _backward_interim(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale,
-                             l2norm)  # fmt: skip
+                             l2norm, out)  # fmt: skip
 
 
 def _backward(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, l2norm,
-              batch=0) -> Grads:  # fmt: skip
-    """Eager: the path directly; traced: the custom op."""
+              batch=0, out=None) -> Grads:  # fmt: skip
+    """Eager: the path directly; traced: the custom op (its results copied into `out`)."""
     args = (q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, l2norm, batch)
-    if _traced(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final):
-        return torch.ops.forgekernel.kda_chunked_bwd(*args)
-    return _backward_eager(*args)
+    if _traced(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, *(out or ())):
+        grads = torch.ops.forgekernel.kda_chunked_bwd(*args)
+        return grads if out is None else written(out, grads, (q, k, v, g, beta))
+    return _backward_eager(*args, out)
 
 
 # ---- autograd of the forward op --------------------------------------------------------------
@@ -537,11 +578,14 @@ def kimi_delta_attention_backward(
     d_final_state: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     use_qk_l2norm_in_kernel: bool = False,
+    out: tuple[torch.Tensor | None, ...] | None = None,
 ) -> Grads:
     """(dq, dk, dv, dg, dbeta, d_initial_state) of `kimi_delta_attention(q, k, v, g, beta,
     ...)` given do (B, T, HV, V) in q's dtype and d_final_state (N, HV, K, V) fp32 or None.
     Arguments as `kimi_delta_attention`'s; the gradients come back shaped and typed as their
-    inputs, d_initial_state fp32 (N, HV, K, V) (the zero state's when initial_state is None)."""
+    inputs, d_initial_state fp32 (N, HV, K, V) (the zero state's when initial_state is None).
+    out: six contiguous buffers shaped and typed as those gradients (d_initial_state's may be
+    None), written and returned (`_backward_kernel` says which are written in place)."""
     check_bools(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     fwd._validate(q, k, v, g, beta, initial_state, cu_seqlens, device_check=False)
     b, t, hv, dv = v.shape
@@ -549,6 +593,8 @@ def kimi_delta_attention_backward(
     n = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
     if d_final_state is not None:
         check_shaped("d_final_state", d_final_state, (n, hv, q.shape[3], dv), fwd.F32)
+    if out is not None:
+        check_grads_out(out, (q, k, v, g, beta), (n, hv, q.shape[3], dv))
     check_cuda("q", q)
     extra = {} if d_final_state is None else {"d_final_state": d_final_state}
     check_same_device(q=q, do=do, **extra)
@@ -558,7 +604,10 @@ def kimi_delta_attention_backward(
     scale = check_scale("scale", scale, q.shape[3] ** -0.5)
     flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v, g, beta, do)]
     grads = _backward(*flat[:5], initial_state, cu_seqlens.to(torch.int32), flat[5],
-                      d_final_state, scale, use_qk_l2norm_in_kernel, batch)  # fmt: skip
+                      d_final_state, scale, use_qk_l2norm_in_kernel, batch,
+                      flat_out(out))  # fmt: skip
+    if out is not None:
+        return (*out[:5], grads[5])
     shaped = (x.reshape(b, t, *x.shape[1:]) for x in grads[:5])
     return (*shaped, grads[5])
 
