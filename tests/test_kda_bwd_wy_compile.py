@@ -1,16 +1,19 @@
 """Kimi Delta Attention's backward WY kernel compiled for sm_90a on the CPU (the DSL compiles,
-ptxas assembles, cuobjdump reads the cubin), both dtypes: 256 threads, nothing spilled, 255
+ptxas assembles, cuobjdump reads the cubin), both dtypes: 256 threads, nothing spilled, 254
 registers (cu13 ptxas; Gated DeltaNet's kernel 2 with `wy` holds 255 too); 196,608 bytes of
 shared memory (within config's bound); per CTA the WGMMAs T^T du, T^T dw (4 x 64x128x16 each,
 the tiles' dtype, B transposed), dvb u^T, dkb w^T (8 x 64x64x16 each, A from registers), and
 the eight sub-chunk blocks of dx and dy (one 64x128x16 each, bf16 for both dtypes, B
-transposed), twelve commit groups; seven TMA tiles (thirteen 64-column boxes); (beta dA)^T by
-four transposed stmatrix a thread; three quad row dots (12 butterfly shuffles)."""
+transposed), twelve commit groups; seven TMA tiles (thirteen 64-column boxes) on six
+mbarriers, one a load group (config.LOAD_GROUPS, 2026-12-06; was one barrier pair, 255
+registers, now 254); (beta dA)^T by four transposed stmatrix a thread; three quad row dots (12
+butterfly shuffles)."""
 
 from __future__ import annotations
 
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,7 @@ pytest.importorskip("cutlass")
 
 sys.path.insert(0, str(Path(__file__).parent))
 from dsl_toolchain import dsl_toolchain  # noqa: E402
+from test_gdn_bwd_chunk_compile import _trywait_offsets  # noqa: E402
 
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY  # noqa: E402
 from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90 import SPEC, config  # noqa: E402
@@ -32,7 +36,8 @@ from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_instruc
 if find_tool("cuobjdump") is None:
     pytest.skip("cuobjdump not found", allow_module_level=True)
 
-REGISTERS = 255  # compiled figure under cu13 (2026-12-06): at the cap, no spill; watch it
+REGISTERS = 254  # compiled figure under cu13 (2026-12-06, split load barriers; 255 before): at
+# the cap, no spill; watch it
 SMEM = 196608
 
 
@@ -99,3 +104,47 @@ def test_wgmmas_and_tma(compiled, dtype):
     assert ops.count("UTMALDG.4D") == 6 * 2 + 1
     assert ops.count("STSM.16.MT88.4") == 4
     assert ops.count("SHFL.BFLY") == 12
+
+
+def _wait_pin(instrs, n, waits):
+    """The mbarrier try_waits' offsets (bytes from the first mbarrier; Gated DeltaNet's kernel
+    2's `_trywait_offsets`) and the HGMMA / DEPBAR / wait sequence of the math warpgroup from
+    its wait on group 0 to its wait on the last group. The waits' multiset must be `waits`
+    (each once, or twice where ptxas emits the retry loop's wait as a try_wait too)."""
+    ops = [op for op, _ in instrs]
+    assert ops.count("SYNCS.EXCH.64") == n  # the inits
+    assert ops.count("SYNCS.ARRIVE.TRANS64") == n  # the arms (arrive.expect_tx)
+    assert not [op for op in ops if op.startswith("SYNCS.ARRIVE.TRANS64.")]  # no release
+    got = Counter(_trywait_offsets(instrs))
+    want = Counter(waits)
+    assert got in ({k: m * c for k, c in want.items()} for m in (1, 2)), (got, want)
+    kinds = []
+    for op, a in instrs:
+        if op == "SYNCS.PHASECHK.TRANS64.TRYWAIT":
+            kinds.append(f"wait {_trywait_offsets([(op, a)])[0] // 8}")
+        elif op.startswith(("HGMMA", "WARPGROUP.DEPBAR")):
+            kinds.append(op.split(".")[0])
+    end = kinds.index("wait 1")
+    start = end - 1 - kinds[end - 1 :: -1].index("wait 0")
+    end = kinds.index(f"wait {n - 1}", end)
+    seq = []
+    for x in kinds[start : end + 1]:  # runs of HGMMA counted
+        if x == "HGMMA" and seq and seq[-1].startswith("HGMMA"):
+            seq[-1] = f"HGMMA x{int(seq[-1][7:] or 1) + 1}"
+        else:
+            seq.append("HGMMA x1" if x == "HGMMA" else x)
+    return seq
+
+
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
+def test_load_barriers_split(compiled, dtype):
+    """The chunk's TMA tiles on one mbarrier a load group (config.LOAD_GROUPS, 6, in the math
+    warpgroup's order; 2026-12-06, was one barrier pair): 6 inits, 6 arms, no consumer release,
+    the math warpgroup's waits one a group: dvb = T^T du (4 HGMMA) retired before u's wait;
+    dA = dvb u^T (8) in flight across v's wait, v's and dw's waits with the row dot and dv's
+    store between; dkb = T^T dw (4) retired before w's; dA += dkb w^T (8) in flight across k's."""
+    _, instrs, _ = compiled(dtype)
+    n = len(config.LOAD_GROUPS)
+    seq = _wait_pin(instrs, n, [8 * g for g in range(n)])
+    assert seq == ["wait 0", "HGMMA x4", "WARPGROUP", "wait 1", "HGMMA x8", "wait 2", "wait 3",
+                   "HGMMA x4", "WARPGROUP", "wait 4", "HGMMA x8", "wait 5"]  # fmt: skip

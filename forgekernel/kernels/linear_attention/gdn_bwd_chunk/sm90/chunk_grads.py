@@ -101,6 +101,9 @@ class GdnBwdChunkSm90:
     """One CTA per (chunk, value head, sequence): `_output_grads` of the chunk; see the module
     docstring."""
 
+    # the TMA tiles' load groups, one mbarrier each (`_load_groups`; subclasses name their own)
+    load_groups = LOAD_GROUPS
+
     def __init__(self, k: int, v: int, *, wy: bool = False, grouped: bool = False):
         if (k, v) != (128, 128):
             raise ValueError(f"(K, V) must be (128, 128), got {(k, v)}")
@@ -335,16 +338,18 @@ class GdnBwdChunkSm90:
 
     @cute.jit
     def _load_groups(self, tiles, bars, c, hv, b):
-        """The producer warp, whole: the chunk's TMA boxes, group by group in LOAD_GROUPS'
+        """The producer warp, whole: the chunk's TMA boxes, group by group in `load_groups`'
         order (the math warpgroup's), each group on its own mbarrier armed once by the elected
-        lane with the group's bytes, all in flight together: the first products start when
-        their operands land while the later groups still stream in."""
+        lane with the group's bytes (`group_bytes`), all in flight together: the first products
+        start when their operands land while the later groups still stream in. `tiles`: name
+        -> (atom, global, smem) for a (K, V) state of chunk c (STATE_TILES' names), (atom,
+        global, smem, columns, head) for the chunk's C token rows."""
         one = cute.make_layout(1)
-        for i in cutlass.range_constexpr(len(LOAD_GROUPS)):
+        for i in cutlass.range_constexpr(len(self.load_groups)):
             bar = bars + i
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(bar, self.group_bytes[i])
-            for name in LOAD_GROUPS[i]:
+            for name in self.load_groups[i]:
                 if const_expr(name in tiles):
                     tile = tiles[name]
                     if const_expr(name in STATE_TILES):  # (K, V) of chunk c

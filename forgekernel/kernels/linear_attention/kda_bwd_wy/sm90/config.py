@@ -13,18 +13,22 @@ NS = CHUNK // SUB
 THREADS = 2 * THREADS_PER_WG  # warpgroup 0: the TMA warp; warpgroup 1: every product
 # the tiles of one chunk: dw, w, k (C, K), du, u, v (C, V), T^T (C, C)
 TOKEN_TILES = ("dw", "du", "w", "k", "u", "v")
+# The TMA tiles' mbarriers, one a group, in the order the math warpgroup consumes them (it waits
+# on each just before its first product): dvb = T^T du; dA = dvb u^T (in flight over the next);
+# rowsum(dvb o v); dkb = T^T dw; dA += dkb w^T (in flight over the next); z = dkb o k o e^G.
+LOAD_GROUPS = (("tt", "du"), ("u",), ("v",), ("dw",), ("w",), ("k",))
 
 
 def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2) -> int:
     """Shared memory of one CTA (the kernel's SharedStorage, alignment padding included): the
     six token tiles, T^T and (beta dA)^T (C, C), G and dG's rows (C, K) fp32 with rows padded
-    by 8, kernel 2's per-channel tables (`KdaBwdChunkSm90.table`), one barrier pair. (k er) and
-    (k el) reuse dw's and du's bytes."""
+    by 8, kernel 2's per-channel tables (`KdaBwdChunkSm90.table`), one mbarrier a load group.
+    (k er) and (k el) reuse dw's and du's bytes."""
     tokens = CHUNK * (3 * k + 3 * v) * elem_bytes
     square = CHUNK * CHUNK * (elem_bytes + 2)
     rows = 2 * CHUNK * (k + 8) * 4
     tables = (4 * NS + NS * (NS - 1) // 2 + 1) * k * 4 + CHUNK * 4
-    return tokens + square + rows + tables + 16 + 1024
+    return tokens + square + rows + tables + 8 * len(LOAD_GROUPS) + 1024
 
 
 def params_for(dtype: str, head_dims: tuple[int, int] = (128, 128)) -> tuple:

@@ -32,9 +32,11 @@ tables, (k er) / (k el), the block products and their column scalings are kernel
 kernel 2 brings the row stores and row dots.
 
 Warp roles (2 warpgroups, 256 threads): warpgroup 0, warp 0: the chunk's 7 TMA tiles (13
-64-column boxes; one barrier, no ring: one chunk a CTA); warpgroup 1: everything else, 64 token
-rows. G (C, K) fp32 is read by the math warpgroup from global into shared memory while the boxes
-land.
+64-column boxes), all issued at once on six mbarriers armed once (no ring: one chunk a CTA), one
+a load group in the order the math consumes them (config.LOAD_GROUPS: T^T + du, u, v, dw, w, k;
+Gated DeltaNet's `_load_groups`); warpgroup 1: everything else, 64 token rows, each load group
+waited just before its first product. G (C, K) fp32 is read by the math warpgroup from global
+into shared memory while the boxes land.
 
 Why a kernel of its own, not kernel 2's `wy` as Gated DeltaNet does: kernel 2 holds 198 KiB of
 shared memory (202,752 B); the WY half adds T^T, w, u, v, dw (72 KiB at 16 bits) and dG's rows
@@ -61,14 +63,7 @@ from forgekernel.kernels.common.sm90.barriers import named_barrier
 from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG, WARP_SIZE
 from forgekernel.kernels.common.sm90.layout import acc_to_operand_a, rows_cols, transposed
 from forgekernel.kernels.common.sm90.mma import gemm
-from forgekernel.kernels.common.sm90.pipeline import (
-    consumer_state,
-    init_arrive,
-    init_wait,
-    producer_state,
-    smem_tensor,
-    tma_pipeline,
-)
+from forgekernel.kernels.common.sm90.pipeline import init_arrive, init_wait, smem_tensor
 from forgekernel.kernels.common.sm90.ptx import opaque_tid_x
 from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.chunk_grads import _tdhb
 from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90.chunk_grads import (
@@ -78,13 +73,20 @@ from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90.chunk_grads import 
     QUAD,
     KdaBwdChunkSm90,
 )
-from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.config import CHUNK, NS, THREADS
+from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.config import (
+    CHUNK,
+    LOAD_GROUPS,
+    NS,
+    THREADS,
+)
 
 
 class KdaBwdWySm90(KdaBwdChunkSm90):
     """One CTA per (chunk, value head, sequence): `_wy_grads` of the chunk with KDA's
     per-channel decays; see the module docstring. Kernel 2's tables, block operands and block
     products are used as they are (its (q el) formed from k: (k el))."""
+
+    load_groups = LOAD_GROUPS
 
     def _setup(self):
         dt, bf = self.dtype, BFloat16
@@ -146,8 +148,10 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         tmas = [cpasync.make_tiled_tma_atom(g2s, _tdhb(m), sT_tile, (CHUNK, d))
                 for m, d in zip((mDW, mDU, mW, mK, mU, mV), dims)]  # fmt: skip
         tmas.append(cpasync.make_tiled_tma_atom(g2s, _tdhb(mTt), sTt_tile, (CHUNK, CHUNK)))
-        self.tx_bytes = 6 * cute.size_in_bytes(self.dtype, sT_tile) + cute.size_in_bytes(
-            self.dtype, sTt_tile
+        # the bytes each load group's mbarrier expects (`_load_groups`)
+        t_bytes, tt_bytes = (cute.size_in_bytes(self.dtype, t) for t in (sT_tile, sTt_tile))
+        self.group_bytes = tuple(
+            sum(tt_bytes if t == "tt" else t_bytes for t in group) for group in LOAD_GROUPS
         )
         t_elems = cute.cosize(self.sT_layout)
         tt_elems = cute.cosize(self.sTt_layout)
@@ -155,7 +159,7 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
 
         @cute.struct
         class SharedStorage:
-            barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            barriers: cute.struct.MemRange[cutlass.Int64, len(LOAD_GROUPS)]
             sTab: cute.struct.Align[cute.struct.MemRange[Float32, self.table], 16]
             sG: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK * G_STRIDE], 1024]
             sRows: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK * G_STRIDE], 1024]
@@ -219,7 +223,11 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
             for atom in atoms:
                 cpasync.prefetch_descriptor(atom)
         storage = SmemAllocator().allocate(self.shared_storage)
-        ring = tma_pipeline(storage.barriers, 1, self.tx_bytes, THREADS_PER_WG // WARP_SIZE)
+        bars = storage.barriers.data_ptr()  # one mbarrier a load group, armed once (phase 0)
+        if warp_idx == PRODUCER_WARP:
+            with cute.arch.elect_one():
+                for i in cutlass.range_constexpr(len(LOAD_GROUPS)):
+                    cute.arch.mbarrier_init(bars + i, 1)
         init_arrive()
         sDW = smem_tensor(storage.sDW, sT_layout)
         sDU = smem_tensor(storage.sDU, sT_layout)
@@ -247,33 +255,22 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         if wg == 0:
             if warp_idx == PRODUCER_WARP:
-                self._load(atoms, (mDW4, mDU4, mW4, mK4, mU4, mV4, mTt4),
-                           (sDW, sDU, sW, sK, sU, sV, sTt), ring, c, hv, b)  # fmt: skip
+                tiles = {"dw": (tma_dw, mDW4, sDW, self.k, hv),
+                         "du": (tma_du, mDU4, sDU, self.v, hv),
+                         "w": (tma_w, mW4, sW, self.k, hv), "k": (tma_k, mK4, sK, self.k, hv),
+                         "u": (tma_u, mU4, sU, self.v, hv), "v": (tma_v, mV4, sV, self.v, hv),
+                         "tt": (tma_tt, mTt4, sTt, CHUNK, hv)}  # fmt: skip
+                self._load_groups(tiles, bars, c, hv, b)
         else:
             self._math(
                 mma_t, mma_da, mma_x, mma_y, sDW, sDU, sW, sK, sU, sV, sTt, sP, sKr, sKl, sG,
-                sRows, sTab, mBeta, mG, mDK, mDV, mDG, mDB, ring, c, hv, b, seqlen,
+                sRows, sTab, mBeta, mG, mDK, mDV, mDG, mDB, bars, c, hv, b, seqlen,
             )  # fmt: skip
-
-    @cute.jit
-    def _load(self, atoms, globals_, smems, ring, c, hv, b):
-        """The TMA warp: the chunk's six token tiles and T^T, one barrier."""
-        one = cute.make_layout(1)
-        st = producer_state(1)
-        ring.producer_acquire(st)
-        bar = ring.producer_get_barrier(st)
-        dims = (self.k, self.v, self.k, self.k, self.v, self.v, CHUNK)
-        for n in cutlass.range_constexpr(7):
-            g = cute.local_tile(globals_[n][None, None, hv, b], (CHUNK, dims[n]), (c, 0))
-            ts, tg = cpasync.tma_partition(
-                atoms[n], 0, one, cute.group_modes(smems[n], 0, 2), cute.group_modes(g, 0, 2)
-            )
-            cute.copy(atoms[n], tg, ts[(None, 0)], tma_bar_ptr=bar)
 
     @cute.jit
     def _math(
         self, mma_t, mma_da, mma_x, mma_y, sDW, sDU, sW, sK, sU, sV, sTt, sP, sKr, sKl, sG,
-        sRows, sTab, mBeta, mG, mDK, mDV, mDG, mDB, ring, c, hv, b, seqlen,
+        sRows, sTab, mBeta, mG, mDK, mDV, mDG, mDB, bars, c, hv, b, seqlen,
     ):  # fmt: skip
         wg_t = mma_t.get_slice(0)
         wg_da = mma_da.get_slice(0)
@@ -302,22 +299,27 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
             if i < seqlen:
                 beta[r] = mBeta[b, i, hv]
         math.arrive_and_wait()
-        st = consumer_state(1)
-        ring.consumer_wait(st)
 
+        # each load group's mbarrier waited just before its first product (LOAD_GROUPS)
         # dvb = T^T du: dv = beta dvb out, rowsum(dvb o v), dA = dvb u^T in flight
         acc = cute.make_rmem_tensor(wg_t.partition_shape_C((CHUNK, self.k)), Float32)
+        cute.arch.mbarrier_wait(bars + 0, 0)  # T^T, du
         gemm(mma_t, acc, tArT[None, None, None, 0], tBrDU[None, None, None, 0], True, 0)
         acc_to_operand_a(acc, tDArV)
         acc_a = cute.make_rmem_tensor(wg_da.partition_shape_C((CHUNK, CHUNK)), Float32)
+        cute.arch.mbarrier_wait(bars + 1, 0)  # u
         gemm(mma_da, acc_a, tDArV, tDBrU[None, None, None, 0], True, -1)
+        cute.arch.mbarrier_wait(bars + 2, 0)  # v (dA in flight)
         dbeta = self._row_dots(acc, mma_t, sV, tid)
         self._scale_rows(acc, beta)
         self._store_rows(acc, mma_t, mDV, tid, b, hv, c, seqlen)
         # dkb = T^T dw: dA += dkb w^T; dk = beta e^G dkb out, dG's rows = beta z, rowsum(z)
+        cute.arch.mbarrier_wait(bars + 3, 0)  # dw
         gemm(mma_t, acc, tArT[None, None, None, 0], tBrDW[None, None, None, 0], True, 0)
         acc_to_operand_a(acc, tDArB)
+        cute.arch.mbarrier_wait(bars + 4, 0)  # w
         gemm(mma_da, acc_a, tDArB, tDBrW[None, None, None, 0], False, -1)
+        cute.arch.mbarrier_wait(bars + 5, 0)  # k (dA in flight)
         z = self._kb_rows(acc, mma_t, sK, sG, sRows, beta)
         self._store_rows(acc, mma_t, mDK, tid, b, hv, c, seqlen)
         warpgroup.wait_group(0)
@@ -372,7 +374,6 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         self._add_rows(acc, mma_t, mDK, tid, b, hv, c, seqlen)
         math.arrive_and_wait()  # dG's rows in shared memory
         self._finish_rows(sRows, mDG, first, seqlen, b, hv, tid)
-        ring.consumer_release(st)
 
     @cute.jit
     def _scale_rows(self, acc, vals):
