@@ -134,14 +134,13 @@ def _quiet(fn):
 def stub_kernels():
     """The three kernels as stubs giving zero outputs of the launchers' shapes (uncounted)."""
     bwd = importlib.import_module("forgekernel.ops.gated_delta_rule_bwd")
-    from forgekernel.reference.gdn_bwd_factors import NAMES
+    from forgekernel.reference.gdn_bwd_factors import TOKEN_TILES
 
     def factors(q, k, v, g, beta):
         b, t, hv = v.shape[:3]
         rows = -(-t // 64) * 64
-        widths = {"w": 128, "u": 128, "pt": 64, "ke": 128, "qe": 128, "tt": 64, "fw_u": 128,
-                  "fw_w": 128, "fw_ke": 128}  # fmt: skip
-        out = {n: q.new_zeros(b, rows, hv, widths[n]) for n in NAMES[:9]}
+        widths = {"w": 128, "u": 128, "pt": 64, "ke": 128, "qe": 128, "tt": 64}
+        out = {n: q.new_zeros(b, rows, hv, widths[n]) for n in TOKEN_TILES}
         out["e_last"] = torch.zeros(b, rows // 64, hv)
         out["big_g"] = torch.zeros(b, rows, hv)
         return out

@@ -39,6 +39,7 @@ from forgekernel.kernels.linear_attention.kda_prefill.sm90 import operands
 from forgekernel.reference.gdn_bwd_state import (
     CHUNK,
     chunk_factors,
+    forward_launch_as_reverse,
     forward_state_tiles,
     forward_states,
     out16_forms,
@@ -62,11 +63,13 @@ def emulated_kernel(calls=None, flags=None):
     def run(do, pt, ke, qe, w, e_last, dht, out16=False, forward=False):
         assert out16 or not forward
         assert (pt is None and qe is None) == forward  # the forward variant builds I and 0 in
-        if forward:
-            b, rows, hv, _ = do.shape
-            eye = torch.eye(CHUNK, dtype=do.dtype).view(1, 1, CHUNK, 1, CHUNK)
-            pt = eye.expand(b, rows // CHUNK, CHUNK, hv, CHUNK).reshape(b, rows, hv, CHUNK)
-            qe = torch.zeros_like(ke)
+        rows = do.shape[1]
+        if forward:  # chunks first to last on u, W, Ke as written: the reverse model's
+            # inputs by flipping and negating (exact), the outputs flipped back below
+            for x in (do, ke, w):
+                assert x.stride(-1) == 1 and x.dtype == do.dtype and x.shape[:3] == do.shape[:3]
+            rev = forward_launch_as_reverse(do, ke, w, e_last)
+            do, pt, ke, qe, w, e_last = (rev[n] for n in ("do", "pt", "ke", "qe", "w", "e_last"))
         # the default path hands contiguous tiles; the device pass strided views (head slices,
         # the first pass's rows cut to T: TMA reads them in place, `as_tma_ready`)
         for x in (do, pt, ke, qe, w):
@@ -90,7 +93,7 @@ def emulated_kernel(calls=None, flags=None):
         du, dh, dh0 = (x.float() for x in tile_model(factors, do.double(), dst, rounding))
         if out16:  # the kernel's 16-bit forms (fp32 where the test runs fp32 tiles)
             du, dh = out16_forms(du, dh, do.dtype, forward)
-        return du, dh, dh0
+        return du[:, :rows], dh, dh0
 
     return run
 

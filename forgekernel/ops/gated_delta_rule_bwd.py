@@ -34,7 +34,8 @@ layouts the other two read) on kernel 0 (kernels/linear_attention/gdn_bwd_factor
 `reference.gdn_bwd_factors` its model; FACTORS_IN_KERNEL = False, or WY_IN_KERNEL = False: the
 batched torch `_Factors` pass); with both of those on, STATES16 and NORM_IN_KERNEL (the
 defaults): kernel 1 writes U, h and dU, dS in kernel 2's 16-bit forms (`out16`; its forward
-launch the `forward` variant: P^T = I, Qe = 0 built in, outputs in chunk order), kernel 2 reads
+launch the `forward` variant: chunks first to last on kernel 0's u, W, Ke as written, P^T =
+I, Qe = 0 and the signs built in, outputs in chunk order), kernel 2 reads
 q, k at their H heads (`grouped`), and the q / k epilogue kernel (kernels/linear_attention/
 gdn_bwd_norm/sm90, `reference.gdn_bwd_norm` its model) does the group sum over the value heads,
 l2norm's backward and the scale, kernel 2 writes dv in 16 bits (`dv16`): torch is left with q,
@@ -306,10 +307,8 @@ def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, into=None):
     if on_device:  # kernel 0: the factors from the 16-bit tiles kernel 2 reads too
         qs, ks, v16 = (x.to(dtype) for x in (qs, ks, v))
         out = _factors(qs, ks, v16, g, beta)
-        fw = forward_launch_tiles(out)
-        # `out` keeps only what kernel 2 reads: the others go with `fw`, `rev` (the peak)
-        for name in ("fw_u", "fw_w", "fw_ke"):
-            del out[name]
+        fw = forward_launch_tiles(out)  # u, -W, -Ke with the chunks reversed (copies)
+        # `out` keeps only what kernel 2 reads: the others go with `rev` (the peak)
         rev = (*(out.pop(n) for n in ("pt", "ke", "qe")), out["w"])
         e_last = out["e_last"]
     else:
@@ -357,7 +356,8 @@ def _wy_buffers(do, kd, dg, dv, dbeta):
 
 def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None):
     """`_chunk_pass` with every kernel writing what the next reads (kernel 1 `out16`): kernel
-    0's tiles, kernel 1's forward launch -> U, h (16-bit, chunk order), its reverse launch on
+    0's tiles, kernel 1's forward launch (`forward`: chunks first to last on kernel 0's u, W,
+    Ke as written, the signs in registers) -> U, h (16-bit, chunk order), its reverse launch on
     kernel 0's tiles cut to T -> dU, dS (16-bit), kernel 2 on those; the two launches side by
     side where both fit one wave (`concurrent_state_launches`). No torch op between the
     kernels (views only; the forward launch builds its I and 0 tiles in). into: (dv, dg,
@@ -365,9 +365,7 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None):
     t, device = qs.shape[1], qs.device
     dv_o, dg_o, dbeta_o, dh0_o = into or (None,) * 4
     out = _factors(qs, ks, v, g, beta)
-    fw = forward_launch_tiles(out, identity=False)
-    for name in ("fw_u", "fw_w", "fw_ke"):  # the peak: `fw` holds them now
-        del out[name]
+    fw = forward_launch_tiles(out, identity=False)  # u, W, Ke, e^(G_C) as written (views)
 
     def forward_launch():
         return _state_recurrence(*(fw[n] for n in ("do", "pt", "ke", "qe", "w")),
@@ -381,7 +379,6 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None):
         (u16, h16, _), (du16, dh16, dh0) = side_by_side(device, forward_launch, reverse_launch)
     else:
         u16, h16, _ = forward_launch()
-        del fw  # the peak: the forward launch's tiles before the reverse one's outputs
         du16, dh16, dh0 = reverse_launch()
     for name in ("pt", "ke", "qe"):
         del out[name]

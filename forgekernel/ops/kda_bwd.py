@@ -336,33 +336,28 @@ def _chunk_products(a, x, nc):
 def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=torch.float32):
     """`_chunk_pass` with kernel 1 writing kernel 2's 16-bit forms (`out16`), as Gated DeltaNet's
     `_device_pass`: W = (T diag(beta)) Kg and u = (T diag(beta)) V from the first pass's rows
-    (`_chunk_products`, the only factors formed here), kernel 1's forward launch (`forward`: I and
-    0 built in) on u, -W and -Ke in reversed chunk order -> U, h (16-bit, chunk order); its
-    reverse launch on P^T and the first pass's Ke, Qe as written -> dU, dS (16-bit); kernel 2
-    and the WY kernel on those, the first pass's T^T, G and rows cut to T (views). qs, ks, v,
-    do (B, T, HV, ...) in do's dtype (strided head slices allowed), g (B, T, HV, K), beta
-    (B, T, HV) fp32; ops: `_first_pass_ops`' pass of heads, with `tt` and `big_g`. Kernel 1's
-    two launches side by side where both fit one wave (`concurrent_state_launches`: neither
-    reads what the other writes); dg_out: the buffer for dG (B, T, HV, K) (the sum of kernel 2's
-    and the WY kernel's written there) or None; without it dG comes in `dg_dtype`."""
+    (`_chunk_products`, the only factors formed here), kernel 1's forward launch (`forward`: I,
+    0 and the signs built in, chunks first to last) on u, W and Ke as they are -> U, h (16-bit,
+    chunk order); its reverse launch on P^T and the first pass's Ke, Qe as written -> dU, dS
+    (16-bit); kernel 2 and the WY kernel on those, the first pass's T^T, G and rows cut to T
+    (views). qs, ks, v, do (B, T, HV, ...) in do's dtype (strided head slices allowed), g (B, T,
+    HV, K), beta (B, T, HV) fp32; ops: `_first_pass_ops`' pass of heads, with `tt` and `big_g`.
+    Kernel 1's two launches side by side where both fit one wave (`concurrent_state_launches`:
+    neither reads what the other writes); dg_out: the buffer for dG (B, T, HV, K) (the sum of
+    kernel 2's and the WY kernel's written there) or None; without it dG comes in `dg_dtype`."""
     t, dtype = qs.shape[1], do.dtype
     nc = -(-t // CHUNK)
 
     def chunks(x):  # token-major (B, NC C, HV, D) -> (B, NC, HV, C, D), a view
         return x.unflatten(1, (nc, CHUNK)).transpose(2, 3)
 
-    def reversed_chunks(x):  # token-major, the chunks in reverse order: kernel 1's forward launch
-        return x.unflatten(1, (nc, CHUNK)).flip(1).flatten(1, 2)
-
     w16 = _chunk_products(ops["t_beta"], ops["k_g"], nc)  # (B, NC C, HV, K)
     v_rows = v if t == nc * CHUNK else F.pad(v, (0, 0, 0, 0, 0, nc * CHUNK - t))  # zero rows
     u16 = _chunk_products(ops["t_beta"], v_rows, nc)  # (B, NC C, HV, V)
-    fw_ke, fw_w = (reversed_chunks(x).neg_() for x in (w16, ops["k_d"]))
 
-    def forward_launch():
-        return _state_recurrence(reversed_chunks(u16), None, fw_ke, None, fw_w,
-                                 ops["decay"].flip(1), h0, out16=True,
-                                 forward=True)  # fmt: skip
+    def forward_launch():  # chunks first to last on u, W, Kd as they are, the signs in registers
+        return _state_recurrence(u16, None, w16, None, ops["k_d"], ops["decay"], h0,
+                                 out16=True, forward=True)  # fmt: skip
 
     def reverse_launch():
         pt = to_tokens(chunks(ops["p"]).transpose(-1, -2))[:, :t]
@@ -374,7 +369,6 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=tor
         (u_c, h16, _), (du16, dh16, dh0) = side_by_side(device, forward_launch, reverse_launch)
     else:
         u_c, h16, _ = forward_launch()
-        del fw_ke, fw_w  # the peak: launch 1's tiles before launch 2's
         du16, dh16, dh0 = reverse_launch()
     # G = cumsum(g) within the chunk, as the first pass formed it; kernel 2's and the WY
     # kernel's launchers read it contiguous (`.contiguous()`): cut to T it is not where B > 1

@@ -15,9 +15,9 @@ head hv // (HV / H); G = cumsum g within the chunk, G2 = log2(e) G for the forwa
     Ke = K e^(G_C - G), Qe = Q e^G                the tiles' own rows, in shared memory
 
 Outputs (16-bit, through shared memory by TMA stores; every chunk's 64 rows, the padded ones
-zero as the zero-filled loads make them): W, u, P^T, Ke, Qe, T^T at chunk c; u, -W, -Ke at
-chunk NC - 1 - c (kernel 1's forward launch runs the chunks reversed with these signs,
-`reference.gdn_bwd_state.forward_state_tiles`); e^(G_C) and G fp32 by plain stores.
+zero as the zero-filled loads make them): W, u, P^T, Ke, Qe, T^T at chunk c (kernel 1's
+forward launch reads u, W, Ke as they are, in chunk order, its signs in registers); e^(G_C) and
+G fp32 by plain stores.
 
 Warp roles (2 warpgroups, 256 threads): warpgroup 0, warp 0: the three TMA loads (one barrier,
 no ring: one chunk a CTA); warpgroup 1: the gates (its warp 0: two tokens a lane, a warp scan
@@ -116,19 +116,15 @@ class GdnBwdFactorsSm90(AuxWy):
         mKe: cute.Tensor,
         mQe: cute.Tensor,
         mTt: cute.Tensor,
-        mFwU: cute.Tensor,
-        mFwW: cute.Tensor,
-        mFwKe: cute.Tensor,
         mElast: cute.Tensor,
         mBigG: cute.Tensor,
         stream: cuda.CUstream,
     ):
         """mQ (scaled, normalized), mK (B, T, H, K), mV (B, T, HV, V) 16-bit; mG, mBeta fp32
         (B, T, HV). Outputs in mQ's dtype, (B, NC C, HV, D): mW, mU, mPt (D = C), mKe, mQe,
-        mTt (D = C) at chunk c, mFwU (u), mFwW (-W), mFwKe (-Ke) at chunk NC - 1 - c; fp32
-        mElast (B, NC, HV) = e^(G_C), mBigG (B, NC C, HV) = G."""
+        mTt (D = C) at chunk c; fp32 mElast (B, NC, HV) = e^(G_C), mBigG (B, NC C, HV) = G."""
         self.dtype = mQ.element_type
-        for t in (mK, mV, mW, mU, mPt, mKe, mQe, mTt, mFwU, mFwW, mFwKe):
+        for t in (mK, mV, mW, mU, mPt, mKe, mQe, mTt):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"the 16-bit tiles must share one dtype, got {t.element_type}")
         self._setup()
@@ -140,7 +136,7 @@ class GdnBwdFactorsSm90(AuxWy):
         for m, d in ((mQ, self.k), (mK, self.k), (mV, self.v)):
             loads.append(cpasync.make_tiled_tma_atom(g2s, _tdhb(m), sT_tile, (CHUNK, d)))
         stores = []
-        for m in (mW, mU, mKe, mQe, mFwU, mFwW, mFwKe):
+        for m in (mW, mU, mKe, mQe):
             stores.append(cpasync.make_tiled_tma_atom(s2g, _tdhb(m), sT_tile, (CHUNK, self.k)))
         for m in (mPt, mTt):
             stores.append(cpasync.make_tiled_tma_atom(s2g, _tdhb(m), sP_tile, (CHUNK, CHUNK)))
@@ -163,8 +159,6 @@ class GdnBwdFactorsSm90(AuxWy):
             sOu: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
             sOke: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
             sOqe: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
-            sOnw: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
-            sOnke: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
             sOpt: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
             sOtt: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
 
@@ -196,12 +190,6 @@ class GdnBwdFactorsSm90(AuxWy):
         mKe4: cute.Tensor,
         tma_qe: cute.CopyAtom,
         mQe4: cute.Tensor,
-        tma_fu: cute.CopyAtom,
-        mFwU4: cute.Tensor,
-        tma_fw: cute.CopyAtom,
-        mFwW4: cute.Tensor,
-        tma_fk: cute.CopyAtom,
-        mFwKe4: cute.Tensor,
         tma_pt: cute.CopyAtom,
         mPt4: cute.Tensor,
         tma_tt: cute.CopyAtom,
@@ -226,8 +214,8 @@ class GdnBwdFactorsSm90(AuxWy):
         sQ = smem_tensor(storage.sQ, sT_layout)
         sK = smem_tensor(storage.sK, sT_layout)
         sV = smem_tensor(storage.sV, sT_layout)
-        outs = [smem_tensor(f, sT_layout) for f in (storage.sOw, storage.sOu, storage.sOke,
-                storage.sOqe, storage.sOnw, storage.sOnke)]  # fmt: skip
+        outs = [smem_tensor(f, sT_layout)
+                for f in (storage.sOw, storage.sOu, storage.sOke, storage.sOqe)]  # fmt: skip
         sPt = smem_tensor(storage.sOpt, sP_layout)
         sTt = smem_tensor(storage.sOtt, sP_layout)
         gates = [f.get_tensor(cute.make_layout((CHUNK, 1)))
@@ -257,14 +245,10 @@ class GdnBwdFactorsSm90(AuxWy):
                        mElast, mBigG, ring, c, hv, b)  # fmt: skip
             named_barrier(BAR_MATH, THREADS_PER_WG).arrive_and_wait()  # every tile written
             if tidx == THREADS_PER_WG:
-                nc = mElast.shape[1]
-                tiles = ((tma_w, mW4, outs[0], c), (tma_u, mU4, outs[1], c),
-                         (tma_ke, mKe4, outs[2], c), (tma_qe, mQe4, outs[3], c),
-                         (tma_fu, mFwU4, outs[1], nc - 1 - c),
-                         (tma_fw, mFwW4, outs[4], nc - 1 - c),
-                         (tma_fk, mFwKe4, outs[5], nc - 1 - c))  # fmt: skip
-                for atom, m, s, slot in tiles:
-                    self._tma_store(atom, m, s, slot, self.k, hv, b)
+                tiles = ((tma_w, mW4, outs[0]), (tma_u, mU4, outs[1]), (tma_ke, mKe4, outs[2]),
+                         (tma_qe, mQe4, outs[3]))  # fmt: skip
+                for atom, m, s in tiles:
+                    self._tma_store(atom, m, s, c, self.k, hv, b)
                 for atom, m, s in ((tma_pt, mPt4, sPt), (tma_tt, mTt4, sTt)):
                     self._tma_store(atom, m, s, c, CHUNK, hv, b)
                 cute.arch.cp_async_bulk_commit_group()
@@ -359,12 +343,10 @@ class GdnBwdFactorsSm90(AuxWy):
         acc_w = cute.make_rmem_tensor(out_shape, Float32)
         tBrK = wg_r.make_fragment_B(wg_r.partition_B(transposed(sK)))
         gemm(mma_rs, acc_w, tWrA, tBrK[None, None, None, 0], True, 0)
-        s_w, s_u, s_ke, s_qe, s_nw, s_nke = outs
+        s_w, s_u, s_ke, s_qe = outs
         self._store_tile(acc_u, mma_rs, s_u, False)
         self._store_tile(acc_w, mma_rs, s_w, False)
-        acc_w.store(-acc_w.load())
-        self._store_tile(acc_w, mma_rs, s_nw, False)
-        # Ke, -Ke, Qe: the loaded rows times their decays
+        # Ke, Qe: the loaded rows times their decays
         t0, row_base, _ = softmax.acc_coords(mma_rs, atid, (CHUNK, self.k))
         g_last = sG2[CHUNK - 1, 0]
         e_end, e_g = [], []
@@ -372,15 +354,15 @@ class GdnBwdFactorsSm90(AuxWy):
             g_i = sG2[row_base + t0[r, 0][0], 0]
             e_end.append(cute.math.exp2(g_last - g_i, fastmath=True))
             e_g.append(cute.math.exp2(g_i, fastmath=True))
-        self._scaled_rows(mma_rs, atid, sK, (s_ke, s_nke), e_end, out_shape)
-        self._scaled_rows(mma_rs, atid, sQ, (s_qe,), e_g, out_shape)
+        self._scaled_rows(mma_rs, atid, sK, s_ke, e_end, out_shape)
+        self._scaled_rows(mma_rs, atid, sQ, s_qe, e_g, out_shape)
         cute.arch.fence_view_async_shared()
         ring.consumer_release(st)
 
     @cute.jit
-    def _scaled_rows(self, mma, tid, src, dsts, scales, shape):
-        """dsts[0] = diag(scales) src and dsts[1] = its negation (if given), this thread's
-        rows in the (C, K) accumulator partition of `mma` (16-bit tiles in shared memory)."""
+    def _scaled_rows(self, mma, tid, src, dst, scales, shape):
+        """dst = diag(scales) src, this thread's rows in the (C, K) accumulator partition of
+        `mma` (16-bit tiles in shared memory)."""
         thr = mma.get_slice(tid)
         x = cute.make_rmem_tensor(shape, Float32)
         x.store(thr.partition_C(src[None, None, 0]).load().to(Float32))
@@ -388,6 +370,4 @@ class GdnBwdFactorsSm90(AuxWy):
         for r in cutlass.range_constexpr(2):
             for j in cutlass.range_constexpr(cute.size(xv, mode=[1])):
                 xv[r, j] = xv[r, j] * scales[r]
-        thr.partition_C(dsts[0][None, None, 0]).store(x.load().to(self.dtype))
-        if const_expr(len(dsts) > 1):
-            thr.partition_C(dsts[1][None, None, 0]).store((-x.load()).to(self.dtype))
+        thr.partition_C(dst[None, None, 0]).store(x.load().to(self.dtype))
