@@ -50,9 +50,10 @@ CONFIGS = [
 def compiled():
     cache = {}
 
-    def get(dtype, wy, grouped=False, dv16=False):
-        if (dtype, wy, grouped, dv16) not in cache:
-            params = dict(config.params_for(dtype, wy=wy, grouped=grouped, dv16=dv16))
+    def get(dtype, wy, grouped=False, dv16=False, dqk16=False):
+        if (dtype, wy, grouped, dv16, dqk16) not in cache:
+            params = dict(config.params_for(dtype, wy=wy, grouped=grouped, dv16=dv16,
+                                            dqk16=dqk16))  # fmt: skip
             kernel = kernel_for(params)
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_gdn_bwd_chunk(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
@@ -63,9 +64,9 @@ def compiled():
                     cubin = Path(d, "k.cubin")
                 res = inspect_cubin(cubin)
                 sass = sass_text(cubin)
-            cache[dtype, wy, grouped, dv16] = (res, sass_instructions(sass),
-                                               kernel.shared_storage.size_in_bytes())  # fmt: skip
-        return cache[dtype, wy, grouped, dv16]
+            cache[dtype, wy, grouped, dv16, dqk16] = (
+                res, sass_instructions(sass), kernel.shared_storage.size_in_bytes())  # fmt: skip
+        return cache[dtype, wy, grouped, dv16, dqk16]
 
     return get
 
@@ -190,6 +191,31 @@ def test_dv16_resources(compiled, dtype):
     if dsl_toolchain() == "cu13":
         assert ops.count("STG.E.64") == base_ops.count("STG.E.64") - 32
         assert ops.count("STG.E") == base_ops.count("STG.E") + 32
+    for prefix in ("HGMMA", "UTMALDG", "STSM", "SHFL"):
+        got = sorted(op for op in ops if op.startswith(prefix))
+        assert got == sorted(op for op in base_ops if op.startswith(prefix)), prefix
+
+
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
+def test_dqk16_resources(compiled, dtype):
+    """`dqk16` with dv16 (the op's default key, ungrouped: grouped moves no count,
+    test_grouped_wy_resources): registers within the WY bound (254, 2026-12-06), shared memory
+    unchanged (dk's first half in fp32 over the spent dO, U tiles), no spill; dq, dk leave as
+    64 packed 16-bit pair stores (STG.E) instead of 96 fp32 pair stores (dq 32, dk 32, dk's WY
+    re-store 32: STG.E.64) and dk's 32 fp32 read-backs (LDG.E.64) are gone; the stash is 64
+    STS + 64 LDS a thread; products, loads and shuffles unchanged."""
+    res, instrs, smem = compiled(dtype, True, False, True, True)
+    base_res, base_instrs, _ = compiled(dtype, True, False, True)
+    assert res["spill_bytes"] == 0
+    assert not [op for op, _ in instrs if op.startswith(("LDL", "STL"))]
+    assert res["registers"] <= REGISTERS[True] and smem == SMEM[True]
+    ops, base_ops = [op for op, _ in instrs], [op for op, _ in base_instrs]
+    assert "LDG.E.64" in base_ops and "LDG.E.64" not in ops
+    if dsl_toolchain() == "cu13":
+        assert ops.count("STG.E.64") == base_ops.count("STG.E.64") - 96 == 0
+        assert ops.count("STG.E") == base_ops.count("STG.E") + 64
+        assert ops.count("STS") == base_ops.count("STS") + 64
+        assert ops.count("LDS") == base_ops.count("LDS") + 64
     for prefix in ("HGMMA", "UTMALDG", "STSM", "SHFL"):
         got = sorted(op for op in ops if op.startswith(prefix))
         assert got == sorted(op for op in base_ops if op.startswith(prefix)), prefix

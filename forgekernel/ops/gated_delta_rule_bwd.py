@@ -292,18 +292,19 @@ def _on_device() -> bool:
     return FACTORS_IN_KERNEL and WY_IN_KERNEL
 
 
-def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, into=None):
+def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None):
     """Value heads of one pass, everything per value head: qs (scaled), ks (B, T, HV, K), v, do
     (B, T, HV, V), g, beta (B, T, HV); h0, dht (B, HV, K, V) fp32 or None -> (dqs, dks (B, T,
     HV, K), dv, dg, dbeta, dh0) fp32. On the 16-bit device path (`_device_pass`) qs, ks, v, do
     come in do's 16-bit dtype, qs / ks at the pass's H / HV q heads (strided head slices
-    allowed: TMA reads them in place), else fp32 but do, qs / ks repeated to HV; into: the
-    device pass's buffers (`_device_pass`), ignored by the other paths."""
+    allowed: TMA reads them in place), else fp32 but do, qs / ks repeated to HV; into,
+    q_scale: the device pass's buffers and dq scale (`_device_pass`; q_scale only where
+    `_folds`), ignored by the other paths."""
     t, dtype = qs.shape[1], do.dtype
     nc = -(-t // CHUNK)
     on_device = _on_device()
     if on_device and STATES16:
-        return _device_pass(qs, ks, v, g, beta, do, h0, dht, into)
+        return _device_pass(qs, ks, v, g, beta, do, h0, dht, into, q_scale)
     if on_device:  # kernel 0: the factors from the 16-bit tiles kernel 2 reads too
         qs, ks, v16 = (x.to(dtype) for x in (qs, ks, v))
         out = _factors(qs, ks, v16, g, beta)
@@ -343,27 +344,40 @@ def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, into=None):
     return dq, dk + dk_wy, dv, dg + dg_wy, dbeta, dh0
 
 
-def _wy_buffers(do, kd, dg, dv, dbeta):
-    """Kernel 2's (WY, dv16) five outputs: dg, dv, dbeta the given buffers, the rest (and any
-    None) new: dq, dk (B, T, HV, K), dg, dbeta (B, T, HV) fp32, dv do's shape and dtype."""
+def _wy_buffers(do, kd, dg, dv, dbeta, dq=None, dk=None):
+    """Kernel 2's (WY, dv16) five outputs: dq, dk, dg, dv, dbeta the given buffers, the rest
+    (and any None) new: dq, dk (B, T, HV, K) fp32 (QK16: do's dtype), dg, dbeta (B, T, HV)
+    fp32, dv do's shape and dtype."""
     b, t, hv, _ = do.shape
     f32 = {"dtype": torch.float32, "device": do.device}
-    return (torch.empty(b, t, hv, kd, **f32), torch.empty(b, t, hv, kd, **f32),
+    qk = {"dtype": do.dtype if QK16 else torch.float32, "device": do.device}
+    return (torch.empty(b, t, hv, kd, **qk) if dq is None else dq,
+            torch.empty(b, t, hv, kd, **qk) if dk is None else dk,
             torch.empty(b, t, hv, **f32) if dg is None else dg,
             torch.empty(do.shape, dtype=do.dtype, device=do.device) if dv is None else dv,
             torch.empty(b, t, hv, **f32) if dbeta is None else dbeta)  # fmt: skip
 
 
-def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None):
+# Kernel 2 writes dq, dk in the tiles' 16-bit dtype (its `dqk16` key: rounded once from fp32,
+# the epilogue kernel's `d16` key sums them in fp32), and without l2norm and with HV = H
+# (`_folds`) times the q scale, the op's dq / dk themselves: no epilogue launch. TEMPORARY
+# switch for the GPU A/B (NOTES "GDN backward: 16-bit dq / dk from the chunk kernel"); False:
+# fp32 dq, dk and the epilogue always (64 KB a chunk-head more moved at K = 128).
+QK16 = True
+
+
+def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None):
     """`_chunk_pass` with every kernel writing what the next reads (kernel 1 `out16`): kernel
     0's tiles, kernel 1's forward launch (`forward`: chunks first to last on kernel 0's u, W,
     Ke as written, the signs in registers) -> U, h (16-bit, chunk order), its reverse launch on
     kernel 0's tiles cut to T -> dU, dS (16-bit), kernel 2 on those; the two launches side by
     side where both fit one wave (`concurrent_state_launches`). No torch op between the
-    kernels (views only; the forward launch builds its I and 0 tiles in). into: (dv, dg,
-    dbeta, dh0) contiguous buffers (or None each) kernel 2 / kernel 1 write directly."""
+    kernels (views only; the forward launch builds its I and 0 tiles in). into: (dq, dk, dv,
+    dg, dbeta, dh0) contiguous buffers (or None each) kernel 2 / kernel 1 write directly (dq,
+    dk only with q_scale). q_scale (QK16, `_folds`): kernel 2's 16-bit dq times it, dq and dk
+    the op's gradients (no epilogue)."""
     t, device = qs.shape[1], qs.device
-    dv_o, dg_o, dbeta_o, dh0_o = into or (None,) * 4
+    dq_o, dk_o, dv_o, dg_o, dbeta_o, dh0_o = into or (None,) * 6
     out = _factors(qs, ks, v, g, beta)
     fw = forward_launch_tiles(out, identity=False)  # u, W, Ke, e^(G_C) as written (views)
 
@@ -385,9 +399,11 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None):
     k2 = for_kernel2(out, t)
     wide = beta.to(torch.promote_types(beta.dtype, torch.float32))
     tiles = (do, u16[:, :t], du16, qs, ks, h16, dh16, k2["big_g"])
-    wy_out = None if into is None else _wy_buffers(do, qs.shape[-1], dg_o, dv_o, dbeta_o)
+    wy_out = None if into is None else _wy_buffers(do, qs.shape[-1], dg_o, dv_o, dbeta_o, dq_o,
+                                                   dk_o)  # fmt: skip
+    flags = {"dqk16": True, "scale": 1.0 if q_scale is None else q_scale} if QK16 else {}
     dq, dk, dg, dv, dbeta = _chunk_grads_wy(*tiles, k2["tt"], k2["w"], k2["u"], v, wide,
-                                            dv16=True, **given(out=wy_out))  # fmt: skip
+                                            dv16=True, **flags, **given(out=wy_out))  # fmt: skip
     return dq, dk, dv, dg, dbeta, dh0
 
 
@@ -408,8 +424,9 @@ def _normalized(x, scale, l2norm, dtype):
 
 def _qk_grads(dxs, x, scale, l2norm, out=None):
     """The q / k epilogue (kernels/linear_attention/gdn_bwd_norm/sm90): dxs (B, T, HV, K) fp32
-    (kernel 2's dq or dk) -> the gradient of the op's input x (B, T, H, K) in x's dtype (group
-    sum, l2norm's backward, scale), into `out` (contiguous, x's shape and dtype) when given.
+    or x's 16-bit dtype (kernel 2's dq or dk; QK16) -> the gradient of the op's input x (B, T,
+    H, K) in x's dtype (group sum, l2norm's backward, scale), into `out` (contiguous, x's
+    shape and dtype) when given.
     The CPU tests put the model here."""
     from forgekernel.kernels.linear_attention.gdn_bwd_norm.sm90.launch import gdn_bwd_norm
 
@@ -425,7 +442,7 @@ def _normalized_backward(dxs, x, scale, l2norm, out=None):
     """`_qk_grads` in torch: the group sum, then scale / ||x|| (d - x (x . d) / ||x||^2)
     (l2norm) or scale d, in x's dtype (the fallback), into `out` when given."""
     h = x.shape[2]
-    dsum = dxs.unflatten(2, (h, dxs.shape[2] // h)).sum(3)
+    dsum = dxs.float().unflatten(2, (h, dxs.shape[2] // h)).sum(3)  # 16-bit (QK16): in fp32
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if not l2norm:
@@ -436,18 +453,28 @@ def _normalized_backward(dxs, x, scale, l2norm, out=None):
     return torch.mul(dsum.addcmul_(xf, c, value=-1), sq.rsqrt() * scale, out=out)
 
 
-def _pass_buffers(out: GradsOut, seq, dtypes, k_last: bool) -> tuple | None:
-    """The one pass's (dv, dg, dbeta, dh0) buffers its kernels write directly (`_device_pass`'s
-    `into`): each of `out`'s (flat) in (B, T, ...) form where it has the dtype the kernel
-    writes (`dtypes`: dv's, dg's, dbeta's, dh0's); d_initial_state only in the kernel's (K, V)
-    layout (k_last: copied after the transpose)."""
+def _pass_buffers(out: GradsOut, seq, dtypes, k_last: bool, fold: bool = False) -> tuple | None:
+    """The one pass's (dq, dk, dv, dg, dbeta, dh0) buffers its kernels write directly
+    (`_device_pass`'s `into`): each of `out`'s (flat) in (B, T, ...) form where it has the
+    dtype the kernel writes (`dtypes`: dv's, dg's, dbeta's, dh0's; dq, dk only where kernel 2
+    writes the op's dq, dk: `fold`, in dv's 16-bit dtype); d_initial_state only in the
+    kernel's (K, V) layout (k_last: copied after the transpose)."""
     if out is None:
         return None
+    qk = [None if o is None or not fold or o.dtype != dtypes[0] else seq(o) for o in out[:2]]
     into = [None if o is None or o.dtype != dt else seq(o)
             for o, dt in zip(out[2:5], dtypes[:3])]  # fmt: skip
     dh0 = out[5]
     into.append(None if dh0 is None or k_last or dh0.dtype != dtypes[3] else dh0)
-    return tuple(into)
+    return (*qk, *into)
+
+
+def _folds(l2norm: bool, group: int, q: torch.Tensor, k: torch.Tensor, dtype) -> bool:
+    """Kernel 2 writes the op's dq, dk (16-bit, dq times the scale: QK16): no l2norm, no
+    value-head group (HV = H), q and k in the tiles' dtype, the device pass (`_on_device`,
+    STATES16). The epilogue kernel would only scale dq there."""
+    return (QK16 and _on_device() and STATES16 and not l2norm and group == 1
+            and q.dtype == k.dtype == dtype)  # fmt: skip
 
 
 def _joined(parts, i, out):
@@ -471,7 +498,9 @@ def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b, out=None,
     (`_qk_grads`; NORM_IN_KERNEL False: torch), one pass: no concatenation. `out` (flat
     buffers, `GradsOut`): written by the last writer of each gradient (the epilogue's dq, dk;
     kernel 2's dv, dg, dbeta and kernel 1's dh0 in one pass, their concatenation in several),
-    a copy only where the dtype or layout differs (beta in 16 bits, k_last's dh0)."""
+    a copy only where the dtype or layout differs (beta in 16 bits, k_last's dh0). Without
+    l2norm and with HV = H (`_folds`) kernel 2 writes dq (times the scale) and dk themselves
+    in 16 bits: no epilogue launch."""
     h, hv, dtype = q.shape[1], v.shape[1], do.dtype
     t, group = q.shape[0] // b, hv // h
 
@@ -485,22 +514,28 @@ def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b, out=None,
     heads = range(0, h, step)
     one = len(heads) == 1
     f32 = torch.float32
-    into = _pass_buffers(out, seq, (dtype, f32, f32, f32), k_last) if one else None
+    fold = _folds(l2norm, group, q, k, dtype)
+    into = _pass_buffers(out, seq, (dtype, f32, f32, f32), k_last, fold) if one else None
     parts = []
     for first in heads:  # passes over heads, not chunks
         qh, vh = slice(first, first + step), slice(first * group, (first + step) * group)
         # q / k at their own heads: kernels 0 and 2 read head hv // (HV / H) (`grouped`)
         states = (None if x is None else x[:, vh].float().contiguous() for x in (h0, dht))
         parts.append(_chunk_pass(qs[:, :, qh], ks[:, :, qh], *(x[:, :, vh] for x in v_side),
-                                 *states, into=into))  # fmt: skip
+                                 *states, into=into,
+                                 q_scale=scale if fold else None))  # fmt: skip
     outs = (None,) * 6 if out is None else (*(None if o is None else seq(o) for o in out[:5]),
                                            None if k_last else out[5])  # fmt: skip
-    dqs, dks = (_joined(parts, i, None) for i in (0, 1))  # fp32 at HV heads: the epilogue's
+    if fold:  # kernel 2 wrote the op's dq, dk (16-bit, scaled): no epilogue
+        dq, dk = (_joined(parts, i, outs[i]) for i in (0, 1))
+    else:  # at HV heads (16-bit with QK16, else fp32): the epilogue's
+        dqs, dks = (_joined(parts, i, None) for i in (0, 1))
     dv, dg, dbeta, dh0 = (_joined(parts, i, outs[i]) for i in range(2, 6))
     del parts
-    epilogue = _qk_grads if NORM_IN_KERNEL else _normalized_backward
-    dq = epilogue(dqs, seq(q), scale, l2norm, **given(out=outs[0]))
-    dk = epilogue(dks, seq(k), 1.0, l2norm, **given(out=outs[1]))
+    if not fold:
+        epilogue = _qk_grads if NORM_IN_KERNEL else _normalized_backward
+        dq = epilogue(dqs, seq(q), scale, l2norm, **given(out=outs[0]))
+        dk = epilogue(dks, seq(k), 1.0, l2norm, **given(out=outs[1]))
     return (*(x.flatten(0, 1) for x in (dq, dk, dv, dg, dbeta)), dh0)
 
 

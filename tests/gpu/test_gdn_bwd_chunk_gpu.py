@@ -55,9 +55,10 @@ def _problem(b, t, hv, dtype, seed=0, group=1):
     return f, do, to_chunks(do, nc), h, dh, big_u, d_u, qs, ks, g, v, beta
 
 
-def _launch(p, dtype, wy, strided=False, group=1, dv16=False):
+def _launch(p, dtype, wy, strided=False, group=1, dv16=False, dqk16=False, scale=1.0):
     """The kernel on `_problem` p's tiles in `dtype`, outputs NaN-poisoned first; `group`: q, k
-    passed at their HV / group heads (the `grouped` key); `dv16`: dv in `dtype`."""
+    passed at their HV / group heads (the `grouped` key); `dv16`: dv in `dtype`; `dqk16`: dq
+    (times `scale`), dk in `dtype`."""
     f, do, _, h, dh, big_u, d_u, qs, ks, g, v, beta = p
     tiles = list(chunk_grad_tiles(qs, ks, do, big_u, d_u, h, dh, g, dtype))
     tiles[-1] = tiles[-1].float()
@@ -70,8 +71,8 @@ def _launch(p, dtype, wy, strided=False, group=1, dv16=False):
         return gdn_bwd_chunk(*tiles, out=out)
     extra = list(wy_tiles(f, v, beta, dtype))
     extra[-1] = extra[-1].float()
-    out = tuple(x.fill_(float("nan")) for x in empty_wy_outputs(tiles[0], 128, dv16))
-    return gdn_bwd_chunk_wy(*tiles, *extra, out=out, dv16=dv16)
+    out = tuple(x.fill_(float("nan")) for x in empty_wy_outputs(tiles[0], 128, dv16, dqk16))
+    return gdn_bwd_chunk_wy(*tiles, *extra, out=out, dv16=dv16, dqk16=dqk16, scale=scale)
 
 
 def _close(name, got, want, tol):
@@ -162,3 +163,26 @@ def test_time_at_bench_size():
             f"\nGDN backward kernel 2 ({form}), 4 x 8192 hv32 bf16: {ms:.3f} ms a launch, "
             f"{moved:.2f} GB moved, {moved / ms * 1e3:.0f} GB/s"
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t", [1, 63, 65, 1000])
+@pytest.mark.parametrize(("group", "scale"), [(1, 1.0), (2, 1.0), (1, 0.0883883)])
+def test_dqk16(dtype, t, group, scale):
+    """`dqk16` (the op's default key, with dv16 and `grouped`): dq x scale and dk written in 16
+    bits are the fp32 call's rounded once (dk's first half kept in fp32 in shared memory, not
+    read back from a 16-bit store: exact but for the fp32 sum's order, so within one 16-bit ulp
+    of the rounded fp32 value); dg, dv, dbeta exactly the fp32 call's."""
+    p = _problem(2, t, 4, dtype, seed=t + group, group=group)
+    got = _launch(p, dtype, True, group=group, dv16=True, dqk16=True, scale=scale)
+    want = _launch(p, dtype, True, group=group, dv16=True)
+    assert got[0].dtype == got[1].dtype == dtype
+    for i, (name, a, r) in enumerate(zip(NAMES[True], got, want)):
+        if i < 2:
+            r = (r * (scale if i == 0 else 1.0)).to(dtype).double()
+            ulp = r.abs() * 2.0 ** -(7 if dtype == torch.bfloat16 else 10)  # one, at most
+            assert not torch.isnan(a).any(), f"{name}: unwritten (NaN) entries"
+            slack = 1e-6 * float(r.abs().max())
+            assert bool(((a.double() - r).abs() <= ulp + slack).all()), name
+        else:
+            torch.testing.assert_close(a, r, rtol=0, atol=0, msg=name)

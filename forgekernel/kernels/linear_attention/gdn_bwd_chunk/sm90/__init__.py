@@ -25,9 +25,13 @@ def _compile(params: Params, extra_options: str = ""):
 def _standard_params() -> list[Params]:
     standard = [params_for(dtype, wy=wy) for dtype in DTYPES for wy in (False, True)]
     # the op's path: the WY variant with dv in 16 bits, reading q / k at their own H heads when
-    # value heads are grouped (H < HV)
+    # value heads are grouped (H < HV); with dq, dk in 16 bits too (`dqk16`, the op's default:
+    # ops/gated_delta_rule_bwd.py QK16) and without (the QK16 = False A/B)
     return standard + [
-        params_for(dtype, wy=True, grouped=g, dv16=True) for dtype in DTYPES for g in (False, True)
+        params_for(dtype, wy=True, grouped=g, dv16=True, dqk16=q16)
+        for dtype in DTYPES
+        for g in (False, True)
+        for q16 in (False, True)
     ]
 
 

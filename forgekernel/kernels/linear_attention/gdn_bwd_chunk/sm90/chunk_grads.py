@@ -85,6 +85,8 @@ BAR_FINISH = FIRST_FREE + 1  # math warpgroup -> finish warps (both wait): the r
 BAR_FINISH_WARPS = FIRST_FREE + 2  # the finish warps: <dh, h>'s partials
 FINISH_WARPS = 2  # warps 1, 2 of warpgroup 0 (idle otherwise): dG's finish, one token a thread
 FINISH_THREADS = FINISH_WARPS * WARP_SIZE
+# dqk16: a (C, K) fp32 accumulator, C * K / 128 values a thread, half over each of sDO, sU
+STASH_COLS = CHUNK * 128 // THREADS_PER_WG // 2
 
 
 def _tdhb(t: cute.Tensor) -> cute.Tensor:
@@ -162,6 +164,7 @@ class GdnBwdChunkSm90:
         mBeta: cute.Tensor | None,
         mDV: cute.Tensor | None,
         mDB: cute.Tensor | None,
+        scale: Float32,
         stream: cuda.CUstream,
     ):
         """mDO, mU, mDU (B, T, HV, V), mQ (scaled), mK (B, T, HV, K), mH, mDH (B, NC, HV, K, V)
@@ -169,8 +172,14 @@ class GdnBwdChunkSm90:
         dG, the reverse cumsum within the chunk done). With wy: mTt (B, T, HV, C) (row j of a
         chunk: column j of T = L^-1), mW (B, T, HV, K), mUw, mV (B, T, HV, V) 16-bit, mBeta
         fp32 (B, T, HV); outputs mDV fp32 (B, T, HV, V), mDB (B, T, HV); mDW None (dw stays on
-        chip), mDK and mDG take the WY half's terms too. Without wy: all of these None."""
+        chip), mDK and mDG take the WY half's terms too. Without wy: all of these None.
+        mDQ, mDK in the tiles' 16-bit dtype (`dqk16`, wy only): rounded once, dq times `scale`
+        (the op's q scale where no epilogue follows; else 1); fp32 outputs ignore `scale`."""
         self.dtype = mDO.element_type
+        self.dqk16 = mDQ.element_type != Float32
+        if const_expr(self.dqk16 and (not self.wy or mDK.element_type != self.dtype
+                                      or mDQ.element_type != self.dtype)):  # fmt: skip
+            raise TypeError("16-bit dq / dk need wy and the tiles' dtype")
         for t in (mU, mDU, mQ, mK, mH, mDH):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"the 16-bit tiles must share one dtype, got {t.element_type}")
@@ -228,7 +237,7 @@ class GdnBwdChunkSm90:
         atoms_and_views = [x for atom_view in tmas for x in atom_view]
         nc = (mDO.shape[1] + CHUNK - 1) // CHUNK
         self.kernel(
-            *atoms_and_views, mG, mDQ, mDK, mDW, mDG, mV, mBeta, mDV, mDB, self.mma_w,
+            *atoms_and_views, mG, mDQ, mDK, mDW, mDG, mV, mBeta, mDV, mDB, scale, self.mma_w,
             self.mma_s, self.mma_q, self.mma_k, self.mma_da, self.sT_layout, self.sH_layout,
             self.sP_layout,
         ).launch(  # fmt: skip
@@ -270,6 +279,7 @@ class GdnBwdChunkSm90:
         mBeta: cute.Tensor | None,
         mDV: cute.Tensor | None,
         mDB: cute.Tensor | None,
+        scale: Float32,
         mma_w: cute.TiledMma,
         mma_s: cute.TiledMma,
         mma_q: cute.TiledMma,
@@ -309,6 +319,14 @@ class GdnBwdChunkSm90:
             wy_smem = (smem_tensor(storage.sTt, sP_layout), smem_tensor(storage.sW, sT_layout),
                        smem_tensor(storage.sUw, sT_layout), smem_tensor(storage.sDW, sT_layout),
                        smem_tensor(storage.sM, sP_layout))  # fmt: skip
+        stash = None  # dqk16: dk's first half in fp32 over sDO, sU (free after dk's products)
+        if const_expr(self.dqk16):
+            stash = tuple(
+                cute.make_tensor(cute.recast_ptr(x.data_ptr(), dtype=Float32),
+                                 cute.make_layout((THREADS_PER_WG, STASH_COLS),
+                                                  stride=(1, THREADS_PER_WG)))
+                for x in (storage.sDO, storage.sU)
+            )  # fmt: skip
         init_wait()
 
         c, hv, b = cute.arch.block_idx()
@@ -334,6 +352,7 @@ class GdnBwdChunkSm90:
             self._math(
                 mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sDU, sQ, sK, sH, sDH, sP, wy_smem,
                 sG, sRed, mG, mDQ, mDK, mDW, mDG, mV, mBeta, mDV, mDB, bars, c, hv, b, seqlen,
+                scale, stash,
             )  # fmt: skip
 
     @cute.jit
@@ -366,7 +385,8 @@ class GdnBwdChunkSm90:
     @cute.jit
     def _math(
         self, mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sDU, sQ, sK, sH, sDH, sP, wy_smem,
-        sG, sRed, mG, mDQ, mDK, mDW, mDG, mV, mBeta, mDV, mDB, bars, c, hv, b, seqlen,
+        sG, sRed, mG, mDQ, mDK, mDW, mDG, mV, mBeta, mDV, mDB, bars, c, hv, b, seqlen, scale,
+        stash,
     ):  # fmt: skip
         wg_w = mma_w.get_slice(0)
         wg_s = mma_s.get_slice(0)
@@ -425,7 +445,7 @@ class GdnBwdChunkSm90:
         cute.arch.mbarrier_wait(bars + 2, 0)  # q, k
         gemm(mma_q, acc_q, tQrP, tQrK[None, None, None, 0], False, 0)
         dg = self._row_dots(acc_q, mma_w, sQ, tid)
-        self._store_rows(acc_q, mma_w, mDQ, tid, b, hv, c, seqlen)
+        self._store_rows(acc_q, mma_w, mDQ, tid, b, hv, c, seqlen, scale)
 
         acc_k = cute.make_rmem_tensor(wg_w.partition_shape_C((CHUNK, self.k)), Float32)
         cute.arch.mbarrier_wait(bars + 3, 0)  # dh
@@ -438,7 +458,11 @@ class GdnBwdChunkSm90:
         math.arrive_and_wait()  # every thread's dPD^T in shared memory
         gemm(mma_k, acc_k, tKrP[None, None, None, 0], tKrQ[None, None, None, 0], False, 0)
         dk_k = self._row_dots(acc_k, mma_w, sK, tid)
-        self._store_rows(acc_k, mma_w, mDK, tid, b, hv, c, seqlen)
+        if const_expr(self.dqk16):  # kept in fp32 for the WY terms: dk rounded once, at the end
+            for i in cutlass.range_constexpr(cute.size(acc_k)):
+                stash[i // STASH_COLS][tid, i % STASH_COLS] = acc_k[i]
+        else:
+            self._store_rows(acc_k, mma_w, mDK, tid, b, hv, c, seqlen)
         for r in cutlass.range_constexpr(2):
             dg[r] = dg[r] - dk_k[r]
         self._stash_rows(dg, te, sRed, t0, row_w, tid, first, seqlen)  # frees them for the WY
@@ -450,7 +474,8 @@ class GdnBwdChunkSm90:
             self._store_tile(acc_k, mma_w, wy_smem[3], False)  # dw, 16-bit, for T^T dw
             math.arrive_and_wait()
             self._wy(mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, wy_smem, sG, sRed, mDK, mV,
-                     mBeta, mDV, mDB, math, e_g, t0, row_w, first, seqlen, b, hv, c)  # fmt: skip
+                     mBeta, mDV, mDB, math, e_g, t0, row_w, first, seqlen, b, hv, c,
+                     stash)  # fmt: skip
         else:
             self._store_rows(acc_k, mma_w, mDW, tid, b, hv, c, seqlen)
         # rows stashed: a wait (bar.sync), not bar.arrive. The arrive orders the stores on the
@@ -507,7 +532,8 @@ class GdnBwdChunkSm90:
 
     @cute.jit
     def _wy(self, mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, wy_smem, sG, sRed, mDK, mV,
-            mBeta, mDV, mDB, math, e_g, t0, row_w, first, seqlen, b, hv, c):  # fmt: skip
+            mBeta, mDV, mDB, math, e_g, t0, row_w, first, seqlen, b, hv, c,
+            stash=None):  # fmt: skip
         """The WY half (reference `_wy_grads`) from dw in shared memory: [dkb dvb] = T^T [dw du],
         dv = beta dvb, dA = -(dkb w^T + dvb u^T) strictly lower, dAe = dA o D, M = beta dAe,
         dk += beta e^G dkb + M k + M^T k, dbeta = dvb.v + e^G dkb.k + rowsum(dAe o KK^T), dG +=
@@ -597,7 +623,12 @@ class GdnBwdChunkSm90:
         for r in cutlass.range_constexpr(2):
             dbeta[r] = dbeta[r] + rkk[r]
             dg[r] = beta[r] * e_g[r] * x[r] + rmk[r] - (after[r] - before[r])
-        self._add_rows(acc_b, mma_k, mDK, tid, b, hv, c, seqlen)
+        if const_expr(self.dqk16):  # dk = the stashed first half + the WY terms, rounded once
+            for i in cutlass.range_constexpr(cute.size(acc_b)):
+                acc_b[i] = acc_b[i] + stash[i // STASH_COLS][tid, i % STASH_COLS]
+            self._store_rows(acc_b, mma_k, mDK, tid, b, hv, c, seqlen)
+        else:
+            self._add_rows(acc_b, mma_k, mDK, tid, b, hv, c, seqlen)
         self._store_vec(dbeta, t0, row_w, tid, mDB, b, hv, first, seqlen)
         if tid % QUAD == 0:  # dG's WY rows onto this thread's own stash (`_stash_rows`)
             for r in cutlass.range_constexpr(2):
@@ -687,8 +718,9 @@ class GdnBwdChunkSm90:
                     g[r, j] = g[r, j] + a[r, j]
 
     @cute.jit
-    def _store_rows(self, acc, mma, mOut, tid, b, hv, c, seqlen):
-        """A (C, K) accumulator to out[b, tokens of chunk c, hv, :], the rows inside T."""
+    def _store_rows(self, acc, mma, mOut, tid, b, hv, c, seqlen, scale=None):
+        """A (C, K) accumulator to out[b, tokens of chunk c, hv, :], the rows inside T; a 16-bit
+        out rounded once (times `scale` when given: dqk16's dq)."""
         t0, row_base, _ = softmax.acc_coords(mma, tid, (CHUNK, self.k))
         tile = cute.local_tile(mOut[b, None, hv, None], (CHUNK, self.k), (c, 0))
         g = rows_cols(mma.get_slice(tid).partition_C(tile))
@@ -696,7 +728,9 @@ class GdnBwdChunkSm90:
         for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
             if c * CHUNK + row_base + t0[r, 0][0] < seqlen:
                 for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
-                    if const_expr(mOut.element_type != Float32):  # dv16: dv in 16 bits
+                    if const_expr(mOut.element_type != Float32 and scale is not None):
+                        g[r, j] = (a[r, j] * scale).to(mOut.element_type)
+                    elif const_expr(mOut.element_type != Float32):  # dv16, dqk16's dk
                         g[r, j] = a[r, j].to(mOut.element_type)
                     else:
                         g[r, j] = a[r, j]

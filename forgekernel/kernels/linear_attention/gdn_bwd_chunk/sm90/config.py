@@ -37,14 +37,20 @@ def params_for(
     wy: bool = False,
     grouped: bool = False,
     dv16: bool = False,
+    dqk16: bool = False,
 ) -> tuple:
     """Compile key: the 16-bit dtype of the tiles, (K, V) and `wy`: the WY half (`_wy_grads`)
     in the kernel too (dw stays on chip; dv, dbeta out) or `_output_grads` only (dw out);
     `grouped` (in the key only when set): q, k (B, T, H, K) with H < HV, value head hv reading
     q / k head hv // (HV / H) (no HV-repeated copies); `dv16` (wy only, in the key only when
-    set): dv written in the tiles' 16-bit dtype (the op's cast to v's dtype moved in)."""
+    set): dv written in the tiles' 16-bit dtype (the op's cast to v's dtype moved in); `dqk16`
+    (wy only, in the key only when set): dq, dk written in the tiles' 16-bit dtype, rounded
+    once from the fp32 accumulators (dk's first half kept in fp32 in shared memory for the WY
+    half's terms), dq times the kernel's runtime `scale` argument."""
     if dv16 and not wy:
         raise ValueError("dv16 needs wy (dv is the WY half's output)")
+    if dqk16 and not wy:
+        raise ValueError("dqk16 needs wy (without it dk takes torch's WY terms in fp32)")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
     if tuple(head_dims) not in HEAD_DIMS:
@@ -55,4 +61,6 @@ def params_for(
         key["grouped"] = True
     if dv16:
         key["dv16"] = True
+    if dqk16:
+        key["dqk16"] = True
     return tuple(sorted(key.items()))
