@@ -75,14 +75,14 @@ def stub_kernels(chunk_in_kernel: bool = True, wy_in_kernel: bool = False,
         return (torch.zeros(b, t, hv, dv), torch.zeros(b, nc, hv, dv, dk),
                 torch.zeros(b, hv, dk, dv))  # fmt: skip
 
-    def chunk(do, u, du, q, k, h, dh, big_g):
+    def chunk(do, u, du, q, k, h, dh, big_g, dg=None):
         b, t, hv, dk = q.shape
-        return tuple(torch.zeros(b, t, hv, dk) for _ in range(4))
+        outs = tuple(torch.zeros(b, t, hv, dk) for _ in range(4))
+        return outs if dg is None else (*outs[:3], dg)
 
-    def wy(dw, du, tt, w, k, u, v, beta, big_g):
-        b, t, hv, dk = dw.shape
-        return (torch.zeros(b, t, hv, dk), torch.zeros(b, t, hv, du.shape[-1]),
-                torch.zeros(b, t, hv, dk), torch.zeros(b, t, hv))  # fmt: skip
+    def wy(dw, du, tt, w, k, u, v, beta, big_g, dk, dg):  # adds onto kernel 2's dk, dG
+        b, t, hv, _ = dw.shape
+        return dk, torch.zeros(b, t, hv, du.shape[-1]), dg, torch.zeros(b, t, hv)
 
     def qk(dxs, x, scale, l2norm):
         return torch.zeros_like(x)

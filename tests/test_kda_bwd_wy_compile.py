@@ -7,7 +7,7 @@ the eight sub-chunk blocks of dx and dy (one 64x128x16 each, bf16 for both dtype
 transposed), twelve commit groups; seven TMA tiles (thirteen 64-column boxes) on six
 mbarriers, one a load group (config.LOAD_GROUPS, 2026-12-06; was one barrier pair, 255
 registers, now 254); (beta dA)^T by four transposed stmatrix a thread; three quad row dots (12
-butterfly shuffles)."""
+butterfly shuffles); dk and dG added onto kernel 2's in place (2026-12-06: 254 registers still)."""
 
 from __future__ import annotations
 
@@ -104,6 +104,20 @@ def test_wgmmas_and_tma(compiled, dtype):
     assert ops.count("UTMALDG.4D") == 6 * 2 + 1
     assert ops.count("STSM.16.MT88.4") == 4
     assert ops.count("SHFL.BFLY") == 12
+
+
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
+def test_dk_and_dg_accumulated_in_place(compiled, dtype):
+    """The accumulate form (2026-12-06, next/kda-wy-acc): dk's three terms each a read-modify-
+    write of the thread's fp32 pairs (3 x 32 LDG.E.64; was 2 x 32: the first term a plain
+    store), dG's reverse cumsum reading kernel 2's dG a row (8 more LDG.E: the loop unrolled 8,
+    was 10); stores unchanged (128 STG.E.64: dv's 32, dk's 3 x 32; 10 STG.E); no local memory.
+    Registers stay 254 (REGISTERS)."""
+    _, instrs, _ = compiled(dtype)
+    ops = Counter(op for op, _ in instrs)
+    assert ops["LDG.E.64"] == 3 * 32 and ops["LDG.E"] == 10 + 8
+    assert ops["STG.E.64"] == 4 * 32 and ops["STG.E"] == 10
+    assert not [op for op in ops if op.startswith(("LDL", "STL"))]
 
 
 def _wait_pin(instrs, n, waits):

@@ -173,13 +173,17 @@ CHUNK_IN_KERNEL = True
 NORM_IN_KERNEL = True
 
 
-def _chunk_grads(do, u, du, q, k, h, dh, big_g):
+def _chunk_grads(do, u, du, q, k, h, dh, big_g, dg=None):
     """Kernel 2 (`_output_grads` on WGMMA, every chunk at once): (dq, dk, dw, dG (B, T, HV, K),
-    dG reverse-cumsummed within the chunk) fp32 from `chunk_grad_tiles`' inputs. The CPU tests
-    put the tile emulation here."""
+    dG reverse-cumsummed within the chunk) fp32 from `chunk_grad_tiles`' inputs; dg: the
+    contiguous fp32 buffer dG is written into (the op's `out=` dg, the WY kernel adding its
+    half onto it after), else the launcher's own. The CPU tests put the tile emulation here."""
     from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90.launch import kda_bwd_chunk
 
-    return kda_bwd_chunk(do, u, du, q, k, h, dh, big_g)
+    if dg is None:
+        return kda_bwd_chunk(do, u, du, q, k, h, dh, big_g)
+    outs = tuple(torch.empty_like(dg) for _ in range(3))
+    return kda_bwd_chunk(do, u, du, q, k, h, dh, big_g, out=(*outs, dg))
 
 
 # On since 2026-12-06 (H100: with FACTORS_FROM_FIRST_PASS, the device pass 4.6-5.8x the previous
@@ -190,13 +194,17 @@ def _chunk_grads(do, u, du, q, k, h, dh, big_g):
 WY_IN_KERNEL = True
 
 
-def _wy_kernel(dw, du, tt, w, k, u, v, beta, big_g):
-    """The WY kernel (`_wy_grads` on WGMMA, every chunk at once): (dk (B, T, HV, K), dv (B, T,
-    HV, V), dG (B, T, HV, K) reverse-cumsummed within the chunk, dbeta (B, T, HV)) fp32 from
-    `wy_tiles`' inputs. The CPU tests put the tile emulation here."""
+def _wy_kernel(dw, du, tt, w, k, u, v, beta, big_g, dk, dg):
+    """The WY kernel (`_wy_grads` on WGMMA, every chunk at once) from `wy_tiles`' inputs: its
+    dk and dG (B, T, HV, K, dG reverse-cumsummed within the chunk) ADDED in place onto dk, dg
+    (kernel 2's, contiguous fp32); returns (dk, dv (B, T, HV, V), dg, dbeta (B, T, HV)) fp32.
+    The CPU tests put the tile emulation here."""
     from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.launch import kda_bwd_wy
 
-    return kda_bwd_wy(dw, du, tt, w, k, u, v, beta, big_g)
+    b, t, hv, _ = dw.shape
+    dv = torch.empty(b, t, hv, du.shape[-1], dtype=torch.float32, device=dw.device)
+    dbeta = torch.empty(b, t, hv, dtype=torch.float32, device=dw.device)
+    return kda_bwd_wy(dw, du, tt, w, k, u, v, beta, big_g, out=(dk, dv, dg, dbeta))
 
 
 # On since 2026-12-06 (H100, with WY_IN_KERNEL; docs/linear_attention/NOTES.md "KDA backward
@@ -293,9 +301,9 @@ def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, ops=None, dg_out=None, dg_dtype
         dq, dk, dw, dg = _chunk_grads(*tiles)
         big_g = tiles[7]
         del tiles
-        if WY_IN_KERNEL:  # the WY half on its kernel: dG reverse-cumsummed there too
-            dk_wy, dv, dg_wy, dbeta = _wy_kernel(*wy_tiles(f, dw, d_u, big_g, dtype))
-            return dq, dk + dk_wy, dv, dg + dg_wy, dbeta, dh0
+        if WY_IN_KERNEL:  # the WY half on its kernel, added onto kernel 2's dk, dG there
+            _, dv, _, dbeta = _wy_kernel(*wy_tiles(f, dw, d_u, big_g, dtype), dk, dg)
+            return dq, dk, dv, dg, dbeta, dh0
         del big_g
         dk_wy, dv, dbeta, dg_wy = _wy_grads(f, to_chunks(dw, nc), d_u)
         dg_wy = dg_wy.flip(-2).cumsum(-2).flip(-2)  # the cumsum is linear: added after
@@ -380,20 +388,20 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=tor
     # kernel's launchers read it contiguous (`.contiguous()`): cut to T it is not where B > 1
     # and T is no multiple of 64 (or in a head pass), so made so once here for both
     big_g = ops["big_g"][:, :t].contiguous()
-    dq, dk, dw, dg = _chunk_grads(do, u_c[:, :t], du16, qs, ks, h16, dh16, big_g)
+    # kernel 2 writes dG straight into `dg_out` where that is a contiguous fp32 buffer
+    into = dg_out if dg_out is not None and dg_out.is_contiguous() else None
+    dq, dk, dw, dg = _chunk_grads(do, u_c[:, :t], du16, qs, ks, h16, dh16, big_g, dg=into)
     del u_c, h16, dh16
     wy = (dw.to(dtype), du16, ops["tt"][:, :t], w16[:, :t], ks, u16[:, :t], v, beta, big_g)
-    dk_wy, dv, dg_wy, dbeta = _wy_kernel(*wy)
-    # the two halves summed into kernel 2's buffers (its outputs, ours), or dG into `dg_out`;
-    # dg in the op's dtype `dg_dtype` at once where that is 16-bit (the sum rounded once, as
-    # the cast after it was)
-    if dg_out is not None:
-        dg = torch.add(dg, dg_wy, out=dg_out)
-    elif dg_dtype == dg.dtype:
-        dg = dg.add_(dg_wy)
-    else:
-        dg = torch.add(dg, dg_wy, out=dg_wy.new_empty(dg.shape, dtype=dg_dtype))
-    return dq, dk.add_(dk_wy), dv, dg, dbeta, dh0
+    # the WY kernel adds its dk and dG onto kernel 2's (in place, no torch add); left in torch:
+    # dG's copy into a strided `dg_out`, or its cast to a 16-bit `dg_dtype` (the fp32 sum
+    # rounded once, as before)
+    _, dv, dg, dbeta = _wy_kernel(*wy, dk, dg)
+    if dg_out is not None and into is None:
+        dg = dg_out.copy_(dg)
+    elif dg_out is None and dg_dtype != dg.dtype:
+        dg = dg.to(dg_dtype)
+    return dq, dk, dv, dg, dbeta, dh0
 
 
 def _normalized32(x, scale, l2norm):

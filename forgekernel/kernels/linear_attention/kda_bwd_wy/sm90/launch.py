@@ -37,19 +37,24 @@ def check_inputs(dw, du, tt, w, k, u, v, beta, big_g) -> tuple[int, int, int]:
 
 
 def empty_outputs(dw: torch.Tensor, v: int) -> Outputs:
-    """(dk (B, T, HV, K), dv (B, T, HV, V), dg (B, T, HV, K), dbeta (B, T, HV)) fp32,
+    """(dk (B, T, HV, K), dv (B, T, HV, V), dg (B, T, HV, K), dbeta (B, T, HV)) fp32: dk and
+    dg zero (the kernel adds onto them: alone, the WY half's dk and dG), dv and dbeta
     uninitialized."""
     b, t, hv, kd = dw.shape
 
     def empty(*shape):
         return torch.empty(*shape, dtype=torch.float32, device=dw.device)
 
-    return empty(b, t, hv, kd), empty(b, t, hv, v), empty(b, t, hv, kd), empty(b, t, hv)
+    def zeros(*shape):
+        return torch.zeros(*shape, dtype=torch.float32, device=dw.device)
+
+    return zeros(b, t, hv, kd), empty(b, t, hv, v), zeros(b, t, hv, kd), empty(b, t, hv)
 
 
 def check_outputs(outs, dw: torch.Tensor, v: int) -> None:
-    """`out` as `empty_outputs(dw, v)` would make it (the kernel writes every entry of those
-    shapes: a smaller tensor would be written past its end), else ValueError."""
+    """`out` as `empty_outputs(dw, v)` would make it (the kernel reads and writes every entry of
+    dk and dg and writes every entry of dv and dbeta: a smaller tensor would be accessed past
+    its end), else ValueError."""
     b, t, hv, kd = dw.shape
     shapes = {"dk": (b, t, hv, kd), "dv": (b, t, hv, v), "dg": (b, t, hv, kd), "dbeta": (b, t, hv)}
     if len(outs) != len(shapes):
@@ -61,6 +66,8 @@ def check_outputs(outs, dw: torch.Tensor, v: int) -> None:
                 f"out's {name} must be contiguous float32 {shape} on {dw.device}, "
                 f"got {x.dtype} {tuple(x.shape)} on {x.device}"
             )
+    if outs[0].data_ptr() == outs[2].data_ptr():
+        raise ValueError("out's dk and dg must be distinct tensors (both are accumulated)")
 
 
 def kda_bwd_wy(
@@ -81,7 +88,10 @@ def kda_bwd_wy(
     dbeta, the products as `reference.kda_bwd_wy.wy_grads_model` forms them. dw, w, k (B, T,
     HV, K), du, u, v (B, T, HV, V), tt (B, T, HV, 64: row j of a chunk is column j of T =
     L^-1) in one 16-bit dtype; beta (B, T, HV), big_g (B, T, HV, K) fp32. Returns (dk, dv,
-    dg, dbeta) fp32, written into `out` (contiguous) when given."""
+    dg, dbeta) fp32, written into `out` (contiguous) when given: dk and dg ACCUMULATED (the
+    WY half added onto what they hold: kernel 2's dk and dG on the backward's path; the
+    kernel reads and writes each chunk's rows once, race-free on one stream), dv and dbeta
+    overwritten. Without `out`, dk and dg start at zero (the WY half alone)."""
     b, t, hv = check_inputs(dw, du, tt, w, k, u, v, beta, big_g)
     outs = empty_outputs(dw, du.shape[-1]) if out is None else out
     check_outputs(outs, dw, du.shape[-1])
