@@ -75,10 +75,14 @@ def stub_kernels(chunk_in_kernel: bool = True, wy_in_kernel: bool = False,
         return (torch.zeros(b, t, hv, dv), torch.zeros(b, nc, hv, dv, dk),
                 torch.zeros(b, hv, dk, dv))  # fmt: skip
 
-    def chunk(do, u, du, q, k, h, dh, big_g, dg=None):
+    def chunk(do, u, du, q, k, h, dh, big_g, dw16=False, dg=None):
         b, t, hv, dk = q.shape
-        outs = tuple(torch.zeros(b, t, hv, dk) for _ in range(4))
-        return outs if dg is None else (*outs[:3], dg)
+        outs = [torch.zeros(b, t, hv, dk) for _ in range(4)]
+        if dw16:  # dw in the tiles' dtype (the WY kernel's operand)
+            outs[2] = torch.zeros(b, t, hv, dk, dtype=do.dtype)
+        if dg is not None:
+            outs[3] = dg
+        return tuple(outs)
 
     def wy(dw, du, tt, w, k, u, v, beta, big_g, dk, dg):  # adds onto kernel 2's dk, dG
         b, t, hv, _ = dw.shape

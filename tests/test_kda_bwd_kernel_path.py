@@ -99,7 +99,7 @@ def emulated_chunk_kernel(calls=None):
     """kernel 2's stand-in: `chunk_grads_model` in fp64 on the launcher's inputs (checked as the
     launcher checks them), the block operands rounded to bf16 for 16-bit tiles, fp32 outputs."""
 
-    def run(do, u, du, q, k, h, dh, big_g, dg=None):
+    def run(do, u, du, q, k, h, dh, big_g, dw16=False, dg=None):
         b, t, hv = do.shape[:3]
         for x in (do, u, du, q, k, h, dh):  # strided views allowed (TMA: `as_tma_ready`)
             assert x.stride(-1) == 1 and x.dtype == do.dtype
@@ -114,6 +114,8 @@ def emulated_chunk_kernel(calls=None):
 
         tiles = (x.double() for x in (do, u, du, q, k, h, dh, big_g))
         outs = [x.float() for x in chunk_grads_model(*tiles, rounding if low else None)]
+        if dw16:  # dw in the tiles' dtype, rounded once from the fp32 product (`_store_rows`)
+            outs[2] = outs[2].to(do.dtype)
         if dg is not None:  # dG written into the caller's buffer (the op's `out=` dg)
             assert dg.dtype == torch.float32 and dg.is_contiguous() and dg.shape == outs[3].shape
             outs[3] = dg.copy_(outs[3])

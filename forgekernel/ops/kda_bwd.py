@@ -173,17 +173,18 @@ CHUNK_IN_KERNEL = True
 NORM_IN_KERNEL = True
 
 
-def _chunk_grads(do, u, du, q, k, h, dh, big_g, dg=None):
+def _chunk_grads(do, u, du, q, k, h, dh, big_g, dw16=False, dg=None):
     """Kernel 2 (`_output_grads` on WGMMA, every chunk at once): (dq, dk, dw, dG (B, T, HV, K),
-    dG reverse-cumsummed within the chunk) fp32 from `chunk_grad_tiles`' inputs; dg: the
-    contiguous fp32 buffer dG is written into (the op's `out=` dg, the WY kernel adding its
-    half onto it after), else the launcher's own. The CPU tests put the tile emulation here."""
-    from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90.launch import kda_bwd_chunk
+    dG reverse-cumsummed within the chunk) fp32 from `chunk_grad_tiles`' inputs, dw in do's
+    16-bit dtype with dw16 (the WY kernel's operand); dg: the contiguous fp32 buffer dG is
+    written into (the op's `out=` dg, the WY kernel adding its half onto it after), else the
+    launcher's own. The CPU tests put the tile emulation here."""
+    from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90 import launch
 
     if dg is None:
-        return kda_bwd_chunk(do, u, du, q, k, h, dh, big_g)
-    outs = tuple(torch.empty_like(dg) for _ in range(3))
-    return kda_bwd_chunk(do, u, du, q, k, h, dh, big_g, out=(*outs, dg))
+        return launch.kda_bwd_chunk(do, u, du, q, k, h, dh, big_g, dw16=dw16)
+    dq, dk, dw, _ = launch.empty_outputs(do, q.shape[-1], dw16)
+    return launch.kda_bwd_chunk(do, u, du, q, k, h, dh, big_g, dw16=dw16, out=(dq, dk, dw, dg))
 
 
 # On since 2026-12-06 (H100: with FACTORS_FROM_FIRST_PASS, the device pass 4.6-5.8x the previous
@@ -353,7 +354,7 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=tor
     two launches side by side where both fit one wave (`concurrent_state_launches`: neither
     reads what the other writes); dg_out: the buffer for dG (B, T, HV, K) (the sum of kernel 2's
     and the WY kernel's written there) or None; without it dG comes in `dg_dtype`."""
-    t, dtype = qs.shape[1], do.dtype
+    t = qs.shape[1]
     nc = -(-t // CHUNK)
 
     def chunks(x):  # token-major (B, NC C, HV, D) -> (B, NC, HV, C, D), a view
@@ -390,9 +391,11 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=tor
     big_g = ops["big_g"][:, :t].contiguous()
     # kernel 2 writes dG straight into `dg_out` where that is a contiguous fp32 buffer
     into = dg_out if dg_out is not None and dg_out.is_contiguous() else None
-    dq, dk, dw, dg = _chunk_grads(do, u_c[:, :t], du16, qs, ks, h16, dh16, big_g, dg=into)
+    # dw in the tiles' dtype from kernel 2 (the WY kernel's operand; no cast here)
+    dq, dk, dw, dg = _chunk_grads(do, u_c[:, :t], du16, qs, ks, h16, dh16, big_g, dw16=True,
+                                  dg=into)  # fmt: skip
     del u_c, h16, dh16
-    wy = (dw.to(dtype), du16, ops["tt"][:, :t], w16[:, :t], ks, u16[:, :t], v, beta, big_g)
+    wy = (dw, du16, ops["tt"][:, :t], w16[:, :t], ks, u16[:, :t], v, beta, big_g)
     # the WY kernel adds its dk and dG onto kernel 2's (in place, no torch add); left in torch:
     # dG's copy into a strided `dg_out`, or its cast to a 16-bit `dg_dtype` (the fp32 sum
     # rounded once, as before)
