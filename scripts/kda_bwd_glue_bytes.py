@@ -84,9 +84,10 @@ def stub_kernels(chunk_in_kernel: bool = True, wy_in_kernel: bool = False,
             outs[3] = dg
         return tuple(outs)
 
-    def wy(dw, du, tt, w, k, u, v, beta, big_g, dk, dg):  # adds onto kernel 2's dk, dG
+    def wy(dw, du, tt, w, k, u, v, beta, big_g, dk, dg, dv16=False):  # adds onto dk, dG
         b, t, hv, _ = dw.shape
-        return dk, torch.zeros(b, t, hv, du.shape[-1]), dg, torch.zeros(b, t, hv)
+        dv = torch.zeros(b, t, hv, du.shape[-1], dtype=dw.dtype if dv16 else torch.float32)
+        return dk, dv, dg, torch.zeros(b, t, hv)
 
     def qk(dxs, x, scale, l2norm):
         return torch.zeros_like(x)

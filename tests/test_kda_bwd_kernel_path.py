@@ -130,7 +130,7 @@ def emulated_wy_kernel(calls=None):
     tiles' dtype, the score-gradient blocks' to bf16), fp32 outputs; its dk, dG added in place
     onto kernel 2's (the kernel's read-modify-write)."""
 
-    def run(dw, du, tt, w, k, u, v, beta, big_g, dk, dg):
+    def run(dw, du, tt, w, k, u, v, beta, big_g, dk, dg, dv16=False):
         b, t, hv, kd = dw.shape
         for x in (dw, du, tt, w, k, u, v):  # strided views allowed (TMA: `as_tma_ready`)
             assert x.stride(-1) == 1 and x.dtype == dw.dtype and x.shape[:3] == (b, t, hv)
@@ -146,6 +146,8 @@ def emulated_wy_kernel(calls=None):
         tiles = (x.double() for x in (dw, du, tt, w, k, u, v, beta, big_g))
         m_dk, dv, m_dg, dbeta = (x.float() for x in wy_grads_model(*tiles, dw.dtype if low
                                                                     else None))  # fmt: skip
+        if dv16:  # dv in the tiles' dtype, rounded once from the fp32 rows (`_store_rows`)
+            dv = dv.to(dw.dtype)
         return dk.add_(m_dk), dv, dg.add_(m_dg), dbeta
 
     return run

@@ -206,3 +206,25 @@ def test_launcher_accumulates_into_dk_and_dg(monkeypatch):
     assert (dk == 1.0).all() and (dg == 2.0).all()  # untouched by the launcher
     fresh = launch.kda_bwd_wy(*tiles)
     assert not fresh[0].any() and not fresh[2].any()
+
+
+def test_launcher_dv16(monkeypatch):
+    """`dv16`: dv in dw's 16-bit dtype from `empty_outputs` and in the compile key (absent
+    without it); an `out` whose dv's dtype disagrees with dv16 raises before any launch."""
+    from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90 import launch
+
+    keys = []
+    monkeypatch.setattr(launch, "get_kernel", lambda spec, key: keys.append(dict(key)) or
+                        (lambda *a: None))  # fmt: skip
+    tiles = _tiles()
+    outs = launch.kda_bwd_wy(*tiles, dv16=True)
+    assert outs[1].dtype == torch.bfloat16 and keys[-1].get("dv16") is True
+    assert [outs[i].dtype for i in (0, 2, 3)] == [torch.float32] * 3
+    launch.kda_bwd_wy(*tiles)
+    assert "dv16" not in keys[-1]
+    n = len(keys)
+    with pytest.raises(ValueError, match=r"out's dv must be contiguous bfloat16.*dv16"):
+        launch.kda_bwd_wy(*tiles, dv16=True, out=launch.empty_outputs(tiles[0], 128))
+    with pytest.raises(ValueError, match="out's dv must be contiguous float32"):
+        launch.kda_bwd_wy(*tiles, out=launch.empty_outputs(tiles[0], 128, dv16=True))
+    assert len(keys) == n

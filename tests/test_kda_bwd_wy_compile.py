@@ -45,9 +45,9 @@ SMEM = 196608
 def compiled():
     cache = {}
 
-    def get(dtype):
-        if dtype not in cache:
-            params = dict(config.params_for(dtype))
+    def get(dtype, dv16=False):
+        if (dtype, dv16) not in cache:
+            params = dict(config.params_for(dtype, dv16=dv16))
             kernel = kernel_for(params)
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_kda_bwd_wy(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
@@ -58,15 +58,35 @@ def compiled():
                     cubin = Path(d, "k.cubin")
                 res = inspect_cubin(cubin)
                 sass = sass_text(cubin)
-            cache[dtype] = (res, sass_instructions(sass), kernel.shared_storage.size_in_bytes())
-        return cache[dtype]
+            cache[dtype, dv16] = (res, sass_instructions(sass),
+                                  kernel.shared_storage.size_in_bytes())  # fmt: skip
+        return cache[dtype, dv16]
 
     return get
 
 
 def test_standard_params():
     assert SPEC.name == "kda_bwd_wy_sm90"
-    assert [dict(p)["dtype"] for p in SPEC.standard_params()] == list(config.DTYPES)
+    keys = [(dict(p)["dtype"], dict(p).get("dv16", False)) for p in SPEC.standard_params()]
+    assert keys == [(d, v) for v in (False, True) for d in config.DTYPES]
+    assert "dv16" not in dict(config.params_for("bfloat16"))  # the old key unchanged
+
+
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
+def test_dv16_stores_dv_in_16_bits(compiled, dtype):
+    """`dv16` (2026-12-06, next/kda-wy-acc: the op's cast of dv to v's 16-bit dtype moved in):
+    dv's 64 values a thread leave as 32 packed 16-bit pairs (STG.E) instead of 32 fp32 pairs
+    (STG.E.64); dk's stores and every load unchanged; registers as without it (REGISTERS),
+    nothing spilled."""
+    res, instrs, _ = compiled(dtype, dv16=True)
+    _, base, _ = compiled(dtype)
+    ops, ops0 = (Counter(op for op, _ in x) for x in (instrs, base))
+    assert ops0["STG.E.64"] == 4 * 32 and ops["STG.E.64"] == 3 * 32
+    assert ops["STG.E"] == ops0["STG.E"] + 32
+    assert ops["LDG.E"] == ops0["LDG.E"] and ops["LDG.E.64"] == ops0["LDG.E.64"]
+    assert res["spill_bytes"] == 0 and not [op for op in ops if op.startswith(("LDL", "STL"))]
+    if dsl_toolchain() == "cu13":
+        assert res["registers"] == REGISTERS
 
 
 # CI: the first dtype's compile (~6 s of a CPU, 2026-12-06), read by this test and the next two;

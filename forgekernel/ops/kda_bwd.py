@@ -195,17 +195,18 @@ def _chunk_grads(do, u, du, q, k, h, dh, big_g, dw16=False, dg=None):
 WY_IN_KERNEL = True
 
 
-def _wy_kernel(dw, du, tt, w, k, u, v, beta, big_g, dk, dg):
+def _wy_kernel(dw, du, tt, w, k, u, v, beta, big_g, dk, dg, dv16=False):
     """The WY kernel (`_wy_grads` on WGMMA, every chunk at once) from `wy_tiles`' inputs: its
     dk and dG (B, T, HV, K, dG reverse-cumsummed within the chunk) ADDED in place onto dk, dg
-    (kernel 2's, contiguous fp32); returns (dk, dv (B, T, HV, V), dg, dbeta (B, T, HV)) fp32.
-    The CPU tests put the tile emulation here."""
+    (kernel 2's, contiguous fp32); returns (dk, dv (B, T, HV, V), dg, dbeta (B, T, HV)) fp32,
+    dv in the tiles' 16-bit dtype with dv16. The CPU tests put the tile emulation here."""
     from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.launch import kda_bwd_wy
 
     b, t, hv, _ = dw.shape
-    dv = torch.empty(b, t, hv, du.shape[-1], dtype=torch.float32, device=dw.device)
+    dv = torch.empty(b, t, hv, du.shape[-1], dtype=dw.dtype if dv16 else torch.float32,
+                     device=dw.device)  # fmt: skip
     dbeta = torch.empty(b, t, hv, dtype=torch.float32, device=dw.device)
-    return kda_bwd_wy(dw, du, tt, w, k, u, v, beta, big_g, out=(dk, dv, dg, dbeta))
+    return kda_bwd_wy(dw, du, tt, w, k, u, v, beta, big_g, dv16=dv16, out=(dk, dv, dg, dbeta))
 
 
 # On since 2026-12-06 (H100, with WY_IN_KERNEL; docs/linear_attention/NOTES.md "KDA backward
@@ -269,16 +270,18 @@ def _reverse_tiles(f, dtype):
     return tuple(to_tokens(x.to(dtype)) for x in (f.p.transpose(-1, -2), f.ke, f.qe, f.w))
 
 
-def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, ops=None, dg_out=None, dg_dtype=torch.float32):
+def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, ops=None, dg_out=None, dg_dtype=torch.float32,
+                dv_dtype=torch.float32):  # fmt: skip
     """Value heads of one pass, everything per value head: qs (scaled), ks (B, T, HV, K), v, do
     (B, T, HV, V), g (B, T, HV, K), beta (B, T, HV) fp32 except do (16-bit: the tiles' dtype);
     h0, dht (B, HV, K, V) fp32 or None; ops: this pass's heads of `_first_pass_ops` or None
     (the factors in torch) -> (dqs, dks (B, T, HV, K), dv, dg (B, T, HV, K), dbeta, dh0) fp32.
     On the device pass (`_on_device`) qs, ks and v come in do's 16-bit dtype and dG goes into
-    dg_out where given (`_device_pass`; the other paths ignore it)."""
+    dg_out where given and dv in `dv_dtype` where that is do's (`_device_pass`; the other
+    paths ignore both)."""
     t, dtype = qs.shape[1], do.dtype
     if ops is not None and _on_device(dtype):
-        return _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out, dg_dtype)
+        return _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out, dg_dtype, dv_dtype)
     if ops is None:  # (B, NC, HV, C, ...) fp32, sub-chunked
         f = chunk_factors(qs, ks, v, g, beta, _Factors)
     else:
@@ -342,7 +345,8 @@ def _chunk_products(a, x, nc):
     return out
 
 
-def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=torch.float32):
+def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=torch.float32,
+                 dv_dtype=torch.float32):  # fmt: skip
     """`_chunk_pass` with kernel 1 writing kernel 2's 16-bit forms (`out16`), as Gated DeltaNet's
     `_device_pass`: W = (T diag(beta)) Kg and u = (T diag(beta)) V from the first pass's rows
     (`_chunk_products`, the only factors formed here), kernel 1's forward launch (`forward`: I and
@@ -353,8 +357,10 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=tor
     (B, T, HV) fp32; ops: `_first_pass_ops`' pass of heads, with `tt` and `big_g`. Kernel 1's
     two launches side by side where both fit one wave (`concurrent_state_launches`: neither
     reads what the other writes); dg_out: the buffer for dG (B, T, HV, K) (the sum of kernel 2's
-    and the WY kernel's written there) or None; without it dG comes in `dg_dtype`."""
-    t = qs.shape[1]
+    and the WY kernel's written there) or None; without it dG comes in `dg_dtype`. dv comes
+    in do's 16-bit dtype straight from the WY kernel where `dv_dtype` is that (the op's v
+    16-bit: no cast after), else fp32."""
+    t, dtype = qs.shape[1], do.dtype
     nc = -(-t // CHUNK)
 
     def chunks(x):  # token-major (B, NC C, HV, D) -> (B, NC, HV, C, D), a view
@@ -399,7 +405,7 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=tor
     # the WY kernel adds its dk and dG onto kernel 2's (in place, no torch add); left in torch:
     # dG's copy into a strided `dg_out`, or its cast to a 16-bit `dg_dtype` (the fp32 sum
     # rounded once, as before)
-    _, dv, dg, dbeta = _wy_kernel(*wy, dk, dg)
+    _, dv, dg, dbeta = _wy_kernel(*wy, dk, dg, dv16=dv_dtype == dtype)
     if dg_out is not None and into is None:
         dg = dg_out.copy_(dg)
     elif dg_out is None and dg_dtype != dg.dtype:
@@ -460,7 +466,8 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
                   for x in (initial_state, d_final))  # fmt: skip
         mine = None if ops is None else {n: x[:, :, vh] for n, x in ops.items()}
         parts.append(_chunk_pass(qs, ks, *(x[:, :, vh] for x in v_side), *states, ops=mine,
-                                 dg_out=dg_out, dg_dtype=g.dtype))  # fmt: skip
+                                 dg_out=dg_out, dg_dtype=g.dtype,
+                                 dv_dtype=v.dtype))  # fmt: skip
     del qn, kn
     dqs, dks, dv, dbeta, dh0 = (_joined(parts, i, None) for i in (0, 1, 2, 4, 5))
     dg = _joined(parts, 3, outs[3])

@@ -48,7 +48,7 @@ def _problem_128(b, t, hv, g_range=(-5.0, 0.0), group=1, seed=0):
     return problem(b, t, hv, dk=128, dv=128, group=group, g_range=g_range, seed=seed)
 
 
-def _launch(p, dtype, strided=False, base=None):
+def _launch(p, dtype, strided=False, base=None, dv16=False):
     """The kernel on problem p's tiles in `dtype` on the GPU: dv, dbeta NaN-poisoned first, dk
     and dg (its accumulators) zero, or `base` (dk0, dg0: kernel 2's stand-ins) copied in."""
     f, dw, d_u, g = p
@@ -57,11 +57,25 @@ def _launch(p, dtype, strided=False, base=None):
     tiles = [x.to(DEVICE) for x in tiles]
     if strided:  # token tiles as every other half of a wider buffer
         tiles[:7] = [torch.cat([x, x], dim=-1)[..., : x.shape[-1]] for x in tiles[:7]]
-    out = launch.empty_outputs(tiles[0], 128)
+    out = launch.empty_outputs(tiles[0], 128, dv16)
     out[1].fill_(float("nan")), out[3].fill_(float("nan"))
     if base is not None:
         out[0].copy_(base[0]), out[2].copy_(base[1])
-    return tuple(x.cpu() for x in launch.kda_bwd_wy(*tiles, out=out))
+    return tuple(x.cpu() for x in launch.kda_bwd_wy(*tiles, dv16=dv16, out=out))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("b", "t", "hv"), [(1, 1, 1), (2, 130, 3), (1, 1000, 2)])
+def test_dv16_is_the_fp32_dv_rounded(dtype, b, t, hv):
+    """dv16 (the device pass's key with a 16-bit v, next/kda-wy-acc): dv in `dtype`, bit-equal
+    to the fp32 call's dv rounded to nearest (the same rows, converted at the store); dk, dg,
+    dbeta bit-identical; nothing left unwritten."""
+    p = _problem_128(b, t, hv, seed=t + 2 * hv)
+    base, low = _launch(p, dtype), _launch(p, dtype, dv16=True)
+    assert low[1].dtype == dtype and not torch.isnan(low[1]).any()
+    torch.testing.assert_close(low[1], base[1].to(dtype), rtol=0, atol=0)
+    for i in (0, 2, 3):
+        torch.testing.assert_close(low[i], base[i], rtol=0, atol=0)
 
 
 def _close(name, got, want, tol):
@@ -127,10 +141,12 @@ def test_launcher_checks():
 
 
 def _poisoned_wy_kernel(calls):
-    def run(dw, du, tt, w, k, u, v, beta, big_g, dk, dg):  # dk, dg: kernel 2's, accumulated
-        _, dv, _, dbeta = (x.fill_(float("nan")) for x in launch.empty_outputs(dw, du.shape[-1]))
+    def run(dw, du, tt, w, k, u, v, beta, big_g, dk, dg, dv16=False):  # dk, dg: accumulated
+        _, dv, _, dbeta = (x.fill_(float("nan"))
+                           for x in launch.empty_outputs(dw, du.shape[-1], dv16))  # fmt: skip
         calls.append(tuple(dw.shape))
-        return launch.kda_bwd_wy(dw, du, tt, w, k, u, v, beta, big_g, out=(dk, dv, dg, dbeta))
+        return launch.kda_bwd_wy(dw, du, tt, w, k, u, v, beta, big_g, dv16=dv16,
+                                 out=(dk, dv, dg, dbeta))  # fmt: skip
 
     return run
 

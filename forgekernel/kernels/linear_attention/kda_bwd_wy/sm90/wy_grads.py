@@ -141,8 +141,11 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         read and written: the WY half's dk and dG (the reverse cumsum within the chunk done)
         ADDED onto what they hold (kernel 2's dk, dG: each CTA reads and writes only its own
         chunk's rows of its value head, grid (NC, HV, B) as kernel 2's, and kernel 2 has
-        finished on the stream: no atomics); mDV (B, T, HV, V), mDB (B, T, HV) written."""
+        finished on the stream: no atomics); mDV (B, T, HV, V: fp32, or the tiles' 16-bit
+        dtype with `dv16`, rounded once by `_store_rows`), mDB (B, T, HV) written."""
         self.dtype = mDW.element_type
+        if const_expr(mDV.element_type != Float32 and mDV.element_type != self.dtype):
+            raise TypeError(f"dv must be fp32 or the tiles' dtype, got {mDV.element_type}")
         for t in (mDU, mTt, mW, mK, mU, mV):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"the 16-bit tiles must share one dtype, got {t.element_type}")
