@@ -75,14 +75,19 @@ def stub_kernels(chunk_in_kernel: bool = True, wy_in_kernel: bool = False,
         return (torch.zeros(b, t, hv, dv), torch.zeros(b, nc, hv, dv, dk),
                 torch.zeros(b, hv, dk, dv))  # fmt: skip
 
-    def chunk(do, u, du, q, k, h, dh, big_g):
+    def chunk(do, u, du, q, k, h, dh, big_g, dw16=False, dg=None):
         b, t, hv, dk = q.shape
-        return tuple(torch.zeros(b, t, hv, dk) for _ in range(4))
+        outs = [torch.zeros(b, t, hv, dk) for _ in range(4)]
+        if dw16:  # dw in the tiles' dtype (the WY kernel's operand)
+            outs[2] = torch.zeros(b, t, hv, dk, dtype=do.dtype)
+        if dg is not None:
+            outs[3] = dg
+        return tuple(outs)
 
-    def wy(dw, du, tt, w, k, u, v, beta, big_g):
-        b, t, hv, dk = dw.shape
-        return (torch.zeros(b, t, hv, dk), torch.zeros(b, t, hv, du.shape[-1]),
-                torch.zeros(b, t, hv, dk), torch.zeros(b, t, hv))  # fmt: skip
+    def wy(dw, du, tt, w, k, u, v, beta, big_g, dk, dg, dv16=False):  # adds onto dk, dG
+        b, t, hv, _ = dw.shape
+        dv = torch.zeros(b, t, hv, du.shape[-1], dtype=dw.dtype if dv16 else torch.float32)
+        return dk, dv, dg, torch.zeros(b, t, hv)
 
     def qk(dxs, x, scale, l2norm):
         return torch.zeros_like(x)

@@ -43,9 +43,9 @@ SMEM = 202752
 def compiled():
     cache = {}
 
-    def get(dtype):
-        if dtype not in cache:
-            params = dict(config.params_for(dtype))
+    def get(dtype, dw16=False):
+        if (dtype, dw16) not in cache:
+            params = dict(config.params_for(dtype, dw16=dw16))
             kernel = kernel_for(params)
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_kda_bwd_chunk(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
@@ -56,15 +56,35 @@ def compiled():
                     cubin = Path(d, "k.cubin")
                 res = inspect_cubin(cubin)
                 sass = sass_text(cubin)
-            cache[dtype] = (res, sass_instructions(sass), kernel.shared_storage.size_in_bytes())
-        return cache[dtype]
+            cache[dtype, dw16] = (res, sass_instructions(sass),
+                                  kernel.shared_storage.size_in_bytes())  # fmt: skip
+        return cache[dtype, dw16]
 
     return get
 
 
 def test_standard_params():
     assert SPEC.name == "kda_bwd_chunk_sm90"
-    assert [dict(p)["dtype"] for p in SPEC.standard_params()] == list(config.DTYPES)
+    keys = [(dict(p)["dtype"], dict(p).get("dw16", False)) for p in SPEC.standard_params()]
+    assert keys == [(d, w) for w in (False, True) for d in config.DTYPES]
+    assert "dw16" not in dict(config.params_for("bfloat16"))  # the old key unchanged
+
+
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
+def test_dw16_stores_dw_in_16_bits(compiled, dtype):
+    """`dw16` (2026-12-06, next/kda-wy-acc: the WY kernel's operand, the op's cast moved in):
+    dw's 64 values a thread leave as 32 packed 16-bit pairs (STG.E) instead of 32 fp32 pairs
+    (STG.E.64); dq's and dk's 2 x 32 STG.E.64 and the rest unchanged; registers as without it
+    (REGISTERS), nothing spilled."""
+    res, instrs, _ = compiled(dtype, dw16=True)
+    _, base, _ = compiled(dtype)
+    ops, ops0 = (Counter(op for op, _ in x) for x in (instrs, base))
+    assert ops0["STG.E.64"] == 3 * 32 and ops["STG.E.64"] == 2 * 32
+    assert ops["STG.E"] == ops0["STG.E"] + 32
+    assert ops["LDG.E"] == ops0["LDG.E"]
+    assert res["spill_bytes"] == 0 and not [op for op in ops if op.startswith(("LDL", "STL"))]
+    if dsl_toolchain() == "cu13":
+        assert res["registers"] == REGISTERS
 
 
 # CI: the first dtype's compile, read by this test and the next two; the other's is slow (~7 s

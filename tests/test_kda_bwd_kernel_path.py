@@ -102,7 +102,7 @@ def emulated_chunk_kernel(calls=None):
     """kernel 2's stand-in: `chunk_grads_model` in fp64 on the launcher's inputs (checked as the
     launcher checks them), the block operands rounded to bf16 for 16-bit tiles, fp32 outputs."""
 
-    def run(do, u, du, q, k, h, dh, big_g):
+    def run(do, u, du, q, k, h, dh, big_g, dw16=False, dg=None):
         b, t, hv = do.shape[:3]
         for x in (do, u, du, q, k, h, dh):  # strided views allowed (TMA: `as_tma_ready`)
             assert x.stride(-1) == 1 and x.dtype == do.dtype
@@ -116,7 +116,13 @@ def emulated_chunk_kernel(calls=None):
             return x.to(torch.bfloat16).to(x.dtype)
 
         tiles = (x.double() for x in (do, u, du, q, k, h, dh, big_g))
-        return tuple(x.float() for x in chunk_grads_model(*tiles, rounding if low else None))
+        outs = [x.float() for x in chunk_grads_model(*tiles, rounding if low else None)]
+        if dw16:  # dw in the tiles' dtype, rounded once from the fp32 product (`_store_rows`)
+            outs[2] = outs[2].to(do.dtype)
+        if dg is not None:  # dG written into the caller's buffer (the op's `out=` dg)
+            assert dg.dtype == torch.float32 and dg.is_contiguous() and dg.shape == outs[3].shape
+            outs[3] = dg.copy_(outs[3])
+        return tuple(outs)
 
     return run
 
@@ -124,9 +130,10 @@ def emulated_chunk_kernel(calls=None):
 def emulated_wy_kernel(calls=None):
     """the WY kernel's stand-in: `wy_grads_model` in fp64 on the launcher's inputs (checked as
     the launcher checks them), the on-chip operands rounded for 16-bit tiles (dvb, dkb to the
-    tiles' dtype, the score-gradient blocks' to bf16), fp32 outputs."""
+    tiles' dtype, the score-gradient blocks' to bf16), fp32 outputs; its dk, dG added in place
+    onto kernel 2's (the kernel's read-modify-write)."""
 
-    def run(dw, du, tt, w, k, u, v, beta, big_g):
+    def run(dw, du, tt, w, k, u, v, beta, big_g, dk, dg, dv16=False):
         b, t, hv, kd = dw.shape
         for x in (dw, du, tt, w, k, u, v):  # strided views allowed (TMA: `as_tma_ready`)
             assert x.stride(-1) == 1 and x.dtype == dw.dtype and x.shape[:3] == (b, t, hv)
@@ -136,8 +143,15 @@ def emulated_wy_kernel(calls=None):
         if calls is not None:
             calls.append(dw.dtype)
         low = dw.dtype in (torch.float16, torch.bfloat16)
+        for x in (dk, dg):  # kernel 2's dk, dG: the WY half added onto them in place
+            assert x.dtype == torch.float32 and x.is_contiguous() and x.shape == dw.shape
+        assert dk.data_ptr() != dg.data_ptr()
         tiles = (x.double() for x in (dw, du, tt, w, k, u, v, beta, big_g))
-        return tuple(x.float() for x in wy_grads_model(*tiles, dw.dtype if low else None))
+        m_dk, dv, m_dg, dbeta = (x.float() for x in wy_grads_model(*tiles, dw.dtype if low
+                                                                    else None))  # fmt: skip
+        if dv16:  # dv in the tiles' dtype, rounded once from the fp32 rows (`_store_rows`)
+            dv = dv.to(dw.dtype)
+        return dk.add_(m_dk), dv, dg.add_(m_dg), dbeta
 
     return run
 

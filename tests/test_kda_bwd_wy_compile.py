@@ -7,7 +7,7 @@ the eight sub-chunk blocks of dx and dy (one 64x128x16 each, bf16 for both dtype
 transposed), twelve commit groups; seven TMA tiles (thirteen 64-column boxes) on six
 mbarriers, one a load group (config.LOAD_GROUPS, 2026-12-06; was one barrier pair, 255
 registers, now 254); (beta dA)^T by four transposed stmatrix a thread; three quad row dots (12
-butterfly shuffles)."""
+butterfly shuffles); dk and dG added onto kernel 2's in place (2026-12-06: 254 registers still)."""
 
 from __future__ import annotations
 
@@ -45,9 +45,9 @@ SMEM = 196608
 def compiled():
     cache = {}
 
-    def get(dtype):
-        if dtype not in cache:
-            params = dict(config.params_for(dtype))
+    def get(dtype, dv16=False):
+        if (dtype, dv16) not in cache:
+            params = dict(config.params_for(dtype, dv16=dv16))
             kernel = kernel_for(params)
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_kda_bwd_wy(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
@@ -58,15 +58,35 @@ def compiled():
                     cubin = Path(d, "k.cubin")
                 res = inspect_cubin(cubin)
                 sass = sass_text(cubin)
-            cache[dtype] = (res, sass_instructions(sass), kernel.shared_storage.size_in_bytes())
-        return cache[dtype]
+            cache[dtype, dv16] = (res, sass_instructions(sass),
+                                  kernel.shared_storage.size_in_bytes())  # fmt: skip
+        return cache[dtype, dv16]
 
     return get
 
 
 def test_standard_params():
     assert SPEC.name == "kda_bwd_wy_sm90"
-    assert [dict(p)["dtype"] for p in SPEC.standard_params()] == list(config.DTYPES)
+    keys = [(dict(p)["dtype"], dict(p).get("dv16", False)) for p in SPEC.standard_params()]
+    assert keys == [(d, v) for v in (False, True) for d in config.DTYPES]
+    assert "dv16" not in dict(config.params_for("bfloat16"))  # the old key unchanged
+
+
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
+def test_dv16_stores_dv_in_16_bits(compiled, dtype):
+    """`dv16` (2026-12-06, next/kda-wy-acc: the op's cast of dv to v's 16-bit dtype moved in):
+    dv's 64 values a thread leave as 32 packed 16-bit pairs (STG.E) instead of 32 fp32 pairs
+    (STG.E.64); dk's stores and every load unchanged; registers as without it (REGISTERS),
+    nothing spilled."""
+    res, instrs, _ = compiled(dtype, dv16=True)
+    _, base, _ = compiled(dtype)
+    ops, ops0 = (Counter(op for op, _ in x) for x in (instrs, base))
+    assert ops0["STG.E.64"] == 4 * 32 and ops["STG.E.64"] == 3 * 32
+    assert ops["STG.E"] == ops0["STG.E"] + 32
+    assert ops["LDG.E"] == ops0["LDG.E"] and ops["LDG.E.64"] == ops0["LDG.E.64"]
+    assert res["spill_bytes"] == 0 and not [op for op in ops if op.startswith(("LDL", "STL"))]
+    if dsl_toolchain() == "cu13":
+        assert res["registers"] == REGISTERS
 
 
 # CI: the first dtype's compile (~6 s of a CPU, 2026-12-06), read by this test and the next two;
@@ -104,6 +124,20 @@ def test_wgmmas_and_tma(compiled, dtype):
     assert ops.count("UTMALDG.4D") == 6 * 2 + 1
     assert ops.count("STSM.16.MT88.4") == 4
     assert ops.count("SHFL.BFLY") == 12
+
+
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
+def test_dk_and_dg_accumulated_in_place(compiled, dtype):
+    """The accumulate form (2026-12-06, next/kda-wy-acc): dk's three terms each a read-modify-
+    write of the thread's fp32 pairs (3 x 32 LDG.E.64; was 2 x 32: the first term a plain
+    store), dG's reverse cumsum reading kernel 2's dG a row (8 more LDG.E: the loop unrolled 8,
+    was 10); stores unchanged (128 STG.E.64: dv's 32, dk's 3 x 32; 10 STG.E); no local memory.
+    Registers stay 254 (REGISTERS)."""
+    _, instrs, _ = compiled(dtype)
+    ops = Counter(op for op, _ in instrs)
+    assert ops["LDG.E.64"] == 3 * 32 and ops["LDG.E"] == 10 + 8
+    assert ops["STG.E.64"] == 4 * 32 and ops["STG.E"] == 10
+    assert not [op for op in ops if op.startswith(("LDL", "STL"))]
 
 
 def _wait_pin(instrs, n, waits):

@@ -173,13 +173,18 @@ CHUNK_IN_KERNEL = True
 NORM_IN_KERNEL = True
 
 
-def _chunk_grads(do, u, du, q, k, h, dh, big_g):
+def _chunk_grads(do, u, du, q, k, h, dh, big_g, dw16=False, dg=None):
     """Kernel 2 (`_output_grads` on WGMMA, every chunk at once): (dq, dk, dw, dG (B, T, HV, K),
-    dG reverse-cumsummed within the chunk) fp32 from `chunk_grad_tiles`' inputs. The CPU tests
-    put the tile emulation here."""
-    from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90.launch import kda_bwd_chunk
+    dG reverse-cumsummed within the chunk) fp32 from `chunk_grad_tiles`' inputs, dw in do's
+    16-bit dtype with dw16 (the WY kernel's operand); dg: the contiguous fp32 buffer dG is
+    written into (the op's `out=` dg, the WY kernel adding its half onto it after), else the
+    launcher's own. The CPU tests put the tile emulation here."""
+    from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90 import launch
 
-    return kda_bwd_chunk(do, u, du, q, k, h, dh, big_g)
+    if dg is None:
+        return launch.kda_bwd_chunk(do, u, du, q, k, h, dh, big_g, dw16=dw16)
+    dq, dk, dw, _ = launch.empty_outputs(do, q.shape[-1], dw16)
+    return launch.kda_bwd_chunk(do, u, du, q, k, h, dh, big_g, dw16=dw16, out=(dq, dk, dw, dg))
 
 
 # On since 2026-12-06 (H100: with FACTORS_FROM_FIRST_PASS, the device pass 4.6-5.8x the previous
@@ -190,13 +195,18 @@ def _chunk_grads(do, u, du, q, k, h, dh, big_g):
 WY_IN_KERNEL = True
 
 
-def _wy_kernel(dw, du, tt, w, k, u, v, beta, big_g):
-    """The WY kernel (`_wy_grads` on WGMMA, every chunk at once): (dk (B, T, HV, K), dv (B, T,
-    HV, V), dG (B, T, HV, K) reverse-cumsummed within the chunk, dbeta (B, T, HV)) fp32 from
-    `wy_tiles`' inputs. The CPU tests put the tile emulation here."""
+def _wy_kernel(dw, du, tt, w, k, u, v, beta, big_g, dk, dg, dv16=False):
+    """The WY kernel (`_wy_grads` on WGMMA, every chunk at once) from `wy_tiles`' inputs: its
+    dk and dG (B, T, HV, K, dG reverse-cumsummed within the chunk) ADDED in place onto dk, dg
+    (kernel 2's, contiguous fp32); returns (dk, dv (B, T, HV, V), dg, dbeta (B, T, HV)) fp32,
+    dv in the tiles' 16-bit dtype with dv16. The CPU tests put the tile emulation here."""
     from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.launch import kda_bwd_wy
 
-    return kda_bwd_wy(dw, du, tt, w, k, u, v, beta, big_g)
+    b, t, hv, _ = dw.shape
+    dv = torch.empty(b, t, hv, du.shape[-1], dtype=dw.dtype if dv16 else torch.float32,
+                     device=dw.device)  # fmt: skip
+    dbeta = torch.empty(b, t, hv, dtype=torch.float32, device=dw.device)
+    return kda_bwd_wy(dw, du, tt, w, k, u, v, beta, big_g, dv16=dv16, out=(dk, dv, dg, dbeta))
 
 
 # On since 2026-12-06 (H100, with WY_IN_KERNEL; docs/linear_attention/NOTES.md "KDA backward
@@ -260,16 +270,18 @@ def _reverse_tiles(f, dtype):
     return tuple(to_tokens(x.to(dtype)) for x in (f.p.transpose(-1, -2), f.ke, f.qe, f.w))
 
 
-def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, ops=None, dg_out=None, dg_dtype=torch.float32):
+def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, ops=None, dg_out=None, dg_dtype=torch.float32,
+                dv_dtype=torch.float32):  # fmt: skip
     """Value heads of one pass, everything per value head: qs (scaled), ks (B, T, HV, K), v, do
     (B, T, HV, V), g (B, T, HV, K), beta (B, T, HV) fp32 except do (16-bit: the tiles' dtype);
     h0, dht (B, HV, K, V) fp32 or None; ops: this pass's heads of `_first_pass_ops` or None
     (the factors in torch) -> (dqs, dks (B, T, HV, K), dv, dg (B, T, HV, K), dbeta, dh0) fp32.
     On the device pass (`_on_device`) qs, ks and v come in do's 16-bit dtype and dG goes into
-    dg_out where given (`_device_pass`; the other paths ignore it)."""
+    dg_out where given and dv in `dv_dtype` where that is do's (`_device_pass`; the other
+    paths ignore both)."""
     t, dtype = qs.shape[1], do.dtype
     if ops is not None and _on_device(dtype):
-        return _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out, dg_dtype)
+        return _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out, dg_dtype, dv_dtype)
     if ops is None:  # (B, NC, HV, C, ...) fp32, sub-chunked
         f = chunk_factors(qs, ks, v, g, beta, _Factors)
     else:
@@ -293,9 +305,9 @@ def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, ops=None, dg_out=None, dg_dtype
         dq, dk, dw, dg = _chunk_grads(*tiles)
         big_g = tiles[7]
         del tiles
-        if WY_IN_KERNEL:  # the WY half on its kernel: dG reverse-cumsummed there too
-            dk_wy, dv, dg_wy, dbeta = _wy_kernel(*wy_tiles(f, dw, d_u, big_g, dtype))
-            return dq, dk + dk_wy, dv, dg + dg_wy, dbeta, dh0
+        if WY_IN_KERNEL:  # the WY half on its kernel, added onto kernel 2's dk, dG there
+            _, dv, _, dbeta = _wy_kernel(*wy_tiles(f, dw, d_u, big_g, dtype), dk, dg)
+            return dq, dk, dv, dg, dbeta, dh0
         del big_g
         dk_wy, dv, dbeta, dg_wy = _wy_grads(f, to_chunks(dw, nc), d_u)
         dg_wy = dg_wy.flip(-2).cumsum(-2).flip(-2)  # the cumsum is linear: added after
@@ -333,7 +345,8 @@ def _chunk_products(a, x, nc):
     return out
 
 
-def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=torch.float32):
+def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=torch.float32,
+                 dv_dtype=torch.float32):  # fmt: skip
     """`_chunk_pass` with kernel 1 writing kernel 2's 16-bit forms (`out16`), as Gated DeltaNet's
     `_device_pass`: W = (T diag(beta)) Kg and u = (T diag(beta)) V from the first pass's rows
     (`_chunk_products`, the only factors formed here), kernel 1's forward launch (`forward`: I,
@@ -344,7 +357,9 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=tor
     HV, K), beta (B, T, HV) fp32; ops: `_first_pass_ops`' pass of heads, with `tt` and `big_g`.
     Kernel 1's two launches side by side where both fit one wave (`concurrent_state_launches`:
     neither reads what the other writes); dg_out: the buffer for dG (B, T, HV, K) (the sum of
-    kernel 2's and the WY kernel's written there) or None; without it dG comes in `dg_dtype`."""
+    kernel 2's and the WY kernel's written there) or None; without it dG comes in `dg_dtype`.
+    dv comes in do's 16-bit dtype straight from the WY kernel where `dv_dtype` is that (the
+    op's v 16-bit: no cast after), else fp32."""
     t, dtype = qs.shape[1], do.dtype
     nc = -(-t // CHUNK)
 
@@ -374,20 +389,22 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=tor
     # kernel's launchers read it contiguous (`.contiguous()`): cut to T it is not where B > 1
     # and T is no multiple of 64 (or in a head pass), so made so once here for both
     big_g = ops["big_g"][:, :t].contiguous()
-    dq, dk, dw, dg = _chunk_grads(do, u_c[:, :t], du16, qs, ks, h16, dh16, big_g)
+    # kernel 2 writes dG straight into `dg_out` where that is a contiguous fp32 buffer
+    into = dg_out if dg_out is not None and dg_out.is_contiguous() else None
+    # dw in the tiles' dtype from kernel 2 (the WY kernel's operand; no cast here)
+    dq, dk, dw, dg = _chunk_grads(do, u_c[:, :t], du16, qs, ks, h16, dh16, big_g, dw16=True,
+                                  dg=into)  # fmt: skip
     del u_c, h16, dh16
-    wy = (dw.to(dtype), du16, ops["tt"][:, :t], w16[:, :t], ks, u16[:, :t], v, beta, big_g)
-    dk_wy, dv, dg_wy, dbeta = _wy_kernel(*wy)
-    # the two halves summed into kernel 2's buffers (its outputs, ours), or dG into `dg_out`;
-    # dg in the op's dtype `dg_dtype` at once where that is 16-bit (the sum rounded once, as
-    # the cast after it was)
-    if dg_out is not None:
-        dg = torch.add(dg, dg_wy, out=dg_out)
-    elif dg_dtype == dg.dtype:
-        dg = dg.add_(dg_wy)
-    else:
-        dg = torch.add(dg, dg_wy, out=dg_wy.new_empty(dg.shape, dtype=dg_dtype))
-    return dq, dk.add_(dk_wy), dv, dg, dbeta, dh0
+    wy = (dw, du16, ops["tt"][:, :t], w16[:, :t], ks, u16[:, :t], v, beta, big_g)
+    # the WY kernel adds its dk and dG onto kernel 2's (in place, no torch add); left in torch:
+    # dG's copy into a strided `dg_out`, or its cast to a 16-bit `dg_dtype` (the fp32 sum
+    # rounded once, as before)
+    _, dv, dg, dbeta = _wy_kernel(*wy, dk, dg, dv16=dv_dtype == dtype)
+    if dg_out is not None and into is None:
+        dg = dg_out.copy_(dg)
+    elif dg_out is None and dg_dtype != dg.dtype:
+        dg = dg.to(dg_dtype)
+    return dq, dk, dv, dg, dbeta, dh0
 
 
 def _normalized32(x, scale, l2norm):
@@ -443,7 +460,8 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
                   for x in (initial_state, d_final))  # fmt: skip
         mine = None if ops is None else {n: x[:, :, vh] for n, x in ops.items()}
         parts.append(_chunk_pass(qs, ks, *(x[:, :, vh] for x in v_side), *states, ops=mine,
-                                 dg_out=dg_out, dg_dtype=g.dtype))  # fmt: skip
+                                 dg_out=dg_out, dg_dtype=g.dtype,
+                                 dv_dtype=v.dtype))  # fmt: skip
     del qn, kn
     dqs, dks, dv, dbeta, dh0 = (_joined(parts, i, None) for i in (0, 1, 2, 4, 5))
     dg = _joined(parts, 3, outs[3])

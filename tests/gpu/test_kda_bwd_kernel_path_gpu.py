@@ -133,10 +133,12 @@ def _poisoned_kernel(calls):
 def _poisoned_chunk_kernel(calls):
     """Kernel 2 with NaN-poisoned outputs (an entry it leaves unwritten reaches the gradients)."""
 
-    def run(do, u, du, q, k, h, dh, big_g):
-        out = tuple(x.fill_(float("nan")) for x in chunk_launch.empty_outputs(do, q.shape[-1]))
+    def run(do, u, du, q, k, h, dh, big_g, dg=None):  # dg: the op's out= dg, written into
+        out = [x.fill_(float("nan")) for x in chunk_launch.empty_outputs(do, q.shape[-1])]
+        if dg is not None:
+            out[3] = dg.fill_(float("nan"))
         calls.append(tuple(do.shape))
-        return chunk_launch.kda_bwd_chunk(do, u, du, q, k, h, dh, big_g, out=out)
+        return chunk_launch.kda_bwd_chunk(do, u, du, q, k, h, dh, big_g, out=tuple(out))
 
     return run
 

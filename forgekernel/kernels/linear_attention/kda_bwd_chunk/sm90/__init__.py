@@ -23,7 +23,8 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    return [params_for(dtype) for dtype in DTYPES]
+    # fp32 dw (kernel 2 alone, the torch WY fallback) and 16-bit dw (the device pass's)
+    return [params_for(dtype, dw16=dw16) for dw16 in (False, True) for dtype in DTYPES]
 
 
 SPEC = KernelSpec(

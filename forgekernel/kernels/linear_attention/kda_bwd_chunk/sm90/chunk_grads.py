@@ -145,8 +145,11 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         stream: cuda.CUstream,
     ):
         """mDO, mU, mDU (B, T, HV, V), mQ (scaled), mK (B, T, HV, K), mH, mDH (B, NC, HV, K, V)
-        16-bit; mG fp32 (B, T, HV, K); outputs fp32 (B, T, HV, K): mDQ, mDK, mDW, mDG (dG, the
-        reverse cumsum within the chunk done)."""
+        16-bit; mG fp32 (B, T, HV, K); outputs (B, T, HV, K) fp32: mDQ, mDK, mDG (dG, the
+        reverse cumsum within the chunk done); mDW fp32 or the tiles' 16-bit dtype (`dw16`:
+        the WY kernel's operand, rounded once here by `_store_rows`)."""
+        if const_expr(mDW.element_type != Float32 and mDW.element_type != mDO.element_type):
+            raise TypeError(f"dw must be fp32 or the tiles' dtype, got {mDW.element_type}")
         self.dtype = mDO.element_type
         for t in (mU, mDU, mQ, mK, mH, mDH):
             if const_expr(t.element_type != self.dtype):

@@ -37,7 +37,7 @@ def compile_kda_bwd_chunk(params: dict, arch: str = "sm_90a", extra_options: str
         tok(vd), tok(vd), tok(vd), tok(kd), tok(kd),
         fake.rowmajor(dtype, (b, nc, hv, kd, vd)),
         fake.rowmajor(dtype, (b, nc, hv, kd, vd)),
-        out(kd), out(kd), out(kd), out(kd), out(kd),
+        out(kd), out(kd), out(kd), tok(kd) if params.get("dw16") else out(kd), out(kd),
         fake.stream(),
         options=fake.options(arch, extra_options),
     )  # fmt: skip

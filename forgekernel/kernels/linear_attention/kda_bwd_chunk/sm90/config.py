@@ -31,12 +31,17 @@ def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2) -> int:
     return tokens + states + p_t + g + tables + 8 * len(LOAD_GROUPS) + 1024
 
 
-def params_for(dtype: str, head_dims: tuple[int, int] = (128, 128)) -> tuple:
+def params_for(dtype: str, head_dims: tuple[int, int] = (128, 128), *, dw16: bool = False) -> tuple:
     """Compile key: the 16-bit dtype of the tiles and (K, V) (the block products run in bf16
-    for both: e^(+-a) reaches e^(8 max|g|), past fp16's range)."""
+    for both: e^(+-a) reaches e^(8 max|g|), past fp16's range); `dw16` (in the key only when
+    set): dw written in the tiles' 16-bit dtype (the WY kernel's operand dtype: the op's cast
+    moved in), else fp32."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
     if tuple(head_dims) not in HEAD_DIMS:
         raise ValueError(f"(K, V) must be one of {HEAD_DIMS}, got {tuple(head_dims)}")
     k, v = head_dims
-    return tuple(sorted({"dtype": dtype, "k": k, "v": v}.items()))
+    key = {"dtype": dtype, "k": k, "v": v}
+    if dw16:
+        key["dw16"] = True
+    return tuple(sorted(key.items()))

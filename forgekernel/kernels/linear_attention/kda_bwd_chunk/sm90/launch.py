@@ -37,11 +37,32 @@ def check_inputs(do, u, du, q, k, h, dh, big_g) -> tuple[int, int, int, int]:
     return b, t, hv, nc
 
 
-def empty_outputs(do: torch.Tensor, k: int) -> Outputs:
-    """(dq, dk, dw, dg) (B, T, HV, K) fp32, uninitialized."""
+def empty_outputs(do: torch.Tensor, k: int, dw16: bool = False) -> Outputs:
+    """(dq, dk, dw, dg) (B, T, HV, K), uninitialized: fp32, dw in do's 16-bit dtype with
+    dw16."""
     b, t, hv, _ = do.shape
-    return (*(torch.empty(b, t, hv, k, dtype=torch.float32, device=do.device)
-              for _ in range(4)),)  # fmt: skip
+
+    def empty(dtype=torch.float32):
+        return torch.empty(b, t, hv, k, dtype=dtype, device=do.device)
+
+    return empty(), empty(), empty(do.dtype if dw16 else torch.float32), empty()
+
+
+def check_outputs(outs, do: torch.Tensor, k: int, dw16: bool = False) -> None:
+    """`out` as `empty_outputs(do, k, dw16)` would make it (the kernel writes every entry of
+    those shapes: a smaller tensor would be written past its end), else ValueError."""
+    if len(outs) != 4:
+        raise ValueError(f"out must be 4 tensors (dq, dk, dw, dg), got {len(outs)}")
+    shape = (*do.shape[:3], k)
+    for name, x in zip(("dq", "dk", "dw", "dg"), outs):
+        want = do.dtype if name == "dw" and dw16 else torch.float32
+        ok = tuple(x.shape) == shape and x.dtype == want and x.device == do.device
+        if not ok or not x.is_contiguous():
+            raise ValueError(
+                f"out's {name} must be contiguous {want} {shape} on {do.device}"
+                + (" (dw16: dw in do's dtype)" if name == "dw" and dw16 else "")
+                + f", got {x.dtype} {tuple(x.shape)} on {x.device}"
+            )
 
 
 def kda_bwd_chunk(
@@ -54,6 +75,7 @@ def kda_bwd_chunk(
     dh: torch.Tensor,
     big_g: torch.Tensor,
     *,
+    dw16: bool = False,
     out: Outputs | None = None,
 ) -> Outputs:
     """Per chunk of 64 tokens (every chunk at once), reference/kda_bwd.py's `_output_grads`:
@@ -62,15 +84,15 @@ def kda_bwd_chunk(
     V), q (scaled), k (B, T, HV, K), h, dh (B, NC, HV, K, V: the state at each chunk's start,
     its gradient at the chunk's end) in one 16-bit dtype; big_g (B, T, HV, K) fp32 the
     within-chunk cumulative log decay per key channel. Returns (dq, dk, dw, dg) (B, T, HV, K)
-    fp32, written into `out` (contiguous) when given."""
+    fp32 (dw in do's 16-bit dtype with `dw16`: the WY kernel's operand), written into `out`
+    (contiguous, as `empty_outputs` makes them) when given."""
     b, t, hv, _ = check_inputs(do, u, du, q, k, h, dh, big_g)
-    outs = empty_outputs(do, q.shape[-1]) if out is None else out
-    for x in outs:
-        if not x.is_contiguous() or x.dtype != torch.float32:
-            raise ValueError("out must be contiguous float32 tensors")
+    outs = empty_outputs(do, q.shape[-1], dw16) if out is None else out
+    check_outputs(outs, do, q.shape[-1], dw16)
     if b * hv * t == 0:
         return outs
-    fn = get_kernel(SPEC, params_for(dtype_name(do.dtype), (q.shape[-1], do.shape[-1])))
+    key = params_for(dtype_name(do.dtype), (q.shape[-1], do.shape[-1]), dw16=dw16)
+    fn = get_kernel(SPEC, key)
     tiles = [as_tma_ready(x) for x in (do, u, du, q, k, h, dh)]
     with on_device(do.device):
         fn(*tiles, big_g.contiguous(), *outs)

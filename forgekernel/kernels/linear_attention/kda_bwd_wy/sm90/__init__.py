@@ -20,7 +20,8 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    return [params_for(dtype) for dtype in DTYPES]
+    # fp32 dv (an fp32 v) and 16-bit dv (the device pass with a 16-bit v)
+    return [params_for(dtype, dv16=dv16) for dv16 in (False, True) for dtype in DTYPES]
 
 
 SPEC = KernelSpec(

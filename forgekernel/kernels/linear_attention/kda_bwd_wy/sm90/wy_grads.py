@@ -25,6 +25,10 @@ points r_I = G at row 16 I + 8 clamped inside T):
     dk += beta dx + dy;  dG's rows += k o (beta dx - dy)
     dG  = reverse cumsum of the rows, one key channel a thread
 
+dk and dG are ADDED onto the output tensors' contents (kernel 2's dk and dG, same layout): the
+first dk term and each dG row by a read-modify-write of this CTA's own rows (2026-12-06; was
+a plain store and two torch adds after).
+
 el = e^(G - r_w), er = e^(r_w - G) <= e^(8 max|g|) (zero past T); no factor is e^(-G). The
 score-gradient blocks run in bf16 for either tile dtype (kernel 2's reason). The per-channel
 tables, (k er) / (k el), the block products and their column scalings are kernel 2's
@@ -133,10 +137,15 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         stream: cuda.CUstream,
     ):
         """mDW, mW, mK (B, T, HV, K), mDU, mU, mV (B, T, HV, V), mTt (B, T, HV, C) 16-bit;
-        mBeta fp32 (B, T, HV), mG fp32 (B, T, HV, K); outputs fp32: mDK (the WY half's dk),
-        mDG (B, T, HV, K: its dG, the reverse cumsum within the chunk done), mDV (B, T, HV,
-        V), mDB (B, T, HV)."""
+        mBeta fp32 (B, T, HV), mG fp32 (B, T, HV, K); outputs fp32: mDK, mDG (B, T, HV, K)
+        read and written: the WY half's dk and dG (the reverse cumsum within the chunk done)
+        ADDED onto what they hold (kernel 2's dk, dG: each CTA reads and writes only its own
+        chunk's rows of its value head, grid (NC, HV, B) as kernel 2's, and kernel 2 has
+        finished on the stream: no atomics); mDV (B, T, HV, V: fp32, or the tiles' 16-bit
+        dtype with `dv16`, rounded once by `_store_rows`), mDB (B, T, HV) written."""
         self.dtype = mDW.element_type
+        if const_expr(mDV.element_type != Float32 and mDV.element_type != self.dtype):
+            raise TypeError(f"dv must be fp32 or the tiles' dtype, got {mDV.element_type}")
         for t in (mDU, mTt, mW, mK, mU, mV):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"the 16-bit tiles must share one dtype, got {t.element_type}")
@@ -321,7 +330,7 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         gemm(mma_da, acc_a, tDArB, tDBrW[None, None, None, 0], False, -1)
         cute.arch.mbarrier_wait(bars + 5, 0)  # k (dA in flight)
         z = self._kb_rows(acc, mma_t, sK, sG, sRows, beta)
-        self._store_rows(acc, mma_t, mDK, tid, b, hv, c, seqlen)
+        self._add_rows(acc, mma_t, mDK, tid, b, hv, c, seqlen)  # onto kernel 2's dk
         warpgroup.wait_group(0)
         # dA: negated, j < i, rows inside T; dx's A operand, then (beta dA)^T for dy's
         t0s, row_s, col_s = softmax.acc_coords(mma_da, tid, (CHUNK, CHUNK))
@@ -424,10 +433,11 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
     @cute.jit
     def _finish_rows(self, sRows, mDG, first, seqlen, b, hv, tid):
         """Math thread = key channel c: dG of every token of the chunk, the reverse cumulative
-        sum of the rows from the last (rows past T zero)."""
+        sum of the rows from the last (rows past T zero), added onto mDG (kernel 2's dG: this
+        CTA's own rows, read once and written once)."""
         acc = Float32(0.0)
         for n in cutlass.range(CHUNK, unroll=8):
             i = CHUNK - 1 - n
             acc = acc + sRows[self._gi(i, tid)]
             if first + i < seqlen:
-                mDG[b, first + i, hv, tid] = acc
+                mDG[b, first + i, hv, tid] = mDG[b, first + i, hv, tid] + acc
