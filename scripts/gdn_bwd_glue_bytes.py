@@ -134,6 +134,7 @@ def _quiet(fn):
 def stub_kernels():
     """The three kernels as stubs giving zero outputs of the launchers' shapes (uncounted)."""
     bwd = importlib.import_module("forgekernel.ops.gated_delta_rule_bwd")
+    from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.launch import wy_dtypes
     from forgekernel.reference.gdn_bwd_factors import TOKEN_TILES
 
     def factors(q, k, v, g, beta):
@@ -151,14 +152,16 @@ def stub_kernels():
         return (torch.zeros(b, t, hv, dv), torch.zeros(b, nc, hv, dv, ke.shape[-1]),
                 torch.zeros(b, hv, ke.shape[-1], dv))  # fmt: skip
 
-    def chunk_wy(do, u, du, q, k, h, dh, big_g, *rest, dv16=False):
+    def chunk_wy(do, u, du, q, k, h, dh, big_g, *rest, dv16=False, dqk16=False, scale=1.0,
+                 out=None):  # fmt: skip
+        if out is not None:
+            return out
         b, t, hv, dv = do.shape
-        dk = q.shape[-1]
-        z = torch.zeros
-        dv_out = do.new_zeros(b, t, hv, dv) if dv16 else z(b, t, hv, dv)
-        return z(b, t, hv, dk), z(b, t, hv, dk), z(b, t, hv), dv_out, z(b, t, hv)
+        shapes = ((b, t, hv, q.shape[-1]),) * 2 + ((b, t, hv), (b, t, hv, dv), (b, t, hv))
+        return tuple(torch.zeros(s, dtype=dt)
+                     for s, dt in zip(shapes, wy_dtypes(do, dv16, dqk16)))  # fmt: skip
 
-    def state16(do, pt, ke, qe, w, e_last, dht, out16=False, forward=False):
+    def state16(do, pt, ke, qe, w, e_last, dht, out16=False, forward=False, dh0=None):
         if not out16:
             return state(do, pt, ke, qe, w, e_last, dht)
         b, t, hv, dv = do.shape
@@ -166,8 +169,8 @@ def stub_kernels():
         return (do.new_zeros(b, t, hv, dv), do.new_zeros(b, nc, hv, ke.shape[-1], dv),
                 torch.zeros(b, hv, ke.shape[-1], dv))  # fmt: skip
 
-    def qk(dxs, x, scale, l2norm):
-        return torch.zeros_like(x)
+    def qk(dxs, x, scale, l2norm, out=None):
+        return torch.zeros_like(x) if out is None else out
 
     names = ("_factors", "_state_recurrence", "_chunk_grads_wy", "_qk_grads")
     saved = {n: getattr(bwd, n) for n in names if hasattr(bwd, n)}
