@@ -137,3 +137,26 @@ def test_load_barriers_split(compiled, dtype):
     kinds = [k for i, k in enumerate(kinds) if k != "merge" or kinds[i - 1] != "merge"]
     small, wide = "64x64x16", "64x128x16"
     assert kinds == ["wait0", *[small] * 8, "wait1", *[small] * 8, "merge", "wait2", *[wide] * 8]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_stores_in_three_groups(compiled, dtype):
+    """The TMA stores leave as their tiles are final (2026-12-06, were all six after the last
+    product): P^T, T^T (2 boxes) before v's wait and u's, W's HGMMAs; W, u (4) after them; Ke,
+    Qe (4) last; each group a bulk commit after a BAR_MATH (bar 1); one wait on the groups'
+    shared-memory reads (DEPBAR SB0), after the last commit, none between."""
+    _, instrs, _ = compiled(dtype)
+    seq = []
+    for op, a in instrs:
+        if op in ("UTMASTG.4D", "UTMACMDFLUSH") or op.startswith("HGMMA.64x128x16"):
+            seq.append(op.split(".")[0] if op.startswith("HGMMA") else op)
+        elif op == "SYNCS.PHASECHK.TRANS64.TRYWAIT" and "+0x10]" in a:
+            seq.append("wait2")
+        elif op.startswith("BAR.SYNC") and a.strip().startswith("0x1,"):
+            seq.append("bar")
+        elif op == "DEPBAR.LE" and "SB0" in a:
+            seq.append("depbar")
+    store = "UTMASTG.4D"
+    assert seq == ["bar", "bar", *[store] * 2, "UTMACMDFLUSH", "wait2", *["HGMMA"] * 8,
+                   "bar", *[store] * 4, "UTMACMDFLUSH",
+                   "bar", *[store] * 4, "UTMACMDFLUSH", "depbar"]  # fmt: skip

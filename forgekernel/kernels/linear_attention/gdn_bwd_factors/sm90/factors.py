@@ -24,7 +24,9 @@ once, each on its own mbarrier armed once (config.LOAD_GROUPS: k, q, v, the orde
 reads them; Gated DeltaNet's chunk kernel's `_load_groups`; no ring, no empty barrier: one chunk
 a CTA); warpgroup 1, waiting on each group just before its first product (K K^T on k; Q K^T,
 under the merges, on q; u on v): the gates (its warp 0: two tokens a lane, a warp scan
-as the forward's gate warp), every product, the stores (thread 0 issues the TMA stores).
+as the forward's gate warp), every product, the stores (its thread 0 issues the TMA stores in
+three bulk groups as the tiles are final: P^T, T^T after the inverse, W, u after their products,
+Ke, Qe last; one wait, on the shared-memory reads, before the exit).
 
 Constraints: K = V = 128, 16-bit q, k, v with unit last strides and 16-byte aligned outer
 strides (TMA), likewise the output tiles; g, beta fp32 (B, T, HV) unit last stride.
@@ -242,18 +244,27 @@ class GdnBwdFactorsSm90(AuxWy):
                          "v": (tma_v, mV4, sV, self.v, hv)}  # fmt: skip
                 self._load_groups(tiles, bars, c, hv, b)
         else:
+            # the TMA stores in three groups as their tiles are final (P^T, T^T after the
+            # inverse; W, u after their products; Ke, Qe last), one thread issuing all three
+            # (bulk groups are the thread's), its one wait (smem read) just before the exit
+            stores = (((tma_pt, mPt4, sPt), (tma_tt, mTt4, sTt)),
+                      ((tma_w, mW4, outs[0]), (tma_u, mU4, outs[1])),
+                      ((tma_ke, mKe4, outs[2]), (tma_qe, mQe4, outs[3])))  # fmt: skip
             self._math(mma_aux, mma_rs, sQ, sK, sV, outs, sPt, sTt, gates, sW, sX, mG, mBeta,
-                       mElast, mBigG, bars, c, hv, b)  # fmt: skip
-            named_barrier(BAR_MATH, THREADS_PER_WG).arrive_and_wait()  # every tile written
+                       mElast, mBigG, bars, stores, c, hv, b)  # fmt: skip
+            self._store_group(stores[2], self.k, c, hv, b)
             if tidx == THREADS_PER_WG:
-                tiles = ((tma_w, mW4, outs[0]), (tma_u, mU4, outs[1]), (tma_ke, mKe4, outs[2]),
-                         (tma_qe, mQe4, outs[3]))  # fmt: skip
-                for atom, m, s in tiles:
-                    self._tma_store(atom, m, s, c, self.k, hv, b)
-                for atom, m, s in ((tma_pt, mPt4, sPt), (tma_tt, mTt4, sTt)):
-                    self._tma_store(atom, m, s, c, CHUNK, hv, b)
-                cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _store_group(self, tiles, d, c, hv, b):
+        """The math warpgroup, whole: once every thread's (fenced) writes of `tiles` are done
+        (BAR_MATH), its first thread issues their TMA stores ((C, d) each) as one bulk group."""
+        named_barrier(BAR_MATH, THREADS_PER_WG).arrive_and_wait()
+        if opaque_tid_x() == THREADS_PER_WG:
+            for atom, m, s in tiles:
+                self._tma_store(atom, m, s, c, d, hv, b)
+            cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
     def _tma_store(self, atom, m, s, slot, d, hv, b):
@@ -295,7 +306,7 @@ class GdnBwdFactorsSm90(AuxWy):
 
     @cute.jit
     def _math(self, mma_aux, mma_rs, sQ, sK, sV, outs, sPt, sTt, gates, sW, sX, mG, mBeta,
-              mElast, mBigG, bars, c, hv, b):  # fmt: skip
+              mElast, mBigG, bars, stores, c, hv, b):  # fmt: skip
         sG2, sBeta, sBetaEg = gates
         math = named_barrier(BAR_MATH, THREADS_PER_WG)
         inv = named_barrier(BAR_INVERSE, THREADS_PER_WG)
@@ -328,6 +339,7 @@ class GdnBwdFactorsSm90(AuxWy):
         self._store_tile(acc_p, mma_aux, sPt, True)  # P^T
         acc.store(tWsW.load())  # T, every block final after the merges' last barrier
         self._store_tile(acc, mma_aux, sTt, True)  # T^T
+        self._store_group(stores[0], CHUNK, c, hv, b)  # P^T, T^T out under u, W
         # u = [T diag(beta)] V, W = [T diag(beta e^G)] K: 16-bit register A operands
         wg_r = mma_rs.get_slice(0)
         tb = cute.make_rmem_tensor(acc_shape, Float32)
@@ -349,6 +361,7 @@ class GdnBwdFactorsSm90(AuxWy):
         s_w, s_u, s_ke, s_qe = outs
         self._store_tile(acc_u, mma_rs, s_u, False)
         self._store_tile(acc_w, mma_rs, s_w, False)
+        self._store_group(stores[1], self.k, c, hv, b)  # W, u out under Ke, Qe
         # Ke, Qe: the loaded rows times their decays
         t0, row_base, _ = softmax.acc_coords(mma_rs, atid, (CHUNK, self.k))
         g_last = sG2[CHUNK - 1, 0]
