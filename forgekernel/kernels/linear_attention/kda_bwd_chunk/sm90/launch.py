@@ -62,7 +62,7 @@ def check_outputs(outs, do: torch.Tensor, k: int, dw16: bool = False, dq16: bool
         if not ok or not x.is_contiguous():
             raise ValueError(
                 f"out's {name} must be contiguous {want} {shape} on {do.device}"
-                + (f" ({name[1]}16: {name} in do's dtype)" if low.get(name) else "")
+                + (f" ({name}16: {name} in do's dtype)" if low.get(name) else "")
                 + f", got {x.dtype} {tuple(x.shape)} on {x.device}"
             )
 
