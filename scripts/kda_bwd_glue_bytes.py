@@ -75,19 +75,26 @@ def stub_kernels(chunk_in_kernel: bool = True, wy_in_kernel: bool = False,
         return (torch.zeros(b, t, hv, dv), torch.zeros(b, nc, hv, dv, dk),
                 torch.zeros(b, hv, dk, dv))  # fmt: skip
 
-    def chunk(do, u, du, q, k, h, dh, big_g, dw16=False, dg=None):
+    def chunk(do, u, du, q, k, h, dh, big_g, dw16=False, dg=None, dq16=False, scale=1.0,
+              dq=None):  # fmt: skip
         b, t, hv, dk = q.shape
         outs = [torch.zeros(b, t, hv, dk) for _ in range(4)]
         if dw16:  # dw in the tiles' dtype (the WY kernel's operand)
             outs[2] = torch.zeros(b, t, hv, dk, dtype=do.dtype)
+        if dq16:  # the op's dq in the tiles' dtype
+            outs[0] = torch.zeros(b, t, hv, dk, dtype=do.dtype) if dq is None else dq
         if dg is not None:
             outs[3] = dg
         return tuple(outs)
 
-    def wy(dw, du, tt, w, k, u, v, beta, big_g, dk, dg, dv16=False):  # adds onto dk, dG
+    def wy(dw, du, tt, w, k, u, v, beta, big_g, dk, dg, dv16=False, dk16=False, dk_out=None,
+           dv=None, dbeta=None):  # adds onto dk, dG  # fmt: skip
         b, t, hv, _ = dw.shape
-        dv = torch.zeros(b, t, hv, du.shape[-1], dtype=dw.dtype if dv16 else torch.float32)
-        return dk, dv, dg, torch.zeros(b, t, hv)
+        if dv is None:
+            dv = torch.zeros(b, t, hv, du.shape[-1], dtype=dw.dtype if dv16 else torch.float32)
+        if dk16:  # the op's dk in the tiles' dtype
+            dk = torch.zeros_like(dw) if dk_out is None else dk_out
+        return dk, dv, dg, torch.zeros(b, t, hv) if dbeta is None else dbeta
 
     def qk(dxs, x, scale, l2norm):
         return torch.zeros_like(x)

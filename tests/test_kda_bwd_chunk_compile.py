@@ -36,6 +36,7 @@ if find_tool("cuobjdump") is None:
     pytest.skip("cuobjdump not found", allow_module_level=True)
 
 REGISTERS = 228  # compiled figure under cu13 (2026-12-06, split load barriers; 222 before)
+DQ16_REGISTERS = 222  # dq16 (next/kda-final-outputs, 2026-12-06): compiled figure under cu13
 SMEM = 202752
 
 
@@ -43,9 +44,9 @@ SMEM = 202752
 def compiled():
     cache = {}
 
-    def get(dtype, dw16=False):
-        if (dtype, dw16) not in cache:
-            params = dict(config.params_for(dtype, dw16=dw16))
+    def get(dtype, dw16=False, dq16=False):
+        if (dtype, dw16, dq16) not in cache:
+            params = dict(config.params_for(dtype, dw16=dw16, dq16=dq16))
             kernel = kernel_for(params)
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_kda_bwd_chunk(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
@@ -56,18 +57,38 @@ def compiled():
                     cubin = Path(d, "k.cubin")
                 res = inspect_cubin(cubin)
                 sass = sass_text(cubin)
-            cache[dtype, dw16] = (res, sass_instructions(sass),
-                                  kernel.shared_storage.size_in_bytes())  # fmt: skip
-        return cache[dtype, dw16]
+            cache[dtype, dw16, dq16] = (res, sass_instructions(sass),
+                                        kernel.shared_storage.size_in_bytes())  # fmt: skip
+        return cache[dtype, dw16, dq16]
 
     return get
 
 
 def test_standard_params():
     assert SPEC.name == "kda_bwd_chunk_sm90"
-    keys = [(dict(p)["dtype"], dict(p).get("dw16", False)) for p in SPEC.standard_params()]
-    assert keys == [(d, w) for w in (False, True) for d in config.DTYPES]
+    keys = [(dict(p)["dtype"], dict(p).get("dw16", False), dict(p).get("dq16", False))
+            for p in SPEC.standard_params()]  # fmt: skip
+    flags = ((False, False), (True, False), (True, True))
+    assert keys == [(d, *f) for f in flags for d in config.DTYPES]
     assert "dw16" not in dict(config.params_for("bfloat16"))  # the old key unchanged
+    assert "dq16" not in dict(config.params_for("bfloat16", dw16=True))
+
+
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
+def test_dq16_stores_the_ops_dq_in_16_bits(compiled, dtype):
+    """`dq16` (2026-12-06, next/kda-final-outputs: q unscaled, the scale in registers, the op's
+    dq without the epilogue): dq's 64 values a thread leave as 32 packed 16-bit pairs (STG.E)
+    instead of 32 fp32 pairs (STG.E.64), over dw16; dk's 32 STG.E.64 and every load unchanged;
+    registers 228 -> 222 (DQ16_REGISTERS), nothing spilled."""
+    res, instrs, _ = compiled(dtype, dw16=True, dq16=True)
+    _, base, _ = compiled(dtype, dw16=True)
+    ops, ops0 = (Counter(op for op, _ in x) for x in (instrs, base))
+    assert ops0["STG.E.64"] == 2 * 32 and ops["STG.E.64"] == 32
+    assert ops["STG.E"] == ops0["STG.E"] + 32
+    assert ops["LDG.E"] == ops0["LDG.E"]
+    assert res["spill_bytes"] == 0 and not [op for op in ops if op.startswith(("LDL", "STL"))]
+    if dsl_toolchain() == "cu13":
+        assert res["registers"] == DQ16_REGISTERS
 
 
 @pytest.mark.parametrize("dtype", slow_past(config.DTYPES))

@@ -101,3 +101,21 @@ def test_chunk_products_headwise_equal_batched(monkeypatch, b, t, hv, heads):
             @ x.float().unflatten(1, (nc, 64)).transpose(2, 3))  # fmt: skip
     want = want.transpose(2, 3).flatten(1, 2)
     torch.testing.assert_close(got[0].float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(("g_dtype", "kb"), [(torch.float32, 0.625), (torch.bfloat16, 1.381)])
+def test_no_l2norm_final_outputs_glue(monkeypatch, g_dtype, kb):
+    """Without l2norm at HV = H (the bench's case; next/kda-final-outputs, `_folds`): no q x
+    scale copy (the first pass and kernel 2 take the scale; FINAL_QK False: 0.875 / 1.631 KB
+    written a token-head with its one `mul`), the epilogue launcher not called (kernel 2 and
+    the WY kernel write the op's 16-bit dq, dk)."""
+    from forgekernel.kernels.linear_attention.gdn_bwd_norm.sm90 import launch as norm
+
+    assert bwd.FINAL_QK
+    monkeypatch.setattr(norm, "gdn_bwd_norm", lambda *a, **k: pytest.fail("the epilogue"))
+    b, t = 1, 8192
+    mode = kda.count(b=b, t=t, h=1, hv=1, l2norm=False, first_pass=True, wy_in_kernel=True,
+                     launchers=True, g_dtype=g_dtype)  # fmt: skip
+    ops = _float_ops(mode)
+    assert sum(op[3] for op in ops) / (b * t) / 1024 == pytest.approx(kb, rel=1e-2)
+    assert not [op for op in ops if op[0] == "mul"]

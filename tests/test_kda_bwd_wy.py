@@ -186,7 +186,7 @@ def test_launcher_checks_out(monkeypatch):
         launch.kda_bwd_wy(*tiles, out=(outs[0], outs[1], outs[0], outs[3]))
     assert launched == []
     launch.kda_bwd_wy(*tiles, out=launch.empty_outputs(tiles[0], 128))
-    assert launched == [13]
+    assert launched == [14]  # 7 tiles, beta, G, 4 outputs, the final dk (dk itself without dk16)
 
 
 def test_launcher_accumulates_into_dk_and_dg(monkeypatch):
@@ -196,7 +196,8 @@ def test_launcher_accumulates_into_dk_and_dg(monkeypatch):
     from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90 import launch
 
     seen = []
-    monkeypatch.setattr(launch, "get_kernel", lambda *a: lambda *b: seen.append(b[-4:]))
+    # the kernel's last argument: the final dk (dk itself without dk16)
+    monkeypatch.setattr(launch, "get_kernel", lambda *a: lambda *b: seen.append(b[-5:-1]))
     tiles = _tiles()
     dk, dv, dg, dbeta = launch.empty_outputs(tiles[0], 128)
     assert not dk.any() and not dg.any()

@@ -45,9 +45,9 @@ SMEM = 196608
 def compiled():
     cache = {}
 
-    def get(dtype, dv16=False):
-        if (dtype, dv16) not in cache:
-            params = dict(config.params_for(dtype, dv16=dv16))
+    def get(dtype, dv16=False, dk16=False):
+        if (dtype, dv16, dk16) not in cache:
+            params = dict(config.params_for(dtype, dv16=dv16, dk16=dk16))
             kernel = kernel_for(params)
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_kda_bwd_wy(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
@@ -58,18 +58,38 @@ def compiled():
                     cubin = Path(d, "k.cubin")
                 res = inspect_cubin(cubin)
                 sass = sass_text(cubin)
-            cache[dtype, dv16] = (res, sass_instructions(sass),
-                                  kernel.shared_storage.size_in_bytes())  # fmt: skip
-        return cache[dtype, dv16]
+            cache[dtype, dv16, dk16] = (res, sass_instructions(sass),
+                                        kernel.shared_storage.size_in_bytes())  # fmt: skip
+        return cache[dtype, dv16, dk16]
 
     return get
 
 
 def test_standard_params():
     assert SPEC.name == "kda_bwd_wy_sm90"
-    keys = [(dict(p)["dtype"], dict(p).get("dv16", False)) for p in SPEC.standard_params()]
-    assert keys == [(d, v) for v in (False, True) for d in config.DTYPES]
+    keys = [(dict(p)["dtype"], dict(p).get("dv16", False), dict(p).get("dk16", False))
+            for p in SPEC.standard_params()]  # fmt: skip
+    flags = ((False, False), (True, False), (True, True))
+    assert keys == [(d, *f) for f in flags for d in config.DTYPES]
     assert "dv16" not in dict(config.params_for("bfloat16"))  # the old key unchanged
+    assert "dk16" not in dict(config.params_for("bfloat16", dv16=True))
+
+
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
+def test_dk16_writes_the_final_dk_in_16_bits(compiled, dtype):
+    """`dk16` (2026-12-06, next/kda-final-outputs: the op's dk without the epilogue): dk's
+    third term reads the fp32 partial (32 LDG.E.64 as before) and writes kernel 2's + the WY
+    half once in 16 bits (32 packed STG.E) instead of back in fp32 (32 STG.E.64); every other
+    memory op unchanged; registers as without it (REGISTERS), nothing spilled."""
+    res, instrs, _ = compiled(dtype, dv16=True, dk16=True)
+    _, base, _ = compiled(dtype, dv16=True)
+    ops, ops0 = (Counter(op for op, _ in x) for x in (instrs, base))
+    assert ops0["STG.E.64"] == 3 * 32 and ops["STG.E.64"] == 2 * 32
+    assert ops["STG.E"] == ops0["STG.E"] + 32
+    assert ops["LDG.E"] == ops0["LDG.E"] and ops["LDG.E.64"] == ops0["LDG.E.64"] == 3 * 32
+    assert res["spill_bytes"] == 0 and not [op for op in ops if op.startswith(("LDL", "STL"))]
+    if dsl_toolchain() == "cu13":
+        assert res["registers"] == REGISTERS
 
 
 @pytest.mark.parametrize("dtype", slow_past(config.DTYPES))

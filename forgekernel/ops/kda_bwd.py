@@ -173,18 +173,22 @@ CHUNK_IN_KERNEL = True
 NORM_IN_KERNEL = True
 
 
-def _chunk_grads(do, u, du, q, k, h, dh, big_g, dw16=False, dg=None):
+def _chunk_grads(do, u, du, q, k, h, dh, big_g, dw16=False, dg=None, dq16=False, scale=1.0,
+                 dq=None):  # fmt: skip
     """Kernel 2 (`_output_grads` on WGMMA, every chunk at once): (dq, dk, dw, dG (B, T, HV, K),
     dG reverse-cumsummed within the chunk) fp32 from `chunk_grad_tiles`' inputs, dw in do's
     16-bit dtype with dw16 (the WY kernel's operand); dg: the contiguous fp32 buffer dG is
     written into (the op's `out=` dg, the WY kernel adding its half onto it after), else the
-    launcher's own. The CPU tests put the tile emulation here."""
+    launcher's own. dq16: q unscaled, dq times `scale` in do's 16-bit dtype (the op's dq; into
+    `dq`, contiguous, when given). The CPU tests put the tile emulation here."""
     from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90 import launch
 
-    if dg is None:
-        return launch.kda_bwd_chunk(do, u, du, q, k, h, dh, big_g, dw16=dw16)
-    dq, dk, dw, _ = launch.empty_outputs(do, q.shape[-1], dw16)
-    return launch.kda_bwd_chunk(do, u, du, q, k, h, dh, big_g, dw16=dw16, out=(dq, dk, dw, dg))
+    flags = {"dw16": dw16, **({"dq16": True, "scale": scale} if dq16 else {})}
+    if dg is None and dq is None:
+        return launch.kda_bwd_chunk(do, u, du, q, k, h, dh, big_g, **flags)
+    own = launch.empty_outputs(do, q.shape[-1], dw16, dq16)
+    outs = (own[0] if dq is None else dq, own[1], own[2], own[3] if dg is None else dg)
+    return launch.kda_bwd_chunk(do, u, du, q, k, h, dh, big_g, **flags, out=outs)
 
 
 # On since 2026-12-06 (H100: with FACTORS_FROM_FIRST_PASS, the device pass 4.6-5.8x the previous
@@ -195,18 +199,25 @@ def _chunk_grads(do, u, du, q, k, h, dh, big_g, dw16=False, dg=None):
 WY_IN_KERNEL = True
 
 
-def _wy_kernel(dw, du, tt, w, k, u, v, beta, big_g, dk, dg, dv16=False):
+def _wy_kernel(dw, du, tt, w, k, u, v, beta, big_g, dk, dg, dv16=False, dk16=False,
+               dk_out=None, dv=None, dbeta=None):  # fmt: skip
     """The WY kernel (`_wy_grads` on WGMMA, every chunk at once) from `wy_tiles`' inputs: its
     dk and dG (B, T, HV, K, dG reverse-cumsummed within the chunk) ADDED in place onto dk, dg
     (kernel 2's, contiguous fp32); returns (dk, dv (B, T, HV, V), dg, dbeta (B, T, HV)) fp32,
-    dv in the tiles' 16-bit dtype with dv16. The CPU tests put the tile emulation here."""
+    dv in the tiles' 16-bit dtype with dv16; dk16: the final dk in the tiles' 16-bit dtype
+    (into `dk_out` when given; dk then scratch); dv, dbeta: contiguous buffers to write them
+    into (the op's `out=`), else new. The CPU tests put the tile emulation here."""
     from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.launch import kda_bwd_wy
 
     b, t, hv, _ = dw.shape
-    dv = torch.empty(b, t, hv, du.shape[-1], dtype=dw.dtype if dv16 else torch.float32,
-                     device=dw.device)  # fmt: skip
-    dbeta = torch.empty(b, t, hv, dtype=torch.float32, device=dw.device)
-    return kda_bwd_wy(dw, du, tt, w, k, u, v, beta, big_g, dv16=dv16, out=(dk, dv, dg, dbeta))
+    if dv is None:
+        dv = torch.empty(b, t, hv, du.shape[-1], dtype=dw.dtype if dv16 else torch.float32,
+                         device=dw.device)  # fmt: skip
+    if dbeta is None:
+        dbeta = torch.empty(b, t, hv, dtype=torch.float32, device=dw.device)
+    final = {"dk16": True, **given(dk_out=dk_out)} if dk16 else {}
+    return kda_bwd_wy(dw, du, tt, w, k, u, v, beta, big_g, dv16=dv16, out=(dk, dv, dg, dbeta),
+                      **final)  # fmt: skip
 
 
 # On since 2026-12-06 (H100, with WY_IN_KERNEL; docs/linear_attention/NOTES.md "KDA backward
@@ -271,17 +282,19 @@ def _reverse_tiles(f, dtype):
 
 
 def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, ops=None, dg_out=None, dg_dtype=torch.float32,
-                dv_dtype=torch.float32):  # fmt: skip
+                dv_dtype=torch.float32, q_scale=None, into=None):  # fmt: skip
     """Value heads of one pass, everything per value head: qs (scaled), ks (B, T, HV, K), v, do
     (B, T, HV, V), g (B, T, HV, K), beta (B, T, HV) fp32 except do (16-bit: the tiles' dtype);
     h0, dht (B, HV, K, V) fp32 or None; ops: this pass's heads of `_first_pass_ops` or None
     (the factors in torch) -> (dqs, dks (B, T, HV, K), dv, dg (B, T, HV, K), dbeta, dh0) fp32.
     On the device pass (`_on_device`) qs, ks and v come in do's 16-bit dtype and dG goes into
     dg_out where given and dv in `dv_dtype` where that is do's (`_device_pass`; the other
-    paths ignore both)."""
+    paths ignore both; q_scale, into: `_device_pass`'s, the device pass only)."""
     t, dtype = qs.shape[1], do.dtype
     if ops is not None and _on_device(dtype):
-        return _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out, dg_dtype, dv_dtype)
+        return _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out, dg_dtype, dv_dtype,
+                            q_scale, into)  # fmt: skip
+    assert q_scale is None and into is None, "final-form dq / dk: the device pass only"
     if ops is None:  # (B, NC, HV, C, ...) fp32, sub-chunked
         f = chunk_factors(qs, ks, v, g, beta, _Factors)
     else:
@@ -346,7 +359,7 @@ def _chunk_products(a, x, nc):
 
 
 def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=torch.float32,
-                 dv_dtype=torch.float32):  # fmt: skip
+                 dv_dtype=torch.float32, q_scale=None, into=None):  # fmt: skip
     """`_chunk_pass` with kernel 1 writing kernel 2's 16-bit forms (`out16`), as Gated DeltaNet's
     `_device_pass`: W = (T diag(beta)) Kg and u = (T diag(beta)) V from the first pass's rows
     (`_chunk_products`, the only factors formed here), kernel 1's forward launch (`forward`: I,
@@ -359,8 +372,13 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=tor
     neither reads what the other writes); dg_out: the buffer for dG (B, T, HV, K) (the sum of
     kernel 2's and the WY kernel's written there) or None; without it dG comes in `dg_dtype`.
     dv comes in do's 16-bit dtype straight from the WY kernel where `dv_dtype` is that (the
-    op's v 16-bit: no cast after), else fp32."""
+    op's v 16-bit: no cast after), else fp32. q_scale (`_folds`: no l2norm, HV = H): qs is
+    the op's q UNscaled (the first pass got the scale), kernel 2 writes the op's dq (dq16,
+    times q_scale) and the WY kernel the op's dk (dk16), both in do's dtype: no epilogue;
+    into: (dq, dk, dv, dbeta) (B, T, HV, ...) contiguous buffers those kernels write (the
+    op's `out=`, each None or of the dtype its kernel writes)."""
     t, dtype = qs.shape[1], do.dtype
+    dq_o, dk_o, dv_o, db_o = (None,) * 4 if into is None else into
     nc = -(-t // CHUNK)
 
     def chunks(x):  # token-major (B, NC C, HV, D) -> (B, NC, HV, C, D), a view
@@ -390,21 +408,42 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=tor
     # and T is no multiple of 64 (or in a head pass), so made so once here for both
     big_g = ops["big_g"][:, :t].contiguous()
     # kernel 2 writes dG straight into `dg_out` where that is a contiguous fp32 buffer
-    into = dg_out if dg_out is not None and dg_out.is_contiguous() else None
+    into_dg = dg_out if dg_out is not None and dg_out.is_contiguous() else None
     # dw in the tiles' dtype from kernel 2 (the WY kernel's operand; no cast here)
+    fold = {} if q_scale is None else {"dq16": True, "scale": q_scale, **given(dq=dq_o)}
     dq, dk, dw, dg = _chunk_grads(do, u_c[:, :t], du16, qs, ks, h16, dh16, big_g, dw16=True,
-                                  dg=into)  # fmt: skip
+                                  dg=into_dg, **fold)  # fmt: skip
     del u_c, h16, dh16
     wy = (dw, du16, ops["tt"][:, :t], w16[:, :t], ks, u16[:, :t], v, beta, big_g)
     # the WY kernel adds its dk and dG onto kernel 2's (in place, no torch add); left in torch:
     # dG's copy into a strided `dg_out`, or its cast to a 16-bit `dg_dtype` (the fp32 sum
     # rounded once, as before)
-    _, dv, dg, dbeta = _wy_kernel(*wy, dk, dg, dv16=dv_dtype == dtype)
-    if dg_out is not None and into is None:
+    final = {} if q_scale is None else {"dk16": True, **given(dk_out=dk_o)}
+    dk_wy, dv, dg, dbeta = _wy_kernel(*wy, dk, dg, dv16=dv_dtype == dtype, **final,
+                                      **given(dv=dv_o, dbeta=db_o))  # fmt: skip
+    if q_scale is not None:  # the op's dk (16-bit), not kernel 2's fp32 scratch
+        dk = dk_wy
+    if dg_out is not None and into_dg is None:
         dg = dg_out.copy_(dg)
     elif dg_out is None and dg_dtype != dg.dtype:
         dg = dg.to(dg_dtype)
     return dq, dk, dv, dg, dbeta, dh0
+
+
+# On the device pass without l2norm and with HV = H (`_folds`, the bench's case): kernel 2 reads
+# the op's q unscaled (the first pass takes the scale) and writes dq x scale in 16 bits (dq16),
+# the WY kernel the final dk in 16 bits (dk16), dv / dbeta into `out=`: no q x scale copy, no
+# epilogue launch. TEMPORARY switch for the GPU A/B (False: the fp32 dq / dk and the epilogue,
+# as before 2026-12-06's next/kda-final-outputs).
+FINAL_QK = True
+
+
+def _folds(l2norm: bool, group: int, q: torch.Tensor, k: torch.Tensor, dtype) -> bool:
+    """The kernels write the op's dq, dk (FINAL_QK): the device pass (`_on_device`), no l2norm,
+    no value-head group (HV = H), q and k in the tiles' dtype. The epilogue would only scale
+    dq and cast there."""
+    return (FINAL_QK and _on_device(dtype) and not l2norm and group == 1
+            and q.dtype == k.dtype == dtype)  # fmt: skip
 
 
 def _normalized32(x, scale, l2norm):
@@ -434,8 +473,10 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
     def seq(x):
         return x.reshape(b, t, *x.shape[1:])
 
+    fold = _folds(l2norm, group, q, k, do.dtype)
     if _on_device(do.dtype):  # q / k, v in 16 bits: the first pass and the kernels read them
-        qn = _normalized(seq(q), scale, l2norm, do.dtype)
+        # fold: q as it is (no copy), the scale taken by the first pass and kernel 2
+        qn = _normalized(seq(q), 1.0 if fold else scale, l2norm, do.dtype)
         kn = _normalized(seq(k), 1.0, l2norm, do.dtype)
         v_side = [seq(v).to(do.dtype), seq(g).float(), seq(beta).float(), seq(do)]
     else:
@@ -444,13 +485,20 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
         v_side = [seq(v).float(), seq(g).float(), seq(beta).float(), seq(do)]
     ops = None
     if FACTORS_FROM_FIRST_PASS and CHUNK_IN_KERNEL and do.dtype in FIRST_PASS_DTYPES:  # 16-bit rows
-        q16, k16 = (x.to(do.dtype) for x in (qn, kn))  # q scaled already: the pass's scale 1
-        ops = _first_pass_ops(q16, k16, v_side[1], v_side[2], 1.0, b, t)
+        q16, k16 = (x.to(do.dtype) for x in (qn, kn))  # q scaled already unless fold
+        ops = _first_pass_ops(q16, k16, v_side[1], v_side[2], scale if fold else 1.0, b, t)
     step = max(1, TOKEN_HEADS_PER_PASS // max(1, b * t * group))
     heads = range(0, h, step)
     outs = (None,) * 5 if out is None else tuple(None if o is None else seq(o) for o in out[:5])
     dg_out = outs[3] if len(heads) == 1 and outs[3] is not None and g.dtype == torch.float32 \
         else None  # fmt: skip
+    # fold, one pass: dq, dk, dv, dbeta written by the kernels into `out=` where its dtype is
+    # theirs (dq, dk, dv: do's 16-bit; dbeta fp32)
+    into = None
+    if fold and len(heads) == 1:
+        kinds = (do.dtype, do.dtype, do.dtype, torch.float32)
+        into = tuple(None if o is None or o.dtype != dt else o
+                     for o, dt in zip((outs[0], outs[1], outs[2], outs[4]), kinds))  # fmt: skip
     parts = []
     for first in heads:  # passes over heads, not chunks
         qh, vh = slice(first, first + step), slice(first * group, (first + step) * group)
@@ -460,15 +508,20 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
                   for x in (initial_state, d_final))  # fmt: skip
         mine = None if ops is None else {n: x[:, :, vh] for n, x in ops.items()}
         parts.append(_chunk_pass(qs, ks, *(x[:, :, vh] for x in v_side), *states, ops=mine,
-                                 dg_out=dg_out, dg_dtype=g.dtype,
-                                 dv_dtype=v.dtype))  # fmt: skip
+                                 dg_out=dg_out, dg_dtype=g.dtype, dv_dtype=v.dtype,
+                                 q_scale=scale if fold else None, into=into))  # fmt: skip
     del qn, kn
-    dqs, dks, dv, dbeta, dh0 = (_joined(parts, i, None) for i in (0, 1, 2, 4, 5))
+    if fold:  # the kernels wrote the op's dq, dk (16-bit, dq scaled): no epilogue
+        dq, dk, dv, dbeta = (_joined(parts, i, outs[i]) for i in (0, 1, 2, 4))
+    else:
+        dqs, dks, dv, dbeta = (_joined(parts, i, None) for i in (0, 1, 2, 4))
+    dh0 = _joined(parts, 5, None)
     dg = _joined(parts, 3, outs[3])
     del parts
-    epilogue = _qk_grads if NORM_IN_KERNEL else _normalized_backward
-    dq = epilogue(dqs, seq(q), scale, l2norm, **given(out=outs[0]))
-    dk = epilogue(dks, seq(k), 1.0, l2norm, **given(out=outs[1]))
+    if not fold:
+        epilogue = _qk_grads if NORM_IN_KERNEL else _normalized_backward
+        dq = epilogue(dqs, seq(q), scale, l2norm, **given(out=outs[0]))
+        dk = epilogue(dks, seq(k), 1.0, l2norm, **given(out=outs[1]))
     grads = (*(x.flatten(0, 1) for x in (dq, dk, dv, dg, dbeta)), dh0)
     return written(out, grads, (q, k, v, g, beta))
 

@@ -142,14 +142,21 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         mDK: cute.Tensor,
         mDW: cute.Tensor,
         mDG: cute.Tensor,
+        scale: Float32,
         stream: cuda.CUstream,
     ):
-        """mDO, mU, mDU (B, T, HV, V), mQ (scaled), mK (B, T, HV, K), mH, mDH (B, NC, HV, K, V)
-        16-bit; mG fp32 (B, T, HV, K); outputs (B, T, HV, K) fp32: mDQ, mDK, mDG (dG, the
-        reverse cumsum within the chunk done); mDW fp32 or the tiles' 16-bit dtype (`dw16`:
-        the WY kernel's operand, rounded once here by `_store_rows`)."""
+        """mDO, mU, mDU (B, T, HV, V), mQ (scaled; UNscaled with `dq16`), mK (B, T, HV, K),
+        mH, mDH (B, NC, HV, K, V) 16-bit; mG fp32 (B, T, HV, K); outputs (B, T, HV, K) fp32:
+        mDQ, mDK, mDG (dG, the reverse cumsum within the chunk done); mDW fp32 or the tiles'
+        16-bit dtype (`dw16`: the WY kernel's operand, rounded once here by `_store_rows`).
+        mDQ in the tiles' 16-bit dtype (`dq16`): q read unscaled, `scale` (the op's q scale)
+        applied in registers to every product of q ((q el), dP_jj q_j, q o dq) and to dq
+        before its one rounding: dq = scale dL/d(q scale), the op's dq itself; fp32 dq
+        ignores `scale` (q comes scaled)."""
         if const_expr(mDW.element_type != Float32 and mDW.element_type != mDO.element_type):
             raise TypeError(f"dw must be fp32 or the tiles' dtype, got {mDW.element_type}")
+        if const_expr(mDQ.element_type != Float32 and mDQ.element_type != mDO.element_type):
+            raise TypeError(f"dq must be fp32 or the tiles' dtype, got {mDQ.element_type}")
         self.dtype = mDO.element_type
         for t in (mU, mDU, mQ, mK, mH, mDH):
             if const_expr(t.element_type != self.dtype):
@@ -191,7 +198,7 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         nc = (mDO.shape[1] + CHUNK - 1) // CHUNK
         mmas = (self.mma_w, self.mma_s, self.mma_q, self.mma_k)
         layouts = (self.sT_layout, self.sH_layout, self.sP_layout, self.sB_layout)
-        self.kernel(*atoms_and_views, mG, mDQ, mDK, mDW, mDG, *mmas, *layouts).launch(
+        self.kernel(*atoms_and_views, mG, mDQ, mDK, mDW, mDG, scale, *mmas, *layouts).launch(
             grid=(nc, mDO.shape[2], mDO.shape[0]),
             block=[THREADS, 1, 1],
             min_blocks_per_mp=1,
@@ -220,6 +227,7 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         mDK: cute.Tensor,
         mDW: cute.Tensor,
         mDG: cute.Tensor,
+        scale: Float32,
         mma_w: cute.TiledMma,
         mma_s: cute.TiledMma,
         mma_q: cute.TiledMma,
@@ -280,7 +288,7 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         else:
             self._math(
                 mma_w, mma_s, mma_q, mma_k, sDO, sU, sDU, sQ, sK, sH, sDH, sP, sKr, sQl, sG,
-                sRows, sTab, mG, mDQ, mDK, mDW, mDG, bars, c, hv, b, seqlen,
+                sRows, sTab, mG, mDQ, mDK, mDW, mDG, bars, c, hv, b, seqlen, scale,
             )  # fmt: skip
 
     @cute.jit
@@ -339,9 +347,10 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
                 sTab[(self.t_e + pair) * self.k + col] = cute.math.exp(r[i] - r[j], fastmath=True)
 
     @cute.jit
-    def _block_operands(self, sQ, sK, sKr, sQl, sG, sTab, first, seqlen):
+    def _block_operands(self, sQ, sK, sKr, sQl, sG, sTab, first, seqlen, scale=None):
         """Math thread = key channel c: (k er) and (q el) (C, K) bf16 into their tiles, zero past
-        T (er = e^(r_w - G), el = e^(G - r_w), w the row's sub-chunk)."""
+        T (er = e^(r_w - G), el = e^(G - r_w), w the row's sub-chunk); q el times `scale` when
+        given (dq16: q read unscaled)."""
         col = opaque_tid_x() % THREADS_PER_WG
         qq, kk = sQ[None, None, 0], sK[None, None, 0]
         kr, ql = sKr[None, None, 0], sQl[None, None, 0]
@@ -351,6 +360,8 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
             if first + i < seqlen:
                 el = cute.math.exp(a, fastmath=True)
                 er = cute.math.exp(-a, fastmath=True)
+                if const_expr(scale is not None):
+                    el = el * scale
             kr[i, col] = BFloat16(Float32(kk[i, col]) * er)
             ql[i, col] = BFloat16(Float32(qq[i, col]) * el)
 
@@ -367,8 +378,10 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
     @cute.jit
     def _math(
         self, mma_w, mma_s, mma_q, mma_k, sDO, sU, sDU, sQ, sK, sH, sDH, sP, sKr, sQl, sG, sRows,
-        sTab, mG, mDQ, mDK, mDW, mDG, bars, c, hv, b, seqlen,
+        sTab, mG, mDQ, mDK, mDW, mDG, bars, c, hv, b, seqlen, scale,
     ):  # fmt: skip
+        # dq16: q unscaled, the scale on every product of q in registers (None: q scaled)
+        qs = scale if const_expr(mDQ.element_type != Float32) else None
         wg_w = mma_w.get_slice(0)
         wg_s = mma_s.get_slice(0)
         wg_q = mma_q.get_slice(0)
@@ -420,7 +433,7 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         acc_to_operand_a(acc_s, tQrP)
         math.arrive_and_wait()  # every thread's dO / dU products retired, dP^T stored
         cute.arch.mbarrier_wait(bars + 3, 0)  # q, k
-        self._block_operands(sQ, sK, sKr, sQl, sG, sTab, first, seqlen)
+        self._block_operands(sQ, sK, sKr, sQl, sG, sTab, first, seqlen, qs)
         cute.arch.fence_view_async_shared()
         math.arrive_and_wait()
 
@@ -439,7 +452,7 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         # every math thread's dq blocks retired and the <h, dh> warps done: (k er)'s and h's
         # bytes free for dG's rows
         named_barrier(BAR_HDH, THREADS_PER_WG + HDH_THREADS).arrive_and_wait()
-        self._rows_out(qa, mma_w, sQ, sK, sRows, sTab, diag, True)
+        self._rows_out(qa, mma_w, sQ, sK, sRows, sTab, diag, True, qs)
         self._store_rows(acc, mma_w, mDQ, tid, b, hv, c, seqlen)
 
         # dk = er o (e^(G_C - r_w) o dke + sum_(I >= w) E_(I,w) o blocks) + dP_jj q_j
@@ -454,7 +467,7 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
             elif w < i:
                 self._add_scaled_cols(qa, ba, sTab, i, w, t0, col_w)
         self._scale_rows_g(qa, mma_w, sG, sTab, w, first, seqlen, False)
-        self._rows_out(qa, mma_w, sK, sQ, sRows, sTab, diag, False)
+        self._rows_out(qa, mma_w, sK, sQ, sRows, sTab, diag, False, qs)
         self._store_rows(acc, mma_w, mDK, tid, b, hv, c, seqlen)
         math.arrive_and_wait()  # dG's rows and te's partials in shared memory
         self._finish_dg(sG, sRows, sTab, mDG, first, seqlen, b, hv, tid)
@@ -516,18 +529,25 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
                 sTab[(self.t_te + w) * self.k + col] = part
 
     @cute.jit
-    def _rows_out(self, a, mma, sX, sY, sRows, sTab, diag, first_half: cutlass.Constexpr[bool]):
+    def _rows_out(self, a, mma, sX, sY, sRows, sTab, diag, first_half: cutlass.Constexpr[bool],
+                  scale=None):  # fmt: skip
         """dG's rows: q o dq (first_half: stored) or -= k o dk (the thread's own earlier
         elements), before the diagonal's term; then a += dP_ii y_i (dq: y = k, dk: y = q; dP_ii
-        at table offset `diag`, zero past T: S's rows are masked there)."""
+        at table offset `diag`, zero past T: S's rows are masked there). `scale` (dq16: q
+        unscaled): dq (first_half) times it first, so q o (scale dq) = (q scale) o dq and dq
+        the op's; dP_ii times it (dq's term: scale dq's; dk's: (q scale)_j)."""
         t0, row_w, col_w = self._coords(mma)
         xx, yy = sX[None, None, 0], sY[None, None, 0]
         for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
             i = row_w + t0[r, 0][0]
             d = sTab[diag + i]
+            if const_expr(scale is not None):
+                d = d * scale
             for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
                 col = col_w + t0[0, j][1]
                 n = self._gi(i, col)
+                if const_expr(first_half and scale is not None):
+                    a[r, j] = a[r, j] * scale
                 if const_expr(first_half):
                     sRows[n] = Float32(xx[i, col]) * a[r, j]
                 else:

@@ -31,11 +31,14 @@ def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2) -> int:
     return tokens + square + rows + tables + 8 * len(LOAD_GROUPS) + 1024
 
 
-def params_for(dtype: str, head_dims: tuple[int, int] = (128, 128), *, dv16: bool = False) -> tuple:
+def params_for(dtype: str, head_dims: tuple[int, int] = (128, 128), *, dv16: bool = False,
+               dk16: bool = False) -> tuple:  # fmt: skip
     """Compile key: the 16-bit dtype of the tiles and (K, V) (the score-gradient blocks run in
     bf16 for both: e^(+-a) reaches e^(8 max|g|), past fp16's range); `dv16` (in the key only
     when set): dv written in the tiles' 16-bit dtype (v's, when the op's v is 16-bit: its cast
-    moved in), else fp32."""
+    moved in), else fp32; `dk16` (likewise): the final dk (kernel 2's fp32 dk plus the WY
+    half) written in the tiles' 16-bit dtype into a tensor of its own (the op's dk where no
+    l2norm or group sum follows: no epilogue)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
     if tuple(head_dims) not in HEAD_DIMS:
@@ -44,4 +47,6 @@ def params_for(dtype: str, head_dims: tuple[int, int] = (128, 128), *, dv16: boo
     key = {"dtype": dtype, "k": k, "v": v}
     if dv16:
         key["dv16"] = True
+    if dk16:
+        key["dk16"] = True
     return tuple(sorted(key.items()))

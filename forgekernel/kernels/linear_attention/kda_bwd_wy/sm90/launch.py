@@ -85,7 +85,9 @@ def kda_bwd_wy(
     big_g: torch.Tensor,
     *,
     dv16: bool = False,
+    dk16: bool = False,
     out: Outputs | None = None,
+    dk_out: torch.Tensor | None = None,
 ) -> Outputs:
     """Per chunk of 64 tokens (every chunk at once), reference/kda_bwd.py's `_wy_grads`: the
     WY half's dk, dv, dg (its per-channel dG after the reverse cumsum within the chunk) and
@@ -96,15 +98,32 @@ def kda_bwd_wy(
     WY half added onto what they hold: kernel 2's dk and dG on the backward's path; the
     kernel reads and writes each chunk's rows once, race-free on one stream), dv and dbeta
     overwritten. Without `out`, dk and dg start at zero (the WY half alone). `dv16`: dv in the
-    tiles' 16-bit dtype (v's on the backward's path where the op's v is 16-bit)."""
+    tiles' 16-bit dtype (v's on the backward's path where the op's v is 16-bit). `dk16`: the
+    final dk (out's fp32 dk + the WY half) in dw's 16-bit dtype, rounded once, into `dk_out`
+    (contiguous (B, T, HV, K); a new tensor when None) and returned in dk's place; out's fp32
+    dk is then scratch (it ends holding kernel 2's dk plus two of the WY half's three terms)."""
     b, t, hv = check_inputs(dw, du, tt, w, k, u, v, beta, big_g)
+    if dk_out is not None and not dk16:
+        raise ValueError("dk_out is dk16's 16-bit final dk (pass dk16=True)")
     outs = empty_outputs(dw, du.shape[-1], dv16) if out is None else out
     check_outputs(outs, dw, du.shape[-1], dv16)
+    dk_final = outs[0]
+    if dk16:
+        dk_final = torch.empty_like(dw, memory_format=torch.contiguous_format) \
+            if dk_out is None else dk_out  # fmt: skip
+        ok = (dk_final.shape == dw.shape and dk_final.dtype == dw.dtype
+              and dk_final.device == dw.device and dk_final.is_contiguous())  # fmt: skip
+        if not ok:
+            raise ValueError(f"dk_out must be contiguous {str(dw.dtype)[6:]} "
+                             f"{tuple(dw.shape)} on {dw.device} (dk16: dk in dw's dtype), got "
+                             f"{dk_final.dtype} {tuple(dk_final.shape)} on "
+                             f"{dk_final.device}")  # fmt: skip
+    result = (dk_final, *outs[1:])
     if b * hv * t == 0:
-        return outs
-    key = params_for(dtype_name(dw.dtype), (dw.shape[-1], du.shape[-1]), dv16=dv16)
+        return result
+    key = params_for(dtype_name(dw.dtype), (dw.shape[-1], du.shape[-1]), dv16=dv16, dk16=dk16)
     fn = get_kernel(SPEC, key)
     tiles = [as_tma_ready(x) for x in (dw, du, tt, w, k, u, v)]
     with on_device(dw.device):
-        fn(*tiles, beta.contiguous(), big_g.contiguous(), *outs)
-    return outs
+        fn(*tiles, beta.contiguous(), big_g.contiguous(), *outs, dk_final)
+    return result

@@ -134,6 +134,7 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         mDV: cute.Tensor,
         mDG: cute.Tensor,
         mDB: cute.Tensor,
+        mDKo: cute.Tensor,
         stream: cuda.CUstream,
     ):
         """mDW, mW, mK (B, T, HV, K), mDU, mU, mV (B, T, HV, V), mTt (B, T, HV, C) 16-bit;
@@ -142,8 +143,14 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         ADDED onto what they hold (kernel 2's dk, dG: each CTA reads and writes only its own
         chunk's rows of its value head, grid (NC, HV, B) as kernel 2's, and kernel 2 has
         finished on the stream: no atomics); mDV (B, T, HV, V: fp32, or the tiles' 16-bit
-        dtype with `dv16`, rounded once by `_store_rows`), mDB (B, T, HV) written."""
+        dtype with `dv16`, rounded once by `_store_rows`), mDB (B, T, HV) written. mDKo (B,
+        T, HV, K): fp32 (without `dk16`: mDK itself, unused) or the tiles' 16-bit dtype
+        (`dk16`): the final dk (kernel 2's + the WY half) written there, rounded once; mDK
+        then holds kernel 2's dk plus the WY half's first two terms (scratch)."""
         self.dtype = mDW.element_type
+        if const_expr(mDKo.element_type != Float32 and mDKo.element_type != self.dtype):
+            raise TypeError(f"the final dk must be fp32 or the tiles' dtype, got "
+                            f"{mDKo.element_type}")  # fmt: skip
         if const_expr(mDV.element_type != Float32 and mDV.element_type != self.dtype):
             raise TypeError(f"dv must be fp32 or the tiles' dtype, got {mDV.element_type}")
         for t in (mDU, mTt, mW, mK, mU, mV):
@@ -186,7 +193,8 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         nc = (mDW.shape[1] + CHUNK - 1) // CHUNK
         mmas = (self.mma_t, self.mma_da, self.mma_x, self.mma_y)
         layouts = (self.sT_layout, self.sTt_layout, self.sP_layout, self.sB_layout)
-        self.kernel(*atoms_and_views, mBeta, mG, mDK, mDV, mDG, mDB, *mmas, *layouts).launch(
+        self.kernel(*atoms_and_views, mBeta, mG, mDK, mDV, mDG, mDB, mDKo, *mmas,
+                    *layouts).launch(  # fmt: skip
             grid=(nc, mDW.shape[2], mDW.shape[0]),
             block=[THREADS, 1, 1],
             min_blocks_per_mp=1,
@@ -216,6 +224,7 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         mDV: cute.Tensor,
         mDG: cute.Tensor,
         mDB: cute.Tensor,
+        mDKo: cute.Tensor,
         mma_t: cute.TiledMma,
         mma_da: cute.TiledMma,
         mma_x: cute.TiledMma,
@@ -273,13 +282,13 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         else:
             self._math(
                 mma_t, mma_da, mma_x, mma_y, sDW, sDU, sW, sK, sU, sV, sTt, sP, sKr, sKl, sG,
-                sRows, sTab, mBeta, mG, mDK, mDV, mDG, mDB, bars, c, hv, b, seqlen,
+                sRows, sTab, mBeta, mG, mDK, mDV, mDG, mDB, mDKo, bars, c, hv, b, seqlen,
             )  # fmt: skip
 
     @cute.jit
     def _math(
         self, mma_t, mma_da, mma_x, mma_y, sDW, sDU, sW, sK, sU, sV, sTt, sP, sKr, sKl, sG,
-        sRows, sTab, mBeta, mG, mDK, mDV, mDG, mDB, bars, c, hv, b, seqlen,
+        sRows, sTab, mBeta, mG, mDK, mDV, mDG, mDB, mDKo, bars, c, hv, b, seqlen,
     ):  # fmt: skip
         wg_t = mma_t.get_slice(0)
         wg_da = mma_da.get_slice(0)
@@ -380,9 +389,32 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
                 self._add_scaled_cols(xa, ba, sTab, i, w, t0, col_w)
         self._scale_rows_g(xa, mma_t, sG, sTab, w, first, seqlen, False)
         self._rows_add(xa, mma_t, sK, sRows, False)
-        self._add_rows(acc, mma_t, mDK, tid, b, hv, c, seqlen)
+        if const_expr(mDKo.element_type != Float32):  # dk16: the final dk, rounded once
+            self._add_rows_to(acc, mma_t, mDK, mDKo, tid, b, hv, c, seqlen)
+        else:
+            self._add_rows(acc, mma_t, mDK, tid, b, hv, c, seqlen)
         math.arrive_and_wait()  # dG's rows in shared memory
         self._finish_rows(sRows, mDG, first, seqlen, b, hv, tid)
+
+    @cute.jit
+    def _add_rows_to(self, acc, mma, mIn, mOut, tid, b, hv, c, seqlen):
+        """out[b, tokens of chunk c, hv, :] = in[...] + a (C, K) accumulator in out's 16-bit
+        dtype, rounded once; the rows inside T (`_add_rows`' partition: this thread's own
+        earlier fp32 read-modify-writes of `in`)."""
+        t0, row_base, _ = softmax.acc_coords(mma, tid, (CHUNK, self.k))
+        src = cute.local_tile(mIn[b, None, hv, None], (CHUNK, self.k), (c, 0))
+        dst = cute.local_tile(mOut[b, None, hv, None], (CHUNK, self.k), (c, 0))
+        gi = rows_cols(mma.get_slice(tid).partition_C(src))
+        go = rows_cols(mma.get_slice(tid).partition_C(dst))
+        a = rows_cols(acc)
+        for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
+            if c * CHUNK + row_base + t0[r, 0][0] < seqlen:
+                # a thread's column pairs: both loaded before either store (out may alias in
+                # for the compiler: one LDG.E.64, one packed STG.E a pair)
+                for j in cutlass.range_constexpr(0, cute.size(a, mode=[1]), 2):
+                    x0, x1 = gi[r, j], gi[r, j + 1]
+                    go[r, j] = (x0 + a[r, j]).to(mOut.element_type)
+                    go[r, j + 1] = (x1 + a[r, j + 1]).to(mOut.element_type)
 
     @cute.jit
     def _scale_rows(self, acc, vals):
