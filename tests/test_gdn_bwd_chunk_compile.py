@@ -50,10 +50,11 @@ CONFIGS = [
 def compiled():
     cache = {}
 
-    def get(dtype, wy, grouped=False, dv16=False, dqk16=False):
-        if (dtype, wy, grouped, dv16, dqk16) not in cache:
+    def get(dtype, wy, grouped=False, dv16=False, dqk16=False, fsplit=False):
+        key = (dtype, wy, grouped, dv16, dqk16) + ((True,) if fsplit else ())
+        if key not in cache:
             params = dict(config.params_for(dtype, wy=wy, grouped=grouped, dv16=dv16,
-                                            dqk16=dqk16))  # fmt: skip
+                                            dqk16=dqk16, fsplit=fsplit))  # fmt: skip
             kernel = kernel_for(params)
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_gdn_bwd_chunk(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
@@ -64,9 +65,9 @@ def compiled():
                     cubin = Path(d, "k.cubin")
                 res = inspect_cubin(cubin)
                 sass = sass_text(cubin)
-            cache[dtype, wy, grouped, dv16, dqk16] = (
+            cache[key] = (
                 res, sass_instructions(sass), kernel.shared_storage.size_in_bytes())  # fmt: skip
-        return cache[dtype, wy, grouped, dv16, dqk16]
+        return cache[key]
 
     return get
 
@@ -219,3 +220,58 @@ def test_dqk16_resources(compiled, dtype):
     for prefix in ("HGMMA", "UTMALDG", "STSM", "SHFL"):
         got = sorted(op for op in ops if op.startswith(prefix))
         assert got == sorted(op for op in base_ops if op.startswith(prefix)), prefix
+
+
+def _max_register_by_region(instrs) -> dict[str, int]:
+    """The highest R register named in each region of the SASS between USETMAXREG
+    instructions, keyed by the setmaxnreg count in force ("launch" before the first)."""
+    out, cur = {}, "launch"
+    for op, a in instrs:
+        if op.startswith("USETMAXREG"):
+            cur = str(int(a.split()[-1], 16))
+        regs = [int(r) for r in re.findall(r"\bR(\d+)\b", a)]
+        out[cur] = max([out.get(cur, 0)] + regs)
+    return out
+
+
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
+def test_fsplit_resources(compiled, dtype):
+    """`fsplit` (NOTES "two math warpgroups or two CTAs a SM?", option A'; with dv16, dqk16):
+    384 threads launched at 168 registers, setmaxnreg 24 (the TMA warp's warpgroup) / 256 (the
+    WY warpgroup, R0-R252 named: its `_wy` as the 256-thread kernel's, dk's row coordinates
+    re-read after the hand-over, else 16 bytes spilled) / 224 (the output warpgroup, R0-R151),
+    nothing spilled; shared memory unchanged (six mbarriers in the padding before G); the same
+    products, loads and stores as the dqk16 build; two G loads and e^G more (each math
+    warpgroup its own rows')
+    and the finish's warp sum twice in the SASS (ptxas' copy for a divergent `tid < 64`); six
+    load groups (dU + h, T^T + u, w + k, dO + U, q, dh); every named barrier a bar.sync: BAR_MATH
+    (id 1) once, the WY warpgroup's (4) twice, the 256-thread start (5), hand-over (6) and
+    finish (2) once a side."""
+    res, instrs, smem = compiled(dtype, True, False, True, True, True)
+    base_res, base_instrs, _ = compiled(dtype, True, False, True, True)
+    assert res["registers"] == 168 == 65536 // config.FSPLIT_THREADS // 8 * 8
+    assert res["spill_bytes"] == 0
+    assert not [op for op, _ in instrs if op.startswith(("LDL", "STL"))]
+    assert smem == SMEM[True] <= config.smem_bytes(wy=True, fsplit=True)
+    ops, base_ops = [op for op, _ in instrs], [op for op, _ in base_instrs]
+    assert ops.count("USETMAXREG.DEALLOC.CTAPOOL") == 1
+    assert ops.count("USETMAXREG.TRY_ALLOC.CTAPOOL") == 2
+    setmax = sorted(int(a.split()[-1], 16) for op, a in instrs if op.startswith("USETMAXREG"))
+    assert setmax == sorted(config.FSPLIT_REGS)
+    for prefix in ("HGMMA", "UTMALDG", "STSM", "STG", "STS", "LDS", "MUFU.RCP"):
+        got = sorted(op for op in ops if op.startswith(prefix))
+        assert got == sorted(op for op in base_ops if op.startswith(prefix)), prefix
+    assert ops.count("LDG.E") == base_ops.count("LDG.E") + 2  # G of its two rows
+    assert ops.count("MUFU.EX2") == base_ops.count("MUFU.EX2") + 2
+    assert ops.count("SHFL.BFLY") == base_ops.count("SHFL.BFLY") + 5
+    n = len(config.FSPLIT_LOAD_GROUPS)
+    assert ops.count("SYNCS.EXCH.64") == ops.count("SYNCS.ARRIVE.TRANS64") == n == 6
+    bars = [(op, a.strip()) for op, a in instrs if op.startswith("BAR")]
+    assert not [op for op, _ in bars if not op.startswith("BAR.SYNC")]
+    assert sorted(a for _, a in bars) == sorted(
+        ["0x0"] + ["0x1, 0x80"] * 1 + ["0x4, 0x80"] * 2 + ["0x2, 0x100", "0x5, 0x100",
+                                                           "0x6, 0x100"] * 2
+    )  # fmt: skip
+    # setmaxnreg in force: 24 (the producer), 256 (the WY warpgroup), 224 (the output one)
+    regions = _max_register_by_region(instrs)
+    assert regions["256"] < 256 and regions["224"] < 224 and regions["24"] < 24

@@ -144,7 +144,10 @@ def emulated_chunk_wy_kernel(calls=None):
     first = emulated_chunk_kernel(calls)
 
     def run(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta, dv16=False, out=None,
-            dqk16=False, scale=1.0):  # fmt: skip
+            dqk16=False, scale=1.0, fsplit=False):  # fmt: skip
+        if fsplit:  # the two-warpgroup form (the same outputs bit for bit): dqk16 only
+            assert dqk16
+            FSPLIT.append(do.dtype)
         for x in (tt, w, uw, v):  # kernel 0's outputs cut to T tokens: strided views (TMA)
             assert x.stride(-1) == 1 and x.dtype == do.dtype and x.shape[:3] == do.shape[:3]
         assert beta.dtype == torch.float32 and beta.shape == do.shape[:3]
@@ -427,6 +430,7 @@ CHUNK_CALLS: list = []  # kernel 2's launches under the kernel_path fixture (the
 FLAGS: list = []  # kernel 1's (out16, forward) a launch, whenever its emulation records calls
 DV16: list = []  # kernel 2's dv16 launches (their dtypes)
 DQK16: list = []  # kernel 2's dqk16 launches (their dtypes, dq scales)
+FSPLIT: list = []  # kernel 2's fsplit launches (their dtypes)
 FACTOR_CALLS: list = []  # kernel 0's, likewise
 
 
@@ -498,6 +502,26 @@ def test_qk16_within_the_check_tolerance(kernel_path, monkeypatch, h, hv, l2norm
     for i, name in enumerate(("dq", "dk")):
         ulp = float(want[i].abs().max()) * 2**-8
         assert errs[True, name] <= 1.5 * errs[False, name] + ulp, (name, errs)
+
+
+def test_fsplit_switch(kernel_path, monkeypatch):
+    """FSPLIT (TEMPORARY A/B switch, off by default): kernel 2's `fsplit` key with QK16 (the
+    same outputs: the stand-in ignores it), never without QK16."""
+    assert not bwd.FSPLIT
+    q, k, v, g, beta, do, h0, dht = _bf16_problem(1, 65, 2, 2, seed=5)
+    outs = {}
+    for fs, qk16 in ((False, True), (True, True), (True, False)):
+        monkeypatch.setattr(bwd, "FSPLIT", fs)
+        monkeypatch.setattr(bwd, "QK16", qk16)
+        FSPLIT.clear()
+        outs[fs, qk16] = forgekernel.gated_delta_rule_backward(
+            q, k, v, g, beta, do, initial_state=h0, d_final_state=dht,
+            use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+        assert FSPLIT == ([torch.bfloat16] if fs and qk16 else [])
+    for a, r in zip(outs[True, True], outs[False, True]):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, r, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(

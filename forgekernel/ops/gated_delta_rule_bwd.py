@@ -365,6 +365,12 @@ def _wy_buffers(do, kd, dg, dv, dbeta, dq=None, dk=None):
 # fp32 dq, dk and the epilogue always (64 KB a chunk-head more moved at K = 128).
 QK16 = True
 
+# Kernel 2's `fsplit` form (with QK16 only): two math warpgroups split by function, the output
+# half and the WY half meeting once at dk's fp32 stash (the same outputs bit for bit). TEMPORARY
+# switch for the GPU A/B (NOTES "GDN backward chunk kernel: two math warpgroups or two CTAs a
+# SM?"); off until the timeline says it is faster, then the default and the switch removed.
+FSPLIT = False
+
 
 def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None):
     """`_chunk_pass` with every kernel writing what the next reads (kernel 1 `out16`): kernel
@@ -402,6 +408,8 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None):
     wy_out = None if into is None else _wy_buffers(do, qs.shape[-1], dg_o, dv_o, dbeta_o, dq_o,
                                                    dk_o)  # fmt: skip
     flags = {"dqk16": True, "scale": 1.0 if q_scale is None else q_scale} if QK16 else {}
+    if QK16 and FSPLIT:
+        flags["fsplit"] = True
     dq, dk, dg, dv, dbeta = _chunk_grads_wy(*tiles, k2["tt"], k2["w"], k2["u"], v, wide,
                                             dv16=True, **flags, **given(out=wy_out))  # fmt: skip
     return dq, dk, dv, dg, dbeta, dh0

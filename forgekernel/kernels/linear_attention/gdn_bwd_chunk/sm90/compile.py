@@ -16,7 +16,8 @@ from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.chunk_grads import 
 
 def kernel_for(params: dict) -> GdnBwdChunkSm90:
     return GdnBwdChunkSm90(params["k"], params["v"], wy=params["wy"],
-                           grouped=params.get("grouped", False))  # fmt: skip
+                           grouped=params.get("grouped", False),
+                           fsplit=params.get("fsplit", False))  # fmt: skip
 
 
 def compile_gdn_bwd_chunk(params: dict, arch: str = "sm_90a", extra_options: str = "", kernel=None):

@@ -142,6 +142,7 @@ def gdn_bwd_chunk_wy(
     dv16: bool = False,
     dqk16: bool = False,
     scale: float = 1.0,
+    fsplit: bool = False,
 ) -> WyOutputs:
     """All of pass 3 per chunk: `gdn_bwd_chunk`'s products, then the WY half from dw on chip
     ([dkb dvb] = T^T [dw du], dv = beta dvb, dA, M = beta (dA o D), dk += beta e^G dkb + M k +
@@ -149,7 +150,9 @@ def gdn_bwd_chunk_wy(
     of T = L^-1), w (B, T, HV, K), uw (B, T, HV, V) (the forward's w, u), v (B, T, HV, V) in
     do's dtype; beta (B, T, HV) fp32. Returns (dq, dk, dg (pass 3's dG, the reverse cumsum
     within the chunk done), dv, dbeta) fp32 (`dv16`: dv in do's dtype; `dqk16`: dq, dk in do's
-    dtype, rounded once, dq times `scale`), into `out` (contiguous) when given."""
+    dtype, rounded once, dq times `scale`), into `out` (contiguous) when given. `fsplit`
+    (dqk16 only): the two-math-warpgroup form of the same kernel (config.FSPLIT_*), the same
+    outputs bit for bit."""
     b, t, hv, _ = check_inputs(do, u, du, q, k, h, dh, big_g)
     check_wy_inputs(do, q, tt, w, uw, v, beta)
     if scale != 1.0 and not dqk16:
@@ -162,7 +165,8 @@ def gdn_bwd_chunk_wy(
     if b * hv * t == 0:
         return outs
     params = params_for(dtype_name(do.dtype), (q.shape[-1], do.shape[-1]), wy=True,
-                        grouped=q.shape[2] != hv, dv16=dv16, dqk16=dqk16)  # fmt: skip
+                        grouped=q.shape[2] != hv, dv16=dv16, dqk16=dqk16,
+                        fsplit=fsplit)  # fmt: skip
     fn = get_kernel(SPEC, params)
     tiles = [as_tma_ready(x) for x in (do, u, du, q, k, h, dh)]
     extra = [as_tma_ready(x) for x in (tt, w, uw)]
