@@ -141,12 +141,20 @@ def test_launcher_checks():
 
 
 def _poisoned_wy_kernel(calls):
-    def run(dw, du, tt, w, k, u, v, beta, big_g, dk, dg, dv16=False):  # dk, dg: accumulated
-        _, dv, _, dbeta = (x.fill_(float("nan"))
-                           for x in launch.empty_outputs(dw, du.shape[-1], dv16))  # fmt: skip
+    """bwd._wy_kernel with dv, dbeta (the op's out= buffers, or new ones) NaN-poisoned first;
+    dk, dg are accumulated into (kernel 2's), dk16's `dk_out` poisoned too."""
+    real = bwd._wy_kernel
+
+    def run(dw, du, tt, w, k, u, v, beta, big_g, dk, dg, dv16=False, dk16=False, dk_out=None,
+            dv=None, dbeta=None):  # fmt: skip
+        _, own_dv, _, own_dbeta = launch.empty_outputs(dw, du.shape[-1], dv16)
+        dv = (own_dv if dv is None else dv).fill_(float("nan"))
+        dbeta = (own_dbeta if dbeta is None else dbeta).fill_(float("nan"))
+        if dk_out is not None:
+            dk_out.fill_(float("nan"))
         calls.append(tuple(dw.shape))
-        return launch.kda_bwd_wy(dw, du, tt, w, k, u, v, beta, big_g, dv16=dv16,
-                                 out=(dk, dv, dg, dbeta))  # fmt: skip
+        return real(dw, du, tt, w, k, u, v, beta, big_g, dk, dg, dv16=dv16, dk16=dk16,
+                    dk_out=dk_out, dv=dv, dbeta=dbeta)  # fmt: skip
 
     return run
 
