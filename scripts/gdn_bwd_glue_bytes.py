@@ -51,6 +51,9 @@ class Written(TorchDispatchMode):
         self.by_caller: Counter = Counter()  # bytes by the ops/ line that led there
         self.flops_by_caller: Counter = Counter()
         self.launches_by_caller: Counter = Counter()
+        # every op that writes, in the order called: (op, dtype, shape, bytes written, bytes
+        # of its tensor arguments (read; an in-place op's target counted), site)
+        self.ops: list[tuple[str, str, tuple, int, int, str]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -71,10 +74,24 @@ class Written(TorchDispatchMode):
             self.launches[site] += 1
             self.by_caller[caller] += nbytes
             self.launches_by_caller[caller] += 1
+            args_in = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+            read = sum(x.numel() * x.element_size() for x in args_in
+                       if isinstance(x, torch.Tensor)
+                       and not any(_same(x, w) for w in written))  # fmt: skip
+            if name.endswith("_") and name != "copy_":  # in place: its target is read too
+                read += nbytes
+            dtype = str(written[0].dtype).removeprefix("torch.")
+            self.ops.append((name, dtype, tuple(written[0].shape), nbytes, read, site))
             if flops:
                 self.flops[site] += flops
                 self.flops_by_caller[caller] += flops
         return out
+
+
+def _same(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """The same view (an `out=` argument and the op's result)."""
+    return (x.data_ptr(), x.shape, x.stride(), x.dtype) == (y.data_ptr(), y.shape, y.stride(),
+                                                            y.dtype)  # fmt: skip
 
 
 def _site() -> tuple[str, str]:
@@ -117,14 +134,14 @@ def _quiet(fn):
 def stub_kernels():
     """The three kernels as stubs giving zero outputs of the launchers' shapes (uncounted)."""
     bwd = importlib.import_module("forgekernel.ops.gated_delta_rule_bwd")
-    from forgekernel.reference.gdn_bwd_factors import NAMES
+    from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.launch import wy_dtypes
+    from forgekernel.reference.gdn_bwd_factors import TOKEN_TILES
 
     def factors(q, k, v, g, beta):
         b, t, hv = v.shape[:3]
         rows = -(-t // 64) * 64
-        widths = {"w": 128, "u": 128, "pt": 64, "ke": 128, "qe": 128, "tt": 64, "fw_u": 128,
-                  "fw_w": 128, "fw_ke": 128}  # fmt: skip
-        out = {n: q.new_zeros(b, rows, hv, widths[n]) for n in NAMES[:9]}
+        widths = {"w": 128, "u": 128, "pt": 64, "ke": 128, "qe": 128, "tt": 64}
+        out = {n: q.new_zeros(b, rows, hv, widths[n]) for n in TOKEN_TILES}
         out["e_last"] = torch.zeros(b, rows // 64, hv)
         out["big_g"] = torch.zeros(b, rows, hv)
         return out
@@ -135,14 +152,16 @@ def stub_kernels():
         return (torch.zeros(b, t, hv, dv), torch.zeros(b, nc, hv, dv, ke.shape[-1]),
                 torch.zeros(b, hv, ke.shape[-1], dv))  # fmt: skip
 
-    def chunk_wy(do, u, du, q, k, h, dh, big_g, *rest, dv16=False):
+    def chunk_wy(do, u, du, q, k, h, dh, big_g, *rest, dv16=False, dqk16=False, scale=1.0,
+                 out=None):  # fmt: skip
+        if out is not None:
+            return out
         b, t, hv, dv = do.shape
-        dk = q.shape[-1]
-        z = torch.zeros
-        dv_out = do.new_zeros(b, t, hv, dv) if dv16 else z(b, t, hv, dv)
-        return z(b, t, hv, dk), z(b, t, hv, dk), z(b, t, hv), dv_out, z(b, t, hv)
+        shapes = ((b, t, hv, q.shape[-1]),) * 2 + ((b, t, hv), (b, t, hv, dv), (b, t, hv))
+        return tuple(torch.zeros(s, dtype=dt)
+                     for s, dt in zip(shapes, wy_dtypes(do, dv16, dqk16)))  # fmt: skip
 
-    def state16(do, pt, ke, qe, w, e_last, dht, out16=False, forward=False):
+    def state16(do, pt, ke, qe, w, e_last, dht, out16=False, forward=False, dh0=None):
         if not out16:
             return state(do, pt, ke, qe, w, e_last, dht)
         b, t, hv, dv = do.shape
@@ -150,8 +169,8 @@ def stub_kernels():
         return (do.new_zeros(b, t, hv, dv), do.new_zeros(b, nc, hv, ke.shape[-1], dv),
                 torch.zeros(b, hv, ke.shape[-1], dv))  # fmt: skip
 
-    def qk(dxs, x, scale, l2norm):
-        return torch.zeros_like(x)
+    def qk(dxs, x, scale, l2norm, out=None):
+        return torch.zeros_like(x) if out is None else out
 
     names = ("_factors", "_state_recurrence", "_chunk_grads_wy", "_qk_grads")
     saved = {n: getattr(bwd, n) for n in names if hasattr(bwd, n)}

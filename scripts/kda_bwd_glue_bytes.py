@@ -10,6 +10,10 @@ token-head (token x value head) and grouped by the forgekernel source line that 
     python3 scripts/kda_bwd_glue_bytes.py            # 1 x 2048, H = HV = 16, bf16, l2norm
     python3 scripts/kda_bwd_glue_bytes.py --t 256 --h 2 --hv 4 --no-l2norm
     python3 scripts/kda_bwd_glue_bytes.py --wy-kernel   # WY_IN_KERNEL: the WY half stubbed
+    python3 scripts/kda_bwd_glue_bytes.py --first-pass --wy-kernel --launchers --ops
+        # the default device pass with its launchers' own torch (as_tma_ready copies,
+        # .contiguous(), casts) counted too: only the compiled kernels stubbed; --ops lists
+        # every aten op that writes in the order called (shape, MiB written / read, site)
 
 Runs against whichever forgekernel is on PYTHONPATH."""
 
@@ -71,14 +75,26 @@ def stub_kernels(chunk_in_kernel: bool = True, wy_in_kernel: bool = False,
         return (torch.zeros(b, t, hv, dv), torch.zeros(b, nc, hv, dv, dk),
                 torch.zeros(b, hv, dk, dv))  # fmt: skip
 
-    def chunk(do, u, du, q, k, h, dh, big_g):
+    def chunk(do, u, du, q, k, h, dh, big_g, dw16=False, dg=None, dq16=False, scale=1.0,
+              dq=None):  # fmt: skip
         b, t, hv, dk = q.shape
-        return tuple(torch.zeros(b, t, hv, dk) for _ in range(4))
+        outs = [torch.zeros(b, t, hv, dk) for _ in range(4)]
+        if dw16:  # dw in the tiles' dtype (the WY kernel's operand)
+            outs[2] = torch.zeros(b, t, hv, dk, dtype=do.dtype)
+        if dq16:  # the op's dq in the tiles' dtype
+            outs[0] = torch.zeros(b, t, hv, dk, dtype=do.dtype) if dq is None else dq
+        if dg is not None:
+            outs[3] = dg
+        return tuple(outs)
 
-    def wy(dw, du, tt, w, k, u, v, beta, big_g):
-        b, t, hv, dk = dw.shape
-        return (torch.zeros(b, t, hv, dk), torch.zeros(b, t, hv, du.shape[-1]),
-                torch.zeros(b, t, hv, dk), torch.zeros(b, t, hv))  # fmt: skip
+    def wy(dw, du, tt, w, k, u, v, beta, big_g, dk, dg, dv16=False, dk16=False, dk_out=None,
+           dv=None, dbeta=None):  # adds onto dk, dG  # fmt: skip
+        b, t, hv, _ = dw.shape
+        if dv is None:
+            dv = torch.zeros(b, t, hv, du.shape[-1], dtype=dw.dtype if dv16 else torch.float32)
+        if dk16:  # the op's dk in the tiles' dtype
+            dk = torch.zeros_like(dw) if dk_out is None else dk_out
+        return dk, dv, dg, torch.zeros(b, t, hv) if dbeta is None else dbeta
 
     def qk(dxs, x, scale, l2norm):
         return torch.zeros_like(x)
@@ -98,24 +114,78 @@ def stub_kernels(chunk_in_kernel: bool = True, wy_in_kernel: bool = False,
             setattr(bwd, n, x)
 
 
+LAUNCHERS = (
+    "forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.launch",
+    "forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90.launch",
+    "forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.launch",
+    "forgekernel.kernels.linear_attention.gdn_bwd_norm.sm90.launch",
+    "forgekernel.kernels.linear_attention.kda_prefill.sm90.launch",
+)
+
+
+@contextlib.contextmanager
+def stub_compiled(wy_in_kernel: bool = True, first_pass: bool = True):
+    """The launchers as they are (their torch counted: `as_tma_ready` copies, `.contiguous()`,
+    casts), only their compiled kernels stubbed (`get_kernel` giving a kernel that writes
+    nothing: the outputs stay the launchers' uninitialized allocations) and the first pass's
+    chunk tables (built once and cached on the GPU) uncounted; WY_IN_KERNEL and
+    FACTORS_FROM_FIRST_PASS set as given (the default device pass: both)."""
+    bwd = importlib.import_module("forgekernel.ops.kda_bwd")
+    mods = [importlib.import_module(m) for m in LAUNCHERS]
+    prefill = mods[-1]
+
+    def get_kernel(*args, **kwargs):
+        return glue._quiet(lambda *a, **kw: None)
+
+    saved = [(m, "get_kernel", m.get_kernel) for m in mods]
+    saved += [(prefill, "_tables", prefill._tables),
+              (bwd, "WY_IN_KERNEL", bwd.WY_IN_KERNEL),
+              (bwd, "FACTORS_FROM_FIRST_PASS", bwd.FACTORS_FROM_FIRST_PASS)]  # fmt: skip
+    for m in mods:
+        m.get_kernel = get_kernel
+    prefill._tables = glue._quiet(prefill._tables)
+    bwd.WY_IN_KERNEL, bwd.FACTORS_FROM_FIRST_PASS = wy_in_kernel, first_pass
+    try:
+        yield bwd
+    finally:
+        for m, n, x in saved:
+            setattr(m, n, x)
+
+
 def count(b=1, t=2048, h=16, hv=16, l2norm=True, dtype=torch.bfloat16, with_states=True,
           chunk_in_kernel=True, dk=128, dv=128, wy_in_kernel=False,
-          first_pass=False):  # fmt: skip
-    """`_backward_kernel` on flat inputs (g per key channel in [-1, 0)) under `Written`."""
+          first_pass=False, launchers=False, g_dtype=None):  # fmt: skip
+    """`_backward_kernel` on flat inputs (g per key channel in [-1, 0), g and beta in `g_dtype`,
+    default `dtype`) under `Written`; `launchers`: `stub_compiled` (the launchers' torch
+    counted, the kernels' real (K, V) = (128, 128) needed) instead of `stub_kernels`."""
     gen = torch.Generator().manual_seed(0)
+    g_dtype = g_dtype or dtype
 
     def rnd(*shape, dt=dtype):
         return torch.randn(*shape, generator=gen).to(dt)
 
     q, k = rnd(b * t, h, dk), rnd(b * t, h, dk)
     v, do = rnd(b * t, hv, dv), rnd(b * t, hv, dv)
-    g = (-torch.rand(b * t, hv, dk, generator=gen)).to(dtype)
-    beta = torch.rand(b * t, hv, generator=gen).to(dtype)
+    g = (-torch.rand(b * t, hv, dk, generator=gen)).to(g_dtype)
+    beta = torch.rand(b * t, hv, generator=gen).to(g_dtype)
     s0 = rnd(b, hv, dk, dv, dt=torch.float32) if with_states else None
     ds = rnd(b, hv, dk, dv, dt=torch.float32) if with_states else None
-    with stub_kernels(chunk_in_kernel, wy_in_kernel, first_pass) as bwd, glue.Written() as mode:
+    stubs = (stub_compiled(wy_in_kernel, first_pass) if launchers
+             else stub_kernels(chunk_in_kernel, wy_in_kernel, first_pass))  # fmt: skip
+    with stubs as bwd, glue.Written() as mode:
         bwd._backward_kernel(q, k, v, g, beta, s0, do, ds, dk**-0.5, l2norm, b)
     return mode
+
+
+def ops_table(mode, token_heads: int) -> list[str]:
+    """Every op that writes, in the order called: op, dtype, shape, MiB written / read, bytes
+    (read + written) a token-head, the forgekernel line."""
+    lines = ["op                   dtype     shape                          W MiB   R MiB"
+             "  B/th  site"]  # fmt: skip
+    for name, dtype, shape, w, r, site in mode.ops:
+        lines.append(f"{name:20s} {dtype:9s} {str(shape):28s} {w / 2**20:7.1f} {r / 2**20:7.1f}"
+                     f" {(w + r) / token_heads:5.0f}  {site}")  # fmt: skip
+    return lines
 
 
 def report(mode, token_heads: int, top: int = 0) -> list[str]:
@@ -155,11 +225,21 @@ def main(argv=None) -> None:
     ap.add_argument("--first-pass", action="store_true",
                     help="FACTORS_FROM_FIRST_PASS: the stubbed first pass")  # fmt: skip
     ap.add_argument("--top", type=int, default=0, help="only the N biggest sites")
+    ap.add_argument("--launchers", action="store_true",
+                    help="the launchers' own torch counted too (only the compiled kernels "
+                         "stubbed; K = V = 128)")  # fmt: skip
+    ap.add_argument("--ops", action="store_true", help="every op in the order called")
+    ap.add_argument("--fp32-gates", action="store_true", help="g and beta fp32 (the bench's)")
     args = ap.parse_args(argv)
     mode = count(args.b, args.t, args.h, args.hv, not args.no_l2norm,
                  with_states=not args.no_states, chunk_in_kernel=not args.torch_chunk,
-                 wy_in_kernel=args.wy_kernel, first_pass=args.first_pass)  # fmt: skip
-    print("\n".join(report(mode, args.b * args.t * args.hv, args.top)))
+                 wy_in_kernel=args.wy_kernel, first_pass=args.first_pass,
+                 launchers=args.launchers,
+                 g_dtype=torch.float32 if args.fp32_gates else None)  # fmt: skip
+    token_heads = args.b * args.t * args.hv
+    if args.ops:
+        print("\n".join(ops_table(mode, token_heads)))
+    print("\n".join(report(mode, token_heads, args.top)))
 
 
 if __name__ == "__main__":

@@ -8,10 +8,13 @@ stmatrix a thread; three quad row dots (twelve shuffles) and the finish warps' <
 more). WY variant (all of pass 3): 255
 registers, 222,208 bytes; 80 HGMMA in 13 groups (adds T^T dw, T^T du, M k, M^T k: 4 x
 64x128x16 each; dkb w^T, dvb u^T: 8 x 64x64x16 each, A from registers; K K^T: 8 x 64x64x16);
-nineteen TMA halves; dw by eight stmatrix, M^T by four transposed; 37 shuffles."""
+nineteen TMA halves; dw by eight stmatrix, M^T by four transposed; 37 shuffles. Both: the
+TMA tiles on five mbarriers (config.LOAD_GROUPS, 2026-12-06; the `_output_grads` variant at
+163 registers since)."""
 
 from __future__ import annotations
 
+import re
 import tempfile
 from pathlib import Path
 
@@ -47,9 +50,11 @@ CONFIGS = [
 def compiled():
     cache = {}
 
-    def get(dtype, wy, grouped=False, dv16=False):
-        if (dtype, wy, grouped, dv16) not in cache:
-            params = dict(config.params_for(dtype, wy=wy, grouped=grouped, dv16=dv16))
+    def get(dtype, wy, grouped=False, dv16=False, dqk16=False, fsplit=False):
+        key = (dtype, wy, grouped, dv16, dqk16) + ((True,) if fsplit else ())
+        if key not in cache:
+            params = dict(config.params_for(dtype, wy=wy, grouped=grouped, dv16=dv16,
+                                            dqk16=dqk16, fsplit=fsplit))  # fmt: skip
             kernel = kernel_for(params)
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_gdn_bwd_chunk(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
@@ -60,9 +65,9 @@ def compiled():
                     cubin = Path(d, "k.cubin")
                 res = inspect_cubin(cubin)
                 sass = sass_text(cubin)
-            cache[dtype, wy, grouped, dv16] = (res, sass_instructions(sass),
-                                               kernel.shared_storage.size_in_bytes())  # fmt: skip
-        return cache[dtype, wy, grouped, dv16]
+            cache[key] = (
+                res, sass_instructions(sass), kernel.shared_storage.size_in_bytes())  # fmt: skip
+        return cache[key]
 
     return get
 
@@ -114,6 +119,44 @@ def test_named_barriers_are_waits(compiled, dtype, wy):
     assert got == sorted(["0x0", "0x3, 0x40"] + ["0x2, 0xc0"] * 2 + ["0x1, 0x80"] * (2 + 2 * wy))
 
 
+def _trywait_offsets(instrs):
+    """The byte offsets (from the first mbarrier) of every mbarrier try_wait, in SASS order."""
+    out = []
+    for op, a in instrs:
+        if op == "SYNCS.PHASECHK.TRANS64.TRYWAIT":
+            m = re.search(r"\[[^\]]*?(?:\+(0x[0-9a-f]+))?\]", a)
+            out.append(int(m.group(1), 16) if m.group(1) else 0)
+    return out
+
+
+@pytest.mark.parametrize(("dtype", "wy"), CONFIGS)
+def test_load_barriers_split(compiled, dtype, wy):
+    """The chunk's TMA boxes on one mbarrier a load group (config.LOAD_GROUPS, 5, in the math
+    warpgroup's order; 2026-12-06, was one barrier pair): 5 inits, 5 arms (arrive.expect_tx,
+    no consumer release), and the waits: the math warpgroup's one a group, the finish warps'
+    on the states' groups (each wait a try_wait twice: the fast path and the retry loop). dqe
+    = dO h^T (8 HGMMA) is in flight while U's group is waited: no DEPBAR between."""
+    _, instrs, _ = compiled(dtype, wy)
+    ops = [op for op, _ in instrs]
+    n = len(config.LOAD_GROUPS)
+    assert ops.count("SYNCS.EXCH.64") == n
+    assert ops.count("SYNCS.ARRIVE.TRANS64") == n
+    assert not [op for op in ops if op.startswith("SYNCS.ARRIVE.TRANS64.")]
+    waits = [8 * g for g in config.STATE_GROUPS] + [8 * g for g in range(n)]
+    assert sorted(_trywait_offsets(instrs)) == sorted(2 * waits)
+    # the math warpgroup's waits on groups 0 and 1 (only it waits on group 1) and between them
+    kinds = []
+    for op, a in instrs:
+        if op == "SYNCS.PHASECHK.TRANS64.TRYWAIT":
+            kinds.append(("wait", _trywait_offsets([(op, a)])[0]))
+        elif op.startswith(("HGMMA", "WARPGROUP.DEPBAR")):
+            kinds.append((op.split(".")[0], None))
+    end = kinds.index(("wait", 8))
+    start = end - 1 - kinds[end - 1 :: -1].index(("wait", 0))
+    seq = kinds[start : end + 1]
+    assert [x for x, _ in seq[1:-1]] == ["HGMMA"] * 8
+
+
 # slow (~4 s of CI's CPU, idle machine, 2026-12-06): `grouped` without dv16 is no standard key
 # (the op's is grouped + dv16: test_dv16_resources, which CI compares with the WY build)
 @pytest.mark.slow
@@ -152,3 +195,83 @@ def test_dv16_resources(compiled, dtype):
     for prefix in ("HGMMA", "UTMALDG", "STSM", "SHFL"):
         got = sorted(op for op in ops if op.startswith(prefix))
         assert got == sorted(op for op in base_ops if op.startswith(prefix)), prefix
+
+
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
+def test_dqk16_resources(compiled, dtype):
+    """`dqk16` with dv16 (the op's default key, ungrouped: grouped moves no count,
+    test_grouped_wy_resources): registers within the WY bound (254, 2026-12-06), shared memory
+    unchanged (dk's first half in fp32 over the spent dO, U tiles), no spill; dq, dk leave as
+    64 packed 16-bit pair stores (STG.E) instead of 96 fp32 pair stores (dq 32, dk 32, dk's WY
+    re-store 32: STG.E.64) and dk's 32 fp32 read-backs (LDG.E.64) are gone; the stash is 64
+    STS + 64 LDS a thread; products, loads and shuffles unchanged."""
+    res, instrs, smem = compiled(dtype, True, False, True, True)
+    base_res, base_instrs, _ = compiled(dtype, True, False, True)
+    assert res["spill_bytes"] == 0
+    assert not [op for op, _ in instrs if op.startswith(("LDL", "STL"))]
+    assert res["registers"] <= REGISTERS[True] and smem == SMEM[True]
+    ops, base_ops = [op for op, _ in instrs], [op for op, _ in base_instrs]
+    assert "LDG.E.64" in base_ops and "LDG.E.64" not in ops
+    if dsl_toolchain() == "cu13":
+        assert ops.count("STG.E.64") == base_ops.count("STG.E.64") - 96 == 0
+        assert ops.count("STG.E") == base_ops.count("STG.E") + 64
+        assert ops.count("STS") == base_ops.count("STS") + 64
+        assert ops.count("LDS") == base_ops.count("LDS") + 64
+    for prefix in ("HGMMA", "UTMALDG", "STSM", "SHFL"):
+        got = sorted(op for op in ops if op.startswith(prefix))
+        assert got == sorted(op for op in base_ops if op.startswith(prefix)), prefix
+
+
+def _max_register_by_region(instrs) -> dict[str, int]:
+    """The highest R register named in each region of the SASS between USETMAXREG
+    instructions, keyed by the setmaxnreg count in force ("launch" before the first)."""
+    out, cur = {}, "launch"
+    for op, a in instrs:
+        if op.startswith("USETMAXREG"):
+            cur = str(int(a.split()[-1], 16))
+        regs = [int(r) for r in re.findall(r"\bR(\d+)\b", a)]
+        out[cur] = max([out.get(cur, 0)] + regs)
+    return out
+
+
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
+def test_fsplit_resources(compiled, dtype):
+    """`fsplit` (NOTES "two math warpgroups or two CTAs a SM?", option A'; with dv16, dqk16):
+    384 threads launched at 168 registers, setmaxnreg 24 (the TMA warp's warpgroup) / 256 (the
+    WY warpgroup, R0-R252 named: its `_wy` as the 256-thread kernel's, dk's row coordinates
+    re-read after the hand-over, else 16 bytes spilled) / 224 (the output warpgroup, R0-R151),
+    nothing spilled; shared memory unchanged (six mbarriers in the padding before G); the same
+    products, loads and stores as the dqk16 build; two G loads and e^G more (each math
+    warpgroup its own rows')
+    and the finish's warp sum twice in the SASS (ptxas' copy for a divergent `tid < 64`); six
+    load groups (dU + h, T^T + u, w + k, dO + U, q, dh); every named barrier a bar.sync: BAR_MATH
+    (id 1) once, the WY warpgroup's (4) twice, the 256-thread start (5), hand-over (6) and
+    finish (2) once a side."""
+    res, instrs, smem = compiled(dtype, True, False, True, True, True)
+    base_res, base_instrs, _ = compiled(dtype, True, False, True, True)
+    assert res["registers"] == 168 == 65536 // config.FSPLIT_THREADS // 8 * 8
+    assert res["spill_bytes"] == 0
+    assert not [op for op, _ in instrs if op.startswith(("LDL", "STL"))]
+    assert smem == SMEM[True] <= config.smem_bytes(wy=True, fsplit=True)
+    ops, base_ops = [op for op, _ in instrs], [op for op, _ in base_instrs]
+    assert ops.count("USETMAXREG.DEALLOC.CTAPOOL") == 1
+    assert ops.count("USETMAXREG.TRY_ALLOC.CTAPOOL") == 2
+    setmax = sorted(int(a.split()[-1], 16) for op, a in instrs if op.startswith("USETMAXREG"))
+    assert setmax == sorted(config.FSPLIT_REGS)
+    for prefix in ("HGMMA", "UTMALDG", "STSM", "STG", "STS", "LDS", "MUFU.RCP"):
+        got = sorted(op for op in ops if op.startswith(prefix))
+        assert got == sorted(op for op in base_ops if op.startswith(prefix)), prefix
+    assert ops.count("LDG.E") == base_ops.count("LDG.E") + 2  # G of its two rows
+    assert ops.count("MUFU.EX2") == base_ops.count("MUFU.EX2") + 2
+    assert ops.count("SHFL.BFLY") == base_ops.count("SHFL.BFLY") + 5
+    n = len(config.FSPLIT_LOAD_GROUPS)
+    assert ops.count("SYNCS.EXCH.64") == ops.count("SYNCS.ARRIVE.TRANS64") == n == 6
+    bars = [(op, a.strip()) for op, a in instrs if op.startswith("BAR")]
+    assert not [op for op, _ in bars if not op.startswith("BAR.SYNC")]
+    assert sorted(a for _, a in bars) == sorted(
+        ["0x0"] + ["0x1, 0x80"] * 1 + ["0x4, 0x80"] * 2 + ["0x2, 0x100", "0x5, 0x100",
+                                                           "0x6, 0x100"] * 2
+    )  # fmt: skip
+    # setmaxnreg in force: 24 (the producer), 256 (the WY warpgroup), 224 (the output one)
+    regions = _max_register_by_region(instrs)
+    assert regions["256"] < 256 and regions["224"] < 224 and regions["24"] < 24

@@ -108,14 +108,18 @@ def test_layouts_are_what_kernels_1_and_2_read(t):
         assert not got[name][:, t:].any(), name  # padded rows zero
     torch.testing.assert_close(got["e_last"], rev["e_last"], rtol=1e-10, atol=1e-12)
     fw = forward_state_tiles(chunk_factors(qs, ks, v, g, beta), torch.float64)
-    for name, key in (("fw_u", "do"), ("fw_w", "ke"), ("fw_ke", "w")):
-        torch.testing.assert_close(got[name], fw[key], rtol=1e-10, atol=1e-12)
-    launch = forward_launch_tiles(got)
+    launch = forward_launch_tiles(got)  # the reverse variant's: u, I, -W, 0, -Ke reversed
     assert tuple(launch) == ("do", "pt", "ke", "qe", "w", "e_last")
     for name in launch:
         want = fw[name].float() if name == "e_last" else fw[name]
         torch.testing.assert_close(launch[name], want, rtol=1e-6, atol=1e-12)
         assert launch[name].is_contiguous(), name
+    # the `forward` variant's: kernel 0's tiles as written (no copy), I and 0 built in
+    direct = forward_launch_tiles(got, identity=False)
+    for name, key in (("do", "u"), ("ke", "w"), ("w", "ke")):
+        assert direct[name].data_ptr() == got[key].data_ptr(), name
+    assert direct["pt"] is None and direct["qe"] is None
+    assert torch.equal(direct["e_last"], got["e_last"].float())  # fp32 (the kernel's: as is)
     nc = -(-t // CHUNK)
     wide_g = torch.zeros(b, nc * CHUNK, hv, dtype=torch.float64)
     wide_g[:, :t] = g

@@ -34,6 +34,7 @@ from forgekernel.reference.gdn_bwd_state import (
     batched_state_pass_factors,
     chunk_factors,
     corrected_values,
+    forward_launch_as_reverse,
     forward_state_tiles,
     forward_states,
     out16_forms,
@@ -64,14 +65,16 @@ def emulated_kernel(calls=None):
     """kernel 1's stand-in: the tile emulation in fp64, the register operands rounded to the
     tiles' dtype where it is 16-bit, fp32 outputs (the launcher's)."""
 
-    def run(do, pt, ke, qe, w, e_last, dht, out16=False, forward=False):
+    def run(do, pt, ke, qe, w, e_last, dht, dh0=None, out16=False, forward=False):
         assert out16 or not forward
         assert (pt is None and qe is None) == forward  # the forward variant builds I and 0 in
-        if forward:
-            b, rows, hv, _ = do.shape
-            eye = torch.eye(64, dtype=do.dtype).view(1, 1, 64, 1, 64)
-            pt = eye.expand(b, rows // 64, 64, hv, 64).reshape(b, rows, hv, 64)
-            qe = torch.zeros_like(ke)
+        rows = do.shape[1]
+        if forward:  # chunks first to last on u, W, Ke as written: the reverse model's
+            # inputs by flipping and negating (exact), the outputs flipped back below
+            for x in (do, ke, w):
+                assert x.stride(-1) == 1 and x.dtype == do.dtype and x.shape[:3] == do.shape[:3]
+            rev = forward_launch_as_reverse(do, ke, w, e_last)
+            do, pt, ke, qe, w, e_last = (rev[n] for n in ("do", "pt", "ke", "qe", "w", "e_last"))
         if calls is not None:
             calls.append(do.dtype)
             FLAGS.append((out16, forward))
@@ -88,12 +91,23 @@ def emulated_kernel(calls=None):
         factors = {n: x.double() for n, x in zip(TILES, (pt, ke, qe, w))}
         factors["e_last"] = e_last.double()
         dst = None if dht is None else dht.double()
+        out_dh0 = dh0
         du, dh, dh0 = (x.float() for x in tile_model(factors, do.double(), dst, rounding))
         if out16:  # the kernel's 16-bit forms (fp32 where the test runs fp32 tiles)
             du, dh = out16_forms(du, dh, do.dtype, forward)
-        return du, dh, dh0
+        return du[:, :rows], dh, written_to(out_dh0, dh0)
 
     return run
+
+
+def written_to(out, x):
+    """x, or written into `out` as the launcher's out= (an indexed store: no Python-level
+    `copy_`, which the no-copy tests count)."""
+    if out is None:
+        return x
+    assert out.is_contiguous() and out.dtype == x.dtype and out.shape == x.shape
+    out[...] = x
+    return out
 
 
 def emulated_chunk_kernel(calls=None):
@@ -125,10 +139,15 @@ def emulated_chunk_kernel(calls=None):
 
 def emulated_chunk_wy_kernel(calls=None):
     """kernel 2's WY variant's stand-in: `chunk_grads_model` then `wy_grads_model` in fp64,
-    dPD, dw, dkb, dvb and M rounded to the tiles' dtype where it is 16-bit, fp32 outputs."""
+    dPD, dw, dkb, dvb and M rounded to the tiles' dtype where it is 16-bit, fp32 outputs (dv16:
+    dv, dqk16: dq times scale and dk, rounded once to the tiles' dtype)."""
     first = emulated_chunk_kernel(calls)
 
-    def run(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta, dv16=False):
+    def run(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta, dv16=False, out=None,
+            dqk16=False, scale=1.0, fsplit=False):  # fmt: skip
+        if fsplit:  # the two-warpgroup form (the same outputs bit for bit): dqk16 only
+            assert dqk16
+            FSPLIT.append(do.dtype)
         for x in (tt, w, uw, v):  # kernel 0's outputs cut to T tokens: strided views (TMA)
             assert x.stride(-1) == 1 and x.dtype == do.dtype and x.shape[:3] == do.shape[:3]
         assert beta.dtype == torch.float32 and beta.shape == do.shape[:3]
@@ -147,7 +166,13 @@ def emulated_chunk_wy_kernel(calls=None):
         if dv16:  # the kernel's 16-bit dv
             DV16.append(do.dtype)
             dv = dv.to(do.dtype)
-        return dq, dk, dg, dv, dbeta
+        if dqk16:  # the kernel's 16-bit dq (times scale), dk: rounded once from fp32
+            DQK16.append((do.dtype, scale))
+            dq, dk = (dq * scale).to(do.dtype), dk.to(do.dtype)
+        else:
+            assert scale == 1.0
+        got = (dq, dk, dg, dv, dbeta)
+        return got if out is None else tuple(written_to(o, x) for o, x in zip(out, got))
 
     return run
 
@@ -172,15 +197,16 @@ def emulated_factors_kernel(calls=None):
 
 
 def emulated_norm_kernel(calls=None):
-    """The q / k epilogue's stand-in: its model (`qk_grad_model`) in fp64, the output in x's
-    dtype; calls recorded as (x's heads, dxs's heads, l2norm)."""
+    """The q / k epilogue's stand-in: its model (`qk_grad_model`) in fp64 (dxs fp32 or 16-bit:
+    kernel 2's dqk16, the group sum of the rounded partials), the output in x's dtype; calls
+    recorded as (x's heads, dxs's heads, l2norm)."""
 
-    def run(dxs, x, scale, l2norm):
-        assert dxs.dtype == torch.float32 and dxs.shape[:2] == x.shape[:2]
+    def run(dxs, x, scale, l2norm, out=None):
+        assert dxs.dtype in (torch.float32, x.dtype) and dxs.shape[:2] == x.shape[:2]
         assert dxs.shape[2] % x.shape[2] == 0
         if calls is not None:
             calls.append((x.shape[2], dxs.shape[2], l2norm))
-        return qk_grad_model(dxs.double(), x.double(), scale, l2norm, x.dtype)
+        return written_to(out, qk_grad_model(dxs.double(), x.double(), scale, l2norm, x.dtype))
 
     return run
 
@@ -327,7 +353,7 @@ def test_states16_are_the_fp32_states(monkeypatch, b, t, h, hv, l2norm, with_h0,
 def test_norm_epilogue_is_the_torch_one(monkeypatch, b, t, h, hv, l2norm, with_h0, with_dht):
     """The q / k epilogue (emulated: `qk_grad_model`) once for q, once for k, at H heads from
     HV, gives the torch group sum and l2norm backward's gradients (NORM_IN_KERNEL off) to fp32
-    tolerance."""
+    tolerance; without l2norm at HV = H kernel 2 writes dq, dk itself (no epilogue call)."""
     q, k, v, g, beta, do, h0, dht = _inputs(b, t, h, hv, dk=32, dv=16, seed=t + 13,
                                            dtype=torch.float32)  # fmt: skip
     flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v, g, beta, do)]
@@ -338,7 +364,8 @@ def test_norm_epilogue_is_the_torch_one(monkeypatch, b, t, h, hv, l2norm, with_h
         _both_emulated(monkeypatch, norm_calls=calls)
         monkeypatch.setattr(bwd, "NORM_IN_KERNEL", on)
         grads[on] = bwd._backward_kernel(*flat[:5], *args)
-        assert calls == ([(h, hv, l2norm)] * 2 if on else [])
+        fold = not l2norm and h == hv  # kernel 2 writes dq, dk (QK16, `_folds`): no epilogue
+        assert calls == ([(h, hv, l2norm)] * 2 if on and not fold else [])
     for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads[True], grads[False]):
         assert a.shape == r.shape and a.dtype == r.dtype, name
         err = float((a - r).abs().max())
@@ -394,6 +421,7 @@ def kernel_path(monkeypatch):
     FACTOR_CALLS.clear()
     FLAGS.clear()
     DV16.clear()
+    DQK16.clear()
     monkeypatch.setattr(bwd, "check_cuda", lambda name, t: None)
     return calls
 
@@ -401,6 +429,8 @@ def kernel_path(monkeypatch):
 CHUNK_CALLS: list = []  # kernel 2's launches under the kernel_path fixture (their dtypes)
 FLAGS: list = []  # kernel 1's (out16, forward) a launch, whenever its emulation records calls
 DV16: list = []  # kernel 2's dv16 launches (their dtypes)
+DQK16: list = []  # kernel 2's dqk16 launches (their dtypes, dq scales)
+FSPLIT: list = []  # kernel 2's fsplit launches (their dtypes)
 FACTOR_CALLS: list = []  # kernel 0's, likewise
 
 
@@ -432,10 +462,66 @@ def test_explicit_backward_on_the_kernel_path(kernel_path, b, t, h, hv):
     assert FACTOR_CALLS == [torch.bfloat16]
     assert FLAGS == [(True, True), (True, False)]  # 16-bit outputs; the forward variant first
     assert DV16 == [torch.bfloat16]  # dv in 16 bits from kernel 2
+    assert DQK16 == [(torch.bfloat16, 1.0)]  # dq, dk in 16 bits, the epilogue after (l2norm)
     want = _fp64_grads([q, k, v, g, beta, h0], None, do, dht, l2norm=True, with_state=True)
     for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
         err = float((a.double() - r).abs().max())
         assert err <= 2e-2 * float(r.abs().max()), (name, err, float(r.abs().max()))
+
+
+@pytest.mark.parametrize(("h", "hv", "l2norm"), [(2, 2, False), (1, 2, False), (2, 2, True),
+                                                  (1, 4, True)])  # fmt: skip
+def test_qk16_within_the_check_tolerance(kernel_path, monkeypatch, h, hv, l2norm):
+    """QK16 (kernel 2's dq, dk rounded once to bf16, then the group sum of the rounded partials
+    in the epilogue, or, without l2norm at HV = H, dq x scale and dk written by kernel 2 with no
+    epilogue) against autograd through the fp64 recurrence: within 2e-2 of each gradient's max
+    as with fp32 dq, dk (QK16 = False), dq / dk's error within 1.5x the fp32 path's + a bf16
+    ulp of the max."""
+    from test_gdn_bwd_op import _fp64_grads
+
+    q, k, v, g, beta, do, h0, dht = _bf16_problem(2, 130, h, hv, seed=11 + hv)
+    if not l2norm:  # unit keys (the recurrence stays bounded without the op's normalization)
+        k = (k.float() / k.float().norm(dim=-1, keepdim=True)).bfloat16()
+    want = _fp64_grads([q, k, v, g, beta, h0], None, do, dht, l2norm=l2norm, with_state=True)
+    errs = {}
+    for on in (False, True):
+        monkeypatch.setattr(bwd, "QK16", on)
+        norm_calls = []
+        monkeypatch.setattr(bwd, "_qk_grads", emulated_norm_kernel(norm_calls))
+        DQK16.clear()
+        got = forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, initial_state=h0,
+                                                    d_final_state=dht,
+                                                    use_qk_l2norm_in_kernel=l2norm)  # fmt: skip
+        fold = on and not l2norm and h == hv
+        assert len(norm_calls) == (0 if fold else 2)
+        assert DQK16 == ([(torch.bfloat16, 128**-0.5 if fold else 1.0)] if on else [])
+        for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
+            assert name not in ("dq", "dk") or a.dtype == q.dtype
+            errs[on, name] = float((a.double() - r).abs().max())
+            assert errs[on, name] <= 2e-2 * float(r.abs().max()), (on, name, errs[on, name])
+    for i, name in enumerate(("dq", "dk")):
+        ulp = float(want[i].abs().max()) * 2**-8
+        assert errs[True, name] <= 1.5 * errs[False, name] + ulp, (name, errs)
+
+
+def test_fsplit_switch(kernel_path, monkeypatch):
+    """FSPLIT (TEMPORARY A/B switch, off by default): kernel 2's `fsplit` key with QK16 (the
+    same outputs: the stand-in ignores it), never without QK16."""
+    assert not bwd.FSPLIT
+    q, k, v, g, beta, do, h0, dht = _bf16_problem(1, 65, 2, 2, seed=5)
+    outs = {}
+    for fs, qk16 in ((False, True), (True, True), (True, False)):
+        monkeypatch.setattr(bwd, "FSPLIT", fs)
+        monkeypatch.setattr(bwd, "QK16", qk16)
+        FSPLIT.clear()
+        outs[fs, qk16] = forgekernel.gated_delta_rule_backward(
+            q, k, v, g, beta, do, initial_state=h0, d_final_state=dht,
+            use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+        assert FSPLIT == ([torch.bfloat16] if fs and qk16 else [])
+    for a, r in zip(outs[True, True], outs[False, True]):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, r, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(

@@ -67,6 +67,9 @@ def test_launcher_checks():
         launch.check_inputs(d32[:, :4], x16)
     with pytest.raises(ValueError, match="K must be"):
         launch.check_inputs(d32[..., :64], x16[..., :64])
+    launch.check_inputs(dxs.bfloat16(), x16)  # 16-bit gradients: x's dtype (the d16 key)
+    with pytest.raises(ValueError, match="dxs must be"):
+        launch.check_inputs(dxs.half(), x16)
 
 
 @pytest.mark.parametrize("l2norm", [False, True])
@@ -86,3 +89,16 @@ def test_launcher_passes_the_compiled_signature(monkeypatch, l2norm):
     assert len(calls) == 1
     with pytest.raises(ValueError, match="out must be"):
         launch.gdn_bwd_norm(d32, x16, 0.25, l2norm, out=torch.empty_like(x16, dtype=torch.bfloat16))
+
+
+def test_launcher_d16_key(monkeypatch):
+    """16-bit value-head gradients (the chunk kernel's dqk16) take the `d16` key."""
+    calls = []
+    monkeypatch.setattr(launch, "get_kernel",
+                        lambda spec, params: lambda *a: calls.append((params, a)))  # fmt: skip
+    x, dxs = _problem(2, 70, 2, 6, k=128)
+    x16, d16 = x.bfloat16(), dxs.bfloat16()
+    launch.gdn_bwd_norm(d16, x16, 0.5, True)
+    ((params, args),) = calls
+    assert dict(params) == {"dtype": "bfloat16", "k": 128, "l2norm": True, "d16": True}
+    assert args[0] is d16 and args[3] == 0.5

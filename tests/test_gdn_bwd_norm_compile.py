@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("cutlass")
 
 from dsl_toolchain import dsl_toolchain  # noqa: E402
+from sweeps import slow_past  # noqa: E402  (tests/ is on the path)
 
 from forgekernel.kernels.linear_attention.gdn_bwd_norm.sm90 import config  # noqa: E402
 from forgekernel.kernels.linear_attention.gdn_bwd_norm.sm90.compile import (  # noqa: E402
@@ -31,17 +32,18 @@ PASSES = config.ROWS // (config.THREADS // (128 // config.VEC))  # 8 row passes 
 def compiled():
     cache = {}
 
-    def get(dtype, l2norm):
-        if (dtype, l2norm) not in cache:
-            params = dict(config.params_for(dtype, l2norm=l2norm))
+    def get(dtype, l2norm, d16=False):
+        if (dtype, l2norm, d16) not in cache:
+            params = dict(config.params_for(dtype, l2norm=l2norm, d16=d16))
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_gdn_bwd_norm(params, "sm_90a", f"--keep-cubin --dump-dir {d}")
                 cubin = fn.artifacts.CUBIN
                 if isinstance(cubin, bytes):
                     Path(d, "k.cubin").write_bytes(cubin)
                     cubin = Path(d, "k.cubin")
-                cache[dtype, l2norm] = inspect_cubin(cubin), sass_instructions(sass_text(cubin))
-        return cache[dtype, l2norm]
+                cache[dtype, l2norm, d16] = (inspect_cubin(cubin),
+                                             sass_instructions(sass_text(cubin)))  # fmt: skip
+        return cache[dtype, l2norm, d16]
 
     return get
 
@@ -62,3 +64,20 @@ def test_resources_and_memory_ops(compiled, dtype, l2norm):
         assert ops.count("SHFL.BFLY") == PASSES * 2 * 4 * l2norm
     else:
         assert (ops.count("SHFL.BFLY") > 0) == l2norm
+
+
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_d16_reads_half_the_gradient_bytes(compiled, dtype, l2norm):
+    """`d16` (the chunk kernel's dqk16 gradients, 16-bit): one 16-byte load a value head and
+    row instead of two (8 columns of 16 bits), summed in fp32; registers within the fp32 key's
+    bound, nothing spilled, no shared memory, one 16-byte store a row as before."""
+    res, instrs = compiled(dtype, l2norm, True)
+    ops = [op for op, _ in instrs]
+    assert res["spill_bytes"] == 0 and not [op for op in ops if op.startswith(("LDL", "STL"))]
+    assert res["registers"] <= 40 and res["smem_bytes"] == 0
+    loads = [op for op in ops if op.startswith("LDG")]
+    stores = [op for op in ops if op.startswith("STG")]
+    assert set(loads) == {"LDG.E.128"} and set(stores) == {"STG.E.128"}
+    if dsl_toolchain() == "cu13":
+        assert len(loads) == PASSES * (1 + l2norm) and len(stores) == PASSES

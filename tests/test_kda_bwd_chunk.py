@@ -100,3 +100,43 @@ def test_reference_points_clamped_inside_t():
     assert all(torch.isfinite(x).all() for x in ours)
     for name, a, ref in zip(NAMES, ours, reference(p)):
         assert rel(a, ref) < 1e-9, name
+
+
+def _launcher_tiles(b=1, t=70, hv=2, kd=128, vd=128, dtype=torch.bfloat16):
+    nc = -(-t // 64)
+
+    def z(*shape, dt=dtype):
+        return torch.zeros(*shape, dtype=dt)
+
+    tok = [z(b, t, hv, d) for d in (vd, vd, vd, kd, kd)]
+    return [*tok, z(b, nc, hv, kd, vd), z(b, nc, hv, kd, vd), z(b, t, hv, kd, dt=torch.float32)]
+
+
+def test_launcher_dw16_and_out_checks(monkeypatch):
+    """`dw16`: dw in do's 16-bit dtype (the WY kernel's operand) from `empty_outputs` and in the
+    compile key; `out` of the wrong shape, dtype (dw's per dw16) or count raises before any
+    launch (the kernel writes every (B, T, HV, K) entry)."""
+    from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90 import launch
+
+    keys = []
+    monkeypatch.setattr(launch, "get_kernel", lambda spec, key: keys.append(dict(key)) or
+                        (lambda *a: None))  # fmt: skip
+    tiles = _launcher_tiles()
+    outs = launch.kda_bwd_chunk(*tiles, dw16=True)
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert [x.dtype for x in outs] == [f32, f32, bf16, f32]
+    assert keys[-1].get("dw16") is True
+    launch.kda_bwd_chunk(*tiles)
+    assert "dw16" not in keys[-1]
+    n = len(keys)
+    with pytest.raises(ValueError, match=r"out's dw must be contiguous torch.bfloat16.*dw16"):
+        launch.kda_bwd_chunk(*tiles, dw16=True, out=launch.empty_outputs(tiles[0], 128))
+    with pytest.raises(ValueError, match="out's dw must be contiguous torch.float32"):
+        launch.kda_bwd_chunk(*tiles, out=launch.empty_outputs(tiles[0], 128, dw16=True))
+    short = list(launch.empty_outputs(tiles[0], 128))
+    short[3] = short[3][:, :64].contiguous()
+    with pytest.raises(ValueError, match="out's dg must be"):
+        launch.kda_bwd_chunk(*tiles, out=tuple(short))
+    with pytest.raises(ValueError, match="4 tensors"):
+        launch.kda_bwd_chunk(*tiles, out=launch.empty_outputs(tiles[0], 128)[:3])
+    assert len(keys) == n

@@ -1,16 +1,18 @@
 """Kimi Delta Attention's backward kernel 2 (pass 3's output side) compiled for sm_90a on the
 CPU (the DSL compiles, ptxas assembles, cuobjdump reads the cubin), both dtypes: 256 threads,
-nothing spilled, 222 registers (cu13 ptxas); 202,752 bytes of shared memory (within config's
+nothing spilled, 228 registers (cu13 ptxas); 202,752 bytes of shared memory (within config's
 bound); per CTA the WGMMAs -dU h^T, dO h^T, U dh^T (8 x 64x128x16 each, the tiles' dtype),
 dO U^T (8 x 64x64x16), and the eight sub-chunk blocks of dq and dk (one 64x128x16 each, bf16
 for both dtypes, B transposed), twelve commit groups; seven TMA tiles (fourteen 64-column
-halves); dP^T by four transposed stmatrix a thread; te's column sums by 96 butterfly shuffles
-(32 columns x lanes 4, 8, 16)."""
+halves) on five mbarriers, one a load group (config.LOAD_GROUPS, 2026-12-06; was one barrier
+pair, 222 registers); dP^T by four transposed stmatrix a thread; te's column sums by 96
+butterfly shuffles (32 columns x lanes 4, 8, 16)."""
 
 from __future__ import annotations
 
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ pytest.importorskip("cutlass")
 
 sys.path.insert(0, str(Path(__file__).parent))
 from dsl_toolchain import dsl_toolchain  # noqa: E402
+from test_gdn_bwd_chunk_compile import _trywait_offsets  # noqa: E402
 
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY  # noqa: E402
 from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90 import SPEC, config  # noqa: E402
@@ -32,7 +35,8 @@ from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_instruc
 if find_tool("cuobjdump") is None:
     pytest.skip("cuobjdump not found", allow_module_level=True)
 
-REGISTERS = 222  # compiled figure under cu13 (2026-12-05); a rise: look at it
+REGISTERS = 228  # compiled figure under cu13 (2026-12-06, split load barriers; 222 before)
+DQ16_REGISTERS = 222  # dq16 (next/kda-final-outputs, 2026-12-06): compiled figure under cu13
 SMEM = 202752
 
 
@@ -40,9 +44,9 @@ SMEM = 202752
 def compiled():
     cache = {}
 
-    def get(dtype):
-        if dtype not in cache:
-            params = dict(config.params_for(dtype))
+    def get(dtype, dw16=False, dq16=False):
+        if (dtype, dw16, dq16) not in cache:
+            params = dict(config.params_for(dtype, dw16=dw16, dq16=dq16))
             kernel = kernel_for(params)
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_kda_bwd_chunk(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
@@ -53,15 +57,55 @@ def compiled():
                     cubin = Path(d, "k.cubin")
                 res = inspect_cubin(cubin)
                 sass = sass_text(cubin)
-            cache[dtype] = (res, sass_instructions(sass), kernel.shared_storage.size_in_bytes())
-        return cache[dtype]
+            cache[dtype, dw16, dq16] = (res, sass_instructions(sass),
+                                        kernel.shared_storage.size_in_bytes())  # fmt: skip
+        return cache[dtype, dw16, dq16]
 
     return get
 
 
 def test_standard_params():
     assert SPEC.name == "kda_bwd_chunk_sm90"
-    assert [dict(p)["dtype"] for p in SPEC.standard_params()] == list(config.DTYPES)
+    keys = [(dict(p)["dtype"], dict(p).get("dw16", False), dict(p).get("dq16", False))
+            for p in SPEC.standard_params()]  # fmt: skip
+    flags = ((False, False), (True, False), (True, True))
+    assert keys == [(d, *f) for f in flags for d in config.DTYPES]
+    assert "dw16" not in dict(config.params_for("bfloat16"))  # the old key unchanged
+    assert "dq16" not in dict(config.params_for("bfloat16", dw16=True))
+
+
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
+def test_dq16_stores_the_ops_dq_in_16_bits(compiled, dtype):
+    """`dq16` (2026-12-06, next/kda-final-outputs: q unscaled, the scale in registers, the op's
+    dq without the epilogue): dq's 64 values a thread leave as 32 packed 16-bit pairs (STG.E)
+    instead of 32 fp32 pairs (STG.E.64), over dw16; dk's 32 STG.E.64 and every load unchanged;
+    registers 228 -> 222 (DQ16_REGISTERS), nothing spilled."""
+    res, instrs, _ = compiled(dtype, dw16=True, dq16=True)
+    _, base, _ = compiled(dtype, dw16=True)
+    ops, ops0 = (Counter(op for op, _ in x) for x in (instrs, base))
+    assert ops0["STG.E.64"] == 2 * 32 and ops["STG.E.64"] == 32
+    assert ops["STG.E"] == ops0["STG.E"] + 32
+    assert ops["LDG.E"] == ops0["LDG.E"]
+    assert res["spill_bytes"] == 0 and not [op for op in ops if op.startswith(("LDL", "STL"))]
+    if dsl_toolchain() == "cu13":
+        assert res["registers"] == DQ16_REGISTERS
+
+
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
+def test_dw16_stores_dw_in_16_bits(compiled, dtype):
+    """`dw16` (2026-12-06, next/kda-wy-acc: the WY kernel's operand, the op's cast moved in):
+    dw's 64 values a thread leave as 32 packed 16-bit pairs (STG.E) instead of 32 fp32 pairs
+    (STG.E.64); dq's and dk's 2 x 32 STG.E.64 and the rest unchanged; registers as without it
+    (REGISTERS), nothing spilled."""
+    res, instrs, _ = compiled(dtype, dw16=True)
+    _, base, _ = compiled(dtype)
+    ops, ops0 = (Counter(op for op, _ in x) for x in (instrs, base))
+    assert ops0["STG.E.64"] == 3 * 32 and ops["STG.E.64"] == 2 * 32
+    assert ops["STG.E"] == ops0["STG.E"] + 32
+    assert ops["LDG.E"] == ops0["LDG.E"]
+    assert res["spill_bytes"] == 0 and not [op for op in ops if op.startswith(("LDL", "STL"))]
+    if dsl_toolchain() == "cu13":
+        assert res["registers"] == REGISTERS
 
 
 # CI: the first dtype's compile, read by this test and the next two; the other's is slow (~7 s
@@ -99,3 +143,48 @@ def test_wgmmas_and_tma(compiled, dtype):
     assert ops.count("UTMALDG.4D") == 10 and ops.count("UTMALDG.5D") == 4
     assert ops.count("STSM.16.MT88.4") == 4
     assert ops.count("SHFL.BFLY") == 96
+
+
+def _wait_pin(instrs, n, waits):
+    """The mbarrier try_waits' offsets (bytes from the first mbarrier; Gated DeltaNet's kernel
+    2's `_trywait_offsets`) and the HGMMA / DEPBAR / wait sequence of the math warpgroup from
+    its wait on group 0 to its wait on the last group. The waits' multiset must be `waits`
+    (each once, or twice where ptxas emits the retry loop's wait as a try_wait too)."""
+    ops = [op for op, _ in instrs]
+    assert ops.count("SYNCS.EXCH.64") == n  # the inits
+    assert ops.count("SYNCS.ARRIVE.TRANS64") == n  # the arms (arrive.expect_tx)
+    assert not [op for op in ops if op.startswith("SYNCS.ARRIVE.TRANS64.")]  # no release
+    got = Counter(_trywait_offsets(instrs))
+    want = Counter(waits)
+    assert got in ({k: m * c for k, c in want.items()} for m in (1, 2)), (got, want)
+    kinds = []
+    for op, a in instrs:
+        if op == "SYNCS.PHASECHK.TRANS64.TRYWAIT":
+            kinds.append(f"wait {_trywait_offsets([(op, a)])[0] // 8}")
+        elif op.startswith(("HGMMA", "WARPGROUP.DEPBAR")):
+            kinds.append(op.split(".")[0])
+    end = kinds.index("wait 1")
+    start = end - 1 - kinds[end - 1 :: -1].index("wait 0")
+    end = kinds.index(f"wait {n - 1}", end)
+    seq = []
+    for x in kinds[start : end + 1]:  # runs of HGMMA counted
+        if x == "HGMMA" and seq and seq[-1].startswith("HGMMA"):
+            seq[-1] = f"HGMMA x{int(seq[-1][7:] or 1) + 1}"
+        else:
+            seq.append("HGMMA x1" if x == "HGMMA" else x)
+    return seq
+
+
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
+def test_load_barriers_split(compiled, dtype):
+    """The chunk's TMA tiles on one mbarrier a load group (config.LOAD_GROUPS, 5, in the math
+    warpgroup's order; 2026-12-06, was one barrier pair): 5 inits, 5 arms, no consumer release;
+    the waits: the math warpgroup's one a group, the <h, dh> warps' on the states' groups. dw
+    (8 HGMMA) retired before dO's wait; dqe (8) in flight across U's wait (no DEPBAR between),
+    S (8) waited before the block operands' q / k wait; dke after dh's."""
+    _, instrs, _ = compiled(dtype)
+    n = len(config.LOAD_GROUPS)
+    seq = _wait_pin(instrs, n, [8 * g for g in config.STATE_GROUPS] + [8 * g for g in range(n)])
+    assert seq[:6] == ["wait 0", "HGMMA x8", "WARPGROUP", "wait 1", "HGMMA x8", "wait 2"]
+    assert seq[6:9] == ["HGMMA x8", "WARPGROUP", "wait 3"]
+    assert seq[-1] == "wait 4" and "HGMMA x8" not in seq[9:]  # dke's come after dh's wait

@@ -39,6 +39,7 @@ from forgekernel.kernels.linear_attention.kda_prefill.sm90 import operands
 from forgekernel.reference.gdn_bwd_state import (
     CHUNK,
     chunk_factors,
+    forward_launch_as_reverse,
     forward_state_tiles,
     forward_states,
     out16_forms,
@@ -62,11 +63,13 @@ def emulated_kernel(calls=None, flags=None):
     def run(do, pt, ke, qe, w, e_last, dht, out16=False, forward=False):
         assert out16 or not forward
         assert (pt is None and qe is None) == forward  # the forward variant builds I and 0 in
-        if forward:
-            b, rows, hv, _ = do.shape
-            eye = torch.eye(CHUNK, dtype=do.dtype).view(1, 1, CHUNK, 1, CHUNK)
-            pt = eye.expand(b, rows // CHUNK, CHUNK, hv, CHUNK).reshape(b, rows, hv, CHUNK)
-            qe = torch.zeros_like(ke)
+        rows = do.shape[1]
+        if forward:  # chunks first to last on u, W, Ke as written: the reverse model's
+            # inputs by flipping and negating (exact), the outputs flipped back below
+            for x in (do, ke, w):
+                assert x.stride(-1) == 1 and x.dtype == do.dtype and x.shape[:3] == do.shape[:3]
+            rev = forward_launch_as_reverse(do, ke, w, e_last)
+            do, pt, ke, qe, w, e_last = (rev[n] for n in ("do", "pt", "ke", "qe", "w", "e_last"))
         # the default path hands contiguous tiles; the device pass strided views (head slices,
         # the first pass's rows cut to T: TMA reads them in place, `as_tma_ready`)
         for x in (do, pt, ke, qe, w):
@@ -90,7 +93,7 @@ def emulated_kernel(calls=None, flags=None):
         du, dh, dh0 = (x.float() for x in tile_model(factors, do.double(), dst, rounding))
         if out16:  # the kernel's 16-bit forms (fp32 where the test runs fp32 tiles)
             du, dh = out16_forms(du, dh, do.dtype, forward)
-        return du, dh, dh0
+        return du[:, :rows], dh, dh0
 
     return run
 
@@ -99,8 +102,9 @@ def emulated_chunk_kernel(calls=None):
     """kernel 2's stand-in: `chunk_grads_model` in fp64 on the launcher's inputs (checked as the
     launcher checks them), the block operands rounded to bf16 for 16-bit tiles, fp32 outputs."""
 
-    def run(do, u, du, q, k, h, dh, big_g):
+    def run(do, u, du, q, k, h, dh, big_g, dw16=False, dg=None, dq16=False, scale=1.0, dq=None):
         b, t, hv = do.shape[:3]
+        assert dq16 or (scale == 1.0 and dq is None)
         for x in (do, u, du, q, k, h, dh):  # strided views allowed (TMA: `as_tma_ready`)
             assert x.stride(-1) == 1 and x.dtype == do.dtype
         assert big_g.dtype == torch.float32 and big_g.shape == (b, t, hv, q.shape[-1])
@@ -112,8 +116,22 @@ def emulated_chunk_kernel(calls=None):
         def rounding(x):
             return x.to(torch.bfloat16).to(x.dtype)
 
-        tiles = (x.double() for x in (do, u, du, q, k, h, dh, big_g))
-        return tuple(x.float() for x in chunk_grads_model(*tiles, rounding if low else None))
+        # dq16: q unscaled, the scale on its products in registers (the model on q scale)
+        tiles = [x.double() for x in (do, u, du, q, k, h, dh, big_g)]
+        if dq16:
+            tiles[3] = tiles[3] * scale
+        outs = [x.float() for x in chunk_grads_model(*tiles, rounding if low else None)]
+        if dw16:  # dw in the tiles' dtype, rounded once from the fp32 product (`_store_rows`)
+            outs[2] = outs[2].to(do.dtype)
+        if dq16:  # the op's dq: dL/d(q scale) times the scale, rounded once to the tiles' dtype
+            outs[0] = (outs[0] * scale).to(do.dtype)
+            if dq is not None:
+                assert dq.dtype == do.dtype and dq.is_contiguous() and dq.shape == outs[0].shape
+                outs[0] = dq.copy_(outs[0])
+        if dg is not None:  # dG written into the caller's buffer (the op's `out=` dg)
+            assert dg.dtype == torch.float32 and dg.is_contiguous() and dg.shape == outs[3].shape
+            outs[3] = dg.copy_(outs[3])
+        return tuple(outs)
 
     return run
 
@@ -121,9 +139,11 @@ def emulated_chunk_kernel(calls=None):
 def emulated_wy_kernel(calls=None):
     """the WY kernel's stand-in: `wy_grads_model` in fp64 on the launcher's inputs (checked as
     the launcher checks them), the on-chip operands rounded for 16-bit tiles (dvb, dkb to the
-    tiles' dtype, the score-gradient blocks' to bf16), fp32 outputs."""
+    tiles' dtype, the score-gradient blocks' to bf16), fp32 outputs; its dk, dG added in place
+    onto kernel 2's (the kernel's read-modify-write)."""
 
-    def run(dw, du, tt, w, k, u, v, beta, big_g):
+    def run(dw, du, tt, w, k, u, v, beta, big_g, dk, dg, dv16=False, dk16=False, dk_out=None,
+            dv=None, dbeta=None):  # fmt: skip
         b, t, hv, kd = dw.shape
         for x in (dw, du, tt, w, k, u, v):  # strided views allowed (TMA: `as_tma_ready`)
             assert x.stride(-1) == 1 and x.dtype == dw.dtype and x.shape[:3] == (b, t, hv)
@@ -133,8 +153,27 @@ def emulated_wy_kernel(calls=None):
         if calls is not None:
             calls.append(dw.dtype)
         low = dw.dtype in (torch.float16, torch.bfloat16)
+        for x in (dk, dg):  # kernel 2's dk, dG: the WY half added onto them in place
+            assert x.dtype == torch.float32 and x.is_contiguous() and x.shape == dw.shape
+        assert dk.data_ptr() != dg.data_ptr()
         tiles = (x.double() for x in (dw, du, tt, w, k, u, v, beta, big_g))
-        return tuple(x.float() for x in wy_grads_model(*tiles, dw.dtype if low else None))
+        m_dk, m_dv, m_dg, m_db = (x.float() for x in wy_grads_model(*tiles, dw.dtype if low
+                                                                     else None))  # fmt: skip
+        if dv16:  # dv in the tiles' dtype, rounded once from the fp32 rows (`_store_rows`)
+            m_dv = m_dv.to(dw.dtype)
+        for buf, x in ((dv, m_dv), (dbeta, m_db)):  # the caller's buffers (the op's out=)
+            assert buf is None or (buf.is_contiguous() and buf.dtype == x.dtype
+                                   and buf.shape == x.shape)  # fmt: skip
+        dv = m_dv if dv is None else dv.copy_(m_dv)
+        dbeta = m_db if dbeta is None else dbeta.copy_(m_db)
+        dk.add_(m_dk)
+        if dk16:  # the final dk rounded once to the tiles' dtype (dk: scratch)
+            assert dk_out is None or (dk_out.dtype == dw.dtype and dk_out.is_contiguous())
+            final = dk.to(dw.dtype)
+            dk = final if dk_out is None else dk_out.copy_(final)
+        else:
+            assert dk_out is None
+        return dk, dv, dg.add_(m_dg), dbeta
 
     return run
 
@@ -624,3 +663,43 @@ def test_cpu_tensors_take_the_interim_path_by_default(monkeypatch, request):
     want = _fp64_grads(inputs, None, do, dht, l2norm=True)
     for name, a, r in zip(NAMES, grads, want):
         _close(name, a, r, 2e-2)
+
+
+@pytest.mark.parametrize(("b", "t", "h", "decay"),
+                         [(2, 65, 2, (-1.0, 0.0)), (1, 130, 1, (-5.0, -4.0))])  # fmt: skip
+def test_final_outputs_without_l2norm(kernel_path, monkeypatch, b, t, h, decay):
+    """Without l2norm at HV = H (`_folds`, FINAL_QK): kernel 2 reads q unscaled (dq16, the
+    scale in the emulation's products) and writes the op's dq, the WY kernel the op's dk
+    (dk16), no epilogue, dv / dbeta / dq / dk written straight into `out=`; within 2e-2 of
+    autograd through the fp64 recurrence, and dq, dk within one bf16 rounding step of
+    FINAL_QK = False's (the fp32 dq / dk and the epilogue) results."""
+    (q, k, v, g, beta, h0), do, dht = _bf16_problem(b, t, h, h, decay=decay, seed=t)
+    q, k = (F.normalize(x.float(), dim=-1).bfloat16() for x in (q, k))  # unit rows, no l2norm
+    flags = []
+    monkeypatch.setattr(bwd, "_chunk_grads", _recording(bwd._chunk_grads, flags))
+    norm_calls = []
+    monkeypatch.setattr(bwd, "_qk_grads", emulated_norm_kernel(norm_calls))
+    got = {}
+    for on in (True, False):
+        monkeypatch.setattr(bwd, "FINAL_QK", on)
+        out = tuple(torch.empty_like(x) for x in (q, k, v, g, beta)) + (None,)
+        got[on] = bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, initial_state=h0,
+                                                    d_final_state=dht, out=out)  # fmt: skip
+        for a, o in zip(got[on][:5], out[:5]):
+            assert a is o
+    assert flags == [True, False] and len(norm_calls) == 2  # the epilogue only when off
+    want = _fp64_grads([q, k, v, g, beta, h0], None, do, dht, l2norm=False)
+    for name, a, r in zip(NAMES, got[True], want):
+        _close(name, a, r, 2e-2)
+    for i, name in enumerate(("dq", "dk")):
+        a, r = got[True][i].float(), got[False][i].float()
+        step = r.abs().clamp_min(2.0**-126) * 2.0**-7  # one bf16 rounding step of the fp32 path
+        assert ((a - r).abs() <= step * 2 + 1e-3 * r.abs().max()).all(), name
+
+
+def _recording(fn, flags):
+    def run(*args, **kwargs):
+        flags.append(bool(kwargs.get("dq16")))
+        return fn(*args, **kwargs)
+
+    return run

@@ -181,6 +181,51 @@ def test_launcher_checks_out(monkeypatch):
                 launch.kda_bwd_wy(*tiles, out=tuple(outs))
     with pytest.raises(ValueError, match="4 tensors"):
         launch.kda_bwd_wy(*tiles, out=launch.empty_outputs(tiles[0], 128)[:3])
+    outs = list(launch.empty_outputs(tiles[0], 128))
+    with pytest.raises(ValueError, match="dk and dg must be distinct"):  # both accumulated
+        launch.kda_bwd_wy(*tiles, out=(outs[0], outs[1], outs[0], outs[3]))
     assert launched == []
     launch.kda_bwd_wy(*tiles, out=launch.empty_outputs(tiles[0], 128))
-    assert launched == [13]
+    assert launched == [14]  # 7 tiles, beta, G, 4 outputs, the final dk (dk itself without dk16)
+
+
+def test_launcher_accumulates_into_dk_and_dg(monkeypatch):
+    """dk and dg are the kernel's in / out accumulators: `empty_outputs` (and the call without
+    `out`) zero them (the WY half alone), hands the caller's own tensors (kernel 2's dk, dG) to
+    the kernel as they are, and returns them; dv and dbeta only written."""
+    from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90 import launch
+
+    seen = []
+    # the kernel's last argument: the final dk (dk itself without dk16)
+    monkeypatch.setattr(launch, "get_kernel", lambda *a: lambda *b: seen.append(b[-5:-1]))
+    tiles = _tiles()
+    dk, dv, dg, dbeta = launch.empty_outputs(tiles[0], 128)
+    assert not dk.any() and not dg.any()
+    dk.fill_(1.0), dg.fill_(2.0)
+    got = launch.kda_bwd_wy(*tiles, out=(dk, dv, dg, dbeta))
+    assert got[0] is dk and got[2] is dg and seen[0][0] is dk and seen[0][2] is dg
+    assert (dk == 1.0).all() and (dg == 2.0).all()  # untouched by the launcher
+    fresh = launch.kda_bwd_wy(*tiles)
+    assert not fresh[0].any() and not fresh[2].any()
+
+
+def test_launcher_dv16(monkeypatch):
+    """`dv16`: dv in dw's 16-bit dtype from `empty_outputs` and in the compile key (absent
+    without it); an `out` whose dv's dtype disagrees with dv16 raises before any launch."""
+    from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90 import launch
+
+    keys = []
+    monkeypatch.setattr(launch, "get_kernel", lambda spec, key: keys.append(dict(key)) or
+                        (lambda *a: None))  # fmt: skip
+    tiles = _tiles()
+    outs = launch.kda_bwd_wy(*tiles, dv16=True)
+    assert outs[1].dtype == torch.bfloat16 and keys[-1].get("dv16") is True
+    assert [outs[i].dtype for i in (0, 2, 3)] == [torch.float32] * 3
+    launch.kda_bwd_wy(*tiles)
+    assert "dv16" not in keys[-1]
+    n = len(keys)
+    with pytest.raises(ValueError, match=r"out's dv must be contiguous bfloat16.*dv16"):
+        launch.kda_bwd_wy(*tiles, dv16=True, out=launch.empty_outputs(tiles[0], 128))
+    with pytest.raises(ValueError, match="out's dv must be contiguous float32"):
+        launch.kda_bwd_wy(*tiles, out=launch.empty_outputs(tiles[0], 128, dv16=True))
+    assert len(keys) == n

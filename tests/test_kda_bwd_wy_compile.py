@@ -1,16 +1,19 @@
 """Kimi Delta Attention's backward WY kernel compiled for sm_90a on the CPU (the DSL compiles,
-ptxas assembles, cuobjdump reads the cubin), both dtypes: 256 threads, nothing spilled, 255
+ptxas assembles, cuobjdump reads the cubin), both dtypes: 256 threads, nothing spilled, 254
 registers (cu13 ptxas; Gated DeltaNet's kernel 2 with `wy` holds 255 too); 196,608 bytes of
 shared memory (within config's bound); per CTA the WGMMAs T^T du, T^T dw (4 x 64x128x16 each,
 the tiles' dtype, B transposed), dvb u^T, dkb w^T (8 x 64x64x16 each, A from registers), and
 the eight sub-chunk blocks of dx and dy (one 64x128x16 each, bf16 for both dtypes, B
-transposed), twelve commit groups; seven TMA tiles (thirteen 64-column boxes); (beta dA)^T by
-four transposed stmatrix a thread; three quad row dots (12 butterfly shuffles)."""
+transposed), twelve commit groups; seven TMA tiles (thirteen 64-column boxes) on six
+mbarriers, one a load group (config.LOAD_GROUPS, 2026-12-06; was one barrier pair, 255
+registers, now 254); (beta dA)^T by four transposed stmatrix a thread; three quad row dots (12
+butterfly shuffles); dk and dG added onto kernel 2's in place (2026-12-06: 254 registers still)."""
 
 from __future__ import annotations
 
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,7 @@ pytest.importorskip("cutlass")
 
 sys.path.insert(0, str(Path(__file__).parent))
 from dsl_toolchain import dsl_toolchain  # noqa: E402
+from test_gdn_bwd_chunk_compile import _trywait_offsets  # noqa: E402
 
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY  # noqa: E402
 from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90 import SPEC, config  # noqa: E402
@@ -32,7 +36,8 @@ from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_instruc
 if find_tool("cuobjdump") is None:
     pytest.skip("cuobjdump not found", allow_module_level=True)
 
-REGISTERS = 255  # compiled figure under cu13 (2026-12-06): at the cap, no spill; watch it
+REGISTERS = 254  # compiled figure under cu13 (2026-12-06, split load barriers; 255 before): at
+# the cap, no spill; watch it
 SMEM = 196608
 
 
@@ -40,9 +45,9 @@ SMEM = 196608
 def compiled():
     cache = {}
 
-    def get(dtype):
-        if dtype not in cache:
-            params = dict(config.params_for(dtype))
+    def get(dtype, dv16=False, dk16=False):
+        if (dtype, dv16, dk16) not in cache:
+            params = dict(config.params_for(dtype, dv16=dv16, dk16=dk16))
             kernel = kernel_for(params)
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_kda_bwd_wy(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
@@ -53,15 +58,55 @@ def compiled():
                     cubin = Path(d, "k.cubin")
                 res = inspect_cubin(cubin)
                 sass = sass_text(cubin)
-            cache[dtype] = (res, sass_instructions(sass), kernel.shared_storage.size_in_bytes())
-        return cache[dtype]
+            cache[dtype, dv16, dk16] = (res, sass_instructions(sass),
+                                        kernel.shared_storage.size_in_bytes())  # fmt: skip
+        return cache[dtype, dv16, dk16]
 
     return get
 
 
 def test_standard_params():
     assert SPEC.name == "kda_bwd_wy_sm90"
-    assert [dict(p)["dtype"] for p in SPEC.standard_params()] == list(config.DTYPES)
+    keys = [(dict(p)["dtype"], dict(p).get("dv16", False), dict(p).get("dk16", False))
+            for p in SPEC.standard_params()]  # fmt: skip
+    flags = ((False, False), (True, False), (True, True))
+    assert keys == [(d, *f) for f in flags for d in config.DTYPES]
+    assert "dv16" not in dict(config.params_for("bfloat16"))  # the old key unchanged
+    assert "dk16" not in dict(config.params_for("bfloat16", dv16=True))
+
+
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
+def test_dk16_writes_the_final_dk_in_16_bits(compiled, dtype):
+    """`dk16` (2026-12-06, next/kda-final-outputs: the op's dk without the epilogue): dk's
+    third term reads the fp32 partial (32 LDG.E.64 as before) and writes kernel 2's + the WY
+    half once in 16 bits (32 packed STG.E) instead of back in fp32 (32 STG.E.64); every other
+    memory op unchanged; registers as without it (REGISTERS), nothing spilled."""
+    res, instrs, _ = compiled(dtype, dv16=True, dk16=True)
+    _, base, _ = compiled(dtype, dv16=True)
+    ops, ops0 = (Counter(op for op, _ in x) for x in (instrs, base))
+    assert ops0["STG.E.64"] == 3 * 32 and ops["STG.E.64"] == 2 * 32
+    assert ops["STG.E"] == ops0["STG.E"] + 32
+    assert ops["LDG.E"] == ops0["LDG.E"] and ops["LDG.E.64"] == ops0["LDG.E.64"] == 3 * 32
+    assert res["spill_bytes"] == 0 and not [op for op in ops if op.startswith(("LDL", "STL"))]
+    if dsl_toolchain() == "cu13":
+        assert res["registers"] == REGISTERS
+
+
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
+def test_dv16_stores_dv_in_16_bits(compiled, dtype):
+    """`dv16` (2026-12-06, next/kda-wy-acc: the op's cast of dv to v's 16-bit dtype moved in):
+    dv's 64 values a thread leave as 32 packed 16-bit pairs (STG.E) instead of 32 fp32 pairs
+    (STG.E.64); dk's stores and every load unchanged; registers as without it (REGISTERS),
+    nothing spilled."""
+    res, instrs, _ = compiled(dtype, dv16=True)
+    _, base, _ = compiled(dtype)
+    ops, ops0 = (Counter(op for op, _ in x) for x in (instrs, base))
+    assert ops0["STG.E.64"] == 4 * 32 and ops["STG.E.64"] == 3 * 32
+    assert ops["STG.E"] == ops0["STG.E"] + 32
+    assert ops["LDG.E"] == ops0["LDG.E"] and ops["LDG.E.64"] == ops0["LDG.E.64"]
+    assert res["spill_bytes"] == 0 and not [op for op in ops if op.startswith(("LDL", "STL"))]
+    if dsl_toolchain() == "cu13":
+        assert res["registers"] == REGISTERS
 
 
 # CI: the first dtype's compile (~6 s of a CPU, 2026-12-06), read by this test and the next two;
@@ -99,3 +144,61 @@ def test_wgmmas_and_tma(compiled, dtype):
     assert ops.count("UTMALDG.4D") == 6 * 2 + 1
     assert ops.count("STSM.16.MT88.4") == 4
     assert ops.count("SHFL.BFLY") == 12
+
+
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
+def test_dk_and_dg_accumulated_in_place(compiled, dtype):
+    """The accumulate form (2026-12-06, next/kda-wy-acc): dk's three terms each a read-modify-
+    write of the thread's fp32 pairs (3 x 32 LDG.E.64; was 2 x 32: the first term a plain
+    store), dG's reverse cumsum reading kernel 2's dG a row (8 more LDG.E: the loop unrolled 8,
+    was 10); stores unchanged (128 STG.E.64: dv's 32, dk's 3 x 32; 10 STG.E); no local memory.
+    Registers stay 254 (REGISTERS)."""
+    _, instrs, _ = compiled(dtype)
+    ops = Counter(op for op, _ in instrs)
+    assert ops["LDG.E.64"] == 3 * 32 and ops["LDG.E"] == 10 + 8
+    assert ops["STG.E.64"] == 4 * 32 and ops["STG.E"] == 10
+    assert not [op for op in ops if op.startswith(("LDL", "STL"))]
+
+
+def _wait_pin(instrs, n, waits):
+    """The mbarrier try_waits' offsets (bytes from the first mbarrier; Gated DeltaNet's kernel
+    2's `_trywait_offsets`) and the HGMMA / DEPBAR / wait sequence of the math warpgroup from
+    its wait on group 0 to its wait on the last group. The waits' multiset must be `waits`
+    (each once, or twice where ptxas emits the retry loop's wait as a try_wait too)."""
+    ops = [op for op, _ in instrs]
+    assert ops.count("SYNCS.EXCH.64") == n  # the inits
+    assert ops.count("SYNCS.ARRIVE.TRANS64") == n  # the arms (arrive.expect_tx)
+    assert not [op for op in ops if op.startswith("SYNCS.ARRIVE.TRANS64.")]  # no release
+    got = Counter(_trywait_offsets(instrs))
+    want = Counter(waits)
+    assert got in ({k: m * c for k, c in want.items()} for m in (1, 2)), (got, want)
+    kinds = []
+    for op, a in instrs:
+        if op == "SYNCS.PHASECHK.TRANS64.TRYWAIT":
+            kinds.append(f"wait {_trywait_offsets([(op, a)])[0] // 8}")
+        elif op.startswith(("HGMMA", "WARPGROUP.DEPBAR")):
+            kinds.append(op.split(".")[0])
+    end = kinds.index("wait 1")
+    start = end - 1 - kinds[end - 1 :: -1].index("wait 0")
+    end = kinds.index(f"wait {n - 1}", end)
+    seq = []
+    for x in kinds[start : end + 1]:  # runs of HGMMA counted
+        if x == "HGMMA" and seq and seq[-1].startswith("HGMMA"):
+            seq[-1] = f"HGMMA x{int(seq[-1][7:] or 1) + 1}"
+        else:
+            seq.append("HGMMA x1" if x == "HGMMA" else x)
+    return seq
+
+
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
+def test_load_barriers_split(compiled, dtype):
+    """The chunk's TMA tiles on one mbarrier a load group (config.LOAD_GROUPS, 6, in the math
+    warpgroup's order; 2026-12-06, was one barrier pair): 6 inits, 6 arms, no consumer release,
+    the math warpgroup's waits one a group: dvb = T^T du (4 HGMMA) retired before u's wait;
+    dA = dvb u^T (8) in flight across v's wait, v's and dw's waits with the row dot and dv's
+    store between; dkb = T^T dw (4) retired before w's; dA += dkb w^T (8) in flight across k's."""
+    _, instrs, _ = compiled(dtype)
+    n = len(config.LOAD_GROUPS)
+    seq = _wait_pin(instrs, n, [8 * g for g in range(n)])
+    assert seq == ["wait 0", "HGMMA x4", "WARPGROUP", "wait 1", "HGMMA x8", "wait 2", "wait 3",
+                   "HGMMA x4", "WARPGROUP", "wait 4", "HGMMA x8", "wait 5"]  # fmt: skip

@@ -66,7 +66,7 @@ def test_a_missing_state_stays_none():
     edges = [0, 3, 10]
     x = torch.randn(10, 2)
 
-    def run(x, do, state, n):
+    def run(x, do, state, n, out=None):
         assert state is None
         return x, torch.zeros(n, 1)
 
@@ -80,7 +80,7 @@ def test_backward_varlen_routes():
     x = torch.randn(12, 2)
     calls = []
 
-    def run(x, do, state, n):
+    def run(x, do, state, n, out=None):
         calls.append((x.data_ptr(), n))
         return x, torch.zeros(n, 1)
 

@@ -64,6 +64,7 @@ def run_in_buckets(
     tokens: Sequence[torch.Tensor],
     states: Sequence[torch.Tensor | None],
     edges: Sequence[int],
+    out: Sequence[torch.Tensor | None] | None = None,
 ) -> Grads:
     """`run(*padded_tokens, *states_of_the_bucket, n)` on each bucket of the sequences between
     `edges` (host offsets, N + 1): `tokens` the flat (T, ...) inputs (their gradients, in the
@@ -71,11 +72,14 @@ def run_in_buckets(
     none), `states` (N, ...) or None (taken at the bucket's sequences), n the bucket's
     sequences, each padded to the bucket's longest. `run` returns the token gradients flat
     (n x t, ...) and the state gradient (n, ...); returned: the token gradients at the callers'
-    rows and the state gradient at the callers' sequences."""
+    rows and the state gradient at the callers' sequences, scattered into `out` (the flat
+    token gradients' buffers and the state's, each may be None) where given."""
     device = tokens[0].device
     lens = [z - a for a, z in zip(edges[:-1], edges[1:])]
-    grads: list[torch.Tensor] = [x.new_zeros(x.shape) for x in tokens[:-1]]
-    d_state: torch.Tensor | None = None
+    given = list(out) if out is not None else [None] * len(tokens)
+    grads: list[torch.Tensor] = [x.new_zeros(x.shape) if o is None else o.zero_()
+                                 for x, o in zip(tokens[:-1], given)]  # fmt: skip
+    d_state: torch.Tensor | None = given[-1]
     for seqs in buckets(lens):
         t = max(1, lens[seqs[0]])
         n = len(seqs)
@@ -93,12 +97,12 @@ def run_in_buckets(
             return out
 
         taken = (None if s is None else s.index_select(0, index) for s in states)
-        out = run(*(pad(x) for x in tokens), *taken, n)
-        for grad, got in zip(grads, out[:-1]):
+        res = run(*(pad(x) for x in tokens), *taken, n)
+        for grad, got in zip(grads, res[:-1]):
             grad[rows] = got[slots]
         if d_state is None:
-            d_state = out[-1].new_empty((len(lens), *out[-1].shape[1:]))
-        d_state[index] = out[-1]
+            d_state = res[-1].new_empty((len(lens), *res[-1].shape[1:]))
+        d_state[index] = res[-1]
     assert d_state is not None  # edges hold at least one sequence
     return (*grads, d_state)
 
@@ -108,16 +112,17 @@ def backward_varlen(
     tokens: Sequence[torch.Tensor],
     states: Sequence[torch.Tensor | None],
     cu_seqlens: torch.Tensor,
+    out: Sequence[torch.Tensor | None] | None = None,
 ) -> Grads | None:
     """Both ops' varlen backward on their kernel paths: the offsets read on the host (the
     caller refuses a CUDA-graph capture first); equal lengths run as one call of `run` on the
     tokens as they are (a reshape, no copy), unequal ones in buckets (`run_in_buckets`); None
-    (the caller's interim path) when no sequence has a token. `run`, `tokens`, `states` as
-    `run_in_buckets`'."""
+    (the caller's interim path) when no sequence has a token. `run`, `tokens`, `states`, `out`
+    as `run_in_buckets`' (`run` takes `out` as a keyword)."""
     edges = [int(e) for e in cu_seqlens.tolist()]
     lens = [z - a for a, z in zip(edges[:-1], edges[1:])]
     if max(lens) == 0:
         return None
     if all(x == lens[0] for x in lens):
-        return run(*tokens, *states, len(lens))
-    return run_in_buckets(run, tokens, states, edges)
+        return run(*tokens, *states, len(lens), out=out)
+    return run_in_buckets(run, tokens, states, edges, out)

@@ -34,7 +34,8 @@ layouts the other two read) on kernel 0 (kernels/linear_attention/gdn_bwd_factor
 `reference.gdn_bwd_factors` its model; FACTORS_IN_KERNEL = False, or WY_IN_KERNEL = False: the
 batched torch `_Factors` pass); with both of those on, STATES16 and NORM_IN_KERNEL (the
 defaults): kernel 1 writes U, h and dU, dS in kernel 2's 16-bit forms (`out16`; its forward
-launch the `forward` variant: P^T = I, Qe = 0 built in, outputs in chunk order), kernel 2 reads
+launch the `forward` variant: chunks first to last on kernel 0's u, W, Ke as written, P^T =
+I, Qe = 0 and the signs built in, outputs in chunk order), kernel 2 reads
 q, k at their H heads (`grouped`), and the q / k epilogue kernel (kernels/linear_attention/
 gdn_bwd_norm/sm90, `reference.gdn_bwd_norm` its model) does the group sum over the value heads,
 l2norm's backward and the scale, kernel 2 writes dv in 16 bits (`dv16`): torch is left with q,
@@ -60,6 +61,8 @@ import contextlib
 
 import torch
 
+from forgekernel.kernels.common.sm90.constants import REGISTERS_PER_SM, THREADS_PER_WG
+from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90 import config as state_config
 from forgekernel.ops import gated_delta_rule_chunked as fwd
 from forgekernel.ops._dispatch import KernelSwitch, refuse_capture
 from forgekernel.ops._dispatch import traced as _traced
@@ -88,8 +91,13 @@ from forgekernel.reference.gdn_bwd_state import (
     to_chunks,
     to_tokens,
 )
+from forgekernel.runtime.device import num_sms, side_by_side
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+# (dq, dk, dv, dg, dbeta, d_initial_state) buffers for the gradients (`gated_delta_rule_backward`'s
+# out=), d_initial_state may be None; None: every gradient allocated
+GradsOut = tuple[torch.Tensor | None, ...] | None
+GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "d_initial_state")
 NOT_CAPTURABLE = (
     "gated_delta_rule's interim backward reads the offsets on the host (its chunk layout, "
     "one sync a call) and builds its tables there"
@@ -101,19 +109,42 @@ def _to_kv(state: torch.Tensor | None, k_last: bool) -> torch.Tensor | None:
     return state.transpose(-1, -2) if state is not None and k_last else state
 
 
+def given(**buffers: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The out= keywords of a kernel wrapper call that were given (a call without out= passes
+    none: the wrappers' stand-ins in tests and scripts need not take them)."""
+    return {name: x for name, x in buffers.items() if x is not None}
+
+
+def written(out: GradsOut, grads, likes) -> Grads:
+    """The six gradients in their inputs' dtypes (`likes`: q, k, v, g, beta's; the state's
+    fp32, contiguous), each written into its `out` buffer where one is given (a copy, the cast,
+    unless a kernel wrote it there already: no copy then)."""
+    got = []
+    for i, x in enumerate(grads):
+        o = None if out is None else out[i]
+        dtype = likes[i].dtype if i < 5 else torch.float32
+        if o is None:
+            got.append(x.to(dtype) if i < 5 else x.contiguous())
+        elif x.data_ptr() == o.data_ptr() and x.stride() == o.stride() and x.dtype == o.dtype:
+            got.append(o)
+        else:
+            got.append(o.copy_(x))
+    return tuple(got)
+
+
 def _backward_interim(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, k_last,
-                      l2norm) -> Grads:  # fmt: skip
+                      l2norm, out=None) -> Grads:  # fmt: skip
     """INTERIM: the chunked backward in fp32 torch (the kernel's stand-in). Flat tensors:
-    q, k (T, H, K), v, do (T, HV, V), g, beta (T, HV); states in the op's layout."""
+    q, k (T, H, K), v, do (T, HV, V), g, beta (T, HV); states in the op's layout; `out` the
+    flat gradient buffers (`GradsOut`), the results copied in."""
     refuse_capture(NOT_CAPTURABLE, q)
     grads = gated_delta_rule_chunked_backward(
         *(x.unsqueeze(0) for x in (q, k, v, g, beta, do)), scale=scale,
         initial_state=_to_kv(initial_state, k_last), d_final_state=_to_kv(d_final, k_last),
         cu_seqlens=cu_seqlens, use_qk_l2norm=l2norm, dtype=torch.float32,
     )  # fmt: skip
-    flat = (x[0].to(like.dtype) for x, like in zip(grads[:5], (q, k, v, g, beta)))
-    dh0 = _to_kv(grads[5], k_last).contiguous()
-    return (*flat, dh0)
+    flat = (x[0] for x in grads[:5])
+    return written(out, (*flat, _to_kv(grads[5], k_last)), (q, k, v, g, beta))
 
 
 # "0": the interim path everywhere; unset or "1": the kernel path where it fits (`_kernel_path`).
@@ -144,14 +175,50 @@ TOKEN_HEADS_PER_PASS = 2**20
 TILE_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _state_recurrence(do, pt, ke, qe, w, e_last, d_final_state, **flags):
+def _state_recurrence(do, pt, ke, qe, w, e_last, d_final_state, dh0=None, **flags):
     """Kernel 1 (dh variant): (dU (B, T, HV, V), dh = dS^T per chunk end (B, NC, HV, V, K),
     dS at the start (B, HV, K, V)), fp32; `flags` out16 / forward: dU and dS (B, NC, HV, K, V)
     in 16 bits, kernel 2's forms (`reference.gdn_bwd_state.out16_forms`; forward: pt, qe None,
-    I and 0 built in, outputs in chunk order). The CPU tests put the tile emulation here."""
-    from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.launch import gdn_bwd_state
+    I and 0 built in, outputs in chunk order); dh0: the caller's contiguous buffer for dS at
+    the start (the kernel writes it there). The CPU tests put the tile emulation here."""
+    from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.launch import (
+        empty_outputs,
+        gdn_bwd_state,
+    )
 
-    return gdn_bwd_state(do, pt, ke, qe, w, e_last, d_final_state, **flags)
+    out = None
+    if dh0 is not None:
+        du, side, _ = empty_outputs(do, ke.shape[-1], out16=flags.get("out16", False))
+        out = (du, side, dh0)
+    return gdn_bwd_state(do, pt, ke, qe, w, e_last, d_final_state, out=out, **flags)
+
+
+# Kernel 1 holds one CTA an SM (the register file: 128 threads x (40 + 2 x 232) registers
+# after setmaxnreg; shared memory 106 KB forward, 155 KB reverse) and runs B x HV of them, each
+# through every chunk in sequence. On the device pass (`_device_pass`) its two launches are
+# independent: the forward one reads kernel 0's fw_u, fw_w, fw_ke, the reversed e_last and h0
+# and writes U, h; the reverse one reads dO, P^T, Ke, Qe, W, e_last and dht and writes dU, dS
+# and dh0 (no tile of one is the other's). Side by side (`side_by_side`) they take one launch's
+# time where both fit one wave, 2 B HV CTAs <= STATE_CTAS_PER_SM x the SMs: B HV <= 66 on the
+# H100's 132 (1 x 2048 and 1 x 8192 hv32: 32 CTAs a launch, ~950 us for the two in a row at
+# 1 x 8192, plan 2026-12-06 item 2). Above, the second launch's CTAs wait for SMs either way
+# (4 x 8192 hv32: 128 a launch) and the serial order frees the forward's tiles first.
+STATE_CTAS_PER_SM = REGISTERS_PER_SM // (
+    (state_config.PRODUCER_REGS + state_config.STATE_WGS * state_config.STATE_REGS) * THREADS_PER_WG
+)
+CONCURRENT_STATE = True  # False: the two launches one after the other (the fallback)
+
+
+def concurrent_state_launches(b: int, hv: int, sms: int) -> bool:
+    """Whether kernel 1's two launches of B x HV CTAs each run side by side on `sms` SMs: both
+    fit one wave (the comment above)."""
+    return CONCURRENT_STATE and 0 < 2 * b * hv <= sms * STATE_CTAS_PER_SM
+
+
+def _device_sms(device: torch.device) -> int:
+    """The SMs `concurrent_state_launches` counts on: the CUDA device's, none off CUDA (the CPU
+    tests run the launches one after the other unless they ask otherwise)."""
+    return num_sms(device.index) if device.type == "cuda" else 0
 
 
 # Kernel 1 writes U, h (forward launch, `forward`: I and 0 built in, chunk order) and dU, dS
@@ -177,8 +244,8 @@ WY_IN_KERNEL = True
 
 def _chunk_grads_wy(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta, **flags):
     """Kernel 2, WY variant (all of pass 3): (dq, dk (B, T, HV, K), dG (B, T, HV, the reverse
-    cumsum done), dv (B, T, HV, V), dbeta (B, T, HV)) fp32 (`flags` dv16: dv in do's dtype).
-    The CPU tests put the tile emulation here."""
+    cumsum done), dv (B, T, HV, V), dbeta (B, T, HV)) fp32 (`flags` dv16: dv in do's dtype;
+    out: the five contiguous buffers it writes). The CPU tests put the tile emulation here."""
     from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.launch import gdn_bwd_chunk_wy
 
     return gdn_bwd_chunk_wy(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta, **flags)
@@ -225,24 +292,24 @@ def _on_device() -> bool:
     return FACTORS_IN_KERNEL and WY_IN_KERNEL
 
 
-def _chunk_pass(qs, ks, v, g, beta, do, h0, dht):
+def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None):
     """Value heads of one pass, everything per value head: qs (scaled), ks (B, T, HV, K), v, do
     (B, T, HV, V), g, beta (B, T, HV); h0, dht (B, HV, K, V) fp32 or None -> (dqs, dks (B, T,
     HV, K), dv, dg, dbeta, dh0) fp32. On the 16-bit device path (`_device_pass`) qs, ks, v, do
     come in do's 16-bit dtype, qs / ks at the pass's H / HV q heads (strided head slices
-    allowed: TMA reads them in place), else fp32 but do, qs / ks repeated to HV."""
+    allowed: TMA reads them in place), else fp32 but do, qs / ks repeated to HV; into,
+    q_scale: the device pass's buffers and dq scale (`_device_pass`; q_scale only where
+    `_folds`), ignored by the other paths."""
     t, dtype = qs.shape[1], do.dtype
     nc = -(-t // CHUNK)
     on_device = _on_device()
     if on_device and STATES16:
-        return _device_pass(qs, ks, v, g, beta, do, h0, dht)
+        return _device_pass(qs, ks, v, g, beta, do, h0, dht, into, q_scale)
     if on_device:  # kernel 0: the factors from the 16-bit tiles kernel 2 reads too
         qs, ks, v16 = (x.to(dtype) for x in (qs, ks, v))
         out = _factors(qs, ks, v16, g, beta)
-        fw = forward_launch_tiles(out)
-        # `out` keeps only what kernel 2 reads: the others go with `fw`, `rev` (the peak)
-        for name in ("fw_u", "fw_w", "fw_ke"):
-            del out[name]
+        fw = forward_launch_tiles(out)  # u, -W, -Ke with the chunks reversed (copies)
+        # `out` keeps only what kernel 2 reads: the others go with `rev` (the peak)
         rev = (*(out.pop(n) for n in ("pt", "ke", "qe")), out["w"])
         e_last = out["e_last"]
     else:
@@ -277,34 +344,85 @@ def _chunk_pass(qs, ks, v, g, beta, do, h0, dht):
     return dq, dk + dk_wy, dv, dg + dg_wy, dbeta, dh0
 
 
-def _device_pass(qs, ks, v, g, beta, do, h0, dht):
+def _wy_buffers(do, kd, dg, dv, dbeta, dq=None, dk=None):
+    """Kernel 2's (WY, dv16) five outputs: dq, dk, dg, dv, dbeta the given buffers, the rest
+    (and any None) new: dq, dk (B, T, HV, K) fp32 (QK16: do's dtype), dg, dbeta (B, T, HV)
+    fp32, dv do's shape and dtype."""
+    b, t, hv, _ = do.shape
+    f32 = {"dtype": torch.float32, "device": do.device}
+    qk = {"dtype": do.dtype if QK16 else torch.float32, "device": do.device}
+    return (torch.empty(b, t, hv, kd, **qk) if dq is None else dq,
+            torch.empty(b, t, hv, kd, **qk) if dk is None else dk,
+            torch.empty(b, t, hv, **f32) if dg is None else dg,
+            torch.empty(do.shape, dtype=do.dtype, device=do.device) if dv is None else dv,
+            torch.empty(b, t, hv, **f32) if dbeta is None else dbeta)  # fmt: skip
+
+
+# Kernel 2 writes dq, dk in the tiles' 16-bit dtype (its `dqk16` key: rounded once from fp32,
+# the epilogue kernel's `d16` key sums them in fp32), and without l2norm and with HV = H
+# (`_folds`) times the q scale, the op's dq / dk themselves: no epilogue launch. TEMPORARY
+# switch for the GPU A/B (NOTES "GDN backward: 16-bit dq / dk from the chunk kernel"); False:
+# fp32 dq, dk and the epilogue always (64 KB a chunk-head more moved at K = 128).
+QK16 = True
+
+# Kernel 2's `fsplit` form (with QK16 only): two math warpgroups split by function, the output
+# half and the WY half meeting once at dk's fp32 stash (the same outputs bit for bit). TEMPORARY
+# switch for the GPU A/B (NOTES "GDN backward chunk kernel: two math warpgroups or two CTAs a
+# SM?"); off until the timeline says it is faster, then the default and the switch removed.
+FSPLIT = False
+
+
+def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None):
     """`_chunk_pass` with every kernel writing what the next reads (kernel 1 `out16`): kernel
-    0's tiles, kernel 1's forward launch -> U, h (16-bit, chunk order), its reverse launch on
-    kernel 0's tiles cut to T -> dU, dS (16-bit), kernel 2 on those. No torch op between the
-    kernels (views only; the forward launch builds its I and 0 tiles in)."""
-    t = qs.shape[1]
+    0's tiles, kernel 1's forward launch (`forward`: chunks first to last on kernel 0's u, W,
+    Ke as written, the signs in registers) -> U, h (16-bit, chunk order), its reverse launch on
+    kernel 0's tiles cut to T -> dU, dS (16-bit), kernel 2 on those; the two launches side by
+    side where both fit one wave (`concurrent_state_launches`). No torch op between the
+    kernels (views only; the forward launch builds its I and 0 tiles in). into: (dq, dk, dv,
+    dg, dbeta, dh0) contiguous buffers (or None each) kernel 2 / kernel 1 write directly (dq,
+    dk only with q_scale). q_scale (QK16, `_folds`): kernel 2's 16-bit dq times it, dq and dk
+    the op's gradients (no epilogue)."""
+    t, device = qs.shape[1], qs.device
+    dq_o, dk_o, dv_o, dg_o, dbeta_o, dh0_o = into or (None,) * 6
     out = _factors(qs, ks, v, g, beta)
-    fw = forward_launch_tiles(out, identity=False)
-    for name in ("fw_u", "fw_w", "fw_ke"):  # the peak: `fw` holds them now
+    fw = forward_launch_tiles(out, identity=False)  # u, W, Ke, e^(G_C) as written (views)
+
+    def forward_launch():
+        return _state_recurrence(*(fw[n] for n in ("do", "pt", "ke", "qe", "w")),
+                                 fw["e_last"], h0, out16=True, forward=True)  # fmt: skip
+
+    def reverse_launch():
+        rev = tuple(out[n][:, :t] for n in ("pt", "ke", "qe", "w"))
+        return _state_recurrence(do, *rev, out["e_last"], dht, out16=True, **given(dh0=dh0_o))
+
+    if concurrent_state_launches(do.shape[0], do.shape[2], _device_sms(device)):
+        (u16, h16, _), (du16, dh16, dh0) = side_by_side(device, forward_launch, reverse_launch)
+    else:
+        u16, h16, _ = forward_launch()
+        du16, dh16, dh0 = reverse_launch()
+    for name in ("pt", "ke", "qe"):
         del out[name]
-    u16, h16, _ = _state_recurrence(*(fw[n] for n in ("do", "pt", "ke", "qe", "w")),
-                                    fw["e_last"], h0, out16=True, forward=True)  # fmt: skip
-    del fw
-    rev = tuple(out.pop(n)[:, :t] for n in ("pt", "ke", "qe")) + (out["w"][:, :t],)
-    du16, dh16, dh0 = _state_recurrence(do, *rev, out["e_last"], dht, out16=True)
-    del rev
     k2 = for_kernel2(out, t)
     wide = beta.to(torch.promote_types(beta.dtype, torch.float32))
     tiles = (do, u16[:, :t], du16, qs, ks, h16, dh16, k2["big_g"])
+    wy_out = None if into is None else _wy_buffers(do, qs.shape[-1], dg_o, dv_o, dbeta_o, dq_o,
+                                                   dk_o)  # fmt: skip
+    flags = {"dqk16": True, "scale": 1.0 if q_scale is None else q_scale} if QK16 else {}
+    if QK16 and FSPLIT:
+        flags["fsplit"] = True
     dq, dk, dg, dv, dbeta = _chunk_grads_wy(*tiles, k2["tt"], k2["w"], k2["u"], v, wide,
-                                            dv16=True)  # fmt: skip
+                                            dv16=True, **flags, **given(out=wy_out))  # fmt: skip
     return dq, dk, dv, dg, dbeta, dh0
 
 
 def _normalized(x, scale, l2norm, dtype):
     """The device path's q / k side (B, T, H, D) -> x scale / sqrt(x.x + eps) (l2norm) or x
     scale, written once in `dtype` (the norm reduced in fp32 from x as it is: no fp32 copy;
-    the backward recomputes it from x)."""
+    the backward recomputes it from x); x itself where that is x (no l2norm, scale 1, x in
+    `dtype`: k without l2norm; every reader takes it read-only). q x scale stays a copy: no
+    kernel reading q (kernel 0's P, Qe; kernel 2's dk) has a scale argument to fold it into."""
+    if not l2norm and scale == 1.0 and x.dtype == dtype:
+        return x
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     if not l2norm:
         return torch.mul(x, scale, out=out)
@@ -312,13 +430,15 @@ def _normalized(x, scale, l2norm, dtype):
     return torch.mul(x, (norm.square() + L2NORM_EPS).rsqrt() * scale, out=out)
 
 
-def _qk_grads(dxs, x, scale, l2norm):
+def _qk_grads(dxs, x, scale, l2norm, out=None):
     """The q / k epilogue (kernels/linear_attention/gdn_bwd_norm/sm90): dxs (B, T, HV, K) fp32
-    (kernel 2's dq or dk) -> the gradient of the op's input x (B, T, H, K) in x's dtype (group
-    sum, l2norm's backward, scale). The CPU tests put the model here."""
+    or x's 16-bit dtype (kernel 2's dq or dk; QK16) -> the gradient of the op's input x (B, T,
+    H, K) in x's dtype (group sum, l2norm's backward, scale), into `out` (contiguous, x's
+    shape and dtype) when given.
+    The CPU tests put the model here."""
     from forgekernel.kernels.linear_attention.gdn_bwd_norm.sm90.launch import gdn_bwd_norm
 
-    return gdn_bwd_norm(dxs, x, scale, l2norm)
+    return gdn_bwd_norm(dxs, x, scale, l2norm, out=out)
 
 
 # The group sum and l2norm's backward on the epilogue kernel (`_qk_grads`); False: torch
@@ -326,12 +446,13 @@ def _qk_grads(dxs, x, scale, l2norm):
 NORM_IN_KERNEL = True
 
 
-def _normalized_backward(dxs, x, scale, l2norm):
+def _normalized_backward(dxs, x, scale, l2norm, out=None):
     """`_qk_grads` in torch: the group sum, then scale / ||x|| (d - x (x . d) / ||x||^2)
-    (l2norm) or scale d, in x's dtype (the fallback)."""
+    (l2norm) or scale d, in x's dtype (the fallback), into `out` when given."""
     h = x.shape[2]
-    dsum = dxs.unflatten(2, (h, dxs.shape[2] // h)).sum(3)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dsum = dxs.float().unflatten(2, (h, dxs.shape[2] // h)).sum(3)  # 16-bit (QK16): in fp32
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if not l2norm:
         return torch.mul(dsum, scale, out=out)
     xf = x.float()
@@ -340,12 +461,54 @@ def _normalized_backward(dxs, x, scale, l2norm):
     return torch.mul(dsum.addcmul_(xf, c, value=-1), sq.rsqrt() * scale, out=out)
 
 
-def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b) -> Grads:
+def _pass_buffers(out: GradsOut, seq, dtypes, k_last: bool, fold: bool = False) -> tuple | None:
+    """The one pass's (dq, dk, dv, dg, dbeta, dh0) buffers its kernels write directly
+    (`_device_pass`'s `into`): each of `out`'s (flat) in (B, T, ...) form where it has the
+    dtype the kernel writes (`dtypes`: dv's, dg's, dbeta's, dh0's; dq, dk only where kernel 2
+    writes the op's dq, dk: `fold`, in dv's 16-bit dtype); d_initial_state only in the
+    kernel's (K, V) layout (k_last: copied after the transpose)."""
+    if out is None:
+        return None
+    qk = [None if o is None or not fold or o.dtype != dtypes[0] else seq(o) for o in out[:2]]
+    into = [None if o is None or o.dtype != dt else seq(o)
+            for o, dt in zip(out[2:5], dtypes[:3])]  # fmt: skip
+    dh0 = out[5]
+    into.append(None if dh0 is None or k_last or dh0.dtype != dtypes[3] else dh0)
+    return (*qk, *into)
+
+
+def _folds(l2norm: bool, group: int, q: torch.Tensor, k: torch.Tensor, dtype) -> bool:
+    """Kernel 2 writes the op's dq, dk (16-bit, dq times the scale: QK16): no l2norm, no
+    value-head group (HV = H), q and k in the tiles' dtype, the device pass (`_on_device`,
+    STATES16). The epilogue kernel would only scale dq there."""
+    return (QK16 and _on_device() and STATES16 and not l2norm and group == 1
+            and q.dtype == k.dtype == dtype)  # fmt: skip
+
+
+def _joined(parts, i, out):
+    """Gradient i of one pass (as it is) or of several passes (value heads) concatenated, into
+    `out` (the (B, T, ...) or state buffer) when given and of its dtype."""
+    if len(parts) == 1:
+        return parts[0][i]
+    dim = 1 if i == 5 else 2
+    xs = [p[i] for p in parts]
+    if out is not None and out.dtype == xs[0].dtype:
+        return torch.cat(xs, dim=dim, out=out)
+    return torch.cat(xs, dim=dim)
+
+
+def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b, out=None,
+                     k_last=False) -> Grads:  # fmt: skip
     """`_backward_kernel` on the device path with 16-bit kernel-1 outputs: q / k normalized,
     scaled and converted at H heads (`_normalized`), read there by kernels 0 and 2 (value head
     hv: head hv // (HV / H); no repeated copy), v and do passed as they are (strided head
     slices), the group sum, l2norm's backward and the scale on the epilogue kernel
-    (`_qk_grads`; NORM_IN_KERNEL False: torch), one pass: no concatenation."""
+    (`_qk_grads`; NORM_IN_KERNEL False: torch), one pass: no concatenation. `out` (flat
+    buffers, `GradsOut`): written by the last writer of each gradient (the epilogue's dq, dk;
+    kernel 2's dv, dg, dbeta and kernel 1's dh0 in one pass, their concatenation in several),
+    a copy only where the dtype or layout differs (beta in 16 bits, k_last's dh0). Without
+    l2norm and with HV = H (`_folds`) kernel 2 writes dq (times the scale) and dk themselves
+    in 16 bits: no epilogue launch."""
     h, hv, dtype = q.shape[1], v.shape[1], do.dtype
     t, group = q.shape[0] // b, hv // h
 
@@ -356,25 +519,36 @@ def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b) -> Grads:
     ks = _normalized(seq(k), 1.0, l2norm, dtype)
     v_side = [seq(v).to(dtype), seq(g).float(), seq(beta), seq(do)]
     step = max(1, TOKEN_HEADS_PER_PASS // max(1, b * t * group))
+    heads = range(0, h, step)
+    one = len(heads) == 1
+    f32 = torch.float32
+    fold = _folds(l2norm, group, q, k, dtype)
+    into = _pass_buffers(out, seq, (dtype, f32, f32, f32), k_last, fold) if one else None
     parts = []
-    for first in range(0, h, step):  # passes over heads, not chunks
+    for first in heads:  # passes over heads, not chunks
         qh, vh = slice(first, first + step), slice(first * group, (first + step) * group)
         # q / k at their own heads: kernels 0 and 2 read head hv // (HV / H) (`grouped`)
         states = (None if x is None else x[:, vh].float().contiguous() for x in (h0, dht))
         parts.append(_chunk_pass(qs[:, :, qh], ks[:, :, qh], *(x[:, :, vh] for x in v_side),
-                                 *states))  # fmt: skip
-    grads = parts[0] if len(parts) == 1 else [torch.cat(x, dim=1 if i == 5 else 2)
-                                              for i, x in enumerate(zip(*parts))]  # fmt: skip
-    dqs, dks, dv, dg, dbeta, dh0 = grads
-    epilogue = _qk_grads if NORM_IN_KERNEL else _normalized_backward
-    dq = epilogue(dqs, seq(q), scale, l2norm)
-    dk = epilogue(dks, seq(k), 1.0, l2norm)
-    rest = (x.flatten(0, 1).to(like.dtype) for x, like in zip((dv, dg, dbeta), (v, g, beta)))
-    return (dq.flatten(0, 1), dk.flatten(0, 1), *rest, dh0)
+                                 *states, into=into,
+                                 q_scale=scale if fold else None))  # fmt: skip
+    outs = (None,) * 6 if out is None else (*(None if o is None else seq(o) for o in out[:5]),
+                                           None if k_last else out[5])  # fmt: skip
+    if fold:  # kernel 2 wrote the op's dq, dk (16-bit, scaled): no epilogue
+        dq, dk = (_joined(parts, i, outs[i]) for i in (0, 1))
+    else:  # at HV heads (16-bit with QK16, else fp32): the epilogue's
+        dqs, dks = (_joined(parts, i, None) for i in (0, 1))
+    dv, dg, dbeta, dh0 = (_joined(parts, i, outs[i]) for i in range(2, 6))
+    del parts
+    if not fold:
+        epilogue = _qk_grads if NORM_IN_KERNEL else _normalized_backward
+        dq = epilogue(dqs, seq(q), scale, l2norm, **given(out=outs[0]))
+        dk = epilogue(dks, seq(k), 1.0, l2norm, **given(out=outs[1]))
+    return (*(x.flatten(0, 1) for x in (dq, dk, dv, dg, dbeta)), dh0)
 
 
 def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, k_last, l2norm,
-                     batch) -> Grads:  # fmt: skip
+                     batch, out=None) -> Grads:  # fmt: skip
     """The backward on kernel 1 (see the module docstring): flat tensors as
     `_backward_interim`'s holding `batch` sequences of equal length. Grouped heads: q / k
     (normalized, scaled) repeated to the value heads before the factors (kernel 1 and every
@@ -385,9 +559,10 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, k_last
     t, group = q.shape[0] // b, hv // h
     h0 = _to_kv(initial_state, k_last)
     dht = _to_kv(d_final, k_last)
+    likes = (q, k, v, g, beta)
     if _on_device() and STATES16:
-        grads = _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b)
-        return (*grads[:5], _to_kv(grads[5], k_last).contiguous())
+        grads = _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b, out, k_last)
+        return written(out, (*grads[:5], _to_kv(grads[5], k_last)), likes)
 
     def seq(x):
         return x.reshape(b, t, *x.shape[1:])
@@ -410,23 +585,23 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, k_last
     dkn = dks.unflatten(2, (h, group)).sum(3)
     dq = _l2norm_backward(qn, q_norm, dqn) if l2norm else dqn
     dk = _l2norm_backward(kn, k_norm, dkn) if l2norm else dkn
-    flat = (x.flatten(0, 1).to(like.dtype) for x, like in zip((dq, dk, dv, dg, dbeta),
-                                                                (q, k, v, g, beta)))  # fmt: skip
-    return (*flat, _to_kv(dh0, k_last).contiguous())
+    flat = (x.flatten(0, 1) for x in (dq, dk, dv, dg, dbeta))
+    return written(out, (*flat, _to_kv(dh0, k_last)), likes)
 
 
 def _backward_varlen(q, k, v, g, beta, initial_state, do, d_final, scale, k_last, l2norm,
-                     cu_seqlens) -> Grads | None:  # fmt: skip
+                     cu_seqlens, out=None) -> Grads | None:  # fmt: skip
     """Varlen on the kernel path: the offsets read on the host (one sync, as the interim
     path's; a CUDA-graph capture is refused first); equal lengths are a reshape, unequal ones
     run in buckets of sequences zero-padded at their ends (ops/_linattn_varlen.py: zero rows
     change neither the state nor a real gradient). None (the interim path) when no token."""
     refuse_capture(NOT_CAPTURABLE_VARLEN, q)
 
-    def run(q, k, v, g, beta, do, h0, dht, n):
-        return _backward_kernel(q, k, v, g, beta, h0, do, dht, scale, k_last, l2norm, n)
+    def run(q, k, v, g, beta, do, h0, dht, n, out=None):
+        return _backward_kernel(q, k, v, g, beta, h0, do, dht, scale, k_last, l2norm, n, out)
 
-    return backward_varlen(run, (q, k, v, g, beta, do), (initial_state, d_final), cu_seqlens)
+    return backward_varlen(run, (q, k, v, g, beta, do), (initial_state, d_final), cu_seqlens,
+                           out)  # fmt: skip
 
 
 def _empty_grads(q, k, v, g, beta, cu_seqlens, k_last) -> Grads:
@@ -463,29 +638,30 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, k_last, l
 
 
 def _backward_eager(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, k_last,
-                    l2norm, batch) -> Grads:  # fmt: skip
+                    l2norm, batch, out=None) -> Grads:  # fmt: skip
     """Where the kernel path fits (`_kernel_path`): `batch` > 0 (the offsets are `batch` equal
     lengths, known on the host): the kernel path, no sync; else the offsets read on the host
     and the kernel path on the sequences padded to equal length (`_backward_varlen`). The
-    interim path otherwise."""
+    interim path otherwise. `out`: the flat gradient buffers (`GradsOut`)."""
     if _kernel_path(q, v):
         args = (q, k, v, g, beta, initial_state, do, d_final, scale, k_last, l2norm)
-        grads = (_backward_kernel(*args, batch) if batch > 0
-                 else _backward_varlen(*args, cu_seqlens))  # fmt: skip
+        grads = (_backward_kernel(*args, batch, out) if batch > 0
+                 else _backward_varlen(*args, cu_seqlens, out))  # fmt: skip
         if grads is not None:
             return grads
     return _backward_interim(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale,
-                             k_last, l2norm)  # fmt: skip
+                             k_last, l2norm, out)  # fmt: skip
 
 
 def _backward(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, k_last,
-              l2norm, batch=0) -> Grads:  # fmt: skip
-    """Eager: the path directly; traced: the custom op."""
+              l2norm, batch=0, out=None) -> Grads:  # fmt: skip
+    """Eager: the path directly; traced: the custom op (its results copied into `out`)."""
     args = (q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, k_last, l2norm,
             batch)  # fmt: skip
-    if _traced(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final):
-        return torch.ops.forgekernel.gated_delta_rule_chunked_bwd(*args)
-    return _backward_eager(*args)
+    if _traced(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, *(out or ())):
+        grads = torch.ops.forgekernel.gated_delta_rule_chunked_bwd(*args)
+        return grads if out is None else written(out, grads, (q, k, v, g, beta))
+    return _backward_eager(*args, out)
 
 
 # ---- autograd of the forward op --------------------------------------------------------------
@@ -531,12 +707,17 @@ def gated_delta_rule_backward(
     cu_seqlens: torch.Tensor | None = None,
     use_qk_l2norm_in_kernel: bool = False,
     k_last: bool = False,
+    out: tuple[torch.Tensor | None, ...] | None = None,
 ) -> Grads:
     """(dq, dk, dv, dg, dbeta, d_initial_state) of `gated_delta_rule(q, k, v, g, beta, ...)`
     given do (B, T, HV, V) in q's dtype and d_final_state (the final state's gradient, in the
     initial state's layout) or None. Arguments as `gated_delta_rule`'s; the gradients come
     back shaped and typed as their inputs, d_initial_state fp32 (N, HV, ...) (the zero
-    state's when initial_state is None)."""
+    state's when initial_state is None). out: six contiguous buffers shaped and typed as those
+    gradients (d_initial_state's may be None: allocated), written and returned; on the kernel
+    path the last kernel writing each gradient writes it there (the q / k epilogue dq, dk;
+    kernel 2 dv, dg and an fp32 dbeta; kernel 1 d_initial_state unless k_last), a copy only
+    for a 16-bit dbeta, k_last's d_initial_state, varlen buckets and the interim path."""
     check_bools(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, k_last=k_last)
     b, t, _, hv, dk, dv = fwd._check_heads(q, k, v)
     check_shaped("g", g, (b, t, hv), fwd.F32)
@@ -548,6 +729,8 @@ def gated_delta_rule_backward(
         check_shaped("initial_state", initial_state, state_shape, fwd.F32)
     if d_final_state is not None:
         check_shaped("d_final_state", d_final_state, state_shape, fwd.F32)
+    if out is not None:
+        check_grads_out(out, (q, k, v, g, beta), state_shape)
     check_cuda("q", q)
     others = {"initial_state": initial_state, "d_final_state": d_final_state,
               "cu_seqlens": cu_seqlens}  # fmt: skip
@@ -559,9 +742,39 @@ def gated_delta_rule_backward(
     scale = check_scale("scale", scale, dk**-0.5)
     flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v, g, beta, do)]
     grads = _backward(*flat[:5], initial_state, cu_seqlens.to(torch.int32), flat[5],
-                      d_final_state, scale, k_last, use_qk_l2norm_in_kernel, batch)  # fmt: skip
+                      d_final_state, scale, k_last, use_qk_l2norm_in_kernel, batch,
+                      flat_out(out))  # fmt: skip
+    if out is not None:
+        return (*out[:5], grads[5])
     shaped = (x.reshape(b, t, *x.shape[1:]) for x in grads[:5])
     return (*shaped, grads[5])
+
+
+def check_grads_out(out: object, likes: tuple[torch.Tensor, ...], state_shape) -> None:
+    """`out` of a linear-attention backward (this op's, KDA's): a tuple of six tensors, each
+    contiguous, on q's device, shaped and typed as its input's gradient (`likes`: q, k, v, g,
+    beta), the last (d_initial_state) fp32 `state_shape` or None."""
+    if not isinstance(out, (tuple, list)) or len(out) != 6:
+        raise TypeError("out must be a tuple (dq, dk, dv, dg, dbeta, d_initial_state) of six "
+                        "tensors (d_initial_state may be None)")  # fmt: skip
+    for i, (name, o) in enumerate(zip(GRAD_NAMES, out)):
+        if i == 5 and o is None:
+            continue
+        shape, dtypes = (state_shape, (torch.float32,)) if i == 5 else (
+            likes[i].shape, (likes[i].dtype,))  # fmt: skip
+        label = f"out[{i}] ({name})"
+        check_shaped(label, o, shape, dtypes)
+        if not o.is_contiguous():
+            raise ValueError(f"{label} must be contiguous")
+        if o.device != likes[0].device:
+            raise ValueError(f"{label} is on {o.device} but q is on {likes[0].device}")
+
+
+def flat_out(out: GradsOut) -> GradsOut:
+    """(B, T, ...) gradient buffers as the flat (B T, ...) views the paths write."""
+    if out is None:
+        return None
+    return (*(o.view(-1, *o.shape[2:]) for o in out[:5]), out[5])
 
 
 __all__ = ["gated_delta_rule_backward"]

@@ -58,6 +58,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn.functional as F
 
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.config import HEAD_DIMS
 from forgekernel.ops import kda_chunked as fwd
@@ -75,8 +76,22 @@ from forgekernel.ops._validate import (
 # Gated DeltaNet's q / k side, one mechanism for both ops (imported, unchanged): `_normalized`
 # (q / k normalized and scaled once at H heads), `_qk_grads` (the epilogue kernel
 # kernels/linear_attention/gdn_bwd_norm/sm90: group sum, l2norm's backward, scale, cast; the
-# CPU tests put its model on this module's name) and `_normalized_backward` (its torch form)
-from forgekernel.ops.gated_delta_rule_bwd import _normalized, _normalized_backward, _qk_grads
+# CPU tests put its model on this module's name) and `_normalized_backward` (its torch form);
+# its kernel-1 decision (`concurrent_state_launches`: the same kernel, the same CTAs) and its
+# out= helpers (`check_grads_out`, `flat_out`, `given`, `_joined`, `written`)
+from forgekernel.ops.gated_delta_rule_bwd import (
+    GradsOut,
+    _device_sms,
+    _joined,
+    _normalized,
+    _normalized_backward,
+    _qk_grads,
+    check_grads_out,
+    concurrent_state_launches,
+    flat_out,
+    given,
+    written,
+)
 from forgekernel.reference.gdn_bwd_state import (
     CHUNK,
     chunk_decay,
@@ -96,6 +111,7 @@ from forgekernel.reference.kda_bwd import (
 )
 from forgekernel.reference.kda_bwd_chunk import chunk_grad_tiles
 from forgekernel.reference.kda_bwd_wy import wy_tiles
+from forgekernel.runtime.device import side_by_side
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 NOT_CAPTURABLE = (
@@ -105,7 +121,7 @@ NOT_CAPTURABLE = (
 
 
 def _backward_interim(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale,
-                      l2norm) -> Grads:  # fmt: skip
+                      l2norm, out=None) -> Grads:  # fmt: skip
     """INTERIM: the chunked backward in fp32 torch (the kernel's stand-in). Flat tensors:
     q, k (T, H, K), v, do (T, HV, V), g (T, HV, K), beta (T, HV); states (N, HV, K, V)."""
     refuse_capture(NOT_CAPTURABLE, q)
@@ -114,8 +130,7 @@ def _backward_interim(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, 
         initial_state=initial_state, d_final_state=d_final, cu_seqlens=cu_seqlens,
         use_qk_l2norm=l2norm, dtype=torch.float32,
     )  # fmt: skip
-    flat = (x[0].to(like.dtype) for x, like in zip(grads[:5], (q, k, v, g, beta)))
-    return (*flat, grads[5].contiguous())
+    return written(out, (*(x[0] for x in grads[:5]), grads[5]), (q, k, v, g, beta))
 
 
 # "0": the interim path everywhere; unset or "1": the kernel path where it fits (`_kernel_path`).
@@ -158,13 +173,22 @@ CHUNK_IN_KERNEL = True
 NORM_IN_KERNEL = True
 
 
-def _chunk_grads(do, u, du, q, k, h, dh, big_g):
+def _chunk_grads(do, u, du, q, k, h, dh, big_g, dw16=False, dg=None, dq16=False, scale=1.0,
+                 dq=None):  # fmt: skip
     """Kernel 2 (`_output_grads` on WGMMA, every chunk at once): (dq, dk, dw, dG (B, T, HV, K),
-    dG reverse-cumsummed within the chunk) fp32 from `chunk_grad_tiles`' inputs. The CPU tests
-    put the tile emulation here."""
-    from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90.launch import kda_bwd_chunk
+    dG reverse-cumsummed within the chunk) fp32 from `chunk_grad_tiles`' inputs, dw in do's
+    16-bit dtype with dw16 (the WY kernel's operand); dg: the contiguous fp32 buffer dG is
+    written into (the op's `out=` dg, the WY kernel adding its half onto it after), else the
+    launcher's own. dq16: q unscaled, dq times `scale` in do's 16-bit dtype (the op's dq; into
+    `dq`, contiguous, when given). The CPU tests put the tile emulation here."""
+    from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90 import launch
 
-    return kda_bwd_chunk(do, u, du, q, k, h, dh, big_g)
+    flags = {"dw16": dw16, **({"dq16": True, "scale": scale} if dq16 else {})}
+    if dg is None and dq is None:
+        return launch.kda_bwd_chunk(do, u, du, q, k, h, dh, big_g, **flags)
+    own = launch.empty_outputs(do, q.shape[-1], dw16, dq16)
+    outs = (own[0] if dq is None else dq, own[1], own[2], own[3] if dg is None else dg)
+    return launch.kda_bwd_chunk(do, u, du, q, k, h, dh, big_g, **flags, out=outs)
 
 
 # On since 2026-12-06 (H100: with FACTORS_FROM_FIRST_PASS, the device pass 4.6-5.8x the previous
@@ -175,13 +199,25 @@ def _chunk_grads(do, u, du, q, k, h, dh, big_g):
 WY_IN_KERNEL = True
 
 
-def _wy_kernel(dw, du, tt, w, k, u, v, beta, big_g):
-    """The WY kernel (`_wy_grads` on WGMMA, every chunk at once): (dk (B, T, HV, K), dv (B, T,
-    HV, V), dG (B, T, HV, K) reverse-cumsummed within the chunk, dbeta (B, T, HV)) fp32 from
-    `wy_tiles`' inputs. The CPU tests put the tile emulation here."""
+def _wy_kernel(dw, du, tt, w, k, u, v, beta, big_g, dk, dg, dv16=False, dk16=False,
+               dk_out=None, dv=None, dbeta=None):  # fmt: skip
+    """The WY kernel (`_wy_grads` on WGMMA, every chunk at once) from `wy_tiles`' inputs: its
+    dk and dG (B, T, HV, K, dG reverse-cumsummed within the chunk) ADDED in place onto dk, dg
+    (kernel 2's, contiguous fp32); returns (dk, dv (B, T, HV, V), dg, dbeta (B, T, HV)) fp32,
+    dv in the tiles' 16-bit dtype with dv16; dk16: the final dk in the tiles' 16-bit dtype
+    (into `dk_out` when given; dk then scratch); dv, dbeta: contiguous buffers to write them
+    into (the op's `out=`), else new. The CPU tests put the tile emulation here."""
     from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.launch import kda_bwd_wy
 
-    return kda_bwd_wy(dw, du, tt, w, k, u, v, beta, big_g)
+    b, t, hv, _ = dw.shape
+    if dv is None:
+        dv = torch.empty(b, t, hv, du.shape[-1], dtype=dw.dtype if dv16 else torch.float32,
+                         device=dw.device)  # fmt: skip
+    if dbeta is None:
+        dbeta = torch.empty(b, t, hv, dtype=torch.float32, device=dw.device)
+    final = {"dk16": True, **given(dk_out=dk_out)} if dk16 else {}
+    return kda_bwd_wy(dw, du, tt, w, k, u, v, beta, big_g, dv16=dv16, out=(dk, dv, dg, dbeta),
+                      **final)  # fmt: skip
 
 
 # On since 2026-12-06 (H100, with WY_IN_KERNEL; docs/linear_attention/NOTES.md "KDA backward
@@ -245,15 +281,20 @@ def _reverse_tiles(f, dtype):
     return tuple(to_tokens(x.to(dtype)) for x in (f.p.transpose(-1, -2), f.ke, f.qe, f.w))
 
 
-def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, ops=None):
+def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, ops=None, dg_out=None, dg_dtype=torch.float32,
+                dv_dtype=torch.float32, q_scale=None, into=None):  # fmt: skip
     """Value heads of one pass, everything per value head: qs (scaled), ks (B, T, HV, K), v, do
     (B, T, HV, V), g (B, T, HV, K), beta (B, T, HV) fp32 except do (16-bit: the tiles' dtype);
     h0, dht (B, HV, K, V) fp32 or None; ops: this pass's heads of `_first_pass_ops` or None
     (the factors in torch) -> (dqs, dks (B, T, HV, K), dv, dg (B, T, HV, K), dbeta, dh0) fp32.
-    On the device pass (`_on_device`) qs, ks and v come in do's 16-bit dtype."""
+    On the device pass (`_on_device`) qs, ks and v come in do's 16-bit dtype and dG goes into
+    dg_out where given and dv in `dv_dtype` where that is do's (`_device_pass`; the other
+    paths ignore both; q_scale, into: `_device_pass`'s, the device pass only)."""
     t, dtype = qs.shape[1], do.dtype
     if ops is not None and _on_device(dtype):
-        return _device_pass(qs, ks, v, g, beta, do, h0, dht, ops)
+        return _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out, dg_dtype, dv_dtype,
+                            q_scale, into)  # fmt: skip
+    assert q_scale is None and into is None, "final-form dq / dk: the device pass only"
     if ops is None:  # (B, NC, HV, C, ...) fp32, sub-chunked
         f = chunk_factors(qs, ks, v, g, beta, _Factors)
     else:
@@ -277,9 +318,9 @@ def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, ops=None):
         dq, dk, dw, dg = _chunk_grads(*tiles)
         big_g = tiles[7]
         del tiles
-        if WY_IN_KERNEL:  # the WY half on its kernel: dG reverse-cumsummed there too
-            dk_wy, dv, dg_wy, dbeta = _wy_kernel(*wy_tiles(f, dw, d_u, big_g, dtype))
-            return dq, dk + dk_wy, dv, dg + dg_wy, dbeta, dh0
+        if WY_IN_KERNEL:  # the WY half on its kernel, added onto kernel 2's dk, dG there
+            _, dv, _, dbeta = _wy_kernel(*wy_tiles(f, dw, d_u, big_g, dtype), dk, dg)
+            return dq, dk, dv, dg, dbeta, dh0
         del big_g
         dk_wy, dv, dbeta, dg_wy = _wy_grads(f, to_chunks(dw, nc), d_u)
         dg_wy = dg_wy.flip(-2).cumsum(-2).flip(-2)  # the cumsum is linear: added after
@@ -294,42 +335,115 @@ def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, ops=None):
     return (*grads, dh0)
 
 
-def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops):
+# W = T_beta Kg and u = T_beta V one value head a launch (`_chunk_products`) from this many
+# chunks a head (B NC) up; below, one batched product over every head with the layout copies
+# (each of 2 x HV launches then too small to pay for itself).
+HEADWISE_PRODUCTS_FROM = 128
+
+
+def _chunk_products(a, x, nc):
+    """A X per chunk and value head: a (B, NC C, HV, C), x (B, NC C, HV, D) token-major in one
+    16-bit dtype (head slices allowed) -> (B, NC C, HV, D) token-major, contiguous. From
+    HEADWISE_PRODUCTS_FROM chunks a head: one strided bmm a value head written in place (cuBLAS
+    reads both operands' token-major rows and writes the product's at their strides: none of
+    the three layout copies the batched `chunks(a) @ chunks(x)` makes, nor to_tokens')."""
+    b, _, hv, d = x.shape
+    if b * nc < HEADWISE_PRODUCTS_FROM:  # (B, NC, HV, C, ...) views: matmul copies them
+        ac, xc = (y.unflatten(1, (nc, CHUNK)).transpose(2, 3) for y in (a, x))
+        return to_tokens(ac @ xc)
+    out = x.new_empty(b, nc * CHUNK, hv, d)
+    a3, x3, o3 = (y.unflatten(1, (nc, CHUNK)).flatten(0, 1) for y in (a, x, out))
+    for i in range(hv):
+        torch.bmm(a3[:, :, i], x3[:, :, i], out=o3[:, :, i])
+    return out
+
+
+def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=torch.float32,
+                 dv_dtype=torch.float32, q_scale=None, into=None):  # fmt: skip
     """`_chunk_pass` with kernel 1 writing kernel 2's 16-bit forms (`out16`), as Gated DeltaNet's
     `_device_pass`: W = (T diag(beta)) Kg and u = (T diag(beta)) V from the first pass's rows
-    (two 16-bit bmm, the only factors formed here), kernel 1's forward launch (`forward`: I and
-    0 built in) on u, -W and -Ke in reversed chunk order -> U, h (16-bit, chunk order); its
-    reverse launch on P^T and the first pass's Ke, Qe as written -> dU, dS (16-bit); kernel 2
-    and the WY kernel on those, the first pass's T^T, G and rows cut to T (views). qs, ks, v,
-    do (B, T, HV, ...) in do's dtype (strided head slices allowed), g (B, T, HV, K), beta
-    (B, T, HV) fp32; ops: `_first_pass_ops`' pass of heads, with `tt` and `big_g`."""
+    (`_chunk_products`, the only factors formed here), kernel 1's forward launch (`forward`: I,
+    0 and the signs built in, chunks first to last) on u, W and Ke as they are -> U, h (16-bit,
+    chunk order); its reverse launch on P^T and the first pass's Ke, Qe as written -> dU, dS
+    (16-bit); kernel 2 and the WY kernel on those, the first pass's T^T, G and rows cut to T
+    (views). qs, ks, v, do (B, T, HV, ...) in do's dtype (strided head slices allowed), g (B, T,
+    HV, K), beta (B, T, HV) fp32; ops: `_first_pass_ops`' pass of heads, with `tt` and `big_g`.
+    Kernel 1's two launches side by side where both fit one wave (`concurrent_state_launches`:
+    neither reads what the other writes); dg_out: the buffer for dG (B, T, HV, K) (the sum of
+    kernel 2's and the WY kernel's written there) or None; without it dG comes in `dg_dtype`.
+    dv comes in do's 16-bit dtype straight from the WY kernel where `dv_dtype` is that (the
+    op's v 16-bit: no cast after), else fp32. q_scale (`_folds`: no l2norm, HV = H): qs is
+    the op's q UNscaled (the first pass got the scale), kernel 2 writes the op's dq (dq16,
+    times q_scale) and the WY kernel the op's dk (dk16), both in do's dtype: no epilogue;
+    into: (dq, dk, dv, dbeta) (B, T, HV, ...) contiguous buffers those kernels write (the
+    op's `out=`, each None or of the dtype its kernel writes)."""
     t, dtype = qs.shape[1], do.dtype
+    dq_o, dk_o, dv_o, db_o = (None,) * 4 if into is None else into
     nc = -(-t // CHUNK)
 
     def chunks(x):  # token-major (B, NC C, HV, D) -> (B, NC, HV, C, D), a view
         return x.unflatten(1, (nc, CHUNK)).transpose(2, 3)
 
-    def reversed_chunks(x):  # token-major, the chunks in reverse order: kernel 1's forward launch
-        return x.unflatten(1, (nc, CHUNK)).flip(1).flatten(1, 2)
+    w16 = _chunk_products(ops["t_beta"], ops["k_g"], nc)  # (B, NC C, HV, K)
+    v_rows = v if t == nc * CHUNK else F.pad(v, (0, 0, 0, 0, 0, nc * CHUNK - t))  # zero rows
+    u16 = _chunk_products(ops["t_beta"], v_rows, nc)  # (B, NC C, HV, V)
 
-    t_beta = chunks(ops["t_beta"])
-    w16 = to_tokens(t_beta @ chunks(ops["k_g"]))  # (B, NC C, HV, K)
-    u16 = to_tokens(t_beta @ to_chunks(v, nc))  # (B, NC C, HV, V), zero rows past T
-    fw_ke, fw_w = (reversed_chunks(x).neg_() for x in (w16, ops["k_d"]))
-    u_c, h16, _ = _state_recurrence(reversed_chunks(u16), None, fw_ke, None, fw_w,
-                                    ops["decay"].flip(1), h0, out16=True,
-                                    forward=True)  # fmt: skip
-    del fw_ke, fw_w  # the peak: launch 1's tiles before launch 2's
-    pt = to_tokens(chunks(ops["p"]).transpose(-1, -2))[:, :t]
-    rev = (pt, ops["k_d"][:, :t], ops["q_g"][:, :t], w16[:, :t])
-    du16, dh16, dh0 = _state_recurrence(do, *rev, ops["decay"], dht, out16=True)
-    del rev, pt
-    big_g = ops["big_g"][:, :t]  # G = cumsum(g) within the chunk, as the first pass formed it
-    dq, dk, dw, dg = _chunk_grads(do, u_c[:, :t], du16, qs, ks, h16, dh16, big_g)
+    def forward_launch():  # chunks first to last on u, W, Kd as they are, the signs in registers
+        return _state_recurrence(u16, None, w16, None, ops["k_d"], ops["decay"], h0,
+                                 out16=True, forward=True)  # fmt: skip
+
+    def reverse_launch():
+        pt = to_tokens(chunks(ops["p"]).transpose(-1, -2))[:, :t]
+        rev = (pt, ops["k_d"][:, :t], ops["q_g"][:, :t], w16[:, :t])
+        return _state_recurrence(do, *rev, ops["decay"], dht, out16=True)
+
+    device = do.device
+    if concurrent_state_launches(do.shape[0], do.shape[2], _device_sms(device)):
+        (u_c, h16, _), (du16, dh16, dh0) = side_by_side(device, forward_launch, reverse_launch)
+    else:
+        u_c, h16, _ = forward_launch()
+        du16, dh16, dh0 = reverse_launch()
+    # G = cumsum(g) within the chunk, as the first pass formed it; kernel 2's and the WY
+    # kernel's launchers read it contiguous (`.contiguous()`): cut to T it is not where B > 1
+    # and T is no multiple of 64 (or in a head pass), so made so once here for both
+    big_g = ops["big_g"][:, :t].contiguous()
+    # kernel 2 writes dG straight into `dg_out` where that is a contiguous fp32 buffer
+    into_dg = dg_out if dg_out is not None and dg_out.is_contiguous() else None
+    # dw in the tiles' dtype from kernel 2 (the WY kernel's operand; no cast here)
+    fold = {} if q_scale is None else {"dq16": True, "scale": q_scale, **given(dq=dq_o)}
+    dq, dk, dw, dg = _chunk_grads(do, u_c[:, :t], du16, qs, ks, h16, dh16, big_g, dw16=True,
+                                  dg=into_dg, **fold)  # fmt: skip
     del u_c, h16, dh16
-    wy = (dw.to(dtype), du16, ops["tt"][:, :t], w16[:, :t], ks, u16[:, :t], v, beta, big_g)
-    dk_wy, dv, dg_wy, dbeta = _wy_kernel(*wy)
-    return dq, dk + dk_wy, dv, dg + dg_wy, dbeta, dh0
+    wy = (dw, du16, ops["tt"][:, :t], w16[:, :t], ks, u16[:, :t], v, beta, big_g)
+    # the WY kernel adds its dk and dG onto kernel 2's (in place, no torch add); left in torch:
+    # dG's copy into a strided `dg_out`, or its cast to a 16-bit `dg_dtype` (the fp32 sum
+    # rounded once, as before)
+    final = {} if q_scale is None else {"dk16": True, **given(dk_out=dk_o)}
+    dk_wy, dv, dg, dbeta = _wy_kernel(*wy, dk, dg, dv16=dv_dtype == dtype, **final,
+                                      **given(dv=dv_o, dbeta=db_o))  # fmt: skip
+    if q_scale is not None:  # the op's dk (16-bit), not kernel 2's fp32 scratch
+        dk = dk_wy
+    if dg_out is not None and into_dg is None:
+        dg = dg_out.copy_(dg)
+    elif dg_out is None and dg_dtype != dg.dtype:
+        dg = dg.to(dg_dtype)
+    return dq, dk, dv, dg, dbeta, dh0
+
+
+# On the device pass without l2norm and with HV = H (`_folds`, the bench's case): kernel 2 reads
+# the op's q unscaled (the first pass takes the scale) and writes dq x scale in 16 bits (dq16),
+# the WY kernel the final dk in 16 bits (dk16), dv / dbeta into `out=`: no q x scale copy, no
+# epilogue launch. TEMPORARY switch for the GPU A/B (False: the fp32 dq / dk and the epilogue,
+# as before 2026-12-06's next/kda-final-outputs).
+FINAL_QK = True
+
+
+def _folds(l2norm: bool, group: int, q: torch.Tensor, k: torch.Tensor, dtype) -> bool:
+    """The kernels write the op's dq, dk (FINAL_QK): the device pass (`_on_device`), no l2norm,
+    no value-head group (HV = H), q and k in the tiles' dtype. The epilogue would only scale
+    dq and cast there."""
+    return (FINAL_QK and _on_device(dtype) and not l2norm and group == 1
+            and q.dtype == k.dtype == dtype)  # fmt: skip
 
 
 def _normalized32(x, scale, l2norm):
@@ -341,7 +455,7 @@ def _normalized32(x, scale, l2norm):
 
 
 def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm,
-                     batch) -> Grads:  # fmt: skip
+                     batch, out: GradsOut = None) -> Grads:  # fmt: skip
     """The backward on kernel 1 (module docstring): flat tensors as `_backward_interim`'s
     holding `batch` sequences of equal length. Grouped heads: q / k normalized and scaled once
     at H heads in fp32 (`_normalized32`), repeated to the value heads a pass (not for HV = H)
@@ -349,15 +463,20 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
     scale, in the input dtype on the epilogue kernel (`_qk_grads`, from the op's q / k; as
     Gated DeltaNet's `_backward_device`; NORM_IN_KERNEL False: torch); value heads in passes of
     reference/kda_bwd.py's TOKEN_HEADS_PER_PASS token-heads (two kernel-1 launches a pass), one
-    pass: no concatenation."""
+    pass: no concatenation. `out` (flat buffers, `GradsOut`): dq, dk written by the epilogue,
+    an fp32 dg by the device pass's last add (one pass; several: their concatenation), dv,
+    dbeta and d_initial_state copied in (the WY kernel writes dv, dbeta in fp32 and kernel 1
+    dh0 into buffers of its own: the cast and two small copies)."""
     b, h, hv = batch, q.shape[1], v.shape[1]
     t, group = q.shape[0] // b, hv // h
 
     def seq(x):
         return x.reshape(b, t, *x.shape[1:])
 
+    fold = _folds(l2norm, group, q, k, do.dtype)
     if _on_device(do.dtype):  # q / k, v in 16 bits: the first pass and the kernels read them
-        qn = _normalized(seq(q), scale, l2norm, do.dtype)
+        # fold: q as it is (no copy), the scale taken by the first pass and kernel 2
+        qn = _normalized(seq(q), 1.0 if fold else scale, l2norm, do.dtype)
         kn = _normalized(seq(k), 1.0, l2norm, do.dtype)
         v_side = [seq(v).to(do.dtype), seq(g).float(), seq(beta).float(), seq(do)]
     else:
@@ -366,28 +485,45 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
         v_side = [seq(v).float(), seq(g).float(), seq(beta).float(), seq(do)]
     ops = None
     if FACTORS_FROM_FIRST_PASS and CHUNK_IN_KERNEL and do.dtype in FIRST_PASS_DTYPES:  # 16-bit rows
-        q16, k16 = (x.to(do.dtype) for x in (qn, kn))  # q scaled already: the pass's scale 1
-        ops = _first_pass_ops(q16, k16, v_side[1], v_side[2], 1.0, b, t)
+        q16, k16 = (x.to(do.dtype) for x in (qn, kn))  # q scaled already unless fold
+        ops = _first_pass_ops(q16, k16, v_side[1], v_side[2], scale if fold else 1.0, b, t)
     step = max(1, TOKEN_HEADS_PER_PASS // max(1, b * t * group))
+    heads = range(0, h, step)
+    outs = (None,) * 5 if out is None else tuple(None if o is None else seq(o) for o in out[:5])
+    dg_out = outs[3] if len(heads) == 1 and outs[3] is not None and g.dtype == torch.float32 \
+        else None  # fmt: skip
+    # fold, one pass: dq, dk, dv, dbeta written by the kernels into `out=` where its dtype is
+    # theirs (dq, dk, dv: do's 16-bit; dbeta fp32)
+    into = None
+    if fold and len(heads) == 1:
+        kinds = (do.dtype, do.dtype, do.dtype, torch.float32)
+        into = tuple(None if o is None or o.dtype != dt else o
+                     for o, dt in zip((outs[0], outs[1], outs[2], outs[4]), kinds))  # fmt: skip
     parts = []
-    for first in range(0, h, step):  # passes over heads, not chunks
+    for first in heads:  # passes over heads, not chunks
         qh, vh = slice(first, first + step), slice(first * group, (first + step) * group)
         qs, ks = (x[:, :, qh] if group == 1 else x[:, :, qh].repeat_interleave(group, dim=2)
                   for x in (qn, kn))  # fmt: skip
         states = (None if x is None else x[:, vh].float().contiguous()
                   for x in (initial_state, d_final))  # fmt: skip
         mine = None if ops is None else {n: x[:, :, vh] for n, x in ops.items()}
-        parts.append(_chunk_pass(qs, ks, *(x[:, :, vh] for x in v_side), *states, ops=mine))
+        parts.append(_chunk_pass(qs, ks, *(x[:, :, vh] for x in v_side), *states, ops=mine,
+                                 dg_out=dg_out, dg_dtype=g.dtype, dv_dtype=v.dtype,
+                                 q_scale=scale if fold else None, into=into))  # fmt: skip
     del qn, kn
-    grads = parts[0] if len(parts) == 1 else [torch.cat(x, dim=1 if i == 5 else 2)
-                                              for i, x in enumerate(zip(*parts))]  # fmt: skip
+    if fold:  # the kernels wrote the op's dq, dk (16-bit, dq scaled): no epilogue
+        dq, dk, dv, dbeta = (_joined(parts, i, outs[i]) for i in (0, 1, 2, 4))
+    else:
+        dqs, dks, dv, dbeta = (_joined(parts, i, None) for i in (0, 1, 2, 4))
+    dh0 = _joined(parts, 5, None)
+    dg = _joined(parts, 3, outs[3])
     del parts
-    dqs, dks, dv, dg, dbeta, dh0 = grads
-    epilogue = _qk_grads if NORM_IN_KERNEL else _normalized_backward
-    dq = epilogue(dqs, seq(q), scale, l2norm)
-    dk = epilogue(dks, seq(k), 1.0, l2norm)
-    rest = (x.flatten(0, 1).to(like.dtype) for x, like in zip((dv, dg, dbeta), (v, g, beta)))
-    return (dq.flatten(0, 1), dk.flatten(0, 1), *rest, dh0.contiguous())
+    if not fold:
+        epilogue = _qk_grads if NORM_IN_KERNEL else _normalized_backward
+        dq = epilogue(dqs, seq(q), scale, l2norm, **given(out=outs[0]))
+        dk = epilogue(dks, seq(k), 1.0, l2norm, **given(out=outs[1]))
+    grads = (*(x.flatten(0, 1) for x in (dq, dk, dv, dg, dbeta)), dh0)
+    return written(out, grads, (q, k, v, g, beta))
 
 
 def _empty_grads(q, k, v, g, beta, cu_seqlens) -> Grads:
@@ -427,7 +563,7 @@ NOT_CAPTURABLE_VARLEN = (
 
 
 def _backward_varlen(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm,
-                     cu_seqlens) -> Grads | None:  # fmt: skip
+                     cu_seqlens, out=None) -> Grads | None:  # fmt: skip
     """Varlen on the kernel path, as Gated DeltaNet's: the offsets read on the host (one sync,
     as the interim path's; a CUDA-graph capture is refused first); equal lengths (the suite's
     batch cases: B = 1 + cu_seqlens) are a reshape, unequal ones run in buckets of sequences
@@ -435,34 +571,36 @@ def _backward_varlen(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
     token."""
     refuse_capture(NOT_CAPTURABLE_VARLEN, q)
 
-    def run(q, k, v, g, beta, do, h0, dht, n):
-        return _backward_kernel(q, k, v, g, beta, h0, do, dht, scale, l2norm, n)
+    def run(q, k, v, g, beta, do, h0, dht, n, out=None):
+        return _backward_kernel(q, k, v, g, beta, h0, do, dht, scale, l2norm, n, out)
 
-    return backward_varlen(run, (q, k, v, g, beta, do), (initial_state, d_final), cu_seqlens)
+    return backward_varlen(run, (q, k, v, g, beta, do), (initial_state, d_final), cu_seqlens,
+                           out)  # fmt: skip
 
 
 def _backward_eager(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, l2norm,
-                    batch) -> Grads:  # fmt: skip
+                    batch, out=None) -> Grads:  # fmt: skip
     """Where the kernel path fits (`_kernel_path`): `batch` > 0 (the offsets are `batch` equal
     lengths, known on the host): the kernel path, no sync; else the offsets read on the host
-    (`_backward_varlen`). The interim path otherwise."""
+    (`_backward_varlen`). The interim path otherwise. `out`: the flat gradient buffers."""
     if _kernel_path(q, v):
         args = (q, k, v, g, beta, initial_state, do, d_final, scale, l2norm)
-        grads = (_backward_kernel(*args, batch) if batch > 0
-                 else _backward_varlen(*args, cu_seqlens))  # fmt: skip
+        grads = (_backward_kernel(*args, batch, out) if batch > 0
+                 else _backward_varlen(*args, cu_seqlens, out))  # fmt: skip
         if grads is not None:
             return grads
     return _backward_interim(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale,
-                             l2norm)  # fmt: skip
+                             l2norm, out)  # fmt: skip
 
 
 def _backward(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, l2norm,
-              batch=0) -> Grads:  # fmt: skip
-    """Eager: the path directly; traced: the custom op."""
+              batch=0, out=None) -> Grads:  # fmt: skip
+    """Eager: the path directly; traced: the custom op (its results copied into `out`)."""
     args = (q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, l2norm, batch)
-    if _traced(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final):
-        return torch.ops.forgekernel.kda_chunked_bwd(*args)
-    return _backward_eager(*args)
+    if _traced(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, *(out or ())):
+        grads = torch.ops.forgekernel.kda_chunked_bwd(*args)
+        return grads if out is None else written(out, grads, (q, k, v, g, beta))
+    return _backward_eager(*args, out)
 
 
 # ---- autograd of the forward op --------------------------------------------------------------
@@ -505,11 +643,14 @@ def kimi_delta_attention_backward(
     d_final_state: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     use_qk_l2norm_in_kernel: bool = False,
+    out: tuple[torch.Tensor | None, ...] | None = None,
 ) -> Grads:
     """(dq, dk, dv, dg, dbeta, d_initial_state) of `kimi_delta_attention(q, k, v, g, beta,
     ...)` given do (B, T, HV, V) in q's dtype and d_final_state (N, HV, K, V) fp32 or None.
     Arguments as `kimi_delta_attention`'s; the gradients come back shaped and typed as their
-    inputs, d_initial_state fp32 (N, HV, K, V) (the zero state's when initial_state is None)."""
+    inputs, d_initial_state fp32 (N, HV, K, V) (the zero state's when initial_state is None).
+    out: six contiguous buffers shaped and typed as those gradients (d_initial_state's may be
+    None), written and returned (`_backward_kernel` says which are written in place)."""
     check_bools(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     fwd._validate(q, k, v, g, beta, initial_state, cu_seqlens, device_check=False)
     b, t, hv, dv = v.shape
@@ -517,6 +658,8 @@ def kimi_delta_attention_backward(
     n = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
     if d_final_state is not None:
         check_shaped("d_final_state", d_final_state, (n, hv, q.shape[3], dv), fwd.F32)
+    if out is not None:
+        check_grads_out(out, (q, k, v, g, beta), (n, hv, q.shape[3], dv))
     check_cuda("q", q)
     extra = {} if d_final_state is None else {"d_final_state": d_final_state}
     check_same_device(q=q, do=do, **extra)
@@ -526,7 +669,10 @@ def kimi_delta_attention_backward(
     scale = check_scale("scale", scale, q.shape[3] ** -0.5)
     flat = [x.reshape(b * t, *x.shape[2:]) for x in (q, k, v, g, beta, do)]
     grads = _backward(*flat[:5], initial_state, cu_seqlens.to(torch.int32), flat[5],
-                      d_final_state, scale, use_qk_l2norm_in_kernel, batch)  # fmt: skip
+                      d_final_state, scale, use_qk_l2norm_in_kernel, batch,
+                      flat_out(out))  # fmt: skip
+    if out is not None:
+        return (*out[:5], grads[5])
     shaped = (x.reshape(b, t, *x.shape[1:]) for x in grads[:5])
     return (*shaped, grads[5])
 

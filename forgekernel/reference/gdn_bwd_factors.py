@@ -17,12 +17,12 @@ Outputs (`NAMES`; token tiles (B, NC C, HV, D) in `dtype`, every chunk's 64 rows
 the padded ones zero; vectors fp32):
 
     w, u, pt (row j: column j of P), ke, qe, tt (row j: column j of T)   chunks in order
-    fw_u = u, fw_w = -W, fw_ke = -Ke                                      chunks reversed
     e_last (B, NC, HV) = e^(G_C),  big_g (B, NC C, HV) = G
 
-Kernel 1's reverse launch reads pt, ke, qe, w (and e_last); its forward launch fw_u, fw_w,
-fw_ke as do, ke, w (`reference.gdn_bwd_state.forward_state_tiles`: pt = I, qe = 0, e_last
-reversed); kernel 2 reads w, u, tt and big_g cut to T tokens (`wy_tiles`, `chunk_grad_tiles`).
+Kernel 1's reverse launch reads pt, ke, qe, w (and e_last); its forward launch (`forward`
+variant) u, w, ke as do, ke, w and e_last, as they are (chunk order, unnegated: its signs in
+registers; `forward_launch_tiles`); kernel 2 reads w, u, tt and big_g cut to T tokens
+(`wy_tiles`, `chunk_grad_tiles`).
 """
 
 from __future__ import annotations
@@ -32,22 +32,26 @@ from collections.abc import Callable
 import torch
 
 from forgekernel.reference.delta_rule_bwd import _Factors
-from forgekernel.reference.gdn_bwd_state import CHUNK, to_chunks, to_tokens
+from forgekernel.reference.gdn_bwd_state import (
+    CHUNK,
+    forward_launch_as_reverse,
+    to_chunks,
+    to_tokens,
+)
 
-NAMES = ("w", "u", "pt", "ke", "qe", "tt", "fw_u", "fw_w", "fw_ke", "e_last", "big_g")
-TOKEN_TILES = NAMES[:9]
+NAMES = ("w", "u", "pt", "ke", "qe", "tt", "e_last", "big_g")
+TOKEN_TILES = NAMES[:6]
 
 
 def _tiles(w, u, p, ke, qe, inverse, e_last, big_g, dtype) -> dict[str, torch.Tensor]:
     """Chunk pieces (B, NC, HV, C, ...) -> the kernel's outputs (module docstring)."""
 
-    def tok(x, flip=False):
-        return to_tokens((x.flip(1) if flip else x).to(dtype))
+    def tok(x):
+        return to_tokens(x.to(dtype))
 
     wide = torch.promote_types(e_last.dtype, torch.float32)  # fp64 stays (the exact checks)
     out = {"w": tok(w), "u": tok(u), "pt": tok(p.transpose(-1, -2)), "ke": tok(ke),
-           "qe": tok(qe), "tt": tok(inverse.transpose(-1, -2)), "fw_u": tok(u, True),
-           "fw_w": tok(-w, True), "fw_ke": tok(-ke, True)}  # fmt: skip
+           "qe": tok(qe), "tt": tok(inverse.transpose(-1, -2))}  # fmt: skip
     out["e_last"] = e_last.to(wide).contiguous()
     out["big_g"] = to_tokens(big_g.to(wide))
     return out
@@ -117,22 +121,17 @@ def for_kernel2(tiles: dict[str, torch.Tensor], t: int) -> dict[str, torch.Tenso
 def forward_launch_tiles(
     tiles: dict[str, torch.Tensor], identity: bool = True
 ) -> dict[str, torch.Tensor]:
-    """Kernel 1's forward launch's inputs from the outputs (`forward_state_tiles`' dict): do =
-    fw_u, pt = I, ke = fw_w, qe = 0, w = fw_ke (token-major, chunks reversed), e_last reversed
-    (fp32). The identity and zero tiles are the only ones made here; `identity` False: pt and
-    qe None (kernel 1's `forward` variant builds them in)."""
-    fw_u = tiles["fw_u"]
+    """Kernel 1's forward launch's inputs from the outputs. `identity` False (kernel 1's
+    `forward` variant: chunks first to last, I and 0 built in, the signs in registers): the
+    tiles as written, do = u, ke = w, w = ke, pt and qe None, e_last (fp32), no copy. `identity`
+    True (the reverse variant run as the forward recurrence, the fp32-out path): torch makes
+    `forward_state_tiles`' dict, do = u, pt = I, ke = -W, qe = 0, w = -Ke with the chunks
+    reversed and e_last reversed (`reference.gdn_bwd_state.forward_launch_as_reverse`)."""
     if not identity:
-        out = {"do": fw_u, "pt": None, "ke": tiles["fw_w"], "qe": None, "w": tiles["fw_ke"]}
-        out["e_last"] = tiles["e_last"].flip(1).float().contiguous()
+        out = {"do": tiles["u"], "pt": None, "ke": tiles["w"], "qe": None, "w": tiles["ke"]}
+        out["e_last"] = tiles["e_last"].float()
         return out
-    b, rows, hv, _ = fw_u.shape
-    eye = torch.eye(CHUNK, dtype=fw_u.dtype, device=fw_u.device).view(1, 1, CHUNK, 1, CHUNK)
-    eye = eye.expand(b, rows // CHUNK, CHUNK, hv, CHUNK).contiguous().view(b, rows, hv, CHUNK)
-    zeros = torch.zeros_like(tiles["fw_ke"])
-    out = {"do": fw_u, "pt": eye, "ke": tiles["fw_w"], "qe": zeros, "w": tiles["fw_ke"]}
-    out["e_last"] = tiles["e_last"].flip(1).float().contiguous()
-    return out
+    return forward_launch_as_reverse(tiles["u"], tiles["w"], tiles["ke"], tiles["e_last"])
 
 
 def rounding_to(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -188,6 +188,31 @@ def forward_state_tiles(f: _Factors, dtype: torch.dtype) -> dict[str, torch.Tens
     return out
 
 
+def forward_launch_as_reverse(
+    do: torch.Tensor, ke: torch.Tensor, w: torch.Tensor, e_last: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Kernel 1's `forward` variant (chunks first to last, its tiles as the factors write them:
+    do = u, ke = W, w = Ke token-major (B, T, HV, ...), e_last e^(G_C) (B, NC, HV[, K]) in chunk
+    order, unnegated; the signs applied in registers) as the reverse recurrence's inputs: u, I,
+    -W, 0, -Ke with the chunks reversed (zero rows past T), e_last reversed fp32, i.e.
+    `forward_state_tiles`' dict. The kernel runs this recurrence bit for bit (a sign flip is
+    exact), so its model is the reverse model on these, the outputs flipped back over the
+    chunks (`out16_forms(..., forward=True)`, cut to T rows)."""
+    b, t, hv, _ = do.shape
+    nc = -(-t // CHUNK)
+
+    def rev(x):
+        return to_tokens(to_chunks(x, nc).flip(1))
+
+    eye = torch.eye(CHUNK, dtype=do.dtype, device=do.device).view(1, 1, CHUNK, 1, CHUNK)
+    eye = eye.expand(b, nc, CHUNK, hv, CHUNK).contiguous().view(b, nc * CHUNK, hv, CHUNK)
+    neg_w = rev(ke).neg_()
+    out = {"do": rev(do), "pt": eye, "ke": neg_w, "qe": torch.zeros_like(neg_w),
+           "w": rev(w).neg_()}  # fmt: skip
+    out["e_last"] = e_last.flip(1).float().contiguous()
+    return out
+
+
 def forward_states(du: torch.Tensor, dh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Kernel 1's outputs on `forward_state_tiles` -> (h (B, NC, HV, K, V) the state at every
     chunk's start, U (B, NC, HV, C, V)), chunks back in order."""

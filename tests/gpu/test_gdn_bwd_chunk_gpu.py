@@ -55,9 +55,11 @@ def _problem(b, t, hv, dtype, seed=0, group=1):
     return f, do, to_chunks(do, nc), h, dh, big_u, d_u, qs, ks, g, v, beta
 
 
-def _launch(p, dtype, wy, strided=False, group=1, dv16=False):
+def _launch(p, dtype, wy, strided=False, group=1, dv16=False, dqk16=False, scale=1.0,
+            fsplit=False):  # fmt: skip
     """The kernel on `_problem` p's tiles in `dtype`, outputs NaN-poisoned first; `group`: q, k
-    passed at their HV / group heads (the `grouped` key); `dv16`: dv in `dtype`."""
+    passed at their HV / group heads (the `grouped` key); `dv16`: dv in `dtype`; `dqk16`: dq
+    (times `scale`), dk in `dtype`."""
     f, do, _, h, dh, big_u, d_u, qs, ks, g, v, beta = p
     tiles = list(chunk_grad_tiles(qs, ks, do, big_u, d_u, h, dh, g, dtype))
     tiles[-1] = tiles[-1].float()
@@ -70,8 +72,10 @@ def _launch(p, dtype, wy, strided=False, group=1, dv16=False):
         return gdn_bwd_chunk(*tiles, out=out)
     extra = list(wy_tiles(f, v, beta, dtype))
     extra[-1] = extra[-1].float()
-    out = tuple(x.fill_(float("nan")) for x in empty_wy_outputs(tiles[0], 128, dv16))
-    return gdn_bwd_chunk_wy(*tiles, *extra, out=out, dv16=dv16)
+    out = tuple(x.fill_(float("nan")) for x in empty_wy_outputs(tiles[0], 128, dv16, dqk16))
+    return gdn_bwd_chunk_wy(
+        *tiles, *extra, out=out, dv16=dv16, dqk16=dqk16, scale=scale, fsplit=fsplit
+    )
 
 
 def _close(name, got, want, tol):
@@ -162,3 +166,79 @@ def test_time_at_bench_size():
             f"\nGDN backward kernel 2 ({form}), 4 x 8192 hv32 bf16: {ms:.3f} ms a launch, "
             f"{moved:.2f} GB moved, {moved / ms * 1e3:.0f} GB/s"
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t", [1, 63, 65, 1000])
+@pytest.mark.parametrize(("group", "scale"), [(1, 1.0), (2, 1.0), (1, 0.0883883)])
+def test_dqk16(dtype, t, group, scale):
+    """`dqk16` (the op's default key, with dv16 and `grouped`): dq x scale and dk written in 16
+    bits are the fp32 call's rounded once (dk's first half kept in fp32 in shared memory, not
+    read back from a 16-bit store: exact but for the fp32 sum's order, so within one 16-bit ulp
+    of the rounded fp32 value); dg, dv, dbeta exactly the fp32 call's."""
+    p = _problem(2, t, 4, dtype, seed=t + group, group=group)
+    got = _launch(p, dtype, True, group=group, dv16=True, dqk16=True, scale=scale)
+    want = _launch(p, dtype, True, group=group, dv16=True)
+    assert got[0].dtype == got[1].dtype == dtype
+    for i, (name, a, r) in enumerate(zip(NAMES[True], got, want)):
+        if i < 2:
+            r = (r * (scale if i == 0 else 1.0)).to(dtype).double()
+            ulp = r.abs() * 2.0 ** -(7 if dtype == torch.bfloat16 else 10)  # one, at most
+            assert not torch.isnan(a).any(), f"{name}: unwritten (NaN) entries"
+            slack = 1e-6 * float(r.abs().max())
+            assert bool(((a.double() - r).abs() <= ulp + slack).all()), name
+        else:
+            torch.testing.assert_close(a, r, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t", [1, 63, 64, 65, 200, 1000])
+@pytest.mark.parametrize(("b", "hv", "group", "scale"),
+                         [(1, 1, 1, 1.0), (2, 4, 2, 1.0), (3, 2, 1, 0.0883883)])  # fmt: skip
+def test_fsplit_is_the_dqk16_kernel_bit_for_bit(dtype, t, b, hv, group, scale):
+    """`fsplit` (two math warpgroups split by function, NOTES "two math warpgroups or two CTAs
+    a SM?" option A'): the same products in the same order as the 256-thread dqk16 kernel, so
+    every output (dq, dk, dg, dv, dbeta) equal bit for bit, NaN-poisoned outputs all written."""
+    p = _problem(b, t, hv, dtype, seed=7 * t + hv, group=group)
+    want = _launch(p, dtype, True, group=group, dv16=True, dqk16=True, scale=scale)
+    got = _launch(p, dtype, True, group=group, dv16=True, dqk16=True, scale=scale, fsplit=True)
+    for name, a, r in zip(NAMES[True], got, want):
+        assert not torch.isnan(a).any(), f"{name}: unwritten (NaN) entries"
+        torch.testing.assert_close(a, r, rtol=0, atol=0, equal_nan=True, msg=name)
+
+
+def test_fsplit_time_at_bench_size():
+    """4 x 8192 tokens, HV 32, bf16, dv16 + dqk16 (the op's key): the 256-thread kernel and
+    `fsplit`, interleaved, each the median of 20 (printed, `-s`); the same outputs."""
+    b, t, hv, nc = 4, 8192, 32, 128
+    gen = torch.Generator(device="cuda").manual_seed(3)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).bfloat16()
+
+    tiles = [rnd(b, t, hv, 128) for _ in range(3)]
+    tiles += [rnd(b, t, hv, 128, scale=128**-0.5), rnd(b, t, hv, 128, scale=128**-0.5)]
+    tiles += [rnd(b, nc, hv, 128, 128, scale=0.1) for _ in range(2)]
+    g = F.logsigmoid(torch.randn(b, t, hv, device="cuda", generator=gen) + 2.0)
+    tiles.append(to_tokens(to_chunks(g, nc).cumsum(-1)).contiguous())
+    extra = [rnd(b, t, hv, 64, scale=0.3), rnd(b, t, hv, 128, scale=0.1),
+             rnd(b, t, hv, 128), rnd(b, t, hv, 128),
+             torch.rand(b, t, hv, device="cuda", generator=gen)]  # fmt: skip
+    outs = {fs: empty_wy_outputs(tiles[0], 128, True, True) for fs in (False, True)}
+
+    def run(fs):
+        return gdn_bwd_chunk_wy(*tiles, *extra, out=outs[fs], dv16=True, dqk16=True, fsplit=fs)
+
+    for fs in (False, True):
+        run(fs)
+    for a, r in zip(outs[True], outs[False]):
+        torch.testing.assert_close(a, r, rtol=0, atol=0, equal_nan=True)
+    times = {False: [], True: []}
+    for _ in range(3):
+        for fs in (False, True):
+            times[fs] += time_ms(lambda fs=fs: run(fs), reps=20)
+    base, split = median(times[False]), median(times[True])
+    print(
+        f"\nGDN backward kernel 2 dqk16, 4 x 8192 hv32 bf16: {base:.3f} ms (256 threads), "
+        f"{split:.3f} ms (fsplit, 384), {base / split:.2f}x"
+    )

@@ -69,15 +69,20 @@ def _poisoned_chunk_kernel(calls):
     return run
 
 
+QK16_CALLS: list = []  # kernel 2's (dqk16, scale) a WY launch
+
+
 def _poisoned_chunk_wy_kernel(calls):
     """Kernel 2's WY variant with its outputs NaN-poisoned first; calls as ("k2wy", shape)."""
 
-    def run(do, u, du, q, k, h, dh, big_g, *wy, dv16=False):
+    def run(do, u, du, q, k, h, dh, big_g, *wy, dv16=False, dqk16=False, scale=1.0):
         out = tuple(x.fill_(float("nan"))
-                    for x in chunk_launch.empty_wy_outputs(do, q.shape[-1], dv16))  # fmt: skip
+                    for x in chunk_launch.empty_wy_outputs(do, q.shape[-1], dv16,
+                                                           dqk16))  # fmt: skip
         calls.append(("k2wy", tuple(do.shape)))
+        QK16_CALLS.append((dqk16, scale))
         return chunk_launch.gdn_bwd_chunk_wy(do, u, du, q, k, h, dh, big_g, *wy, out=out,
-                                             dv16=dv16)  # fmt: skip
+                                             dv16=dv16, dqk16=dqk16, scale=scale)  # fmt: skip
 
     return run
 
@@ -106,11 +111,13 @@ def _poisoned_norm_kernel(calls):
     return run
 
 
-def _launches() -> int:
+def _launches(fold: bool = False) -> int:
     """Launches of a one-pass call: kernel 0's (when on), kernel 1's two, kernel 2's, and the
-    q / k epilogue's two on the 16-bit device path (STATES16, NORM_IN_KERNEL)."""
+    q / k epilogue's two on the 16-bit device path (STATES16, NORM_IN_KERNEL) unless kernel 2
+    wrote the op's dq, dk itself (`fold`: bwd._folds, no l2norm at HV = H)."""
     on_device = bwd.FACTORS_IN_KERNEL and bwd.WY_IN_KERNEL
-    return 3 + on_device + 2 * (on_device and bwd.STATES16 and bwd.NORM_IN_KERNEL)
+    epilogue = on_device and bwd.STATES16 and bwd.NORM_IN_KERNEL and not fold
+    return 3 + on_device + 2 * epilogue
 
 
 @pytest.fixture
@@ -172,7 +179,10 @@ def _reference(inputs, *, h0, dht, l2norm, cu=None):
 
 def _check(kernel_path, monkeypatch, inputs, *, h0, dht, l2norm=False, k_last=False, cu=None):
     got = _run(inputs, h0=h0, dht=dht, l2norm=l2norm, k_last=k_last, cu=cu)
-    assert len(kernel_path) == _launches(), "the kernel path was not taken"
+    q, k, v, do = inputs[0], inputs[1], inputs[2], inputs[5]
+    fold = bwd._folds(l2norm, v.shape[-2] // q.shape[-2], q, k, do.dtype)
+    passes = sum(c[0] in ("k2", "k2wy") for c in kernel_path)  # varlen: one a bucket
+    assert passes and len(kernel_path) == passes * _launches(fold), "the kernel path was not taken"
     want = _reference(inputs, h0=h0, dht=dht, l2norm=l2norm, cu=cu)
     monkeypatch.setenv(bwd.KERNEL_SWITCH, "0")  # the interim path (unset: the kernel path)
     interim = _run(inputs, h0=h0, dht=dht, l2norm=l2norm, k_last=k_last, cu=cu)
@@ -365,3 +375,30 @@ def test_time_at_bench_size(kernel_path, monkeypatch, varlen):
           f"{' + '.join(f'{x:.3f}' for x in chunk)} ms, kernel 0 "
           f"{' + '.join(f'{x:.3f}' for x in factors)} ms, q / k epilogue "
           f"{' + '.join(f'{x:.3f}' for x in norms)} ms, peak {peak:.1f} GiB")  # fmt: skip
+
+
+@pytest.mark.parametrize("t", [65, 1000])
+@pytest.mark.parametrize(("h", "hv", "l2norm"), [(2, 2, False), (2, 4, False), (2, 4, True)])
+def test_qk16_against_fp32_dq_dk(kernel_path, monkeypatch, t, h, hv, l2norm):
+    """QK16 (the default: kernel 2's dq, dk in 16 bits, the epilogue's `d16` key; without
+    l2norm at HV = H no epilogue, dq x scale in kernel 2) and QK16 off (fp32 dq, dk, the
+    epilogue always): both against the fp64 backward and the interim path (`_check`), and dq,
+    dk of the two within 1e-2 of the fp32 path's largest entry."""
+    q, k, v, g, beta, do, h0, dht = _problem(2, t, h, hv, torch.bfloat16, seed=t + hv,
+                                             l2norm=l2norm)  # fmt: skip
+    got = {}
+    for on in (True, False):
+        monkeypatch.setattr(bwd, "QK16", on)
+        monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")  # `_check` leaves it at "0"
+        kernel_path.clear()
+        QK16_CALLS.clear()
+        _check(kernel_path, monkeypatch, (q, k, v, g, beta, do), h0=h0, dht=dht, l2norm=l2norm)
+        fold = on and not l2norm and h == hv
+        assert ("qk" in [c[0] for c in kernel_path]) == (not fold)
+        assert QK16_CALLS == [(on, 128**-0.5 if fold else 1.0)]
+        monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
+        got[on] = _run((q, k, v, g, beta, do), h0=h0, dht=dht, l2norm=l2norm, k_last=False)[:2]
+    for name, a, r in zip(("dq", "dk"), got[True], got[False]):
+        assert a.dtype == r.dtype == q.dtype, name
+        err = float((a.double() - r.double()).abs().max())
+        assert err <= 1e-2 * float(r.double().abs().max()) + 1e-6, (name, err)

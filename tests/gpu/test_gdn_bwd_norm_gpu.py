@@ -68,3 +68,13 @@ def test_time_at_bench_size():
     ms = median(time_ms(lambda: gdn_bwd_norm(dxs, x, 0.088, True, out=out)))
     print(f"\ngdn_bwd_norm 4 x 8192 H16 HV32 bf16 l2norm: {ms:.3f} ms a call")
     _check(dxs[:1, :1000], x[:1, :1000], 0.088, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("h", "hv"), [(1, 1), (2, 4), (16, 32)])
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_d16_gradients(dtype, h, hv, l2norm):
+    """16-bit value-head gradients (the `d16` key, the chunk kernel's dqk16): against the model
+    on the same 16-bit partials (summed in fp64 there, fp32 here)."""
+    dxs, x = _problem(2, 200, h, hv, dtype, seed=h + hv)
+    _check(dxs.to(dtype), x, 0.25, l2norm)

@@ -6,8 +6,10 @@ does not write fails). Lengths 1, 63, 64, 65, 200, 1000 (tail chunks zero-filled
 sequences, 2-4 heads, with / without a final-state gradient, bf16 and fp16; one long sequence;
 more CTAs than SMs; misaligned inputs (the launcher's copies); the time of a call at 4 x 8192
 HV 32 printed (`-s`). The `out16` variant (dU and dS (K, V) a chunk in 16 bits, kernel 2's
-forms) and the `forward` one (P^T = I and Qe = 0 built in, outputs in chunk order: the op's
-forward launch) against the same model converted by `reference.gdn_bwd_state.out16_forms`.
+forms) and the `forward` one (P^T = I and Qe = 0 built in, the chunks first to last on the
+tiles as given with the signs in registers, outputs in chunk order: the op's forward launch;
+its model `reference.gdn_bwd_state.forward_launch_as_reverse`) against the same model converted
+by `reference.gdn_bwd_state.out16_forms`.
 
 Tolerance: each output within 1e-2 of its reference's largest entry. The kernel rounds dS^T
 and -dU^T to 16 bits as register A operands; tests/test_gdn_bwd_state.py's tile emulation of
@@ -25,6 +27,7 @@ from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.launch import (
 )
 from forgekernel.reference.gdn_bwd_state import (
     corrected_values,
+    forward_launch_as_reverse,
     out16_forms,
     reverse_state_pass,
     state_pass_factors,
@@ -76,23 +79,26 @@ def _check(do, tiles, e_last, dht):
 
 
 def _check16(do, tiles, e_last, dht, forward=False):
-    """`out16` (`forward`: pt, qe not passed; the model's are I and 0): dU, dS in do's dtype
-    against the fp64 model's, converted (`out16_forms`), dh0 fp32; outputs NaN-poisoned."""
-    if forward:
-        b, t, hv, _ = do.shape
-        nc = -(-t // 64)
-        eye = torch.eye(64, device=do.device, dtype=do.dtype).view(1, 1, 64, 1, 64)
-        pt = eye.expand(b, nc, 64, hv, 64).reshape(b, nc * 64, hv, 64)[:, :t]
-        tiles = tiles | {"pt": pt, "qe": torch.zeros_like(tiles["qe"])}
+    """`out16` (`forward`: pt, qe not passed, the chunks walked first to last on do, ke, w as
+    given, the signs in registers; its model the reverse one on I, 0 and the chunks reversed
+    and negated, `forward_launch_as_reverse`): dU, dS in do's dtype against the fp64 model's,
+    converted (`out16_forms`), dh0 fp32; outputs NaN-poisoned."""
     out = tuple(x.fill_(float("nan")) for x in empty_outputs(do, 128, out16=True))
     passed = [None if forward and n in ("pt", "qe") else tiles[n] for n in TILES]
     got = gdn_bwd_state(do, *passed, e_last, dht, out=out, out16=True, forward=forward)
     torch.cuda.synchronize()
     assert got[0].dtype == got[1].dtype == do.dtype and got[2].dtype == torch.float32
+    t = do.shape[1]
+    ref_do = do
+    if forward:
+        rev = forward_launch_as_reverse(do, tiles["ke"], tiles["w"], e_last)
+        ref_do, e_last = rev["do"], rev["e_last"]
+        tiles = {n: rev[n] for n in TILES}
     ref_factors = {n: x.double() for n, x in tiles.items()} | {"e_last": e_last.double()}
-    du, dh, dh0 = reverse_state_pass(ref_factors, do.double(),
+    du, dh, dh0 = reverse_state_pass(ref_factors, ref_do.double(),
                                      None if dht is None else dht.double())  # fmt: skip
     du, ds = out16_forms(du, dh, torch.float64, forward)
+    du = du[:, :t]
     for name, a, r in zip(("dU", "dS", "dh0"), got, (du, ds, dh0)):
         _close(name, a, r)
     return got

@@ -50,15 +50,30 @@ def _problem(b, t, hv, dtype, g_range=(-5.0, 0.0), seed=0):
     return f, do, h, dh, big_u, d_u, qs, ks, g
 
 
-def _launch(p, dtype, strided=False):
-    """The kernel on `_problem` p's tiles in `dtype`, outputs NaN-poisoned first."""
+def _launch(p, dtype, strided=False, dw16=False):
+    """The kernel on `_problem` p's tiles in `dtype`, outputs NaN-poisoned first (dw in
+    `dtype` with dw16)."""
     _, do, h, dh, big_u, d_u, qs, ks, g = p
     tiles = list(chunk_grad_tiles(qs, ks, do, big_u, d_u, h, dh, g, dtype))
     tiles[-1] = tiles[-1].float()
     if strided:  # token tiles as every other 128-column half of a wider buffer
         tiles[:5] = [torch.cat([x, x], dim=-1)[..., : x.shape[-1]] for x in tiles[:5]]
-    out = tuple(x.fill_(float("nan")) for x in launch.empty_outputs(tiles[0], 128))
-    return launch.kda_bwd_chunk(*tiles, out=out)
+    out = tuple(x.fill_(float("nan")) for x in launch.empty_outputs(tiles[0], 128, dw16))
+    return launch.kda_bwd_chunk(*tiles, dw16=dw16, out=out)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("b", "t", "hv"), [(1, 1, 1), (2, 130, 3), (1, 1000, 2)])
+def test_dw16_is_the_fp32_dw_rounded(dtype, b, t, hv):
+    """dw16 (the device pass's key, next/kda-wy-acc): dw in `dtype`, bit-equal to the fp32
+    call's dw rounded to nearest (the same accumulator, converted at the store); dq, dk, dg
+    bit-identical; nothing left unwritten."""
+    p = _problem(b, t, hv, dtype, seed=t + hv)
+    base, low = _launch(p, dtype), _launch(p, dtype, dw16=True)
+    assert low[2].dtype == dtype and not torch.isnan(low[2]).any()
+    torch.testing.assert_close(low[2], base[2].to(dtype), rtol=0, atol=0)
+    for i in (0, 1, 3):
+        torch.testing.assert_close(low[i], base[i], rtol=0, atol=0)
 
 
 def _close(name, got, want, tol):

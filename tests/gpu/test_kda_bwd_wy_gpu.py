@@ -48,16 +48,34 @@ def _problem_128(b, t, hv, g_range=(-5.0, 0.0), group=1, seed=0):
     return problem(b, t, hv, dk=128, dv=128, group=group, g_range=g_range, seed=seed)
 
 
-def _launch(p, dtype, strided=False):
-    """The kernel on problem p's tiles in `dtype` on the GPU, outputs NaN-poisoned first."""
+def _launch(p, dtype, strided=False, base=None, dv16=False):
+    """The kernel on problem p's tiles in `dtype` on the GPU: dv, dbeta NaN-poisoned first, dk
+    and dg (its accumulators) zero, or `base` (dk0, dg0: kernel 2's stand-ins) copied in."""
     f, dw, d_u, g = p
     tiles = list(wy_tiles(f, dw, d_u, cumulative_decay(g, f.w.shape[1]), dtype))
     tiles[-2:] = [x.float() for x in tiles[-2:]]
     tiles = [x.to(DEVICE) for x in tiles]
     if strided:  # token tiles as every other half of a wider buffer
         tiles[:7] = [torch.cat([x, x], dim=-1)[..., : x.shape[-1]] for x in tiles[:7]]
-    out = tuple(x.fill_(float("nan")) for x in launch.empty_outputs(tiles[0], 128))
-    return tuple(x.cpu() for x in launch.kda_bwd_wy(*tiles, out=out))
+    out = launch.empty_outputs(tiles[0], 128, dv16)
+    out[1].fill_(float("nan")), out[3].fill_(float("nan"))
+    if base is not None:
+        out[0].copy_(base[0]), out[2].copy_(base[1])
+    return tuple(x.cpu() for x in launch.kda_bwd_wy(*tiles, dv16=dv16, out=out))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("b", "t", "hv"), [(1, 1, 1), (2, 130, 3), (1, 1000, 2)])
+def test_dv16_is_the_fp32_dv_rounded(dtype, b, t, hv):
+    """dv16 (the device pass's key with a 16-bit v, next/kda-wy-acc): dv in `dtype`, bit-equal
+    to the fp32 call's dv rounded to nearest (the same rows, converted at the store); dk, dg,
+    dbeta bit-identical; nothing left unwritten."""
+    p = _problem_128(b, t, hv, seed=t + 2 * hv)
+    base, low = _launch(p, dtype), _launch(p, dtype, dv16=True)
+    assert low[1].dtype == dtype and not torch.isnan(low[1]).any()
+    torch.testing.assert_close(low[1], base[1].to(dtype), rtol=0, atol=0)
+    for i in (0, 2, 3):
+        torch.testing.assert_close(low[i], base[i], rtol=0, atol=0)
 
 
 def _close(name, got, want, tol):
@@ -91,6 +109,24 @@ def test_misaligned_inputs():
         torch.testing.assert_close(a, r, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("b", "t", "hv"), [(1, 1, 1), (2, 130, 3), (1, 1000, 2)])
+def test_accumulates_onto_kernel_2s_dk_and_dg(dtype, b, t, hv):
+    """dk, dg handed over holding kernel 2's halves (random here): the kernel adds its own onto
+    them in place (read-modify-write of each CTA's rows) = the old form (zeros in, then the
+    torch add) up to fp32 summation order (~1e-6 relative); dv, dbeta bit-identical; every
+    row of dk, dg touched, none past T (the shapes are exact)."""
+    p = _problem_128(b, t, hv, seed=t + hv)
+    gen = torch.Generator().manual_seed(7)
+    base = tuple(torch.randn(b, t, hv, 128, generator=gen) for _ in range(2))
+    alone = _launch(p, dtype)
+    acc = _launch(p, dtype, base=base)
+    for i, j, name in ((0, 0, "dk"), (2, 1, "dg")):
+        torch.testing.assert_close(acc[i], base[j] + alone[i], rtol=1e-5, atol=1e-5, msg=name)
+    for i in (1, 3):
+        torch.testing.assert_close(acc[i], alone[i], rtol=0, atol=0)
+
+
 def test_launcher_checks():
     f, dw, d_u, g = _problem_128(1, 70, 1)
     tiles = [x.to(DEVICE) for x in wy_tiles(f, dw, d_u, cumulative_decay(g, 2), torch.bfloat16)]
@@ -105,10 +141,20 @@ def test_launcher_checks():
 
 
 def _poisoned_wy_kernel(calls):
-    def run(dw, du, tt, w, k, u, v, beta, big_g):
-        out = tuple(x.fill_(float("nan")) for x in launch.empty_outputs(dw, du.shape[-1]))
+    """bwd._wy_kernel with dv, dbeta (the op's out= buffers, or new ones) NaN-poisoned first;
+    dk, dg are accumulated into (kernel 2's), dk16's `dk_out` poisoned too."""
+    real = bwd._wy_kernel
+
+    def run(dw, du, tt, w, k, u, v, beta, big_g, dk, dg, dv16=False, dk16=False, dk_out=None,
+            dv=None, dbeta=None):  # fmt: skip
+        _, own_dv, _, own_dbeta = launch.empty_outputs(dw, du.shape[-1], dv16)
+        dv = (own_dv if dv is None else dv).fill_(float("nan"))
+        dbeta = (own_dbeta if dbeta is None else dbeta).fill_(float("nan"))
+        if dk_out is not None:
+            dk_out.fill_(float("nan"))
         calls.append(tuple(dw.shape))
-        return launch.kda_bwd_wy(dw, du, tt, w, k, u, v, beta, big_g, out=out)
+        return real(dw, du, tt, w, k, u, v, beta, big_g, dk, dg, dv16=dv16, dk16=dk16,
+                    dk_out=dk_out, dv=dv, dbeta=dbeta)  # fmt: skip
 
     return run
 
@@ -156,7 +202,8 @@ def test_time_at_bench_size():
     for x in out:
         assert torch.isfinite(x).all()
     ms = median(time_ms(lambda: launch.kda_bwd_wy(*tiles, out=out), reps=20))
-    moved = sum(x.numel() * x.element_size() for x in (*tiles, *out)) / 1e9
+    moved = sum(x.numel() * x.element_size() for x in (*tiles, *out, out[0], out[2])) / 1e9
+    # (dk and dg read as well as written: the accumulate form)
     print(
         f"\nKDA backward WY kernel, 4 x 8192 hv{hv} bf16: {ms:.3f} ms a launch, "
         f"{moved:.2f} GB moved, {moved / ms * 1e3:.0f} GB/s"

@@ -25,9 +25,15 @@ def _compile(params: Params, extra_options: str = ""):
 def _standard_params() -> list[Params]:
     standard = [params_for(dtype, wy=wy) for dtype in DTYPES for wy in (False, True)]
     # the op's path: the WY variant with dv in 16 bits, reading q / k at their own H heads when
-    # value heads are grouped (H < HV)
+    # value heads are grouped (H < HV); with dq, dk in 16 bits too (`dqk16`, the op's default:
+    # ops/gated_delta_rule_bwd.py QK16) and without (the QK16 = False A/B)
+    # and `fsplit` (two math warpgroups split by function; TEMPORARY A/B switch:
+    # ops/gated_delta_rule_bwd.py FSPLIT) on the op's dqk16 keys
     return standard + [
-        params_for(dtype, wy=True, grouped=g, dv16=True) for dtype in DTYPES for g in (False, True)
+        params_for(dtype, wy=True, grouped=g, dv16=True, dqk16=q16, fsplit=fs)
+        for dtype in DTYPES
+        for g in (False, True)
+        for q16, fs in ((False, False), (True, False), (True, True))
     ]
 
 

@@ -32,11 +32,23 @@ then dG finished (`_finish_dg`): the last token's extra term (te's chunk sum + e
 the 16-bit state tiles) and the reverse cumsum within the chunk. Without `wy` the WY half is
 torch's. h and dh arrive as 16-bit (K, V) tiles converted in torch.
 
-Warp roles (2 warpgroups, 256 threads): warpgroup 0, warp 0: the TMA boxes of the chunk (7, 10
-with `wy`; one barrier, no ring: one chunk a CTA); warps 1, 2: dG's finish, after the math
-warpgroup's rows (named barrier BAR_FINISH); warpgroup 1: every product, 64 token rows.
-Registers: 168 without `wy`, 255 with (no spill: G staged in shared memory, dvb's products
+Warp roles (2 warpgroups, 256 threads): warpgroup 0, warp 0: the TMA tiles of the chunk (7, 10
+with `wy`), all issued at once on five mbarriers armed once (no ring: one chunk a CTA), one a
+load group in the order the math consumes them (config.LOAD_GROUPS: dO + h, U, q + k, dh, dU
++ the WY tiles), so that the first products run while the later groups stream in; warps 1,
+2: dG's finish, after the math warpgroup's rows (named barrier BAR_FINISH); warpgroup 1: every
+product, 64 token rows, each load group waited just before its first product.
+Registers: 163 without `wy`, 255 with (no spill: G staged in shared memory, dvb's products
 before dkb's, the dG finish off the math warpgroup).
+
+`fsplit` (dqk16 only; NOTES "two math warpgroups or two CTAs a SM?", option A'): 3 warpgroups,
+384 threads, setmaxnreg config.FSPLIT_REGS (24 / 224 / 256): warpgroup 0 the TMA warp alone,
+the tiles in config.FSPLIT_LOAD_GROUPS (the WY ones first: dU + h, T^T + u, w + k, dO + U, q,
+dh); warpgroup 1 (`_math`) the output half (dq, dk's first half stashed in fp32 over sDO + sU,
+its dG / te rows in sRed), then dG's finish (`_finish_dg_split`); warpgroup 2 (`_math_wy`) dw =
+-dU h^T and `_wy`. They meet at 256-thread bar.syncs only: G staged (BAR_START), the stash
+handed over (BAR_HANDOVER: warpgroup 2 adds it to its dk, stores dk, adds its dG rows), the
+rows complete (BAR_FINISH). Same products in the same order: the outputs bit for bit.
 
 Constraints: K = V = 128, 16-bit tiles with unit last strides and 16-byte aligned outer strides
 (TMA); G, beta fp32 (B, T, HV) unit last stride; the fp32 outputs unit last strides.
@@ -63,24 +75,53 @@ from forgekernel.kernels.common.sm90.layout import (
     transposed,
 )
 from forgekernel.kernels.common.sm90.mma import gemm
-from forgekernel.kernels.common.sm90.pipeline import (
-    consumer_state,
-    init_arrive,
-    init_wait,
-    producer_state,
-    smem_tensor,
-    tma_pipeline,
-)
+from forgekernel.kernels.common.sm90.pipeline import init_arrive, init_wait, smem_tensor
 from forgekernel.kernels.common.sm90.ptx import opaque_tid_x
-from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.config import CHUNK, THREADS
+from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.config import (
+    CHUNK,
+    FSPLIT_LOAD_GROUPS,
+    FSPLIT_REGS,
+    FSPLIT_THREADS,
+    LOAD_GROUPS,
+    STATE_GROUPS,
+    STATE_TILES,
+    THREADS,
+    TOKEN_TILES,
+    WY_TILES,
+)
 
 PRODUCER_WARP = 0
 QUAD = 4
 BAR_MATH = FIRST_FREE  # the math warpgroup: dPD^T in shared memory before its WGMMA
 BAR_FINISH = FIRST_FREE + 1  # math warpgroup -> finish warps (both wait): the rows stashed
 BAR_FINISH_WARPS = FIRST_FREE + 2  # the finish warps: <dh, h>'s partials
+# `fsplit` (config.FSPLIT_*): the WY warpgroup's own BAR_MATH; both math warpgroups (256): G
+# staged (BAR_START), dk's first half and the output rows stashed (BAR_HANDOVER), the WY rows
+# added (BAR_FINISH)
+BAR_MATH_WY = FIRST_FREE + 3
+BAR_START = FIRST_FREE + 4
+BAR_HANDOVER = FIRST_FREE + 5
 FINISH_WARPS = 2  # warps 1, 2 of warpgroup 0 (idle otherwise): dG's finish, one token a thread
 FINISH_THREADS = FINISH_WARPS * WARP_SIZE
+# dqk16: a (C, K) fp32 accumulator, C * K / 128 values a thread, half over each of sDO, sU
+STASH_COLS = CHUNK * 128 // THREADS_PER_WG // 2
+
+
+def _new_groups(groups, steps) -> tuple:
+    """For each step (a tuple of tile names, in the order a warpgroup reaches them) the load
+    groups (indices into `groups`) holding its tiles not waited on at an earlier step."""
+    seen, out = set(), []
+    for names in steps:
+        new = sorted({i for i, g in enumerate(groups) for n in names if n in g} - seen)
+        seen.update(new)
+        out.append(tuple(new))
+    return tuple(out)
+
+
+# the output half's steps: dqe = dO h^T; S = dO U^T; dq += dPD k (and dq.q); dke = U dh^T; dw
+OUTPUT_STEPS = (("do", "h"), ("u",), ("q", "k"), ("dh",), ("du", *WY_TILES))
+# `fsplit`'s WY warpgroup: dw = -dU h^T; dvb = T^T du, dA = -dvb u^T; dkb = T^T dw, dkb w^T, k
+WY_STEPS = (("du", "h"), ("tt", "uw"), ("w", "k"))
 
 
 def _tdhb(t: cute.Tensor) -> cute.Tensor:
@@ -97,12 +138,21 @@ class GdnBwdChunkSm90:
     """One CTA per (chunk, value head, sequence): `_output_grads` of the chunk; see the module
     docstring."""
 
-    def __init__(self, k: int, v: int, *, wy: bool = False, grouped: bool = False):
+    # the TMA tiles' load groups, one mbarrier each (`_load_groups`; subclasses name their own)
+    load_groups = LOAD_GROUPS
+
+    def __init__(self, k: int, v: int, *, wy: bool = False, grouped: bool = False,
+                 fsplit: bool = False):  # fmt: skip
         if (k, v) != (128, 128):
             raise ValueError(f"(K, V) must be (128, 128), got {(k, v)}")
+        if fsplit and not wy:
+            raise ValueError("fsplit needs wy")
         self.k, self.v = k, v
         self.wy = wy
         self.grouped = grouped
+        self.fsplit = fsplit
+        if fsplit:  # two math warpgroups split by function: the WY tiles first
+            self.load_groups = FSPLIT_LOAD_GROUPS
 
     def _setup(self):
         dt = self.dtype
@@ -155,6 +205,7 @@ class GdnBwdChunkSm90:
         mBeta: cute.Tensor | None,
         mDV: cute.Tensor | None,
         mDB: cute.Tensor | None,
+        scale: Float32,
         stream: cuda.CUstream,
     ):
         """mDO, mU, mDU (B, T, HV, V), mQ (scaled), mK (B, T, HV, K), mH, mDH (B, NC, HV, K, V)
@@ -162,8 +213,16 @@ class GdnBwdChunkSm90:
         dG, the reverse cumsum within the chunk done). With wy: mTt (B, T, HV, C) (row j of a
         chunk: column j of T = L^-1), mW (B, T, HV, K), mUw, mV (B, T, HV, V) 16-bit, mBeta
         fp32 (B, T, HV); outputs mDV fp32 (B, T, HV, V), mDB (B, T, HV); mDW None (dw stays on
-        chip), mDK and mDG take the WY half's terms too. Without wy: all of these None."""
+        chip), mDK and mDG take the WY half's terms too. Without wy: all of these None.
+        mDQ, mDK in the tiles' 16-bit dtype (`dqk16`, wy only): rounded once, dq times `scale`
+        (the op's q scale where no epilogue follows; else 1); fp32 outputs ignore `scale`."""
         self.dtype = mDO.element_type
+        self.dqk16 = mDQ.element_type != Float32
+        if const_expr(self.fsplit and not self.dqk16):
+            raise TypeError("fsplit needs 16-bit dq / dk (the warpgroups meet at dk's stash)")
+        if const_expr(self.dqk16 and (not self.wy or mDK.element_type != self.dtype
+                                      or mDQ.element_type != self.dtype)):  # fmt: skip
+            raise TypeError("16-bit dq / dk need wy and the tiles' dtype")
         for t in (mU, mDU, mQ, mK, mH, mDH):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"the 16-bit tiles must share one dtype, got {t.element_type}")
@@ -177,16 +236,19 @@ class GdnBwdChunkSm90:
         for m in (mH, mDH):
             tmas.append(cpasync.make_tiled_tma_atom(g2s, _kvchb(m), sH_tile, (self.k, self.v)))
         sP_tile = cute.slice_(self.sP_layout, (None, None, 0))
-        self.tx_bytes = 5 * cute.size_in_bytes(self.dtype, sT_tile) + 2 * cute.size_in_bytes(
-            self.dtype, sH_tile
+        t_bytes = cute.size_in_bytes(self.dtype, sT_tile)
+        tile_bytes = dict.fromkeys(TOKEN_TILES + WY_TILES[1:], t_bytes)
+        tile_bytes.update(dict.fromkeys(STATE_TILES, cute.size_in_bytes(self.dtype, sH_tile)))
+        tile_bytes[WY_TILES[0]] = cute.size_in_bytes(self.dtype, sP_tile)
+        # the bytes each load group's mbarrier expects (`_load_groups`)
+        self.group_bytes = tuple(
+            sum(tile_bytes[t] for t in group if self.wy or t not in WY_TILES)
+            for group in self.load_groups
         )
         if const_expr(self.wy):
             tmas.append(cpasync.make_tiled_tma_atom(g2s, _tdhb(mTt), sP_tile, (CHUNK, CHUNK)))
             for m, d in ((mW, self.k), (mUw, self.v)):
                 tmas.append(cpasync.make_tiled_tma_atom(g2s, _tdhb(m), sT_tile, (CHUNK, d)))
-            self.tx_bytes = self.tx_bytes + 2 * cute.size_in_bytes(
-                self.dtype, sT_tile
-            ) + cute.size_in_bytes(self.dtype, sP_tile)
         else:
             tmas += [(None, None)] * 3
         t_elems = cute.cosize(self.sT_layout)
@@ -197,7 +259,7 @@ class GdnBwdChunkSm90:
 
         @cute.struct
         class SharedStorage:
-            barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            barriers: cute.struct.MemRange[cutlass.Int64, len(self.load_groups)]
             sG: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]
             sRed: cute.struct.Align[cute.struct.MemRange[Float32, 2 * CHUNK + 4], 16]
             sDO: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
@@ -218,12 +280,12 @@ class GdnBwdChunkSm90:
         atoms_and_views = [x for atom_view in tmas for x in atom_view]
         nc = (mDO.shape[1] + CHUNK - 1) // CHUNK
         self.kernel(
-            *atoms_and_views, mG, mDQ, mDK, mDW, mDG, mV, mBeta, mDV, mDB, self.mma_w,
+            *atoms_and_views, mG, mDQ, mDK, mDW, mDG, mV, mBeta, mDV, mDB, scale, self.mma_w,
             self.mma_s, self.mma_q, self.mma_k, self.mma_da, self.sT_layout, self.sH_layout,
             self.sP_layout,
         ).launch(  # fmt: skip
             grid=(nc, mDO.shape[2], mDO.shape[0]),
-            block=[THREADS, 1, 1],
+            block=[FSPLIT_THREADS if self.fsplit else THREADS, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
         )
@@ -260,6 +322,7 @@ class GdnBwdChunkSm90:
         mBeta: cute.Tensor | None,
         mDV: cute.Tensor | None,
         mDB: cute.Tensor | None,
+        scale: Float32,
         mma_w: cute.TiledMma,
         mma_s: cute.TiledMma,
         mma_q: cute.TiledMma,
@@ -278,7 +341,11 @@ class GdnBwdChunkSm90:
             for atom in atoms:
                 cpasync.prefetch_descriptor(atom)
         storage = SmemAllocator().allocate(self.shared_storage)
-        ring = tma_pipeline(storage.barriers, 1, self.tx_bytes, THREADS_PER_WG // WARP_SIZE)
+        bars = storage.barriers.data_ptr()  # one mbarrier a load group, armed once (phase 0)
+        if warp_idx == PRODUCER_WARP:
+            with cute.arch.elect_one():
+                for i in cutlass.range_constexpr(len(self.load_groups)):
+                    cute.arch.mbarrier_init(bars + i, 1)
         init_arrive()
         sDO = smem_tensor(storage.sDO, sT_layout)
         sU = smem_tensor(storage.sU, sT_layout)
@@ -295,51 +362,171 @@ class GdnBwdChunkSm90:
             wy_smem = (smem_tensor(storage.sTt, sP_layout), smem_tensor(storage.sW, sT_layout),
                        smem_tensor(storage.sUw, sT_layout), smem_tensor(storage.sDW, sT_layout),
                        smem_tensor(storage.sM, sP_layout))  # fmt: skip
+        stash = None  # dqk16: dk's first half in fp32 over sDO, sU (free after dk's products)
+        if const_expr(self.dqk16):
+            stash = tuple(
+                cute.make_tensor(cute.recast_ptr(x.data_ptr(), dtype=Float32),
+                                 cute.make_layout((THREADS_PER_WG, STASH_COLS),
+                                                  stride=(1, THREADS_PER_WG)))
+                for x in (storage.sDO, storage.sU)
+            )  # fmt: skip
         init_wait()
 
         c, hv, b = cute.arch.block_idx()
         seqlen = mDO4.shape[0]
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
-        if wg == 0:
+        if const_expr(self.fsplit):
+            if wg == 0:
+                cute.arch.setmaxregister_decrease(FSPLIT_REGS[0])
+                if warp_idx == PRODUCER_WARP:
+                    self._produce(tma_do, mDO4, sDO, tma_u, mU4, sU, tma_du, mDU4, sDU, tma_q, mQ4,
+                                  sQ, tma_k, mK4, sK, tma_h, mH5, sH, tma_dh, mDH5, sDH, tma_tt,
+                                  mTt4, tma_w, mW4, tma_uw, mUw4, wy_smem, bars, c, hv,
+                                  b)  # fmt: skip
+            elif wg == 1:
+                cute.arch.setmaxregister_increase(FSPLIT_REGS[1])
+                self._math(
+                    mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sDU, sQ, sK, sH, sDH, sP,
+                    wy_smem, sG, sRed, mG, mDQ, mDK, mDW, mDG, mV, mBeta, mDV, mDB, bars, c, hv,
+                    b, seqlen, scale, stash,
+                )  # fmt: skip
+            else:
+                cute.arch.setmaxregister_increase(FSPLIT_REGS[2])
+                self._math_wy(mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, sH, wy_smem, sG, sRed,
+                              mG, mDK, mV, mBeta, mDV, mDB, bars, c, hv, b, seqlen,
+                              stash)  # fmt: skip
+        elif wg == 0:
             if warp_idx == PRODUCER_WARP:
-                one = cute.make_layout(1)
-                st = producer_state(1)
-                ring.producer_acquire(st)
-                bar = ring.producer_get_barrier(st)
                 hq = hv  # q / k head: hv // (HV / H) when grouped
                 if const_expr(self.grouped):
                     hq = hv // (mDO4.shape[2] // mQ4.shape[2])
-                tiles = ((tma_do, mDO4, sDO, self.v, hv), (tma_u, mU4, sU, self.v, hv),
-                         (tma_du, mDU4, sDU, self.v, hv), (tma_q, mQ4, sQ, self.k, hq),
-                         (tma_k, mK4, sK, self.k, hq))  # fmt: skip
+                tiles = {"do": (tma_do, mDO4, sDO, self.v, hv), "u": (tma_u, mU4, sU, self.v, hv),
+                         "du": (tma_du, mDU4, sDU, self.v, hv),
+                         "q": (tma_q, mQ4, sQ, self.k, hq), "k": (tma_k, mK4, sK, self.k, hq),
+                         "h": (tma_h, mH5, sH), "dh": (tma_dh, mDH5, sDH)}  # fmt: skip
                 if const_expr(self.wy):
-                    tiles = tiles + ((tma_tt, mTt4, wy_smem[0], CHUNK, hv),
-                                     (tma_w, mW4, wy_smem[1], self.k, hv),
-                                     (tma_uw, mUw4, wy_smem[2], self.v, hv))  # fmt: skip
-                for atom, m, s, d, head in tiles:
-                    g = cute.local_tile(m[None, None, head, b], (CHUNK, d), (c, 0))
-                    ts, tg = cpasync.tma_partition(
-                        atom, 0, one, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
-                    )
-                    cute.copy(atom, tg, ts[(None, 0)], tma_bar_ptr=bar)
-                for atom, m, s in ((tma_h, mH5, sH), (tma_dh, mDH5, sDH)):
-                    g = cute.local_tile(m[None, None, c, hv, b], (self.k, self.v), (0, 0))
-                    ts, tg = cpasync.tma_partition(
-                        atom, 0, one, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
-                    )
-                    cute.copy(atom, tg, ts[(None, 0)], tma_bar_ptr=bar)
+                    tiles.update({"tt": (tma_tt, mTt4, wy_smem[0], CHUNK, hv),
+                                  "w": (tma_w, mW4, wy_smem[1], self.k, hv),
+                                  "uw": (tma_uw, mUw4, wy_smem[2], self.v, hv)})  # fmt: skip
+                self._load_groups(tiles, bars, c, hv, b)
             elif warp_idx <= FINISH_WARPS:
-                self._finish_dg(sH, sDH, sRed, sG, mDG, ring, b, hv, c, seqlen)
+                self._finish_dg(sH, sDH, sRed, sG, mDG, bars, b, hv, c, seqlen)
         else:
             self._math(
                 mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sDU, sQ, sK, sH, sDH, sP, wy_smem,
-                sG, sRed, mG, mDQ, mDK, mDW, mDG, mV, mBeta, mDV, mDB, ring, c, hv, b, seqlen,
+                sG, sRed, mG, mDQ, mDK, mDW, mDG, mV, mBeta, mDV, mDB, bars, c, hv, b, seqlen,
+                scale, stash,
             )  # fmt: skip
+
+    @cute.jit
+    def _produce(self, tma_do, mDO4, sDO, tma_u, mU4, sU, tma_du, mDU4, sDU, tma_q, mQ4, sQ,
+                 tma_k, mK4, sK, tma_h, mH5, sH, tma_dh, mDH5, sDH, tma_tt, mTt4, tma_w, mW4,
+                 tma_uw, mUw4, wy_smem, bars, c, hv, b):  # fmt: skip
+        """`fsplit`'s producer warp (the WY tiles always there): the kernel's tiles dict and
+        `_load_groups`."""
+        hq = hv  # q / k head: hv // (HV / H) when grouped
+        if const_expr(self.grouped):
+            hq = hv // (mDO4.shape[2] // mQ4.shape[2])
+        tiles = {"do": (tma_do, mDO4, sDO, self.v, hv), "u": (tma_u, mU4, sU, self.v, hv),
+                 "du": (tma_du, mDU4, sDU, self.v, hv),
+                 "q": (tma_q, mQ4, sQ, self.k, hq), "k": (tma_k, mK4, sK, self.k, hq),
+                 "h": (tma_h, mH5, sH), "dh": (tma_dh, mDH5, sDH),
+                 "tt": (tma_tt, mTt4, wy_smem[0], CHUNK, hv),
+                 "w": (tma_w, mW4, wy_smem[1], self.k, hv),
+                 "uw": (tma_uw, mUw4, wy_smem[2], self.v, hv)}  # fmt: skip
+        self._load_groups(tiles, bars, c, hv, b)
+
+    @cute.jit
+    def _math_wy(self, mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, sH, wy_smem, sG, sRed, mG,
+                 mDK, mV, mBeta, mDV, mDB, bars, c, hv, b, seqlen, stash):  # fmt: skip
+        """`fsplit`'s WY warpgroup (warpgroup 2): dw = -dU h^T into sDW, then `_wy` (its tiles'
+        groups waited there), dk = the output warpgroup's stash + the WY terms (after
+        BAR_HANDOVER), dG's WY rows onto the stashed rows, then BAR_FINISH: the output
+        warpgroup finishes dG. The same code, in the same order, as `_math`'s tail: the same
+        outputs bit for bit."""
+        waits = _new_groups(self.load_groups, WY_STEPS)
+        wg_w = mma_w.get_slice(0)
+        tArDU = wg_w.make_fragment_A(wg_w.partition_A(sDU))
+        tBrH = wg_w.make_fragment_B(wg_w.partition_B(sH))
+        math = named_barrier(BAR_MATH_WY, THREADS_PER_WG)
+        first = c * CHUNK
+        named_barrier(BAR_START, 2 * THREADS_PER_WG).arrive_and_wait()  # G staged (`_math`)
+        tid = opaque_tid_x() % THREADS_PER_WG
+        t0, row_w, _ = softmax.acc_coords(mma_w, tid, (CHUNK, self.k))
+        last = cutlass.min(first + CHUNK, seqlen) - 1
+        e_g, _ = self._row_decays(mG, t0, row_w, first, seqlen, b, hv, sG[last - first])
+        acc_k = cute.make_rmem_tensor(wg_w.partition_shape_C((CHUNK, self.k)), Float32)
+        for i in cutlass.range_constexpr(len(waits[0])):  # dU, h
+            cute.arch.mbarrier_wait(bars + waits[0][i], 0)
+        gemm(mma_w, acc_k, tArDU[None, None, None, 0], tBrH[None, None, None, 0], True, 0)
+        acc_k.store(-acc_k.load())
+        self._store_tile(acc_k, mma_w, wy_smem[3], False)  # dw, 16-bit, for T^T dw
+        math.arrive_and_wait()
+        self._wy(mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, wy_smem, sG, sRed, mDK, mV,
+                 mBeta, mDV, mDB, math, e_g, t0, row_w, first, seqlen, b, hv, c, stash,
+                 bars, waits)  # fmt: skip
+        # the WY rows on the stash: a wait on both sides (the racecheck lesson, `_math`'s end)
+        named_barrier(BAR_FINISH, 2 * THREADS_PER_WG).arrive_and_wait()
+
+    @cute.jit
+    def _finish_dg_split(self, sH, sDH, sRed, sG, mDG, b, hv, c, seqlen, tid):
+        """`fsplit`: `_finish_dg` by the output warpgroup's first two warps (tid < 64, the
+        same token a thread and the same sums): <dh, h>'s partials while the WY warpgroup
+        ends, then BAR_FINISH (256: the WY rows added to sRed), then the reverse cumsum."""
+        first = c * CHUNK
+        if tid < FINISH_THREADS:
+            hh, dd = sH[None, None, 0], sDH[None, None, 0]
+            part = Float32(0.0)
+            for r in cutlass.range(self.k, unroll=8):
+                part = part + Float32(hh[r, tid]) * Float32(dd[r, tid])
+                part = part + Float32(hh[r, tid + CHUNK]) * Float32(dd[r, tid + CHUNK])
+            part = cute.arch.warp_reduction_sum(part)
+            if tid % WARP_SIZE == 0:
+                sRed[2 * CHUNK + tid // WARP_SIZE] = part
+        named_barrier(BAR_FINISH, 2 * THREADS_PER_WG).arrive_and_wait()
+        if tid < FINISH_THREADS:
+            dhh = sRed[2 * CHUNK] + sRed[2 * CHUNK + 1]
+            g_last = sG[cutlass.min(first + CHUNK, seqlen) - 1 - first]
+            acc = cute.math.exp(g_last, fastmath=True) * dhh
+            for j in cutlass.range(CHUNK, unroll=8):
+                acc = acc + sRed[CHUNK + j]
+                if j >= tid:
+                    acc = acc + sRed[j]
+            if first + tid < seqlen:
+                mDG[b, first + tid, hv] = acc
+
+    @cute.jit
+    def _load_groups(self, tiles, bars, c, hv, b):
+        """The producer warp, whole: the chunk's TMA boxes, group by group in `load_groups`'
+        order (the math warpgroup's), each group on its own mbarrier armed once by the elected
+        lane with the group's bytes (`group_bytes`), all in flight together: the first products
+        start when their operands land while the later groups still stream in. `tiles`: name
+        -> (atom, global, smem) for a (K, V) state of chunk c (STATE_TILES' names), (atom,
+        global, smem, columns, head) for the chunk's C token rows."""
+        one = cute.make_layout(1)
+        for i in cutlass.range_constexpr(len(self.load_groups)):
+            bar = bars + i
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, self.group_bytes[i])
+            for name in self.load_groups[i]:
+                if const_expr(name in tiles):
+                    tile = tiles[name]
+                    if const_expr(name in STATE_TILES):  # (K, V) of chunk c
+                        atom, m, s = tile
+                        g = cute.local_tile(m[None, None, c, hv, b], (self.k, self.v), (0, 0))
+                    else:  # the chunk's C token rows
+                        atom, m, s, d, head = tile
+                        g = cute.local_tile(m[None, None, head, b], (CHUNK, d), (c, 0))
+                    ts, tg = cpasync.tma_partition(
+                        atom, 0, one, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
+                    )
+                    cute.copy(atom, tg, ts[(None, 0)], tma_bar_ptr=bar)
 
     @cute.jit
     def _math(
         self, mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sDU, sQ, sK, sH, sDH, sP, wy_smem,
-        sG, sRed, mG, mDQ, mDK, mDW, mDG, mV, mBeta, mDV, mDB, ring, c, hv, b, seqlen,
+        sG, sRed, mG, mDQ, mDK, mDW, mDG, mV, mBeta, mDV, mDB, bars, c, hv, b, seqlen, scale,
+        stash,
     ):  # fmt: skip
         wg_w = mma_w.get_slice(0)
         wg_s = mma_s.get_slice(0)
@@ -357,6 +544,7 @@ class GdnBwdChunkSm90:
         tKrP = wg_k.make_fragment_A(wg_k.partition_A(sP))
         tKrQ = wg_k.make_fragment_B(wg_k.partition_B(transposed(sQ)))
         math = named_barrier(BAR_MATH, THREADS_PER_WG)
+        waits = _new_groups(self.load_groups, OUTPUT_STEPS)
         first = c * CHUNK
         gtid = opaque_tid_x() % THREADS_PER_WG
         if gtid < CHUNK:  # the chunk's G in shared memory (the decay loops' column reads)
@@ -364,13 +552,19 @@ class GdnBwdChunkSm90:
             if first + gtid < seqlen:
                 g_t = mG[b, first + gtid, hv]
             sG[gtid] = g_t
-        math.arrive_and_wait()
-        st = consumer_state(1)
-        ring.consumer_wait(st)
+        if const_expr(self.fsplit):  # the WY warpgroup reads G too
+            named_barrier(BAR_START, 2 * THREADS_PER_WG).arrive_and_wait()
+        else:
+            math.arrive_and_wait()
 
+        # each load group's mbarrier waited just before its first product (LOAD_GROUPS)
         acc_q = cute.make_rmem_tensor(wg_w.partition_shape_C((CHUNK, self.k)), Float32)
         acc_s = cute.make_rmem_tensor(wg_s.partition_shape_C((CHUNK, CHUNK)), Float32)
+        for i in cutlass.range_constexpr(len(waits[0])):  # dO, h
+            cute.arch.mbarrier_wait(bars + waits[0][i], 0)
         gemm(mma_w, acc_q, tArDO[None, None, None, 0], tBrH[None, None, None, 0], True, -1)
+        for i in cutlass.range_constexpr(len(waits[1])):  # U (dqe in flight)
+            cute.arch.mbarrier_wait(bars + waits[1][i], 0)
         gemm(mma_s, acc_s, tSrDO[None, None, None, 0], tSrU[None, None, None, 0], True, 0)
         tid = opaque_tid_x() % THREADS_PER_WG
         t0s, row_s, col_s = softmax.acc_coords(mma_s, tid, (CHUNK, CHUNK))
@@ -394,11 +588,15 @@ class GdnBwdChunkSm90:
         for r in cutlass.range_constexpr(cute.size(qa, mode=[0])):
             for j in cutlass.range_constexpr(cute.size(qa, mode=[1])):
                 qa[r, j] = qa[r, j] * e_g[r]
+        for i in cutlass.range_constexpr(len(waits[2])):  # q, k
+            cute.arch.mbarrier_wait(bars + waits[2][i], 0)
         gemm(mma_q, acc_q, tQrP, tQrK[None, None, None, 0], False, 0)
         dg = self._row_dots(acc_q, mma_w, sQ, tid)
-        self._store_rows(acc_q, mma_w, mDQ, tid, b, hv, c, seqlen)
+        self._store_rows(acc_q, mma_w, mDQ, tid, b, hv, c, seqlen, scale)
 
         acc_k = cute.make_rmem_tensor(wg_w.partition_shape_C((CHUNK, self.k)), Float32)
+        for i in cutlass.range_constexpr(len(waits[3])):  # dh
+            cute.arch.mbarrier_wait(bars + waits[3][i], 0)
         gemm(mma_w, acc_k, tArU[None, None, None, 0], tBrDH[None, None, None, 0], True, 0)
         ka = rows_cols(acc_k)
         for r in cutlass.range_constexpr(cute.size(ka, mode=[0])):
@@ -408,28 +606,37 @@ class GdnBwdChunkSm90:
         math.arrive_and_wait()  # every thread's dPD^T in shared memory
         gemm(mma_k, acc_k, tKrP[None, None, None, 0], tKrQ[None, None, None, 0], False, 0)
         dk_k = self._row_dots(acc_k, mma_w, sK, tid)
-        self._store_rows(acc_k, mma_w, mDK, tid, b, hv, c, seqlen)
+        if const_expr(self.dqk16):  # kept in fp32 for the WY terms: dk rounded once, at the end
+            for i in cutlass.range_constexpr(cute.size(acc_k)):
+                stash[i // STASH_COLS][tid, i % STASH_COLS] = acc_k[i]
+        else:
+            self._store_rows(acc_k, mma_w, mDK, tid, b, hv, c, seqlen)
         for r in cutlass.range_constexpr(2):
             dg[r] = dg[r] - dk_k[r]
         self._stash_rows(dg, te, sRed, t0, row_w, tid, first, seqlen)  # frees them for the WY
-
-        gemm(mma_w, acc_k, tArDU[None, None, None, 0], tBrH[None, None, None, 0], True, 0)
-        acc_k.store(-acc_k.load())
-        if const_expr(self.wy):
-            self._store_tile(acc_k, mma_w, wy_smem[3], False)  # dw, 16-bit, for T^T dw
-            math.arrive_and_wait()
-            self._wy(mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, wy_smem, sG, sRed, mDK, mV,
-                     mBeta, mDV, mDB, math, e_g, t0, row_w, first, seqlen, b, hv, c)  # fmt: skip
+        if const_expr(self.fsplit):  # dk's first half and the rows to the WY warpgroup
+            named_barrier(BAR_HANDOVER, 2 * THREADS_PER_WG).arrive_and_wait()
+            self._finish_dg_split(sH, sDH, sRed, sG, mDG, b, hv, c, seqlen, tid)
         else:
-            self._store_rows(acc_k, mma_w, mDW, tid, b, hv, c, seqlen)
-        # rows stashed: a wait (bar.sync), not bar.arrive. The arrive orders the stores on the
-        # hardware already (PTX), but racecheck flagged every sRed[0, C) word of the WY rows'
-        # read-modify-write (`_wy`'s tail, after the math warpgroup's last bar.sync) against the
-        # finish warps' loads (2026-12-06, 57,024 RAW reports; the `_stash_rows` words, which
-        # this warpgroup's later bar.syncs follow, were not). Here the finish warps wait from
-        # the start: the 128 threads pass at once (docs/linear_attention/NOTES.md).
-        named_barrier(BAR_FINISH, THREADS_PER_WG + FINISH_THREADS).arrive_and_wait()
-        ring.consumer_release(st)
+            for i in cutlass.range_constexpr(len(waits[4])):  # dU (and T^T, w, u with wy)
+                cute.arch.mbarrier_wait(bars + waits[4][i], 0)
+            gemm(mma_w, acc_k, tArDU[None, None, None, 0], tBrH[None, None, None, 0], True, 0)
+            acc_k.store(-acc_k.load())
+            if const_expr(self.wy):
+                self._store_tile(acc_k, mma_w, wy_smem[3], False)  # dw, 16-bit, for T^T dw
+                math.arrive_and_wait()
+                self._wy(mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, wy_smem, sG, sRed, mDK, mV,
+                         mBeta, mDV, mDB, math, e_g, t0, row_w, first, seqlen, b, hv, c,
+                         stash)  # fmt: skip
+            else:
+                self._store_rows(acc_k, mma_w, mDW, tid, b, hv, c, seqlen)
+            # rows stashed: a wait (bar.sync), not bar.arrive. The arrive orders the stores on the
+            # hardware already (PTX), but racecheck flagged every sRed[0, C) word of the WY rows'
+            # read-modify-write (`_wy`'s tail, after the math warpgroup's last bar.sync) against the
+            # finish warps' loads (2026-12-06, 57,024 RAW reports; the `_stash_rows` words, which
+            # this warpgroup's later bar.syncs follow, were not). Here the finish warps wait from
+            # the start: the 128 threads pass at once (docs/linear_attention/NOTES.md).
+            named_barrier(BAR_FINISH, THREADS_PER_WG + FINISH_THREADS).arrive_and_wait()
 
     @cute.jit
     def _stash_rows(self, dg, te, sRed, t0, row_w, tid, first, seqlen):
@@ -445,14 +652,15 @@ class GdnBwdChunkSm90:
                 sRed[CHUNK + i] = row_te
 
     @cute.jit
-    def _finish_dg(self, sH, sDH, sRed, sG, mDG, ring, b, hv, c, seqlen):
+    def _finish_dg(self, sH, sDH, sRed, sG, mDG, bars, b, hv, c, seqlen):
         """Warps 1, 2 of warpgroup 0, once the math warpgroup has stashed the rows: dG of every
         token of the chunk (one a thread): the rows' dg, the last position's term sum(te) +
         e^(G_C) <dh, h> (the 16-bit state tiles, two columns a thread), and the reverse
         cumulative sum within the chunk (G = cumsum(g)). Off the math warpgroup: at 255
         registers there, this tail spilled."""
         named_barrier(BAR_FINISH, THREADS_PER_WG + FINISH_THREADS).arrive_and_wait()
-        ring.consumer_wait(consumer_state(1))  # the TMA'd states, seen by these warps too
+        for i in cutlass.range_constexpr(len(STATE_GROUPS)):  # the TMA'd states, seen here too
+            cute.arch.mbarrier_wait(bars + STATE_GROUPS[i], 0)
         tid = opaque_tid_x() - WARP_SIZE
         first = c * CHUNK
         hh, dd = sH[None, None, 0], sDH[None, None, 0]
@@ -476,13 +684,17 @@ class GdnBwdChunkSm90:
 
     @cute.jit
     def _wy(self, mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, wy_smem, sG, sRed, mDK, mV,
-            mBeta, mDV, mDB, math, e_g, t0, row_w, first, seqlen, b, hv, c):  # fmt: skip
+            mBeta, mDV, mDB, math, e_g, t0, row_w, first, seqlen, b, hv, c,
+            stash=None, bars=None, waits=None):  # fmt: skip
         """The WY half (reference `_wy_grads`) from dw in shared memory: [dkb dvb] = T^T [dw du],
         dv = beta dvb, dA = -(dkb w^T + dvb u^T) strictly lower, dAe = dA o D, M = beta dAe,
         dk += beta e^G dkb + M k + M^T k, dbeta = dvb.v + e^G dkb.k + rowsum(dAe o KK^T), dG +=
         beta e^G dkb.k + rowsum(M o KK^T) - colsum(M o KK^T) (the column sums as (M^T k).k)."""
         sTt, sW, sUw, sDW, sM = wy_smem
         tid = opaque_tid_x() % THREADS_PER_WG
+        if const_expr(bars is not None):  # `fsplit`: T^T, u (WY_STEPS' groups)
+            for i in cutlass.range_constexpr(len(waits[1])):
+                cute.arch.mbarrier_wait(bars + waits[1][i], 0)
         wg_k = mma_k.get_slice(0)
         wg_s = mma_s.get_slice(0)
         wg_q = mma_q.get_slice(0)
@@ -512,6 +724,9 @@ class GdnBwdChunkSm90:
                 va[r, j] = va[r, j] * beta[r]
         self._store_rows(acc_v, mma_k, mDV, tid, b, hv, c, seqlen)
         # dkb = T^T dw: dA's other A operand, then dk's accumulator (beta e^G dkb)
+        if const_expr(bars is not None):  # `fsplit`: w, k
+            for i in cutlass.range_constexpr(len(waits[2])):
+                cute.arch.mbarrier_wait(bars + waits[2][i], 0)
         acc_b = cute.make_rmem_tensor(shape, Float32)
         gemm(mma_k, acc_b, tArT[None, None, None, 0], tBrDW[None, None, None, 0], True, 0)
         tDArB = wg_da.make_fragment_A(wg_da.partition_shape_A((CHUNK, self.k)))
@@ -566,7 +781,18 @@ class GdnBwdChunkSm90:
         for r in cutlass.range_constexpr(2):
             dbeta[r] = dbeta[r] + rkk[r]
             dg[r] = beta[r] * e_g[r] * x[r] + rmk[r] - (after[r] - before[r])
-        self._add_rows(acc_b, mma_k, mDK, tid, b, hv, c, seqlen)
+        if const_expr(self.dqk16):  # dk = the stashed first half + the WY terms, rounded once
+            if const_expr(self.fsplit):  # the output warpgroup's stash written (both wait)
+                named_barrier(BAR_HANDOVER, 2 * THREADS_PER_WG).arrive_and_wait()
+                # the rows' coordinates afresh (tid re-read): not live across the products
+                # (at 256 registers they spilled)
+                tid = opaque_tid_x() % THREADS_PER_WG
+                t0, row_w, _ = softmax.acc_coords(mma_w, tid, (CHUNK, self.k))
+            for i in cutlass.range_constexpr(cute.size(acc_b)):
+                acc_b[i] = acc_b[i] + stash[i // STASH_COLS][tid, i % STASH_COLS]
+            self._store_rows(acc_b, mma_k, mDK, tid, b, hv, c, seqlen)
+        else:
+            self._add_rows(acc_b, mma_k, mDK, tid, b, hv, c, seqlen)
         self._store_vec(dbeta, t0, row_w, tid, mDB, b, hv, first, seqlen)
         if tid % QUAD == 0:  # dG's WY rows onto this thread's own stash (`_stash_rows`)
             for r in cutlass.range_constexpr(2):
@@ -656,8 +882,9 @@ class GdnBwdChunkSm90:
                     g[r, j] = g[r, j] + a[r, j]
 
     @cute.jit
-    def _store_rows(self, acc, mma, mOut, tid, b, hv, c, seqlen):
-        """A (C, K) accumulator to out[b, tokens of chunk c, hv, :], the rows inside T."""
+    def _store_rows(self, acc, mma, mOut, tid, b, hv, c, seqlen, scale=None):
+        """A (C, K) accumulator to out[b, tokens of chunk c, hv, :], the rows inside T; a 16-bit
+        out rounded once (times `scale` when given: dqk16's dq)."""
         t0, row_base, _ = softmax.acc_coords(mma, tid, (CHUNK, self.k))
         tile = cute.local_tile(mOut[b, None, hv, None], (CHUNK, self.k), (c, 0))
         g = rows_cols(mma.get_slice(tid).partition_C(tile))
@@ -665,7 +892,9 @@ class GdnBwdChunkSm90:
         for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
             if c * CHUNK + row_base + t0[r, 0][0] < seqlen:
                 for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
-                    if const_expr(mOut.element_type != Float32):  # dv16: dv in 16 bits
+                    if const_expr(mOut.element_type != Float32 and scale is not None):
+                        g[r, j] = (a[r, j] * scale).to(mOut.element_type)
+                    elif const_expr(mOut.element_type != Float32):  # dv16, dqk16's dk
                         g[r, j] = a[r, j].to(mOut.element_type)
                     else:
                         g[r, j] = a[r, j]

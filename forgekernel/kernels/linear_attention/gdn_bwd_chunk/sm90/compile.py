@@ -3,7 +3,7 @@ B, T, HV, the chunk count and every outer stride dynamic; K, V, the dtype and wh
 runs too (`wy`) baked in; `grouped`: q, k with their own head count H (HV / H value heads
 share one). The 16-bit tiles: unit last strides, the others multiples of 8
 elements, 16-byte aligned (TMA); G, beta fp32 (B, T, HV) unit last stride; the fp32 outputs unit
-last strides."""
+last strides (dqk16: dq, dk 16-bit); the scale a runtime fp32."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.chunk_grads import 
 
 def kernel_for(params: dict) -> GdnBwdChunkSm90:
     return GdnBwdChunkSm90(params["k"], params["v"], wy=params["wy"],
-                           grouped=params.get("grouped", False))  # fmt: skip
+                           grouped=params.get("grouped", False),
+                           fsplit=params.get("fsplit", False))  # fmt: skip
 
 
 def compile_gdn_bwd_chunk(params: dict, arch: str = "sm_90a", extra_options: str = "", kernel=None):
@@ -28,6 +29,8 @@ def compile_gdn_bwd_chunk(params: dict, arch: str = "sm_90a", extra_options: str
     f32 = cutlass.Float32
     kernel = kernel_for(params) if kernel is None else kernel
     wy = params["wy"]
+    # dqk16: dq, dk in the tiles' dtype (16-byte aligned rows: 8 elements)
+    qk_out = (dtype, 8) if params.get("dqk16", False) else (f32, 4)
 
     def tok(d):
         return fake.rowmajor(dtype, (b, t, hv, d))
@@ -47,13 +50,14 @@ def compile_gdn_bwd_chunk(params: dict, arch: str = "sm_90a", extra_options: str
         fake.rowmajor(dtype, (b, nc, hv, kd, vd)),
         fake.rowmajor(dtype, (b, nc, hv, kd, vd)),
         vec(),
-        fake.rowmajor(f32, (b, t, hv, kd), divisibility=4),
-        fake.rowmajor(f32, (b, t, hv, kd), divisibility=4),
+        fake.rowmajor(qk_out[0], (b, t, hv, kd), divisibility=qk_out[1]),
+        fake.rowmajor(qk_out[0], (b, t, hv, kd), divisibility=qk_out[1]),
         None if wy else fake.rowmajor(f32, (b, t, hv, kd), divisibility=4),
         vec(),
         *((tok(64), tok(kd), tok(vd), tok(vd), vec(),
            fake.rowmajor(dtype if params.get("dv16", False) else f32, (b, t, hv, vd),
                          divisibility=4), vec()) if wy else (None,) * 7),
+        f32(1.0),  # scale: dqk16's dq
         fake.stream(),
         options=fake.options(arch, extra_options),
     )  # fmt: skip

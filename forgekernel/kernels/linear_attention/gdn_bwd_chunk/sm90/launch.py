@@ -79,7 +79,7 @@ def gdn_bwd_chunk(
                                      grouped=grouped))  # fmt: skip
     tiles = [as_tma_ready(x) for x in (do, u, du, q, k, h, dh)]
     with on_device(do.device):
-        fn(*tiles, big_g.contiguous(), *outs, *(None,) * 7)
+        fn(*tiles, big_g.contiguous(), *outs, *(None,) * 7, 1.0)
     return outs
 
 
@@ -102,14 +102,25 @@ def check_wy_inputs(do, q, tt, w, uw, v, beta) -> None:
                          f"{tuple(beta.shape)}")  # fmt: skip
 
 
-def empty_wy_outputs(do: torch.Tensor, k: int, dv16: bool = False) -> WyOutputs:
-    """(dq, dk (B, T, HV, K), dg (B, T, HV), dv (B, T, HV, V), dbeta (B, T, HV)) fp32 (`dv16`:
-    dv in do's dtype)."""
+def wy_dtypes(do: torch.Tensor, dv16: bool = False, dqk16: bool = False) -> list[torch.dtype]:
+    """The dtypes of the WY variant's (dq, dk, dg, dv, dbeta): fp32, `dv16`: dv in do's dtype,
+    `dqk16`: dq, dk in do's dtype."""
+    want = [torch.float32] * 5
+    if dv16:
+        want[3] = do.dtype
+    if dqk16:
+        want[0] = want[1] = do.dtype
+    return want
+
+
+def empty_wy_outputs(do: torch.Tensor, k: int, dv16: bool = False,
+                     dqk16: bool = False) -> WyOutputs:  # fmt: skip
+    """(dq, dk (B, T, HV, K), dg (B, T, HV), dv (B, T, HV, V), dbeta (B, T, HV)) in
+    `wy_dtypes`."""
     b, t, hv, v = do.shape
-    f32 = {"dtype": torch.float32, "device": do.device}
-    dv = torch.empty(b, t, hv, v, dtype=do.dtype if dv16 else torch.float32, device=do.device)
-    return (torch.empty(b, t, hv, k, **f32), torch.empty(b, t, hv, k, **f32),
-            torch.empty(b, t, hv, **f32), dv, torch.empty(b, t, hv, **f32))  # fmt: skip
+    shapes = ((b, t, hv, k), (b, t, hv, k), (b, t, hv), (b, t, hv, v), (b, t, hv))
+    return tuple(torch.empty(s, dtype=dt, device=do.device)
+                 for s, dt in zip(shapes, wy_dtypes(do, dv16, dqk16)))  # fmt: skip
 
 
 def gdn_bwd_chunk_wy(
@@ -129,31 +140,38 @@ def gdn_bwd_chunk_wy(
     *,
     out: WyOutputs | None = None,
     dv16: bool = False,
+    dqk16: bool = False,
+    scale: float = 1.0,
+    fsplit: bool = False,
 ) -> WyOutputs:
     """All of pass 3 per chunk: `gdn_bwd_chunk`'s products, then the WY half from dw on chip
     ([dkb dvb] = T^T [dw du], dv = beta dvb, dA, M = beta (dA o D), dk += beta e^G dkb + M k +
     M^T k, dbeta, dG's WY rows). Extra inputs: tt (B, T, HV, 64) (row j of a chunk: column j
     of T = L^-1), w (B, T, HV, K), uw (B, T, HV, V) (the forward's w, u), v (B, T, HV, V) in
     do's dtype; beta (B, T, HV) fp32. Returns (dq, dk, dg (pass 3's dG, the reverse cumsum
-    within the chunk done), dv, dbeta) fp32 (`dv16`: dv in do's dtype), into `out` (contiguous)
-    when given."""
+    within the chunk done), dv, dbeta) fp32 (`dv16`: dv in do's dtype; `dqk16`: dq, dk in do's
+    dtype, rounded once, dq times `scale`), into `out` (contiguous) when given. `fsplit`
+    (dqk16 only): the two-math-warpgroup form of the same kernel (config.FSPLIT_*), the same
+    outputs bit for bit."""
     b, t, hv, _ = check_inputs(do, u, du, q, k, h, dh, big_g)
     check_wy_inputs(do, q, tt, w, uw, v, beta)
-    outs = empty_wy_outputs(do, q.shape[-1], dv16) if out is None else out
-    want = [torch.float32] * 5
-    want[3] = do.dtype if dv16 else torch.float32
+    if scale != 1.0 and not dqk16:
+        raise ValueError("scale multiplies dqk16's 16-bit dq only")
+    outs = empty_wy_outputs(do, q.shape[-1], dv16, dqk16) if out is None else out
+    want = wy_dtypes(do, dv16, dqk16)
     for x, dt in zip(outs, want):
         if not x.is_contiguous() or x.dtype != dt:
             raise ValueError(f"out must be contiguous tensors of dtypes {want}")
     if b * hv * t == 0:
         return outs
     params = params_for(dtype_name(do.dtype), (q.shape[-1], do.shape[-1]), wy=True,
-                        grouped=q.shape[2] != hv, dv16=dv16)  # fmt: skip
+                        grouped=q.shape[2] != hv, dv16=dv16, dqk16=dqk16,
+                        fsplit=fsplit)  # fmt: skip
     fn = get_kernel(SPEC, params)
     tiles = [as_tma_ready(x) for x in (do, u, du, q, k, h, dh)]
     extra = [as_tma_ready(x) for x in (tt, w, uw)]
     dq, dk, dg, dv, dbeta = outs
     with on_device(do.device):
         fn(*tiles, big_g.contiguous(), dq, dk, None, dg, *extra, v.contiguous(),
-           beta.contiguous(), dv, dbeta)  # fmt: skip
+           beta.contiguous(), dv, dbeta, float(scale))  # fmt: skip
     return outs

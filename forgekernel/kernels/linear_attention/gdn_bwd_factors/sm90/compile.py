@@ -27,8 +27,7 @@ def compile_gdn_bwd_factors(params: dict, arch: str = "sm_90a", extra_options: s
     b, t, h, hv, rows, nc = (cute.sym_int32() for _ in range(6))
     f32 = cutlass.Float32
     kernel = kernel_for(params) if kernel is None else kernel
-    width = {"w": kd, "u": vd, "pt": CHUNK, "ke": kd, "qe": kd, "tt": CHUNK, "fw_u": vd,
-             "fw_w": kd, "fw_ke": kd}  # fmt: skip
+    width = {"w": kd, "u": vd, "pt": CHUNK, "ke": kd, "qe": kd, "tt": CHUNK}
     outs = [fake.rowmajor(dtype, (b, rows, hv, width[n])) for n in OUT_TILES]
     return cute.compile(
         kernel,

@@ -11,16 +11,20 @@ HEAD_DIMS = ((128, 128),)  # (K, V)
 CHUNK = 64  # tokens per chunk (one CTA), the M of every product: one math warpgroup
 THREADS = 2 * THREADS_PER_WG  # warpgroup 0: the TMA warp; warpgroup 1: gates, every product
 # the 16-bit token tiles out, in the launcher's and `reference.gdn_bwd_factors.NAMES`' order
-OUT_TILES = ("w", "u", "pt", "ke", "qe", "tt", "fw_u", "fw_w", "fw_ke")
+OUT_TILES = ("w", "u", "pt", "ke", "qe", "tt")
+# The TMA boxes' mbarriers, one a group, in the order the math warpgroup first reads them (it
+# waits on each just before that product; all boxes issued at once, TMA order = group order):
+# k (A = K K^T, then the inverse), q (P = Q K^T, under the merges), v (u = [T diag(beta)] V)
+LOAD_GROUPS = (("k",), ("q",), ("v",))
 
 
 def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2) -> int:
     """Shared memory of one CTA (the kernel's SharedStorage, alignment padding included): q, k,
-    v in; W, -W, u, Ke, -Ke, Qe (C, K / V) and P^T, T^T (C, C) out; the inverse's fp32
-    scratches (the forward's strides); the barrier pair and the gate vectors."""
-    tiles = CHUNK * (2 * k + v) + CHUNK * (4 * k + v + k) + 2 * CHUNK * CHUNK
+    v in; W, u, Ke, Qe (C, K / V) and P^T, T^T (C, C) out; the inverse's fp32
+    scratches (the forward's strides); one mbarrier a load group and the gate vectors."""
+    tiles = CHUNK * (2 * k + v) + CHUNK * (3 * k + v) + 2 * CHUNK * CHUNK
     scratch = (CHUNK * W_STRIDE + 2 * BLOCK * X_STRIDE) * 4
-    head = 16 + 3 * CHUNK * 4  # barriers, G2, G, beta (fp32)
+    head = 8 * len(LOAD_GROUPS) + 3 * CHUNK * 4  # mbarriers, G2, beta, beta e^G (fp32)
     return tiles * elem_bytes + scratch + head + 1024
 
 

@@ -15,13 +15,18 @@ head hv // (HV / H); G = cumsum g within the chunk, G2 = log2(e) G for the forwa
     Ke = K e^(G_C - G), Qe = Q e^G                the tiles' own rows, in shared memory
 
 Outputs (16-bit, through shared memory by TMA stores; every chunk's 64 rows, the padded ones
-zero as the zero-filled loads make them): W, u, P^T, Ke, Qe, T^T at chunk c; u, -W, -Ke at
-chunk NC - 1 - c (kernel 1's forward launch runs the chunks reversed with these signs,
-`reference.gdn_bwd_state.forward_state_tiles`); e^(G_C) and G fp32 by plain stores.
+zero as the zero-filled loads make them): W, u, P^T, Ke, Qe, T^T at chunk c (kernel 1's
+forward launch reads u, W, Ke as they are, in chunk order, its signs in registers); e^(G_C) and
+G fp32 by plain stores.
 
-Warp roles (2 warpgroups, 256 threads): warpgroup 0, warp 0: the three TMA loads (one barrier,
-no ring: one chunk a CTA); warpgroup 1: the gates (its warp 0: two tokens a lane, a warp scan
-as the forward's gate warp), every product, the stores (thread 0 issues the TMA stores).
+Warp roles (2 warpgroups, 256 threads): warpgroup 0, warp 0: the three TMA loads, all issued at
+once, each on its own mbarrier armed once (config.LOAD_GROUPS: k, q, v, the order the math first
+reads them; Gated DeltaNet's chunk kernel's `_load_groups`; no ring, no empty barrier: one chunk
+a CTA); warpgroup 1, waiting on each group just before its first product (K K^T on k; Q K^T,
+under the merges, on q; u on v): the gates (its warp 0: two tokens a lane, a warp scan
+as the forward's gate warp), every product, the stores (its thread 0 issues the TMA stores in
+three bulk groups as the tiles are final: P^T, T^T after the inverse, W, u after their products,
+Ke, Qe last; one wait, on the shared-memory reads, before the exit).
 
 Constraints: K = V = 128, 16-bit q, k, v with unit last strides and 16-byte aligned outer
 strides (TMA), likewise the output tiles; g, beta fp32 (B, T, HV) unit last stride.
@@ -43,17 +48,14 @@ from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
 from forgekernel.kernels.common.sm90.constants import LOG2E, THREADS_PER_WG, WARP_SIZE
 from forgekernel.kernels.common.sm90.layout import acc_to_operand_a, rows_cols, select, transposed
 from forgekernel.kernels.common.sm90.mma import gemm
-from forgekernel.kernels.common.sm90.pipeline import (
-    consumer_state,
-    init_arrive,
-    init_wait,
-    producer_state,
-    smem_tensor,
-    tma_pipeline,
-)
+from forgekernel.kernels.common.sm90.pipeline import init_arrive, init_wait, smem_tensor
 from forgekernel.kernels.common.sm90.ptx import opaque_tid_x
 from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.chunk_grads import GdnBwdChunkSm90
-from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90.config import CHUNK, THREADS
+from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90.config import (
+    CHUNK,
+    LOAD_GROUPS,
+    THREADS,
+)
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.aux_wy import AuxWy
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     BLOCK,
@@ -76,9 +78,12 @@ def _tdhb(t: cute.Tensor) -> cute.Tensor:
 class GdnBwdFactorsSm90(AuxWy):
     """One CTA per (chunk, value head, sequence): the chunk's factors; see the module
     docstring. The forward's aux-warpgroup masks (`AuxWy._decay_mask`, `_scale_by_beta`) and
-    kernel 2's shared-memory tile store (`_store_tile`) are used as they are."""
+    kernel 2's shared-memory tile store (`_store_tile`) and grouped TMA loads (`_load_groups`)
+    are used as they are."""
 
     _store_tile = GdnBwdChunkSm90._store_tile
+    _load_groups = GdnBwdChunkSm90._load_groups
+    load_groups = LOAD_GROUPS  # the TMA tiles' load groups, one mbarrier each
 
     def __init__(self, k: int, v: int):
         if (k, v) != (128, 128):
@@ -116,19 +121,15 @@ class GdnBwdFactorsSm90(AuxWy):
         mKe: cute.Tensor,
         mQe: cute.Tensor,
         mTt: cute.Tensor,
-        mFwU: cute.Tensor,
-        mFwW: cute.Tensor,
-        mFwKe: cute.Tensor,
         mElast: cute.Tensor,
         mBigG: cute.Tensor,
         stream: cuda.CUstream,
     ):
         """mQ (scaled, normalized), mK (B, T, H, K), mV (B, T, HV, V) 16-bit; mG, mBeta fp32
         (B, T, HV). Outputs in mQ's dtype, (B, NC C, HV, D): mW, mU, mPt (D = C), mKe, mQe,
-        mTt (D = C) at chunk c, mFwU (u), mFwW (-W), mFwKe (-Ke) at chunk NC - 1 - c; fp32
-        mElast (B, NC, HV) = e^(G_C), mBigG (B, NC C, HV) = G."""
+        mTt (D = C) at chunk c; fp32 mElast (B, NC, HV) = e^(G_C), mBigG (B, NC C, HV) = G."""
         self.dtype = mQ.element_type
-        for t in (mK, mV, mW, mU, mPt, mKe, mQe, mTt, mFwU, mFwW, mFwKe):
+        for t in (mK, mV, mW, mU, mPt, mKe, mQe, mTt):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"the 16-bit tiles must share one dtype, got {t.element_type}")
         self._setup()
@@ -140,17 +141,19 @@ class GdnBwdFactorsSm90(AuxWy):
         for m, d in ((mQ, self.k), (mK, self.k), (mV, self.v)):
             loads.append(cpasync.make_tiled_tma_atom(g2s, _tdhb(m), sT_tile, (CHUNK, d)))
         stores = []
-        for m in (mW, mU, mKe, mQe, mFwU, mFwW, mFwKe):
+        for m in (mW, mU, mKe, mQe):
             stores.append(cpasync.make_tiled_tma_atom(s2g, _tdhb(m), sT_tile, (CHUNK, self.k)))
         for m in (mPt, mTt):
             stores.append(cpasync.make_tiled_tma_atom(s2g, _tdhb(m), sP_tile, (CHUNK, CHUNK)))
-        self.tx_bytes = 3 * cute.size_in_bytes(self.dtype, sT_tile)
+        # the bytes each load group's mbarrier expects (`_load_groups`): (C, 128) 16-bit tiles
+        t_bytes = cute.size_in_bytes(self.dtype, sT_tile)
+        self.group_bytes = tuple(t_bytes * len(group) for group in LOAD_GROUPS)
         t_elems = cute.cosize(self.sT_layout)
         p_elems = cute.cosize(self.sP_layout)
 
         @cute.struct
         class SharedStorage:
-            barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            barriers: cute.struct.MemRange[cutlass.Int64, len(LOAD_GROUPS)]
             sG2: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]
             sBeta: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]
             sBetaEg: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]
@@ -163,8 +166,6 @@ class GdnBwdFactorsSm90(AuxWy):
             sOu: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
             sOke: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
             sOqe: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
-            sOnw: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
-            sOnke: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
             sOpt: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
             sOtt: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
 
@@ -196,12 +197,6 @@ class GdnBwdFactorsSm90(AuxWy):
         mKe4: cute.Tensor,
         tma_qe: cute.CopyAtom,
         mQe4: cute.Tensor,
-        tma_fu: cute.CopyAtom,
-        mFwU4: cute.Tensor,
-        tma_fw: cute.CopyAtom,
-        mFwW4: cute.Tensor,
-        tma_fk: cute.CopyAtom,
-        mFwKe4: cute.Tensor,
         tma_pt: cute.CopyAtom,
         mPt4: cute.Tensor,
         tma_tt: cute.CopyAtom,
@@ -221,13 +216,17 @@ class GdnBwdFactorsSm90(AuxWy):
             for atom in (tma_q, tma_k, tma_v):
                 cpasync.prefetch_descriptor(atom)
         storage = SmemAllocator().allocate(self.shared_storage)
-        ring = tma_pipeline(storage.barriers, 1, self.tx_bytes, THREADS_PER_WG // WARP_SIZE)
+        bars = storage.barriers.data_ptr()  # one mbarrier a load group, armed once (phase 0)
+        if warp_idx == PRODUCER_WARP:
+            with cute.arch.elect_one():
+                for i in cutlass.range_constexpr(len(LOAD_GROUPS)):
+                    cute.arch.mbarrier_init(bars + i, 1)
         init_arrive()
         sQ = smem_tensor(storage.sQ, sT_layout)
         sK = smem_tensor(storage.sK, sT_layout)
         sV = smem_tensor(storage.sV, sT_layout)
-        outs = [smem_tensor(f, sT_layout) for f in (storage.sOw, storage.sOu, storage.sOke,
-                storage.sOqe, storage.sOnw, storage.sOnke)]  # fmt: skip
+        outs = [smem_tensor(f, sT_layout)
+                for f in (storage.sOw, storage.sOu, storage.sOke, storage.sOqe)]  # fmt: skip
         sPt = smem_tensor(storage.sOpt, sP_layout)
         sTt = smem_tensor(storage.sOtt, sP_layout)
         gates = [f.get_tensor(cute.make_layout((CHUNK, 1)))
@@ -241,34 +240,31 @@ class GdnBwdFactorsSm90(AuxWy):
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         if wg == 0:
             if warp_idx == PRODUCER_WARP:
-                one = cute.make_layout(1)
-                st = producer_state(1)
-                ring.producer_acquire(st)
-                bar = ring.producer_get_barrier(st)
-                for atom, m, s, head in ((tma_q, mQ4, sQ, hq), (tma_k, mK4, sK, hq),
-                                         (tma_v, mV4, sV, hv)):  # fmt: skip
-                    g = cute.local_tile(m[None, None, head, b], (CHUNK, self.k), (c, 0))
-                    ts, tg = cpasync.tma_partition(
-                        atom, 0, one, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
-                    )
-                    cute.copy(atom, tg, ts[(None, 0)], tma_bar_ptr=bar)
+                tiles = {"q": (tma_q, mQ4, sQ, self.k, hq), "k": (tma_k, mK4, sK, self.k, hq),
+                         "v": (tma_v, mV4, sV, self.v, hv)}  # fmt: skip
+                self._load_groups(tiles, bars, c, hv, b)
         else:
+            # the TMA stores in three groups as their tiles are final (P^T, T^T after the
+            # inverse; W, u after their products; Ke, Qe last), one thread issuing all three
+            # (bulk groups are the thread's), its one wait (smem read) just before the exit
+            stores = (((tma_pt, mPt4, sPt), (tma_tt, mTt4, sTt)),
+                      ((tma_w, mW4, outs[0]), (tma_u, mU4, outs[1])),
+                      ((tma_ke, mKe4, outs[2]), (tma_qe, mQe4, outs[3])))  # fmt: skip
             self._math(mma_aux, mma_rs, sQ, sK, sV, outs, sPt, sTt, gates, sW, sX, mG, mBeta,
-                       mElast, mBigG, ring, c, hv, b)  # fmt: skip
-            named_barrier(BAR_MATH, THREADS_PER_WG).arrive_and_wait()  # every tile written
+                       mElast, mBigG, bars, stores, c, hv, b)  # fmt: skip
+            self._store_group(stores[2], self.k, c, hv, b)
             if tidx == THREADS_PER_WG:
-                nc = mElast.shape[1]
-                tiles = ((tma_w, mW4, outs[0], c), (tma_u, mU4, outs[1], c),
-                         (tma_ke, mKe4, outs[2], c), (tma_qe, mQe4, outs[3], c),
-                         (tma_fu, mFwU4, outs[1], nc - 1 - c),
-                         (tma_fw, mFwW4, outs[4], nc - 1 - c),
-                         (tma_fk, mFwKe4, outs[5], nc - 1 - c))  # fmt: skip
-                for atom, m, s, slot in tiles:
-                    self._tma_store(atom, m, s, slot, self.k, hv, b)
-                for atom, m, s in ((tma_pt, mPt4, sPt), (tma_tt, mTt4, sTt)):
-                    self._tma_store(atom, m, s, c, CHUNK, hv, b)
-                cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _store_group(self, tiles, d, c, hv, b):
+        """The math warpgroup, whole: once every thread's (fenced) writes of `tiles` are done
+        (BAR_MATH), its first thread issues their TMA stores ((C, d) each) as one bulk group."""
+        named_barrier(BAR_MATH, THREADS_PER_WG).arrive_and_wait()
+        if opaque_tid_x() == THREADS_PER_WG:
+            for atom, m, s in tiles:
+                self._tma_store(atom, m, s, c, d, hv, b)
+            cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
     def _tma_store(self, atom, m, s, slot, d, hv, b):
@@ -310,15 +306,15 @@ class GdnBwdFactorsSm90(AuxWy):
 
     @cute.jit
     def _math(self, mma_aux, mma_rs, sQ, sK, sV, outs, sPt, sTt, gates, sW, sX, mG, mBeta,
-              mElast, mBigG, ring, c, hv, b):  # fmt: skip
+              mElast, mBigG, bars, stores, c, hv, b):  # fmt: skip
         sG2, sBeta, sBetaEg = gates
         math = named_barrier(BAR_MATH, THREADS_PER_WG)
         inv = named_barrier(BAR_INVERSE, THREADS_PER_WG)
         if opaque_tid_x() < THREADS_PER_WG + WARP_SIZE:
             self._gates(gates, mG, mBeta, mElast, mBigG, c, hv, b)
         math.arrive_and_wait()
-        st = consumer_state(1)
-        ring.consumer_wait(st)
+        # each load group's mbarrier waited just before its first product (LOAD_GROUPS)
+        cute.arch.mbarrier_wait(bars + 0, 0)  # k
         wg_a = mma_aux.get_slice(0)
         tSrQ = wg_a.make_fragment_A(wg_a.partition_A(sQ))
         tSrKa = wg_a.make_fragment_A(wg_a.partition_A(sK))
@@ -335,6 +331,7 @@ class GdnBwdFactorsSm90(AuxWy):
         cute.arch.sync_warp()
         invert_diagonal(sW, atid)
         acc_p = cute.make_rmem_tensor(acc_shape, Float32)
+        cute.arch.mbarrier_wait(bars + 1, 0)  # q
         gemm(mma_aux, acc_p, tSrQ[None, None, None, 0], tSrKb[None, None, None, 0], True, -1)
         invert_merge_mma(sW, sX, atid, inv)
         warpgroup.wait_group(0)
@@ -342,6 +339,7 @@ class GdnBwdFactorsSm90(AuxWy):
         self._store_tile(acc_p, mma_aux, sPt, True)  # P^T
         acc.store(tWsW.load())  # T, every block final after the merges' last barrier
         self._store_tile(acc, mma_aux, sTt, True)  # T^T
+        self._store_group(stores[0], CHUNK, c, hv, b)  # P^T, T^T out under u, W
         # u = [T diag(beta)] V, W = [T diag(beta e^G)] K: 16-bit register A operands
         wg_r = mma_rs.get_slice(0)
         tb = cute.make_rmem_tensor(acc_shape, Float32)
@@ -352,6 +350,7 @@ class GdnBwdFactorsSm90(AuxWy):
         out_shape = wg_r.partition_shape_C((CHUNK, self.v))
         acc_u = cute.make_rmem_tensor(out_shape, Float32)
         tBrV = wg_r.make_fragment_B(wg_r.partition_B(transposed(sV)))
+        cute.arch.mbarrier_wait(bars + 2, 0)  # v
         gemm(mma_rs, acc_u, tUrA, tBrV[None, None, None, 0], True, -1)
         self._scale_by_beta(acc, coords, sBetaEg, 0)
         tWrA = wg_r.make_fragment_A(wg_r.partition_shape_A((CHUNK, CHUNK)))
@@ -359,12 +358,11 @@ class GdnBwdFactorsSm90(AuxWy):
         acc_w = cute.make_rmem_tensor(out_shape, Float32)
         tBrK = wg_r.make_fragment_B(wg_r.partition_B(transposed(sK)))
         gemm(mma_rs, acc_w, tWrA, tBrK[None, None, None, 0], True, 0)
-        s_w, s_u, s_ke, s_qe, s_nw, s_nke = outs
+        s_w, s_u, s_ke, s_qe = outs
         self._store_tile(acc_u, mma_rs, s_u, False)
         self._store_tile(acc_w, mma_rs, s_w, False)
-        acc_w.store(-acc_w.load())
-        self._store_tile(acc_w, mma_rs, s_nw, False)
-        # Ke, -Ke, Qe: the loaded rows times their decays
+        self._store_group(stores[1], self.k, c, hv, b)  # W, u out under Ke, Qe
+        # Ke, Qe: the loaded rows times their decays
         t0, row_base, _ = softmax.acc_coords(mma_rs, atid, (CHUNK, self.k))
         g_last = sG2[CHUNK - 1, 0]
         e_end, e_g = [], []
@@ -372,15 +370,14 @@ class GdnBwdFactorsSm90(AuxWy):
             g_i = sG2[row_base + t0[r, 0][0], 0]
             e_end.append(cute.math.exp2(g_last - g_i, fastmath=True))
             e_g.append(cute.math.exp2(g_i, fastmath=True))
-        self._scaled_rows(mma_rs, atid, sK, (s_ke, s_nke), e_end, out_shape)
-        self._scaled_rows(mma_rs, atid, sQ, (s_qe,), e_g, out_shape)
+        self._scaled_rows(mma_rs, atid, sK, s_ke, e_end, out_shape)
+        self._scaled_rows(mma_rs, atid, sQ, s_qe, e_g, out_shape)
         cute.arch.fence_view_async_shared()
-        ring.consumer_release(st)
 
     @cute.jit
-    def _scaled_rows(self, mma, tid, src, dsts, scales, shape):
-        """dsts[0] = diag(scales) src and dsts[1] = its negation (if given), this thread's
-        rows in the (C, K) accumulator partition of `mma` (16-bit tiles in shared memory)."""
+    def _scaled_rows(self, mma, tid, src, dst, scales, shape):
+        """dst = diag(scales) src, this thread's rows in the (C, K) accumulator partition of
+        `mma` (16-bit tiles in shared memory)."""
         thr = mma.get_slice(tid)
         x = cute.make_rmem_tensor(shape, Float32)
         x.store(thr.partition_C(src[None, None, 0]).load().to(Float32))
@@ -388,6 +385,4 @@ class GdnBwdFactorsSm90(AuxWy):
         for r in cutlass.range_constexpr(2):
             for j in cutlass.range_constexpr(cute.size(xv, mode=[1])):
                 xv[r, j] = xv[r, j] * scales[r]
-        thr.partition_C(dsts[0][None, None, 0]).store(x.load().to(self.dtype))
-        if const_expr(len(dsts) > 1):
-            thr.partition_C(dsts[1][None, None, 0]).store((-x.load()).to(self.dtype))
+        thr.partition_C(dst[None, None, 0]).store(x.load().to(self.dtype))

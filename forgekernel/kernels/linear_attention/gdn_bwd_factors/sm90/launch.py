@@ -49,8 +49,7 @@ def empty_outputs(q: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
     b, t, _, kd = q.shape
     hv, vd = v.shape[2], v.shape[3]
     nc = -(-t // CHUNK)
-    width = {"w": kd, "u": vd, "pt": CHUNK, "ke": kd, "qe": kd, "tt": CHUNK, "fw_u": vd,
-             "fw_w": kd, "fw_ke": kd}  # fmt: skip
+    width = {"w": kd, "u": vd, "pt": CHUNK, "ke": kd, "qe": kd, "tt": CHUNK}
     like = {"dtype": q.dtype, "device": q.device}
     out = {n: torch.empty(b, nc * CHUNK, hv, width[n], **like) for n in OUT_TILES}
     f32 = {"dtype": torch.float32, "device": q.device}

@@ -21,7 +21,10 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    return [params_for(dtype, l2norm=on) for dtype in DTYPES for on in (False, True)]
+    # fp32 value-head gradients (KDA's, the GDN op's QK16 = False) and 16-bit ones (`d16`: the
+    # GDN chunk kernel's dqk16, the op's default)
+    return [params_for(dtype, l2norm=on, d16=d16) for dtype in DTYPES for on in (False, True)
+            for d16 in (False, True)]  # fmt: skip
 
 
 SPEC = KernelSpec(

@@ -11,11 +11,16 @@ ROWS = 64  # tokens a CTA (one q / k head, one sequence)
 L2NORM_EPS = 1e-6  # reference/delta_rule.py's (the tests compare the two)
 
 
-def params_for(dtype: str, k: int = 128, *, l2norm: bool = True) -> tuple:
+def params_for(dtype: str, k: int = 128, *, l2norm: bool = True, d16: bool = False) -> tuple:
     """Compile key: the 16-bit dtype of x and the gradient out, K, and `l2norm` (the
-    normalization's backward, else the group sum times the scale only)."""
+    normalization's backward, else the group sum times the scale only); `d16` (in the key only
+    when set): the value heads' gradients in that 16-bit dtype too (the chunk kernel's `dqk16`;
+    summed in fp32), else fp32."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
     if k not in HEAD_DIMS:
         raise ValueError(f"K must be one of {HEAD_DIMS}, got {k}")
-    return tuple(sorted({"dtype": dtype, "k": k, "l2norm": l2norm}.items()))
+    key = {"dtype": dtype, "k": k, "l2norm": l2norm}
+    if d16:
+        key["d16"] = True
+    return tuple(sorted(key.items()))

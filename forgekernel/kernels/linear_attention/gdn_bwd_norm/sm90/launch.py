@@ -11,17 +11,18 @@ from forgekernel.runtime.device import as_tma_ready, dtype_name, on_device
 
 
 def check_inputs(dxs: torch.Tensor, x: torch.Tensor) -> None:
-    """ValueError / TypeError saying what is off: dxs fp32 (B, T, HV, K), x 16-bit (B, T, H,
-    K), H dividing HV."""
+    """ValueError / TypeError saying what is off: dxs fp32 or x's dtype (B, T, HV, K), x 16-bit
+    (B, T, H, K), H dividing HV."""
     if x.dim() != 4:
         raise ValueError(f"x must be (B, T, H, K), got {tuple(x.shape)}")
     if x.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"x must be float16 or bfloat16, got {x.dtype}")
     b, t, h, k = x.shape
     heads_ok = h > 0 and dxs.dim() == 4 and dxs.shape[2] % h == 0
-    if not heads_ok or dxs.dtype != torch.float32 or tuple(dxs.shape) != (b, t, dxs.shape[2], k):
-        raise ValueError(f"dxs must be float32 (B, T, HV, K) = ({b}, {t}, a multiple of {h}, "
-                         f"{k}), got {dxs.dtype} {tuple(dxs.shape)}")  # fmt: skip
+    if (not heads_ok or dxs.dtype not in (torch.float32, x.dtype)
+            or tuple(dxs.shape) != (b, t, dxs.shape[2], k)):  # fmt: skip
+        raise ValueError(f"dxs must be float32 or {x.dtype} (B, T, HV, K) = ({b}, {t}, a "
+                         f"multiple of {h}, {k}), got {dxs.dtype} {tuple(dxs.shape)}")  # fmt: skip
     params_for(dtype_name(x.dtype), k)  # K supported
 
 
@@ -33,7 +34,8 @@ def gdn_bwd_norm(
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The gradient of the op's q (or k) input x (B, T, H, K) 16-bit from dxs (B, T, HV, K) fp32,
+    """The gradient of the op's q (or k) input x (B, T, H, K) 16-bit from dxs (B, T, HV, K) fp32
+    (or x's dtype: the `d16` key, summed in fp32),
     the gradient of x's normalized, scaled form repeated to the HV value heads (value head hv
     reads head hv // (HV / H)): summed over each head's HV / H value heads, through l2norm's
     backward (`l2norm`: x / sqrt(x.x + eps)) and the scale; in x's dtype, into `out`
@@ -44,7 +46,8 @@ def gdn_bwd_norm(
         raise ValueError(f"out must be contiguous {x.dtype} {tuple(x.shape)}")
     if x.numel() == 0:
         return res
-    fn = get_kernel(SPEC, params_for(dtype_name(x.dtype), x.shape[-1], l2norm=l2norm))
+    d16 = dxs.dtype != torch.float32
+    fn = get_kernel(SPEC, params_for(dtype_name(x.dtype), x.shape[-1], l2norm=l2norm, d16=d16))
     with on_device(x.device):
         fn(as_tma_ready(dxs), as_tma_ready(x), res, float(scale))
     return res

@@ -8,7 +8,8 @@ heads; this kernel forms the gradient of the op's q (or k) input (B, T, H, K) in
 
 x the op's 16-bit input (not normalized: the norm is recomputed, nothing saved from the
 forward). SIMT: grid (ceil(T / 64), H, B), 128 threads; K / 8 = 16 threads a row, each 8
-columns (16-byte x loads, two 16-byte loads of each value head's fp32 row), 8 rows a pass, the
+columns (16-byte x loads, two 16-byte loads of each value head's fp32 row, one of a 16-bit row:
+the `d16` key, the chunk kernel's dqk16, summed in fp32), 8 rows a pass, the
 row dots reduced over the row's 16 threads (shuffles), dx written once in 16 bits. Replaces the
 torch group sum, l2norm backward and cast (0.75 KB + 0.5 KB a token-head written, and x's fp32
 copy kept from the forward, 0.5 KB). Deterministic: a fixed summation order, no atomics.
@@ -49,9 +50,12 @@ class GdnBwdNormSm90:
         scale: Float32,
         stream: cuda.CUstream,
     ):
-        """mD fp32 (B, T, HV, K); mX, mOut (B, T, H, K) 16-bit, H dividing HV."""
+        """mD fp32 or x's 16-bit dtype (B, T, HV, K); mX, mOut (B, T, H, K) 16-bit, H dividing
+        HV."""
         if const_expr(mX.element_type != mOut.element_type):
             raise TypeError("x and the gradient out must share one dtype")
+        if const_expr(mD.element_type not in (Float32, mX.element_type)):
+            raise TypeError("the value heads' gradients must be fp32 or x's dtype")
         grid = (cute.ceil_div(mX.shape[1], ROWS), mX.shape[2], mX.shape[0])
         self.kernel(mD, mX, mOut, scale).launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
 
@@ -73,9 +77,9 @@ class GdnBwdNormSm90:
             if t < seqlen:
                 for j in cutlass.range(group, unroll=1):
                     gD = cute.local_tile(mD[b, t, h * group + j, None], (VEC,), (lane,))
-                    rD = cute.make_rmem_tensor(VEC, Float32)
+                    rD = cute.make_rmem_tensor(VEC, mD.element_type)
                     cute.autovec_copy(gD, rD)
-                    d.store(d.load() + rD.load())
+                    d.store(d.load() + rD.load().to(Float32))  # the sum in fp32
                 cute.autovec_copy(cute.local_tile(mX[b, t, h, None], (VEC,), (lane,)), rX)
             x = rX.load().to(Float32)
             dv = d.load()

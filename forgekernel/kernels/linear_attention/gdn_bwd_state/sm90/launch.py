@@ -85,9 +85,11 @@ def gdn_bwd_state(
     initial state's gradient (B, HV, K, V)), fp32, written into `out` (contiguous) when
     given. `out16` (without u): dU and the state side in do's dtype, the state side as dS
     itself (B, NC, HV, K, V) (kernel 2's forms); `forward` (with out16; the op's forward
-    launch, `reference.gdn_bwd_state.forward_state_tiles`): pt and qe None, P^T = I and Qe = 0
-    built into the kernel, and dU's rows and dh of the chunk processed c-th from the start land
-    at chunk c (its inputs come chunks reversed: U and h in the forward's chunk order)."""
+    launch, `reference.gdn_bwd_state.forward_launch_as_reverse`): the FORWARD recurrence U = u - W
+    S, S <- e^(G_C) S + Ke^T U over the chunks first to last, S from d_final_state (the initial
+    state), on the factors as written (chunk order, unnegated): do = u, ke = W, w = Ke, e_last
+    e^(G_C); pt and qe None (P^T = I and Qe = 0 built in); returns (U, h = S at every chunk's
+    start (B, NC, HV, K, V), the final state) in do's dtype but the last."""
     b, t, hv, nc = check_inputs(do, pt, ke, qe, w, e_last, d_final_state, u)
     dke = u is not None
     if (out16 and dke) or (forward and not out16):

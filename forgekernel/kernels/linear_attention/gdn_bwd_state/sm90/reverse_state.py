@@ -30,8 +30,8 @@ FIRST VERSION (2026-12-03), simplified against docs/linear_attention/NOTES.md's 
   U dS^T) are not formed here (they need h: the plan's next step).
 
 Warp roles (3 warpgroups, 384 threads, setmaxnreg split in config.py):
-- warpgroup 0, warp 0 (producer): per chunk, last first, one (C, D) TMA box of each of dO, P^T,
-  Ke, Qe, W into one STAGES-deep ring;
+- warpgroup 0, warp 0 (producer): per chunk, last first (forward: first first), one (C, D)
+  TMA box of each of dO, P^T, Ke, Qe, W into one STAGES-deep ring;
 - warpgroups 1, 2 (state): value rows [64 w, 64 w + 64) of dS^T; the products above; dU^T and
   dS^T to global memory.
 
@@ -46,12 +46,16 @@ forms instead of fp32: dU (B, T, HV, V) in the tiles' dtype and dS itself (not d
 chunk's end (B, NC, HV, K, V), each thread's fragment converted in registers and stored through
 the transposed view (the torch conversions and transposes of 1.5 KB a token-head of fp32 go).
 Variant `forward` (compile flag, with out16; the op's forward launch, which runs the FORWARD
-recurrence through this one: `reference.gdn_bwd_state.forward_state_tiles`): P^T = I and Qe = 0
-are compile-time forms, neither read (two boxes of five, 24 of 72 KB a chunk) nor multiplied:
-dU^T = dS^T Ke^T + dO^T (the dO^T registers added after the product), dS^T <- e^(G_C) dS^T -
-dU^T W. Its chunks arrive reversed (slot c is chunk NC - 1 - c), so dU and dh land at chunk
-NC - 1 - c: U and h in the forward's chunk order, no flip. Neither flag is in Gated DeltaNet's
-or KDA's standard keys unless set.
+recurrence through this one: `reference.gdn_bwd_state.forward_launch_as_reverse` its model): the
+chunks walked FIRST to last (the producer's and the outputs' chunk index c = i, not NC - 1 - i),
+the tiles as the factors wrote them: dO = u, Ke = W, W = Ke, e^(G_C), all in chunk order and
+unnegated; P^T = I and Qe = 0 are compile-time forms, neither read (two boxes of five, 24 of 72
+KB a chunk) nor multiplied, and the two signs live in registers:
+dU^T = dO^T - dS^T Ke^T (the product's fp32 accumulator subtracted from the dO^T registers:
+U^T = u^T - S^T W^T), dS^T <- e^(G_C) dS^T + dU^T W (dU^T fed unnegated: S^T += U^T Ke). Bit
+for bit the recurrence the reverse variant ran on u, -W, -Ke in reversed chunk order (a sign
+flip is exact in the product, the 16-bit rounding and x - y = x + (-y)). U and h land in chunk
+order. Neither flag is in Gated DeltaNet's or KDA's standard keys unless set.
 
 Constraints: K = V = 128, 16-bit tiles with unit last strides and 16-byte aligned token strides
 (TMA); e^(G_C) and the states fp32, unit last strides (channel_decay: e^(G_C) 16-byte aligned
@@ -367,9 +371,9 @@ class GdnBwdStateSm90:
 
     @cute.jit
     def _produce(self, atoms, srcs, ring, hv, b, nchunks):
-        """TMA: per chunk, last first, one (C, D) box of each tile (head hv, sequence b) into
-        the ring (and the (1, K) box of e^(G_C) with channel_decay); boxes past T are
-        zero-filled."""
+        """TMA: per chunk, last first (forward: first first), one (C, D) box of each tile
+        (head hv, sequence b) into the ring (and the (1, K) box of e^(G_C) with
+        channel_decay); boxes past T are zero-filled."""
         one = cute.make_layout(1)
         loads = []
         for atom, (m, s, box) in zip(atoms, srcs):
@@ -380,7 +384,7 @@ class GdnBwdStateSm90:
             loads.append((atom, ts, tg))
         st = producer_state(STAGES)
         for i in cutlass.range(nchunks, unroll=1):
-            c = nchunks - 1 - i
+            c = i if const_expr(self.forward) else nchunks - 1 - i  # forward: in order
             ring.producer_acquire(st)
             bar = ring.producer_get_barrier(st)
             for atom, ts, tg in loads:
@@ -419,13 +423,12 @@ class GdnBwdStateSm90:
             both = named_barrier(Bar.STATE, STATE_WGS * THREADS_PER_WG)
         st = consumer_state(STAGES)
         for i in cutlass.range(nchunks, unroll=1):
-            c = nchunks - 1 - i
-            co = i if const_expr(self.forward) else c  # the outputs' chunk
+            c = i if const_expr(self.forward) else nchunks - 1 - i  # inputs and outputs alike
             acc_du = cute.make_rmem_tensor(acc_shape, Float32)
             ring.consumer_wait(st)
             acc_to_operand_a(acc_ds, tDSrDS)
             if const_expr(self.out16):  # dS, 16-bit: the A operand's registers, no 2nd copy
-                self._store_state16(tDSrDS, thr_st, mDh[b, co, hv, None, None], w)
+                self._store_state16(tDSrDS, thr_st, mDh[b, c, hv, None, None], w)
             gemm(mma_ks, acc_du, tDSrDS, tBrKe[None, None, None, st.index], True, -1)
             if const_expr(self.dke):
                 acc_dke = cute.make_rmem_tensor(wg_dke.partition_shape_C((CHUNK, ROWS)), Float32)
@@ -445,19 +448,22 @@ class GdnBwdStateSm90:
             if const_expr(not self.dke and not self.out16):
                 self._state_io(mDh[b, c, hv, None, None], acc_ds, thr_st, w, False, False)
             warpgroup.wait_group(0)
-            if const_expr(self.forward):  # P = I: dU^T += dO^T (exact: dO is 16-bit)
-                acc_du.store(acc_du.load() + r_do.load())
+            if const_expr(self.forward):  # P = I, Ke = W: U^T = u^T - S^T W^T (exact sign)
+                acc_du.store(r_do.load() - acc_du.load())
             if const_expr(self.channel_decay):
                 self._decay_columns(acc_ds, mma_st, sE, st.index)
             else:
                 acc_ds.store(acc_ds.load() * mEl[b, c, hv])
             if const_expr(not self.forward):  # forward: Qe = 0
                 gemm(mma_st, acc_ds, tDOrDO, tBrQe[None, None, None, st.index], False, -1)
-            r_neg = cute.make_rmem_tensor(acc_shape, Float32)
-            r_neg.store(-acc_du.load())
-            acc_to_operand_a(r_neg, tDUrDU)
+            if const_expr(self.forward):  # W = Ke: S^T += U^T Ke, U^T fed as it is
+                acc_to_operand_a(acc_du, tDUrDU)
+            else:
+                r_neg = cute.make_rmem_tensor(acc_shape, Float32)
+                r_neg.store(-acc_du.load())
+                acc_to_operand_a(r_neg, tDUrDU)
             gemm(mma_st, acc_ds, tDUrDU, tBrW[None, None, None, st.index], False, -1)
-            self._store_du(acc_du, mma_ks, mDU, tid, w, hv, b, co, seqlen)
+            self._store_du(acc_du, mma_ks, mDU, tid, w, hv, b, c, seqlen)
             if const_expr(self.dke):
                 self._store_dke(acc_dke, mma_dke, mDke, tid, w, hv, b, c, seqlen)
             warpgroup.wait_group(0)

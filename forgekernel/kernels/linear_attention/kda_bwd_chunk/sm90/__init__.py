@@ -23,7 +23,10 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    return [params_for(dtype) for dtype in DTYPES]
+    # fp32 dw (kernel 2 alone, the torch WY fallback) and 16-bit dw (the device pass's); with
+    # it dq16 (the device pass without l2norm at HV = H: the op's dq, no epilogue)
+    flags = ({"dw16": False}, {"dw16": True}, {"dw16": True, "dq16": True})
+    return [params_for(dtype, **f) for f in flags for dtype in DTYPES]
 
 
 SPEC = KernelSpec(

@@ -29,11 +29,14 @@ el = e^(G - r_w), er = e^(r_w - G) <= e^(8 max|g|) (zero past T); no factor is e
 block products run in bf16 for either tile dtype (er overflows fp16 at g = -5 a step, as in the
 forward's first pass).
 
-Warp roles (2 warpgroups, 256 threads): warpgroup 0, warp 0: the chunk's 7 TMA boxes (one
-barrier, no ring: one chunk a CTA); warps 1, 2: rowsum(h o dh) per key channel from the 16-bit
-state tiles (named barrier BAR_HDH hands it, and h's bytes for dG's rows, to the math
-warpgroup); warpgroup 1: everything else, 64 token rows. G (C, K) fp32 is read by the math
-warpgroup from global into shared memory (swizzled rows, `_gi`) while the boxes land.
+Warp roles (2 warpgroups, 256 threads): warpgroup 0, warp 0: the chunk's 7 TMA tiles, all
+issued at once on five mbarriers armed once (no ring: one chunk a CTA), one a load group in the
+order the math consumes them (config.LOAD_GROUPS: dU + h, dO, U, q + k, dh; Gated DeltaNet's
+`_load_groups`); warps 1, 2: rowsum(h o dh) per key channel from the 16-bit state tiles (named
+barrier BAR_HDH hands it, and h's bytes for dG's rows, to the math warpgroup); warpgroup 1:
+everything else, 64 token rows, each load group waited just before its first product. G (C, K)
+fp32 is read by the math warpgroup from global into shared memory (swizzled rows, `_gi`) while
+the boxes land.
 
 Constraints: K = V = 128, 16-bit tiles with unit last strides and 16-byte aligned outer strides
 (TMA); G and the fp32 outputs (B, T, HV, K) unit last strides.
@@ -55,24 +58,20 @@ from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
 from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG, WARP_SIZE
 from forgekernel.kernels.common.sm90.layout import acc_to_operand_a, rows_cols, transposed
 from forgekernel.kernels.common.sm90.mma import gemm
-from forgekernel.kernels.common.sm90.pipeline import (
-    consumer_state,
-    init_arrive,
-    init_wait,
-    producer_state,
-    smem_tensor,
-    tma_pipeline,
-)
+from forgekernel.kernels.common.sm90.pipeline import init_arrive, init_wait, smem_tensor
 from forgekernel.kernels.common.sm90.ptx import opaque_tid_x
 from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.chunk_grads import (
     GdnBwdChunkSm90,
     _kvchb,
     _tdhb,
 )
+from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.config import STATE_TILES
 from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90.config import (
     CHUNK,
     HDH_WARPS,
+    LOAD_GROUPS,
     NS,
+    STATE_GROUPS,
     SUB,
     THREADS,
 )
@@ -89,7 +88,9 @@ G_STRIDE = 128 + 8  # the fp32 (C, K) tiles' padded rows (`_gi`)
 class KdaBwdChunkSm90(GdnBwdChunkSm90):
     """One CTA per (chunk, value head, sequence): `_output_grads` of the chunk with KDA's
     per-channel decays; see the module docstring. Gated DeltaNet's kernel 2's row store
-    (`_store_rows`) is used as it is."""
+    (`_store_rows`) and grouped TMA loads (`_load_groups`) are used as they are."""
+
+    load_groups = LOAD_GROUPS
 
     def __init__(self, k: int, v: int):
         super().__init__(k, v, wy=False)
@@ -141,11 +142,21 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         mDK: cute.Tensor,
         mDW: cute.Tensor,
         mDG: cute.Tensor,
+        scale: Float32,
         stream: cuda.CUstream,
     ):
-        """mDO, mU, mDU (B, T, HV, V), mQ (scaled), mK (B, T, HV, K), mH, mDH (B, NC, HV, K, V)
-        16-bit; mG fp32 (B, T, HV, K); outputs fp32 (B, T, HV, K): mDQ, mDK, mDW, mDG (dG, the
-        reverse cumsum within the chunk done)."""
+        """mDO, mU, mDU (B, T, HV, V), mQ (scaled; UNscaled with `dq16`), mK (B, T, HV, K),
+        mH, mDH (B, NC, HV, K, V) 16-bit; mG fp32 (B, T, HV, K); outputs (B, T, HV, K) fp32:
+        mDQ, mDK, mDG (dG, the reverse cumsum within the chunk done); mDW fp32 or the tiles'
+        16-bit dtype (`dw16`: the WY kernel's operand, rounded once here by `_store_rows`).
+        mDQ in the tiles' 16-bit dtype (`dq16`): q read unscaled, `scale` (the op's q scale)
+        applied in registers to every product of q ((q el), dP_jj q_j, q o dq) and to dq
+        before its one rounding: dq = scale dL/d(q scale), the op's dq itself; fp32 dq
+        ignores `scale` (q comes scaled)."""
+        if const_expr(mDW.element_type != Float32 and mDW.element_type != mDO.element_type):
+            raise TypeError(f"dw must be fp32 or the tiles' dtype, got {mDW.element_type}")
+        if const_expr(mDQ.element_type != Float32 and mDQ.element_type != mDO.element_type):
+            raise TypeError(f"dq must be fp32 or the tiles' dtype, got {mDQ.element_type}")
         self.dtype = mDO.element_type
         for t in (mU, mDU, mQ, mK, mH, mDH):
             if const_expr(t.element_type != self.dtype):
@@ -159,8 +170,10 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
             tmas.append(cpasync.make_tiled_tma_atom(g2s, _tdhb(m), sT_tile, (CHUNK, d)))
         for m in (mH, mDH):
             tmas.append(cpasync.make_tiled_tma_atom(g2s, _kvchb(m), sH_tile, (self.k, self.v)))
-        self.tx_bytes = 5 * cute.size_in_bytes(self.dtype, sT_tile) + 2 * cute.size_in_bytes(
-            self.dtype, sH_tile
+        # the bytes each load group's mbarrier expects (`_load_groups`)
+        t_bytes, h_bytes = (cute.size_in_bytes(self.dtype, t) for t in (sT_tile, sH_tile))
+        self.group_bytes = tuple(
+            sum(h_bytes if t in STATE_TILES else t_bytes for t in group) for group in LOAD_GROUPS
         )
         t_elems = cute.cosize(self.sT_layout)
         h_elems = cute.cosize(self.sH_layout)
@@ -168,7 +181,7 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
 
         @cute.struct
         class SharedStorage:
-            barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            barriers: cute.struct.MemRange[cutlass.Int64, len(LOAD_GROUPS)]
             sTab: cute.struct.Align[cute.struct.MemRange[Float32, self.table], 16]
             sG: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK * G_STRIDE], 1024]
             sDO: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
@@ -185,7 +198,7 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         nc = (mDO.shape[1] + CHUNK - 1) // CHUNK
         mmas = (self.mma_w, self.mma_s, self.mma_q, self.mma_k)
         layouts = (self.sT_layout, self.sH_layout, self.sP_layout, self.sB_layout)
-        self.kernel(*atoms_and_views, mG, mDQ, mDK, mDW, mDG, *mmas, *layouts).launch(
+        self.kernel(*atoms_and_views, mG, mDQ, mDK, mDW, mDG, scale, *mmas, *layouts).launch(
             grid=(nc, mDO.shape[2], mDO.shape[0]),
             block=[THREADS, 1, 1],
             min_blocks_per_mp=1,
@@ -214,6 +227,7 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         mDK: cute.Tensor,
         mDW: cute.Tensor,
         mDG: cute.Tensor,
+        scale: Float32,
         mma_w: cute.TiledMma,
         mma_s: cute.TiledMma,
         mma_q: cute.TiledMma,
@@ -230,7 +244,11 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
             for atom in atoms:
                 cpasync.prefetch_descriptor(atom)
         storage = SmemAllocator().allocate(self.shared_storage)
-        ring = tma_pipeline(storage.barriers, 1, self.tx_bytes, THREADS_PER_WG // WARP_SIZE)
+        bars = storage.barriers.data_ptr()  # one mbarrier a load group, armed once (phase 0)
+        if warp_idx == PRODUCER_WARP:
+            with cute.arch.elect_one():
+                for i in cutlass.range_constexpr(len(LOAD_GROUPS)):
+                    cute.arch.mbarrier_init(bars + i, 1)
         init_arrive()
         sDO = smem_tensor(storage.sDO, sT_layout)
         sU = smem_tensor(storage.sU, sT_layout)
@@ -260,42 +278,25 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         if wg == 0:
             if warp_idx == PRODUCER_WARP:
-                self._load(atoms, (mDO4, mU4, mDU4, mQ4, mK4, mH5, mDH5),
-                           (sDO, sU, sDU, sQ, sK, sH, sDH), ring, c, hv, b)  # fmt: skip
+                tiles = {"do": (tma_do, mDO4, sDO, self.v, hv), "u": (tma_u, mU4, sU, self.v, hv),
+                         "du": (tma_du, mDU4, sDU, self.v, hv),
+                         "q": (tma_q, mQ4, sQ, self.k, hv), "k": (tma_k, mK4, sK, self.k, hv),
+                         "h": (tma_h, mH5, sH), "dh": (tma_dh, mDH5, sDH)}  # fmt: skip
+                self._load_groups(tiles, bars, c, hv, b)
             elif warp_idx <= HDH_WARPS:
-                self._rowsum_hdh(sH, sDH, sTab, ring)
+                self._rowsum_hdh(sH, sDH, sTab, bars)
         else:
             self._math(
                 mma_w, mma_s, mma_q, mma_k, sDO, sU, sDU, sQ, sK, sH, sDH, sP, sKr, sQl, sG,
-                sRows, sTab, mG, mDQ, mDK, mDW, mDG, ring, c, hv, b, seqlen,
+                sRows, sTab, mG, mDQ, mDK, mDW, mDG, bars, c, hv, b, seqlen, scale,
             )  # fmt: skip
 
     @cute.jit
-    def _load(self, atoms, globals_, smems, ring, c, hv, b):
-        """The TMA warp: the chunk's five token tiles and its two states, one barrier."""
-        one = cute.make_layout(1)
-        st = producer_state(1)
-        ring.producer_acquire(st)
-        bar = ring.producer_get_barrier(st)
-        dims = (self.v, self.v, self.v, self.k, self.k)
-        for n in cutlass.range_constexpr(5):
-            g = cute.local_tile(globals_[n][None, None, hv, b], (CHUNK, dims[n]), (c, 0))
-            ts, tg = cpasync.tma_partition(
-                atoms[n], 0, one, cute.group_modes(smems[n], 0, 2), cute.group_modes(g, 0, 2)
-            )
-            cute.copy(atoms[n], tg, ts[(None, 0)], tma_bar_ptr=bar)
-        for n in cutlass.range_constexpr(5, 7):
-            g = cute.local_tile(globals_[n][None, None, c, hv, b], (self.k, self.v), (0, 0))
-            ts, tg = cpasync.tma_partition(
-                atoms[n], 0, one, cute.group_modes(smems[n], 0, 2), cute.group_modes(g, 0, 2)
-            )
-            cute.copy(atoms[n], tg, ts[(None, 0)], tma_bar_ptr=bar)
-
-    @cute.jit
-    def _rowsum_hdh(self, sH, sDH, sTab, ring):
+    def _rowsum_hdh(self, sH, sDH, sTab, bars):
         """Warps 1, 2 of warpgroup 0: rowsum(h o dh) of key channels tid and tid + 64 over the
         16-bit state tiles, into the table; then BAR_HDH (h's bytes free for dG's rows)."""
-        ring.consumer_wait(consumer_state(1))  # the TMA'd states, seen by these warps too
+        for i in cutlass.range_constexpr(len(STATE_GROUPS)):  # the TMA'd states, seen here too
+            cute.arch.mbarrier_wait(bars + STATE_GROUPS[i], 0)
         tid = opaque_tid_x() - WARP_SIZE
         hh, dd = sH[None, None, 0], sDH[None, None, 0]
         for half in cutlass.range_constexpr(2):
@@ -346,9 +347,10 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
                 sTab[(self.t_e + pair) * self.k + col] = cute.math.exp(r[i] - r[j], fastmath=True)
 
     @cute.jit
-    def _block_operands(self, sQ, sK, sKr, sQl, sG, sTab, first, seqlen):
+    def _block_operands(self, sQ, sK, sKr, sQl, sG, sTab, first, seqlen, scale=None):
         """Math thread = key channel c: (k er) and (q el) (C, K) bf16 into their tiles, zero past
-        T (er = e^(r_w - G), el = e^(G - r_w), w the row's sub-chunk)."""
+        T (er = e^(r_w - G), el = e^(G - r_w), w the row's sub-chunk); q el times `scale` when
+        given (dq16: q read unscaled)."""
         col = opaque_tid_x() % THREADS_PER_WG
         qq, kk = sQ[None, None, 0], sK[None, None, 0]
         kr, ql = sKr[None, None, 0], sQl[None, None, 0]
@@ -358,6 +360,8 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
             if first + i < seqlen:
                 el = cute.math.exp(a, fastmath=True)
                 er = cute.math.exp(-a, fastmath=True)
+                if const_expr(scale is not None):
+                    el = el * scale
             kr[i, col] = BFloat16(Float32(kk[i, col]) * er)
             ql[i, col] = BFloat16(Float32(qq[i, col]) * el)
 
@@ -374,8 +378,10 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
     @cute.jit
     def _math(
         self, mma_w, mma_s, mma_q, mma_k, sDO, sU, sDU, sQ, sK, sH, sDH, sP, sKr, sQl, sG, sRows,
-        sTab, mG, mDQ, mDK, mDW, mDG, ring, c, hv, b, seqlen,
+        sTab, mG, mDQ, mDK, mDW, mDG, bars, c, hv, b, seqlen, scale,
     ):  # fmt: skip
+        # dq16: q unscaled, the scale on every product of q in registers (None: q scaled)
+        qs = scale if const_expr(mDQ.element_type != Float32) else None
         wg_w = mma_w.get_slice(0)
         wg_s = mma_s.get_slice(0)
         wg_q = mma_q.get_slice(0)
@@ -397,17 +403,19 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         w = tid // WARP_SIZE  # the warp's sub-chunk
         self._tables(mG, sG, sTab, first, seqlen, b, hv)
         math.arrive_and_wait()
-        st = consumer_state(1)
-        ring.consumer_wait(st)
 
+        # each load group's mbarrier waited just before its first product (LOAD_GROUPS)
         # dw = -dU h^T, out at once
         acc = cute.make_rmem_tensor(wg_w.partition_shape_C((CHUNK, self.k)), Float32)
+        cute.arch.mbarrier_wait(bars + 0, 0)  # dU, h
         gemm(mma_w, acc, tArDU[None, None, None, 0], tBrH[None, None, None, 0], True, 0)
         acc.store(-acc.load())
         self._store_rows(acc, mma_w, mDW, tid, b, hv, c, seqlen)
         # dqe = dO h^T, S = dO U^T
+        cute.arch.mbarrier_wait(bars + 1, 0)  # dO
         gemm(mma_w, acc, tArDO[None, None, None, 0], tBrH[None, None, None, 0], True, -1)
         acc_s = cute.make_rmem_tensor(wg_s.partition_shape_C((CHUNK, CHUNK)), Float32)
+        cute.arch.mbarrier_wait(bars + 2, 0)  # U (dqe in flight)
         gemm(mma_s, acc_s, tSrDO[None, None, None, 0], tSrU[None, None, None, 0], True, 0)
         t0s, row_s, col_s = softmax.acc_coords(mma_s, tid, (CHUNK, CHUNK))
         t0, row_w, col_w = softmax.acc_coords(mma_w, tid, (CHUNK, self.k))
@@ -424,7 +432,8 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         self._store_bf16(acc_s, mma_s, sP, True)  # dP^T for dk's blocks
         acc_to_operand_a(acc_s, tQrP)
         math.arrive_and_wait()  # every thread's dO / dU products retired, dP^T stored
-        self._block_operands(sQ, sK, sKr, sQl, sG, sTab, first, seqlen)
+        cute.arch.mbarrier_wait(bars + 3, 0)  # q, k
+        self._block_operands(sQ, sK, sKr, sQl, sG, sTab, first, seqlen, qs)
         cute.arch.fence_view_async_shared()
         math.arrive_and_wait()
 
@@ -443,10 +452,11 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         # every math thread's dq blocks retired and the <h, dh> warps done: (k er)'s and h's
         # bytes free for dG's rows
         named_barrier(BAR_HDH, THREADS_PER_WG + HDH_THREADS).arrive_and_wait()
-        self._rows_out(qa, mma_w, sQ, sK, sRows, sTab, diag, True)
+        self._rows_out(qa, mma_w, sQ, sK, sRows, sTab, diag, True, qs)
         self._store_rows(acc, mma_w, mDQ, tid, b, hv, c, seqlen)
 
         # dk = er o (e^(G_C - r_w) o dke + sum_(I >= w) E_(I,w) o blocks) + dP_jj q_j
+        cute.arch.mbarrier_wait(bars + 4, 0)  # dh
         gemm(mma_w, acc, tArU[None, None, None, 0], tBrDH[None, None, None, 0], True, 0)
         self._te(qa, mma_w, sK, sG, sTab, w, first, seqlen)
         self._scale_cols(qa, sTab, self.t_gr + w, t0, col_w)
@@ -457,11 +467,10 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
             elif w < i:
                 self._add_scaled_cols(qa, ba, sTab, i, w, t0, col_w)
         self._scale_rows_g(qa, mma_w, sG, sTab, w, first, seqlen, False)
-        self._rows_out(qa, mma_w, sK, sQ, sRows, sTab, diag, False)
+        self._rows_out(qa, mma_w, sK, sQ, sRows, sTab, diag, False, qs)
         self._store_rows(acc, mma_w, mDK, tid, b, hv, c, seqlen)
         math.arrive_and_wait()  # dG's rows and te's partials in shared memory
         self._finish_dg(sG, sRows, sTab, mDG, first, seqlen, b, hv, tid)
-        ring.consumer_release(st)
 
     @cute.jit
     def _scale_cols(self, a, sTab, t_row, t0, col_w):
@@ -520,18 +529,25 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
                 sTab[(self.t_te + w) * self.k + col] = part
 
     @cute.jit
-    def _rows_out(self, a, mma, sX, sY, sRows, sTab, diag, first_half: cutlass.Constexpr[bool]):
+    def _rows_out(self, a, mma, sX, sY, sRows, sTab, diag, first_half: cutlass.Constexpr[bool],
+                  scale=None):  # fmt: skip
         """dG's rows: q o dq (first_half: stored) or -= k o dk (the thread's own earlier
         elements), before the diagonal's term; then a += dP_ii y_i (dq: y = k, dk: y = q; dP_ii
-        at table offset `diag`, zero past T: S's rows are masked there)."""
+        at table offset `diag`, zero past T: S's rows are masked there). `scale` (dq16: q
+        unscaled): dq (first_half) times it first, so q o (scale dq) = (q scale) o dq and dq
+        the op's; dP_ii times it (dq's term: scale dq's; dk's: (q scale)_j)."""
         t0, row_w, col_w = self._coords(mma)
         xx, yy = sX[None, None, 0], sY[None, None, 0]
         for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
             i = row_w + t0[r, 0][0]
             d = sTab[diag + i]
+            if const_expr(scale is not None):
+                d = d * scale
             for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
                 col = col_w + t0[0, j][1]
                 n = self._gi(i, col)
+                if const_expr(first_half and scale is not None):
+                    a[r, j] = a[r, j] * scale
                 if const_expr(first_half):
                     sRows[n] = Float32(xx[i, col]) * a[r, j]
                 else:

@@ -1,7 +1,8 @@
 """Compile Kimi Delta Attention's backward kernel 2 against fake tensors: B, T, HV, the chunk
 count and every outer stride dynamic; K, V and the dtype baked in. The 16-bit tiles: unit last
 strides, the others multiples of 8 elements, 16-byte aligned (TMA); G and the fp32 outputs
-(B, T, HV, K) unit last strides, the others multiples of 4 elements."""
+(B, T, HV, K) unit last strides, the others multiples of 4 elements (dw16 / dq16: dw / dq as
+the tiles); the scale a runtime fp32."""
 
 from __future__ import annotations
 
@@ -37,7 +38,10 @@ def compile_kda_bwd_chunk(params: dict, arch: str = "sm_90a", extra_options: str
         tok(vd), tok(vd), tok(vd), tok(kd), tok(kd),
         fake.rowmajor(dtype, (b, nc, hv, kd, vd)),
         fake.rowmajor(dtype, (b, nc, hv, kd, vd)),
-        out(kd), out(kd), out(kd), out(kd), out(kd),
+        out(kd),  # G
+        tok(kd) if params.get("dq16") else out(kd), out(kd),
+        tok(kd) if params.get("dw16") else out(kd), out(kd),
+        f32(1.0),  # scale: dq16's (q unscaled)
         fake.stream(),
         options=fake.options(arch, extra_options),
     )  # fmt: skip

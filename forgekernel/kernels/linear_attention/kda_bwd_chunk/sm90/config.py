@@ -12,26 +12,40 @@ SUB = 16  # sub-chunk rows (one reference point each; a math warp's rows)
 NS = CHUNK // SUB
 THREADS = 2 * THREADS_PER_WG  # warpgroup 0: the TMA warp, the <h, dh> warps; 1: the products
 HDH_WARPS = 2  # warps 1, 2 of warpgroup 0: rowsum(h o dh) per key channel
+# The TMA tiles' mbarriers, one a group, in the order the math warpgroup consumes them (it waits
+# on each just before its first product): dw = -dU h^T; dqe = dO h^T; S = dO U^T; (k er), (q el)
+# and dq's blocks; dke = U dh^T. The <h, dh> warps wait on the states' groups.
+LOAD_GROUPS = (("du", "h"), ("do",), ("u",), ("q", "k"), ("dh",))
+STATE_GROUPS = (0, 4)  # the groups of h, dh
 
 
 def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2) -> int:
     """Shared memory of one CTA (the kernel's SharedStorage, alignment padding included): the
     five token tiles, the two states, dP^T (C, C) bf16, G (C, K) fp32 with rows padded by 8,
     the per-channel tables (r, e^(r_I), e^(G_C - r_J), the six E_(I, J) of I > J, the te
-    partials, rowsum(h o dh), dP's diagonal), one barrier pair. (k er), (q el) and dG's rows
-    reuse dU's, dO's and the states' bytes."""
+    partials, rowsum(h o dh), dP's diagonal), one mbarrier a load group. (k er), (q el) and
+    dG's rows reuse dU's, dO's and the states' bytes."""
     tokens = CHUNK * (3 * v + 2 * k) * elem_bytes
     tables = (3 * NS + 6 + NS + 1) * k * 4 + CHUNK * 4
     states, p_t, g = 2 * k * v * elem_bytes, CHUNK * CHUNK * 2, CHUNK * (k + 8) * 4
-    return tokens + states + p_t + g + tables + 16 + 1024
+    return tokens + states + p_t + g + tables + 8 * len(LOAD_GROUPS) + 1024
 
 
-def params_for(dtype: str, head_dims: tuple[int, int] = (128, 128)) -> tuple:
+def params_for(dtype: str, head_dims: tuple[int, int] = (128, 128), *, dw16: bool = False,
+               dq16: bool = False) -> tuple:  # fmt: skip
     """Compile key: the 16-bit dtype of the tiles and (K, V) (the block products run in bf16
-    for both: e^(+-a) reaches e^(8 max|g|), past fp16's range)."""
+    for both: e^(+-a) reaches e^(8 max|g|), past fp16's range); `dw16` (in the key only when
+    set): dw written in the tiles' 16-bit dtype (the WY kernel's operand dtype: the op's cast
+    moved in), else fp32; `dq16` (likewise): q read unscaled, the runtime `scale` applied in
+    registers, dq written times it in the tiles' 16-bit dtype (the op's dq: no epilogue)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
     if tuple(head_dims) not in HEAD_DIMS:
         raise ValueError(f"(K, V) must be one of {HEAD_DIMS}, got {tuple(head_dims)}")
     k, v = head_dims
-    return tuple(sorted({"dtype": dtype, "k": k, "v": v}.items()))
+    key = {"dtype": dtype, "k": k, "v": v}
+    if dw16:
+        key["dw16"] = True
+    if dq16:
+        key["dq16"] = True
+    return tuple(sorted(key.items()))

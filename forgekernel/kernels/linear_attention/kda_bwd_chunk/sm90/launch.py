@@ -37,11 +37,34 @@ def check_inputs(do, u, du, q, k, h, dh, big_g) -> tuple[int, int, int, int]:
     return b, t, hv, nc
 
 
-def empty_outputs(do: torch.Tensor, k: int) -> Outputs:
-    """(dq, dk, dw, dg) (B, T, HV, K) fp32, uninitialized."""
+def empty_outputs(do: torch.Tensor, k: int, dw16: bool = False, dq16: bool = False) -> Outputs:
+    """(dq, dk, dw, dg) (B, T, HV, K), uninitialized: fp32, dw / dq in do's 16-bit dtype with
+    dw16 / dq16."""
     b, t, hv, _ = do.shape
-    return (*(torch.empty(b, t, hv, k, dtype=torch.float32, device=do.device)
-              for _ in range(4)),)  # fmt: skip
+
+    def empty(low=False):
+        return torch.empty(b, t, hv, k, dtype=do.dtype if low else torch.float32,
+                           device=do.device)  # fmt: skip
+
+    return empty(dq16), empty(), empty(dw16), empty()
+
+
+def check_outputs(outs, do: torch.Tensor, k: int, dw16: bool = False, dq16: bool = False) -> None:
+    """`out` as `empty_outputs(do, k, dw16, dq16)` would make it (the kernel writes every entry
+    of those shapes: a smaller tensor would be written past its end), else ValueError."""
+    if len(outs) != 4:
+        raise ValueError(f"out must be 4 tensors (dq, dk, dw, dg), got {len(outs)}")
+    shape = (*do.shape[:3], k)
+    low = {"dq": dq16, "dw": dw16}
+    for name, x in zip(("dq", "dk", "dw", "dg"), outs):
+        want = do.dtype if low.get(name) else torch.float32
+        ok = tuple(x.shape) == shape and x.dtype == want and x.device == do.device
+        if not ok or not x.is_contiguous():
+            raise ValueError(
+                f"out's {name} must be contiguous {want} {shape} on {do.device}"
+                + (f" ({name}16: {name} in do's dtype)" if low.get(name) else "")
+                + f", got {x.dtype} {tuple(x.shape)} on {x.device}"
+            )
 
 
 def kda_bwd_chunk(
@@ -54,6 +77,9 @@ def kda_bwd_chunk(
     dh: torch.Tensor,
     big_g: torch.Tensor,
     *,
+    dw16: bool = False,
+    dq16: bool = False,
+    scale: float = 1.0,
     out: Outputs | None = None,
 ) -> Outputs:
     """Per chunk of 64 tokens (every chunk at once), reference/kda_bwd.py's `_output_grads`:
@@ -62,16 +88,21 @@ def kda_bwd_chunk(
     V), q (scaled), k (B, T, HV, K), h, dh (B, NC, HV, K, V: the state at each chunk's start,
     its gradient at the chunk's end) in one 16-bit dtype; big_g (B, T, HV, K) fp32 the
     within-chunk cumulative log decay per key channel. Returns (dq, dk, dw, dg) (B, T, HV, K)
-    fp32, written into `out` (contiguous) when given."""
+    fp32 (dw in do's 16-bit dtype with `dw16`: the WY kernel's operand), written into `out`
+    (contiguous, as `empty_outputs` makes them) when given. `dq16`: q UNscaled, `scale` (the
+    op's q scale) applied in the kernel to every product of q, dq written times it in do's
+    16-bit dtype (the op's dq where no l2norm or group sum follows); else q scaled and
+    `scale` must be 1."""
     b, t, hv, _ = check_inputs(do, u, du, q, k, h, dh, big_g)
-    outs = empty_outputs(do, q.shape[-1]) if out is None else out
-    for x in outs:
-        if not x.is_contiguous() or x.dtype != torch.float32:
-            raise ValueError("out must be contiguous float32 tensors")
+    if scale != 1.0 and not dq16:
+        raise ValueError("scale applies to dq16's unscaled q only (else q comes scaled)")
+    outs = empty_outputs(do, q.shape[-1], dw16, dq16) if out is None else out
+    check_outputs(outs, do, q.shape[-1], dw16, dq16)
     if b * hv * t == 0:
         return outs
-    fn = get_kernel(SPEC, params_for(dtype_name(do.dtype), (q.shape[-1], do.shape[-1])))
+    key = params_for(dtype_name(do.dtype), (q.shape[-1], do.shape[-1]), dw16=dw16, dq16=dq16)
+    fn = get_kernel(SPEC, key)
     tiles = [as_tma_ready(x) for x in (do, u, du, q, k, h, dh)]
     with on_device(do.device):
-        fn(*tiles, big_g.contiguous(), *outs)
+        fn(*tiles, big_g.contiguous(), *outs, float(scale))
     return outs

@@ -20,7 +20,10 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    return [params_for(dtype) for dtype in DTYPES]
+    # fp32 dv (an fp32 v) and 16-bit dv (the device pass with a 16-bit v); with it dk16 (the
+    # device pass without l2norm at HV = H: the op's dk, no epilogue)
+    flags = ({"dv16": False}, {"dv16": True}, {"dv16": True, "dk16": True})
+    return [params_for(dtype, **f) for f in flags for dtype in DTYPES]
 
 
 SPEC = KernelSpec(

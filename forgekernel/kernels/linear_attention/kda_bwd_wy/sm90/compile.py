@@ -1,7 +1,7 @@
 """Compile Kimi Delta Attention's backward WY kernel against fake tensors: B, T, HV, and every
 outer stride dynamic; K, V and the dtype baked in. The 16-bit tiles: unit last strides, the
 others multiples of 8 elements, 16-byte aligned (TMA); beta (B, T, HV), G and the fp32 outputs
-unit last strides."""
+unit last strides; dv 16-bit (as the tiles) with `dv16`; the final dk 16-bit with `dk16`."""
 
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ def compile_kda_bwd_wy(params: dict, arch: str = "sm_90a", extra_options: str = 
     return cute.compile(
         kernel,
         tok(kd), tok(vd), tok(CHUNK), tok(kd), tok(kd), tok(vd), tok(vd), vec(), out(kd),
-        out(kd), out(vd), out(kd), vec(),
+        out(kd), tok(vd) if params.get("dv16") else out(vd), out(kd), vec(),
+        tok(kd) if params.get("dk16") else out(kd),  # the final dk (dk16), else unused
         fake.stream(),
         options=fake.options(arch, extra_options),
     )  # fmt: skip

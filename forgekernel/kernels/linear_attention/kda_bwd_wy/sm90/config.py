@@ -13,26 +13,40 @@ NS = CHUNK // SUB
 THREADS = 2 * THREADS_PER_WG  # warpgroup 0: the TMA warp; warpgroup 1: every product
 # the tiles of one chunk: dw, w, k (C, K), du, u, v (C, V), T^T (C, C)
 TOKEN_TILES = ("dw", "du", "w", "k", "u", "v")
+# The TMA tiles' mbarriers, one a group, in the order the math warpgroup consumes them (it waits
+# on each just before its first product): dvb = T^T du; dA = dvb u^T (in flight over the next);
+# rowsum(dvb o v); dkb = T^T dw; dA += dkb w^T (in flight over the next); z = dkb o k o e^G.
+LOAD_GROUPS = (("tt", "du"), ("u",), ("v",), ("dw",), ("w",), ("k",))
 
 
 def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2) -> int:
     """Shared memory of one CTA (the kernel's SharedStorage, alignment padding included): the
     six token tiles, T^T and (beta dA)^T (C, C), G and dG's rows (C, K) fp32 with rows padded
-    by 8, kernel 2's per-channel tables (`KdaBwdChunkSm90.table`), one barrier pair. (k er) and
-    (k el) reuse dw's and du's bytes."""
+    by 8, kernel 2's per-channel tables (`KdaBwdChunkSm90.table`), one mbarrier a load group.
+    (k er) and (k el) reuse dw's and du's bytes."""
     tokens = CHUNK * (3 * k + 3 * v) * elem_bytes
     square = CHUNK * CHUNK * (elem_bytes + 2)
     rows = 2 * CHUNK * (k + 8) * 4
     tables = (4 * NS + NS * (NS - 1) // 2 + 1) * k * 4 + CHUNK * 4
-    return tokens + square + rows + tables + 16 + 1024
+    return tokens + square + rows + tables + 8 * len(LOAD_GROUPS) + 1024
 
 
-def params_for(dtype: str, head_dims: tuple[int, int] = (128, 128)) -> tuple:
+def params_for(dtype: str, head_dims: tuple[int, int] = (128, 128), *, dv16: bool = False,
+               dk16: bool = False) -> tuple:  # fmt: skip
     """Compile key: the 16-bit dtype of the tiles and (K, V) (the score-gradient blocks run in
-    bf16 for both: e^(+-a) reaches e^(8 max|g|), past fp16's range)."""
+    bf16 for both: e^(+-a) reaches e^(8 max|g|), past fp16's range); `dv16` (in the key only
+    when set): dv written in the tiles' 16-bit dtype (v's, when the op's v is 16-bit: its cast
+    moved in), else fp32; `dk16` (likewise): the final dk (kernel 2's fp32 dk plus the WY
+    half) written in the tiles' 16-bit dtype into a tensor of its own (the op's dk where no
+    l2norm or group sum follows: no epilogue)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
     if tuple(head_dims) not in HEAD_DIMS:
         raise ValueError(f"(K, V) must be one of {HEAD_DIMS}, got {tuple(head_dims)}")
     k, v = head_dims
-    return tuple(sorted({"dtype": dtype, "k": k, "v": v}.items()))
+    key = {"dtype": dtype, "k": k, "v": v}
+    if dv16:
+        key["dv16"] = True
+    if dk16:
+        key["dk16"] = True
+    return tuple(sorted(key.items()))

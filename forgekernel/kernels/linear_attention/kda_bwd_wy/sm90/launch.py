@@ -36,31 +36,41 @@ def check_inputs(dw, du, tt, w, k, u, v, beta, big_g) -> tuple[int, int, int]:
     return b, t, hv
 
 
-def empty_outputs(dw: torch.Tensor, v: int) -> Outputs:
-    """(dk (B, T, HV, K), dv (B, T, HV, V), dg (B, T, HV, K), dbeta (B, T, HV)) fp32,
-    uninitialized."""
+def empty_outputs(dw: torch.Tensor, v: int, dv16: bool = False) -> Outputs:
+    """(dk (B, T, HV, K), dv (B, T, HV, V), dg (B, T, HV, K), dbeta (B, T, HV)) fp32 (dv in
+    dw's 16-bit dtype with dv16): dk and dg zero (the kernel adds onto them: alone, the WY
+    half's dk and dG), dv and dbeta uninitialized."""
     b, t, hv, kd = dw.shape
 
-    def empty(*shape):
-        return torch.empty(*shape, dtype=torch.float32, device=dw.device)
+    def empty(*shape, dtype=torch.float32):
+        return torch.empty(*shape, dtype=dtype, device=dw.device)
 
-    return empty(b, t, hv, kd), empty(b, t, hv, v), empty(b, t, hv, kd), empty(b, t, hv)
+    def zeros(*shape):
+        return torch.zeros(*shape, dtype=torch.float32, device=dw.device)
+
+    dv = empty(b, t, hv, v, dtype=dw.dtype if dv16 else torch.float32)
+    return zeros(b, t, hv, kd), dv, zeros(b, t, hv, kd), empty(b, t, hv)
 
 
-def check_outputs(outs, dw: torch.Tensor, v: int) -> None:
-    """`out` as `empty_outputs(dw, v)` would make it (the kernel writes every entry of those
-    shapes: a smaller tensor would be written past its end), else ValueError."""
+def check_outputs(outs, dw: torch.Tensor, v: int, dv16: bool = False) -> None:
+    """`out` as `empty_outputs(dw, v, dv16)` would make it (the kernel reads and writes every
+    entry of dk and dg and writes every entry of dv and dbeta: a smaller tensor would be
+    accessed past its end), else ValueError."""
     b, t, hv, kd = dw.shape
     shapes = {"dk": (b, t, hv, kd), "dv": (b, t, hv, v), "dg": (b, t, hv, kd), "dbeta": (b, t, hv)}
     if len(outs) != len(shapes):
         raise ValueError(f"out must be 4 tensors (dk, dv, dg, dbeta), got {len(outs)}")
     for (name, shape), x in zip(shapes.items(), outs):
-        ok = tuple(x.shape) == shape and x.dtype == torch.float32 and x.device == dw.device
+        want = dw.dtype if name == "dv" and dv16 else torch.float32
+        ok = tuple(x.shape) == shape and x.dtype == want and x.device == dw.device
         if not ok or not x.is_contiguous():
             raise ValueError(
-                f"out's {name} must be contiguous float32 {shape} on {dw.device}, "
-                f"got {x.dtype} {tuple(x.shape)} on {x.device}"
+                f"out's {name} must be contiguous {str(want)[6:]} {shape} on {dw.device}"
+                + (" (dv16: dv in dw's dtype)" if name == "dv" and dv16 else "")
+                + f", got {x.dtype} {tuple(x.shape)} on {x.device}"
             )
+    if outs[0].data_ptr() == outs[2].data_ptr():
+        raise ValueError("out's dk and dg must be distinct tensors (both are accumulated)")
 
 
 def kda_bwd_wy(
@@ -74,21 +84,46 @@ def kda_bwd_wy(
     beta: torch.Tensor,
     big_g: torch.Tensor,
     *,
+    dv16: bool = False,
+    dk16: bool = False,
     out: Outputs | None = None,
+    dk_out: torch.Tensor | None = None,
 ) -> Outputs:
     """Per chunk of 64 tokens (every chunk at once), reference/kda_bwd.py's `_wy_grads`: the
     WY half's dk, dv, dg (its per-channel dG after the reverse cumsum within the chunk) and
     dbeta, the products as `reference.kda_bwd_wy.wy_grads_model` forms them. dw, w, k (B, T,
     HV, K), du, u, v (B, T, HV, V), tt (B, T, HV, 64: row j of a chunk is column j of T =
     L^-1) in one 16-bit dtype; beta (B, T, HV), big_g (B, T, HV, K) fp32. Returns (dk, dv,
-    dg, dbeta) fp32, written into `out` (contiguous) when given."""
+    dg, dbeta) fp32, written into `out` (contiguous) when given: dk and dg ACCUMULATED (the
+    WY half added onto what they hold: kernel 2's dk and dG on the backward's path; the
+    kernel reads and writes each chunk's rows once, race-free on one stream), dv and dbeta
+    overwritten. Without `out`, dk and dg start at zero (the WY half alone). `dv16`: dv in the
+    tiles' 16-bit dtype (v's on the backward's path where the op's v is 16-bit). `dk16`: the
+    final dk (out's fp32 dk + the WY half) in dw's 16-bit dtype, rounded once, into `dk_out`
+    (contiguous (B, T, HV, K); a new tensor when None) and returned in dk's place; out's fp32
+    dk is then scratch (it ends holding kernel 2's dk plus two of the WY half's three terms)."""
     b, t, hv = check_inputs(dw, du, tt, w, k, u, v, beta, big_g)
-    outs = empty_outputs(dw, du.shape[-1]) if out is None else out
-    check_outputs(outs, dw, du.shape[-1])
+    if dk_out is not None and not dk16:
+        raise ValueError("dk_out is dk16's 16-bit final dk (pass dk16=True)")
+    outs = empty_outputs(dw, du.shape[-1], dv16) if out is None else out
+    check_outputs(outs, dw, du.shape[-1], dv16)
+    dk_final = outs[0]
+    if dk16:
+        dk_final = torch.empty_like(dw, memory_format=torch.contiguous_format) \
+            if dk_out is None else dk_out  # fmt: skip
+        ok = (dk_final.shape == dw.shape and dk_final.dtype == dw.dtype
+              and dk_final.device == dw.device and dk_final.is_contiguous())  # fmt: skip
+        if not ok:
+            raise ValueError(f"dk_out must be contiguous {str(dw.dtype)[6:]} "
+                             f"{tuple(dw.shape)} on {dw.device} (dk16: dk in dw's dtype), got "
+                             f"{dk_final.dtype} {tuple(dk_final.shape)} on "
+                             f"{dk_final.device}")  # fmt: skip
+    result = (dk_final, *outs[1:])
     if b * hv * t == 0:
-        return outs
-    fn = get_kernel(SPEC, params_for(dtype_name(dw.dtype), (dw.shape[-1], du.shape[-1])))
+        return result
+    key = params_for(dtype_name(dw.dtype), (dw.shape[-1], du.shape[-1]), dv16=dv16, dk16=dk16)
+    fn = get_kernel(SPEC, key)
     tiles = [as_tma_ready(x) for x in (dw, du, tt, w, k, u, v)]
     with on_device(dw.device):
-        fn(*tiles, beta.contiguous(), big_g.contiguous(), *outs)
-    return outs
+        fn(*tiles, beta.contiguous(), big_g.contiguous(), *outs, dk_final)
+    return result

@@ -25,6 +25,10 @@ points r_I = G at row 16 I + 8 clamped inside T):
     dk += beta dx + dy;  dG's rows += k o (beta dx - dy)
     dG  = reverse cumsum of the rows, one key channel a thread
 
+dk and dG are ADDED onto the output tensors' contents (kernel 2's dk and dG, same layout): the
+first dk term and each dG row by a read-modify-write of this CTA's own rows (2026-12-06; was
+a plain store and two torch adds after).
+
 el = e^(G - r_w), er = e^(r_w - G) <= e^(8 max|g|) (zero past T); no factor is e^(-G). The
 score-gradient blocks run in bf16 for either tile dtype (kernel 2's reason). The per-channel
 tables, (k er) / (k el), the block products and their column scalings are kernel 2's
@@ -32,9 +36,11 @@ tables, (k er) / (k el), the block products and their column scalings are kernel
 kernel 2 brings the row stores and row dots.
 
 Warp roles (2 warpgroups, 256 threads): warpgroup 0, warp 0: the chunk's 7 TMA tiles (13
-64-column boxes; one barrier, no ring: one chunk a CTA); warpgroup 1: everything else, 64 token
-rows. G (C, K) fp32 is read by the math warpgroup from global into shared memory while the boxes
-land.
+64-column boxes), all issued at once on six mbarriers armed once (no ring: one chunk a CTA), one
+a load group in the order the math consumes them (config.LOAD_GROUPS: T^T + du, u, v, dw, w, k;
+Gated DeltaNet's `_load_groups`); warpgroup 1: everything else, 64 token rows, each load group
+waited just before its first product. G (C, K) fp32 is read by the math warpgroup from global
+into shared memory while the boxes land.
 
 Why a kernel of its own, not kernel 2's `wy` as Gated DeltaNet does: kernel 2 holds 198 KiB of
 shared memory (202,752 B); the WY half adds T^T, w, u, v, dw (72 KiB at 16 bits) and dG's rows
@@ -61,14 +67,7 @@ from forgekernel.kernels.common.sm90.barriers import named_barrier
 from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG, WARP_SIZE
 from forgekernel.kernels.common.sm90.layout import acc_to_operand_a, rows_cols, transposed
 from forgekernel.kernels.common.sm90.mma import gemm
-from forgekernel.kernels.common.sm90.pipeline import (
-    consumer_state,
-    init_arrive,
-    init_wait,
-    producer_state,
-    smem_tensor,
-    tma_pipeline,
-)
+from forgekernel.kernels.common.sm90.pipeline import init_arrive, init_wait, smem_tensor
 from forgekernel.kernels.common.sm90.ptx import opaque_tid_x
 from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.chunk_grads import _tdhb
 from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90.chunk_grads import (
@@ -78,13 +77,20 @@ from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90.chunk_grads import 
     QUAD,
     KdaBwdChunkSm90,
 )
-from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.config import CHUNK, NS, THREADS
+from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.config import (
+    CHUNK,
+    LOAD_GROUPS,
+    NS,
+    THREADS,
+)
 
 
 class KdaBwdWySm90(KdaBwdChunkSm90):
     """One CTA per (chunk, value head, sequence): `_wy_grads` of the chunk with KDA's
     per-channel decays; see the module docstring. Kernel 2's tables, block operands and block
     products are used as they are (its (q el) formed from k: (k el))."""
+
+    load_groups = LOAD_GROUPS
 
     def _setup(self):
         dt, bf = self.dtype, BFloat16
@@ -128,13 +134,25 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         mDV: cute.Tensor,
         mDG: cute.Tensor,
         mDB: cute.Tensor,
+        mDKo: cute.Tensor,
         stream: cuda.CUstream,
     ):
         """mDW, mW, mK (B, T, HV, K), mDU, mU, mV (B, T, HV, V), mTt (B, T, HV, C) 16-bit;
-        mBeta fp32 (B, T, HV), mG fp32 (B, T, HV, K); outputs fp32: mDK (the WY half's dk),
-        mDG (B, T, HV, K: its dG, the reverse cumsum within the chunk done), mDV (B, T, HV,
-        V), mDB (B, T, HV)."""
+        mBeta fp32 (B, T, HV), mG fp32 (B, T, HV, K); outputs fp32: mDK, mDG (B, T, HV, K)
+        read and written: the WY half's dk and dG (the reverse cumsum within the chunk done)
+        ADDED onto what they hold (kernel 2's dk, dG: each CTA reads and writes only its own
+        chunk's rows of its value head, grid (NC, HV, B) as kernel 2's, and kernel 2 has
+        finished on the stream: no atomics); mDV (B, T, HV, V: fp32, or the tiles' 16-bit
+        dtype with `dv16`, rounded once by `_store_rows`), mDB (B, T, HV) written. mDKo (B,
+        T, HV, K): fp32 (without `dk16`: mDK itself, unused) or the tiles' 16-bit dtype
+        (`dk16`): the final dk (kernel 2's + the WY half) written there, rounded once; mDK
+        then holds kernel 2's dk plus the WY half's first two terms (scratch)."""
         self.dtype = mDW.element_type
+        if const_expr(mDKo.element_type != Float32 and mDKo.element_type != self.dtype):
+            raise TypeError(f"the final dk must be fp32 or the tiles' dtype, got "
+                            f"{mDKo.element_type}")  # fmt: skip
+        if const_expr(mDV.element_type != Float32 and mDV.element_type != self.dtype):
+            raise TypeError(f"dv must be fp32 or the tiles' dtype, got {mDV.element_type}")
         for t in (mDU, mTt, mW, mK, mU, mV):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"the 16-bit tiles must share one dtype, got {t.element_type}")
@@ -146,8 +164,10 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         tmas = [cpasync.make_tiled_tma_atom(g2s, _tdhb(m), sT_tile, (CHUNK, d))
                 for m, d in zip((mDW, mDU, mW, mK, mU, mV), dims)]  # fmt: skip
         tmas.append(cpasync.make_tiled_tma_atom(g2s, _tdhb(mTt), sTt_tile, (CHUNK, CHUNK)))
-        self.tx_bytes = 6 * cute.size_in_bytes(self.dtype, sT_tile) + cute.size_in_bytes(
-            self.dtype, sTt_tile
+        # the bytes each load group's mbarrier expects (`_load_groups`)
+        t_bytes, tt_bytes = (cute.size_in_bytes(self.dtype, t) for t in (sT_tile, sTt_tile))
+        self.group_bytes = tuple(
+            sum(tt_bytes if t == "tt" else t_bytes for t in group) for group in LOAD_GROUPS
         )
         t_elems = cute.cosize(self.sT_layout)
         tt_elems = cute.cosize(self.sTt_layout)
@@ -155,7 +175,7 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
 
         @cute.struct
         class SharedStorage:
-            barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            barriers: cute.struct.MemRange[cutlass.Int64, len(LOAD_GROUPS)]
             sTab: cute.struct.Align[cute.struct.MemRange[Float32, self.table], 16]
             sG: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK * G_STRIDE], 1024]
             sRows: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK * G_STRIDE], 1024]
@@ -173,7 +193,8 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         nc = (mDW.shape[1] + CHUNK - 1) // CHUNK
         mmas = (self.mma_t, self.mma_da, self.mma_x, self.mma_y)
         layouts = (self.sT_layout, self.sTt_layout, self.sP_layout, self.sB_layout)
-        self.kernel(*atoms_and_views, mBeta, mG, mDK, mDV, mDG, mDB, *mmas, *layouts).launch(
+        self.kernel(*atoms_and_views, mBeta, mG, mDK, mDV, mDG, mDB, mDKo, *mmas,
+                    *layouts).launch(  # fmt: skip
             grid=(nc, mDW.shape[2], mDW.shape[0]),
             block=[THREADS, 1, 1],
             min_blocks_per_mp=1,
@@ -203,6 +224,7 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         mDV: cute.Tensor,
         mDG: cute.Tensor,
         mDB: cute.Tensor,
+        mDKo: cute.Tensor,
         mma_t: cute.TiledMma,
         mma_da: cute.TiledMma,
         mma_x: cute.TiledMma,
@@ -219,7 +241,11 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
             for atom in atoms:
                 cpasync.prefetch_descriptor(atom)
         storage = SmemAllocator().allocate(self.shared_storage)
-        ring = tma_pipeline(storage.barriers, 1, self.tx_bytes, THREADS_PER_WG // WARP_SIZE)
+        bars = storage.barriers.data_ptr()  # one mbarrier a load group, armed once (phase 0)
+        if warp_idx == PRODUCER_WARP:
+            with cute.arch.elect_one():
+                for i in cutlass.range_constexpr(len(LOAD_GROUPS)):
+                    cute.arch.mbarrier_init(bars + i, 1)
         init_arrive()
         sDW = smem_tensor(storage.sDW, sT_layout)
         sDU = smem_tensor(storage.sDU, sT_layout)
@@ -247,33 +273,22 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         if wg == 0:
             if warp_idx == PRODUCER_WARP:
-                self._load(atoms, (mDW4, mDU4, mW4, mK4, mU4, mV4, mTt4),
-                           (sDW, sDU, sW, sK, sU, sV, sTt), ring, c, hv, b)  # fmt: skip
+                tiles = {"dw": (tma_dw, mDW4, sDW, self.k, hv),
+                         "du": (tma_du, mDU4, sDU, self.v, hv),
+                         "w": (tma_w, mW4, sW, self.k, hv), "k": (tma_k, mK4, sK, self.k, hv),
+                         "u": (tma_u, mU4, sU, self.v, hv), "v": (tma_v, mV4, sV, self.v, hv),
+                         "tt": (tma_tt, mTt4, sTt, CHUNK, hv)}  # fmt: skip
+                self._load_groups(tiles, bars, c, hv, b)
         else:
             self._math(
                 mma_t, mma_da, mma_x, mma_y, sDW, sDU, sW, sK, sU, sV, sTt, sP, sKr, sKl, sG,
-                sRows, sTab, mBeta, mG, mDK, mDV, mDG, mDB, ring, c, hv, b, seqlen,
+                sRows, sTab, mBeta, mG, mDK, mDV, mDG, mDB, mDKo, bars, c, hv, b, seqlen,
             )  # fmt: skip
-
-    @cute.jit
-    def _load(self, atoms, globals_, smems, ring, c, hv, b):
-        """The TMA warp: the chunk's six token tiles and T^T, one barrier."""
-        one = cute.make_layout(1)
-        st = producer_state(1)
-        ring.producer_acquire(st)
-        bar = ring.producer_get_barrier(st)
-        dims = (self.k, self.v, self.k, self.k, self.v, self.v, CHUNK)
-        for n in cutlass.range_constexpr(7):
-            g = cute.local_tile(globals_[n][None, None, hv, b], (CHUNK, dims[n]), (c, 0))
-            ts, tg = cpasync.tma_partition(
-                atoms[n], 0, one, cute.group_modes(smems[n], 0, 2), cute.group_modes(g, 0, 2)
-            )
-            cute.copy(atoms[n], tg, ts[(None, 0)], tma_bar_ptr=bar)
 
     @cute.jit
     def _math(
         self, mma_t, mma_da, mma_x, mma_y, sDW, sDU, sW, sK, sU, sV, sTt, sP, sKr, sKl, sG,
-        sRows, sTab, mBeta, mG, mDK, mDV, mDG, mDB, ring, c, hv, b, seqlen,
+        sRows, sTab, mBeta, mG, mDK, mDV, mDG, mDB, mDKo, bars, c, hv, b, seqlen,
     ):  # fmt: skip
         wg_t = mma_t.get_slice(0)
         wg_da = mma_da.get_slice(0)
@@ -302,24 +317,29 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
             if i < seqlen:
                 beta[r] = mBeta[b, i, hv]
         math.arrive_and_wait()
-        st = consumer_state(1)
-        ring.consumer_wait(st)
 
+        # each load group's mbarrier waited just before its first product (LOAD_GROUPS)
         # dvb = T^T du: dv = beta dvb out, rowsum(dvb o v), dA = dvb u^T in flight
         acc = cute.make_rmem_tensor(wg_t.partition_shape_C((CHUNK, self.k)), Float32)
+        cute.arch.mbarrier_wait(bars + 0, 0)  # T^T, du
         gemm(mma_t, acc, tArT[None, None, None, 0], tBrDU[None, None, None, 0], True, 0)
         acc_to_operand_a(acc, tDArV)
         acc_a = cute.make_rmem_tensor(wg_da.partition_shape_C((CHUNK, CHUNK)), Float32)
+        cute.arch.mbarrier_wait(bars + 1, 0)  # u
         gemm(mma_da, acc_a, tDArV, tDBrU[None, None, None, 0], True, -1)
+        cute.arch.mbarrier_wait(bars + 2, 0)  # v (dA in flight)
         dbeta = self._row_dots(acc, mma_t, sV, tid)
         self._scale_rows(acc, beta)
         self._store_rows(acc, mma_t, mDV, tid, b, hv, c, seqlen)
         # dkb = T^T dw: dA += dkb w^T; dk = beta e^G dkb out, dG's rows = beta z, rowsum(z)
+        cute.arch.mbarrier_wait(bars + 3, 0)  # dw
         gemm(mma_t, acc, tArT[None, None, None, 0], tBrDW[None, None, None, 0], True, 0)
         acc_to_operand_a(acc, tDArB)
+        cute.arch.mbarrier_wait(bars + 4, 0)  # w
         gemm(mma_da, acc_a, tDArB, tDBrW[None, None, None, 0], False, -1)
+        cute.arch.mbarrier_wait(bars + 5, 0)  # k (dA in flight)
         z = self._kb_rows(acc, mma_t, sK, sG, sRows, beta)
-        self._store_rows(acc, mma_t, mDK, tid, b, hv, c, seqlen)
+        self._add_rows(acc, mma_t, mDK, tid, b, hv, c, seqlen)  # onto kernel 2's dk
         warpgroup.wait_group(0)
         # dA: negated, j < i, rows inside T; dx's A operand, then (beta dA)^T for dy's
         t0s, row_s, col_s = softmax.acc_coords(mma_da, tid, (CHUNK, CHUNK))
@@ -369,10 +389,32 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
                 self._add_scaled_cols(xa, ba, sTab, i, w, t0, col_w)
         self._scale_rows_g(xa, mma_t, sG, sTab, w, first, seqlen, False)
         self._rows_add(xa, mma_t, sK, sRows, False)
-        self._add_rows(acc, mma_t, mDK, tid, b, hv, c, seqlen)
+        if const_expr(mDKo.element_type != Float32):  # dk16: the final dk, rounded once
+            self._add_rows_to(acc, mma_t, mDK, mDKo, tid, b, hv, c, seqlen)
+        else:
+            self._add_rows(acc, mma_t, mDK, tid, b, hv, c, seqlen)
         math.arrive_and_wait()  # dG's rows in shared memory
         self._finish_rows(sRows, mDG, first, seqlen, b, hv, tid)
-        ring.consumer_release(st)
+
+    @cute.jit
+    def _add_rows_to(self, acc, mma, mIn, mOut, tid, b, hv, c, seqlen):
+        """out[b, tokens of chunk c, hv, :] = in[...] + a (C, K) accumulator in out's 16-bit
+        dtype, rounded once; the rows inside T (`_add_rows`' partition: this thread's own
+        earlier fp32 read-modify-writes of `in`)."""
+        t0, row_base, _ = softmax.acc_coords(mma, tid, (CHUNK, self.k))
+        src = cute.local_tile(mIn[b, None, hv, None], (CHUNK, self.k), (c, 0))
+        dst = cute.local_tile(mOut[b, None, hv, None], (CHUNK, self.k), (c, 0))
+        gi = rows_cols(mma.get_slice(tid).partition_C(src))
+        go = rows_cols(mma.get_slice(tid).partition_C(dst))
+        a = rows_cols(acc)
+        for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
+            if c * CHUNK + row_base + t0[r, 0][0] < seqlen:
+                # a thread's column pairs: both loaded before either store (out may alias in
+                # for the compiler: one LDG.E.64, one packed STG.E a pair)
+                for j in cutlass.range_constexpr(0, cute.size(a, mode=[1]), 2):
+                    x0, x1 = gi[r, j], gi[r, j + 1]
+                    go[r, j] = (x0 + a[r, j]).to(mOut.element_type)
+                    go[r, j + 1] = (x1 + a[r, j + 1]).to(mOut.element_type)
 
     @cute.jit
     def _scale_rows(self, acc, vals):
@@ -423,10 +465,11 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
     @cute.jit
     def _finish_rows(self, sRows, mDG, first, seqlen, b, hv, tid):
         """Math thread = key channel c: dG of every token of the chunk, the reverse cumulative
-        sum of the rows from the last (rows past T zero)."""
+        sum of the rows from the last (rows past T zero), added onto mDG (kernel 2's dG: this
+        CTA's own rows, read once and written once)."""
         acc = Float32(0.0)
         for n in cutlass.range(CHUNK, unroll=8):
             i = CHUNK - 1 - n
             acc = acc + sRows[self._gi(i, tid)]
             if first + i < seqlen:
-                mDG[b, first + i, hv, tid] = acc
+                mDG[b, first + i, hv, tid] = mDG[b, first + i, hv, tid] + acc
