@@ -505,9 +505,9 @@ def test_qk16_within_the_check_tolerance(kernel_path, monkeypatch, h, hv, l2norm
 
 
 def test_fsplit_switch(kernel_path, monkeypatch):
-    """FSPLIT (TEMPORARY A/B switch, off by default): kernel 2's `fsplit` key with QK16 (the
-    same outputs: the stand-in ignores it), never without QK16."""
-    assert not bwd.FSPLIT
+    """FSPLIT (on by default since the H100 A/B, 2026-12-06: 1.18x): kernel 2's `fsplit` key
+    with QK16 (the same outputs: the stand-in ignores it), never without QK16."""
+    assert bwd.FSPLIT
     q, k, v, g, beta, do, h0, dht = _bf16_problem(1, 65, 2, 2, seed=5)
     outs = {}
     for fs, qk16 in ((False, True), (True, True), (True, False)):

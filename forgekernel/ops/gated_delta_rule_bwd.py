@@ -366,10 +366,11 @@ def _wy_buffers(do, kd, dg, dv, dbeta, dq=None, dk=None):
 QK16 = True
 
 # Kernel 2's `fsplit` form (with QK16 only): two math warpgroups split by function, the output
-# half and the WY half meeting once at dk's fp32 stash (the same outputs bit for bit). TEMPORARY
-# switch for the GPU A/B (NOTES "GDN backward chunk kernel: two math warpgroups or two CTAs a
-# SM?"); off until the timeline says it is faster, then the default and the switch removed.
-FSPLIT = False
+# half and the WY half meeting once at dk's fp32 stash (the same outputs bit for bit). On since
+# the H100 A/B: 1.968 vs 2.319 ms (1.18x) at 4 x 8192 hv32 bf16 (2026-12-06), its racecheck
+# report answered (NOTES "GDN fsplit race"). False: the 256-thread dqk16 key, kept for A/Bs
+# until it is retired.
+FSPLIT = True
 
 
 def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None):

@@ -73,16 +73,19 @@ QK16_CALLS: list = []  # kernel 2's (dqk16, scale) a WY launch
 
 
 def _poisoned_chunk_wy_kernel(calls):
-    """Kernel 2's WY variant with its outputs NaN-poisoned first; calls as ("k2wy", shape)."""
+    """Kernel 2's WY variant with its outputs NaN-poisoned first; calls as ("k2wy", shape);
+    `fsplit` (the op's FSPLIT) passed on."""
 
-    def run(do, u, du, q, k, h, dh, big_g, *wy, dv16=False, dqk16=False, scale=1.0):
+    def run(do, u, du, q, k, h, dh, big_g, *wy, dv16=False, dqk16=False, scale=1.0,
+            fsplit=False):  # fmt: skip
         out = tuple(x.fill_(float("nan"))
                     for x in chunk_launch.empty_wy_outputs(do, q.shape[-1], dv16,
                                                            dqk16))  # fmt: skip
         calls.append(("k2wy", tuple(do.shape)))
         QK16_CALLS.append((dqk16, scale))
         return chunk_launch.gdn_bwd_chunk_wy(do, u, du, q, k, h, dh, big_g, *wy, out=out,
-                                             dv16=dv16, dqk16=dqk16, scale=scale)  # fmt: skip
+                                             dv16=dv16, dqk16=dqk16, scale=scale,
+                                             fsplit=fsplit)  # fmt: skip
 
     return run
 
