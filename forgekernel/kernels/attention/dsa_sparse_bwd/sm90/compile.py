@@ -49,7 +49,8 @@ def compile_sparse_bwd(params: dict, arch: str = "sm_90a", extra_options: str = 
 def compile_h64(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     """The h64 kernels (kernel_h64.py): part `kv` takes kernel.py's operands with the
     dS workspace (tokens, rows, H) in place of dq; part `dq` kv, the index rows, the workspace
-    and dq. The workspace's rows 16-byte aligned (H a multiple of 64)."""
+    and dq. The workspace's rows 16-byte aligned (H a multiple of 64). Part `fused`
+    (kernel_h64f.py) takes kernel.py's operands, dq's rows 16-byte aligned."""
     from forgekernel.kernels.attention.dsa_sparse_bwd.sm90.kernel_h64 import (
         DsaSparseBwdDqSm90,
         DsaSparseBwdKvSm90,
@@ -79,7 +80,7 @@ def compile_h64(params: dict, arch: str = "sm_90a", extra_options: str = ""):
             fake.rowmajor(dtype, (tokens, heads, D_V)),
             *per_head,
             idx,
-            fake.rowmajor(dtype, (tokens, heads, WIDTH), divisibility=1, align=4),
+            fake.rowmajor(dtype, (tokens, heads, WIDTH)),  # dq: 16-byte rows (its 128-bit stores)
             fake.rowmajor(cutlass.Float32, (slots, WIDTH), divisibility=4),
             cutlass.Float32(1.0),
             cutlass.Float32(1.0),

@@ -183,12 +183,17 @@ H64_DQ_STAGES = 2
 # `fused` (kernel_h64f.py, key h64 "fused"): the kv part with dq^T accumulated in the tile loop (no
 # dq part, no dS workspace). dq^T of 64 heads is 576 x 64 fp32 = 144 registers a thread over the two
 # consumer warpgroups, split by 64-column blocks: {0..3} (128) beside S^T / the dkv blocks {0..3, 8}
-# and {4..8} (160) beside dP^T / dkv {4..7}; lse2 / Delta' move to shared memory (512 B), and the
-# 160-register warpgroup runs its dkv blocks on one accumulator (two: 32 more registers).
+# on two accumulators, {4..8} (160) beside dP^T / dkv {4..7} on one (two spilled 128 B at 240,
+# cuobjdump 2026-12-06); lse2 / Delta' move to shared memory (in the barrier block's spare bytes).
+# setmaxnreg 24 / 240: 24 + 2 x 240 = 504 = 3 x 168, the launch allocation (setmaxnreg.inc takes
+# only what .dec released: 32 / 240 would ask 1,024 registers the CTA never had). The producer fits
+# 24 with its gather's rows outer (`_gather_tile` rows_outer; columns outer spilled 16 B); the
+# consumers spilled 24 B at 232 (producer 40).
 H64F_DQ_BLOCKS = ((0, 1, 2, 3), (4, 5, 6, 7, 8))
 H64F_KV_ACCS = (2, 1)
-H64F_PRODUCER_REGS = 32
+H64F_PRODUCER_REGS = 24
 H64F_CONSUMER_REGS = 240
+H64F_SMEM_EXTRA = 2 * 64 * 4  # lse2 / Delta' of the 64 heads, fp32
 
 
 def h64_supported(heads: int) -> bool:
@@ -207,8 +212,10 @@ def h64_kv_bytes() -> int:
 
 
 def h64f_bytes() -> int:
-    """The fused kernel's shared memory: the kv part's and lse2 / Delta' of the 64 heads."""
-    return h64_kv_bytes() + 2 * H64_BLOCK * 4
+    """The fused kernel's shared memory: the kv part's; lse2 / Delta' of the 64 heads (512 B)
+    sit in its barrier block (2 x 8 B of mbarriers + 256 B of row ids + 512 <= 1,024)."""
+    assert 2 * 8 + TILE * 4 + H64F_SMEM_EXTRA <= BARRIER_BYTES
+    return h64_kv_bytes()
 
 
 def h64_dq_heads(heads: int) -> int:

@@ -52,12 +52,15 @@ from forgekernel.kernels.attention.dsa_sparse_bwd.sm90.kernel_h64 import (
     VCHUNK,
     Bar,
     DsaSparseBwdKvSm90,
+    _gather_tile,
+    _load_heads,
 )
 from forgekernel.kernels.common.sm90.barriers import named_barrier
 from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG
 from forgekernel.kernels.common.sm90.layout import transposed
 from forgekernel.kernels.common.sm90.mma import gemm
 from forgekernel.kernels.common.sm90.pipeline import smem_tensor
+from forgekernel.kernels.common.sm90.warp_mma import tiled_row_copy
 
 
 class DsaSparseBwdFusedSm90(DsaSparseBwdKvSm90):
@@ -185,6 +188,24 @@ class DsaSparseBwdFusedSm90(DsaSparseBwdKvSm90):
                 self._consume_f(ins, sm, sLD, full, empty, mmas, where, tidx - 128, 0)
             else:
                 self._consume_f(ins, sm, sLD, full, empty, mmas, where, tidx - 128, 1)
+
+    @cute.jit
+    def _produce(self, mQ, mKV, mdO, mIdx, sm, full, empty, where, tid):
+        """kernel_h64.py's producer with the gather's rows outer (`_gather_tile` rows_outer:
+        one row address live at a time, what the 24-register producer affords)."""
+        token, h0, tiles = where
+        sKV, sQ, sdO, _, _, sRows, _ = sm
+        gcopy = tiled_row_copy(mQ.element_type, CHUNK, THREADS_PER_WG)
+        _load_heads(mQ, token, h0, sQ, NCHUNK, gcopy, tid)
+        _load_heads(mdO, token, h0, sdO, VCHUNK, gcopy, tid)
+        cute.arch.cp_async_commit_group()  # the oldest group: done when tile 0's is
+        for i in cutlass.range(tiles, unroll=1):
+            cute.arch.mbarrier_wait(empty, (i & 1) ^ 1)
+            _gather_tile(mKV, mIdx, token, i, sKV, 0, sRows, gcopy, tid, NCHUNK, 0, True)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.fence_view_async_shared()  # cp.async and st.shared, then WGMMA reads
+            cute.arch.mbarrier_arrive(full)
 
     @cute.jit
     def _consume_f(self, ins, sm, sLD, full, empty, mmas, where, ctid,
