@@ -272,7 +272,7 @@ def test_h64f_launch_replayed_gives_the_reference(monkeypatch, dtype, heads, top
     q, kv, idx, clean, dout, out, lse, sink, dlse = _reference_problem(tokens, heads, topk, dtype,
                                                                        heads + topk)  # fmt: skip
     flat = torch.full((q.numel() + 1,), float("nan"), dtype=dtype)
-    dq = flat[offset:offset + q.numel()].view(q.shape)
+    dq = flat[offset : offset + q.numel()].view(q.shape)
     got = launch.dsa_sparse_bwd(q, kv, dout, out, lse, dlse, sink, idx, scale, dq=dq)
     assert [c[0] for c in calls] == [dict(config.params_h64(dtype_name(dtype), "fused"))]
     args = calls[0][1]

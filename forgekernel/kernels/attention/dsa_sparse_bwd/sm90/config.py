@@ -261,7 +261,8 @@ def params_h64(
     dtype: str, part: str, reduce: bool = True, shfl4: bool = True, dq_heads: int = H64_BLOCK
 ) -> tuple:
     """Compile key of an h64 kernel: dtype and part (`kv`, `dq`, or `fused`: kernel_h64f.py, the
-    two in one); reduce False (kv, fused): the timing probe's build whose dkv reductions never run; shfl4 (kv only): dkv by
+    two in one); reduce False (kv, fused): the timing probe's build whose dkv reductions never
+    run; shfl4 (kv only): dkv by
     red.global.add.v4.f32 after a butterfly shuffle (the standard form), False: kernel.py's
     fragments' red.global.add.v2 (the probe's comparison); dq_heads (dq only): heads a CTA,
     64 or 128 (`h64_dq_heads`)."""

@@ -46,10 +46,10 @@ from forgekernel.kernels.attention.dsa_sparse_bwd.sm90.config import (
     TILE,
 )
 from forgekernel.kernels.attention.dsa_sparse_bwd.sm90.kernel_h64 import (
-    B,
     CONSUMER_THREADS,
     OWN,
     VCHUNK,
+    B,
     Bar,
     DsaSparseBwdKvSm90,
     _gather_tile,
@@ -167,8 +167,10 @@ class DsaSparseBwdFusedSm90(DsaSparseBwdKvSm90):
             storage.lse2.get_tensor(cute.make_layout(B)),
             storage.delta.get_tensor(cute.make_layout(B)),
             # dq's staging after the last tile: the stage as a row-major (64 heads, 576)
-            cute.make_tensor(storage.kv.data_ptr(), cute.make_layout((B, NCHUNK * CHUNK),
-                                                                     stride=(NCHUNK * CHUNK, 1))),
+            cute.make_tensor(
+                storage.kv.data_ptr(),
+                cute.make_layout((B, NCHUNK * CHUNK), stride=(NCHUNK * CHUNK, 1)),
+            ),
         )
         full, empty = storage.full.data_ptr(), storage.empty.data_ptr()
         if tidx == 0:

@@ -139,7 +139,11 @@ def dsa_sparse_bwd(
     idx = topk_indices if topk_indices.stride(-1) == 1 else topk_indices.contiguous()
     if fused:
         # its dq stores are 16-byte rows: a caller's buffer off that alignment gets a copy
-        out_dq = dq if dq.data_ptr() % 16 == 0 and dq.is_contiguous() else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out_dq = (
+            dq
+            if dq.data_ptr() % 16 == 0 and dq.is_contiguous()
+            else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        )
         kernel = get_kernel(SPEC, config.params_h64(dtype_name(q.dtype), "fused", reduce))
         with on_device(q.device):
             kernel(as_tma_ready(q), as_tma_ready(kv), as_tma_ready(dout), lse2, delta, idx,
