@@ -187,7 +187,7 @@ H64_DQ_STAGES = 2
 # cuobjdump 2026-12-06); lse2 / Delta' move to shared memory (in the barrier block's spare bytes).
 # setmaxnreg 24 / 240: 24 + 2 x 240 = 504 = 3 x 168, the launch allocation (setmaxnreg.inc takes
 # only what .dec released: 32 / 240 would ask 1,024 registers the CTA never had). The producer fits
-# 24 with its gather's rows outer (`_gather_tile` rows_outer; columns outer spilled 16 B); the
+# 24 with its gather's rows outer (kernel_h64f.py `_issue_rows`; columns outer spilled 16 B); the
 # consumers spilled 24 B at 232 (producer 40).
 H64F_DQ_BLOCKS = ((0, 1, 2, 3), (4, 5, 6, 7, 8))
 H64F_KV_ACCS = (2, 1)

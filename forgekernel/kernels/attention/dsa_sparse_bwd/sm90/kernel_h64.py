@@ -83,14 +83,11 @@ class Bar(IntEnum):
 
 @cute.jit
 def _gather_tile(mKV, mIdx, token, i, sKV, k0, sRows, gcopy, tid,
-                 n_chunks: cutlass.Constexpr[int] = NCHUNK, c0=0,
-                 rows_outer: cutlass.Constexpr[bool] = False):  # fmt: skip
+                 n_chunks: cutlass.Constexpr[int] = NCHUNK, c0=0):  # fmt: skip
     """Tile i's 64 listed rows of `token`, column blocks c0 .. c0 + n_chunks, into sKV[:, :, k0
     .. k0 + n_chunks], cp.async by the 128 producer threads (8 a row, 4 rows a thread); invalid
     entries (position >= topk, -1, outside [0, slots)) zero-filled (a stale or never-written row
-    would put 0 x NaN into an MMA) and, if sRows is given, their id -1 there. Not committed.
-    rows_outer: a row's column blocks issued together (one row address live at a time: the
-    fused kernel's 24-register producer), else column block by column block."""
+    would put 0 x NaN into an MMA) and, if sRows is given, their id -1 there. Not committed."""
     thr = gcopy.get_slice(tid)
     crd = thr.partition_S(cute.make_identity_tensor((TILE, CHUNK)))
     per_thread = cute.size(crd, mode=[1])
@@ -105,29 +102,15 @@ def _gather_tile(mKV, mIdx, token, i, sKV, k0, sRows, gcopy, tid,
         if const_expr(sRows is not None):
             if crd[0, m, 0][1] == 0:
                 sRows[r] = rows[m]
-    if const_expr(rows_outer):
+    for k in cutlass.range_constexpr(n_chunks):
+        d = thr.partition_D(sKV[None, None, k0 + k])
         for m in cutlass.range_constexpr(per_thread):
             if rows[m] >= 0:
                 row = mKV[rows[m], None]
-                for k in cutlass.range_constexpr(n_chunks):
-                    d = thr.partition_D(sKV[None, None, k0 + k])
-                    seg = cute.make_tensor(row.iterator + (c0 + k) * CHUNK,
-                                           cute.make_layout(CHUNK))  # fmt: skip
-                    copy_row_async(gcopy, seg, CHUNK, d[None, m, None], crd[None, m, None])
+                seg = cute.make_tensor(row.iterator + (c0 + k) * CHUNK, cute.make_layout(CHUNK))
+                copy_row_async(gcopy, seg, CHUNK, d[None, m, None], crd[None, m, None])
             else:
-                for k in cutlass.range_constexpr(n_chunks):
-                    thr.partition_D(sKV[None, None, k0 + k])[None, m, None].fill(0.0)
-    else:
-        for k in cutlass.range_constexpr(n_chunks):
-            d = thr.partition_D(sKV[None, None, k0 + k])
-            for m in cutlass.range_constexpr(per_thread):
-                if rows[m] >= 0:
-                    row = mKV[rows[m], None]
-                    seg = cute.make_tensor(row.iterator + (c0 + k) * CHUNK,
-                                           cute.make_layout(CHUNK))  # fmt: skip
-                    copy_row_async(gcopy, seg, CHUNK, d[None, m, None], crd[None, m, None])
-                else:
-                    d[None, m, None].fill(0.0)
+                d[None, m, None].fill(0.0)
 
 
 @cute.jit

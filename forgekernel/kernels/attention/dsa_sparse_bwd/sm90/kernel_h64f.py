@@ -52,7 +52,6 @@ from forgekernel.kernels.attention.dsa_sparse_bwd.sm90.kernel_h64 import (
     B,
     Bar,
     DsaSparseBwdKvSm90,
-    _gather_tile,
     _load_heads,
 )
 from forgekernel.kernels.common.sm90.barriers import named_barrier
@@ -60,7 +59,7 @@ from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG
 from forgekernel.kernels.common.sm90.layout import transposed
 from forgekernel.kernels.common.sm90.mma import gemm
 from forgekernel.kernels.common.sm90.pipeline import smem_tensor
-from forgekernel.kernels.common.sm90.warp_mma import tiled_row_copy
+from forgekernel.kernels.common.sm90.warp_mma import copy_row_async, tiled_row_copy
 
 
 class DsaSparseBwdFusedSm90(DsaSparseBwdKvSm90):
@@ -193,18 +192,29 @@ class DsaSparseBwdFusedSm90(DsaSparseBwdKvSm90):
 
     @cute.jit
     def _produce(self, mQ, mKV, mdO, mIdx, sm, full, empty, where, tid):
-        """kernel_h64.py's producer with the gather's rows outer (`_gather_tile` rows_outer:
-        one row address live at a time, what the 24-register producer affords)."""
+        """Warpgroup 0: q and dO of the 64 heads, then every tile into the one stage. Tile i +
+        1's list entries are loaded while tile i's copies land (their L2 latency, ~600 clk,
+        was exposed after the empty wait in kernel_h64.py's order); a row's column blocks are
+        issued together (one row address live at a time: what 24 registers afford; columns
+        outer spilled 16 B)."""
         token, h0, tiles = where
         sKV, sQ, sdO, _, _, sRows, _ = sm
         gcopy = tiled_row_copy(mQ.element_type, CHUNK, THREADS_PER_WG)
         _load_heads(mQ, token, h0, sQ, NCHUNK, gcopy, tid)
         _load_heads(mdO, token, h0, sdO, VCHUNK, gcopy, tid)
         cute.arch.cp_async_commit_group()  # the oldest group: done when tile 0's is
+        thr = gcopy.get_slice(tid)
+        crd = thr.partition_S(cute.make_identity_tensor((TILE, CHUNK)))
+        rows = cute.make_rmem_tensor(cute.size(crd, mode=[1]), Int32)
+        nxt = cute.make_rmem_tensor(cute.size(crd, mode=[1]), Int32)
+        _tile_rows(mKV, mIdx, token, 0, crd, nxt)
         for i in cutlass.range(tiles, unroll=1):
+            for m in cutlass.range_constexpr(cute.size(rows)):
+                rows[m] = nxt[m]
             cute.arch.mbarrier_wait(empty, (i & 1) ^ 1)
-            _gather_tile(mKV, mIdx, token, i, sKV, 0, sRows, gcopy, tid, NCHUNK, 0, True)
+            _issue_rows(mKV, rows, sKV, sRows, crd, thr, gcopy)
             cute.arch.cp_async_commit_group()
+            _tile_rows(mKV, mIdx, token, i + 1, crd, nxt)  # past the last tile: all -1
             cute.arch.cp_async_wait_group(0)
             cute.arch.fence_view_async_shared()  # cp.async and st.shared, then WGMMA reads
             cute.arch.mbarrier_arrive(full)
@@ -341,6 +351,37 @@ class DsaSparseBwdFusedSm90(DsaSparseBwdKvSm90):
                     gemm(mma_kv, acc, tKP[None, None, None, 0], tKdO[None, None, None, c], False,
                          0)  # fmt: skip
                 self._reduce(acc, kv_crd, rids, mdKV, c)
+
+
+@cute.jit
+def _tile_rows(mKV, mIdx, token, i, crd, rows):
+    """rows[m]: the slot listed at the thread's m-th row of tile i, -1 where the entry adds
+    nothing (position >= topk, -1, outside [0, slots)); the index read clamped into the row."""
+    topk, slots = mIdx.shape[1], mKV.shape[0]
+    for m in cutlass.range_constexpr(cute.size(rows)):
+        pos = i * TILE + crd[0, m, 0][0]
+        entry = mIdx[token, cutlass.min(pos, topk - 1)]
+        ok = (pos < topk) & (entry >= 0) & (entry < slots)
+        rows[m] = Int32(cutlass.select_(ok, entry, -1))
+
+
+@cute.jit
+def _issue_rows(mKV, rows, sKV, sRows, crd, thr, gcopy):
+    """The tile's rows into the stage by cp.async (8 threads a row, 4 rows a thread; not
+    committed), invalid ones zero-filled (0 x NaN of a stale row would reach an MMA), their
+    ids into sRows."""
+    for m in cutlass.range_constexpr(cute.size(rows)):
+        if crd[0, m, 0][1] == 0:
+            sRows[crd[0, m, 0][0]] = rows[m]
+        if rows[m] >= 0:
+            row = mKV[rows[m], None]
+            for k in cutlass.range_constexpr(NCHUNK):
+                d = thr.partition_D(sKV[None, None, k])
+                seg = cute.make_tensor(row.iterator + k * CHUNK, cute.make_layout(CHUNK))
+                copy_row_async(gcopy, seg, CHUNK, d[None, m, None], crd[None, m, None])
+        else:
+            for k in cutlass.range_constexpr(NCHUNK):
+                thr.partition_D(sKV[None, None, k])[None, m, None].fill(0.0)
 
 
 __all__ = ["DsaSparseBwdFusedSm90"]
