@@ -83,6 +83,7 @@ PRODUCER_WARP = 0
 FINISH_WARPS = 2
 FINISH_THREADS = FINISH_WARPS * WARP_SIZE
 WG = THREADS_PER_WG
+KK_REGS = CHUNK * CHUNK // THREADS_PER_WG  # a (C, C) fp32 accumulator's values a thread
 
 
 class Bar(IntEnum):
@@ -196,6 +197,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             sH: cute.struct.Align[cute.struct.MemRange[self.dtype, h_elems], 1024]
             sDH: cute.struct.Align[cute.struct.MemRange[self.dtype, h_elems], 1024]
             sDU: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sKK: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK * CHUNK], 1024]
 
         self.shared_storage = SharedStorage
         order = ("do", "u", "q", "k", "w", "uw", "pt", "tt", "h")
@@ -289,6 +291,8 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
                              cute.make_layout((WG, STASH_COLS), stride=(1, WG)))
             for x in (storage.sDO, storage.sU)
         )  # fmt: skip
+        # K K^T (C, C) fp32 in the accumulator's thread order: S computes it, G's `_wy` reads
+        sKK = storage.sKK.get_tensor(cute.make_layout((WG, KK_REGS), stride=(1, WG)))
         init_wait()
 
         hv, b, _ = cute.arch.block_idx()
@@ -311,13 +315,13 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
                 self._finish(sH, sDH, sRed2, sG2, mDG, full, empty, b, hv, seqlen, nchunks)
         elif wg == 1:
             cute.arch.setmaxregister_increase(REGS[1])
-            self._state(mma_ks, mma_st, sDO, sQ, sW, sDU, sDH, sE2, mG, mDht, mDh0, full, empty,
-                        hv, b, seqlen, nchunks)  # fmt: skip
+            self._state(mma_ks, mma_st, mma_s, sDO, sQ, sK, sW, sDU, sDH, sE2, sKK, mG, mDht,
+                        mDh0, full, empty, hv, b, seqlen, nchunks)  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(REGS[2])
             self._grads(mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sQ, sK, sW, sUw, sPT, sTt,
                         sH, sDH, sDU, sG2, sRed2, mG, mV, mBeta, mDQ, mDK, mDG, mDV, mDB, full,
-                        empty, hv, b, seqlen, nchunks, scale, stash)  # fmt: skip
+                        empty, hv, b, seqlen, nchunks, scale, stash, sKK)  # fmt: skip
 
     @cute.jit
     def _produce(self, tiles, full, empty, hv, b, nchunks):
@@ -329,8 +333,8 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             self._load_groups(tiles, full, nchunks - 1 - i, hv, b)
 
     @cute.jit
-    def _state(self, mma_ks, mma_st, sDO, sQ, sW, sDU, sDH, sE2, mG, mDht, mDh0, full, empty,
-               hv, b, seqlen, nchunks):  # fmt: skip
+    def _state(self, mma_ks, mma_st, mma_s, sDO, sQ, sK, sW, sDU, sDH, sE2, sKK, mG, mDht,
+               mDh0, full, empty, hv, b, seqlen, nchunks):  # fmt: skip
         """Warpgroup 1: dS^T (V, K) fp32 in two 64-row accumulators for the whole sequence;
         per chunk: dS (16-bit) into sDH for G and the finish warps, then dS^T <- e^(G_C) dS^T
         + (e^G o dO)^T q - dU^T W (kernel 1's update with Qe = q e^G folded into the A
@@ -378,6 +382,13 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             for g in cutlass.range_constexpr(len(S_GROUPS)):
                 cute.arch.mbarrier_wait(full + S_GROUPS[g], par)
             tid = opaque_tid_x() % WG
+            # K K^T for G's WY half (S is idle while G works; G's `_wy` spilled holding it)
+            wg_s = mma_s.get_slice(0)
+            acc_kk = cute.make_rmem_tensor(wg_s.partition_shape_C((CHUNK, CHUNK)), Float32)
+            gemm(mma_s, acc_kk, wg_s.make_fragment_A(wg_s.partition_A(sK))[None, None, None, 0],
+                 wg_s.make_fragment_B(wg_s.partition_B(sK))[None, None, None, 0], True, 0)
+            for e in cutlass.range_constexpr(KK_REGS):
+                sKK[tid, e] = acc_kk[e]
             t0, _, col_base = softmax.acc_coords(mma_ks, tid, (ROWS, CHUNK))
             for w in cutlass.range_constexpr(2):
                 accs[w].store(accs[w].load() * e_c)
@@ -408,7 +419,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
     def _grads(
         self, mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sQ, sK, sW, sUw, sPT, sTt, sH, sDH,
         sDU, sG2, sRed2, mG, mV, mBeta, mDQ, mDK, mDG, mDV, mDB, full, empty, hv, b, seqlen,
-        nchunks, scale, stash,
+        nchunks, scale, stash, sKK,
     ):  # fmt: skip
         """Warpgroup 2, per chunk: dU = (k dS) o e^(G_C - G) + P^T dO into sDU (S's, and the
         chunk's), then kernel 2's `_math` (WY, dqk16) on the stage: dPD^T in the spent P^T
@@ -420,9 +431,10 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         s_done = named_barrier(Bar.S_DONE, 2 * WG)
         finish = named_barrier(Bar.FINISH, WG + FINISH_THREADS)
         wy_smem = (sTt, sW, sUw, sQ, sPT)  # T^T, w, u, dw (over q), M^T (over P^T)
-        for i in cutlass.range(nchunks, unroll=1):
+        for cc in cutlass.range(nchunks - 1, -1, -1, unroll=1):
             # opaque: no induction variable derived from c lives across the loop (they spilled)
-            c = opaque_i32(nchunks - 1 - i)
+            c = opaque_i32(cc)
+            i = nchunks - 1 - c
             hv, b, _ = cute.arch.block_idx()  # re-read each chunk: not live across `_wy`
             hv, b = opaque_i32(hv), opaque_i32(b)
             par = i % 2
@@ -461,7 +473,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             self._chunk_grads(mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sQ, sK, sH, sDH,
                               sPT, sDU, wy_smem, sG, sRed, mG, mV, mBeta, mDQ, mDK, mDV, mDB,
                               full, math, dh_free, s_done, i, c, hv, b, seqlen,
-                              nchunks, scale, stash)  # fmt: skip
+                              nchunks, scale, stash, sKK)  # fmt: skip
             cute.arch.mbarrier_arrive(empty)
             finish.arrive_and_wait()  # the rows stashed: a wait on both sides (kernel 2's)
 
@@ -469,7 +481,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
     def _chunk_grads(
         self, mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sQ, sK, sH, sDH, sP, sDU, wy_smem,
         sG, sRed, mG, mV, mBeta, mDQ, mDK, mDV, mDB, full, math, dh_free, s_done, i, c, hv, b,
-        seqlen, nchunks, scale, stash,
+        seqlen, nchunks, scale, stash, sKK,
     ):  # fmt: skip
         """Kernel 2's `_math` (WY, dqk16, one math warpgroup) on this chunk's stage, its load
         groups waited at this chunk's phase, DH_FREE arrived once sDH is read (dke) and S_DONE
@@ -525,7 +537,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
 
         acc_k = cute.make_rmem_tensor(wg_w.partition_shape_C((CHUNK, self.k)), Float32)
         gemm(mma_w, acc_k, tArU[None, None, None, 0], tBrDH[None, None, None, 0], True, 0)
-        if i < nchunks - 1:
+        if c > 0:
             dh_free.arrive()  # sDH read: S may write the next chunk's dS
         ka = rows_cols(acc_k)
         for r in cutlass.range_constexpr(cute.size(ka, mode=[0])):
@@ -547,7 +559,113 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         self._store_tile(acc_k, mma_w, wy_smem[3], False)  # dw, 16-bit, over q
         math.arrive_and_wait()
         self._wy(mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, wy_smem, sG, sRed, mDK, mV, mBeta,
-                 mDV, mDB, math, e_g, t0, row_w, first, seqlen, b, hv, c, stash)  # fmt: skip
+                 mDV, mDB, math, e_g, t0, row_w, first, seqlen, b, hv, c, stash, sKK)  # fmt: skip
+
+    @cute.jit
+    def _wy(self, mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, wy_smem, sG, sRed, mDK, mV,
+            mBeta, mDV, mDB, math, e_g, t0, row_w, first, seqlen, b, hv, c, stash, sKK):  # fmt: skip
+        """Kernel 2's `_wy` (dqk16, one math warpgroup) with K K^T read from shared memory
+        (`sKK`: the state warpgroup's fp32 accumulator, stored in the same thread order) instead
+        of a product held in 32 registers across dA's masking: at kernel 2's 254 registers
+        plus this loop's own values, that peak spilled (368 bytes). The same sums in the same
+        order otherwise. TODO(merge): a K K^T hook in `GdnBwdChunkSm90._wy` instead of this
+        copy, once the fsplit edits there have landed."""
+        sTt, sW, sUw, sDW, sM = wy_smem
+        tid = opaque_tid_x() % WG
+        wg_k = mma_k.get_slice(0)
+        wg_q = mma_q.get_slice(0)
+        wg_da = mma_da.get_slice(0)
+        wg_s = mma_s.get_slice(0)
+        tArT = wg_k.make_fragment_A(wg_k.partition_A(sTt))
+        tBrDW = wg_k.make_fragment_B(wg_k.partition_B(transposed(sDW)))
+        tBrDU = wg_k.make_fragment_B(wg_k.partition_B(transposed(sDU)))
+        shape = wg_k.partition_shape_C((CHUNK, self.k))
+        beta = [Float32(0.0), Float32(0.0)]
+        for r in cutlass.range_constexpr(2):
+            i = first + row_w + t0[r, 0][0]
+            if i < seqlen:
+                beta[r] = mBeta[b, i, hv]
+        acc_v = cute.make_rmem_tensor(shape, Float32)
+        gemm(mma_k, acc_v, tArT[None, None, None, 0], tBrDU[None, None, None, 0], True, 0)
+        tDArV = wg_da.make_fragment_A(wg_da.partition_shape_A((CHUNK, self.v)))
+        acc_to_operand_a(acc_v, tDArV)
+        tBrW = wg_da.make_fragment_B(wg_da.partition_B(sW))
+        tBrUw = wg_da.make_fragment_B(wg_da.partition_B(sUw))
+        acc_a = cute.make_rmem_tensor(wg_s.partition_shape_C((CHUNK, CHUNK)), Float32)
+        # waited at once (kernel 2 overlaps it with dv's stores): its 32 A registers freed
+        gemm(mma_da, acc_a, tDArV, tBrUw[None, None, None, 0], True, 0)
+        dbeta = self._row_dots_global(acc_v, mma_k, mV, tid, b, hv, c, seqlen)
+        va = rows_cols(acc_v)
+        for r in cutlass.range_constexpr(2):
+            for j in cutlass.range_constexpr(cute.size(va, mode=[1])):
+                va[r, j] = va[r, j] * beta[r]
+        self._store_rows(acc_v, mma_k, mDV, tid, b, hv, c, seqlen)
+        acc_b = cute.make_rmem_tensor(shape, Float32)
+        gemm(mma_k, acc_b, tArT[None, None, None, 0], tBrDW[None, None, None, 0], True, 0)
+        tDArB = wg_da.make_fragment_A(wg_da.partition_shape_A((CHUNK, self.k)))
+        acc_to_operand_a(acc_b, tDArB)
+        gemm(mma_da, acc_a, tDArB, tBrW[None, None, None, 0], False, 0)
+        x = self._row_dots(acc_b, mma_k, sK, tid)  # dkb.k
+        ba = rows_cols(acc_b)
+        for r in cutlass.range_constexpr(2):
+            dbeta[r] = dbeta[r] + e_g[r] * x[r]
+            for j in cutlass.range_constexpr(cute.size(ba, mode=[1])):
+                ba[r, j] = ba[r, j] * (beta[r] * e_g[r])
+        warpgroup.wait_group(0)
+        # dA strictly lower, D, rows inside T; rowsum(dAe o KK^T); M = beta dAe. The thread's
+        # coordinates afresh: the output half's (same values) held 16 sG addresses across
+        tid = opaque_tid_x() % WG
+        t0s, row_s, col_s = softmax.acc_coords(mma_s, tid, (CHUNK, CHUNK))
+        s = rows_cols(acc_a)
+        # sKK[tid, e] holds register e of this thread's K K^T accumulator (S's, same layout)
+        kk_layout = cute.composition(cute.make_layout(cute.size(acc_a), stride=WG), acc_a.layout)
+        kk = rows_cols(cute.make_tensor(sKK.iterator + tid, kk_layout))
+        rkk = [Float32(0.0), Float32(0.0)]
+        rmk = [Float32(0.0), Float32(0.0)]
+        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+            i = row_s + t0s[r, 0][0]
+            g_i = sG[i]
+            beta_i = Float32(0.0)
+            if first + i < seqlen:
+                beta_i = mBeta[b, first + i, hv]
+            part = Float32(0.0)
+            for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                col = col_s + t0s[0, j][1]
+                d = Float32(0.0)
+                if col < i and first + i < seqlen:
+                    d = -cute.math.exp(g_i - sG[col], fastmath=True)
+                s[r, j] = s[r, j] * d
+                part = part + s[r, j] * kk[r, j]
+            rkk[r] = cute.arch.warp_reduction_sum(part, threads_in_group=4)
+            rmk[r] = beta_i * rkk[r]
+            for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                s[r, j] = s[r, j] * beta_i
+        self._store_tile(acc_a, mma_s, sM, True)  # M^T for M^T k
+        tQrM = wg_q.make_fragment_A(wg_q.partition_shape_A((CHUNK, CHUNK)))
+        acc_to_operand_a(acc_a, tQrM)
+        tQrK = wg_q.make_fragment_B(wg_q.partition_B(transposed(sK)))
+        gemm(mma_q, acc_b, tQrM, tQrK[None, None, None, 0], False, 0)
+        before = self._row_dots(acc_b, mma_k, sK, tid)
+        math.arrive_and_wait()  # every thread's M^T in shared memory
+        tKrM = wg_k.make_fragment_A(wg_k.partition_A(sM))
+        tKrK = wg_k.make_fragment_B(wg_k.partition_B(transposed(sK)))
+        gemm(mma_k, acc_b, tKrM[None, None, None, 0], tKrK[None, None, None, 0], False, 0)
+        after = self._row_dots(acc_b, mma_k, sK, tid)
+        dg = [Float32(0.0), Float32(0.0)]
+        for r in cutlass.range_constexpr(2):
+            dbeta[r] = dbeta[r] + rkk[r]
+            dg[r] = beta[r] * e_g[r] * x[r] + rmk[r] - (after[r] - before[r])
+        tid = opaque_tid_x() % WG
+        c = opaque_i32(c)  # dk's row addresses afresh: dq's (same rows) were held across
+        for e in cutlass.range_constexpr(cute.size(acc_b)):
+            acc_b[e] = acc_b[e] + stash[e // STASH_COLS][tid, e % STASH_COLS]
+        self._store_rows(acc_b, mma_k, mDK, tid, b, hv, c, seqlen)
+        self._store_vec(dbeta, t0, row_w, tid, mDB, b, hv, first, seqlen)
+        if tid % 4 == 0:  # dG's WY rows onto this thread's own stash (`_stash_rows`)
+            for r in cutlass.range_constexpr(2):
+                i = row_w + t0[r, 0][0]
+                if first + i < seqlen:
+                    sRed[i] = sRed[i] + dg[r]
 
     @cute.jit
     def _finish(self, sH, sDH, sRed2, sG2, mDG, full, empty, b, hv, seqlen, nchunks):
