@@ -202,10 +202,32 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         self.shared_storage = SharedStorage
         order = ("do", "u", "q", "k", "w", "uw", "pt", "tt", "h")
         atoms_and_views = [x for n in order for x in tma[n]]
+        # the chunk count a kernel parameter (constant bank): the loops' bound takes no register
+        nchunks = (mDO.shape[1] + CHUNK - 1) // CHUNK
         self.kernel(
-            *atoms_and_views, mG, mV, mBeta, mDht, mDQ, mDK, mDG, mDV, mDB, mDh0, scale,
-            self.mma_w, self.mma_s, self.mma_q, self.mma_k, self.mma_da, self.mma_ks,
-            self.mma_st, self.sT_layout, self.sH_layout, self.sP_layout,
+            *atoms_and_views,
+            mG,
+            mV,
+            mBeta,
+            mDht,
+            mDQ,
+            mDK,
+            mDG,
+            mDV,
+            mDB,
+            mDh0,
+            nchunks,
+            scale,
+            self.mma_w,
+            self.mma_s,
+            self.mma_q,
+            self.mma_k,
+            self.mma_da,
+            self.mma_ks,
+            self.mma_st,
+            self.sT_layout,
+            self.sH_layout,
+            self.sP_layout,
         ).launch(  # fmt: skip
             grid=(mDO.shape[2], mDO.shape[0], 1),
             block=[THREADS, 1, 1],
@@ -244,6 +266,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         mDV: cute.Tensor,
         mDB: cute.Tensor,
         mDh0: cute.Tensor,
+        nchunks: cutlass.Int32,
         scale: Float32,
         mma_w: cute.TiledMma,
         mma_s: cute.TiledMma,
@@ -297,7 +320,6 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
 
         hv, b, _ = cute.arch.block_idx()
         seqlen = mDO4.shape[0]
-        nchunks = (seqlen + CHUNK - 1) // CHUNK
         wg = cute.arch.make_warp_uniform(tidx // WG)
         if wg == 0:
             cute.arch.setmaxregister_decrease(REGS[0])
@@ -385,8 +407,14 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             # K K^T for G's WY half (S is idle while G works; G's `_wy` spilled holding it)
             wg_s = mma_s.get_slice(0)
             acc_kk = cute.make_rmem_tensor(wg_s.partition_shape_C((CHUNK, CHUNK)), Float32)
-            gemm(mma_s, acc_kk, wg_s.make_fragment_A(wg_s.partition_A(sK))[None, None, None, 0],
-                 wg_s.make_fragment_B(wg_s.partition_B(sK))[None, None, None, 0], True, 0)
+            gemm(
+                mma_s,
+                acc_kk,
+                wg_s.make_fragment_A(wg_s.partition_A(sK))[None, None, None, 0],
+                wg_s.make_fragment_B(wg_s.partition_B(sK))[None, None, None, 0],
+                True,
+                0,
+            )
             for e in cutlass.range_constexpr(KK_REGS):
                 sKK[tid, e] = acc_kk[e]
             t0, _, col_base = softmax.acc_coords(mma_ks, tid, (ROWS, CHUNK))
@@ -587,19 +615,20 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
                 beta[r] = mBeta[b, i, hv]
         acc_v = cute.make_rmem_tensor(shape, Float32)
         gemm(mma_k, acc_v, tArT[None, None, None, 0], tBrDU[None, None, None, 0], True, 0)
+        # dvb.v and dv = beta dvb before dA's product (kernel 2 overlaps them with it): acc_v
+        # dies at its 16-bit copy, not held beside dA's accumulator
+        dbeta = self._row_dots_global(acc_v, mma_k, mV, tid, b, hv, c, seqlen)
         tDArV = wg_da.make_fragment_A(wg_da.partition_shape_A((CHUNK, self.v)))
         acc_to_operand_a(acc_v, tDArV)
-        tBrW = wg_da.make_fragment_B(wg_da.partition_B(sW))
-        tBrUw = wg_da.make_fragment_B(wg_da.partition_B(sUw))
-        acc_a = cute.make_rmem_tensor(wg_s.partition_shape_C((CHUNK, CHUNK)), Float32)
-        # waited at once (kernel 2 overlaps it with dv's stores): its 32 A registers freed
-        gemm(mma_da, acc_a, tDArV, tBrUw[None, None, None, 0], True, 0)
-        dbeta = self._row_dots_global(acc_v, mma_k, mV, tid, b, hv, c, seqlen)
         va = rows_cols(acc_v)
         for r in cutlass.range_constexpr(2):
             for j in cutlass.range_constexpr(cute.size(va, mode=[1])):
                 va[r, j] = va[r, j] * beta[r]
         self._store_rows(acc_v, mma_k, mDV, tid, b, hv, c, seqlen)
+        tBrW = wg_da.make_fragment_B(wg_da.partition_B(sW))
+        tBrUw = wg_da.make_fragment_B(wg_da.partition_B(sUw))
+        acc_a = cute.make_rmem_tensor(wg_s.partition_shape_C((CHUNK, CHUNK)), Float32)
+        gemm(mma_da, acc_a, tDArV, tBrUw[None, None, None, 0], True, -1)
         acc_b = cute.make_rmem_tensor(shape, Float32)
         gemm(mma_k, acc_b, tArT[None, None, None, 0], tBrDW[None, None, None, 0], True, 0)
         tDArB = wg_da.make_fragment_A(wg_da.partition_shape_A((CHUNK, self.k)))
@@ -609,6 +638,8 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         ba = rows_cols(acc_b)
         for r in cutlass.range_constexpr(2):
             dbeta[r] = dbeta[r] + e_g[r] * x[r]
+            # dG's beta e^G dkb.k folded now: one value a row held to the end, not three
+            x[r] = beta[r] * e_g[r] * x[r]
             for j in cutlass.range_constexpr(cute.size(ba, mode=[1])):
                 ba[r, j] = ba[r, j] * (beta[r] * e_g[r])
         warpgroup.wait_group(0)
@@ -654,7 +685,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         dg = [Float32(0.0), Float32(0.0)]
         for r in cutlass.range_constexpr(2):
             dbeta[r] = dbeta[r] + rkk[r]
-            dg[r] = beta[r] * e_g[r] * x[r] + rmk[r] - (after[r] - before[r])
+            dg[r] = x[r] + rmk[r] - (after[r] - before[r])
         tid = opaque_tid_x() % WG
         c = opaque_i32(c)  # dk's row addresses afresh: dq's (same rows) were held across
         for e in cutlass.range_constexpr(cute.size(acc_b)):
