@@ -20,6 +20,7 @@ CHUNK = 64  # tokens per chunk: the forward's
 THREADS = 3 * THREADS_PER_WG
 # setmaxnreg: the producer warpgroup (TMA + the finish loops), S, G (kernel 2's single math
 # warpgroup body: 254 registers in the chunk kernel's WY + dqk16 key)
+# (compiled 2026-12-06: G at 252 named registers with 16 bytes spilled, S 197, warpgroup 0 30)
 REGS = (40, 216, 256)
 assert sum(REGS) * THREADS_PER_WG <= REGISTERS_PER_SM
 # The chunk's TMA boxes, one mbarrier a group, in the order G consumes them (S waits on the
@@ -32,8 +33,8 @@ TOKEN_TILES = ("do", "u", "q", "k", "w", "uw")  # (C, 128) 16-bit
 # One stage (no double buffering: 2 x 144 KB do not fit): the next chunk's boxes are issued
 # once every reader has released this one (S after its update, G after the WY half, the finish
 # warps after <dh, h>). On chip beside the stage: dS (K, V) 16-bit (S -> G, the finish), dU
-# (C, V) 16-bit (G -> S and G's WY half); dPD^T and M^T live in the spent P^T box, dw in the
-# spent q box, dk's fp32 stash over the spent dO and U boxes.
+# (C, V) 16-bit (G -> S and G's WY half), K K^T fp32 (S -> G); dPD^T and M^T live in the spent
+# P^T box, dw in the spent q box, dk's fp32 stash over the spent dO and U boxes.
 STAGES = 1
 # the consumers releasing a stage: S and G whole, the two finish warps (one arrival a thread)
 RELEASE_ARRIVALS = 2 * THREADS_PER_WG + 64
@@ -42,10 +43,11 @@ RELEASE_ARRIVALS = 2 * THREADS_PER_WG + 64
 def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2) -> int:
     """Shared memory of one CTA (the kernel's SharedStorage, alignment padding included): the
     stage (dO, U, u (C, V); q, k, W (C, K); P^T, T^T (C, C); h (K, V)), dS (K, V) and dU (C, V)
-    on chip, the mbarriers, G and e^G (fp32, two chunks' worth: the finish warps read one while
-    G stages the next) and the dG rows (two chunks' worth)."""
+    on chip, K K^T (C, C) fp32 (the state warpgroup's product for G's WY half), the
+    mbarriers, G and e^G (fp32, two chunks' worth: the finish warps read one while G stages
+    the next) and the dG rows (two chunks' worth)."""
     stage = CHUNK * (3 * v + 3 * k + 2 * CHUNK) * elem_bytes + k * v * elem_bytes
-    on_chip = k * v * elem_bytes + CHUNK * v * elem_bytes
+    on_chip = k * v * elem_bytes + CHUNK * v * elem_bytes + CHUNK * CHUNK * 4
     head = 8 * (len(LOAD_GROUPS) + 1) + 2 * 2 * CHUNK * 4 + 2 * (2 * CHUNK + 4) * 4
     return STAGES * stage + on_chip + head + 1024
 
@@ -54,12 +56,16 @@ def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2) -> int:
 # chunk, so the grid is B x HV and the time is ~NC steps; today's path spreads its every-chunk
 # kernels over NC x HV x B CTAs. The fused kernel wins only with about a wave of CTAs (the
 # design note's table: 4 x 8192 hv32 = 128 CTAs, 1 x 2048 / 1 x 8192 hv32 = 32 CTAs lose).
-MIN_CTAS = (3 * NUM_SMS_H100_H200) // 4
+# Three quarters of a wave: 99 CTAs on the H100's 132 SMs (4 x 8192 hv32: 128, fused; 1 x 2048
+# and 1 x 8192 hv32: 32, today's path). No SM count (CPU tensors): never.
+WAVE_FRACTION = (3, 4)
 
 
 def fused_fits(b: int, hv: int, sms: int = NUM_SMS_H100_H200) -> bool:
-    """Whether B x HV CTAs fill ~a wave of `sms` SMs (the fused kernel's dispatch rule)."""
-    return b * hv >= (3 * sms) // 4
+    """Whether B x HV CTAs fill WAVE_FRACTION of a wave of `sms` SMs (the fused kernel's
+    dispatch rule; `sms` 0, as off CUDA: False)."""
+    num, den = WAVE_FRACTION
+    return sms > 0 and b * hv * den >= sms * num
 
 
 def params_for(

@@ -591,10 +591,11 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
 
     @cute.jit
     def _wy(self, mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, wy_smem, sG, sRed, mDK, mV,
-            mBeta, mDV, mDB, math, e_g, t0, row_w, first, seqlen, b, hv, c, stash, sKK):  # fmt: skip
+            mBeta, mDV, mDB, math, e_g, t0, row_w, first, seqlen, b, hv, c, stash,
+            sKK):  # fmt: skip
         """Kernel 2's `_wy` (dqk16, one math warpgroup) with K K^T read from shared memory
-        (`sKK`: the state warpgroup's fp32 accumulator, stored in the same thread order) instead
-        of a product held in 32 registers across dA's masking: at kernel 2's 254 registers
+        (`sKK`: the state warpgroup's fp32 accumulator, stored in the same thread order)
+        instead of a product held in 32 registers across dA's masking: at kernel 2's 254 registers
         plus this loop's own values, that peak spilled (368 bytes). The same sums in the same
         order otherwise. TODO(merge): a K K^T hook in `GdnBwdChunkSm90._wy` instead of this
         copy, once the fsplit edits there have landed."""
