@@ -15,13 +15,16 @@ DTYPES = ("float16", "bfloat16")
 HEAD_DIMS = ((128, 128),)  # (K, V)
 CHUNK = 64  # tokens per chunk: the forward's
 # warpgroup 0: the TMA warp (warp 0) and dG's finish (warps 1, 2); warpgroup 1 ("S"): dS^T (V,
-# K) fp32, the whole state (two 64-row accumulators, 128 registers a thread), its update;
-# warpgroup 2 ("G"): dU = Ke dS + P^T dO, then every chunk gradient (kernel 2's WY form)
+# K) fp32, the whole state (two 64-row accumulators, 128 registers a thread), its update, and
+# K K^T and dPD = (dO U^T) o D for G; warpgroup 2 ("G"): dU = Ke dS + P^T dO, then every other
+# chunk gradient (kernel 2's WY form)
 THREADS = 3 * THREADS_PER_WG
 # setmaxnreg: the producer warpgroup (TMA + the finish loops), S, G (kernel 2's single math
 # warpgroup body: 254 registers in the chunk kernel's WY + dqk16 key)
-# (compiled 2026-12-06: G at 252 named registers with 16 bytes spilled, S 197, warpgroup 0 30)
-REGS = (40, 216, 256)
+# (compiled 2026-12-06, bf16: G R0-R252 named with 16 bytes spilled (32 with a final-state
+# gradient): loop-invariant 64-bit strides and the loop's bound, reloaded a few times a chunk;
+# S R0-R221; warpgroup 0 R0-R24)
+REGS = (32, 224, 256)
 assert sum(REGS) * THREADS_PER_WG <= REGISTERS_PER_SM
 # The chunk's TMA boxes, one mbarrier a group, in the order G consumes them (S waits on the
 # first two only: dO, then q and W): dU (k, P^T, dO); q + W (S's update, dq's B, dw's slot);
@@ -33,8 +36,9 @@ TOKEN_TILES = ("do", "u", "q", "k", "w", "uw")  # (C, 128) 16-bit
 # One stage (no double buffering: 2 x 144 KB do not fit): the next chunk's boxes are issued
 # once every reader has released this one (S after its update, G after the WY half, the finish
 # warps after <dh, h>). On chip beside the stage: dS (K, V) 16-bit (S -> G, the finish), dU
-# (C, V) 16-bit (G -> S and G's WY half), K K^T fp32 (S -> G); dPD^T and M^T live in the spent
-# P^T box, dw in the spent q box, dk's fp32 stash over the spent dO and U boxes.
+# (C, V) 16-bit (G -> S and G's WY half), K K^T fp32 and dPD 16-bit (S -> G); dPD^T and M^T
+# live in the spent P^T box, dw in the spent q box, dk's fp32 stash over the spent dO and U
+# boxes.
 STAGES = 1
 # the consumers releasing a stage: S and G whole, the two finish warps (one arrival a thread)
 RELEASE_ARRIVALS = 2 * THREADS_PER_WG + 64
@@ -43,13 +47,13 @@ RELEASE_ARRIVALS = 2 * THREADS_PER_WG + 64
 def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2) -> int:
     """Shared memory of one CTA (the kernel's SharedStorage, alignment padding included): the
     stage (dO, U, u (C, V); q, k, W (C, K); P^T, T^T (C, C); h (K, V)), dS (K, V) and dU (C, V)
-    on chip, K K^T (C, C) fp32 (the state warpgroup's product for G's WY half), the
-    mbarriers, G and e^G (fp32, two chunks' worth: the finish warps read one while G stages
-    the next) and the dG rows (two chunks' worth)."""
+    on chip, K K^T (C, C) fp32 and dPD (C, C) 16-bit (the state warpgroup's products for G),
+    the mbarriers, G (G's and S's) and e^G (fp32, two chunks' worth: the finish warps read one
+    while G stages the next) and the dG rows (two chunks' worth); 2 KB of alignment padding."""
     stage = CHUNK * (3 * v + 3 * k + 2 * CHUNK) * elem_bytes + k * v * elem_bytes
-    on_chip = k * v * elem_bytes + CHUNK * v * elem_bytes + CHUNK * CHUNK * 4
-    head = 8 * (len(LOAD_GROUPS) + 1) + 2 * 2 * CHUNK * 4 + 2 * (2 * CHUNK + 4) * 4
-    return STAGES * stage + on_chip + head + 1024
+    on_chip = (k * v + CHUNK * v + CHUNK * CHUNK) * elem_bytes + CHUNK * CHUNK * 4
+    head = 8 * (len(LOAD_GROUPS) + 1) + 3 * 2 * CHUNK * 4 + 2 * (2 * CHUNK + 4) * 4
+    return STAGES * stage + on_chip + head + 2048
 
 
 # Dispatch (ops/gated_delta_rule_bwd.py FUSED): one CTA per (sequence, value head) walks every

@@ -198,6 +198,8 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             sDH: cute.struct.Align[cute.struct.MemRange[self.dtype, h_elems], 1024]
             sDU: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
             sKK: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK * CHUNK], 1024]
+            sPD: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
+            sGs: cute.struct.Align[cute.struct.MemRange[Float32, 2 * CHUNK], 16]
 
         self.shared_storage = SharedStorage
         order = ("do", "u", "q", "k", "w", "uw", "pt", "tt", "h")
@@ -304,9 +306,11 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         sH = smem_tensor(storage.sH, sH_layout)
         sDH = smem_tensor(storage.sDH, sH_layout)
         sDU = smem_tensor(storage.sDU, sT_layout)
+        sPD = smem_tensor(storage.sPD, sP_layout)  # dPD (C, C) 16-bit: S -> G (dq's A)
         # two chunks' worth (index i % 2): the finish warps read chunk i's while G stages i + 1
         sG2 = storage.sG.get_tensor(cute.make_layout((CHUNK, 2)))
         sE2 = storage.sE.get_tensor(cute.make_layout((CHUNK, 2)))
+        sGs2 = storage.sGs.get_tensor(cute.make_layout((CHUNK, 2)))  # S's own G
         sRed2 = storage.sRed.get_tensor(cute.make_layout((2 * CHUNK + 4, 2)))
         # dk's first half in fp32 over the spent dO, U boxes (kernel 2's dqk16 stash)
         stash = tuple(
@@ -337,13 +341,14 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
                 self._finish(sH, sDH, sRed2, sG2, mDG, full, empty, b, hv, seqlen, nchunks)
         elif wg == 1:
             cute.arch.setmaxregister_increase(REGS[1])
-            self._state(mma_ks, mma_st, mma_s, sDO, sQ, sK, sW, sDU, sDH, sE2, sKK, mG, mDht,
-                        mDh0, full, empty, hv, b, seqlen, nchunks)  # fmt: skip
+            self._state(mma_ks, mma_st, mma_s, sDO, sU, sQ, sK, sW, sPT, sPD, sDU, sDH, sE2,
+                        sGs2, sKK, mG, mDht, mDh0, full, empty, hv, b, seqlen,
+                        nchunks)  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(REGS[2])
             self._grads(mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sQ, sK, sW, sUw, sPT, sTt,
                         sH, sDH, sDU, sG2, sRed2, mG, mV, mBeta, mDQ, mDK, mDG, mDV, mDB, full,
-                        empty, hv, b, seqlen, nchunks, scale, stash, sKK)  # fmt: skip
+                        empty, hv, b, seqlen, nchunks, scale, stash, sKK, sPD)  # fmt: skip
 
     @cute.jit
     def _produce(self, tiles, full, empty, hv, b, nchunks):
@@ -355,8 +360,8 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             self._load_groups(tiles, full, nchunks - 1 - i, hv, b)
 
     @cute.jit
-    def _state(self, mma_ks, mma_st, mma_s, sDO, sQ, sK, sW, sDU, sDH, sE2, sKK, mG, mDht,
-               mDh0, full, empty, hv, b, seqlen, nchunks):  # fmt: skip
+    def _state(self, mma_ks, mma_st, mma_s, sDO, sU, sQ, sK, sW, sPT, sPD, sDU, sDH, sE2, sGs2,
+               sKK, mG, mDht, mDh0, full, empty, hv, b, seqlen, nchunks):  # fmt: skip
         """Warpgroup 1: dS^T (V, K) fp32 in two 64-row accumulators for the whole sequence;
         per chunk: dS (16-bit) into sDH for G and the finish warps, then dS^T <- e^(G_C) dS^T
         + (e^G o dO)^T q - dU^T W (kernel 1's update with Qe = q e^G folded into the A
@@ -389,10 +394,13 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             par = i % 2
             first = c * CHUNK
             sE = sE2[None, par]
-            if stid < CHUNK:  # e^G of the chunk's tokens (zero past T: dO's rows are zero)
-                e = Float32(0.0)
+            sG = sGs2[None, par]
+            if stid < CHUNK:  # G and e^G of the chunk's tokens (zero past T)
+                g_t, e = Float32(0.0), Float32(0.0)
                 if first + stid < seqlen:
-                    e = cute.math.exp(mG[b, first + stid, hv], fastmath=True)
+                    g_t = mG[b, first + stid, hv]
+                    e = cute.math.exp(g_t, fastmath=True)
+                sG[stid] = g_t
                 sE[stid] = e
             if i > 0:
                 dh_free.arrive_and_wait()  # G and the finish warps have read the last dS
@@ -430,24 +438,56 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
                         a[r, j] = a[r, j] * e_j
                 acc_to_operand_a(r_do, tA)
                 gemm(mma_st, accs[w], tA, tBrQ[None, None, None, 0], False, 0)
-            du_ready.arrive_and_wait()  # G's dU (16-bit) in sDU
+            # dPD = (dO U^T) o D for G's dq and dk (kernel 2's first products), its transpose
+            # over the spent P^T box once G's dU (which reads P^T) is done
+            cute.arch.mbarrier_wait(full + 3, par)  # U
+            acc_p = cute.make_rmem_tensor(wg_s.partition_shape_C((CHUNK, CHUNK)), Float32)
+            gemm(
+                mma_s,
+                acc_p,
+                wg_s.make_fragment_A(wg_s.partition_A(sDO))[None, None, None, 0],
+                wg_s.make_fragment_B(wg_s.partition_B(sU))[None, None, None, 0],
+                True,
+                0,
+            )
+            self._decay_pd(acc_p, mma_s, sG, first, seqlen)
+            du_ready.arrive_and_wait()  # G's dU (16-bit) in sDU; P^T read
+            self._store_tile(acc_p, mma_s, sPD, False)
+            self._store_tile(acc_p, mma_s, sPT, True)
+            s_done.arrive()  # dPD, dPD^T written; dO, q, U read
             for w in cutlass.range_constexpr(2):
                 r_du = cute.make_rmem_tensor(acc_shape, Float32)
                 dut = cute.local_tile(transposed(sDU)[None, None, 0], (ROWS, CHUNK), (w, 0))
                 r_du.store(-mma_ks.get_slice(tid).partition_C(dut).load().to(Float32))
                 acc_to_operand_a(r_du, tA)
                 gemm(mma_st, accs[w], tA, tBrW[None, None, None, 0], False, 0)
-            s_done.arrive()
             cute.arch.mbarrier_arrive(empty)
         for w in cutlass.range_constexpr(2):
             GdnBwdStateSm90._state_io(self, mDh0[b, hv, None, None], accs[w], thr_st, w, False,
                                       True)  # fmt: skip
 
     @cute.jit
+    def _decay_pd(self, acc_p, mma_s, sG, first, seqlen):
+        """dO U^T o D in place: D_ij = e^(G_i - G_j) for j <= i, rows inside T, else 0
+        (kernel 2's, from the G staged in `sG`)."""
+        tid = opaque_tid_x() % WG
+        t0s, row_s, col_s = softmax.acc_coords(mma_s, tid, (CHUNK, CHUNK))
+        p = rows_cols(acc_p)
+        for r in cutlass.range_constexpr(cute.size(p, mode=[0])):
+            ri = row_s + t0s[r, 0][0]
+            g_i = sG[ri]
+            for j in cutlass.range_constexpr(cute.size(p, mode=[1])):
+                col = col_s + t0s[0, j][1]
+                d = Float32(0.0)
+                if col <= ri and first + ri < seqlen:
+                    d = cute.math.exp(g_i - sG[col], fastmath=True)
+                p[r, j] = p[r, j] * d
+
+    @cute.jit
     def _grads(
         self, mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sQ, sK, sW, sUw, sPT, sTt, sH, sDH,
         sDU, sG2, sRed2, mG, mV, mBeta, mDQ, mDK, mDG, mDV, mDB, full, empty, hv, b, seqlen,
-        nchunks, scale, stash, sKK,
+        nchunks, scale, stash, sKK, sPD,
     ):  # fmt: skip
         """Warpgroup 2, per chunk: dU = (k dS) o e^(G_C - G) + P^T dO into sDU (S's, and the
         chunk's), then kernel 2's `_math` (WY, dqk16) on the stage: dPD^T in the spent P^T
@@ -501,7 +541,10 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             self._chunk_grads(mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sQ, sK, sH, sDH,
                               sPT, sDU, wy_smem, sG, sRed, mG, mV, mBeta, mDQ, mDK, mDV, mDB,
                               full, math, dh_free, s_done, i, c, hv, b, seqlen,
-                              nchunks, scale, stash, sKK)  # fmt: skip
+                              nchunks, scale, stash, sKK, sPD)  # fmt: skip
+            # G wrote into spent boxes (dk's stash, dPD^T, dw, M^T): ordered before the next
+            # chunk's TMA writes there (async proxy)
+            cute.arch.fence_view_async_shared()
             cute.arch.mbarrier_arrive(empty)
             finish.arrive_and_wait()  # the rows stashed: a wait on both sides (kernel 2's)
 
@@ -509,61 +552,45 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
     def _chunk_grads(
         self, mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sQ, sK, sH, sDH, sP, sDU, wy_smem,
         sG, sRed, mG, mV, mBeta, mDQ, mDK, mDV, mDB, full, math, dh_free, s_done, i, c, hv, b,
-        seqlen, nchunks, scale, stash, sKK,
+        seqlen, nchunks, scale, stash, sKK, sPD,
     ):  # fmt: skip
         """Kernel 2's `_math` (WY, dqk16, one math warpgroup) on this chunk's stage, its load
-        groups waited at this chunk's phase, DH_FREE arrived once sDH is read (dke) and S_DONE
-        waited before dk's stash (over dO, U) and dw (over q)."""
+        groups waited at this chunk's phase, dPD and dPD^T the state warpgroup's (S_DONE: in
+        shared memory, and dO, q, U read by S, so that dk's stash and dw may go over them),
+        DH_FREE arrived once sDH is read (dke)."""
         par = i % 2
         first = c * CHUNK
         wg_w = mma_w.get_slice(0)
-        wg_s = mma_s.get_slice(0)
-        wg_q = mma_q.get_slice(0)
         wg_k = mma_k.get_slice(0)
         tArDO = wg_w.make_fragment_A(wg_w.partition_A(sDO))
         tArU = wg_w.make_fragment_A(wg_w.partition_A(sU))
         tArDU = wg_w.make_fragment_A(wg_w.partition_A(sDU))
         tBrH = wg_w.make_fragment_B(wg_w.partition_B(sH))
         tBrDH = wg_w.make_fragment_B(wg_w.partition_B(sDH))
-        tSrDO = wg_s.make_fragment_A(wg_s.partition_A(sDO))
-        tSrU = wg_s.make_fragment_B(wg_s.partition_B(sU))
-        tQrP = wg_q.make_fragment_A(wg_q.partition_shape_A((CHUNK, CHUNK)))
-        tQrK = wg_q.make_fragment_B(wg_q.partition_B(transposed(sK)))
+        tQrP = wg_k.make_fragment_A(wg_k.partition_A(sPD))
+        tQrK = wg_k.make_fragment_B(wg_k.partition_B(transposed(sK)))
         tKrP = wg_k.make_fragment_A(wg_k.partition_A(sP))
         tKrQ = wg_k.make_fragment_B(wg_k.partition_B(transposed(sQ)))
         acc_q = cute.make_rmem_tensor(wg_w.partition_shape_C((CHUNK, self.k)), Float32)
-        acc_s = cute.make_rmem_tensor(wg_s.partition_shape_C((CHUNK, CHUNK)), Float32)
         cute.arch.mbarrier_wait(full + 2, par)  # h
-        gemm(mma_w, acc_q, tArDO[None, None, None, 0], tBrH[None, None, None, 0], True, -1)
-        cute.arch.mbarrier_wait(full + 3, par)  # U (dqe in flight)
-        gemm(mma_s, acc_s, tSrDO[None, None, None, 0], tSrU[None, None, None, 0], True, 0)
+        gemm(mma_w, acc_q, tArDO[None, None, None, 0], tBrH[None, None, None, 0], True, 0)
         tid = opaque_tid_x() % WG
-        t0s, row_s, col_s = softmax.acc_coords(mma_s, tid, (CHUNK, CHUNK))
         t0, row_w, _ = softmax.acc_coords(mma_w, tid, (CHUNK, self.k))
         last = cutlass.min(first + CHUNK, seqlen) - 1
         e_g, e_end = self._row_decays(mG, t0, row_w, first, seqlen, b, hv, sG[last - first])
-        s = rows_cols(acc_s)
-        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-            ri = row_s + t0s[r, 0][0]
-            g_i = sG[ri]
-            for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                col = col_s + t0s[0, j][1]
-                d = Float32(0.0)
-                if col <= ri and first + ri < seqlen:
-                    d = cute.math.exp(g_i - sG[col], fastmath=True)
-                s[r, j] = s[r, j] * d
-        self._store_pt(acc_s, mma_s, sP)  # dPD^T over the spent P^T box
-        acc_to_operand_a(acc_s, tQrP)
         qa = rows_cols(acc_q)
         for r in cutlass.range_constexpr(cute.size(qa, mode=[0])):
             for j in cutlass.range_constexpr(cute.size(qa, mode=[1])):
                 qa[r, j] = qa[r, j] * e_g[r]
+        # S's dPD, dPD^T in shared memory; S has read dO, q, U: dk's stash and dw may go there
+        s_done.arrive_and_wait()
         cute.arch.mbarrier_wait(full + 1, par)  # q, W
-        gemm(mma_q, acc_q, tQrP, tQrK[None, None, None, 0], False, 0)
+        gemm(mma_k, acc_q, tQrP[None, None, None, 0], tQrK[None, None, None, 0], False, 0)
         dg = self._row_dots(acc_q, mma_w, sQ, tid)
         self._store_rows(acc_q, mma_w, mDQ, tid, b, hv, c, seqlen, scale)
 
         acc_k = cute.make_rmem_tensor(wg_w.partition_shape_C((CHUNK, self.k)), Float32)
+        cute.arch.mbarrier_wait(full + 3, par)  # U
         gemm(mma_w, acc_k, tArU[None, None, None, 0], tBrDH[None, None, None, 0], True, 0)
         if c > 0:
             dh_free.arrive()  # sDH read: S may write the next chunk's dS
@@ -572,10 +599,8 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             for j in cutlass.range_constexpr(cute.size(ka, mode=[1])):
                 ka[r, j] = ka[r, j] * e_end[r]
         te = self._row_dots(acc_k, mma_w, sK, tid)
-        math.arrive_and_wait()  # every thread's dPD^T in shared memory
         gemm(mma_k, acc_k, tKrP[None, None, None, 0], tKrQ[None, None, None, 0], False, 0)
         dk_k = self._row_dots(acc_k, mma_w, sK, tid)
-        s_done.arrive_and_wait()  # S has read dO, q, W: the stash and dw may go over them
         for e in cutlass.range_constexpr(cute.size(acc_k)):
             stash[e // STASH_COLS][tid, e % STASH_COLS] = acc_k[e]
         for r in cutlass.range_constexpr(2):
