@@ -127,3 +127,24 @@ def test_small_grids_keep_todays_path(kernel_path, monkeypatch):  # noqa: F811
                                           d_final_state=dht)  # fmt: skip
     assert calls == [] and FLAGS == [(True, True), (True, False)]
     assert CHUNK_CALLS == [torch.bfloat16]
+
+
+@pytest.mark.parametrize(
+    ("env", "fused", "b", "hv", "sms", "want"),
+    [(None, False, 4, 32, 132, False), (None, True, 4, 32, 132, True),
+     (None, True, 1, 32, 132, False), ("0", True, 4, 32, 132, False),
+     ("1", False, 4, 32, 132, True), ("1", False, 1, 2, 132, False),
+     ("all", False, 1, 2, 132, True), ("all", False, 1, 2, 0, True)],
+)  # fmt: skip
+def test_the_switch(monkeypatch, env, fused, b, hv, sms, want):
+    """FUSED (the constant), FUSED_SWITCH overriding it ("1": the rule, "all": every device
+    pass, for the GPU checks' small shapes; "0": off); never without QK16."""
+    if env is None:
+        monkeypatch.delenv(bwd.FUSED_SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(bwd.FUSED_SWITCH, env)
+    monkeypatch.setattr(bwd, "FUSED", fused)
+    monkeypatch.setattr(bwd, "_device_sms", lambda device: sms)
+    assert bwd._fused_selected(b, hv, torch.device("cpu")) == want
+    monkeypatch.setattr(bwd, "QK16", False)
+    assert not bwd._fused_selected(b, hv, torch.device("cpu"))

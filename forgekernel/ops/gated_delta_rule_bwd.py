@@ -58,6 +58,7 @@ callers with their own autograd and for the suite's backward timing.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
@@ -375,8 +376,18 @@ FSPLIT = False
 # The fused backward (kernels/linear_attention/gdn_bwd_fused/sm90, `_fused_pass`: kernel 1's
 # reverse launch and kernel 2 in one kernel, one CTA per (sequence, value head), dU and dS on
 # chip) with QK16, where B x HV fills about a wave (`fused_fits`; fewer CTAs: today's path).
-# TEMPORARY switch, off until a GPU A/B (NOTES "GDN fused backward").
+# TEMPORARY switch, off until a GPU A/B (NOTES "GDN fused backward"); FUSED_SWITCH overrides it
+# for the GPU checks: "1" as FUSED = True, "all" every device pass (small shapes too), "0" off.
 FUSED = False
+FUSED_SWITCH = "FORGEKERNEL_GDN_BWD_FUSED"
+
+
+def _fused_selected(b: int, hv: int, device: torch.device) -> bool:
+    """Whether the device pass of B sequences x HV value heads runs the fused kernel."""
+    mode = os.environ.get(FUSED_SWITCH, "1" if FUSED else "0")
+    if mode == "all":
+        return QK16
+    return mode == "1" and QK16 and fused_fits(b, hv, _device_sms(device))
 
 
 def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None):
@@ -390,7 +401,7 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None):
     dk only with q_scale). q_scale (QK16, `_folds`): kernel 2's 16-bit dq times it, dq and dk
     the op's gradients (no epilogue)."""
     t, device = qs.shape[1], qs.device
-    if FUSED and QK16 and fused_fits(do.shape[0], do.shape[2], _device_sms(device)):
+    if _fused_selected(do.shape[0], do.shape[2], device):
         return _fused_pass(qs, ks, v, g, beta, do, h0, dht, into, q_scale)
     dq_o, dk_o, dv_o, dg_o, dbeta_o, dh0_o = into or (None,) * 6
     out = _factors(qs, ks, v, g, beta)
