@@ -21,9 +21,7 @@ CHUNK = 64  # tokens per chunk: the forward's
 THREADS = 3 * THREADS_PER_WG
 # setmaxnreg: the producer warpgroup (TMA + the finish loops), S, G (kernel 2's single math
 # warpgroup body: 254 registers in the chunk kernel's WY + dqk16 key)
-# (compiled 2026-12-06, bf16: G R0-R252 named with 16 bytes spilled (32 with a final-state
-# gradient): loop-invariant 64-bit strides and the loop's bound, reloaded a few times a chunk;
-# S R0-R221; warpgroup 0 R0-R24)
+# (compiled 2026-12-06, bf16: G R0-R179, S R0-R221, warpgroup 0 R0-R24, nothing spilled)
 REGS = (32, 224, 256)
 assert sum(REGS) * THREADS_PER_WG <= REGISTERS_PER_SM
 # The chunk's TMA boxes, one mbarrier a group, in the order G consumes them (S waits on the

@@ -185,7 +185,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             empty: cute.struct.MemRange[cutlass.Int64, 1]
             sG: cute.struct.Align[cute.struct.MemRange[Float32, 2 * CHUNK], 16]
             sE: cute.struct.Align[cute.struct.MemRange[Float32, 2 * CHUNK], 16]
-            sRed: cute.struct.Align[cute.struct.MemRange[Float32, 2 * (2 * CHUNK + 4)], 16]
+            sRed: cute.struct.Align[cute.struct.MemRange[Float32, 2 * (3 * CHUNK + 4)], 16]
             sDO: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
             sU: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
@@ -311,7 +311,8 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         sG2 = storage.sG.get_tensor(cute.make_layout((CHUNK, 2)))
         sE2 = storage.sE.get_tensor(cute.make_layout((CHUNK, 2)))
         sGs2 = storage.sGs.get_tensor(cute.make_layout((CHUNK, 2)))  # S's own G
-        sRed2 = storage.sRed.get_tensor(cute.make_layout((2 * CHUNK + 4, 2)))
+        # [0, C) dG rows, [C, 2C) te, [2C, 2C + 2) <dS, h>'s partials, [2C + 4, 3C + 4) dbeta
+        sRed2 = storage.sRed.get_tensor(cute.make_layout((3 * CHUNK + 4, 2)))
         # dk's first half in fp32 over the spent dO, U boxes (kernel 2's dqk16 stash)
         stash = tuple(
             cute.make_tensor(cute.recast_ptr(x.data_ptr(), dtype=Float32),
@@ -625,6 +626,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         order otherwise. TODO(merge): a K K^T hook in `GdnBwdChunkSm90._wy` instead of this
         copy, once the fsplit edits there have landed."""
         sTt, sW, sUw, sDW, sM = wy_smem
+        sDB = cute.make_tensor(sRed.iterator + 2 * CHUNK + 4, cute.make_layout(CHUNK))
         tid = opaque_tid_x() % WG
         wg_k = mma_k.get_slice(0)
         wg_q = mma_q.get_slice(0)
@@ -661,11 +663,14 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         acc_to_operand_a(acc_b, tDArB)
         gemm(mma_da, acc_a, tDArB, tBrW[None, None, None, 0], False, 0)
         x = self._row_dots(acc_b, mma_k, sK, tid)  # dkb.k
+        # each row's dbeta and dG terms go to shared memory as they are formed (by the quad's
+        # first thread, which reads them back): none is held across the masking and M's
+        # products (at 256 registers they spilled)
+        self._add_rows(sDB, dbeta, e_g, x, t0, row_w, tid, first, seqlen, True)
+        bx = [beta[r] * e_g[r] * x[r] for r in range(2)]
+        self._add_rows(sRed, bx, None, None, t0, row_w, tid, first, seqlen)
         ba = rows_cols(acc_b)
         for r in cutlass.range_constexpr(2):
-            dbeta[r] = dbeta[r] + e_g[r] * x[r]
-            # dG's beta e^G dkb.k folded now: one value a row held to the end, not three
-            x[r] = beta[r] * e_g[r] * x[r]
             for j in cutlass.range_constexpr(cute.size(ba, mode=[1])):
                 ba[r, j] = ba[r, j] * (beta[r] * e_g[r])
         warpgroup.wait_group(0)
@@ -697,32 +702,45 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             rmk[r] = beta_i * rkk[r]
             for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
                 s[r, j] = s[r, j] * beta_i
+        self._add_rows(sDB, rkk, None, None, t0s, row_s, tid, first, seqlen)
+        self._add_rows(sRed, rmk, None, None, t0s, row_s, tid, first, seqlen)
         self._store_tile(acc_a, mma_s, sM, True)  # M^T for M^T k
         tQrM = wg_q.make_fragment_A(wg_q.partition_shape_A((CHUNK, CHUNK)))
         acc_to_operand_a(acc_a, tQrM)
         tQrK = wg_q.make_fragment_B(wg_q.partition_B(transposed(sK)))
         gemm(mma_q, acc_b, tQrM, tQrK[None, None, None, 0], False, 0)
         before = self._row_dots(acc_b, mma_k, sK, tid)
+        self._add_rows(sRed, before, None, None, t0, row_w, tid, first, seqlen)
         math.arrive_and_wait()  # every thread's M^T in shared memory
         tKrM = wg_k.make_fragment_A(wg_k.partition_A(sM))
         tKrK = wg_k.make_fragment_B(wg_k.partition_B(transposed(sK)))
         gemm(mma_k, acc_b, tKrM[None, None, None, 0], tKrK[None, None, None, 0], False, 0)
         after = self._row_dots(acc_b, mma_k, sK, tid)
-        dg = [Float32(0.0), Float32(0.0)]
-        for r in cutlass.range_constexpr(2):
-            dbeta[r] = dbeta[r] + rkk[r]
-            dg[r] = x[r] + rmk[r] - (after[r] - before[r])
+        self._add_rows(sRed, [-after[0], -after[1]], None, None, t0, row_w, tid, first, seqlen)
         tid = opaque_tid_x() % WG
         c = opaque_i32(c)  # dk's row addresses afresh: dq's (same rows) were held across
         for e in cutlass.range_constexpr(cute.size(acc_b)):
             acc_b[e] = acc_b[e] + stash[e // STASH_COLS][tid, e % STASH_COLS]
         self._store_rows(acc_b, mma_k, mDK, tid, b, hv, c, seqlen)
-        self._store_vec(dbeta, t0, row_w, tid, mDB, b, hv, first, seqlen)
-        if tid % 4 == 0:  # dG's WY rows onto this thread's own stash (`_stash_rows`)
+        if tid % 4 == 0:  # dbeta from its rows' sums
             for r in cutlass.range_constexpr(2):
                 i = row_w + t0[r, 0][0]
                 if first + i < seqlen:
-                    sRed[i] = sRed[i] + dg[r]
+                    mDB[b, first + i, hv] = sDB[i]
+
+    @cute.jit
+    def _add_rows(self, dst, vals, e, x, t0, row_base, tid, first, seqlen,
+                  init: cutlass.Constexpr[bool] = False):  # fmt: skip
+        """dst[row] += vals[r] (`init`: dst[row] = vals[r] + e[r] x[r]) for this thread's two
+        rows, by the quad's first thread, rows inside T (the stashed dG rows' rule)."""
+        if tid % 4 == 0:
+            for r in cutlass.range_constexpr(2):
+                i = row_base + t0[r, 0][0]
+                if first + i < seqlen:
+                    if const_expr(init):
+                        dst[i] = vals[r] + e[r] * x[r]
+                    else:
+                        dst[i] = dst[i] + vals[r]
 
     @cute.jit
     def _finish(self, sH, sDH, sRed2, sG2, mDG, full, empty, b, hv, seqlen, nchunks):
