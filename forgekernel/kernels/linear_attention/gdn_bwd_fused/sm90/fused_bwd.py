@@ -10,9 +10,11 @@ gradient at the chunk's end, from the final state's gradient; h the forward's st
 chunk's start, U its corrected values, both from kernel 1's forward launch):
 
     G:  dU  = (k dS) o e^(G_C - G) (rows) + P^T dO       (C x V x K, then C x V x C)
+    S:  K K^T, dPD = (dO U^T) o D                          (C x C x K, C x C x V)
     S:  dS <- e^(G_C) dS + q^T (e^G o dO) - W^T dU        (as dS^T: V x K x C twice)
-    G:  kernel 2's products on dO, U, dU, q, k, h, dS and T^T, W, u (`GdnBwdChunkSm90._math`'s
-        order, then `_wy`): dq, dk, dv (16-bit), dbeta, dG's rows
+    G:  kernel 2's other products on dO, U, dU, q, k, h, dS, dPD and T^T, W, u
+        (`GdnBwdChunkSm90._math`'s order, then `_wy` with K K^T from S): dq, dk, dv (16-bit),
+        dbeta, dG's rows
     finish warps: dG's last-token term (te's sum + e^(G_C) <dS, h>) and the reverse cumsum
 
 Ke = k e^(G_C - G) and Qe = q e^G are not read: the first scales dU's rows after the product,
@@ -24,16 +26,19 @@ Warp roles (3 warpgroups, 384 threads, setmaxnreg config.REGS):
   finish (one token a thread);
 - warpgroup 1 ("S", `_state`): dS^T (V, K) fp32 as two 64-row accumulators (kernel 1's two
   state warpgroups' halves in one); per chunk it writes dS (K, V) 16-bit into sDH (transposed
-  stmatrix), then the update, its A operands (e^G o dO)^T and -dU^T built in registers from
-  shared memory, B = q, W (MN-major views);
+  stmatrix), K K^T (fp32, G's accumulator order) into sKK, then the update, its A operands
+  (e^G o dO)^T and -dU^T built in registers from shared memory, B = q, W (MN-major views),
+  and between its two halves dPD (sPD) and dPD^T (over the spent P^T box): S is idle while G
+  works, and G's registers were full (its first build spilled 400 bytes);
 - warpgroup 2 ("G", `_grads`): dU into sDU, then kernel 2's chunk gradients, its helpers
   inherited (`GdnBwdChunkSm90`: `_row_decays`, `_row_dots`, `_store_tile`, `_store_rows`,
-  `_stash_rows`, `_wy`).
+  `_stash_rows`; `_wy` overridden: K K^T from sKK, the row sums into shared memory as formed).
 
-Hand-overs (named barriers, `Bar`): S -> G, finish: dS in sDH (DS_READY); G -> S: dU in sDU
-(DU_READY); S -> G: S has read the stage's dO, q, W (S_DONE: G's fp32 dk stash goes over dO, U
-and dw over q); G, finish -> S: sDH read (DH_FREE: the next chunk's dS may be written); G ->
-finish: dG's rows (FINISH). The stage's release is an mbarrier (RELEASE_ARRIVALS).
+Hand-overs (named barriers, `Bar`): S -> G, finish: dS in sDH (DS_READY); G -> S: dU in sDU,
+P^T read (DU_READY); S -> G: K K^T, dPD, dPD^T written and the stage's dO, q, U read (S_DONE:
+G's fp32 dk stash goes over dO, U and dw over q); G, finish -> S: sDH read (DH_FREE: the
+next chunk's dS may be written); G -> finish: dG's rows (FINISH). The stage's release is an
+mbarrier (RELEASE_ARRIVALS).
 
 Constraints: K = V = 128, 16-bit tiles with unit last strides and 16-byte aligned outer strides
 (TMA); G, beta fp32 (B, T, HV) unit last stride; dq, dk, dv 16-bit, dG, dbeta, dh0 fp32.
