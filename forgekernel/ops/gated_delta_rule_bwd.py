@@ -58,10 +58,12 @@ callers with their own autograd and for the suite's backward timing.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
 from forgekernel.kernels.common.sm90.constants import REGISTERS_PER_SM, THREADS_PER_WG
+from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.config import fused_fits
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90 import config as state_config
 from forgekernel.ops import gated_delta_rule_chunked as fwd
 from forgekernel.ops._dispatch import KernelSwitch, refuse_capture
@@ -372,6 +374,22 @@ QK16 = True
 # until it is retired.
 FSPLIT = True
 
+# The fused backward (kernels/linear_attention/gdn_bwd_fused/sm90, `_fused_pass`: kernel 1's
+# reverse launch and kernel 2 in one kernel, one CTA per (sequence, value head), dU and dS on
+# chip) with QK16, where B x HV fills about a wave (`fused_fits`; fewer CTAs: today's path).
+# TEMPORARY switch, off until a GPU A/B (NOTES "GDN fused backward"); FUSED_SWITCH overrides it
+# for the GPU checks: "1" as FUSED = True, "all" every device pass (small shapes too), "0" off.
+FUSED = False
+FUSED_SWITCH = "FORGEKERNEL_GDN_BWD_FUSED"
+
+
+def _fused_selected(b: int, hv: int, device: torch.device) -> bool:
+    """Whether the device pass of B sequences x HV value heads runs the fused kernel."""
+    mode = os.environ.get(FUSED_SWITCH, "1" if FUSED else "0")
+    if mode == "all":
+        return QK16
+    return mode == "1" and QK16 and fused_fits(b, hv, _device_sms(device))
+
 
 def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None):
     """`_chunk_pass` with every kernel writing what the next reads (kernel 1 `out16`): kernel
@@ -384,6 +402,8 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None):
     dk only with q_scale). q_scale (QK16, `_folds`): kernel 2's 16-bit dq times it, dq and dk
     the op's gradients (no epilogue)."""
     t, device = qs.shape[1], qs.device
+    if _fused_selected(do.shape[0], do.shape[2], device):
+        return _fused_pass(qs, ks, v, g, beta, do, h0, dht, into, q_scale)
     dq_o, dk_o, dv_o, dg_o, dbeta_o, dh0_o = into or (None,) * 6
     out = _factors(qs, ks, v, g, beta)
     fw = forward_launch_tiles(out, identity=False)  # u, W, Ke, e^(G_C) as written (views)
@@ -413,6 +433,39 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None):
         flags["fsplit"] = True
     dq, dk, dg, dv, dbeta = _chunk_grads_wy(*tiles, k2["tt"], k2["w"], k2["u"], v, wide,
                                             dv16=True, **flags, **given(out=wy_out))  # fmt: skip
+    return dq, dk, dv, dg, dbeta, dh0
+
+
+def _fused_bwd(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, **flags):
+    """The fused kernel (kernel 1's reverse recurrence + kernel 2, `gdn_bwd_fused`): (dq, dk,
+    dg, dv, dbeta, dh0) (`flags`: scale, out). The CPU tests put an emulation here."""
+    from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.launch import gdn_bwd_fused
+
+    return gdn_bwd_fused(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, **flags)
+
+
+def _fused_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None):
+    """`_device_pass` on the fused kernel (FUSED): kernel 0's tiles, kernel 1's forward
+    launch (U, h), then `_fused_bwd` on kernel 0's P^T, T^T, W, u, G (its Ke, Qe, e^(G_C) not
+    read: folded in registers) with the same outputs as kernel 2 + the reverse launch."""
+    t = qs.shape[1]
+    dq_o, dk_o, dv_o, dg_o, dbeta_o, dh0_o = into or (None,) * 6
+    out = _factors(qs, ks, v, g, beta)
+    fw = forward_launch_tiles(out, identity=False)
+    u16, h16, _ = _state_recurrence(*(fw[n] for n in ("do", "pt", "ke", "qe", "w")),
+                                    fw["e_last"], h0, out16=True, forward=True)  # fmt: skip
+    k2 = for_kernel2(out, t)
+    wide = beta.to(torch.promote_types(beta.dtype, torch.float32))
+    bufs = None
+    if into is not None:
+        b, _, hv, vd = do.shape
+        dh0 = dh0_o if dh0_o is not None else do.new_empty(b, hv, qs.shape[-1], vd,
+                                                           dtype=torch.float32)  # fmt: skip
+        bufs = (*_wy_buffers(do, qs.shape[-1], dg_o, dv_o, dbeta_o, dq_o, dk_o), dh0)
+    dq, dk, dg, dv, dbeta, dh0 = _fused_bwd(
+        do, u16[:, :t], qs, ks, h16, k2["big_g"], out["pt"][:, :t], k2["tt"], k2["w"], k2["u"],
+        v, wide, dht, scale=1.0 if q_scale is None else q_scale, **given(out=bufs),
+    )  # fmt: skip
     return dq, dk, dv, dg, dbeta, dh0
 
 
