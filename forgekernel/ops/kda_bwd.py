@@ -437,8 +437,13 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=tor
 # the op's q unscaled (the first pass takes the scale) and writes dq x scale in 16 bits (dq16),
 # the WY kernel the final dk in 16 bits (dk16), dv / dbeta into `out=`: no q x scale copy, no
 # epilogue launch. TEMPORARY switch for the GPU A/B (False: the fp32 dq / dk and the epilogue,
-# as before 2026-12-06's next/kda-final-outputs).
-FINAL_QK = True
+# as before 2026-12-06's next/kda-final-outputs). Off since next/kda-bwd-regress: on the H100
+# (4 x 8192, H = HV = 16) it cost kernel 2 +0.65 ms (3.18 -> 3.83; its SASS differs from
+# dq16's absence only by the scale's 72 FMUL and the 16-bit stores: cause open) and the WY
+# kernel +0.4 ms (dk16's loads serialized behind its stores, fixed there) for 0.52 ms of glue:
+# 9.76 vs 9.23 ms. Re-time it with the fixed WY kernel (NOTES.md "KDA backward regressions
+# of integration41"): on again if kernel 2's cost is gone, else remove the path (dq16, dk16).
+FINAL_QK = False
 
 
 def _folds(l2norm: bool, group: int, q: torch.Tensor, k: torch.Tensor, dtype) -> bool:
