@@ -61,6 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.config import HEAD_DIMS
+from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.config import BULK_ALIGN
 from forgekernel.ops import kda_chunked as fwd
 from forgekernel.ops._dispatch import KernelSwitch, refuse_capture
 from forgekernel.ops._dispatch import traced as _traced
@@ -407,8 +408,10 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=tor
     # kernel's launchers read it contiguous (`.contiguous()`): cut to T it is not where B > 1
     # and T is no multiple of 64 (or in a head pass), so made so once here for both
     big_g = ops["big_g"][:, :t].contiguous()
-    # kernel 2 writes dG straight into `dg_out` where that is a contiguous fp32 buffer
-    into_dg = dg_out if dg_out is not None and dg_out.is_contiguous() else None
+    # kernel 2 writes dG straight into `dg_out` where that is a contiguous fp32 buffer whose
+    # start suits the WY kernel's bulk reduce-adds onto it (`BULK_ALIGN`)
+    into_dg = dg_out if dg_out is not None and dg_out.is_contiguous() \
+        and dg_out.data_ptr() % BULK_ALIGN == 0 else None  # fmt: skip
     # dw in the tiles' dtype from kernel 2 (the WY kernel's operand; no cast here)
     fold = {} if q_scale is None else {"dq16": True, "scale": q_scale, **given(dq=dq_o)}
     dq, dk, dw, dg = _chunk_grads(do, u_c[:, :t], du16, qs, ks, h16, dh16, big_g, dw16=True,
@@ -434,8 +437,13 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=tor
 # the op's q unscaled (the first pass takes the scale) and writes dq x scale in 16 bits (dq16),
 # the WY kernel the final dk in 16 bits (dk16), dv / dbeta into `out=`: no q x scale copy, no
 # epilogue launch. TEMPORARY switch for the GPU A/B (False: the fp32 dq / dk and the epilogue,
-# as before 2026-12-06's next/kda-final-outputs).
-FINAL_QK = True
+# as before 2026-12-06's next/kda-final-outputs). Off since next/kda-bwd-regress: on the H100
+# (4 x 8192, H = HV = 16) it cost kernel 2 +0.65 ms (3.18 -> 3.83; its SASS differs from
+# dq16's absence only by the scale's 72 FMUL and the 16-bit stores: cause open) and the WY
+# kernel +0.4 ms (dk16's loads serialized behind its stores, fixed there) for 0.52 ms of glue:
+# 9.76 vs 9.23 ms. Re-time it with the fixed WY kernel (NOTES.md "KDA backward regressions
+# of integration41"): on again if kernel 2's cost is gone, else remove the path (dq16, dk16).
+FINAL_QK = False
 
 
 def _folds(l2norm: bool, group: int, q: torch.Tensor, k: torch.Tensor, dtype) -> bool:

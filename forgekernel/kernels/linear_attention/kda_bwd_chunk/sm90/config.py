@@ -12,11 +12,13 @@ SUB = 16  # sub-chunk rows (one reference point each; a math warp's rows)
 NS = CHUNK // SUB
 THREADS = 2 * THREADS_PER_WG  # warpgroup 0: the TMA warp, the <h, dh> warps; 1: the products
 HDH_WARPS = 2  # warps 1, 2 of warpgroup 0: rowsum(h o dh) per key channel
-# The TMA tiles' mbarriers, one a group, in the order the math warpgroup consumes them (it waits
-# on each just before its first product): dw = -dU h^T; dqe = dO h^T; S = dO U^T; (k er), (q el)
-# and dq's blocks; dke = U dh^T. The <h, dh> warps wait on the states' groups.
+# The TMA tiles' mbarriers, one a group, issued in this order; the math warpgroup waits on a
+# group just before its first product reading it, the <h, dh> warps on the states' groups.
+# (next/kda-chunk-pipe, 2026-12-06; the one barrier before it: ("do", "u", "du", "q", "k", "h",
+# "dh"),), the GPU A/B of docs/linear_attention/NOTES.md "KDA backward regressions of
+# integration41" a one-line change here.)
 LOAD_GROUPS = (("du", "h"), ("do",), ("u",), ("q", "k"), ("dh",))
-STATE_GROUPS = (0, 4)  # the groups of h, dh
+STATE_GROUPS = tuple(i for i, g in enumerate(LOAD_GROUPS) if "h" in g or "dh" in g)
 
 
 def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2) -> int:
