@@ -660,6 +660,23 @@ def test_varlen_in_slots_is_each_sequence_alone(kernel_path, lens):
         assert torch.equal(got[5][i : i + 1], one[5]), i
 
 
+def test_varlen_passes_count_the_tokens(kernel_path, monkeypatch):
+    """The slot layout's passes over heads count the callers' tokens, not its zero rows
+    (`pass_tokens`): 2 x 65 tokens in 4 slots (256 rows) at H = 2, HV = 4 stay one pass (two
+    kernel-1 launches) under a bound of 2 x 130 token-heads a q head; 256 rows would be two."""
+    q, k, v, g, beta, do, *_ = _bf16_problem(1, 130, 2, 4)
+    cu = torch.tensor([0, 65, 130], dtype=torch.int32)
+    monkeypatch.setattr(bwd, "TOKEN_HEADS_PER_PASS", 2 * 130 * 2)
+    forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, cu_seqlens=cu)  # equal: reshape
+    assert len(kernel_path) == 2
+    cu = torch.tensor([0, 60, 130], dtype=torch.int32)
+    forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, cu_seqlens=cu)  # in slots
+    assert len(kernel_path) == 4
+    monkeypatch.setattr(bwd, "TOKEN_HEADS_PER_PASS", 2 * 130 * 2 - 1)
+    forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, cu_seqlens=cu)
+    assert len(kernel_path) == 8  # two passes
+
+
 def test_switch_off_is_the_interim_path(kernel_path, monkeypatch):
     """The switch "0" and `interim()`: the interim path; unset: the kernel path (the default)."""
     q, k, v, g, beta, do, *_ = _bf16_problem(1, 10, 1, 1)

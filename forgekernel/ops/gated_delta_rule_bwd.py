@@ -45,9 +45,11 @@ take equal-length sequences ((B, T, HV, D) tiles): the explicit backward without
 cu_seqlens, autograd of `gated_delta_rule` without cu_seqlens (the forward op's `batch`
 argument says B equal lengths; autograd's setup saves it, eager and under torch.compile alike)
 and one sequence run with no host read (CUDA-graph capturable); several sequences behind a
-caller's cu_seqlens read the offsets on the host (one sync, as the interim path): equal
-lengths are a reshape, unequal ones run in buckets of similar lengths zero-padded at their ends
-(`_backward_varlen`, ops/_linattn_varlen.py; no token or 32-bit inputs: the interim).
+caller's cu_seqlens (`_backward_varlen`, ops/_linattn_varlen.py): eagerly the offsets read on
+the host once (equal lengths a reshape, no token the interim), unequal lengths (and any under a
+capture: no host read) ONE launch of each kernel over the forward's chunk slots, kernel 1 in
+its `varlen` form (the fallback forms, STATES16 or the switches off: buckets of similar lengths
+zero-padded at their ends, a capture refused; 32-bit inputs: the interim).
 
 Eager calls take the custom op when autograd records them (the dispatcher's ~30 us are nothing
 beside this backward); under torch.compile the backward graph records the backward custom op,
@@ -389,6 +391,14 @@ def side_by_side_states(slots, b: int, hv: int, device: torch.device) -> bool:
     return slots is not None or concurrent_state_launches(b, hv, _device_sms(device))
 
 
+def pass_tokens(b: int, t: int, slots) -> int:
+    """The tokens a pass of heads counts against TOKEN_HEADS_PER_PASS: B T, or in the varlen
+    slot layout the callers' tokens (its zero rows, fewer than 64 N, left out: the suites'
+    mix64-t32768, 32768 tokens in 576 slots, stays one pass as 4 x 8192; two would run kernel
+    1's 194-slot chain twice, ~1 ms more on the H100's 5.5 us a slot step)."""
+    return b * t if slots is None else slots.rows.shape[0]
+
+
 def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots=None):
     """`_chunk_pass` with every kernel writing what the next reads (kernel 1 `out16`): kernel
     0's tiles, kernel 1's forward launch (`forward`: chunks first to last on kernel 0's u, W,
@@ -540,7 +550,7 @@ def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b, out=None,
     qs = _normalized(seq(q), scale, l2norm, dtype)
     ks = _normalized(seq(k), 1.0, l2norm, dtype)
     v_side = [seq(v).to(dtype), seq(g).float(), seq(beta), seq(do)]
-    step = max(1, TOKEN_HEADS_PER_PASS // max(1, b * t * group))
+    step = max(1, TOKEN_HEADS_PER_PASS // max(1, pass_tokens(b, t, slots) * group))
     heads = range(0, h, step)
     one = len(heads) == 1
     f32 = torch.float32
@@ -756,7 +766,8 @@ def gated_delta_rule_backward(
     gradients (d_initial_state's may be None: allocated), written and returned; on the kernel
     path the last kernel writing each gradient writes it there (the q / k epilogue dq, dk;
     kernel 2 dv, dg and an fp32 dbeta; kernel 1 d_initial_state unless k_last), a copy only
-    for a 16-bit dbeta, k_last's d_initial_state, varlen buckets and the interim path."""
+    for a 16-bit dbeta, k_last's d_initial_state, varlen (gathered from the slot layout or
+    the buckets) and the interim path."""
     check_bools(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, k_last=k_last)
     b, t, _, hv, dk, dv = fwd._check_heads(q, k, v)
     check_shaped("g", g, (b, t, hv), fwd.F32)

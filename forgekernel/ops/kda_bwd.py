@@ -45,9 +45,12 @@ backward, scale and cast on Gated DeltaNet's q / k epilogue kernel
 lengths known on the host (the explicit backward without cu_seqlens, one sequence, autograd of a
 call without cu_seqlens: the forward op's `batch` argument says B equal lengths; autograd's
 setup saves it, eager and under torch.compile alike) run with no host read (CUDA-graph
-capturable); several sequences behind a caller's cu_seqlens have their offsets read on the host
-(one sync, as the interim path's): equal lengths are a reshape, unequal ones run in buckets of
-similar lengths zero-padded at their ends (`_backward_varlen`, ops/_linattn_varlen.py).
+capturable); several sequences behind a caller's cu_seqlens (`_backward_varlen`,
+ops/_linattn_varlen.py): eagerly the offsets read on the host once (equal lengths a reshape),
+unequal lengths (and any under a capture: no host read) on the device pass ONE launch of each
+kernel over the forward's chunk slots, kernel 1 in its `varlen` form; the fallback forms (fp16
+tiles, the switches off): buckets of similar lengths zero-padded at their ends, a capture
+refused.
 
 `kimi_delta_attention_backward` is the same backward for callers with their own autograd and
 for the suite's backward timing.
@@ -89,6 +92,7 @@ from forgekernel.ops.gated_delta_rule_bwd import (
     check_grads_out,
     flat_out,
     given,
+    pass_tokens,
     side_by_side_states,
     state_flags,
     written,
@@ -495,7 +499,7 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
     if FACTORS_FROM_FIRST_PASS and CHUNK_IN_KERNEL and do.dtype in FIRST_PASS_DTYPES:  # 16-bit rows
         q16, k16 = (x.to(do.dtype) for x in (qn, kn))  # q scaled already unless fold
         ops = _first_pass_ops(q16, k16, v_side[1], v_side[2], scale if fold else 1.0, b, t)
-    step = max(1, TOKEN_HEADS_PER_PASS // max(1, b * t * group))
+    step = max(1, TOKEN_HEADS_PER_PASS // max(1, pass_tokens(b, t, slots) * group))
     heads = range(0, h, step)
     outs = (None,) * 5 if out is None else tuple(None if o is None else seq(o) for o in out[:5])
     dg_out = outs[3] if len(heads) == 1 and outs[3] is not None and g.dtype == torch.float32 \
