@@ -147,6 +147,9 @@ def test_slot_tables(lens):
         at = first + owned[i]
     assert at == slots.count  # the partition's end
     assert len(set(rows)) == t and all(0 <= r < 64 * slots.count for r in rows)
+    pad = slots.pad.tolist()  # the complement, in order
+    assert slots.pad.dtype == torch.int64
+    assert pad == sorted(set(range(64 * slots.count)) - set(rows))
     order = slots.order.tolist()
     assert sorted(order) == list(range(n))
     assert [owned[i] for i in order] == sorted(owned, reverse=True)
