@@ -12,6 +12,7 @@ from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, on_device
 
 Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+MAX_SEQUENCES = 65535  # the varlen grid is (HV, N): N is gridDim.y
 
 
 def check_inputs(do, pt, ke, qe, w, e_last, d_final_state, u=None,
@@ -79,6 +80,8 @@ def check_varlen(do: torch.Tensor, cu_seqlens: torch.Tensor, order: torch.Tensor
             raise ValueError(f"{name} is on {x.device} but do is on {do.device}")
     if n < 1 or do.shape[1] // CHUNK < n:
         raise ValueError(f"{do.shape[1] // CHUNK} chunk slots cannot hold {n} sequences")
+    if n > MAX_SEQUENCES:
+        raise ValueError(f"at most {MAX_SEQUENCES} sequences (the grid's y), got {n}")
     return n
 
 
