@@ -1,7 +1,6 @@
 """PTX instructions the DSL does not wrap, as inline assembly: a packed 16-bit convert, 1-D
-bulk copy / bulk reduce-add / bulk L2 prefetch, acquire / release on a global int, a
-generic-to-async proxy fence for global memory, and a threadIdx read the compiler may not
-hoist."""
+bulk copy / bulk reduce-add, acquire / release on a global int, a generic-to-async proxy
+fence for global memory, and a threadIdx read the compiler may not hoist."""
 
 from __future__ import annotations
 
@@ -59,21 +58,6 @@ def bulk_reduce_add_f32(dst_gmem, src_smem, nbytes: int, *, loc=None, ip=None) -
         ],
         "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
         "l,r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-@dsl_user_op
-def bulk_prefetch_l2(src_gmem, nbytes: int, *, loc=None, ip=None) -> None:
-    """cp.async.bulk.prefetch.L2 of `nbytes` (multiple of 16) from global: a hint, nothing to
-    wait on (fire and forget; the later loads of those bytes hit L2)."""
-    llvm.inline_asm(
-        None,
-        [src_gmem.llvm_ptr, Int32(nbytes).ir_value(loc=loc, ip=ip)],
-        "cp.async.bulk.prefetch.L2.global [$0], $1;",
-        "l,r",
         has_side_effects=True,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,

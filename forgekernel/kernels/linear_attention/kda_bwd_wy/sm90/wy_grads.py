@@ -73,11 +73,8 @@ from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG, WARP_SIZE
 from forgekernel.kernels.common.sm90.layout import acc_to_operand_a, rows_cols, transposed
 from forgekernel.kernels.common.sm90.mma import gemm
 from forgekernel.kernels.common.sm90.pipeline import init_arrive, init_wait, smem_tensor
-from forgekernel.kernels.common.sm90.ptx import (
-    bulk_prefetch_l2,
-    bulk_reduce_add_f32,
-    opaque_tid_x,
-)
+from forgekernel.kernels.common.sm90.prefetch import bulk_prefetch_l2
+from forgekernel.kernels.common.sm90.ptx import bulk_reduce_add_f32, opaque_tid_x
 from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.chunk_grads import _tdhb
 from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90.chunk_grads import (
     BAR_MATH,
