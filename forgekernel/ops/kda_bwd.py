@@ -177,6 +177,10 @@ CHUNK_IN_KERNEL = True
 # epilogue kernel (`_qk_grads`, kernels/linear_attention/gdn_bwd_norm/sm90); False: torch
 # (`_normalized_backward`, the fallback).
 NORM_IN_KERNEL = True
+# TEMPORARY (until a GPU A/B; then the key becomes the default or goes): kernel 2 on two math
+# warpgroups split by key channels (`wg2`, kda_bwd_chunk/sm90/chunk_grads_wg2.py; bit for bit
+# the 256-thread kernel's outputs; NOTES "KDA kernel 2 on two math warpgroups, built").
+CHUNK_2WG = False
 
 
 def _chunk_grads(do, u, du, q, k, h, dh, big_g, dw16=False, dg=None, dq16=False, scale=1.0,
@@ -189,7 +193,7 @@ def _chunk_grads(do, u, du, q, k, h, dh, big_g, dw16=False, dg=None, dq16=False,
     `dq`, contiguous, when given). The CPU tests put the tile emulation here."""
     from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90 import launch
 
-    flags = {"dw16": dw16, **({"dq16": True, "scale": scale} if dq16 else {})}
+    flags = {"dw16": dw16, "wg2": CHUNK_2WG, **({"dq16": True, "scale": scale} if dq16 else {})}
     if dg is None and dq is None:
         return launch.kda_bwd_chunk(do, u, du, q, k, h, dh, big_g, **flags)
     own = launch.empty_outputs(do, q.shape[-1], dw16, dq16)

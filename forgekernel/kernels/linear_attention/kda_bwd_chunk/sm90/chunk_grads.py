@@ -105,6 +105,8 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
     (`_store_rows`) and grouped TMA loads (`_load_groups`) are used as they are."""
 
     load_groups = LOAD_GROUPS
+    threads = THREADS
+    math_threads = THREADS_PER_WG  # BAR_HDH's math side (`wg2`: both math warpgroups)
 
     def __init__(self, k: int, v: int):
         super().__init__(k, v, wy=False)
@@ -214,7 +216,7 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         layouts = (self.sT_layout, self.sH_layout, self.sP_layout, self.sB_layout)
         self.kernel(*atoms_and_views, mG, mDQ, mDK, mDW, mDG, scale, *mmas, *layouts).launch(
             grid=(nc, mDO.shape[2], mDO.shape[0]),
-            block=[THREADS, 1, 1],
+            block=[self.threads, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
         )
@@ -302,7 +304,7 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         else:
             self._math(
                 mma_w, mma_s, mma_q, mma_k, sDO, sU, sDU, sQ, sK, sH, sDH, sP, sKr, sQl, sG,
-                sRows, sTab, mG, mDQ, mDK, mDW, mDG, bars, c, hv, b, seqlen, scale,
+                sRows, sTab, mG, mDQ, mDK, mDW, mDG, bars, c, hv, b, seqlen, scale, wg - 1,
             )  # fmt: skip
 
     @cute.jit
@@ -319,7 +321,7 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
             for col in cutlass.range(self.v, unroll=8):
                 part = part + Float32(hh[row, col]) * Float32(dd[row, col])
             sTab[self.t_hdh * self.k + row] = part
-        named_barrier(BAR_HDH, THREADS_PER_WG + HDH_THREADS).arrive()
+        named_barrier(BAR_HDH, self.math_threads + HDH_THREADS).arrive()
 
     @cute.jit
     def _coords(self, mma):
@@ -392,8 +394,9 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
     @cute.jit
     def _math(
         self, mma_w, mma_s, mma_q, mma_k, sDO, sU, sDU, sQ, sK, sH, sDH, sP, sKr, sQl, sG, sRows,
-        sTab, mG, mDQ, mDK, mDW, mDG, bars, c, hv, b, seqlen, scale,
+        sTab, mG, mDQ, mDK, mDW, mDG, bars, c, hv, b, seqlen, scale, kh,
     ):  # fmt: skip
+        # kh: the math warpgroup's index (0 here; `wg2`'s key-channel half)
         # dq16: q unscaled, the scale on every product of q in registers (None: q scaled)
         qs = scale if const_expr(mDQ.element_type != Float32) else None
         wg_w = mma_w.get_slice(0)
