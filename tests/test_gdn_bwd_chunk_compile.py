@@ -258,6 +258,7 @@ def test_fsplit_resources(compiled, dtype):
     assert ops.count("USETMAXREG.TRY_ALLOC.CTAPOOL") == 2
     setmax = sorted(int(a.split()[-1], 16) for op, a in instrs if op.startswith("USETMAXREG"))
     assert setmax == sorted(config.FSPLIT_REGS)
+    assert sum(setmax) * 128 <= res["registers"] * config.FSPLIT_THREADS  # the CTA's pool
     for prefix in ("HGMMA", "UTMALDG", "STSM", "STG", "STS", "LDS", "MUFU.RCP"):
         got = sorted(op for op in ops if op.startswith(prefix))
         assert got == sorted(op for op in base_ops if op.startswith(prefix)), prefix

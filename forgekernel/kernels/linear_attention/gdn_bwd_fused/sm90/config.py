@@ -22,8 +22,13 @@ THREADS = 3 * THREADS_PER_WG
 # setmaxnreg: the producer warpgroup (TMA + the finish loops), S, G (kernel 2's single math
 # warpgroup body: 254 registers in the chunk kernel's WY + dqk16 key)
 # (compiled 2026-12-06, bf16: G R0-R179, S R0-R221, warpgroup 0 R0-R24, nothing spilled)
-REGS = (32, 224, 256)
-assert sum(REGS) * THREADS_PER_WG <= REGISTERS_PER_SM
+# setmaxnreg.inc takes registers only from the CTA's pool, which holds what the launch
+# allocated (LAUNCH_REGS a thread) less what the others keep: the three counts sum to at most
+# 3 x 168 = 504. At 32 / 224 / 256 (512) the second warpgroup's USETMAXREG.TRY_ALLOC spun
+# forever (a hang on the first launch); G's body needs 180 of its 248.
+LAUNCH_REGS = REGISTERS_PER_SM // THREADS // 8 * 8  # ptxas' count for 384 threads: 168
+REGS = (32, 224, 248)
+assert sum(REGS) * THREADS_PER_WG <= LAUNCH_REGS * THREADS
 # The chunk's TMA boxes, one mbarrier a group, in the order G consumes them (S waits on the
 # first two only: dO, then q and W): dU (k, P^T, dO); q + W (S's update, dq's B, dw's slot);
 # h (dqe = dO h^T, the finish's <dh, h>); U (S = dO U^T, dke); the WY tiles T^T, u.
