@@ -1,11 +1,13 @@
 """The CPU tests' compile of one kernel configuration to the cubin and PTX they read (SASS,
-resources), once a process."""
+resources), once a process; and the mbarrier waits read from its SASS (`trywait_offsets`,
+`wait_pin`)."""
 
 from __future__ import annotations
 
 import copy
 import re
 import tempfile
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -74,3 +76,45 @@ def sass_builder() -> Callable[[KernelSpec, Params], tuple[dict, list[str]]]:
         return found.resources, lines
 
     return sass_of
+
+
+def trywait_offsets(instrs) -> list[int]:
+    """The byte offsets (from the first mbarrier) of every mbarrier try_wait of `instrs` (SASS
+    (op, args) pairs), in SASS order."""
+    out = []
+    for op, a in instrs:
+        if op == "SYNCS.PHASECHK.TRANS64.TRYWAIT":
+            m = re.search(r"\[[^\]]*?(?:\+(0x[0-9a-f]+))?\]", a)
+            out.append(int(m.group(1), 16) if m.group(1) else 0)
+    return out
+
+
+def wait_pin(instrs, n: int, waits) -> list[str]:
+    """A kernel with `n` load mbarriers (one a load group, no consumer release): checks the n
+    inits and n arms and that the try_waits' offsets are the multiset `waits` (each once, or
+    twice where ptxas emits the retry loop's wait as a try_wait too); returns the HGMMA / DEPBAR
+    / wait sequence of the math warpgroup from its wait on group 0 to its wait on the last
+    group, runs of HGMMA counted ("HGMMA x3", "WARPGROUP", "wait 2")."""
+    ops = [op for op, _ in instrs]
+    assert ops.count("SYNCS.EXCH.64") == n  # the inits
+    assert ops.count("SYNCS.ARRIVE.TRANS64") == n  # the arms (arrive.expect_tx)
+    assert not [op for op in ops if op.startswith("SYNCS.ARRIVE.TRANS64.")]  # no release
+    got = Counter(trywait_offsets(instrs))
+    want = Counter(waits)
+    assert got in ({k: m * c for k, c in want.items()} for m in (1, 2)), (got, want)
+    kinds = []
+    for op, a in instrs:
+        if op == "SYNCS.PHASECHK.TRANS64.TRYWAIT":
+            kinds.append(f"wait {trywait_offsets([(op, a)])[0] // 8}")
+        elif op.startswith(("HGMMA", "WARPGROUP.DEPBAR")):
+            kinds.append(op.split(".")[0])
+    end = kinds.index("wait 1")
+    start = end - 1 - kinds[end - 1 :: -1].index("wait 0")
+    end = kinds.index(f"wait {n - 1}", end)
+    seq = []
+    for x in kinds[start : end + 1]:  # runs of HGMMA counted
+        if x == "HGMMA" and seq and seq[-1].startswith("HGMMA"):
+            seq[-1] = f"HGMMA x{int(seq[-1][7:] or 1) + 1}"
+        else:
+            seq.append("HGMMA x1" if x == "HGMMA" else x)
+    return seq

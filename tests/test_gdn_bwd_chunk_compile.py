@@ -22,6 +22,7 @@ import pytest
 
 pytest.importorskip("cutlass")
 
+from cubins import trywait_offsets  # noqa: E402
 from dsl_toolchain import dsl_toolchain  # noqa: E402
 from sweeps import slow_past  # noqa: E402  (tests/ is on the path)
 
@@ -119,16 +120,6 @@ def test_named_barriers_are_waits(compiled, dtype, wy):
     assert got == sorted(["0x0", "0x3, 0x40"] + ["0x2, 0xc0"] * 2 + ["0x1, 0x80"] * (2 + 2 * wy))
 
 
-def _trywait_offsets(instrs):
-    """The byte offsets (from the first mbarrier) of every mbarrier try_wait, in SASS order."""
-    out = []
-    for op, a in instrs:
-        if op == "SYNCS.PHASECHK.TRANS64.TRYWAIT":
-            m = re.search(r"\[[^\]]*?(?:\+(0x[0-9a-f]+))?\]", a)
-            out.append(int(m.group(1), 16) if m.group(1) else 0)
-    return out
-
-
 @pytest.mark.parametrize(("dtype", "wy"), CONFIGS)
 def test_load_barriers_split(compiled, dtype, wy):
     """The chunk's TMA boxes on one mbarrier a load group (config.LOAD_GROUPS, 5, in the math
@@ -143,12 +134,12 @@ def test_load_barriers_split(compiled, dtype, wy):
     assert ops.count("SYNCS.ARRIVE.TRANS64") == n
     assert not [op for op in ops if op.startswith("SYNCS.ARRIVE.TRANS64.")]
     waits = [8 * g for g in config.STATE_GROUPS] + [8 * g for g in range(n)]
-    assert sorted(_trywait_offsets(instrs)) == sorted(2 * waits)
+    assert sorted(trywait_offsets(instrs)) == sorted(2 * waits)
     # the math warpgroup's waits on groups 0 and 1 (only it waits on group 1) and between them
     kinds = []
     for op, a in instrs:
         if op == "SYNCS.PHASECHK.TRANS64.TRYWAIT":
-            kinds.append(("wait", _trywait_offsets([(op, a)])[0]))
+            kinds.append(("wait", trywait_offsets([(op, a)])[0]))
         elif op.startswith(("HGMMA", "WARPGROUP.DEPBAR")):
             kinds.append((op.split(".")[0], None))
     end = kinds.index(("wait", 8))

@@ -13,7 +13,6 @@ math's order; 2026-12-06, was one barrier pair)."""
 
 from __future__ import annotations
 
-import re
 import tempfile
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import pytest
 
 pytest.importorskip("cutlass")
 
+from cubins import trywait_offsets  # noqa: E402
 from dsl_toolchain import dsl_toolchain  # noqa: E402  (tests/ is on the path)
 from sweeps import slow_past  # noqa: E402
 
@@ -101,16 +101,6 @@ def test_wgmmas_inverse_and_tma(compiled, dtype):
     assert ops.count("SHFL.UP") == 5
 
 
-def _trywait_offsets(instrs):
-    """The byte offsets (from the first mbarrier) of every mbarrier try_wait, in SASS order."""
-    out = []
-    for op, a in instrs:
-        if op == "SYNCS.PHASECHK.TRANS64.TRYWAIT":
-            m = re.search(r"\[[^\]]*?(?:\+(0x[0-9a-f]+))?\]", a)
-            out.append(int(m.group(1), 16) if m.group(1) else 0)
-    return out
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_load_barriers_split(compiled, dtype):
     """q, k, v on one mbarrier a load group (config.LOAD_GROUPS: k, q, v, the order the math
@@ -125,11 +115,11 @@ def test_load_barriers_split(compiled, dtype):
     assert ops.count("SYNCS.EXCH.64") == n
     assert ops.count("SYNCS.ARRIVE.TRANS64") == n
     assert not [op for op in ops if op.startswith("SYNCS.ARRIVE.TRANS64.")]
-    assert _trywait_offsets(instrs) == [8 * g for g in range(n)]
+    assert trywait_offsets(instrs) == [8 * g for g in range(n)]
     kinds = []
     for op, a in instrs:
         if op == "SYNCS.PHASECHK.TRANS64.TRYWAIT":
-            kinds.append(f"wait{_trywait_offsets([(op, a)])[0] // 8}")
+            kinds.append(f"wait{trywait_offsets([(op, a)])[0] // 8}")
         elif op.startswith("HGMMA"):
             kinds.append(op.split(".")[1])
         elif op.startswith("BAR.SYNC") and "0x2," in a:  # the inverse's merges (BAR_INVERSE)

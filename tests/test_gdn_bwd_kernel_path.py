@@ -62,6 +62,15 @@ def _inputs(b, t, h, hv=None, dk=16, dv=8, seed=0, dtype=torch.float64):
     return q, k, v, g, beta, do, rnd(b, hv, dk, dv) * 0.5, rnd(b, hv, dk, dv) * 0.5
 
 
+def forward_inputs_as_reverse(do, ke, w, e_last):
+    """Kernel 1's `forward` launch inputs (u, W, Ke as written: contiguous rows in do's dtype) as
+    the reverse model's (do, pt, ke, qe, w, e_last), `forward_launch_as_reverse`'s."""
+    for x in (do, ke, w):
+        assert x.stride(-1) == 1 and x.dtype == do.dtype and x.shape[:3] == do.shape[:3]
+    rev = forward_launch_as_reverse(do, ke, w, e_last)
+    return tuple(rev[n] for n in ("do", "pt", "ke", "qe", "w", "e_last"))
+
+
 def emulated_kernel(calls=None):
     """kernel 1's stand-in: the tile emulation in fp64, the register operands rounded to the
     tiles' dtype where it is 16-bit, fp32 outputs (the launcher's); its varlen form (cu_seqlens,
@@ -93,10 +102,7 @@ def _batch_kernel(calls=None):
         rows = do.shape[1]
         if forward:  # chunks first to last on u, W, Ke as written: the reverse model's
             # inputs by flipping and negating (exact), the outputs flipped back below
-            for x in (do, ke, w):
-                assert x.stride(-1) == 1 and x.dtype == do.dtype and x.shape[:3] == do.shape[:3]
-            rev = forward_launch_as_reverse(do, ke, w, e_last)
-            do, pt, ke, qe, w, e_last = (rev[n] for n in ("do", "pt", "ke", "qe", "w", "e_last"))
+            do, pt, ke, qe, w, e_last = forward_inputs_as_reverse(do, ke, w, e_last)
         if calls is not None:
             calls.append(do.dtype)
             FLAGS.append((out16, forward))

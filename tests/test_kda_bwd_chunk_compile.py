@@ -21,8 +21,8 @@ from sweeps import slow_past  # tests/ is on the path
 pytest.importorskip("cutlass")
 
 sys.path.insert(0, str(Path(__file__).parent))
+from cubins import wait_pin  # noqa: E402
 from dsl_toolchain import dsl_toolchain  # noqa: E402
-from test_gdn_bwd_chunk_compile import _trywait_offsets  # noqa: E402
 
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY  # noqa: E402
 from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90 import SPEC, config  # noqa: E402
@@ -146,36 +146,6 @@ def test_wgmmas_and_tma(compiled, dtype):
     assert ops.count("SHFL.BFLY") == 96
 
 
-def _wait_pin(instrs, n, waits):
-    """The mbarrier try_waits' offsets (bytes from the first mbarrier; Gated DeltaNet's kernel
-    2's `_trywait_offsets`) and the HGMMA / DEPBAR / wait sequence of the math warpgroup from
-    its wait on group 0 to its wait on the last group. The waits' multiset must be `waits`
-    (each once, or twice where ptxas emits the retry loop's wait as a try_wait too)."""
-    ops = [op for op, _ in instrs]
-    assert ops.count("SYNCS.EXCH.64") == n  # the inits
-    assert ops.count("SYNCS.ARRIVE.TRANS64") == n  # the arms (arrive.expect_tx)
-    assert not [op for op in ops if op.startswith("SYNCS.ARRIVE.TRANS64.")]  # no release
-    got = Counter(_trywait_offsets(instrs))
-    want = Counter(waits)
-    assert got in ({k: m * c for k, c in want.items()} for m in (1, 2)), (got, want)
-    kinds = []
-    for op, a in instrs:
-        if op == "SYNCS.PHASECHK.TRANS64.TRYWAIT":
-            kinds.append(f"wait {_trywait_offsets([(op, a)])[0] // 8}")
-        elif op.startswith(("HGMMA", "WARPGROUP.DEPBAR")):
-            kinds.append(op.split(".")[0])
-    end = kinds.index("wait 1")
-    start = end - 1 - kinds[end - 1 :: -1].index("wait 0")
-    end = kinds.index(f"wait {n - 1}", end)
-    seq = []
-    for x in kinds[start : end + 1]:  # runs of HGMMA counted
-        if x == "HGMMA" and seq and seq[-1].startswith("HGMMA"):
-            seq[-1] = f"HGMMA x{int(seq[-1][7:] or 1) + 1}"
-        else:
-            seq.append("HGMMA x1" if x == "HGMMA" else x)
-    return seq
-
-
 @pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
 def test_load_barriers_split(compiled, dtype):
     """The chunk's TMA tiles on one mbarrier a load group (config.LOAD_GROUPS, 5, in the math
@@ -185,7 +155,7 @@ def test_load_barriers_split(compiled, dtype):
     S (8) waited before the block operands' q / k wait; dke after dh's."""
     _, instrs, _ = compiled(dtype)
     n = len(config.LOAD_GROUPS)
-    seq = _wait_pin(instrs, n, [8 * g for g in config.STATE_GROUPS] + [8 * g for g in range(n)])
+    seq = wait_pin(instrs, n, [8 * g for g in config.STATE_GROUPS] + [8 * g for g in range(n)])
     assert seq[:6] == ["wait 0", "HGMMA x8", "WARPGROUP", "wait 1", "HGMMA x8", "wait 2"]
     assert seq[6:9] == ["HGMMA x8", "WARPGROUP", "wait 3"]
     assert seq[-1] == "wait 4" and "HGMMA x8" not in seq[9:]  # dke's come after dh's wait

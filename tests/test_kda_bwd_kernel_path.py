@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from test_gdn_bwd_kernel_path import emulated_norm_kernel
+from test_gdn_bwd_kernel_path import emulated_norm_kernel, forward_inputs_as_reverse
 from test_gdn_bwd_state import tile_model
 from test_kda_bwd_op import (
     _fp64_grads,
@@ -39,7 +39,6 @@ from forgekernel.kernels.linear_attention.kda_prefill.sm90 import operands
 from forgekernel.reference.gdn_bwd_state import (
     CHUNK,
     chunk_factors,
-    forward_launch_as_reverse,
     forward_state_tiles,
     forward_states,
     out16_forms,
@@ -88,10 +87,7 @@ def _batch_kernel(calls=None, flags=None):
         rows = do.shape[1]
         if forward:  # chunks first to last on u, W, Ke as written: the reverse model's
             # inputs by flipping and negating (exact), the outputs flipped back below
-            for x in (do, ke, w):
-                assert x.stride(-1) == 1 and x.dtype == do.dtype and x.shape[:3] == do.shape[:3]
-            rev = forward_launch_as_reverse(do, ke, w, e_last)
-            do, pt, ke, qe, w, e_last = (rev[n] for n in ("do", "pt", "ke", "qe", "w", "e_last"))
+            do, pt, ke, qe, w, e_last = forward_inputs_as_reverse(do, ke, w, e_last)
         # the default path hands contiguous tiles; the device pass strided views (head slices,
         # the first pass's rows cut to T: TMA reads them in place, `as_tma_ready`)
         for x in (do, pt, ke, qe, w):

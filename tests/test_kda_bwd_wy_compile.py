@@ -23,8 +23,8 @@ from sweeps import slow_past  # tests/ is on the path
 pytest.importorskip("cutlass")
 
 sys.path.insert(0, str(Path(__file__).parent))
+from cubins import wait_pin  # noqa: E402
 from dsl_toolchain import dsl_toolchain  # noqa: E402
-from test_gdn_bwd_chunk_compile import _trywait_offsets  # noqa: E402
 
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY  # noqa: E402
 from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90 import SPEC, config  # noqa: E402
@@ -181,36 +181,6 @@ def test_dk_and_dg_accumulated_in_place(compiled, dtype):
     assert not [op for op in ops if op.startswith(("LDL", "STL"))]
 
 
-def _wait_pin(instrs, n, waits):
-    """The mbarrier try_waits' offsets (bytes from the first mbarrier; Gated DeltaNet's kernel
-    2's `_trywait_offsets`) and the HGMMA / DEPBAR / wait sequence of the math warpgroup from
-    its wait on group 0 to its wait on the last group. The waits' multiset must be `waits`
-    (each once, or twice where ptxas emits the retry loop's wait as a try_wait too)."""
-    ops = [op for op, _ in instrs]
-    assert ops.count("SYNCS.EXCH.64") == n  # the inits
-    assert ops.count("SYNCS.ARRIVE.TRANS64") == n  # the arms (arrive.expect_tx)
-    assert not [op for op in ops if op.startswith("SYNCS.ARRIVE.TRANS64.")]  # no release
-    got = Counter(_trywait_offsets(instrs))
-    want = Counter(waits)
-    assert got in ({k: m * c for k, c in want.items()} for m in (1, 2)), (got, want)
-    kinds = []
-    for op, a in instrs:
-        if op == "SYNCS.PHASECHK.TRANS64.TRYWAIT":
-            kinds.append(f"wait {_trywait_offsets([(op, a)])[0] // 8}")
-        elif op.startswith(("HGMMA", "WARPGROUP.DEPBAR")):
-            kinds.append(op.split(".")[0])
-    end = kinds.index("wait 1")
-    start = end - 1 - kinds[end - 1 :: -1].index("wait 0")
-    end = kinds.index(f"wait {n - 1}", end)
-    seq = []
-    for x in kinds[start : end + 1]:  # runs of HGMMA counted
-        if x == "HGMMA" and seq and seq[-1].startswith("HGMMA"):
-            seq[-1] = f"HGMMA x{int(seq[-1][7:] or 1) + 1}"
-        else:
-            seq.append("HGMMA x1" if x == "HGMMA" else x)
-    return seq
-
-
 @pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
 def test_load_barriers_split(compiled, dtype):
     """The chunk's TMA tiles on one mbarrier a load group (config.LOAD_GROUPS, 6, in the math
@@ -220,6 +190,6 @@ def test_load_barriers_split(compiled, dtype):
     store between; dkb = T^T dw (4) retired before w's; dA += dkb w^T (8) in flight across k's."""
     _, instrs, _ = compiled(dtype)
     n = len(config.LOAD_GROUPS)
-    seq = _wait_pin(instrs, n, [8 * g for g in range(n)])
+    seq = wait_pin(instrs, n, [8 * g for g in range(n)])
     assert seq == ["wait 0", "HGMMA x4", "WARPGROUP", "wait 1", "HGMMA x8", "wait 2", "wait 3",
                    "HGMMA x4", "WARPGROUP", "wait 4", "HGMMA x8", "wait 5"]  # fmt: skip

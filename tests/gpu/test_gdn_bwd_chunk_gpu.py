@@ -134,9 +134,9 @@ def test_misaligned_inputs(wy):
         torch.testing.assert_close(a, r, rtol=0, atol=0, msg=name)
 
 
-def test_time_at_bench_size():
-    """4 x 8192 tokens, HV 32 (the gdn_bwd suite's batch case): one launch of each variant
-    (printed; the prediction: NOTES.md "Backward kernel 2"), outputs finite."""
+def _bench_size_tiles():
+    """4 x 8192 tokens, HV 32, bf16: kernel 2's tiles (do, u, du, q, k, h, dh, G) and the WY
+    variant's extra ones (T, W, u, v, beta), fixed seed."""
     b, t, hv, nc = 4, 8192, 32, 128
     gen = torch.Generator(device="cuda").manual_seed(3)
 
@@ -151,6 +151,13 @@ def test_time_at_bench_size():
     extra = [rnd(b, t, hv, 64, scale=0.3), rnd(b, t, hv, 128, scale=0.1),
              rnd(b, t, hv, 128), rnd(b, t, hv, 128),
              torch.rand(b, t, hv, device="cuda", generator=gen)]  # fmt: skip
+    return tiles, extra
+
+
+def test_time_at_bench_size():
+    """4 x 8192 tokens, HV 32 (the gdn_bwd suite's batch case): one launch of each variant
+    (printed; the prediction: NOTES.md "Backward kernel 2"), outputs finite."""
+    tiles, extra = _bench_size_tiles()
     runs = (
         ("_output_grads", gdn_bwd_chunk, [], empty_outputs(tiles[0], 128)),
         ("all of pass 3", gdn_bwd_chunk_wy, extra, empty_wy_outputs(tiles[0], 128)),
@@ -214,20 +221,7 @@ def test_fsplit_is_the_dqk16_kernel_bit_for_bit(dtype, t, b, hv, group, scale):
 def test_fsplit_time_at_bench_size():
     """4 x 8192 tokens, HV 32, bf16, dv16 + dqk16 (the op's key): the 256-thread kernel and
     `fsplit`, interleaved, each the median of 20 (printed, `-s`); the same outputs."""
-    b, t, hv, nc = 4, 8192, 32, 128
-    gen = torch.Generator(device="cuda").manual_seed(3)
-
-    def rnd(*shape, scale=1.0):
-        return (torch.randn(*shape, device="cuda", generator=gen) * scale).bfloat16()
-
-    tiles = [rnd(b, t, hv, 128) for _ in range(3)]
-    tiles += [rnd(b, t, hv, 128, scale=128**-0.5), rnd(b, t, hv, 128, scale=128**-0.5)]
-    tiles += [rnd(b, nc, hv, 128, 128, scale=0.1) for _ in range(2)]
-    g = F.logsigmoid(torch.randn(b, t, hv, device="cuda", generator=gen) + 2.0)
-    tiles.append(to_tokens(to_chunks(g, nc).cumsum(-1)).contiguous())
-    extra = [rnd(b, t, hv, 64, scale=0.3), rnd(b, t, hv, 128, scale=0.1),
-             rnd(b, t, hv, 128), rnd(b, t, hv, 128),
-             torch.rand(b, t, hv, device="cuda", generator=gen)]  # fmt: skip
+    tiles, extra = _bench_size_tiles()
     outs = {fs: empty_wy_outputs(tiles[0], 128, True, True) for fs in (False, True)}
 
     def run(fs):
