@@ -196,7 +196,7 @@ def test_wg2_resources(compiled, dtype, flags):
     assert ops["STG.E.64"] * 2 == ops0["STG.E.64"] and ops["STG.E"] * 2 == ops0["STG.E"] + 8
     n = len(config.LOAD_GROUPS)
     waits = [8 * g for g in config.STATE_GROUPS] + [8 * g for g in range(n)]
-    assert _wait_pin(instrs, n, waits) == _wait_pin(base, n, waits)
+    assert wait_pin(instrs, n, waits) == wait_pin(base, n, waits)
 
 
 @pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
