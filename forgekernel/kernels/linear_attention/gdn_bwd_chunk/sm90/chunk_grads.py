@@ -486,31 +486,50 @@ class GdnBwdChunkSm90:
         _rows_to_finish()  # the WY rows on the stash: waits on both sides (racecheck)
 
     @cute.jit
+    def _h_dh_part(self, sH, sDH, tid):
+        """dG's finish, thread tid < FINISH_THREADS: its share of <dh, h> on the 16-bit state
+        tiles (two columns a thread), before the warp sum."""
+        hh, dd = sH[None, None, 0], sDH[None, None, 0]
+        part = Float32(0.0)
+        for r in cutlass.range(self.k, unroll=8):
+            part = part + Float32(hh[r, tid]) * Float32(dd[r, tid])
+            part = part + Float32(hh[r, tid + CHUNK]) * Float32(dd[r, tid + CHUNK])
+        return part
+
+    @cute.jit
+    def _stash_h_dh(self, part, sRed, tid):
+        """`_h_dh_part`'s sums, one a warp, into sRed[2 CHUNK + warp] (read by `_dg_rows` after a
+        barrier)."""
+        part = cute.arch.warp_reduction_sum(part)
+        if tid % WARP_SIZE == 0:
+            sRed[2 * CHUNK + tid // WARP_SIZE] = part
+
+    @cute.jit
+    def _dg_rows(self, sRed, sG, mDG, b, hv, first, seqlen, tid):
+        """dG of token `first + tid` (one a thread): the rows' dg (sRed[:CHUNK]) reverse-summed
+        within the chunk, plus the last position's te sum (sRed[CHUNK:2 CHUNK]) and
+        e^(G_C) <dh, h> (`_stash_h_dh`'s two warp sums)."""
+        dhh = sRed[2 * CHUNK] + sRed[2 * CHUNK + 1]
+        g_last = sG[cutlass.min(first + CHUNK, seqlen) - 1 - first]
+        acc = cute.math.exp(g_last, fastmath=True) * dhh
+        for j in cutlass.range(CHUNK, unroll=8):
+            acc = acc + sRed[CHUNK + j]
+            if j >= tid:
+                acc = acc + sRed[j]
+        if first + tid < seqlen:
+            mDG[b, first + tid, hv] = acc
+
+    @cute.jit
     def _finish_dg_split(self, sH, sDH, sRed, sG, mDG, b, hv, c, seqlen, tid):
         """`fsplit`: `_finish_dg` by the output warpgroup's first two warps (tid < 64, the
         same token a thread and the same sums): <dh, h>'s partials while the WY warpgroup
         ends, then `_rows_to_finish` (the WY rows added to sRed), then the reverse cumsum."""
         first = c * CHUNK
         if tid < FINISH_THREADS:
-            hh, dd = sH[None, None, 0], sDH[None, None, 0]
-            part = Float32(0.0)
-            for r in cutlass.range(self.k, unroll=8):
-                part = part + Float32(hh[r, tid]) * Float32(dd[r, tid])
-                part = part + Float32(hh[r, tid + CHUNK]) * Float32(dd[r, tid + CHUNK])
-            part = cute.arch.warp_reduction_sum(part)
-            if tid % WARP_SIZE == 0:
-                sRed[2 * CHUNK + tid // WARP_SIZE] = part
+            self._stash_h_dh(self._h_dh_part(sH, sDH, tid), sRed, tid)
         _rows_to_finish()
         if tid < FINISH_THREADS:
-            dhh = sRed[2 * CHUNK] + sRed[2 * CHUNK + 1]
-            g_last = sG[cutlass.min(first + CHUNK, seqlen) - 1 - first]
-            acc = cute.math.exp(g_last, fastmath=True) * dhh
-            for j in cutlass.range(CHUNK, unroll=8):
-                acc = acc + sRed[CHUNK + j]
-                if j >= tid:
-                    acc = acc + sRed[j]
-            if first + tid < seqlen:
-                mDG[b, first + tid, hv] = acc
+            self._dg_rows(sRed, sG, mDG, b, hv, first, seqlen, tid)
 
     @cute.jit
     def _load_groups(self, tiles, bars, c, hv, b):
@@ -680,24 +699,9 @@ class GdnBwdChunkSm90:
             cute.arch.mbarrier_wait(bars + STATE_GROUPS[i], 0)
         tid = opaque_tid_x() - WARP_SIZE
         first = c * CHUNK
-        hh, dd = sH[None, None, 0], sDH[None, None, 0]
-        part = Float32(0.0)
-        for r in cutlass.range(self.k, unroll=8):
-            part = part + Float32(hh[r, tid]) * Float32(dd[r, tid])
-            part = part + Float32(hh[r, tid + CHUNK]) * Float32(dd[r, tid + CHUNK])
-        part = cute.arch.warp_reduction_sum(part)
-        if tid % WARP_SIZE == 0:
-            sRed[2 * CHUNK + tid // WARP_SIZE] = part
+        self._stash_h_dh(self._h_dh_part(sH, sDH, tid), sRed, tid)
         named_barrier(BAR_FINISH_WARPS, FINISH_THREADS).arrive_and_wait()
-        dhh = sRed[2 * CHUNK] + sRed[2 * CHUNK + 1]
-        g_last = sG[cutlass.min(first + CHUNK, seqlen) - 1 - first]
-        acc = cute.math.exp(g_last, fastmath=True) * dhh
-        for j in cutlass.range(CHUNK, unroll=8):
-            acc = acc + sRed[CHUNK + j]
-            if j >= tid:
-                acc = acc + sRed[j]
-        if first + tid < seqlen:
-            mDG[b, first + tid, hv] = acc
+        self._dg_rows(sRed, sG, mDG, b, hv, first, seqlen, tid)
 
     @cute.jit
     def _wy(self, mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, wy_smem, sG, sRed, mDK, mV,

@@ -765,26 +765,12 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             tid = opaque_tid_x() - WARP_SIZE
             ready.arrive_and_wait()
             cute.arch.mbarrier_wait(full + H_GROUP, par)
-            hh, dd = sH[None, None, 0], sDH[None, None, 0]
-            part = Float32(0.0)
-            for r in cutlass.range(self.k, unroll=8):
-                part = part + Float32(hh[r, tid]) * Float32(dd[r, tid])
-                part = part + Float32(hh[r, tid + CHUNK]) * Float32(dd[r, tid + CHUNK])
+            part = self._h_dh_part(sH, sDH, tid)
             if i < nchunks - 1:
                 dh_free.arrive()
             cute.arch.mbarrier_arrive(empty)
-            part = cute.arch.warp_reduction_sum(part)
-            if tid % WARP_SIZE == 0:
-                sRed[2 * CHUNK + tid // WARP_SIZE] = part
+            self._stash_h_dh(part, sRed, tid)
             own.arrive_and_wait()
             finish.arrive_and_wait()
             sG = sG2[None, par]
-            dhh = sRed[2 * CHUNK] + sRed[2 * CHUNK + 1]
-            g_last = sG[cutlass.min(first + CHUNK, seqlen) - 1 - first]
-            acc = cute.math.exp(g_last, fastmath=True) * dhh
-            for j in cutlass.range(CHUNK, unroll=8):
-                acc = acc + sRed[CHUNK + j]
-                if j >= tid:
-                    acc = acc + sRed[j]
-            if first + tid < seqlen:
-                mDG[b, first + tid, hv] = acc
+            self._dg_rows(sRed, sG, mDG, b, hv, first, seqlen, tid)
