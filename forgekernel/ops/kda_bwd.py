@@ -180,7 +180,7 @@ NORM_IN_KERNEL = True
 # TEMPORARY (until a GPU A/B; then the key becomes the default or goes): kernel 2 on two math
 # warpgroups split by key channels (`wg2`, kda_bwd_chunk/sm90/chunk_grads_wg2.py; bit for bit
 # the 256-thread kernel's outputs; NOTES "KDA kernel 2 on two math warpgroups, built").
-CHUNK_2WG = False
+CHUNK_2WG = True
 
 
 def _chunk_grads(do, u, du, q, k, h, dh, big_g, dw16=False, dg=None, dq16=False, scale=1.0,
