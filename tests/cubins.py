@@ -1,11 +1,13 @@
 """The CPU tests' compile of one kernel configuration to the cubin and PTX they read (SASS,
-resources), once a process; and the mbarrier waits read from its SASS (`trywait_offsets`,
-`wait_pin`)."""
+resources), once a process; the mbarrier waits read from its SASS (`trywait_offsets`,
+`wait_pin`); the named barriers' sites (`barrier_sites`) and the instructions the cubin lists
+as unaligned (`unaligned_offsets`)."""
 
 from __future__ import annotations
 
 import copy
 import re
+import subprocess
 import tempfile
 from collections import Counter
 from collections.abc import Callable
@@ -118,3 +120,50 @@ def wait_pin(instrs, n: int, waits) -> list[str]:
         else:
             seq.append("HGMMA x1" if x == "HGMMA" else x)
     return seq
+
+
+class BarrierSite(NamedTuple):
+    """One BAR.SYNC / BAR.ARV of a SASS listing: its byte offset, SYNC or ARV, the barrier id
+    and thread count as written (hex, or a register), its predicate ("" if none) and the
+    setmaxnreg count in force (0 before any: a role's code follows its USETMAXREG)."""
+
+    offset: int
+    kind: str
+    barrier: str
+    threads: str
+    predicate: str
+    regs: int
+
+
+_SITE = re.compile(r"^\s+/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)\s*([^;]*);")
+
+
+def barrier_sites(sass: str) -> list[BarrierSite]:
+    """Every named-barrier instruction of a cuobjdump listing (one kernel), in order."""
+    out, regs = [], 0
+    for line in sass.splitlines():
+        m = _SITE.match(line)
+        if not m:
+            continue
+        offset, pred, op, args = int(m[1], 16), (m[2] or "").strip(), m[3], m[4].strip()
+        if op.startswith("USETMAXREG"):
+            regs = int(args.split()[-1], 16)
+        elif op.startswith("BAR.") and "," in args:
+            bar, threads = (a.strip() for a in args.split(","))
+            kind = "ARV" if op.startswith("BAR.ARV") else "SYNC"
+            out.append(BarrierSite(offset, kind, bar, threads, pred, regs))
+    return out
+
+
+def unaligned_offsets(cubin) -> set[int]:
+    """The offsets the cubin's EIATTR_COOP_GROUP_INSTR_OFFSETS lists (cuobjdump -elf): the
+    instructions ptxas was told may run divergent (`barrier.sync` without .aligned, shfl.sync).
+    A BAR.SYNC encodes the same either way: this list is what tells the aligned form (whose
+    waiters of one phase must all be at that one instruction, or synccheck reports "Divergent
+    thread(s) in block") from the unaligned one."""
+    from forgekernel.runtime.resources import find_tool
+
+    elf = subprocess.run([find_tool("cuobjdump"), "-elf", str(cubin)], capture_output=True,
+                         text=True, check=True).stdout  # fmt: skip
+    m = re.search(r"EIATTR_COOP_GROUP_INSTR_OFFSETS\s+Format:\s+\S+\s+Value:([^\n]*)", elf)
+    return {int(x, 16) for x in m[1].split()} if m else set()
