@@ -250,10 +250,10 @@ def run_in_slots(
 
 
 # Under a CUDA-graph capture equal lengths take the batch path too, chosen on the device: the
-# capture records both paths, each in a conditional node (CUDA 12.4, torch's
+# capture records both paths, each in a conditional node (CUDA 12.4+, torch's
 # `CUDAGraph.begin_capture_to_if_node`), the batch one run at a replay where cu_seqlens holds N
 # lengths T / N, the slot layout where not, both into the same gradient buffers (`run_either`):
-# the slot layout's pack / unpack (~2.7 GB at GDN 4 x 8192 hv32, ~1.2 ms as words) only for
+# the slot layout's pack / unpack (~2.7 GB at GDN 4 x 8192 hv32, ~1.1 ms as words) only for
 # unequal lengths. TEMPORARY switch, off until the device check (NOTES "Varlen slots at equal
 # lengths"): False, every capture in the slot layout.
 EQUAL_IN_CAPTURE = False
