@@ -703,6 +703,31 @@ def test_varlen_in_slots_is_each_sequence_alone(kernel_path, monkeypatch, lens, 
     assert equal == ([True] * len(equal) if not scan else [True, False, False])
 
 
+def test_varlen_capture_runs_either_path(kernel_path, monkeypatch):
+    """Under a CUDA-graph capture with EQUAL_IN_CAPTURE (emulated: each conditional body run
+    where its pred holds, `_either`): equal lengths take the batch path, unequal ones the slot
+    layout, each with the gradients of its eager call bit for bit, into one set of buffers
+    (k_last's transposed state gradient included)."""
+    from test_linattn_varlen import _either
+
+    q, k, v, g, beta, do, h0, dht = _bf16_problem(1, 130, 2, 4)
+    *_, h0, dht = _bf16_problem(2, 1, 2, 4, seed=1)
+    kw = {"use_qk_l2norm_in_kernel": True, "k_last": True,
+          "initial_state": h0.transpose(-1, -2).contiguous()}  # fmt: skip
+    for lens, taken_want in (([65, 65], [True, False]), ([60, 70], [False, True])):
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        want = forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, cu_seqlens=cu, **kw)
+        with monkeypatch.context() as m:
+            taken: list = []
+            _either(m, taken)
+            kernel_path.clear()
+            got = forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, cu_seqlens=cu,
+                                                        **kw)  # fmt: skip
+        assert taken == taken_want and len(kernel_path) == 2  # one path's two kernel-1 launches
+        for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
+            assert torch.equal(a, r), (lens, name)
+
+
 def test_varlen_passes_count_the_tokens(kernel_path, monkeypatch):
     """The slot layout's passes over heads count the callers' tokens, not its zero rows
     (`pass_tokens`): 2 x 65 tokens in 4 slots (256 rows) at H = 2, HV = 4 stay one pass (two
