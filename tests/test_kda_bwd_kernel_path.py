@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from test_gdn_bwd_kernel_path import emulated_norm_kernel, forward_inputs_as_reverse
+from test_gdn_bwd_kernel_path import emulated_norm_kernel, forward_inputs_as_reverse, written_to
 from test_gdn_bwd_state import tile_model
 from test_kda_bwd_op import (
     _fp64_grads,
@@ -58,22 +58,24 @@ def emulated_kernel(calls=None, flags=None):
     """kernel 1's stand-in (its `channel_decay` variant): the tile emulation in fp64, the
     register operands rounded to the tiles' dtype where it is 16-bit, fp32 outputs (the
     launcher's); `out16` / `forward` (the device pass) as tests/test_gdn_bwd_kernel_path.py's:
-    `out16_forms` of them, I and 0 built in (`flags` records (out16, forward) a launch); its
-    varlen form (cu_seqlens, order: the slot layout) by `over_slots` on the batch form, one
-    recorded call a launch."""
+    `out16_forms` of them, I and 0 built in (`flags` records (out16, forward) a launch); dh0:
+    the caller's buffer for dS at the start (`written_to`); its varlen form (cu_seqlens,
+    order: the slot layout) by `over_slots` on the batch form, one recorded call a launch."""
     batch, quiet = _batch_kernel(calls, flags), _batch_kernel()
 
-    def run(do, pt, ke, qe, w, e_last, dht, out16=False, forward=False, cu_seqlens=None,
-            order=None):  # fmt: skip
+    def run(do, pt, ke, qe, w, e_last, dht, dh0=None, out16=False, forward=False,
+            cu_seqlens=None, order=None):  # fmt: skip
         if cu_seqlens is None:
-            return batch(do, pt, ke, qe, w, e_last, dht, out16, forward)
+            du, side, s0 = batch(do, pt, ke, qe, w, e_last, dht, out16, forward)
+            return du, side, written_to(dh0, s0)
         assert out16 and dht is None or dht.shape[0] == cu_seqlens.shape[0] - 1
         if calls is not None:
             calls.append(do.dtype)
         if flags is not None:
             flags.append((out16, forward))
-        return over_slots(quiet, cu_seqlens, order, do, pt, ke, qe, w, e_last, dht,
-                          out16=out16, forward=forward)  # fmt: skip
+        du, side, s0 = over_slots(quiet, cu_seqlens, order, do, pt, ke, qe, w, e_last, dht,
+                                  out16=out16, forward=forward)  # fmt: skip
+        return du, side, written_to(dh0, s0)
 
     return run
 

@@ -82,7 +82,9 @@ from forgekernel.ops._validate import (
 # kernels/linear_attention/gdn_bwd_norm/sm90: group sum, l2norm's backward, scale, cast; the
 # CPU tests put its model on this module's name) and `_normalized_backward` (its torch form);
 # its kernel-1 decisions (`side_by_side_states`, `state_flags`: the same kernel, the same CTAs,
-# the same varlen slot layout) and its
+# the same varlen slot layout), its kernel-1 wrapper `_state_recurrence` (KDA's e_last (B, NC,
+# HV, K) per key channel takes the launcher's `channel_decay` kernel; dh0= the caller's buffer
+# for dS at the start; the CPU tests put the tile emulation on this module's name) and its
 # out= helpers (`check_grads_out`, `flat_out`, `given`, `_joined`, `written`)
 from forgekernel.ops.gated_delta_rule_bwd import (
     GradsOut,
@@ -90,6 +92,7 @@ from forgekernel.ops.gated_delta_rule_bwd import (
     _normalized,
     _normalized_backward,
     _qk_grads,
+    _state_recurrence,
     check_grads_out,
     flat_out,
     given,
@@ -156,17 +159,6 @@ def interim() -> contextlib.AbstractContextManager[None]:
     """The backward calls inside take the interim path, as with KERNEL_SWITCH "0" (the bench's
     `interim` variant)."""
     return _SWITCH.off()
-
-
-def _state_recurrence(do, pt, ke, qe, w, e_last, d_final_state, **flags):
-    """Kernel 1, dh variant, e_last (B, NC, HV, K) per key channel (`channel_decay`): (dU (B, T,
-    HV, V), dh = dS^T per chunk end (B, NC, HV, V, K), dS at the start (B, HV, K, V)), fp32;
-    `flags` out16 / forward (the device pass, `_device_pass`): dU and dS (B, NC, HV, K, V) in
-    16 bits, kernel 2's forms (forward: pt, qe None, I and 0 built in, outputs in chunk order).
-    The CPU tests put the tile emulation here."""
-    from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.launch import gdn_bwd_state
-
-    return gdn_bwd_state(do, pt, ke, qe, w, e_last, d_final_state, **flags)
 
 
 # Pass 3's output side (`_output_grads`) on kernel 2 (kernels/linear_attention/kda_bwd_chunk/sm90)
@@ -254,13 +246,15 @@ def _first_pass(q, k, g, beta, cu_seqlens, scale, seq_len, bwd=False):
 def _first_pass_ops(q16, k16, g, beta, scale, b, t):
     """`_first_pass` over every head of B equal sequences -> its token tiles as (B, NC C, HV,
     D) and decay (B, NC, HV, K) (views); with the WY kernel (WY_IN_KERNEL) its `bwd` key's T^T
-    too, the WY kernel's input tile (no torch solve)."""
-    cu = torch.arange(b + 1, dtype=torch.int32, device=q16.device) * t
+    too, the WY kernel's input tile (no torch solve), and P^T (`pt`, kernel 1's reverse-launch
+    operand as it reads it) in P's place."""
+    cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=q16.device)  # one launch
     ops = _first_pass(q16.flatten(0, 1), k16.flatten(0, 1), g.flatten(0, 1).contiguous(),
                       beta.flatten(0, 1).contiguous(), cu, scale, t,
                       bwd=WY_IN_KERNEL)  # fmt: skip
     nc = -(-t // CHUNK)
-    rows = ("q_g", "k_g", "k_d", "t_beta", "p") + (("tt", "big_g") if WY_IN_KERNEL else ())
+    bwd_rows = ("pt", "tt", "big_g") if WY_IN_KERNEL else ("p",)
+    rows = ("q_g", "k_g", "k_d", "t_beta") + bwd_rows
     out = {n: ops[n].unflatten(0, (b, nc * CHUNK)) for n in rows}
     out["decay"] = ops["decay"].unflatten(0, (b, nc))
     return out
@@ -387,18 +381,15 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=tor
     op's v 16-bit: no cast after), else fp32. q_scale (`_folds`: no l2norm, HV = H): qs is
     the op's q UNscaled (the first pass got the scale), kernel 2 writes the op's dq (dq16,
     times q_scale) and the WY kernel the op's dk (dk16), both in do's dtype: no epilogue;
-    into: (dq, dk, dv, dbeta) (B, T, HV, ...) contiguous buffers those kernels write (the
-    op's `out=`, each None or of the dtype its kernel writes). slots: the varlen slot layout
+    into: (dq, dk, dv, dbeta, dh0) contiguous buffers those kernels write ((B, T, HV, ...),
+    dh0 (B, HV, K, V); the op's `out=` (`_direct`), each None or of the dtype its kernel
+    writes; dq, dk only with q_scale). slots: the varlen slot layout
     (B = 1 over its S C rows, h0 / dht / dh0 (N, HV, K, V)): kernel 1's varlen form, side by
     side (Gated DeltaNet's `side_by_side_states`)."""
     t, dtype = qs.shape[1], do.dtype
     varlen = state_flags(slots)
-    dq_o, dk_o, dv_o, db_o = (None,) * 4 if into is None else into
+    dq_o, dk_o, dv_o, db_o, dh0_o = (None,) * 5 if into is None else into
     nc = -(-t // CHUNK)
-
-    def chunks(x):  # token-major (B, NC C, HV, D) -> (B, NC, HV, C, D), a view
-        return x.unflatten(1, (nc, CHUNK)).transpose(2, 3)
-
     w16 = _chunk_products(ops["t_beta"], ops["k_g"], nc)  # (B, NC C, HV, K)
     v_rows = v if t == nc * CHUNK else F.pad(v, (0, 0, 0, 0, 0, nc * CHUNK - t))  # zero rows
     u16 = _chunk_products(ops["t_beta"], v_rows, nc)  # (B, NC C, HV, V)
@@ -407,10 +398,10 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=tor
         return _state_recurrence(u16, None, w16, None, ops["k_d"], ops["decay"], h0,
                                  out16=True, forward=True, **varlen)  # fmt: skip
 
-    def reverse_launch():
-        pt = to_tokens(chunks(ops["p"]).transpose(-1, -2))[:, :t]
-        rev = (pt, ops["k_d"][:, :t], ops["q_g"][:, :t], w16[:, :t])
-        return _state_recurrence(do, *rev, ops["decay"], dht, out16=True, **varlen)
+    def reverse_launch():  # P^T as the first pass's bwd key wrote it (no transposing copy)
+        rev = (ops["pt"][:, :t], ops["k_d"][:, :t], ops["q_g"][:, :t], w16[:, :t])
+        return _state_recurrence(do, *rev, ops["decay"], dht, out16=True, **given(dh0=dh0_o),
+                                 **varlen)  # fmt: skip
 
     device = do.device
     if side_by_side_states(slots, do.shape[0], do.shape[2], device):
@@ -424,8 +415,7 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=tor
     big_g = ops["big_g"][:, :t].contiguous()
     # kernel 2 writes dG straight into `dg_out` where that is a contiguous fp32 buffer whose
     # start suits the WY kernel's bulk reduce-adds onto it (`BULK_ALIGN`)
-    into_dg = dg_out if dg_out is not None and dg_out.is_contiguous() \
-        and dg_out.data_ptr() % BULK_ALIGN == 0 else None  # fmt: skip
+    into_dg = _direct(dg_out, torch.float32)
     # dw in the tiles' dtype from kernel 2 (the WY kernel's operand; no cast here)
     fold = {} if q_scale is None else {"dq16": True, "scale": q_scale, **given(dq=dq_o)}
     dq, dk, dw, dg = _chunk_grads(do, u_c[:, :t], du16, qs, ks, h16, dh16, big_g, dw16=True,
@@ -468,6 +458,16 @@ def _folds(l2norm: bool, group: int, q: torch.Tensor, k: torch.Tensor, dtype) ->
             and q.dtype == k.dtype == dtype)  # fmt: skip
 
 
+def _direct(buf: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """`buf` (an `out=` buffer) where a kernel may write it directly: of `dtype` (the kernel's;
+    None: no kernel writes it), contiguous and starting `BULK_ALIGN`-byte aligned (the WY
+    kernel's bulk reduce-adds onto dG, the 16-byte stores of the others); else None (the kernel
+    writes its own buffer, copied after)."""
+    ok = (buf is not None and dtype is not None and buf.dtype == dtype and buf.is_contiguous()
+          and buf.data_ptr() % BULK_ALIGN == 0)  # fmt: skip
+    return buf if ok else None
+
+
 def _normalized32(x, scale, l2norm):
     """q / k (B, T, H, K) normalized and scaled once at H heads by Gated DeltaNet's
     `_normalized`, in fp32: the torch factors (`_Factors`) read fp32 q / k (repeated to the
@@ -486,9 +486,9 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
     Gated DeltaNet's `_backward_device`; NORM_IN_KERNEL False: torch); value heads in passes of
     reference/kda_bwd.py's TOKEN_HEADS_PER_PASS token-heads (two kernel-1 launches a pass), one
     pass: no concatenation. `out` (flat buffers, `GradsOut`): dq, dk written by the epilogue,
-    an fp32 dg by the device pass's last add (one pass; several: their concatenation), dv,
-    dbeta and d_initial_state copied in (the WY kernel writes dv, dbeta in fp32 and kernel 1
-    dh0 into buffers of its own: the cast and two small copies). slots (with batch 1): the
+    on the device pass in one pass dg (fp32), dv, dbeta (the WY kernel) and d_initial_state
+    (kernel 1) by the kernels where the buffer's dtype is theirs (`_direct`), else (several
+    passes: their concatenation; another dtype: the cast) copied in. slots (with batch 1): the
     tokens in the varlen slot layout (ops/_linattn_varlen.py), the states (N, ...): the device
     pass only (`_slots_path`)."""
     b, h, hv = batch, q.shape[1], v.shape[1]
@@ -516,13 +516,17 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
     outs = (None,) * 5 if out is None else tuple(None if o is None else seq(o) for o in out[:5])
     dg_out = outs[3] if len(heads) == 1 and outs[3] is not None and g.dtype == torch.float32 \
         else None  # fmt: skip
-    # fold, one pass: dq, dk, dv, dbeta written by the kernels into `out=` where its dtype is
-    # theirs (dq, dk, dv: do's 16-bit; dbeta fp32)
+    # one pass on the device pass: dv, dbeta (the WY kernel), dh0 (kernel 1) and with fold dq,
+    # dk (kernel 2, the WY kernel) written by the kernels into `out=` where its dtype is theirs
+    # (dq, dk: do's 16-bit; dv: do's where v's is, else fp32; dbeta, dh0 fp32): no copy after
+    # (`written` finds them in place; before 2026-12-06's next/kda-glue3 dv, dbeta, dh0 were 3
+    # DtoD copies, 96 us at 4 x 8192 H16 on the H100)
     into = None
-    if fold and len(heads) == 1:
-        kinds = (do.dtype, do.dtype, do.dtype, torch.float32)
-        into = tuple(None if o is None or o.dtype != dt else o
-                     for o, dt in zip((outs[0], outs[1], outs[2], outs[4]), kinds))  # fmt: skip
+    if out is not None and len(heads) == 1 and _on_device(do.dtype):
+        f32, qk = torch.float32, do.dtype if fold else None
+        kinds = (qk, qk, do.dtype if v.dtype == do.dtype else f32, f32, f32)
+        bufs = (outs[0], outs[1], outs[2], outs[4], out[5])
+        into = tuple(_direct(o, dt) for o, dt in zip(bufs, kinds))
     parts = []
     for first in heads:  # passes over heads, not chunks
         qh, vh = slice(first, first + step), slice(first * group, (first + step) * group)
