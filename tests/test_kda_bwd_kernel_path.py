@@ -736,10 +736,11 @@ def test_cpu_tensors_take_the_interim_path_by_default(monkeypatch, request):
                          [(2, 65, 2, (-1.0, 0.0)), (1, 130, 1, (-5.0, -4.0))])  # fmt: skip
 def test_final_outputs_without_l2norm(kernel_path, monkeypatch, b, t, h, decay):
     """Without l2norm at HV = H (`_folds`, FINAL_QK): kernel 2 reads q unscaled (dq16, the
-    scale in the emulation's products) and writes the op's dq, the WY kernel the op's dk
-    (dk16), no epilogue, dv / dbeta / dq / dk written straight into `out=`; within 2e-2 of
-    autograd through the fp64 recurrence, and dq, dk within one bf16 rounding step of
-    FINAL_QK = False's (the fp32 dq / dk and the epilogue) results."""
+    scale in the emulation's products) and writes the op's dq, no epilogue, dv / dbeta / dq /
+    dk written straight into `out=`; within 2e-2 of autograd through the fp64 recurrence, and
+    dq within one bf16 rounding step of FINAL_QK = False's (the fp32 dq and its epilogue)
+    results. The WY kernel writes the op's dk (dk16) with FINAL_QK either way (`_writes_dk`,
+    next/kda-glue3)."""
     (q, k, v, g, beta, h0), do, dht = _bf16_problem(b, t, h, h, decay=decay, seed=t)
     q, k = (F.normalize(x.float(), dim=-1).bfloat16() for x in (q, k))  # unit rows, no l2norm
     flags = []
@@ -754,7 +755,8 @@ def test_final_outputs_without_l2norm(kernel_path, monkeypatch, b, t, h, decay):
                                                     d_final_state=dht, out=out)  # fmt: skip
         for a, o in zip(got[on][:5], out[:5]):
             assert a is o
-    assert flags == [True, False] and len(norm_calls) == 2  # the epilogue only when off
+    # the dq epilogue only when off; never dk's (the WY kernel writes it: `_writes_dk`)
+    assert flags == [True, False] and len(norm_calls) == 1
     want = _fp64_grads([q, k, v, g, beta, h0], None, do, dht, l2norm=False)
     for name, a, r in zip(NAMES, got[True], want):
         _close(name, a, r, 2e-2)
@@ -762,6 +764,27 @@ def test_final_outputs_without_l2norm(kernel_path, monkeypatch, b, t, h, decay):
         a, r = got[True][i].float(), got[False][i].float()
         step = r.abs().clamp_min(2.0**-126) * 2.0**-7  # one bf16 rounding step of the fp32 path
         assert ((a - r).abs() <= step * 2 + 1e-3 * r.abs().max()).all(), name
+
+
+@pytest.mark.parametrize(("b", "t", "h"), [(2, 65, 2), (1, 130, 1), (1, 64, 3)])
+def test_wy_final_dk_is_the_epilogues_bit_for_bit(kernel_path, monkeypatch, b, t, h):
+    """Without l2norm at HV = H on the device pass the WY kernel writes the op's dk (dk16,
+    `_writes_dk`, no switch since next/kda-glue3): no dk epilogue launch (the dq one stays,
+    FINAL_QK off), and every gradient bit for bit the path's with dk16 off (kernel 2's fp32 dk
+    plus the WY half, cast by the epilogue with scale 1: the same fp32 sum rounded once)."""
+    (q, k, v, g, beta, h0), do, dht = _bf16_problem(b, t, h, h, seed=t)
+    q, k = (F.normalize(x.float(), dim=-1).bfloat16() for x in (q, k))  # unit rows, no l2norm
+    assert not bwd.FINAL_QK
+    got = {}
+    for on in (True, False):
+        norm_calls = []
+        monkeypatch.setattr(bwd, "_qk_grads", emulated_norm_kernel(norm_calls))
+        monkeypatch.setattr(bwd, "_writes_dk", lambda *a, on=on: on and bwd._on_device(a[-1]))
+        got[on] = bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, initial_state=h0,
+                                                    d_final_state=dht)  # fmt: skip
+        assert len(norm_calls) == (1 if on else 2)
+    for name, a, r in zip(NAMES, got[True], got[False]):
+        assert a.dtype == r.dtype and torch.equal(a, r), name
 
 
 def _recording(fn, flags):

@@ -110,7 +110,7 @@ def test_bwd_leaves_the_forward_outputs_as_they_were():
 
 def _transposed(p):
     """The first pass's (R, HV, 64) rows with each chunk's 64 x 64 tile transposed."""
-    return p.unflatten(0, (-1, C)).transpose(1, 2).transpose(-1, -2).transpose(1, 2).flatten(0, 1)
+    return p.unflatten(0, (-1, C)).permute(0, 3, 2, 1).flatten(0, 1)  # [c, j, h, i] = P_c[i, j]
 
 
 def test_launcher_bwd_on_the_kernel_replay(monkeypatch):
