@@ -41,7 +41,9 @@ DeltaNet's device pass; NOTES.md "KDA's device pass"); q / k
 normalized and scaled once at H heads (fp32: the torch factors read it; 16-bit on the device
 pass); dq / dk's group sum, l2norm's
 backward, scale and cast on Gated DeltaNet's q / k epilogue kernel
-(kernels/linear_attention/gdn_bwd_norm/sm90, `_qk_grads`; NORM_IN_KERNEL = False: torch). Equal
+(kernels/linear_attention/gdn_bwd_norm/sm90, `_qk_grads`; NORM_IN_KERNEL = False: torch), dk
+on the WY kernel (dk16, `_writes_dk`) where the epilogue would only cast it (device pass, no
+l2norm, HV = H). Equal
 lengths known on the host (the explicit backward without cu_seqlens, one sequence, autograd of a
 call without cu_seqlens: the forward op's `batch` argument says B equal lengths; autograd's
 setup saves it, eager and under torch.compile alike) run with no host read (CUDA-graph
