@@ -43,9 +43,10 @@ def test_default_path_glue_per_token_head(g_dtype, kb, want):
     """The default switches (first pass, WY kernel) with the launchers' own torch counted: the
     bytes written a token-head within 1% of the pinned figure, the launches by op exactly; no
     launcher does torch (T a multiple of 64: every tile TMA-ready as handed over, G contiguous);
-    no layout copy around W and u, none of P^T (the first pass's bwd key writes it); no add of dk's or dG's halves
-    (the WY kernel adds onto kernel 2's in place); no cast of dw (kernel 2 writes it in the
-    tiles' dtype) nor of dv (the WY kernel writes it in v's); bf16 g: dG's one cast to bf16."""
+    no layout copy around W and u, none of P^T (the first pass's bwd key writes it); no add of
+    dk's or dG's halves (the WY kernel adds onto kernel 2's in place); no cast of dw (kernel 2
+    writes it in the tiles' dtype) nor of dv (the WY kernel writes it in v's); bf16 g: dG's one
+    cast to bf16."""
     b, t = 1, 8192
     assert bwd.WY_IN_KERNEL and bwd.FACTORS_FROM_FIRST_PASS  # the default measured here
     mode = kda.count(b=b, t=t, h=1, hv=1, first_pass=True, wy_in_kernel=True, launchers=True,
@@ -122,3 +123,30 @@ def test_no_l2norm_final_outputs_glue(monkeypatch, g_dtype, kb):
     ops = _float_ops(mode)
     assert sum(op[3] for op in ops) / (b * t) / 1024 == pytest.approx(kb, rel=1e-2)
     assert not [op for op in ops if op[0] == "mul"]
+
+
+def test_bench_call_glue_is_the_products_and_q_scale():
+    """The bench's call (next/kda-glue3): no l2norm, HV = H, fp32 g and beta, out= given, B
+    sequences of 128 chunks a head between them (the per-head products): what torch still
+    launches is W and u (one bmm a value head each) and q x scale (FINAL_QK off) and nothing
+    else: no copy into out= (dv, dbeta, d_initial_state, dg written by the kernels), no P^T
+    copy (the first pass's bwd key), no dk epilogue (the WY kernel's dk16, only the dq one:
+    stubbed, uncounted), 0.75 KB written a token-head."""
+    b, t, hv = 2, 4096, 2
+    calls = []
+    from forgekernel.kernels.linear_attention.gdn_bwd_norm.sm90 import launch as norm
+
+    real = norm.gdn_bwd_norm
+
+    def epilogue(dxs, x, scale, l2norm, out=None):
+        calls.append(scale)
+        return real(dxs, x, scale, l2norm, out=out)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(norm, "gdn_bwd_norm", epilogue)
+        mode = kda.count(b=b, t=t, h=hv, hv=hv, l2norm=False, first_pass=True, wy_in_kernel=True,
+                         launchers=True, g_dtype=torch.float32, with_out=True)  # fmt: skip
+    ops = _float_ops(mode)
+    assert dict(Counter(op[0] for op in ops)) == {"mul": 1, "bmm": 2 * hv}
+    assert calls == [pytest.approx(128**-0.5)]  # dq's epilogue only
+    assert sum(op[3] for op in ops) / (b * t * hv) / 1024 == pytest.approx(0.75, rel=1e-2)
