@@ -73,7 +73,8 @@ def intra_kernel(params: dict):
     2026-12-03, rounds Kl, Kr E, Ql instead: the same two roundings a product on the other
     operand, not modelled here) written where the kernel writes; T by the tensor-core merges'
     model (gdn_prefill_replay.blocked_inverse: the lanes' fragments, tf32 roundings). With the
-    bwd key (tt, big_g not None) those two as well, rows past the chunk's length zero."""
+    bwd key (tt, big_g not None) those two as well, rows past the chunk's length zero, and P^T
+    written where P is."""
 
     def blocked(akk: torch.Tensor) -> torch.Tensor:  # (HV, 64, 64)
         return torch.stack([gdn_prefill_replay.blocked_inverse(a) for a in akk])
@@ -96,9 +97,10 @@ def intra_kernel(params: dict):
                                  operand_dtype=OPERAND, inverse=blocked,
                                  bwd=tt is not None)  # fmt: skip
             r = slice(gc * CHUNK, (gc + 1) * CHUNK)
-            for name, dst in (("q_g", q_g), ("k_g", k_g), ("k_d", k_d), ("t_beta", t_beta),
-                              ("p", p)):  # fmt: skip
+            for name, dst in (("q_g", q_g), ("k_g", k_g), ("k_d", k_d), ("t_beta", t_beta)):
                 dst[r] = ops[name].transpose(0, 1).to(dst.dtype)
+            pp = ops["p"] if tt is None else ops["p"].transpose(-1, -2)  # bwd: P^T into p
+            p[r] = pp.transpose(0, 1).to(p.dtype)
             decay[gc] = ops["decay"]
             if tt is not None:
                 tt[r] = 0

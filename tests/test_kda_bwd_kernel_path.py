@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from slots_alone import assert_sequence_alone
-from test_gdn_bwd_kernel_path import emulated_norm_kernel, forward_inputs_as_reverse
+from test_gdn_bwd_kernel_path import emulated_norm_kernel, forward_inputs_as_reverse, written_to
 from test_gdn_bwd_state import tile_model
 from test_kda_bwd_op import (
     _fp64_grads,
@@ -59,22 +59,24 @@ def emulated_kernel(calls=None, flags=None):
     """kernel 1's stand-in (its `channel_decay` variant): the tile emulation in fp64, the
     register operands rounded to the tiles' dtype where it is 16-bit, fp32 outputs (the
     launcher's); `out16` / `forward` (the device pass) as tests/test_gdn_bwd_kernel_path.py's:
-    `out16_forms` of them, I and 0 built in (`flags` records (out16, forward) a launch); its
-    varlen form (cu_seqlens, order: the slot layout) by `over_slots` on the batch form, one
-    recorded call a launch."""
+    `out16_forms` of them, I and 0 built in (`flags` records (out16, forward) a launch); dh0:
+    the caller's buffer for dS at the start (`written_to`); its varlen form (cu_seqlens,
+    order: the slot layout) by `over_slots` on the batch form, one recorded call a launch."""
     batch, quiet = _batch_kernel(calls, flags), _batch_kernel()
 
-    def run(do, pt, ke, qe, w, e_last, dht, out16=False, forward=False, cu_seqlens=None,
-            order=None):  # fmt: skip
+    def run(do, pt, ke, qe, w, e_last, dht, dh0=None, out16=False, forward=False,
+            cu_seqlens=None, order=None):  # fmt: skip
         if cu_seqlens is None:
-            return batch(do, pt, ke, qe, w, e_last, dht, out16, forward)
+            du, side, s0 = batch(do, pt, ke, qe, w, e_last, dht, out16, forward)
+            return du, side, written_to(dh0, s0)
         assert out16 and dht is None or dht.shape[0] == cu_seqlens.shape[0] - 1
         if calls is not None:
             calls.append(do.dtype)
         if flags is not None:
             flags.append((out16, forward))
-        return over_slots(quiet, cu_seqlens, order, do, pt, ke, qe, w, e_last, dht,
-                          out16=out16, forward=forward)  # fmt: skip
+        du, side, s0 = over_slots(quiet, cu_seqlens, order, do, pt, ke, qe, w, e_last, dht,
+                                  out16=out16, forward=forward)  # fmt: skip
+        return du, side, written_to(dh0, s0)
 
     return run
 
@@ -796,10 +798,11 @@ def test_cpu_tensors_take_the_interim_path_by_default(monkeypatch, request):
                          [(2, 65, 2, (-1.0, 0.0)), (1, 130, 1, (-5.0, -4.0))])  # fmt: skip
 def test_final_outputs_without_l2norm(kernel_path, monkeypatch, b, t, h, decay):
     """Without l2norm at HV = H (`_folds`, FINAL_QK): kernel 2 reads q unscaled (dq16, the
-    scale in the emulation's products) and writes the op's dq, the WY kernel the op's dk
-    (dk16), no epilogue, dv / dbeta / dq / dk written straight into `out=`; within 2e-2 of
-    autograd through the fp64 recurrence, and dq, dk within one bf16 rounding step of
-    FINAL_QK = False's (the fp32 dq / dk and the epilogue) results."""
+    scale in the emulation's products) and writes the op's dq, no epilogue, dv / dbeta / dq /
+    dk written straight into `out=`; within 2e-2 of autograd through the fp64 recurrence, and
+    dq within one bf16 rounding step of FINAL_QK = False's (the fp32 dq and its epilogue)
+    results. The WY kernel writes the op's dk (dk16) with FINAL_QK either way (`_writes_dk`,
+    next/kda-glue3)."""
     (q, k, v, g, beta, h0), do, dht = _bf16_problem(b, t, h, h, decay=decay, seed=t)
     q, k = (F.normalize(x.float(), dim=-1).bfloat16() for x in (q, k))  # unit rows, no l2norm
     flags = []
@@ -814,7 +817,8 @@ def test_final_outputs_without_l2norm(kernel_path, monkeypatch, b, t, h, decay):
                                                     d_final_state=dht, out=out)  # fmt: skip
         for a, o in zip(got[on][:5], out[:5]):
             assert a is o
-    assert flags == [True, False] and len(norm_calls) == 2  # the epilogue only when off
+    # the dq epilogue only when off; never dk's (the WY kernel writes it: `_writes_dk`)
+    assert flags == [True, False] and len(norm_calls) == 1
     want = _fp64_grads([q, k, v, g, beta, h0], None, do, dht, l2norm=False)
     for name, a, r in zip(NAMES, got[True], want):
         _close(name, a, r, 2e-2)
@@ -822,6 +826,27 @@ def test_final_outputs_without_l2norm(kernel_path, monkeypatch, b, t, h, decay):
         a, r = got[True][i].float(), got[False][i].float()
         step = r.abs().clamp_min(2.0**-126) * 2.0**-7  # one bf16 rounding step of the fp32 path
         assert ((a - r).abs() <= step * 2 + 1e-3 * r.abs().max()).all(), name
+
+
+@pytest.mark.parametrize(("b", "t", "h"), [(2, 65, 2), (1, 130, 1), (1, 64, 3)])
+def test_wy_final_dk_is_the_epilogues_bit_for_bit(kernel_path, monkeypatch, b, t, h):
+    """Without l2norm at HV = H on the device pass the WY kernel writes the op's dk (dk16,
+    `_writes_dk`, no switch since next/kda-glue3): no dk epilogue launch (the dq one stays,
+    FINAL_QK off), and every gradient bit for bit the path's with dk16 off (kernel 2's fp32 dk
+    plus the WY half, cast by the epilogue with scale 1: the same fp32 sum rounded once)."""
+    (q, k, v, g, beta, h0), do, dht = _bf16_problem(b, t, h, h, seed=t)
+    q, k = (F.normalize(x.float(), dim=-1).bfloat16() for x in (q, k))  # unit rows, no l2norm
+    assert not bwd.FINAL_QK
+    got = {}
+    for on in (True, False):
+        norm_calls = []
+        monkeypatch.setattr(bwd, "_qk_grads", emulated_norm_kernel(norm_calls))
+        monkeypatch.setattr(bwd, "_writes_dk", lambda *a, on=on: on and bwd._on_device(a[-1]))
+        got[on] = bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, initial_state=h0,
+                                                    d_final_state=dht)  # fmt: skip
+        assert len(norm_calls) == (1 if on else 2)
+    for name, a, r in zip(NAMES, got[True], got[False]):
+        assert a.dtype == r.dtype and torch.equal(a, r), name
 
 
 def _recording(fn, flags):

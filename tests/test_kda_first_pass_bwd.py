@@ -7,10 +7,12 @@ kernel reads (reference/kda_bwd_wy.py `wy_tiles`' tt and G), on the CPU.
   cumsum within the chunk; fp64) to bf16 / fp32 rounding on awkward lengths, grouped heads and
   g in [-5, -4]; rows past the sequence exact zeros; the forward's outputs unchanged;
 - the launcher's bwd call on the kernel's CPU replay (tests/kda_prefill_replay.py) equals the
-  model, varlen with empty sequences;
+  model, varlen with empty sequences; P^T ("pt") in P's place, bitwise the forward key's P
+  transposed chunk by chunk (next/kda-glue3);
 - the compile key: the forward's keys as before, `bwd` named only when on;
 - the bwd key compiled for sm_90a: no spill, three CTAs an SM as the forward's key, the same
-  shared memory, 20 more 16-byte stores (tt 4, big_g 16) and 32 scalar shared loads."""
+  shared memory, 20 more 16-byte stores (tt 4, big_g 16) and 32 scalar shared loads; P^T's 32
+  scalar 16-bit column loads in place of P's 4 row loads (its 4 stores the same count)."""
 
 from __future__ import annotations
 
@@ -99,9 +101,16 @@ def test_model_equals_the_backward_factors(b, t, h, hv, strong):
 def test_bwd_leaves_the_forward_outputs_as_they_were():
     q, k, g, beta = _inputs(2, 130, 2, 4, True, seed=3)
     on, off = _model(q, k, g, beta, bwd=True), _model(q, k, g, beta, bwd=False)
-    assert set(on) - set(off) == {"tt", "big_g"}
+    assert set(on) - set(off) == {"tt", "big_g", "pt"} and set(off) - set(on) == {"p"}
     for name, x in off.items():
-        assert torch.equal(on[name], x), name
+        if name != "p":
+            assert torch.equal(on[name], x), name
+    assert torch.equal(on["pt"], _transposed(off["p"]))  # P^T in P's place, bitwise
+
+
+def _transposed(p):
+    """The first pass's (R, HV, 64) rows with each chunk's 64 x 64 tile transposed."""
+    return p.unflatten(0, (-1, C)).permute(0, 3, 2, 1).flatten(0, 1)  # [c, j, h, i] = P_c[i, j]
 
 
 def test_launcher_bwd_on_the_kernel_replay(monkeypatch):
@@ -131,6 +140,9 @@ def test_launcher_bwd_on_the_kernel_replay(monkeypatch):
     tt, tt_want = got["tt"][:real].float(), want["tt"][:real].float()
     assert float((tt - tt_want).abs().max()) <= 1e-2 * float(tt_want.abs().max())
     assert torch.equal(got["big_g"][:real], want["big_g"][:real])
+    # P^T where the forward key writes P: the same replayed values, each chunk transposed
+    fwd = launch.first_pass_kernel(q, k, g, beta, cu, 0.1, False)
+    assert "p" not in got and torch.equal(got["pt"][:real], _transposed(fwd["p"][:real]))
 
 
 def test_compile_keys():
@@ -197,5 +209,8 @@ def test_bwd_key_compiles(dtype):
     assert 3 * (smem + res["smem_bytes"] + 1024) <= 228 * 1024
     assert ops.count("STG.E.128") == sum(op.startswith("STG") for op in ops) == 34 + 4 + 16
     assert ops.count("LDS") == 157  # the forward's 125 + 32
+    # P^T (next/kda-glue3): P's 4 row loads (LDS.128, the forward key's 82) and 4 stores gone,
+    # its 32 scalar column loads and 4 stores in their place
+    assert ops.count("LDS.128") == 78 and ops.count("LDS.U16") == 32
     assert ops.count("HMMA.16816.F32.BF16") == 3 * 2 * 16
     assert ops.count("HMMA.1688.F32.TF32") == 7 * 4

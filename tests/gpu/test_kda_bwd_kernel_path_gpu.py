@@ -122,10 +122,12 @@ def test_kernel_more_ctas_than_sms():
 
 
 def _poisoned_kernel(calls):
-    def run(do, pt, ke, qe, w, e_last, dht, **flags):  # flags: the device pass's out16 / forward
+    def run(do, pt, ke, qe, w, e_last, dht, dh0=None, **flags):  # flags: out16 / forward
         cu = flags.get("cu_seqlens")  # varlen: the states (N, ...)
         empty = launch.empty_outputs(do, ke.shape[-1], out16=flags.get("out16", False),
                                      states=None if cu is None else cu.shape[0] - 1)  # fmt: skip
+        if dh0 is not None:  # the op's out= d_initial_state, written into (next/kda-glue3)
+            empty = (*empty[:2], dh0)
         out = tuple(x.fill_(float("nan")) for x in empty)
         calls.append(tuple(do.shape))
         return launch.gdn_bwd_state(do, pt, ke, qe, w, e_last, dht, out=out, **flags)

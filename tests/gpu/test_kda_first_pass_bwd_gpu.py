@@ -51,7 +51,7 @@ def test_bwd_outputs_equal_the_model(dtype, lens, h, hv, strong):
     """tt within 1e-2 of T's largest entry (tf32 merges, bf16 operands: the bound t_beta is
     held to), big_g within 2e-5 of G's largest magnitude (ln 2 x the kernel's exp2-form sums
     vs the model's cumsum), zeros past each sequence; the forward's outputs bitwise the
-    forward key's (the flag adds stores only)."""
+    forward key's (the flag adds stores only), P as P^T ("pt", each chunk transposed)."""
     from forgekernel.kernels.linear_attention.kda_prefill.sm90 import launch, operands
 
     q, k, g, beta, cu = _inputs(lens, h, hv, dtype, seed=31, strong=strong)
@@ -62,9 +62,12 @@ def test_bwd_outputs_equal_the_model(dtype, lens, h, hv, strong):
     _close(got["tt"][: C * real].float(), want["tt"][: C * real].float(), 1e-2)
     _close(got["big_g"][: C * real], want["big_g"][: C * real], 2e-5)
     fwd = launch.first_pass_kernel(q, k, g, beta, cu, 0.1, False)
-    for name in ("q_g", "k_g", "k_d", "t_beta", "p", "decay"):
+    for name in ("q_g", "k_g", "k_d", "t_beta", "decay"):
         cut = real if name == "decay" else C * real
         assert torch.equal(got[name][:cut], fwd[name][:cut]), name
+    # P^T in P's place (next/kda-glue3): the forward key's P, each chunk transposed, bitwise
+    pt = fwd["p"][: C * real].unflatten(0, (real, C)).permute(0, 3, 2, 1)  # [c, j, h, i]
+    assert "p" not in got and torch.equal(got["pt"][: C * real], pt.flatten(0, 1))
     row = 0  # rows past each sequence's end, within its last chunk: exact zeros
     for n in lens:
         chunks = -(-n // C)

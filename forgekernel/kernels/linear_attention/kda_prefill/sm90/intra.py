@@ -38,7 +38,11 @@ backward's WY kernel (reference/kda_bwd_wy.py `wy_tiles`' tt and G): big_g = G =
 (R, HV, K), stored from the G2 sums as they are formed (no new live range), and tt = T^T
 unscaled bf16 (R, HV, 64), T read down its columns from the fp32 scratch after the out stage
 (before it the scratch holds T, the out stage scaling only its copies). Rows past the sequence
-exact zeros in both (T's padded diagonal of ones masked). Shared memory unchanged.
+exact zeros in both (T's padded diagonal of ones masked). And mP holds P^T instead of P (row i
+of the chunk is column i of P, read down sP's columns as tt's from the scratch): the only
+reader of the bwd key's P is the backward's kernel 1, which takes P^T token-major; written so
+here, its transposing copy (a 2-byte-strided gather, 363 us at 4 x 8192 H16 on the H100) is
+gone. Shared memory unchanged.
 
 E on the B side: the kernel before rounded Kl E_IJ (A, J < I) and Kr (B) to bf16, this one Kl
 (A) and Kr E_IJ (B): the same product, the same two bf16 roundings, placed on the other operand
@@ -364,7 +368,8 @@ class KdaIntraSm90:
         invert_merge_mma(sm["w"], sm["x"], tid, bar)  # ends with a barrier: sP visible too
         self._store_out(sm, mP, mT, row0, hv, tid)
         if const_expr(self.bwd):  # the scratch still holds T (the out stage scaled copies)
-            self._store_tt(sm, mTT, row0, hv, tid, valid)
+            self._store_columns(sm["w"], mTT, row0, hv, tid, valid)
+            self._store_columns(sm["p"], mP, row0, hv, tid, valid)  # P^T in mP
 
     @cute.jit
     def _store_big_g(self, mBigG, start, run, row, hv, cg, r_first, valid):
@@ -378,12 +383,15 @@ class KdaIntraSm90:
             cute.autovec_copy(vals, cute.local_tile(mBigG[row + s, hv, None], (VEC,), (cg,)))
 
     @cute.jit
-    def _store_tt(self, sm, mTT, row0, hv, tid, valid):
-        """T^T (unscaled) to global, bf16: row i of tt is column i of T, read from the scratch
-        down the column (8 scalar loads a 16-byte store). Thread (warp w, lane) takes row i =
-        16 w + lane // 2 and, at step u, column group 2 u + lane % 2 (tokens j of block u): a
-        warp's store 16 whole 32-byte sectors, its loads 2-way bank conflicts (W_STRIDE = 72);
-        blocks u < w (T above its diagonal) and rows past the sequence (T's padded diagonal) 0."""
+    def _store_columns(self, tile, mOut, row0, hv, tid, valid):
+        """A lower block-triangular (64, 64) shared tile transposed to global, bf16: row i of
+        mOut is column i of `tile`, read down the column (8 scalar loads a 16-byte store): T^T
+        (unscaled, from the fp32 scratch) into tt, and with `bwd` P^T (the bf16 sP) into mP,
+        the KDA backward's kernel-1 operand as it reads it (no transposing copy after). Thread
+        (warp w, lane) takes row i = 16 w + lane // 2 and, at step u, column group 2 u + lane %
+        2 (tokens j of block u): a warp's store 16 whole 32-byte sectors, its loads 2-way bank
+        conflicts (W_STRIDE = 72 words, P_STRIDE = 72 bf16); blocks u < w (above the diagonal)
+        and rows past the sequence (T's padded diagonal; P's are zero there already) 0."""
         w = cute.arch.make_warp_uniform(tid // 32)
         lane = tid % 32
         i = SUB * w + lane // 2
@@ -391,9 +399,9 @@ class KdaIntraSm90:
         for u in cutlass.range_constexpr(NSUB):
             c = 2 * u + lane % 2
             keep = inside & (w <= u)
-            col = [sm["w"][VEC * c + e, i] for e in range(VEC)]
+            col = [Float32(tile[VEC * c + e, i]) for e in range(VEC)]
             vals = [cutlass.select_(keep, col[e], Float32(0.0)) for e in range(VEC)]
-            self._store(vals, cute.local_tile(mTT[row0 + i, hv, None], (VEC,), (c,)))
+            self._store(vals, cute.local_tile(mOut[row0 + i, hv, None], (VEC,), (c,)))
 
     @cute.jit
     def _raw(self, row: cute.Tensor, cg, dtype) -> cute.Tensor:
@@ -540,12 +548,13 @@ class KdaIntraSm90:
             i = p // groups
             c = p % groups
             keep = (c * VEC) // SUB <= i // SUB
-            pv = cute.make_rmem_tensor(VEC, BFloat16)
-            cute.autovec_copy(cute.local_tile(sm["p"][i, None], (VEC,), (c,)), pv)
-            pw = cute.recast_tensor(pv, Int32)
-            for e in cutlass.range_constexpr(VEC // 2):
-                pw[e] = cutlass.select_(keep, pw[e], Int32(0))
-            cute.autovec_copy(pv, cute.local_tile(mP[row0 + i, hv, None], (VEC,), (c,)))
+            if const_expr(not self.bwd):  # bwd: P^T by `_store_columns` instead
+                pv = cute.make_rmem_tensor(VEC, BFloat16)
+                cute.autovec_copy(cute.local_tile(sm["p"][i, None], (VEC,), (c,)), pv)
+                pw = cute.recast_tensor(pv, Int32)
+                for e in cutlass.range_constexpr(VEC // 2):
+                    pw[e] = cutlass.select_(keep, pw[e], Int32(0))
+                cute.autovec_copy(pv, cute.local_tile(mP[row0 + i, hv, None], (VEC,), (c,)))
             tw = cute.make_rmem_tensor(VEC, Float32)
             tb = cute.make_rmem_tensor(VEC, Float32)
             cute.autovec_copy(cute.local_tile(sm["w"][i, None], (VEC,), (c,)), tw)

@@ -125,17 +125,18 @@ def first_pass_kernel(q, k, g, beta, cu_seqlens: torch.Tensor, scale: float, l2n
     the last real one, returns at once): the same outputs as `operands.kda_chunk_operands`
     (its model: within a few bf16 roundings on the H200, tests/gpu/test_kda_prefill_gpu.py),
     with the rows of those empty chunks left unwritten (the recurrence never reads them).
-    bwd: its bwd key, tt and big_g too (the KDA backward's; tests/gpu/
-    test_kda_first_pass_bwd_gpu.py)."""
+    bwd: its bwd key, tt and big_g too and P^T as "pt" in p's place (the KDA backward's;
+    tests/gpu/test_kda_first_pass_bwd_gpu.py)."""
     if l2norm:  # the kernel reads unit rows: normalized here, in fp32, back in q's dtype
         q, k = (_unit_rows(x) for x in (q, k))
     first, starts, lengths = _tables(cu_seqlens, q.shape[0], seq_len)
     bound = starts.shape[0]
     rows, hv, dk = bound * CHUNK, g.shape[1], q.shape[2]
+    p = "pt" if bwd else "p"  # the bwd key writes P^T there (`operands.py`)
     out = {
         name: q.new_empty(rows, hv, width, dtype=OPERAND_DTYPE)
         for name, width in (("q_g", dk), ("k_g", dk), ("k_d", dk), ("t_beta", CHUNK),
-                            ("p", CHUNK))
+                            (p, CHUNK))
     }  # fmt: skip
     out["decay"] = q.new_empty(bound, hv, dk, dtype=torch.float32)
     out["first"] = first
@@ -145,7 +146,7 @@ def first_pass_kernel(q, k, g, beta, cu_seqlens: torch.Tensor, scale: float, l2n
     fn = get_kernel(INTRA_SPEC, _intra_params(dtype_name(q.dtype), dk, bwd=bwd))
     with on_device(q.device):
         fn(_aligned(q), _aligned(k), _aligned(g.float().contiguous()), beta.float().contiguous(),
-           starts, lengths, out["q_g"], out["k_g"], out["k_d"], out["t_beta"], out["p"],
+           starts, lengths, out["q_g"], out["k_g"], out["k_d"], out["t_beta"], out[p],
            out["decay"], out.get("tt"), out.get("big_g"), scale)  # fmt: skip
     return out
 

@@ -17,11 +17,13 @@ the chunks past the last real one are zeros that the recurrence never reads.
     first           (N,) int32
 
 and with `bwd` (the KDA backward's, `intra.py`'s bwd key) two more, rows past the sequence
-exact zeros like the others':
+exact zeros like the others', and P transposed in place of P (the backward's kernel 1 reads
+P^T token-major; nothing else reads the bwd key's P):
 
     tt              (R, HV, 64) bf16      T^T, T = (I + diag(beta) M(k, k))^-1 unscaled: row j
                                           of the chunk is column j of T
     big_g           (R, HV, K) fp32       G = cumsum(g) within the chunk
+    pt              (R, HV, 64) bf16      P^T (instead of p): row j of the chunk is column j of P
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ def kda_chunk_operands(q, k, g, beta, cu_seqlens: torch.Tensor, scale: float, l2
                        seq_len: int | None = None, bwd: bool = False) -> dict:  # fmt: skip
     """q, k (T, H, K) 16-bit, g (T, HV, K), beta (T, HV) (fp32 or q's dtype); cu_seqlens
     (N + 1,) on q's device (never read on the host); seq_len as `chunk_layout`; bwd: tt and
-    big_g too. Returns the dict of the module docstring."""
+    big_g too, pt in p's place. Returns the dict of the module docstring."""
     hv = g.shape[1]
     grouped = hv != q.shape[1]
     heads = torch.arange(hv, device=q.device) // (hv // q.shape[1]) if grouped else None
@@ -135,7 +137,7 @@ def kda_chunk_operands(q, k, g, beta, cu_seqlens: torch.Tensor, scale: float, l2
         "k_g": q.new_empty(rows, hv, dk, dtype=OPERAND_DTYPE),
         "k_d": q.new_empty(rows, hv, dk, dtype=OPERAND_DTYPE),
         "t_beta": q.new_empty(rows, hv, CHUNK, dtype=OPERAND_DTYPE),
-        "p": q.new_empty(rows, hv, CHUNK, dtype=OPERAND_DTYPE),
+        ("pt" if bwd else "p"): q.new_empty(rows, hv, CHUNK, dtype=OPERAND_DTYPE),
         "decay": q.new_empty(rows // CHUNK, hv, dk, dtype=torch.float32),
         "first": first,
     }
@@ -156,8 +158,12 @@ def kda_chunk_operands(q, k, g, beta, cu_seqlens: torch.Tensor, scale: float, l2
 
         ops = chunk_operands(rows_of(qf, True), rows_of(kf, True), rows_of(g), rows_of(beta),
                              inverse=unit_lower_inverse, bwd=bwd)  # fmt: skip
-        for name in ("q_g", "k_g", "k_d", "t_beta", "p"):
+        for name in ("q_g", "k_g", "k_d", "t_beta"):
             out[name][a : a + span] = _rows(ops[name])
+        if bwd:
+            out["pt"][a : a + span] = _rows(ops["p"].transpose(-1, -2))
+        else:
+            out["p"][a : a + span] = _rows(ops["p"])
         out["decay"][a // CHUNK : (a + span) // CHUNK] = ops["decay"]
         if bwd:  # rows past the sequence: T's padded diagonal of ones, G_last carried: zeroed
             inside = 1 if part is None else (part >= 0).view(-1, 1, 1)
