@@ -66,10 +66,11 @@ def compiled():
 
 def test_standard_params():
     assert SPEC.name == "kda_bwd_chunk_sm90"
-    keys = [(dict(p)["dtype"], dict(p).get("dw16", False), dict(p).get("dq16", False))
-            for p in SPEC.standard_params()]  # fmt: skip
+    keys = [(dict(p)["dtype"], dict(p).get("dw16", False), dict(p).get("dq16", False),
+             dict(p).get("wg2", False)) for p in SPEC.standard_params()]  # fmt: skip
     flags = ((False, False), (True, False), (True, True))
-    assert keys == [(d, *f) for f in flags for d in config.DTYPES]
+    # the default's two-math-warpgroup build first (ops.kda_bwd.CHUNK_2WG), then the 256-thread
+    assert keys == [(d, *f, w) for w in (True, False) for f in flags for d in config.DTYPES]
     assert "dw16" not in dict(config.params_for("bfloat16"))  # the old key unchanged
     assert "dq16" not in dict(config.params_for("bfloat16", dw16=True))
     assert "wg2" not in dict(config.params_for("bfloat16", dw16=True, dq16=True))
