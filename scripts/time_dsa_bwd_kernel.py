@@ -24,7 +24,11 @@ fused kernel without reductions (`h64f, no reductions`: its MMA / gather / softm
 docs/attention/DSA_BWD_NOTES.md "H >= 64: dq back in the tile loop"), and the two-kernel h64
 form before it (kernel_h64.py, h64_fused=False): `launcher, split`, its kv part without
 reductions (with the dq part), its kv part with the v2 reductions, and its dq part alone
-(`h64 dq part`: the second gather and dq = dS K; "H >= 64: one gather a token").
+(`h64 dq part`: the second gather and dq = dS K; "H >= 64: one gather a token"). At two or
+more 64-head blocks (H >= 128), after an agreement check, the fused kernel on precomputed
+preprocess results as one launch (`h64f, pre`: a token's head blocks adjacent CTAs) and as one
+launch a head block (`h64f, head blocks apart`: the CTA order before 2026-12-06; "Long caches:
+a token's head blocks together").
 The kernel at 5504 FLOP per (token, head, entry). Build first: `python3 -m forgekernel build
 --only dsa_sparse_bwd_sm90 --only dsa_sparse_bwd_pre_sm90 --candidates`."""
 
@@ -75,6 +79,42 @@ def _h64_dq_part(q, kv, idx):
     return lambda: kernel(kv, idx, ws, dq)
 
 
+def _head_blocks(q, kv, dout, out, lse, sink, idx, scale) -> dict:
+    """At two or more 64-head blocks: the fused kernel on the preprocess kernel's results
+    (computed once, outside the timing) as one launch (a token's head blocks adjacent CTAs, the
+    form since 2026-12-06) and as one launch a 64-head block (each launch's CTAs one head block
+    of every token: the dispatch order before, head block 0 of every token ahead of head block
+    1; its only other costs, a dkv zeroing and a launch a block, are ~0.1 ms at S_kv 65536).
+    DSA_BWD_NOTES.md "Long caches: a token's head blocks together" predicts their ratio; the
+    lines are timed after the two forms' dq and summed dkv agree."""
+    pre = pre_launch.preprocess(out, dout, lse, None, sink)
+    together = (q, kv, dout, out, lse, None, sink, idx, scale)
+
+    def apart():
+        parts = []
+        for h0 in range(0, q.shape[1], 64):
+            hs = slice(h0, h0 + 64)
+            part = (q[:, hs], kv, dout[:, hs], out[:, hs], lse[:, hs], None, sink[hs], idx, scale)
+            part_pre = (pre[0][:, hs], pre[1][:, hs], pre[2][hs])
+            parts.append(launch.dsa_sparse_bwd(*part, pre=part_pre))
+        return parts
+
+    want = launch.dsa_sparse_bwd(*together, pre=pre)
+    parts = apart()
+    got = (torch.cat([p[0] for p in parts], 1), sum(p[1] for p in parts))
+    torch.cuda.synchronize()
+    errs = [float((a - b).abs().max() / (b.abs().max() + 1e-6)) for a, b in zip(got, want)]
+    ok = all(e <= 2e-2 for e in errs)
+    print(f"head blocks apart vs together: dq, dkv relative errors {errs} "
+          f"({'timed' if ok else 'SKIPPED'})")  # fmt: skip
+    if not ok:
+        return {}
+    return {
+        "h64f, pre": lambda: launch.dsa_sparse_bwd(*together, pre=pre),
+        "h64f, head blocks apart": apart,
+    }
+
+
 def main(s: int = 4096, h: int = 16, topk: int = 2048, s_kv: int = 8192) -> None:
     torch.manual_seed(0)
     dev, dt, scale = torch.device("cuda"), torch.bfloat16, WIDTH**-0.5
@@ -122,6 +162,8 @@ def main(s: int = 4096, h: int = 16, topk: int = 2048, s_kv: int = 8192) -> None
     )
     if launch.h64_unsupported(q) is None and _agrees(args, "h64f", h64=True):
         fns["h64f, no reductions"] = lambda: launch.dsa_sparse_bwd(*args, reduce=False)
+        if h >= 128:
+            fns |= _head_blocks(q, kv, dout, out, lse, sink, idx, scale)
     split = {"h64": True, "h64_fused": False}
     if launch.h64_unsupported(q) is None and _agrees(args, "h64 split", **split):
         fns |= {

@@ -283,6 +283,43 @@ def test_h64f_launch_replayed_gives_the_reference(monkeypatch, dtype, heads, top
     _assert_reference(got, q, kv, clean, dout, out, lse, sink, dlse)
 
 
+@pytest.mark.parametrize("dtype,heads,topk,step,offset", [
+    (torch.bfloat16, 128, 130, 2, 0),
+    (torch.float16, 64, 100, 3, 1),
+    (torch.bfloat16, 192, 64, 1, 0),
+])  # fmt: skip
+def test_h64f_past_the_grid_limit_launches_row_slices(monkeypatch, dtype, heads, topk, step,
+                                                      offset):  # fmt: skip
+    """The fused kernel's grid is (H / 64, tokens): past config.H64F_GRID_TOKENS tokens (lowered
+    here to `step`) the launcher runs it on row slices of q, dout, lse2, Delta', the indices and
+    dq (views of the same memory with the parent's strides; dq the aligned copy when the
+    caller's is off 16 bytes), kv and one dkv accumulator shared; the fp64 reference's
+    gradients."""
+    calls = _fake_kernels(monkeypatch)
+    monkeypatch.setattr(config, "H64F_GRID_TOKENS", step)
+    tokens = 7
+    q, kv, idx, clean, dout, out, lse, sink, dlse = _reference_problem(tokens, heads, topk, dtype,
+                                                                       heads + step)  # fmt: skip
+    flat = torch.full((q.numel() + 1,), float("nan"), dtype=dtype)
+    dq = flat[offset : offset + q.numel()].view(q.shape)
+    got = launch.dsa_sparse_bwd(q, kv, dout, out, lse, dlse, sink, idx, WIDTH**-0.5, dq=dq)
+    spans = [(t0, min(t0 + step, tokens)) for t0 in range(0, tokens, step)]
+    assert [c[0]["h64"] for c in calls] == ["fused"] * len(spans) and len(spans) >= 3
+    written = calls[0][1][6] if offset == 0 else None
+    for (t0, t1), (_, a) in zip(spans, calls):
+        n = t1 - t0
+        for arg, whole in ((a[0], q), (a[2], dout), (a[5], idx)):
+            assert arg.shape[0] == n and arg.data_ptr() == whole[t0].data_ptr()
+            assert arg.stride() == whole.stride()
+        assert a[3].shape == a[4].shape == (n, heads)
+        assert a[6].shape == (n, heads, WIDTH) and a[6].data_ptr() % 16 == 0
+        assert (a[6].data_ptr() == dq[t0].data_ptr()) == (offset == 0)
+        assert a[1] is kv and a[7] is got[1]
+    assert written is None or written.data_ptr() == dq.data_ptr()
+    assert got[0] is dq
+    _assert_reference(got, q, kv, clean, dout, out, lse, sink, dlse)
+
+
 @pytest.mark.parametrize("by", ["cap", "ws"])
 @pytest.mark.parametrize("dtype,heads,topk,chunk", [(torch.bfloat16, 64, 100, 3),
                                                     (torch.float16, 128, 130, 2),
@@ -366,6 +403,8 @@ def test_chunked_h64_launches_read_nothing_back(monkeypatch):
     args = meta(q, kv, dout, dout, lse, dlse, sink, idx)
     assert_capturable(launch.dsa_sparse_bwd, *args, WIDTH**-0.5, h64_fused=False)
     assert_capturable(launch.dsa_sparse_bwd, *args, WIDTH**-0.5)  # the fused default
+    monkeypatch.setattr(config, "H64F_GRID_TOKENS", 3)  # the fused default in row slices
+    assert_capturable(launch.dsa_sparse_bwd, *args, WIDTH**-0.5)
 
 
 def test_h64_launcher_rejects_and_keys(monkeypatch):

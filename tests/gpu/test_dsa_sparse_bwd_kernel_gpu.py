@@ -19,7 +19,8 @@ standard-bf16, standard-fp16, red4s, v2; e.g. `-k red4s`). The h64 kernels on th
 (`-k h64`): H 64 / 128 / 192 / 256, top-k 20, 64, 100, 1000 and 2048 (not multiples of 64 among
 them), the suite's shapes cut to 64 / 32 tokens (the bench verifies the whole ones), bf16 and
 fp16: the fused kernel (kernel_h64f.py, the launcher's default at H a multiple of 64; `-k h64f`,
-also with dq one element off 16-byte alignment: the launcher's aligned copy); the two-kernel
+also with dq one element off 16-byte alignment: the launcher's aligned copy, and in launches of
+row slices past its grid's token limit, lowered); the two-kernel
 form (kernel_h64.py's kv and dq parts, h64_fused=False) in one chunk (a poisoned workspace of
 every token), in chunks of a smaller poisoned h64_ws and in chunks by a lowered workspace cap
 (`-k h64_chunked`); the launcher's and the op's defaults at H 64 / 128 (`-k h64_default`). Then
@@ -129,6 +130,20 @@ def test_h64f_unaligned_dq_matches_fp64(tokens, heads, topk, slots, sink, dlse):
     """dq one element off 16-byte alignment: the launcher runs the fused kernel on an aligned
     buffer and copies it in."""
     _check(torch.bfloat16, tokens, heads, topk, slots, sink, dlse, dq_offset=1)
+
+
+@pytest.mark.parametrize("tokens,heads,topk,slots,sink,dlse,step,dq_offset", [
+    (7, 128, 100, 500, True, True, 3, 0),
+    (130, 64, 2048, 4000, False, False, 48, 1),
+    (5, 192, 130, 500, False, True, 1, 0),
+])  # fmt: skip
+def test_h64f_row_slices_matches_fp64(monkeypatch, tokens, heads, topk, slots, sink, dlse, step,
+                                      dq_offset):  # fmt: skip
+    """Past the fused kernel's grid.y limit (config.H64F_GRID_TOKENS, lowered here to `step`)
+    the launcher runs it on row slices of the per-token tensors (and of its aligned dq copy when
+    dq is off 16 bytes), one dkv accumulator: `-k h64f`."""
+    monkeypatch.setattr(config, "H64F_GRID_TOKENS", step)
+    _check(torch.bfloat16, tokens, heads, topk, slots, sink, dlse, dq_offset=dq_offset)
 
 
 @pytest.mark.parametrize("tokens,heads,topk,slots,sink,dlse", H64_CASES)

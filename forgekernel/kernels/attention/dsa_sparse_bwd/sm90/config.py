@@ -194,6 +194,11 @@ H64F_KV_ACCS = (2, 1)
 H64F_PRODUCER_REGS = 24
 H64F_CONSUMER_REGS = 240
 H64F_SMEM_EXTRA = 2 * 64 * 4  # lse2 / Delta' of the 64 heads, fp32
+# The fused kernel's grid is (H / 64, tokens): a token's head blocks are adjacent CTAs, dispatched
+# together, so at H 128 the second one's gather and dkv reductions hit L2 (DSA_BWD_NOTES.md "Long
+# caches: a token's head blocks together"). gridDim.y is at most 65,535: the launcher runs more
+# tokens in launches of this many (row slices; read at call time).
+H64F_GRID_TOKENS = 65535
 
 
 def h64_supported(heads: int) -> bool:

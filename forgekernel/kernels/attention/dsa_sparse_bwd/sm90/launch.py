@@ -123,7 +123,9 @@ def dsa_sparse_bwd(
     dq^T in the kv part's tile loop, no workspace, no second gather; docs/attention/
     DSA_BWD_NOTES.md "H >= 64: dq back in the tile loop") unless h64_v2 / h64_ws name the
     two-kernel form's options; False: the two kernels (the bench variant `split`); True: fused
-    (ValueError with h64_v2 / h64_ws). `unsupported` must be None for these inputs."""
+    (ValueError with h64_v2 / h64_ws). The fused kernel's grid is (H / 64, tokens), so more than
+    `config.H64F_GRID_TOKENS` tokens run in launches of row slices (one launch below it).
+    `unsupported` must be None for these inputs."""
     use_h64 = config.h64_supported(q.shape[1]) if h64 is None else h64
     _check_forms(q, use_h64, xchg, red4s, h64_v2, h64_ws)
     if h64_fused and not use_h64:
@@ -145,9 +147,16 @@ def dsa_sparse_bwd(
             else torch.empty(q.shape, dtype=q.dtype, device=q.device)
         )
         kernel = get_kernel(SPEC, config.params_h64(dtype_name(q.dtype), "fused", reduce))
+        q, kv, dout = as_tma_ready(q), as_tma_ready(kv), as_tma_ready(dout)
+        step = config.H64F_GRID_TOKENS  # grid.y's limit: launches of row slices past it
         with on_device(q.device):
-            kernel(as_tma_ready(q), as_tma_ready(kv), as_tma_ready(dout), lse2, delta, idx,
-                   out_dq, dkv, softmax_scale * LOG2E, softmax_scale)  # fmt: skip
+            for t0 in range(0, tokens, step):
+                t1 = min(t0 + step, tokens)
+                q_t, dout_t, lse2_t, delta_t, idx_t, dq_t = (
+                    _rows(x, t0, t1) for x in (q, dout, lse2, delta, idx, out_dq)
+                )
+                kernel(q_t, kv, dout_t, lse2_t, delta_t, idx_t, dq_t, dkv,
+                       softmax_scale * LOG2E, softmax_scale)  # fmt: skip
         if out_dq is not dq:
             dq.copy_(out_dq)
         return dq, dkv, d_sink
