@@ -24,11 +24,13 @@ fused kernel without reductions (`h64f, no reductions`: its MMA / gather / softm
 docs/attention/DSA_BWD_NOTES.md "H >= 64: dq back in the tile loop"), and the two-kernel h64
 form before it (kernel_h64.py, h64_fused=False): `launcher, split`, its kv part without
 reductions (with the dq part), its kv part with the v2 reductions, and its dq part alone
-(`h64 dq part`: the second gather and dq = dS K; "H >= 64: one gather a token"). At two or
-more 64-head blocks (H >= 128), after an agreement check, the fused kernel on precomputed
-preprocess results as one launch (`h64f, pre`: a token's head blocks adjacent CTAs) and as one
-launch a head block (`h64f, head blocks apart`: the CTA order before 2026-12-06; "Long caches:
-a token's head blocks together").
+(`h64 dq part`: the second gather and dq = dS K; "H >= 64: one gather a token"). Where the
+fused kernel sweeps (a cache larger than the L2), the launcher without the sweep (`launcher, no
+sweep`: the index rows as given, one launch). At two or more 64-head blocks (H >= 128), after an
+agreement check, the fused kernel without the sweep on precomputed preprocess results as one
+launch (`h64f, pre, no sweep`: a token's head blocks adjacent CTAs) and as one launch a head
+block (`h64f, head blocks apart`: the CTA order before 2026-12-06). docs/attention/
+DSA_BWD_NOTES.md "Long caches" predicts these lines.
 The kernel at 5504 FLOP per (token, head, entry). Build first: `python3 -m forgekernel build
 --only dsa_sparse_bwd_sm90 --only dsa_sparse_bwd_pre_sm90 --candidates`."""
 
@@ -42,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's forgekernel
 
-from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import launch  # noqa: E402
+from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import config, launch  # noqa: E402
 from forgekernel.kernels.attention.dsa_sparse_bwd_pre.sm90 import (  # noqa: E402
     launch as pre_launch,
 )
@@ -68,7 +70,7 @@ def _agrees(args, name: str, **flags) -> bool:
 
 def _h64_dq_part(q, kv, idx):
     """The h64 dq part alone on a random dS workspace (the kernel as the launcher calls it)."""
-    from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import SPEC, config
+    from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import SPEC
     from forgekernel.runtime.cache import get_kernel
 
     rows = config.h64_workspace_rows(idx.shape[1])
@@ -80,15 +82,16 @@ def _h64_dq_part(q, kv, idx):
 
 
 def _head_blocks(q, kv, dout, out, lse, sink, idx, scale) -> dict:
-    """At two or more 64-head blocks: the fused kernel on the preprocess kernel's results
-    (computed once, outside the timing) as one launch (a token's head blocks adjacent CTAs, the
-    form since 2026-12-06) and as one launch a 64-head block (each launch's CTAs one head block
-    of every token: the dispatch order before, head block 0 of every token ahead of head block
-    1; its only other costs, a dkv zeroing and a launch a block, are ~0.1 ms at S_kv 65536).
-    DSA_BWD_NOTES.md "Long caches: a token's head blocks together" predicts their ratio; the
-    lines are timed after the two forms' dq and summed dkv agree."""
+    """At two or more 64-head blocks: the fused kernel without the sweep on the preprocess
+    kernel's results (computed once, outside the timing) as one launch (a token's head blocks
+    adjacent CTAs, the order since 2026-12-06) and as one launch a 64-head block (each launch's
+    CTAs one head block of every token: the order before, head block 0 of every token ahead of
+    head block 1; its only other costs, a dkv zeroing and a launch a block, are ~0.1 ms at S_kv
+    65536). DSA_BWD_NOTES.md "Long caches" predicts their ratio; the lines are timed after the
+    two forms' dq and summed dkv agree."""
     pre = pre_launch.preprocess(out, dout, lse, None, sink)
     together = (q, kv, dout, out, lse, None, sink, idx, scale)
+    plain = {"sweep": False}  # the index rows as given, one launch: the order alone differs
 
     def apart():
         parts = []
@@ -96,10 +99,10 @@ def _head_blocks(q, kv, dout, out, lse, sink, idx, scale) -> dict:
             hs = slice(h0, h0 + 64)
             part = (q[:, hs], kv, dout[:, hs], out[:, hs], lse[:, hs], None, sink[hs], idx, scale)
             part_pre = (pre[0][:, hs], pre[1][:, hs], pre[2][hs])
-            parts.append(launch.dsa_sparse_bwd(*part, pre=part_pre))
+            parts.append(launch.dsa_sparse_bwd(*part, pre=part_pre, **plain))
         return parts
 
-    want = launch.dsa_sparse_bwd(*together, pre=pre)
+    want = launch.dsa_sparse_bwd(*together, pre=pre, **plain)
     parts = apart()
     got = (torch.cat([p[0] for p in parts], 1), sum(p[1] for p in parts))
     torch.cuda.synchronize()
@@ -110,7 +113,7 @@ def _head_blocks(q, kv, dout, out, lse, sink, idx, scale) -> dict:
     if not ok:
         return {}
     return {
-        "h64f, pre": lambda: launch.dsa_sparse_bwd(*together, pre=pre),
+        "h64f, pre, no sweep": lambda: launch.dsa_sparse_bwd(*together, pre=pre, **plain),
         "h64f, head blocks apart": apart,
     }
 
@@ -162,6 +165,8 @@ def main(s: int = 4096, h: int = 16, topk: int = 2048, s_kv: int = 8192) -> None
     )
     if launch.h64_unsupported(q) is None and _agrees(args, "h64f", h64=True):
         fns["h64f, no reductions"] = lambda: launch.dsa_sparse_bwd(*args, reduce=False)
+        if config.sweep_supported(s_kv):
+            fns["launcher, no sweep"] = lambda: launch.dsa_sparse_bwd(*args, sweep=False)
         if h >= 128:
             fns |= _head_blocks(q, kv, dout, out, lse, sink, idx, scale)
     split = {"h64": True, "h64_fused": False}

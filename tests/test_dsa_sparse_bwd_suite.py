@@ -101,8 +101,10 @@ def test_ledger_key_holds_the_kernel():
     names = {p.name for p in suite_mod.kernel_sources()}
     assert {"kernel.py", "launch.py", "dsa_bwd.py", "dsa.py"} <= names
     assert set(BWD.sources) | set(PRE.sources) <= set(suite_mod.kernel_sources())
-    assert {p.parent.parent.name for p in suite_mod.kernel_sources() if p.name == "launch.py"} \
-        >= {"dsa_sparse_bwd", "dsa_sparse_bwd_pre"}
+    assert {p.parent.parent.name for p in suite_mod.kernel_sources() if p.name == "launch.py"} >= {
+        "dsa_sparse_bwd",
+        "dsa_sparse_bwd_pre",
+    }
 
 
 def test_red4s_variant_runs_the_previous_standard_form(monkeypatch):
@@ -112,8 +114,9 @@ def test_red4s_variant_runs_the_previous_standard_form(monkeypatch):
     from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import SPEC as BWD
     from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import launch
 
-    assert all(set(suite_mod.variants(c)) == {"red4s"} | ({"was"} if c.params["hq"] % 64 == 0
-               else set()) for c in suite_mod.BENCH_CASES)  # fmt: skip
+    assert all(set(suite_mod.variants(c)) - {"unswept"} == {"red4s"}
+               | ({"was"} if c.params["hq"] % 64 == 0 else set())
+               for c in suite_mod.BENCH_CASES)  # fmt: skip
     for heads in (16, 64):
         case = next(c for c in suite_mod.CHECK_CASES if c.params["hq"] == heads)
         seen = _fake_v1(monkeypatch, launch)
@@ -195,3 +198,34 @@ def test_was_variant_runs_split_h64_where_ours_runs_fused(monkeypatch):
     assert set(seen) <= set(BWD.standard_params())
     assert torch.equal(out[0], 2 * out[-1]["q"][..., :512])
     assert torch.equal(out[1], 2 * out[-1]["q"][..., 512:])
+
+
+def test_unswept_variant_runs_the_fused_kernel_without_the_sweep(monkeypatch):
+    """Variant `unswept` exactly on the H 64 / 128 bench cases whose cache and dkv rows exceed
+    the L2 (kv 16384 and 65536): the launcher's sweep=False, one launch of the fused kernel on
+    the index rows as given, where the default (the L2 lowered to 0 here) sorts the rows and
+    launches one wave at a time."""
+    from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import config, launch
+
+    names = [c.name for c in suite_mod.BENCH_CASES if "unswept" in suite_mod.variants(c)]
+    assert names == ["t4096-h64-kv16384-k2048", "t16384-h64-kv65536-k512",
+                     "t8192-h128-kv65536-k2048"]  # fmt: skip
+    case = next(c for c in suite_mod.CHECK_CASES if c.params["hq"] == 64)
+    idxs = []
+
+    def fused(q, kv, dout, lse2, delta, idx, dq, dkv, *scales):
+        idxs.append(idx)
+        dkv.copy_(torch.arange(dkv.shape[0], dtype=dkv.dtype)[:, None].expand_as(dkv))
+        dq.copy_(2 * q)
+
+    monkeypatch.setattr(launch, "get_kernel", lambda spec, params: fused)
+    monkeypatch.setattr(launch, "as_tma_ready", lambda t: t)
+    monkeypatch.setattr(launch, "num_sms", lambda index: 4)
+    monkeypatch.setattr(config, "SWEEP_L2_BYTES", 0)
+    out = _run_faked(suite_mod._run_unswept, case)
+    assert len(idxs) == 1 and idxs[0] is out[-1]["idx"]
+    assert torch.equal(out[0], 2 * out[-1]["q"][..., :512])
+    idxs.clear()
+    out = _run_faked(lambda i, o: suite_mod._run_launcher(i, o), case)
+    assert len(idxs) == -(-case.params["tokens"] // 4)
+    assert torch.equal(torch.cat(idxs), out[-1]["idx"].sort(dim=1).values)

@@ -12,7 +12,7 @@ import torch
 from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import SPEC, config
 from forgekernel.kernels.common.sm90.constants import LOG2E
 from forgekernel.runtime.cache import get_kernel
-from forgekernel.runtime.device import as_tma_ready, dtype_name, on_device
+from forgekernel.runtime.device import as_tma_ready, dtype_name, num_sms, on_device
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -86,6 +86,7 @@ def dsa_sparse_bwd(
     h64_v2: bool = False,
     h64_ws: torch.Tensor | None = None,
     h64_fused: bool | None = None,
+    sweep: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq (tokens, H, 576) in q's dtype, dkv (slots, 576) fp32, d_sink (H,) fp32): q
     (tokens, H, 576), kv (slots, 576) in one 16-bit dtype, dout / out (tokens, H, 512), lse /
@@ -125,12 +126,19 @@ def dsa_sparse_bwd(
     two-kernel form's options; False: the two kernels (the bench variant `split`); True: fused
     (ValueError with h64_v2 / h64_ws). The fused kernel's grid is (H / 64, tokens), so more than
     `config.H64F_GRID_TOKENS` tokens run in launches of row slices (one launch below it).
-    `unsupported` must be None for these inputs."""
+
+    sweep (the fused kernel only): None (the default) where `config.sweep_supported(slots)` (the
+    cache and its dkv rows larger than the L2), True / False forced (ValueError off the fused
+    kernel): the index rows sorted by slot, the tokens in launches of one wave
+    (`config.sweep_tokens`; docs/attention/DSA_BWD_NOTES.md "Long caches"). `unsupported` must
+    be None for these inputs."""
     use_h64 = config.h64_supported(q.shape[1]) if h64 is None else h64
     _check_forms(q, use_h64, xchg, red4s, h64_v2, h64_ws)
     if h64_fused and not use_h64:
         raise ValueError("h64_fused applies to the h64 path (H a multiple of 64, h64 not False)")
     fused = use_h64 and _fused(h64_fused, h64_v2, h64_ws)
+    if sweep and not fused:
+        raise ValueError("sweep applies to the fused h64 kernel (H a multiple of 64)")
     lse2, delta, d_sink = preprocess(out, dout, lse, dlse, attn_sink) if pre is None else pre
     tokens, heads, _ = q.shape
     if dq is None:
@@ -140,25 +148,9 @@ def dsa_sparse_bwd(
         return dq.zero_(), dkv, d_sink
     idx = topk_indices if topk_indices.stride(-1) == 1 else topk_indices.contiguous()
     if fused:
-        # its dq stores are 16-byte rows: a caller's buffer off that alignment gets a copy
-        out_dq = (
-            dq
-            if dq.data_ptr() % 16 == 0 and dq.is_contiguous()
-            else torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        )
-        kernel = get_kernel(SPEC, config.params_h64(dtype_name(q.dtype), "fused", reduce))
-        q, kv, dout = as_tma_ready(q), as_tma_ready(kv), as_tma_ready(dout)
-        step = config.H64F_GRID_TOKENS  # grid.y's limit: launches of row slices past it
-        with on_device(q.device):
-            for t0 in range(0, tokens, step):
-                t1 = min(t0 + step, tokens)
-                q_t, dout_t, lse2_t, delta_t, idx_t, dq_t = (
-                    _rows(x, t0, t1) for x in (q, dout, lse2, delta, idx, out_dq)
-                )
-                kernel(q_t, kv, dout_t, lse2_t, delta_t, idx_t, dq_t, dkv,
-                       softmax_scale * LOG2E, softmax_scale)  # fmt: skip
-        if out_dq is not dq:
-            dq.copy_(out_dq)
+        if sweep is None:
+            sweep = config.sweep_supported(kv.shape[0])
+        _launch_fused(q, kv, dout, lse2, delta, idx, dq, dkv, softmax_scale, reduce, sweep)
         return dq, dkv, d_sink
     if use_h64:
         _launch_h64(
@@ -245,6 +237,37 @@ def _launch_h64(
             kv_kernel(q_t, kv, dout_t, lse2_t, delta_t, idx_t, w, dkv, softmax_scale * LOG2E,
                       softmax_scale)  # fmt: skip
             dq_kernel(kv, idx_t, w, dq_t)
+
+
+def _launch_fused(
+    q, kv, dout, lse2, delta, idx, dq, dkv, softmax_scale: float, reduce: bool, sweep: bool
+):  # fmt: skip
+    """The fused kernel on row slices of the per-token tensors: of at most
+    config.H64F_GRID_TOKENS tokens (its grid's y), or with `sweep` of one wave each on the index
+    rows sorted by slot. dq's stores are 16-byte rows: a caller's dq off that alignment gets an
+    aligned buffer, copied in after. Shapes only on the host (CUDA-graph capturable)."""
+    tokens, heads, _ = q.shape
+    out_dq = (
+        dq
+        if dq.data_ptr() % 16 == 0 and dq.is_contiguous()
+        else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    )
+    kernel = get_kernel(SPEC, config.params_h64(dtype_name(q.dtype), "fused", reduce))
+    q, kv, dout = as_tma_ready(q), as_tma_ready(kv), as_tma_ready(dout)
+    step = config.H64F_GRID_TOKENS
+    if sweep:
+        idx = torch.sort(idx, dim=1).values
+        step = config.sweep_tokens(num_sms(q.device.index), heads)
+    with on_device(q.device):
+        for t0 in range(0, tokens, step):
+            t1 = min(t0 + step, tokens)
+            q_t, dout_t, lse2_t, delta_t, idx_t, dq_t = (
+                _rows(x, t0, t1) for x in (q, dout, lse2, delta, idx, out_dq)
+            )
+            kernel(q_t, kv, dout_t, lse2_t, delta_t, idx_t, dq_t, dkv, softmax_scale * LOG2E,
+                   softmax_scale)  # fmt: skip
+    if out_dq is not dq:
+        dq.copy_(out_dq)
 
 
 def _rows(x: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
