@@ -24,13 +24,14 @@ fused kernel without reductions (`h64f, no reductions`: its MMA / gather / softm
 docs/attention/DSA_BWD_NOTES.md "H >= 64: dq back in the tile loop"), and the two-kernel h64
 form before it (kernel_h64.py, h64_fused=False): `launcher, split`, its kv part without
 reductions (with the dq part), its kv part with the v2 reductions, and its dq part alone
-(`h64 dq part`: the second gather and dq = dS K; "H >= 64: one gather a token"). Where the
-fused kernel sweeps (a cache larger than the L2), the launcher without the sweep (`launcher, no
-sweep`: the index rows as given, one launch). At two or more 64-head blocks (H >= 128), after an
-agreement check, the fused kernel without the sweep on precomputed preprocess results as one
-launch (`h64f, pre, no sweep`: a token's head blocks adjacent CTAs) and as one launch a head
-block (`h64f, head blocks apart`: the CTA order before 2026-12-06). docs/attention/
-DSA_BWD_NOTES.md "Long caches" predicts these lines.
+(`h64 dq part`: the second gather and dq = dS K; "H >= 64: one gather a token").
+Where the default sweeps (a cache larger than the L2), the launcher without the sweep
+(`launcher, no sweep`: the index rows as given, one launch; the other v1 / fused lines take the
+launcher's default, the sweep included; the split form never sweeps). At two or more 64-head
+blocks (H >= 128), after an agreement check, the fused kernel without the sweep on precomputed
+preprocess results as one launch (`h64f, pre, no sweep`: a token's head blocks adjacent CTAs)
+and as one launch a head block (`h64f, head blocks apart`: the CTA order before 2026-12-06).
+docs/attention/DSA_BWD_NOTES.md "Long caches" predicts these lines.
 The kernel at 5504 FLOP per (token, head, entry). Build first: `python3 -m forgekernel build
 --only dsa_sparse_bwd_sm90 --only dsa_sparse_bwd_pre_sm90 --candidates`."""
 
@@ -144,6 +145,8 @@ def main(s: int = 4096, h: int = 16, topk: int = 2048, s_kv: int = 8192) -> None
     v1 = {"h64": False}
     if launch.h64_unsupported(q) is None:
         fns["launcher, v1"] = lambda: launch.dsa_sparse_bwd(*args, **v1)
+    if config.sweep_supported(s_kv):  # the default sweeps: the same kernel without it
+        fns["launcher, no sweep"] = lambda: launch.dsa_sparse_bwd(*args, sweep=False)
     fns |= {
         "xchg4s, no reductions": lambda: launch.dsa_sparse_bwd(
             *args, reduce=False, xchg=True, red4s=True, **v1
@@ -165,8 +168,6 @@ def main(s: int = 4096, h: int = 16, topk: int = 2048, s_kv: int = 8192) -> None
     )
     if launch.h64_unsupported(q) is None and _agrees(args, "h64f", h64=True):
         fns["h64f, no reductions"] = lambda: launch.dsa_sparse_bwd(*args, reduce=False)
-        if config.sweep_supported(s_kv):
-            fns["launcher, no sweep"] = lambda: launch.dsa_sparse_bwd(*args, sweep=False)
         if h >= 128:
             fns |= _head_blocks(q, kv, dout, out, lse, sink, idx, scale)
     split = {"h64": True, "h64_fused": False}

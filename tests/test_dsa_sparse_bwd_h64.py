@@ -185,11 +185,13 @@ def _fused_part(q, kv, dout, lse2, delta, idx, dq, dkv, scale_log2, scale):
 
 
 def _fake_kernels(monkeypatch):
+    """The kernels replaced by their contracts (v1's keys, without `h64`, by the fused one's:
+    the same operands and outputs); the (key, args) of every launch."""
     calls = []
     parts = {"kv": _kv_part, "dq": _dq_part, "fused": _fused_part}
 
     def get_kernel(spec, params):
-        fn = parts[dict(params)["h64"]]
+        fn = parts[dict(params).get("h64", "fused")]
         return lambda *args: calls.append((dict(params), args)) or fn(*args)
 
     monkeypatch.setattr(launch, "get_kernel", get_kernel)
@@ -321,30 +323,35 @@ def test_h64f_past_the_grid_limit_launches_row_slices(monkeypatch, dtype, heads,
 
 
 @pytest.mark.parametrize("heads,sms,by", [(128, 5, "forced"), (64, 3, "default"),
-                                           (192, 7, "default")])  # fmt: skip
-def test_h64f_sweep_launches_waves_of_sorted_rows(monkeypatch, heads, sms, by):
-    """The sweep: the index rows sorted by slot (every row's entries, -1 and past-the-cache ones
-    included, ascending), the tokens in launches of one wave (sms // (H / 64) tokens, at least
-    1) on row slices; the default sweeps exactly where the cache's rows and dkv rows exceed the
-    L2 (lowered here to the problem's size minus one byte); the fp64 reference's gradients."""
+                                           (192, 7, "default"), (16, 3, "forced"),
+                                           (32, 4, "default")])  # fmt: skip
+def test_sweep_launches_waves_of_sorted_rows(monkeypatch, heads, sms, by):
+    """The sweep (the fused kernel at H 64 / 128 / 192, v1 at H 16 / 32): the index rows sorted
+    by slot (every row's entries, -1 and past-the-cache ones included, ascending), the tokens in
+    launches of one wave (sms // CTAs a token, at least 1) on row slices; the default sweeps
+    exactly where the cache's rows and dkv rows exceed the L2 (lowered here to the problem's
+    size minus one byte); the fp64 reference's gradients."""
     calls = _fake_kernels(monkeypatch)
     monkeypatch.setattr(launch, "num_sms", lambda index: sms)
     tokens, topk, slots = 7, 100, 300
     problem = _reference_problem(tokens, heads, topk, torch.bfloat16, sms, slots)
     q, kv, idx, clean, dout, out, lse, sink, dlse = problem
     args = (q, kv, dout, out, lse, dlse, sink, idx, WIDTH**-0.5)
+    part = "fused" if heads % 64 == 0 else None
     if by == "default":
         monkeypatch.setattr(config, "SWEEP_L2_BYTES", slots * config.SWEEP_ROW_BYTES)
         launch.dsa_sparse_bwd(*args)
         assert len(calls) == 1 and calls.pop()[1][5] is idx  # not over the L2: no sweep
         monkeypatch.setattr(config, "SWEEP_L2_BYTES", slots * config.SWEEP_ROW_BYTES - 1)
     got = launch.dsa_sparse_bwd(*args, sweep=True if by == "forced" else None)
-    step = max(1, sms // (heads // 64))
-    assert step == config.sweep_tokens(sms, heads)
+    ctas = heads // (64 if part else config.block_heads(heads))
+    step = max(1, sms // ctas)
+    assert step == config.sweep_tokens(sms, ctas)
     spans = [(t0, min(t0 + step, tokens)) for t0 in range(0, tokens, step)]
-    assert [c[0]["h64"] for c in calls] == ["fused"] * len(spans) and len(spans) >= 2
+    assert [c[0].get("h64") for c in calls] == [part] * len(spans) and len(spans) >= 2
     for (t0, t1), (_, a) in zip(spans, calls):
         assert a[0].shape[0] == t1 - t0 and a[0].data_ptr() == q[t0].data_ptr()
+        assert a[6].data_ptr() == got[0][t0].data_ptr()
         assert torch.equal(a[5], idx[t0:t1].sort(dim=1).values)
         assert a[7] is got[1]
     _assert_reference(got, q, kv, clean, dout, out, lse, sink, dlse)
@@ -467,9 +474,8 @@ def test_h64_launcher_rejects_and_keys(monkeypatch):
         launch.dsa_sparse_bwd(*args, h64_fused=True, h64_v2=True)
     with pytest.raises(ValueError, match="h64_fused applies"):
         launch.dsa_sparse_bwd(*args, h64=False, h64_fused=True)
-    for split in ({"h64": False}, {"h64_fused": False}):
-        with pytest.raises(ValueError, match="sweep applies"):
-            launch.dsa_sparse_bwd(*args, sweep=True, **split)
+    with pytest.raises(ValueError, match="sweep applies"):
+        launch.dsa_sparse_bwd(*args, sweep=True, h64_fused=False)
     assert not calls
     launch.dsa_sparse_bwd(*args, h64=True, reduce=False)
     launch.dsa_sparse_bwd(*args, h64_fused=False, reduce=False)

@@ -201,14 +201,15 @@ def test_was_variant_runs_split_h64_where_ours_runs_fused(monkeypatch):
 
 
 def test_unswept_variant_runs_the_fused_kernel_without_the_sweep(monkeypatch):
-    """Variant `unswept` exactly on the H 64 / 128 bench cases whose cache and dkv rows exceed
-    the L2 (kv 16384 and 65536): the launcher's sweep=False, one launch of the fused kernel on
-    the index rows as given, where the default (the L2 lowered to 0 here) sorts the rows and
-    launches one wave at a time."""
+    """Variant `unswept` exactly on the bench cases whose cache and dkv rows exceed the L2 (kv
+    16384 and more): the launcher's sweep=False, one launch of the fused kernel (here; v1's at H
+    16) on the index rows as given, where the default (the L2 lowered to 0 here) sorts the rows
+    and launches one wave at a time."""
     from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import config, launch
 
     names = [c.name for c in suite_mod.BENCH_CASES if "unswept" in suite_mod.variants(c)]
-    assert names == ["t4096-h64-kv16384-k2048", "t16384-h64-kv65536-k512",
+    assert names == ["t8192-h16-kv32768-k2048", "t32768-h16-kv65536-k2048",
+                     "t4096-h64-kv16384-k2048", "t16384-h64-kv65536-k512",
                      "t8192-h128-kv65536-k2048"]  # fmt: skip
     case = next(c for c in suite_mod.CHECK_CASES if c.params["hq"] == 64)
     idxs = []

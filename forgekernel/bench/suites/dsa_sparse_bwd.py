@@ -41,10 +41,10 @@ case), the op's launches with v1's form before xchg4s (launcher h64=False, xchg=
 h64_fused=False: the default before the fused kernel (kernel_h64.py's kv part and dq part with
 the dS workspace between them, H100 2026-12-06 x17: 13.88 / 26.31 / 22.89 / 94.89 ms on the four
 cases, graph), which had replaced v1's xchg4s at CTAs of 32 heads (0.64-0.84 of its time);
-`unswept` (H a multiple of 64 over a cache larger than the L2: t4096-h64-kv16384,
-t16384-h64-kv65536, t8192-h128-kv65536), the fused kernel with the launcher's sweep=False (the
-index rows as given, one launch: the default before the sweep, docs/attention/DSA_BWD_NOTES.md
-"Long caches").
+`unswept` (a cache larger than the L2: kv 32768 and 65536 at H 16, kv 16384 and 65536 at H 64,
+kv 65536 at H 128), the default's kernel with the launcher's sweep=False (the index rows as
+given, one launch: the default before the sweep, docs/attention/DSA_BWD_NOTES.md "Long
+caches").
 """
 
 from __future__ import annotations
@@ -192,24 +192,24 @@ def _run_was(inputs: Inputs, out: tuple | None) -> tuple:
 
 
 def _run_unswept(inputs: Inputs, out: tuple | None) -> tuple:
-    """The fused kernel without the sweep (launcher sweep=False: the index rows as given, one
-    launch), the default before on caches larger than the L2 (docs/attention/DSA_BWD_NOTES.md
-    "Long caches")."""
+    """The default's kernel (v1 or the fused one) without the sweep (launcher sweep=False: the
+    index rows as given, one launch), the default before on caches larger than the L2
+    (docs/attention/DSA_BWD_NOTES.md "Long caches")."""
     return _run_launcher(inputs, out, sweep=False)
 
 
 def variants(case: Case) -> dict[str, Any]:
     """Every case: v1's previous form red4s (`_run_red4s`); H a multiple of 64 (the h64 and tp1
     groups, where ours runs the fused kernel): the two-kernel h64 form, the default before
-    (`_run_was`), and where the fused kernel sweeps (the cache over the L2: kv 16384 and
-    65536), the fused kernel without it (`_run_unswept`)."""
+    (`_run_was`); where the default sweeps (the cache over the L2: kv 16384 and more), the same
+    kernel without it (`_run_unswept`)."""
     from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import config
 
     forms = {"red4s": _run_red4s}
     if case.params["hq"] % 64 == 0:
         forms["was"] = _run_was
-        if config.sweep_supported(case.params["ctx"]):
-            forms["unswept"] = _run_unswept
+    if config.sweep_supported(case.params["ctx"]):
+        forms["unswept"] = _run_unswept
     return forms
 
 

@@ -200,8 +200,8 @@ H64F_SMEM_EXTRA = 2 * 64 * 4  # lse2 / Delta' of the 64 heads, fp32
 # tokens in launches of this many (row slices; read at call time).
 H64F_GRID_TOKENS = 65535
 # The sweep (the same section): where a slot's row and its fp32 dkv row (3,456 B) over all slots
-# exceed the L2 (50 MiB on H100 / H200; 15,171 slots and more), the fused kernel runs on the index
-# rows sorted by slot, in launches of one wave (SMs // (H / 64) tokens): a wave's CTAs start
+# exceed the L2 (50 MiB on H100 / H200; 15,171 slots and more), v1 and the fused kernel run on the
+# index rows sorted by slot, in launches of one wave (SMs // CTAs a token): a wave's CTAs start
 # together and walk their sorted lists in step, so at any moment they touch one band of the slots
 # (~1/32 of them at top-2048), and a row's lines come from HBM about once a wave instead of once a
 # visit.
@@ -214,14 +214,15 @@ def h64_supported(heads: int) -> bool:
 
 
 def sweep_supported(slots: int) -> bool:
-    """Whether the fused kernel's default sweeps (SWEEP_ROW_BYTES): the cache's rows and their
-    dkv rows do not fit the L2."""
+    """Whether the launcher's default sweeps (SWEEP_ROW_BYTES): the cache's rows and their dkv
+    rows do not fit the L2."""
     return slots * SWEEP_ROW_BYTES > SWEEP_L2_BYTES
 
 
-def sweep_tokens(sms: int, heads: int) -> int:
-    """Tokens a launch of the sweep: one wave of (token, 64-head block) CTAs, one an SM."""
-    return max(1, sms // (heads // H64_BLOCK))
+def sweep_tokens(sms: int, ctas: int) -> int:
+    """Tokens a launch of the sweep: one wave of CTAs (`ctas` a token: H / 64 in the fused
+    kernel, H / block in v1), one an SM."""
+    return max(1, sms // ctas)
 
 
 def h64_kv_bytes() -> int:

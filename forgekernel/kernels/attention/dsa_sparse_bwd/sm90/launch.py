@@ -127,9 +127,9 @@ def dsa_sparse_bwd(
     (ValueError with h64_v2 / h64_ws). The fused kernel's grid is (H / 64, tokens), so more than
     `config.H64F_GRID_TOKENS` tokens run in launches of row slices (one launch below it).
 
-    sweep (the fused kernel only): None (the default) where `config.sweep_supported(slots)` (the
-    cache and its dkv rows larger than the L2), True / False forced (ValueError off the fused
-    kernel): the index rows sorted by slot, the tokens in launches of one wave
+    sweep (v1 and the fused kernel; ValueError with the two-kernel h64 form): None (the default)
+    where `config.sweep_supported(slots)` (the cache and its dkv rows larger than the L2), True /
+    False forced: the index rows sorted by slot, the tokens in launches of one wave
     (`config.sweep_tokens`; docs/attention/DSA_BWD_NOTES.md "Long caches"). `unsupported` must
     be None for these inputs."""
     use_h64 = config.h64_supported(q.shape[1]) if h64 is None else h64
@@ -137,8 +137,8 @@ def dsa_sparse_bwd(
     if h64_fused and not use_h64:
         raise ValueError("h64_fused applies to the h64 path (H a multiple of 64, h64 not False)")
     fused = use_h64 and _fused(h64_fused, h64_v2, h64_ws)
-    if sweep and not fused:
-        raise ValueError("sweep applies to the fused h64 kernel (H a multiple of 64)")
+    if sweep and use_h64 and not fused:
+        raise ValueError("sweep applies to v1 and the fused h64 kernel, not the two-kernel form")
     lse2, delta, d_sink = preprocess(out, dout, lse, dlse, attn_sink) if pre is None else pre
     tokens, heads, _ = q.shape
     if dq is None:
@@ -147,26 +147,33 @@ def dsa_sparse_bwd(
     if tokens == 0 or topk_indices.shape[1] == 0:
         return dq.zero_(), dkv, d_sink
     idx = topk_indices if topk_indices.stride(-1) == 1 else topk_indices.contiguous()
-    if fused:
-        if sweep is None:
-            sweep = config.sweep_supported(kv.shape[0])
-        _launch_fused(q, kv, dout, lse2, delta, idx, dq, dkv, softmax_scale, reduce, sweep)
-        return dq, dkv, d_sink
-    if use_h64:
+    if use_h64 and not fused:
         _launch_h64(
             q, kv, dout, lse2, delta, idx, dq, dkv, softmax_scale, reduce, not h64_v2, h64_ws
         )
         return dq, dkv, d_sink
-    block = config.block_heads(heads)
-    if xchg is None:
-        xchg = config.standard_xchg(block, reduce)
-    if red4s is None:
-        red4s = config.standard_red4s(block, reduce)
-    params = config.params_for(dtype_name(q.dtype), block, reduce, xchg, red4s)
-    kernel = get_kernel(SPEC, params)
-    with on_device(q.device):
-        kernel(as_tma_ready(q), as_tma_ready(kv), as_tma_ready(dout), lse2, delta, idx, dq, dkv,
-               softmax_scale * LOG2E, softmax_scale)  # fmt: skip
+    if fused:
+        kernel = get_kernel(SPEC, config.params_h64(dtype_name(q.dtype), "fused", reduce))
+        ctas, step = heads // config.H64_BLOCK, config.H64F_GRID_TOKENS
+    else:
+        block = config.block_heads(heads)
+        if xchg is None:
+            xchg = config.standard_xchg(block, reduce)
+        if red4s is None:
+            red4s = config.standard_red4s(block, reduce)
+        kernel = get_kernel(SPEC, config.params_for(dtype_name(q.dtype), block, reduce, xchg,
+                                                    red4s))  # fmt: skip
+        ctas, step = heads // block, tokens  # v1's grid.x holds the tokens: one launch
+    if config.sweep_supported(kv.shape[0]) if sweep is None else sweep:
+        idx = torch.sort(idx, dim=1).values
+        step = config.sweep_tokens(num_sms(q.device.index), ctas)
+    # the fused kernel's dq stores are 16-byte rows: a caller's dq off that alignment gets a copy
+    out_dq = dq
+    if fused and (dq.data_ptr() % 16 or not dq.is_contiguous()):
+        out_dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _launch_rows(kernel, q, kv, dout, lse2, delta, idx, out_dq, dkv, softmax_scale, step)
+    if out_dq is not dq:
+        dq.copy_(out_dq)
     return dq, dkv, d_sink
 
 
@@ -239,35 +246,23 @@ def _launch_h64(
             dq_kernel(kv, idx_t, w, dq_t)
 
 
-def _launch_fused(
-    q, kv, dout, lse2, delta, idx, dq, dkv, softmax_scale: float, reduce: bool, sweep: bool
-):  # fmt: skip
-    """The fused kernel on row slices of the per-token tensors: of at most
-    config.H64F_GRID_TOKENS tokens (its grid's y), or with `sweep` of one wave each on the index
-    rows sorted by slot. dq's stores are 16-byte rows: a caller's dq off that alignment gets an
-    aligned buffer, copied in after. Shapes only on the host (CUDA-graph capturable)."""
-    tokens, heads, _ = q.shape
-    out_dq = (
-        dq
-        if dq.data_ptr() % 16 == 0 and dq.is_contiguous()
-        else torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    )
-    kernel = get_kernel(SPEC, config.params_h64(dtype_name(q.dtype), "fused", reduce))
+def _launch_rows(kernel, q, kv, dout, lse2, delta, idx, dq, dkv, softmax_scale: float,
+                 step: int):  # fmt: skip
+    """v1's or the fused kernel on row slices of `step` tokens of the per-token tensors (q,
+    dout, lse2, Delta', the indices, dq: the kernels index them by their grid's token, and a
+    slice keeps its parent's strides), kv and the dkv accumulator shared; one launch on the
+    tensors themselves when step covers them. Shapes only on the host (CUDA-graph
+    capturable)."""
+    tokens = q.shape[0]
     q, kv, dout = as_tma_ready(q), as_tma_ready(kv), as_tma_ready(dout)
-    step = config.H64F_GRID_TOKENS
-    if sweep:
-        idx = torch.sort(idx, dim=1).values
-        step = config.sweep_tokens(num_sms(q.device.index), heads)
     with on_device(q.device):
         for t0 in range(0, tokens, step):
             t1 = min(t0 + step, tokens)
             q_t, dout_t, lse2_t, delta_t, idx_t, dq_t = (
-                _rows(x, t0, t1) for x in (q, dout, lse2, delta, idx, out_dq)
+                _rows(x, t0, t1) for x in (q, dout, lse2, delta, idx, dq)
             )
             kernel(q_t, kv, dout_t, lse2_t, delta_t, idx_t, dq_t, dkv, softmax_scale * LOG2E,
                    softmax_scale)  # fmt: skip
-    if out_dq is not dq:
-        dq.copy_(out_dq)
 
 
 def _rows(x: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
