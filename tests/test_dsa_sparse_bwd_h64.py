@@ -428,8 +428,9 @@ def test_op_default_runs_h64f(monkeypatch, heads):
 
 
 def test_chunked_h64_launches_read_nothing_back(monkeypatch):
-    """The chunk loop runs on shapes only: on meta tensors (the kernels no-ops) nothing is
-    read back or copied from the host (tests/capture_safety.py), so CUDA-graph capture holds."""
+    """The chunk loops (the split form's, the fused kernel's row slices, the sweep's sort and
+    waves, v1's too) run on shapes only: on meta tensors (the kernels no-ops) nothing is read
+    back or copied from the host (tests/capture_safety.py), so CUDA-graph capture holds."""
     from capture_safety import assert_capturable, meta
 
     monkeypatch.setattr(launch, "get_kernel", lambda spec, params: lambda *a: None)
@@ -444,6 +445,7 @@ def test_chunked_h64_launches_read_nothing_back(monkeypatch):
     assert_capturable(launch.dsa_sparse_bwd, *args, WIDTH**-0.5)
     monkeypatch.setattr(launch, "num_sms", lambda index: 6)  # the sweep: 3 tokens a wave
     assert_capturable(launch.dsa_sparse_bwd, *args, WIDTH**-0.5, sweep=True)
+    assert_capturable(launch.dsa_sparse_bwd, *args, WIDTH**-0.5, sweep=True, h64=False)  # v1
 
 
 def test_h64_launcher_rejects_and_keys(monkeypatch):
