@@ -25,9 +25,10 @@ docs/attention/DSA_BWD_NOTES.md "H >= 64: dq back in the tile loop"), and the tw
 form before it (kernel_h64.py, h64_fused=False): `launcher, split`, its kv part without
 reductions (with the dq part), its kv part with the v2 reductions, and its dq part alone
 (`h64 dq part`: the second gather and dq = dS K; "H >= 64: one gather a token").
-Where the default sweeps (a cache larger than the L2), the launcher without the sweep
-(`launcher, no sweep`: the index rows as given, one launch; the other v1 / fused lines take the
-launcher's default, the sweep included; the split form never sweeps). At two or more 64-head
+Where the default sweeps (`launch.sweeps_by_default`), the launcher without the sweep
+(`launcher, no sweep`: the index rows as given, one launch), and over the L2 where it does not,
+with it (`launcher, sweep`); the other v1 / fused lines take the launcher's default, the sweep
+included; the split form never sweeps. At two or more 64-head
 blocks (H >= 128), after an agreement check, the fused kernel without the sweep on precomputed
 preprocess results as one launch (`h64f, pre, no sweep`: a token's head blocks adjacent CTAs)
 and as one launch a head block (`h64f, head blocks apart`: the CTA order before 2026-12-06).
@@ -145,8 +146,10 @@ def main(s: int = 4096, h: int = 16, topk: int = 2048, s_kv: int = 8192) -> None
     v1 = {"h64": False}
     if launch.h64_unsupported(q) is None:
         fns["launcher, v1"] = lambda: launch.dsa_sparse_bwd(*args, **v1)
-    if config.sweep_supported(s_kv):  # the default sweeps: the same kernel without it
+    if launch.sweeps_by_default(s_kv, topk, launch.ctas_per_token(h), None):
         fns["launcher, no sweep"] = lambda: launch.dsa_sparse_bwd(*args, sweep=False)
+    elif s_kv * config.SWEEP_ROW_BYTES > config.SWEEP_L2_BYTES:  # over the L2, not swept
+        fns["launcher, sweep"] = lambda: launch.dsa_sparse_bwd(*args, sweep=True)
     fns |= {
         "xchg4s, no reductions": lambda: launch.dsa_sparse_bwd(
             *args, reduce=False, xchg=True, red4s=True, **v1

@@ -329,24 +329,32 @@ def test_sweep_launches_waves_of_sorted_rows(monkeypatch, heads, sms, by):
     """The sweep (the fused kernel at H 64 / 128 / 192, v1 at H 16 / 32): the index rows sorted
     by slot (every row's entries, -1 and past-the-cache ones included, ascending), the tokens in
     launches of one wave (sms // CTAs a token, at least 1) on row slices; the default sweeps
-    exactly where the cache's rows and dkv rows exceed the L2 (lowered here to the problem's
-    size minus one byte); the fp64 reference's gradients."""
+    exactly where the cache's rows and dkv rows exceed twice the L2 (lowered here around the
+    problem's size) and a wave visits a row at least SWEEP_MIN_VISITS times (set around the
+    problem's); the fp64 reference's gradients."""
     calls = _fake_kernels(monkeypatch)
     monkeypatch.setattr(launch, "num_sms", lambda index: sms)
-    tokens, topk, slots = 7, 100, 300
+    tokens, topk, slots = 7, 100, 120
     problem = _reference_problem(tokens, heads, topk, torch.bfloat16, sms, slots)
     q, kv, idx, clean, dout, out, lse, sink, dlse = problem
     args = (q, kv, dout, out, lse, dlse, sink, idx, WIDTH**-0.5)
     part = "fused" if heads % 64 == 0 else None
-    if by == "default":
-        monkeypatch.setattr(config, "SWEEP_L2_BYTES", slots * config.SWEEP_ROW_BYTES)
-        launch.dsa_sparse_bwd(*args)
-        assert len(calls) == 1 and calls.pop()[1][5] is idx  # not over the L2: no sweep
-        monkeypatch.setattr(config, "SWEEP_L2_BYTES", slots * config.SWEEP_ROW_BYTES - 1)
-    got = launch.dsa_sparse_bwd(*args, sweep=True if by == "forced" else None)
     ctas = heads // (64 if part else config.block_heads(heads))
+    assert ctas == launch.ctas_per_token(heads)
     step = max(1, sms // ctas)
     assert step == config.sweep_tokens(sms, ctas)
+    if by == "default":
+        visits = step * topk / slots  # a row's visits a wave
+        half = slots * config.SWEEP_ROW_BYTES // 2
+        for l2, least in ((half, visits), (half - 1, visits + 0.01)):  # not far; too few visits
+            monkeypatch.setattr(config, "SWEEP_L2_BYTES", l2)
+            monkeypatch.setattr(config, "SWEEP_MIN_VISITS", least)
+            assert not launch.sweeps_by_default(slots, topk, ctas, None)
+            launch.dsa_sparse_bwd(*args)
+            assert len(calls) == 1 and calls.pop()[1][5] is idx  # one launch, the rows as given
+        monkeypatch.setattr(config, "SWEEP_MIN_VISITS", visits)
+        assert launch.sweeps_by_default(slots, topk, ctas, None)
+    got = launch.dsa_sparse_bwd(*args, sweep=True if by == "forced" else None)
     spans = [(t0, min(t0 + step, tokens)) for t0 in range(0, tokens, step)]
     assert [c[0].get("h64") for c in calls] == [part] * len(spans) and len(spans) >= 2
     for (t0, t1), (_, a) in zip(spans, calls):
@@ -355,6 +363,21 @@ def test_sweep_launches_waves_of_sorted_rows(monkeypatch, heads, sms, by):
         assert torch.equal(a[5], idx[t0:t1].sort(dim=1).values)
         assert a[7] is got[1]
     _assert_reference(got, q, kv, clean, dout, out, lse, sink, dlse)
+
+
+def test_sweeps_by_default_at_the_suite_shapes(monkeypatch):
+    """On 132 SMs (H100 SXM / H200) the default sweeps t8192-h16-kv32768, t32768-h16-kv65536 and
+    t8192-h128-kv65536 (a row visited 8.3 / 4.1 / 2.1 times a wave), not t4096-h64-kv16384 (the
+    cache 1.1x the L2), t16384-h64-kv65536-k512 (1.03 visits) or anything at kv 8192; on 114
+    (H100 PCIe) t8192-h128-kv65536 still (1.8 visits)."""
+    monkeypatch.setattr(launch, "num_sms", lambda index: 132)
+    shapes = {(16, 32768, 2048): True, (16, 65536, 2048): True, (128, 65536, 2048): True,
+              (64, 16384, 2048): False, (64, 65536, 512): False, (16, 8192, 2048): False,
+              (128, 8192, 2048): False}  # fmt: skip
+    for (heads, slots, topk), want in shapes.items():
+        assert launch.sweeps_by_default(slots, topk, launch.ctas_per_token(heads), 0) is want
+    monkeypatch.setattr(launch, "num_sms", lambda index: 114)
+    assert launch.sweeps_by_default(65536, 2048, 2, 0)
 
 
 @pytest.mark.parametrize("by", ["cap", "ws"])

@@ -114,7 +114,9 @@ def test_red4s_variant_runs_the_previous_standard_form(monkeypatch):
     from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import SPEC as BWD
     from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import launch
 
-    assert all(set(suite_mod.variants(c)) - {"unswept"} == {"red4s"}
+    monkeypatch.setattr(launch, "num_sms", lambda index: 132)  # the variants' sweep decision
+
+    assert all(set(suite_mod.variants(c)) - {"unswept", "swept"} == {"red4s"}
                | ({"was"} if c.params["hq"] % 64 == 0 else set())
                for c in suite_mod.BENCH_CASES)  # fmt: skip
     for heads in (16, 64):
@@ -161,6 +163,7 @@ def test_was_variant_runs_split_h64_where_ours_runs_fused(monkeypatch):
     from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import SPEC as BWD
     from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import config, launch
 
+    monkeypatch.setattr(launch, "num_sms", lambda index: 132)  # the variants' sweep decision
     assert {c.params["hq"] for c in suite_mod.BENCH_CASES if "was" in suite_mod.variants(c)} == {
         64, 128}  # fmt: skip
     case = next(c for c in suite_mod.CHECK_CASES if c.params["hq"] == 64)
@@ -200,17 +203,23 @@ def test_was_variant_runs_split_h64_where_ours_runs_fused(monkeypatch):
     assert torch.equal(out[1], 2 * out[-1]["q"][..., 512:])
 
 
-def test_unswept_variant_runs_the_fused_kernel_without_the_sweep(monkeypatch):
-    """Variant `unswept` exactly on the bench cases whose cache and dkv rows exceed the L2 (kv
-    16384 and more): the launcher's sweep=False, one launch of the fused kernel (here; v1's at H
-    16) on the index rows as given, where the default (the L2 lowered to 0 here) sorts the rows
-    and launches one wave at a time."""
+def test_sweep_variants_run_the_other_form(monkeypatch):
+    """Over the L2 the variant is the default's kernel in the other form (132 SMs): `unswept`
+    (sweep=False: one launch on the index rows as given) where the default sweeps, `swept`
+    (sweep=True: the rows sorted, one wave a launch) where it does not; no such variant under
+    the L2 (kv 8192)."""
     from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import config, launch
 
-    names = [c.name for c in suite_mod.BENCH_CASES if "unswept" in suite_mod.variants(c)]
-    assert names == ["t8192-h16-kv32768-k2048", "t32768-h16-kv65536-k2048",
-                     "t4096-h64-kv16384-k2048", "t16384-h64-kv65536-k512",
-                     "t8192-h128-kv65536-k2048"]  # fmt: skip
+    monkeypatch.setattr(launch, "num_sms", lambda index: 132)
+    forms = {c.name: set(suite_mod.variants(c)) & {"unswept", "swept"}
+             for c in suite_mod.BENCH_CASES}  # fmt: skip
+    assert forms == {
+        "t4096-h16-kv8192-k2048": set(), "t4096-h16-kv8192-k2048-nosink": set(),
+        "t4096-h16-kv8192-k512": set(), "t8192-h16-kv32768-k2048": {"unswept"},
+        "t32768-h16-kv65536-k2048": {"unswept"}, "t4096-h64-kv16384-k2048": {"swept"},
+        "t16384-h64-kv65536-k512": {"swept"}, "t4096-h128-kv8192-k2048": set(),
+        "t8192-h128-kv65536-k2048": {"unswept"},
+    }  # fmt: skip
     case = next(c for c in suite_mod.CHECK_CASES if c.params["hq"] == 64)
     idxs = []
 
@@ -222,11 +231,11 @@ def test_unswept_variant_runs_the_fused_kernel_without_the_sweep(monkeypatch):
     monkeypatch.setattr(launch, "get_kernel", lambda spec, params: fused)
     monkeypatch.setattr(launch, "as_tma_ready", lambda t: t)
     monkeypatch.setattr(launch, "num_sms", lambda index: 4)
-    monkeypatch.setattr(config, "SWEEP_L2_BYTES", 0)
     out = _run_faked(suite_mod._run_unswept, case)
     assert len(idxs) == 1 and idxs[0] is out[-1]["idx"]
     assert torch.equal(out[0], 2 * out[-1]["q"][..., :512])
     idxs.clear()
-    out = _run_faked(lambda i, o: suite_mod._run_launcher(i, o), case)
+    out = _run_faked(suite_mod._run_swept, case)
     assert len(idxs) == -(-case.params["tokens"] // 4)
     assert torch.equal(torch.cat(idxs), out[-1]["idx"].sort(dim=1).values)
+    assert not config.sweep_far(case.params["ctx"])  # the default there: one launch

@@ -151,16 +151,19 @@ def test_h64f_row_slices_matches_fp64(monkeypatch, tokens, heads, topk, slots, s
     (300, 64, 2048, 4000, True, True, True),  # the fused kernel: 3 waves of 132 tokens (H100)
     (140, 128, 1000, 3000, False, False, True),  # 3 waves of 66
     (7, 192, 130, 500, True, True, True),  # one wave of 44, rows with -1 and past the cache
-    (140, 128, 512, 20000, True, False, None),  # the default: 20000 slots exceed the L2
-    (140, 128, 512, 20000, True, False, False),
+    (140, 128, 2048, 40000, True, False, None),  # the default sweeps: 40000 slots, 2.6x the L2
+    (140, 128, 2048, 40000, True, False, False),
     (300, 16, 2048, 4000, True, True, True),  # v1: 3 waves of 132
     (7, 32, 100, 500, False, True, True),
-    (140, 16, 512, 20000, True, False, None),
+    (140, 16, 2048, 40000, True, False, None),
 ])  # fmt: skip
 def test_sweep_matches_fp64(tokens, heads, topk, slots, sink, dlse, sweep):
-    """The sweep (the index rows sorted by slot, launches of one wave; the default over a cache
-    larger than the L2) and its absence, the fused kernel at H a multiple of 64, v1 at H 16 /
-    32: `-k sweep`."""
+    """The sweep (the index rows sorted by slot, launches of one wave; the default far over the
+    L2 with a row visited >= 1.5 times a wave) and its absence, the fused kernel at H a multiple
+    of 64, v1 at H 16 / 32: `-k sweep`."""
+    if sweep is None:
+        ctas = launch.ctas_per_token(heads)
+        assert launch.sweeps_by_default(slots, topk, ctas, torch.cuda.current_device())
     _check(torch.bfloat16, tokens, heads, topk, slots, sink, dlse, sweep=sweep)
 
 

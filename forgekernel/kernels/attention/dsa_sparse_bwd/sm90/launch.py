@@ -127,11 +127,11 @@ def dsa_sparse_bwd(
     (ValueError with h64_v2 / h64_ws). The fused kernel's grid is (H / 64, tokens), so more than
     `config.H64F_GRID_TOKENS` tokens run in launches of row slices (one launch below it).
 
-    sweep (v1 and the fused kernel; ValueError with the two-kernel h64 form): None (the default)
-    where `config.sweep_supported(slots)` (the cache and its dkv rows larger than the L2), True /
-    False forced: the index rows sorted by slot, the tokens in launches of one wave
-    (`config.sweep_tokens`; docs/attention/DSA_BWD_NOTES.md "Long caches"). `unsupported` must
-    be None for these inputs."""
+    sweep (v1 and the fused kernel; ValueError with the two-kernel h64 form): the index rows
+    sorted by slot, the tokens in launches of one wave (`config.sweep_tokens`; docs/attention/
+    DSA_BWD_NOTES.md "Long caches"); None (the default) where `sweeps_by_default` (a cache far
+    over the L2, a row visited >= 1.5 times a wave), True / False forced. `unsupported` must be
+    None for these inputs."""
     use_h64 = config.h64_supported(q.shape[1]) if h64 is None else h64
     _check_forms(q, use_h64, xchg, red4s, h64_v2, h64_ws)
     if h64_fused and not use_h64:
@@ -154,7 +154,7 @@ def dsa_sparse_bwd(
         return dq, dkv, d_sink
     if fused:
         kernel = get_kernel(SPEC, config.params_h64(dtype_name(q.dtype), "fused", reduce))
-        ctas, step = heads // config.H64_BLOCK, config.H64F_GRID_TOKENS
+        ctas, step = ctas_per_token(heads), config.H64F_GRID_TOKENS
     else:
         block = config.block_heads(heads)
         if xchg is None:
@@ -164,7 +164,9 @@ def dsa_sparse_bwd(
         kernel = get_kernel(SPEC, config.params_for(dtype_name(q.dtype), block, reduce, xchg,
                                                     red4s))  # fmt: skip
         ctas, step = heads // block, tokens  # v1's grid.x holds the tokens: one launch
-    if config.sweep_supported(kv.shape[0]) if sweep is None else sweep:
+    if sweep is None:
+        sweep = sweeps_by_default(kv.shape[0], idx.shape[1], ctas, q.device.index)
+    if sweep:
         idx = torch.sort(idx, dim=1).values
         step = config.sweep_tokens(num_sms(q.device.index), ctas)
     # the fused kernel's dq stores are 16-byte rows: a caller's dq off that alignment gets a copy
@@ -175,6 +177,23 @@ def dsa_sparse_bwd(
     if out_dq is not dq:
         dq.copy_(out_dq)
     return dq, dkv, d_sink
+
+
+def sweeps_by_default(slots: int, topk: int, ctas: int, device_index: int | None) -> bool:
+    """Whether the default sweeps (config.py's SWEEP_ROW_BYTES comment) for `ctas` CTAs a token
+    on the device: the cache far over the L2, then (only then the SM count is read) a wave's
+    visits of a row."""
+    if not config.sweep_far(slots):
+        return False
+    wave = config.sweep_tokens(num_sms(device_index), ctas)
+    return config.sweep_reuses(slots, topk, wave)
+
+
+def ctas_per_token(heads: int) -> int:
+    """CTAs a token of the default's kernel: H / 64 (the fused kernel) or H / block (v1)."""
+    if config.h64_supported(heads):
+        return heads // config.H64_BLOCK
+    return heads // config.block_heads(heads)
 
 
 def h64_unsupported(q: torch.Tensor) -> str | None:
