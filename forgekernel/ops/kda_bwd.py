@@ -201,6 +201,10 @@ def _chunk_grads(do, u, du, q, k, h, dh, big_g, dw16=False, dg=None, dq16=False,
 # CHUNK_IN_KERNEL only. T = L^-1 is formed in torch for its input tile, or read from the first
 # pass with FACTORS_FROM_FIRST_PASS.
 WY_IN_KERNEL = True
+# TEMPORARY (until a GPU A/B; then the key becomes the default or goes): the WY kernel on two
+# math warpgroups split by value / key channels (`wg2`, kda_bwd_wy/sm90/wy_grads_wg2.py; bit for
+# bit the 256-thread kernel's outputs; NOTES "KDA backward WY kernel on two math warpgroups").
+WY_2WG = False
 
 
 def _wy_kernel(dw, du, tt, w, k, u, v, beta, big_g, dk, dg, dv16=False, dk16=False,
@@ -221,7 +225,7 @@ def _wy_kernel(dw, du, tt, w, k, u, v, beta, big_g, dk, dg, dv16=False, dk16=Fal
         dbeta = torch.empty(b, t, hv, dtype=torch.float32, device=dw.device)
     final = {"dk16": True, **given(dk_out=dk_out)} if dk16 else {}
     return kda_bwd_wy(dw, du, tt, w, k, u, v, beta, big_g, dv16=dv16, out=(dk, dv, dg, dbeta),
-                      **final)  # fmt: skip
+                      wg2=WY_2WG, **final)  # fmt: skip
 
 
 # On since 2026-12-06 (H100, with WY_IN_KERNEL; docs/linear_attention/NOTES.md "KDA backward
