@@ -24,7 +24,7 @@ P^T token-major; nothing else reads the bwd key's P):
                                           of the chunk is column j of T
     big_g           (R, HV, K) fp32       G = cumsum(g) within the chunk
     pt              (R, HV, 64) bf16      P^T (instead of p): row j of the chunk is column j of P
-    w, u            (R, HV, K) bf16       W = T_beta Kg, u = T_beta V: the bf16 rows t_beta,
+    w, u            (R, HV, K / V) bf16   W = T_beta Kg, u = T_beta V: the bf16 rows t_beta,
                                           k_g and v (bf16; zero past the sequence) multiplied
                                           in fp32 per chunk, rounded once (the backward's
                                           torch bmm before next/kda-wu)
@@ -131,7 +131,7 @@ def kda_chunk_operands(q, k, g, beta, cu_seqlens: torch.Tensor, scale: float, l2
                        v: torch.Tensor | None = None) -> dict:  # fmt: skip
     """q, k (T, H, K) 16-bit, g (T, HV, K), beta (T, HV) (fp32 or q's dtype); cu_seqlens
     (N + 1,) on q's device (never read on the host); seq_len as `chunk_layout`; bwd: tt,
-    big_g, w and u too (v (T, HV, K) 16-bit, given with bwd only), pt in p's place. Returns
+    big_g, w and u too (v (T, HV, V) 16-bit, given with bwd only), pt in p's place. Returns
     the dict of the module docstring."""
     if bwd != (v is not None):
         raise ValueError("v is the bwd outputs' input: given with bwd=True, and only then")
@@ -153,7 +153,7 @@ def kda_chunk_operands(q, k, g, beta, cu_seqlens: torch.Tensor, scale: float, l2
         out["tt"] = q.new_empty(rows, hv, CHUNK, dtype=OPERAND_DTYPE)
         out["big_g"] = q.new_empty(rows, hv, dk, dtype=torch.float32)
         out["w"] = q.new_empty(rows, hv, dk, dtype=OPERAND_DTYPE)
-        out["u"] = q.new_empty(rows, hv, dk, dtype=OPERAND_DTYPE)
+        out["u"] = q.new_empty(rows, hv, v.shape[-1], dtype=OPERAND_DTYPE)
     qf, kf = q.float(), k.float()
     if l2norm:
         qf, kf = (x / torch.sqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS) for x in (qf, kf))
