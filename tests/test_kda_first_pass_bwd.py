@@ -16,8 +16,8 @@ kernel reads (reference/kda_bwd_wy.py `wy_tiles`' tt and G), on the CPU.
   shared memory, 20 more 16-byte stores (tt 4, big_g 16) and 32 scalar shared loads; P^T's 32
   scalar 16-bit column loads in place of P's 4 row loads (its 4 stores the same count); W and
   u's stage (next/kda-wu): 16 more cp.async, 20 more mma.sync in a rolled loop of 4, 4
-  transposed ldmatrix, 48 LDS.64 and 32 4-byte stores (two branches of 16); the forward keys'
-  SASS as before the flag (`test_forward_keys_sass_unchanged`)."""
+  transposed ldmatrix, 48 LDS.64 and 16 8-byte stores (two branches of 8); the forward keys'
+  SASS pinned (tests/test_kda_prefill_compile.py `test_first_pass_forward_sass_pinned`)."""
 
 from __future__ import annotations
 
@@ -239,15 +239,15 @@ def _compiled(dtype: str, bwd: bool):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float16", marks=pytest.mark.slow)])
 def test_bwd_key_compiles(dtype):
-    """No spill, three CTAs an SM (registers within the launch bound 168: 166 bf16 / 168 fp16
+    """No spill, three CTAs an SM (registers within the launch bound 168: 159 bf16 / 168 fp16
     with W and u, cu13 ptxas 2026-12-06 (152 / 162 before); the forward's key 168), 73,984 B of
     shared memory as the forward's key (Kg and V land in the B tiles, free after the
     products); the forward's 34 STG.128 plus tt's 4 and big_g's 16 (two a token), tt's 32
     scalar column loads (LDS); the L / P mma.sync blocks unchanged. W and u (next/kda-wu):
     Kg's and V's 8 + 8 cp.async (LDGSTS) after the products, their 80 mma a warp as a rolled
     loop of 4 steps (20 HMMA, 4 transposed ldmatrix each), T_beta's 10 A fragments from 40
-    LDS.64 of T and 8 of beta, the C fragments in 4-byte stores: 16 a step, in the W and the
-    u branch (32 STG.E)."""
+    LDS.64 of T and 8 of beta, the C fragments in 8-byte stores (a lane pair's shuffle: whole
+    sectors): 8 a step, in the W and the u branch (16 STG.E.64)."""
     from forgekernel.kernels.common.sm90.constants import REGISTERS_PER_SM, THREADS_PER_WG
 
     res, ops, smem = _compiled(dtype, bwd=True)
@@ -258,8 +258,8 @@ def test_bwd_key_compiles(dtype):
     assert smem == SMEM_FORWARD and res["smem_bytes"] == 1024
     assert 3 * (smem + res["smem_bytes"] + 1024) <= 228 * 1024
     assert ops.count("STG.E.128") == 34 + 4 + 16
-    assert ops.count("STG.E") == 2 * 16  # W's, u's C fragments (bf16 pairs)
-    assert sum(op.startswith("STG") for op in ops) == 34 + 4 + 16 + 32
+    assert ops.count("STG.E.64") == 2 * 8  # W's, u's C fragments (two bf16 pairs a lane)
+    assert sum(op.startswith("STG") for op in ops) == 34 + 4 + 16 + 16
     assert sum(op.startswith("LDGSTS") for op in ops) == 16 + 16  # q, k; then Kg, V
     # P^T (next/kda-glue3): P's 4 row loads (LDS.128, the forward key's 82) and 4 stores gone,
     # its 32 scalar column loads and 4 stores in their place

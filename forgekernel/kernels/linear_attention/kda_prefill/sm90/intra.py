@@ -446,7 +446,7 @@ class KdaIntraSm90:
         t_beta's bits); with the row blocks in the inner loop each B fragment is loaded once
         (row blocks outer, ptxas merged the repeated loads into 64 live registers: 32 B
         spilled). Rows past the sequence: T_beta's rows there are zero, so W's and u's are. The
-        C fragments stored as bf16 pairs (4 bytes a lane, 8 rows x 16 bytes a warp's store)."""
+        C fragments stored 8 bytes a lane (`_store_fragments`)."""
         w = cute.arch.make_warp_uniform(tid // 32)
         lane = tid % 32
         g = lane // 4
@@ -477,29 +477,41 @@ class KdaIntraSm90:
                         )
                         for q in cutlass.range_constexpr(4):
                             acc[at + q] = d[q]
-            col0 = 32 * w + 16 * (step % 2) + 2 * t
+            col0 = 32 * w + 16 * (step % 2)
             if o == 0:
-                self._store_fragments(acc, mW, row0, hv, g, col0)
+                self._store_fragments(acc, mW, row0, hv, g, t, col0)
             else:
-                self._store_fragments(acc, mU, row0, hv, g, col0)
+                self._store_fragments(acc, mU, row0, hv, g, t, col0)
 
     @cute.jit
-    def _store_fragments(self, acc, dst, row0, hv, g, col0):
+    def _store_fragments(self, acc, dst, row0, hv, g, t, col0):
         """`_store_wu`'s 32 accumulators (row block bi, n tile nh at 8 bi + 4 nh: rows g, g + 8,
-        columns col0 + 8 nh, + 1) as bf16 pairs into dst's rows."""
+        columns col0 + 2 t + 8 nh, + 1) into dst's rows as bf16, 8 bytes a lane: lanes t, t ^ 1
+        swap one bf16 pair (one shuffle a row), the even lane storing n tile 0's columns 2 t ..
+        2 t + 3, the odd one n tile 1's 2 t + 6 .. 2 t + 9, so that a warp's store is 8 rows x
+        32 bytes, whole sectors (col0 a multiple of 16 channels); 4-byte pair stores wrote half
+        sectors, twice the store instructions."""
+        odd = t % 2 == 1
         for bi in cutlass.range_constexpr(NSUB):
-            for nh in cutlass.range_constexpr(2):
-                col = col0 + 8 * nh
-                for hr in cutlass.range_constexpr(2):
-                    pair = cute.make_rmem_tensor(2, Float32)
+            for hr in cutlass.range_constexpr(2):
+                pairs = cute.make_rmem_tensor(4, Float32)
+                for nh in cutlass.range_constexpr(2):
                     for e in cutlass.range_constexpr(2):
-                        pair[e] = acc[8 * bi + 4 * nh + 2 * hr + e]
-                    half = cute.make_rmem_tensor(2, BFloat16)
-                    half.store(pair.load().to(BFloat16))
-                    i = SUB * bi + g + 8 * hr
-                    cute.autovec_copy(
-                        half, cute.local_tile(dst[row0 + i, hv, None], (2,), (col // 2,))
-                    )
+                        pairs[2 * nh + e] = acc[8 * bi + 4 * nh + 2 * hr + e]
+                half = cute.make_rmem_tensor(4, BFloat16)
+                half.store(pairs.load().to(BFloat16))
+                words = cute.recast_tensor(half, Int32)  # n tile 0's pair, n tile 1's
+                mine, theirs = words[0], words[1]
+                got = cute.arch.shuffle_sync_bfly(cutlass.select_(odd, mine, theirs), 1)
+                out = cute.make_rmem_tensor(2, Int32)
+                out[0] = cutlass.select_(odd, got, mine)
+                out[1] = cutlass.select_(odd, theirs, got)
+                col = col0 + 2 * t + cutlass.select_(odd, Int32(6), Int32(0))
+                i = SUB * bi + g + 8 * hr
+                cute.autovec_copy(
+                    cute.recast_tensor(out, BFloat16),
+                    cute.local_tile(dst[row0 + i, hv, None], (4,), (col // 4,)),
+                )
 
     @cute.jit
     def _tb_fragment(self, sm, bi, bj, g, t) -> tuple:
