@@ -42,7 +42,12 @@ exact zeros in both (T's padded diagonal of ones masked). And mP holds P^T inste
 of the chunk is column i of P, read down sP's columns as tt's from the scratch): the only
 reader of the bwd key's P is the backward's kernel 1, which takes P^T token-major; written so
 here, its transposing copy (a 2-byte-strided gather, 363 us at 4 x 8192 H16 on the H100) is
-gone. Shared memory unchanged.
+gone. And W = T_beta Kg and u = T_beta V (bf16 (R, HV, 128), v (T, HV, 128) a new input; kernel
+1's and the WY kernel's operands, two cuBLAS GEMMs and a memset a value head before, 353 us
+there): Kg's rows (as this CTA stored them) and V's by cp.async into the B tiles once the
+products are done, in flight under the inverse; after the out stage 80 mma.sync a warp from
+T_beta's fragments (T x beta from the scratch, t_beta's bits) and the tiles by ldmatrix.trans
+(`_store_wu`). Shared memory unchanged.
 
 E on the B side: the kernel before rounded Kl E_IJ (A, J < I) and Kr (B) to bf16, this one Kl
 (A) and Kr E_IJ (B): the same product, the same two bf16 roundings, placed on the other operand
@@ -159,7 +164,7 @@ class KdaIntraSm90:
         if k != 128:
             raise ValueError(f"K must be 128 (16 groups of 8 channels), got {k}")
         self.k = k
-        self.bwd = bwd  # also write tt and big_g (the module docstring)
+        self.bwd = bwd  # also write tt, big_g, P^T, W and u (the module docstring)
 
     @cute.jit
     def __call__(
