@@ -190,6 +190,23 @@ def test_launcher_bwd_on_the_kernel_replay(monkeypatch):
     assert "p" not in got and torch.equal(got["pt"][:real], _transposed(fwd["p"][:real]))
 
 
+def test_v_goes_with_bwd():
+    """v is the bwd key's input (W, u): refused without bwd, required with it, (T, HV, K) in q's
+    dtype; the model the same."""
+    from forgekernel.kernels.linear_attention.kda_prefill.sm90 import launch
+
+    q, k, g, beta, v = (x[0] for x in _inputs(1, 70, 1, 2, False, seed=1, with_v=True))
+    cu = torch.tensor([0, 70], dtype=torch.int32)
+    for fn in (launch.first_pass_kernel, operands.kda_chunk_operands):
+        with pytest.raises(ValueError, match="v is the bwd"):
+            fn(q, k, g, beta, cu, 0.1, False, bwd=True)
+        with pytest.raises(ValueError, match="v is the bwd"):
+            fn(q, k, g, beta, cu, 0.1, False, v=v)
+    for bad in (v[:, :1], v.half()):
+        with pytest.raises(ValueError, match="v must be"):
+            launch.first_pass_kernel(q, k, g, beta, cu, 0.1, False, bwd=True, v=bad)
+
+
 def test_compile_keys():
     """The forward's keys as before the flag; bwd named only when on; the standard builds the
     forward's two, then the backward's bf16 key (prebuilt: `forgekernel build`)."""
