@@ -49,10 +49,10 @@ def stub_kernels(chunk_in_kernel: bool = True, wy_in_kernel: bool = False,
     giving zero outputs of the launchers' shapes and dtypes (uncounted); `chunk_in_kernel`
     False: pass 3's output side in torch (CHUNK_IN_KERNEL's fallback); `wy_in_kernel`:
     WY_IN_KERNEL (its tiles counted); `first_pass`: FACTORS_FROM_FIRST_PASS (kernel 1's factors,
-    with the WY kernel its T^T too, from the first pass)."""
+    with the WY kernel its T^T, W and u too, from the first pass)."""
     bwd = importlib.import_module("forgekernel.ops.kda_bwd")
 
-    def first(q, k, g, beta, cu_seqlens, scale, seq_len, bwd=False):
+    def first(q, k, g, beta, cu_seqlens, scale, seq_len, bwd=False, v=None):
         from forgekernel.kernels.linear_attention.kda_prefill.sm90.operands import chunk_bound
 
         # the launcher's rows: every sequence's chunks (B NC 64), not the tokens' (B T / 64)
@@ -64,7 +64,9 @@ def stub_kernels(chunk_in_kernel: bool = True, wy_in_kernel: bool = False,
         out["pt" if bwd else "p"] = torch.zeros(rows, hv, 64, dtype=q.dtype)  # bwd: P^T
         if bwd:
             out.update(tt=torch.zeros(rows, hv, 64, dtype=q.dtype),
-                       big_g=torch.zeros(rows, hv, dk))  # fmt: skip
+                       big_g=torch.zeros(rows, hv, dk),
+                       w=torch.zeros(rows, hv, dk, dtype=q.dtype),
+                       u=torch.zeros(rows, hv, v.shape[-1], dtype=q.dtype))  # fmt: skip
         return out
 
     def state(do, pt, ke, qe, w, e_last, dht, dh0=None, out16=False, forward=False):

@@ -203,13 +203,14 @@ def emulated_first_pass(calls=None):
     """The first pass's stand-in: its torch model on the launcher's arguments (l2norm off: the
     backward hands it unit rows), B equal lengths known on the host."""
 
-    def run(q, k, g, beta, cu_seqlens, scale, seq_len, bwd=False):
+    def run(q, k, g, beta, cu_seqlens, scale, seq_len, bwd=False, v=None):
         assert q.dtype == k.dtype and g.dtype == beta.dtype == torch.float32
         assert cu_seqlens.dtype == torch.int32 and seq_len > 0
+        assert v is None or v.dtype == q.dtype
         if calls is not None:
             calls.append((q.dtype, tuple(q.shape), g.shape[1]) + (("bwd",) if bwd else ()))
         return operands.kda_chunk_operands(q, k, g, beta, cu_seqlens, scale, False, seq_len,
-                                           bwd=bwd)  # fmt: skip
+                                           bwd=bwd, v=v)  # fmt: skip
 
     return run
 
@@ -494,8 +495,8 @@ def scanned_first_pass():
     seq_len, as the backward calls it: each sequence's chunks in order, rows past it zero."""
     exact = emulated_first_pass()
 
-    def run(q, k, g, beta, cu_seqlens, scale, seq_len, bwd=False):
-        out = exact(q, k, g, beta, cu_seqlens, scale, seq_len, bwd=bwd)
+    def run(q, k, g, beta, cu_seqlens, scale, seq_len, bwd=False, v=None):
+        out = exact(q, k, g, beta, cu_seqlens, scale, seq_len, bwd=bwd, v=v)
         b, nc = cu_seqlens.shape[0] - 1, -(-seq_len // CHUNK)
         padded = g.new_zeros(b, nc * CHUNK, *g.shape[1:])
         padded[:, :seq_len] = g.unflatten(0, (b, seq_len))

@@ -63,7 +63,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.config import HEAD_DIMS
 from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.config import BULK_ALIGN
@@ -238,28 +237,32 @@ FACTORS_FROM_FIRST_PASS = True
 FIRST_PASS_DTYPES = (torch.bfloat16,)
 
 
-def _first_pass(q, k, g, beta, cu_seqlens, scale, seq_len, bwd=False):
+def _first_pass(q, k, g, beta, cu_seqlens, scale, seq_len, bwd=False, v=None):
     """The KDA forward's first pass (kernels/linear_attention/kda_prefill/sm90 launch.py
     `first_pass_kernel`): q, k (B T, H, K) 16-bit unit rows where l2norm is on, g (B T, HV, K),
     beta (B T, HV) fp32, B sequences of `seq_len` tokens -> its dict (rows (B NC 64, HV, ...)
-    bf16, decay (B NC, HV, K) fp32; bwd: its `bwd` key, T^T `tt` and G `big_g` too). The CPU
-    tests put its torch model (`operands.kda_chunk_operands`, same arguments) here."""
+    bf16, decay (B NC, HV, K) fp32; bwd: its `bwd` key, T^T `tt`, G `big_g`, W `w` and u `u`
+    too, from v (B T, HV, V) in q's dtype). The CPU tests put its torch model
+    (`operands.kda_chunk_operands`, same arguments) here."""
     from forgekernel.kernels.linear_attention.kda_prefill.sm90.launch import first_pass_kernel
 
-    return first_pass_kernel(q, k, g, beta, cu_seqlens, scale, False, seq_len, bwd=bwd)
+    return first_pass_kernel(q, k, g, beta, cu_seqlens, scale, False, seq_len, bwd=bwd, v=v)
 
 
-def _first_pass_ops(q16, k16, g, beta, scale, b, t):
+def _first_pass_ops(q16, k16, v16, g, beta, scale, b, t):
     """`_first_pass` over every head of B equal sequences -> its token tiles as (B, NC C, HV,
     D) and decay (B, NC, HV, K) (views); with the WY kernel (WY_IN_KERNEL) its `bwd` key's T^T
-    too, the WY kernel's input tile (no torch solve), and P^T (`pt`, kernel 1's reverse-launch
-    operand as it reads it) in P's place."""
+    too, the WY kernel's input tile (no torch solve), P^T (`pt`, kernel 1's reverse-launch
+    operand as it reads it) in P's place, and W = T_beta Kg, u = T_beta V (`w`, `u`: kernel 1's
+    and the WY kernel's operands; v16 (B, T, HV, V) in q16's dtype; before next/kda-wu two
+    cuBLAS GEMMs and a memset a value head, 353 us at 4 x 8192 H16 on the H100)."""
     cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=q16.device)  # one launch
+    v = v16.flatten(0, 1) if WY_IN_KERNEL else None
     ops = _first_pass(q16.flatten(0, 1), k16.flatten(0, 1), g.flatten(0, 1).contiguous(),
                       beta.flatten(0, 1).contiguous(), cu, scale, t,
-                      bwd=WY_IN_KERNEL)  # fmt: skip
+                      bwd=WY_IN_KERNEL, v=v)  # fmt: skip
     nc = -(-t // CHUNK)
-    bwd_rows = ("pt", "tt", "big_g") if WY_IN_KERNEL else ("p",)
+    bwd_rows = ("pt", "tt", "big_g", "w", "u") if WY_IN_KERNEL else ("p",)
     rows = ("q_g", "k_g", "k_d", "t_beta") + bwd_rows
     out = {n: ops[n].unflatten(0, (b, nc * CHUNK)) for n in rows}
     out["decay"] = ops["decay"].unflatten(0, (b, nc))
@@ -348,38 +351,14 @@ def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, ops=None, dg_out=None, dg_dtype
     return (*grads, dh0)
 
 
-# W = T_beta Kg and u = T_beta V one value head a launch (`_chunk_products`) from this many
-# chunks a head (B NC) up; below, one batched product over every head with the layout copies
-# (each of 2 x HV launches then too small to pay for itself).
-HEADWISE_PRODUCTS_FROM = 128
-
-
-def _chunk_products(a, x, nc):
-    """A X per chunk and value head: a (B, NC C, HV, C), x (B, NC C, HV, D) token-major in one
-    16-bit dtype (head slices allowed) -> (B, NC C, HV, D) token-major, contiguous. From
-    HEADWISE_PRODUCTS_FROM chunks a head: one strided bmm a value head written in place (cuBLAS
-    reads both operands' token-major rows and writes the product's at their strides: none of
-    the three layout copies the batched `chunks(a) @ chunks(x)` makes, nor to_tokens')."""
-    b, _, hv, d = x.shape
-    if b * nc < HEADWISE_PRODUCTS_FROM:  # (B, NC, HV, C, ...) views: matmul copies them
-        ac, xc = (y.unflatten(1, (nc, CHUNK)).transpose(2, 3) for y in (a, x))
-        return to_tokens(ac @ xc)
-    out = x.new_empty(b, nc * CHUNK, hv, d)
-    # the head slices by one unbind each (one dispatch for all HV, not 3 HV host-side selects)
-    a3, x3, o3 = (y.unflatten(1, (nc, CHUNK)).flatten(0, 1).unbind(2) for y in (a, x, out))
-    for ai, xi, oi in zip(a3, x3, o3):
-        torch.bmm(ai, xi, out=oi)
-    return out
-
-
 def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=torch.float32,
                  dv_dtype=torch.float32, q_scale=None, into=None, slots=None,
                  dk16=False):  # fmt: skip
     """`_chunk_pass` with kernel 1 writing kernel 2's 16-bit forms (`out16`), as Gated DeltaNet's
-    `_device_pass`: W = (T diag(beta)) Kg and u = (T diag(beta)) V from the first pass's rows
-    (`_chunk_products`, the only factors formed here), kernel 1's forward launch (`forward`: I,
-    0 and the signs built in, chunks first to last) on u, W and Ke as they are -> U, h (16-bit,
-    chunk order); its reverse launch on P^T and the first pass's Ke, Qe as written -> dU, dS
+    `_device_pass`: W = (T diag(beta)) Kg and u = (T diag(beta)) V as the first pass's bwd key
+    wrote them (no factor formed here), kernel 1's forward launch (`forward`: I, 0 and the signs
+    built in, chunks first to last) on u, W and Ke as they are -> U, h (16-bit, chunk order);
+    its reverse launch on P^T and the first pass's Ke, Qe as written -> dU, dS
     (16-bit); kernel 2 and the WY kernel on those, the first pass's T^T, G and rows cut to T
     (views). qs, ks, v, do (B, T, HV, ...) in do's dtype (strided head slices allowed), g (B, T,
     HV, K), beta (B, T, HV) fp32; ops: `_first_pass_ops`' pass of heads, with `tt` and `big_g`.
@@ -399,10 +378,7 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=tor
     t, dtype = qs.shape[1], do.dtype
     varlen = state_flags(slots)
     dq_o, dk_o, dv_o, db_o, dh0_o = (None,) * 5 if into is None else into
-    nc = -(-t // CHUNK)
-    w16 = _chunk_products(ops["t_beta"], ops["k_g"], nc)  # (B, NC C, HV, K)
-    v_rows = v if t == nc * CHUNK else F.pad(v, (0, 0, 0, 0, 0, nc * CHUNK - t))  # zero rows
-    u16 = _chunk_products(ops["t_beta"], v_rows, nc)  # (B, NC C, HV, V)
+    w16, u16 = ops["w"], ops["u"]  # (B, NC C, HV, K / V), zero rows past T
 
     def forward_launch():  # chunks first to last on u, W, Kd as they are, the signs in registers
         return _state_recurrence(u16, None, w16, None, ops["k_d"], ops["decay"], h0,
@@ -530,7 +506,8 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
     ops = None
     if FACTORS_FROM_FIRST_PASS and CHUNK_IN_KERNEL and do.dtype in FIRST_PASS_DTYPES:  # 16-bit rows
         q16, k16 = (x.to(do.dtype) for x in (qn, kn))  # q scaled already unless fold
-        ops = _first_pass_ops(q16, k16, v_side[1], v_side[2], scale if fold else 1.0, b, t)
+        ops = _first_pass_ops(q16, k16, v_side[0], v_side[1], v_side[2], scale if fold else 1.0,
+                              b, t)  # fmt: skip
     step = max(1, TOKEN_HEADS_PER_PASS // max(1, pass_tokens(b, t, slots) * group))
     heads = range(0, h, step)
     outs = (None,) * 5 if out is None else tuple(None if o is None else seq(o) for o in out[:5])

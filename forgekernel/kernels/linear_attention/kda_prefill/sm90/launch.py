@@ -120,13 +120,20 @@ def _unit_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def first_pass_kernel(q, k, g, beta, cu_seqlens: torch.Tensor, scale: float, l2norm: bool,
-                      seq_len: int | None = None, bwd: bool = False) -> dict:  # fmt: skip
+                      seq_len: int | None = None, bwd: bool = False,
+                      v: torch.Tensor | None = None) -> dict:  # fmt: skip
     """The first pass on `intra.py` (one CTA per chunk and value head; a chunk of length 0, past
     the last real one, returns at once): the same outputs as `operands.kda_chunk_operands`
     (its model: within a few bf16 roundings on the H200, tests/gpu/test_kda_prefill_gpu.py),
     with the rows of those empty chunks left unwritten (the recurrence never reads them).
-    bwd: its bwd key, tt and big_g too and P^T as "pt" in p's place (the KDA backward's;
-    tests/gpu/test_kda_first_pass_bwd_gpu.py)."""
+    bwd: its bwd key, tt and big_g too, P^T as "pt" in p's place, and W = T_beta Kg, u = T_beta
+    V ("w", "u", bf16 (R, HV, 128)) from v (T, HV, 128) in q's dtype, given with bwd only (the
+    KDA backward's; tests/gpu/test_kda_first_pass_bwd_gpu.py)."""
+    if bwd != (v is not None):
+        raise ValueError("v is the bwd key's input: given with bwd=True, and only then")
+    if v is not None and (v.shape != (*g.shape[:2], q.shape[2]) or v.dtype != q.dtype):
+        raise ValueError(f"v must be (T, HV, K) {tuple(g.shape[:2])} x {q.shape[2]} in q's "
+                         f"dtype {q.dtype}, got {tuple(v.shape)} {v.dtype}")  # fmt: skip
     if l2norm:  # the kernel reads unit rows: normalized here, in fp32, back in q's dtype
         q, k = (_unit_rows(x) for x in (q, k))
     first, starts, lengths = _tables(cu_seqlens, q.shape[0], seq_len)
@@ -143,11 +150,15 @@ def first_pass_kernel(q, k, g, beta, cu_seqlens: torch.Tensor, scale: float, l2n
     if bwd:
         out["tt"] = q.new_empty(rows, hv, CHUNK, dtype=OPERAND_DTYPE)
         out["big_g"] = q.new_empty(rows, hv, dk, dtype=torch.float32)
+        out["w"] = q.new_empty(rows, hv, dk, dtype=OPERAND_DTYPE)
+        out["u"] = q.new_empty(rows, hv, dk, dtype=OPERAND_DTYPE)
+        v = _aligned(v.contiguous())
     fn = get_kernel(INTRA_SPEC, _intra_params(dtype_name(q.dtype), dk, bwd=bwd))
     with on_device(q.device):
         fn(_aligned(q), _aligned(k), _aligned(g.float().contiguous()), beta.float().contiguous(),
            starts, lengths, out["q_g"], out["k_g"], out["k_d"], out["t_beta"], out[p],
-           out["decay"], out.get("tt"), out.get("big_g"), scale)  # fmt: skip
+           out["decay"], out.get("tt"), out.get("big_g"), v, out.get("w"), out.get("u"),
+           scale)  # fmt: skip
     return out
 
 
