@@ -87,8 +87,9 @@ def test_no_l2norm_final_outputs_glue(monkeypatch, g_dtype, kb):
     scale copy (the first pass and kernel 2 take the scale; FINAL_QK False: 0.25 / 1.006 KB
     written a token-head with its one `mul`), the epilogue launcher not called (kernel 2 and
     the WY kernel write the op's 16-bit dq, dk). Since next/kda-wu (W and u from the first
-    pass) nothing at fp32 g (0.5 KB before), bf16 g's widening and dG's cast (1.256 before). FINAL_QK is off by default since
-    next/kda-bwd-regress (the H100 A/B: kernel 2 +0.65 ms with dq16), on here."""
+    pass) nothing at fp32 g (0.5 KB before), bf16 g's widening and dG's cast (1.256 before).
+    FINAL_QK is off by default since next/kda-bwd-regress (the H100 A/B: kernel 2 +0.65 ms
+    with dq16), on here."""
     from forgekernel.kernels.linear_attention.gdn_bwd_norm.sm90 import launch as norm
 
     monkeypatch.setattr(bwd, "FINAL_QK", True)
