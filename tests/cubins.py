@@ -1,7 +1,7 @@
 """The CPU tests' compile of one kernel configuration to the cubin and PTX they read (SASS,
 resources), once a process; the mbarrier waits read from its SASS (`trywait_offsets`,
-`wait_pin`); the named barriers' sites (`barrier_sites`) and the instructions the cubin lists
-as unaligned (`unaligned_offsets`)."""
+`wait_pin`); the named barriers' sites (`barrier_sites`), the instructions the cubin lists
+as unaligned (`unaligned_offsets`) and the rule between them (`pin_unaligned_barriers`)."""
 
 from __future__ import annotations
 
@@ -167,3 +167,98 @@ def unaligned_offsets(cubin) -> set[int]:
                          text=True, check=True).stdout  # fmt: skip
     m = re.search(r"EIATTR_COOP_GROUP_INSTR_OFFSETS\s+Format:\s+\S+\s+Value:([^\n]*)", elf)
     return {int(x, 16) for x in m[1].split()} if m else set()
+
+
+# a branch's target (cuobjdump writes it absolute, the last hex operand)
+_TARGET = re.compile(r"0x([0-9a-f]+)\s*$")
+
+
+def _successors(sass: str) -> dict[int, list[int]]:
+    """Each instruction's successors in the listing's control flow: the next one unless an
+    unpredicated BRA / EXIT / RET, a branch's target, a call's target and its return point."""
+    lines = [m for m in map(_SITE.match, sass.splitlines()) if m]
+    out = {}
+    for i, m in enumerate(lines):
+        offset, pred, op, args = int(m[1], 16), m[2], m[3], m[4].strip()
+        nxt = [int(lines[i + 1][1], 16)] if i + 1 < len(lines) else []
+        if op.startswith(("BRX", "JMX", "JMP")):
+            raise ValueError(f"indirect branch at +{offset:#x}: {op} {args}")
+        if op.startswith(("BRA", "CALL")):
+            # BRA.DIV (taken where the warp diverged) and a call fall through too
+            falls = pred or op.startswith(("BRA.DIV", "CALL"))
+            out[offset] = [int(_TARGET.search(args)[1], 16)] + (nxt if falls else [])
+        elif op.startswith(("EXIT", "RET")):
+            out[offset] = nxt if pred else []
+        else:
+            out[offset] = nxt
+    return out
+
+
+def _barrier_id(written: str) -> int | str:
+    """A BarrierSite's id: an int, or the register of a computed one."""
+    return int(written, 16) if written.startswith("0x") else written
+
+
+def _collective_copies(sass: str) -> set[int]:
+    """The offsets of the BAR.SYNCs between WARPSYNC.COLLECTIVE and ENDCOLLECTIVE: ptxas's copy
+    of an unaligned `barrier.sync` for a warp that reaches it diverged (taken by BRA.DIV, id and
+    count in a register; the converged warp's BAR.SYNC is the one `two_site_barriers` reads)."""
+    out, inside = set(), False
+    for m in map(_SITE.match, sass.splitlines()):
+        if not m:
+            continue
+        if m[3].startswith("WARPSYNC.COLLECTIVE"):
+            inside = True
+        elif m[3].startswith("ENDCOLLECTIVE"):
+            inside = False
+        elif inside and m[3].startswith("BAR.SYNC"):
+            out.add(int(m[1], 16))
+    return out
+
+
+def two_site_barriers(sass: str) -> set:
+    """The named barriers (`_barrier_id`s) with two BAR.SYNCs neither of which reaches the other
+    in the listing's control flow: two roles' code (or a branch's two sides) each waiting at its
+    own instruction, so that one phase's waiters stand at two instructions. The BAR.SYNCs one
+    role passes in turn (or a loop's) reach each other: one instruction a phase, whatever the
+    arrivals (BAR.ARV: never checked)."""
+    succ = _successors(sass)
+
+    def reach(start):
+        seen, todo = set(), list(succ[start])
+        while todo:
+            o = todo.pop()
+            if o not in seen:
+                seen.add(o)
+                todo.extend(succ[o])
+        return seen
+
+    copies = _collective_copies(sass)
+    syncs = [b for b in barrier_sites(sass) if b.kind == "SYNC" and b.offset not in copies]
+    after = {b.offset: reach(b.offset) for b in syncs}
+    return {
+        _barrier_id(a.barrier)
+        for i, a in enumerate(syncs)
+        for b in syncs[i + 1 :]
+        if a.barrier == b.barrier and b.offset not in after[a.offset]
+        and a.offset not in after[b.offset]
+    }  # fmt: skip
+
+
+def pin_unaligned_barriers(sass: str, unaligned: set[int], two_site: set) -> list[BarrierSite]:
+    """The rule of kernels/common/sm90/unaligned_barrier.py on one build: the barriers waited at
+    two instructions a phase (`two_site_barriers`) are `two_site`, and a BAR.SYNC is in the
+    cubin's unaligned list (`unaligned_offsets`) exactly when its id is one of them (synccheck:
+    "Divergent thread(s) in block" at an aligned one), or when it is ptxas's diverged-warp copy
+    of one (`_collective_copies`, only where there are some). Returns the listing's
+    `barrier_sites` less those copies."""
+    two_site = {int(i) if isinstance(i, int) else i for i in two_site}  # IntEnum members too
+    assert two_site_barriers(sass) == two_site
+    copies = _collective_copies(sass)
+    assert not copies or two_site
+    assert copies <= unaligned
+    bars = [b for b in barrier_sites(sass) if b.offset not in copies]
+    for b in bars:
+        if b.kind == "SYNC":
+            assert (b.offset in unaligned) == (_barrier_id(b.barrier) in two_site), b
+    return bars

@@ -24,7 +24,7 @@ import pytest
 
 pytest.importorskip("cutlass")
 
-from cubins import barrier_sites, unaligned_offsets  # noqa: E402  (tests/ is on the path)
+from cubins import pin_unaligned_barriers, unaligned_offsets  # noqa: E402  (tests/ is on the path)
 
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY  # noqa: E402
 from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90 import config  # noqa: E402
@@ -47,7 +47,7 @@ class Built(NamedTuple):
     res: dict  # inspect_cubin's
     instrs: list  # (op, operands) in order
     smem: int  # the kernel's SharedStorage
-    bars: list  # cubins.barrier_sites
+    sass: str  # cuobjdump's listing
     unaligned: set  # cubins.unaligned_offsets
 
 
@@ -71,7 +71,7 @@ def compiled():
                 sass = sass_text(cubin)
                 unaligned = unaligned_offsets(cubin)
             cache[key] = Built(res, sass_instructions(sass), kernel.shared_storage.size_in_bytes(),
-                               barrier_sites(sass), unaligned)  # fmt: skip
+                               sass, unaligned)  # fmt: skip
         return cache[key]
 
     return get
@@ -151,25 +151,18 @@ def test_barriers_waited_from_two_roles_are_unaligned(compiled, dtype, dht):
     """synccheck (H100, 2026-12-06) reported "Divergent thread(s) in block" at G's bar.sync of
     DS_READY (+0x2fd0, threads 256..383), whose phase the finish warps wait at their own
     bar.sync: the aligned form promises one instruction for a phase's waiters. The ids waited
-    in two roles' code (setmaxnreg regions) are DS_READY (finish + G) and FINISH (G + finish):
-    every BAR.SYNC of theirs is listed unaligned in the cubin (EIATTR_COOP_GROUP_INSTR_OFFSETS),
-    every other BAR.SYNC is not (a phase's waiters at one instruction: the aligned form holds).
+    at two instructions a phase (cubins.two_site_barriers: BAR.SYNCs of one id neither of which
+    reaches the other) are DS_READY (finish + G) and FINISH (G + finish): every BAR.SYNC of
+    theirs is listed unaligned in the cubin (EIATTR_COOP_GROUP_INSTR_OFFSETS), every other
+    BAR.SYNC is not (a phase's waiters at one instruction: the aligned form holds).
     The only predicated barriers are DH_FREE's (on the chunk index: warp-uniform). (Whether a
     warp is converged at a barrier the SASS does not say: ptxas opens BSSY spans well before
     the branch they reconverge, DH_FREE's G arrive sits in one.)"""
     built = compiled(dtype, dht)
-    bars = built.bars
-    sync_roles = {}
-    for b in bars:
-        if b.kind == "SYNC":
-            sync_roles.setdefault(int(b.barrier, 16), set()).add(b.regs)
-    two_roles = {i for i, roles in sync_roles.items() if len(roles) > 1}
-    assert two_roles == {Bar.DS_READY, Bar.FINISH}
-    for b in bars:
-        if b.kind == "SYNC":
-            assert (b.offset in built.unaligned) == (int(b.barrier, 16) in two_roles), b
+    bars = pin_unaligned_barriers(built.sass, built.unaligned, {Bar.DS_READY, Bar.FINISH})
     assert {int(b.barrier, 16) for b in bars if b.predicate} == {Bar.DH_FREE}
     # the unaligned sites: G's and the finish warps' waits of both
     waits = sorted((int(b.barrier, 16), b.regs) for b in bars if b.offset in built.unaligned)
-    want = sorted((int(i), r) for i in two_roles for r in (config.REGS[0], config.REGS[2]))
+    want = sorted((int(i), r) for i in (Bar.DS_READY, Bar.FINISH)
+                  for r in (config.REGS[0], config.REGS[2]))  # fmt: skip
     assert waits == want
