@@ -153,7 +153,7 @@ def stub_kernels():
                 torch.zeros(b, hv, ke.shape[-1], dv))  # fmt: skip
 
     def chunk_wy(do, u, du, q, k, h, dh, big_g, *rest, dv16=False, dqk16=False, scale=1.0,
-                 out=None):  # fmt: skip
+                 out=None, fsplit=False):  # fmt: skip
         if out is not None:
             return out
         b, t, hv, dv = do.shape

@@ -88,10 +88,49 @@ def parse_args(target: Target, argv: Sequence[str] | None = None) -> argparse.Na
     )
     p.add_argument("--top", type=int, default=25, help="--timeline: kernels listed per side")
     p.add_argument("--list", action="store_true", help="print the cases and exit (no GPU)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="MODULE.NAME=VALUE",
+        help="set a module constant before the run (a temporary A/B switch, e.g. "
+        "forgekernel.ops.kda_bwd.CHUNK_2WG=True; VALUE a Python literal; repeatable)",
+    )
     args = p.parse_args(argv)
+    try:
+        args.set = [_setting(spec) for spec in args.set]
+    except ValueError as e:
+        p.error(str(e))
     if args.warmup < 0 or args.calls < 1:
         p.error("--warmup must be >= 0 and --calls >= 1")
     return args
+
+
+def _setting(spec: str) -> tuple[str, str, Any]:
+    """MODULE.NAME=VALUE -> (module, name, value): VALUE a Python literal."""
+    import ast
+
+    target, sep, value = spec.partition("=")
+    module, dot, name = target.rpartition(".")
+    if not (sep and dot and module and name):
+        raise ValueError(f"--set {spec!r}: expected MODULE.NAME=VALUE")
+    try:
+        return module, name, ast.literal_eval(value)
+    except (ValueError, SyntaxError) as e:
+        raise ValueError(f"--set {spec!r}: VALUE is not a Python literal ({e})") from None
+
+
+def apply_settings(settings) -> None:
+    """Each (module, name, value) of --set onto its module, which must already define name (a
+    misspelt switch fails here instead of timing the default)."""
+    import importlib
+
+    for module, name, value in settings:
+        mod = importlib.import_module(module)
+        if not hasattr(mod, name):
+            raise SystemExit(f"--set: {module} has no {name}")
+        setattr(mod, name, value)
+        print(f"set {module}.{name} = {value!r}", flush=True)
 
 
 def _split(target: Target, spec: str) -> tuple[str, str]:
@@ -283,6 +322,7 @@ def main(target: Target, argv: Sequence[str] | None = None) -> int:
         print(describe(target, suite_name, case), flush=True)
     if args.list:
         return 0
+    apply_settings(args.set)
     import torch
 
     if args.plan is not None:  # first: a run cut short still has its kernels labelled

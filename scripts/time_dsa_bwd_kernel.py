@@ -18,11 +18,13 @@ the preprocess alone (torch: the launcher's `preprocess`), the preprocess kernel
 (kernels/attention/dsa_sparse_bwd_pre, the d_sink sum over tokens included), the launcher with
 the preprocess kernel's results (`pre=`: what the op runs), and the op given q and the cache as
 separate tensors (the two concatenations the v1 kernel's one-row interface still costs;
-docs/attention/DSA_BWD_NOTES.md "Torch around the kernel"). At H a multiple of 64 also the
-h64 kernels' parts (kernel_h64.py, after an agreement check of h64 against v1): its kv part
-without reductions (with the dq part), its kv part with the v2 reductions, and its dq part alone
-(`h64 dq part`: the second gather and dq = dS K; docs/attention/DSA_BWD_NOTES.md "H >= 64: one
-gather a token").
+docs/attention/DSA_BWD_NOTES.md "Torch around the kernel"). At H a multiple of 64 (where
+`launcher` is the fused kernel, kernel_h64f.py) also, after an agreement check against v1, the
+fused kernel without reductions (`h64f, no reductions`: its MMA / gather / softmax side alone;
+docs/attention/DSA_BWD_NOTES.md "H >= 64: dq back in the tile loop"), and the two-kernel h64
+form before it (kernel_h64.py, h64_fused=False): `launcher, split`, its kv part without
+reductions (with the dq part), its kv part with the v2 reductions, and its dq part alone
+(`h64 dq part`: the second gather and dq = dS K; "H >= 64: one gather a token").
 The kernel at 5504 FLOP per (token, head, entry). Build first: `python3 -m forgekernel build
 --only dsa_sparse_bwd_sm90 --only dsa_sparse_bwd_pre_sm90 --candidates`."""
 
@@ -118,10 +120,14 @@ def main(s: int = 4096, h: int = 16, topk: int = 2048, s_kv: int = 8192) -> None
     fns["v2, no reductions"] = lambda: launch.dsa_sparse_bwd(
         *args, reduce=False, xchg=False, red4s=False, **v1
     )
-    if launch.h64_unsupported(q) is None and _agrees(args, "h64", h64=True):
+    if launch.h64_unsupported(q) is None and _agrees(args, "h64f", h64=True):
+        fns["h64f, no reductions"] = lambda: launch.dsa_sparse_bwd(*args, reduce=False)
+    split = {"h64": True, "h64_fused": False}
+    if launch.h64_unsupported(q) is None and _agrees(args, "h64 split", **split):
         fns |= {
-            "h64, no reductions": lambda: launch.dsa_sparse_bwd(*args, h64=True, reduce=False),
-            "h64, v2": lambda: launch.dsa_sparse_bwd(*args, h64=True, h64_v2=True),
+            "launcher, split": lambda: launch.dsa_sparse_bwd(*args, **split),
+            "split, no reductions": lambda: launch.dsa_sparse_bwd(*args, reduce=False, **split),
+            "split, v2": lambda: launch.dsa_sparse_bwd(*args, h64=True, h64_v2=True),
             "h64 dq part": _h64_dq_part(q, kv, idx),
         }
     qn, qp = q[..., :LATENT].contiguous(), q[..., LATENT:].contiguous()

@@ -1,10 +1,12 @@
 """The h64 kernels of the DSA sparse backward (kernels/attention/dsa_sparse_bwd/sm90/
-kernel_h64.py; the launcher's default at H a multiple of 64) on the CPU: their compile keys
+kernel_h64f.py, the launcher's default at H a multiple of 64, and kernel_h64.py's two-kernel
+form before it) on the CPU: their compile keys
 (standard builds, so that no default call compiles) and budgets (shared memory, the setmaxnreg
 split, the work split), the default's choice of path, and the launcher's launches replayed
 through torch stand-ins that follow the kernels' stated contracts (`kv`: dkv and dS of every
 position of whole tiles into the (tokens, rows, H) workspace, 0 past topk and at invalid
-entries; `dq`: dq = dS K over the workspace's rows), against the fp64 reference on awkward
+entries; `dq`: dq = dS K over the workspace's rows; `fused`: both in one launch, no
+workspace), against the fp64 reference on awkward
 sizes: 64 / 128 heads, topk not a multiple of 64, -1 and past-the-cache entries, a row without
 entries, a sink and a loss on the LSE; one chunk or several (the workspace's cap,
 config.H64_WS_CAP_BYTES, or a smaller h64_ws), and through the op. The kernels' numbers on a
@@ -36,8 +38,13 @@ def test_params_h64():
     assert dict(config.params_h64("float16", "kv", reduce=False))["noreduce"] is True
     with pytest.raises(ValueError, match="part"):
         config.params_h64("bfloat16", "dkv")
-    with pytest.raises(ValueError, match="kv part only"):
+    with pytest.raises(ValueError, match="kv and fused parts only"):
         config.params_h64("bfloat16", "dq", reduce=False)
+    assert dict(config.params_h64("bfloat16", "fused")) == {
+        "dtype": "bfloat16", "block": 64, "h64": "fused"}  # fmt: skip
+    assert dict(config.params_h64("bfloat16", "fused", reduce=False))["noreduce"] is True
+    with pytest.raises(ValueError, match="kv part only"):
+        config.params_h64("bfloat16", "fused", shfl4=False)
     with pytest.raises(ValueError, match="kv part only"):
         config.params_h64("bfloat16", "dq", shfl4=False)
     assert dict(config.params_h64("bfloat16", "kv", shfl4=False))["v2"] is True
@@ -51,17 +58,21 @@ def test_params_h64():
 
 
 def test_h64_builds_standard_and_candidates():
-    """The default's h64 builds are standard (`forgekernel build` prebuilds them): the kv part
-    and the dq part at 64 and 128 heads a CTA, both dtypes; the candidates keep only the probe's
-    kv part without reductions and with v2 reductions, none of them twice."""
+    """The default's h64 builds are standard (`forgekernel build` prebuilds them): the fused
+    kernel, both dtypes; the candidates hold the two-kernel form (the kv part and the dq part at
+    64 and 128 heads a CTA, both dtypes: the bench variant `split`) and the probe's builds (fused
+    and kv without reductions, kv with v2 reductions), none of them twice."""
     std = [p for p in SPEC.standard_params() if "h64" in dict(p)]
     cands = [p for p in SPEC.candidate_params() if "h64" in dict(p)]
-    assert len(std) == len(set(std)) == 6 and len(SPEC.standard_params()) == 10
-    assert {(dict(p)["dtype"], dict(p)["h64"], dict(p).get("dq_heads", 64)) for p in std} == {
-        *((d, part, 64) for d in config.DTYPES for part in config.H64_PARTS),
+    assert std == [config.params_h64(d, "fused") for d in config.DTYPES]
+    assert len(SPEC.standard_params()) == 6
+    assert len(cands) == len(set(cands)) == 9
+    assert {(dict(p)["dtype"], dict(p)["h64"], dict(p).get("dq_heads", 64)) for p in cands[:6]} == {
+        *((d, part, 64) for d in config.DTYPES for part in ("kv", "dq")),
         *((d, "dq", 128) for d in config.DTYPES)}  # fmt: skip
-    assert cands == [config.params_h64("bfloat16", "kv", reduce=False),
-                     config.params_h64("bfloat16", "kv", shfl4=False)]  # fmt: skip
+    assert cands[6:] == [config.params_h64("bfloat16", "fused", reduce=False),
+                         config.params_h64("bfloat16", "kv", reduce=False),
+                         config.params_h64("bfloat16", "kv", shfl4=False)]  # fmt: skip
     assert not set(std) & set(SPEC.candidate_params())
 
 
@@ -87,6 +98,23 @@ def test_h64_budgets():
     assert config.H64_DQ_THREADS == 512
     assert [config.h64_workspace_rows(k) for k in (1, 64, 65, 100, 2048)] == [64, 64, 128, 128,
                                                                                2048]  # fmt: skip
+
+
+def test_h64f_budgets():
+    """The fused kernel: the kv part's shared memory (lse2 / Delta' of the 64 heads in the
+    barrier block's spare bytes); the setmaxnreg split 24 / 240 gives out exactly the launch
+    allocation (3 x 168: setmaxnreg.inc takes only what .dec released); its dq^T blocks
+    cover the nine 64-column blocks once, 128 / 160 accumulator registers a consumer thread (4 /
+    5 blocks of 64 x 64 fp32), the second warpgroup's beside one dkv accumulator (32)."""
+    assert config.h64f_bytes() == config.h64_kv_bytes() <= SMEM_CAPACITY
+    launch_regs = REGISTERS_PER_SM // config.THREADS // 8 * 8  # 168
+    assert config.H64F_PRODUCER_REGS + 2 * config.H64F_CONSUMER_REGS == 3 * launch_regs
+    blocks = [b for wg in config.H64F_DQ_BLOCKS for b in wg]
+    assert sorted(blocks) == list(range(config.NCHUNK))
+    per_block = config.CHUNK * config.H64_BLOCK // THREADS_PER_WG
+    regs = [len(wg) * per_block + config.H64F_KV_ACCS[w] * per_block
+            for w, wg in enumerate(config.H64F_DQ_BLOCKS)]  # fmt: skip
+    assert regs == [128 + 64, 160 + 32] and max(regs) < config.H64F_CONSUMER_REGS
 
 
 def test_h64_chunk_tokens():
@@ -147,12 +175,21 @@ def _dq_part(kv, idx, ws, dq):
     dq.copy_(torch.einsum("tkh,tkd->thd", ws.float(), rows).to(dq.dtype))
 
 
+def _fused_part(q, kv, dout, lse2, delta, idx, dq, dkv, scale_log2, scale):
+    """The fused kernel's contract: the kv part's dkv and dS (rounded to q's dtype, as in its
+    shared memory) and the dq part's dq = dS K, no workspace in its interface."""
+    ws = torch.empty(idx.shape[0], config.h64_workspace_rows(idx.shape[1]), q.shape[1],
+                     dtype=q.dtype)  # fmt: skip
+    _kv_part(q, kv, dout, lse2, delta, idx, ws, dkv, scale_log2, scale)
+    _dq_part(kv, idx, ws, dq)
+
+
 def _fake_kernels(monkeypatch):
     calls = []
+    parts = {"kv": _kv_part, "dq": _dq_part, "fused": _fused_part}
 
     def get_kernel(spec, params):
-        part = dict(params)["h64"]
-        fn = _kv_part if part == "kv" else _dq_part
+        fn = parts[dict(params)["h64"]]
         return lambda *args: calls.append((dict(params), args)) or fn(*args)
 
     monkeypatch.setattr(launch, "get_kernel", get_kernel)
@@ -207,7 +244,8 @@ def test_h64_launches_replayed_give_the_reference(monkeypatch, dtype, heads, top
     q, kv, idx, clean, dout, out, lse, sink, dlse = _reference_problem(tokens, heads, topk, dtype,
                                                                        heads + topk)  # fmt: skip
     dq = torch.full_like(q, float("nan"))
-    got = launch.dsa_sparse_bwd(q, kv, dout, out, lse, dlse, sink, idx, scale, dq=dq, h64=True)
+    got = launch.dsa_sparse_bwd(q, kv, dout, out, lse, dlse, sink, idx, scale, dq=dq, h64=True,
+                                h64_fused=False)  # fmt: skip
     # two launches, kv then dq, on one workspace of whole tiles (one chunk: 5 tokens' is 80 KiB)
     name = dtype_name(dtype)
     assert [c[0] for c in calls] == [dict(config.params_h64(name, "kv")), dict(
@@ -220,12 +258,37 @@ def test_h64_launches_replayed_give_the_reference(monkeypatch, dtype, heads, top
     _assert_reference(got, q, kv, clean, dout, out, lse, sink, dlse)
 
 
+@pytest.mark.parametrize("dtype,heads,topk", [(torch.bfloat16, 64, 100), (torch.float16, 64, 64),
+                                              (torch.bfloat16, 128, 130),
+                                              (torch.bfloat16, 192, 1)])  # fmt: skip
+@pytest.mark.parametrize("offset", [0, 1])
+def test_h64f_launch_replayed_gives_the_reference(monkeypatch, dtype, heads, topk, offset):
+    """The default at H a multiple of 64: one launch of the fused kernel on the tensors
+    themselves (no workspace, no chunks), dq written in place when its rows are 16-byte aligned
+    (offset 0), through an aligned copy otherwise (a view one element in); the fp64
+    reference's gradients."""
+    calls = _fake_kernels(monkeypatch)
+    tokens, scale = 5, WIDTH**-0.5
+    q, kv, idx, clean, dout, out, lse, sink, dlse = _reference_problem(tokens, heads, topk, dtype,
+                                                                       heads + topk)  # fmt: skip
+    flat = torch.full((q.numel() + 1,), float("nan"), dtype=dtype)
+    dq = flat[offset : offset + q.numel()].view(q.shape)
+    got = launch.dsa_sparse_bwd(q, kv, dout, out, lse, dlse, sink, idx, scale, dq=dq)
+    assert [c[0] for c in calls] == [dict(config.params_h64(dtype_name(dtype), "fused"))]
+    args = calls[0][1]
+    assert args[0] is q and args[1] is kv and args[5] is idx and args[7] is got[1]
+    assert (args[6] is dq) == (offset == 0) and got[0] is dq
+    assert args[6].data_ptr() % 16 == 0 and args[6].shape == q.shape
+    assert math.isclose(args[8], scale * math.log2(math.e)) and args[9] == scale
+    _assert_reference(got, q, kv, clean, dout, out, lse, sink, dlse)
+
+
 @pytest.mark.parametrize("by", ["cap", "ws"])
 @pytest.mark.parametrize("dtype,heads,topk,chunk", [(torch.bfloat16, 64, 100, 3),
                                                     (torch.float16, 128, 130, 2),
                                                     (torch.bfloat16, 192, 64, 1)])  # fmt: skip
 def test_chunked_h64_launches_give_the_reference(monkeypatch, dtype, heads, topk, chunk, by):
-    """The default (h64 at these H) in chunks of `chunk` tokens, by the workspace's cap (a fresh
+    """The two-kernel h64 form in chunks of `chunk` tokens, by the workspace's cap (a fresh
     (chunk, rows, H) workspace) or by a smaller h64_ws (NaN-poisoned): kv then dq a chunk on
     row slices of q, dout, lse2, Delta', the indices and dq (the same memory, not copies), one
     workspace reused, one dkv accumulator; the gradients the fp64 reference's."""
@@ -238,6 +301,7 @@ def test_chunked_h64_launches_give_the_reference(monkeypatch, dtype, heads, topk
     forms = {}
     if by == "cap":
         monkeypatch.setattr(config, "H64_WS_CAP_BYTES", (chunk + 1) * per_token - 1)
+        forms["h64_fused"] = False  # the two-kernel form (h64_ws names it by itself)
     else:
         forms["h64_ws"] = torch.full((chunk, rows, heads), float("nan"), dtype=dtype)
     dq = torch.full_like(q, float("nan"))
@@ -262,10 +326,11 @@ def test_chunked_h64_launches_give_the_reference(monkeypatch, dtype, heads, topk
 
 
 @pytest.mark.parametrize("heads", [64, 128])
-def test_op_default_runs_h64_chunked(monkeypatch, heads):
+def test_op_default_runs_h64f(monkeypatch, heads):
     """The op (explicit backward; the kernel's `unsupported` and the preprocess kernel's faked
-    on the CPU) runs the launcher's default: the h64 launches, here in 3 chunks by the cap, its
-    gradients (dq split, dkv cast to q's dtype) the fp64 reference's."""
+    on the CPU) runs the launcher's default: the fused kernel, one launch whatever the
+    workspace's cap (it has none), its gradients (dq split, dkv cast to q's dtype) the fp64
+    reference's."""
     from forgekernel.ops import dsa as fwd
     from forgekernel.ops import dsa_bwd
 
@@ -282,7 +347,7 @@ def test_op_default_runs_h64_chunked(monkeypatch, heads):
         q[..., :LATENT], q[..., LATENT:], kv.view(-1, 1, 1, WIDTH), None, clean, dout,
         softmax_scale=WIDTH**-0.5, out=out, lse=lse, attn_sink=sink, dlse=dlse,
     )  # fmt: skip
-    assert [c[0]["h64"] for c in calls] == ["kv", "dq"] * 3
+    assert [c[0]["h64"] for c in calls] == ["fused"]
     assert dkpe is None and dkv.shape == (kv.shape[0], 1, 1, WIDTH) and dkv.dtype == dtype
     got = (torch.cat((dq_nope, dq_pe), -1), dkv.view(-1, WIDTH), d_sink)
     _assert_reference(got, q, kv, clean, dout, out, lse, sink, dlse)
@@ -299,7 +364,8 @@ def test_chunked_h64_launches_read_nothing_back(monkeypatch):
     lse = torch.randn(q.shape[:2])
     monkeypatch.setattr(config, "H64_WS_CAP_BYTES", 3 * 128 * 128 * 2)
     args = meta(q, kv, dout, dout, lse, dlse, sink, idx)
-    assert_capturable(launch.dsa_sparse_bwd, *args, WIDTH**-0.5)
+    assert_capturable(launch.dsa_sparse_bwd, *args, WIDTH**-0.5, h64_fused=False)
+    assert_capturable(launch.dsa_sparse_bwd, *args, WIDTH**-0.5)  # the fused default
 
 
 def test_h64_launcher_rejects_and_keys(monkeypatch):
@@ -326,11 +392,17 @@ def test_h64_launcher_rejects_and_keys(monkeypatch):
                          ((0, 64, 64), torch.bfloat16), ((64, 64), torch.bfloat16)):  # fmt: skip
         with pytest.raises(ValueError, match="h64_ws must be"):
             launch.dsa_sparse_bwd(*args, h64_ws=torch.empty(shape, dtype=dtype))
+    with pytest.raises(ValueError, match="h64_fused=False"):
+        launch.dsa_sparse_bwd(*args, h64_fused=True, h64_v2=True)
+    with pytest.raises(ValueError, match="h64_fused applies"):
+        launch.dsa_sparse_bwd(*args, h64=False, h64_fused=True)
     assert not calls
     launch.dsa_sparse_bwd(*args, h64=True, reduce=False)
+    launch.dsa_sparse_bwd(*args, h64_fused=False, reduce=False)
     launch.dsa_sparse_bwd(*args, h64_v2=True)
     keys = [tuple(sorted(c[0].items())) for c in calls]
-    assert keys == [config.params_h64("bfloat16", "kv", reduce=False),
+    assert keys == [config.params_h64("bfloat16", "fused", reduce=False),
+                    config.params_h64("bfloat16", "kv", reduce=False),
                     config.params_h64("bfloat16", "dq"),
                     config.params_h64("bfloat16", "kv", shfl4=False),
                     config.params_h64("bfloat16", "dq")]  # fmt: skip
@@ -339,9 +411,10 @@ def test_h64_launcher_rejects_and_keys(monkeypatch):
 
 @pytest.mark.parametrize("heads", [16, 32, 64, 96, 128, 192, 256])
 def test_default_takes_h64_exactly_at_multiples_of_64(monkeypatch, heads):
-    """h64=None (the default) runs the two h64 launches iff H % 64 == 0 (dq at 128 heads a CTA
-    iff H % 128 == 0), v1's xchg4s otherwise; h64=False v1 at every H; every key the default
-    reaches a standard build (no user call compiles)."""
+    """h64=None (the default) runs the fused h64 kernel iff H % 64 == 0, v1's xchg4s otherwise;
+    h64_fused=False there the two h64 launches (dq at 128 heads a CTA iff H % 128 == 0);
+    h64=False v1 at every H; every key the default reaches a standard build (no user call
+    compiles)."""
     seen = []
     monkeypatch.setattr(launch, "get_kernel", lambda spec, params: seen.append(params)
                         or (lambda *a: None))  # fmt: skip
@@ -351,12 +424,16 @@ def test_default_takes_h64_exactly_at_multiples_of_64(monkeypatch, heads):
     launch.dsa_sparse_bwd(*args)
     v1 = config.params_for("float16", config.block_heads(heads), xchg=True, red4s=True)
     if heads % 64 == 0:
+        assert seen == [config.params_h64("float16", "fused")]
+        seen.clear()
+        launch.dsa_sparse_bwd(*args, h64_fused=False)
         dq_heads = 128 if heads % 128 == 0 else 64
         assert seen == [config.params_h64("float16", "kv"),
                         config.params_h64("float16", "dq", dq_heads=dq_heads)]  # fmt: skip
+        assert set(seen) <= set(SPEC.candidate_params())
     else:
         assert seen == [v1]
-    assert set(seen) <= set(SPEC.standard_params())
+        assert set(seen) <= set(SPEC.standard_params())
     seen.clear()
     launch.dsa_sparse_bwd(*args, h64=False)
     assert seen == [v1]

@@ -245,6 +245,31 @@ def test_h64_kv_kernel(dtype, shfl4):
     assert ops["DEPBAR0"] <= 8
 
 
+@pytest.mark.parametrize("dtype", config.DTYPES)
+def test_h64f_kernel(dtype):
+    """The fused h64 kernel (kernel_h64f.py, the default at H % 64 == 0): no spills under the
+    setmaxnreg split 24 / 240 (168 at launch); the kv part's 136 m64n64k16 MMAs (S^T 36, dP^T 32,
+    dkv 4 x 17) plus the dq^T blocks' 36 (4 k-steps x 9 blocks, both operands transposed); dkv by
+    the kv part's 72 red.global.add.v4.f32 after 144 shuffles; no workspace stores, dq by 36
+    128-bit stores (4 a 64 x 64 block a thread) through the dead stage; the gather by cp.async
+    as the kv part's (q 36 + dO 32 + rows 36); four named barriers a consumer tile, two in the
+    epilogue, each path, plus the start's sync."""
+    res, ops = _compiled(config.params_h64(dtype, "fused"))
+    sass = _build(config.params_h64(dtype, "fused"))[1]
+    assert res["spill_bytes"] == 0 and ops["LDL"] == ops["STL"] == 0
+    assert res["smem_bytes"] + config.h64f_bytes() <= SMEM_CAPACITY
+    assert res["registers"] <= 65536 // config.THREADS
+    assert f"USETMAXREG.DEALLOC.CTAPOOL {hex(config.H64F_PRODUCER_REGS)} " in sass
+    assert f"USETMAXREG.TRY_ALLOC.CTAPOOL UP0, {hex(config.H64F_CONSUMER_REGS)} " in sass
+    assert ops["HGMMA"] == 136 + 36 == len(re.findall(r"HGMMA\.64x64x16\.F32", sass))
+    assert len(re.findall(r"HGMMA\.64x64x16\.F32(?:\.\w+)? R\d+, gdesc\[UR\d+\]\.tnspA\.tnspB",
+                          sass)) == 36  # fmt: skip
+    assert ops["RED_V4"] == ops["REDG"] == 72 and ops["SHFL"] == 144
+    assert sass.count("STG.E.128 ") == 36 and ops["STG"] == 0
+    assert ops["LDGSTS"] == 9 * 4 + 8 * 4 + 9 * 4
+    assert ops["BAR"] == 2 * (4 + 2) + 1
+
+
 @pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
 def test_h64_dq_kernel_128(dtype):
     """The h64 dq part at 128 heads a CTA (one 192-column group): one dq^T block a consumer

@@ -150,34 +150,48 @@ def _run_faked(run, case) -> tuple:
     return (*out, inputs)
 
 
-def test_was_variant_runs_v1_where_ours_runs_h64(monkeypatch):
-    """Variant `was` on the H 64 / 128 bench cases only (where the op's default runs the h64
-    kernels): the op's launches with the launcher's h64=False, v1's standard xchg4s at blocks of
-    32 (a standard build), dq / dkv split and cast as the op's; the launcher's default on the
-    same inputs runs the h64 kernels' two launches (standard builds too)."""
+def test_was_variant_runs_split_h64_where_ours_runs_fused(monkeypatch):
+    """Variant `was` on the H 64 / 128 bench cases only (where the op's default runs the fused
+    kernel): the op's launches with the launcher's h64_fused=False, kernel_h64.py's kv then dq
+    part (candidate builds), dq / dkv split and cast as the op's; the launcher's default on the
+    same inputs runs the fused kernel's one launch (a standard build)."""
     from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import SPEC as BWD
     from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import config, launch
 
     assert {c.params["hq"] for c in suite_mod.BENCH_CASES if "was" in suite_mod.variants(c)} == {
         64, 128}  # fmt: skip
     case = next(c for c in suite_mod.CHECK_CASES if c.params["hq"] == 64)
-    seen = _fake_v1(monkeypatch, launch)
-    out = _run_faked(suite_mod.variants(case)["was"], case)
-    assert seen == [config.params_for("bfloat16", 32, xchg=True, red4s=True)]
-    assert seen[0] in BWD.standard_params()
-    assert torch.equal(out[0], 2 * out[-1]["q"][..., :512])
-    assert torch.equal(out[1], 2 * out[-1]["q"][..., 512:])
-
     seen = []
 
-    def kv_part(q, kv, dout, lse2, delta, idx, ws, dkv, *scales):
+    def slots(dkv):
         dkv.copy_(torch.arange(dkv.shape[0], dtype=dkv.dtype)[:, None].expand_as(dkv))
+
+    def kv_part(q, kv, dout, lse2, delta, idx, ws, dkv, *scales):
+        slots(dkv)
+        ws.zero_()
+
+    def fused(q, kv, dout, lse2, delta, idx, dq, dkv, *scales):
+        slots(dkv)
+        dq.copy_(2 * q)
 
     def get_kernel(spec, params):
         seen.append(params)
-        return kv_part if dict(params)["h64"] == "kv" else lambda kv, idx, ws, dq: dq.zero_()
+        part = dict(params)["h64"]
+        if part == "kv":
+            return kv_part
+        if part == "dq":
+            return lambda kv, idx, ws, dq: dq.copy_(3 * torch.ones_like(dq))
+        return fused
 
     monkeypatch.setattr(launch, "get_kernel", get_kernel)
+    monkeypatch.setattr(launch, "as_tma_ready", lambda t: t)
+    out = _run_faked(suite_mod.variants(case)["was"], case)
+    assert seen == [config.params_h64("bfloat16", "kv"), config.params_h64("bfloat16", "dq")]
+    assert set(seen) <= set(BWD.candidate_params())
+    assert (out[0] == 3).all() and (out[1] == 3).all()
+    seen.clear()
     out = _run_faked(lambda i, o: suite_mod._run_launcher(i, o), case)
-    assert [dict(p)["h64"] for p in seen] == ["kv", "dq"]
+    assert seen == [config.params_h64("bfloat16", "fused")]
     assert set(seen) <= set(BWD.standard_params())
+    assert torch.equal(out[0], 2 * out[-1]["q"][..., :512])
+    assert torch.equal(out[1], 2 * out[-1]["q"][..., 512:])

@@ -236,8 +236,8 @@ def test_fsplit_resources(compiled, dtype):
     warpgroup its own rows')
     and the finish's warp sum twice in the SASS (ptxas' copy for a divergent `tid < 64`); six
     load groups (dU + h, T^T + u, w + k, dO + U, q, dh); every named barrier a bar.sync: BAR_MATH
-    (id 1) once, the WY warpgroup's (4) twice, the 256-thread start (5), hand-over (6) and
-    finish (2) once a side."""
+    (id 1) once, the WY warpgroup's (4) twice, the 256-thread start (5) and hand-over (6) once a
+    side, finish (2) twice a side (`_rows_to_finish`: test_fsplit_rows_handover)."""
     res, instrs, smem = compiled(dtype, True, False, True, True, True)
     base_res, base_instrs, _ = compiled(dtype, True, False, True, True)
     assert res["registers"] == 168 == 65536 // config.FSPLIT_THREADS // 8 * 8
@@ -249,6 +249,7 @@ def test_fsplit_resources(compiled, dtype):
     assert ops.count("USETMAXREG.TRY_ALLOC.CTAPOOL") == 2
     setmax = sorted(int(a.split()[-1], 16) for op, a in instrs if op.startswith("USETMAXREG"))
     assert setmax == sorted(config.FSPLIT_REGS)
+    assert sum(setmax) * 128 <= res["registers"] * config.FSPLIT_THREADS  # the CTA's pool
     for prefix in ("HGMMA", "UTMALDG", "STSM", "STG", "STS", "LDS", "MUFU.RCP"):
         got = sorted(op for op in ops if op.startswith(prefix))
         assert got == sorted(op for op in base_ops if op.startswith(prefix)), prefix
@@ -260,9 +261,45 @@ def test_fsplit_resources(compiled, dtype):
     bars = [(op, a.strip()) for op, a in instrs if op.startswith("BAR")]
     assert not [op for op, _ in bars if not op.startswith("BAR.SYNC")]
     assert sorted(a for _, a in bars) == sorted(
-        ["0x0"] + ["0x1, 0x80"] * 1 + ["0x4, 0x80"] * 2 + ["0x2, 0x100", "0x5, 0x100",
-                                                           "0x6, 0x100"] * 2
+        ["0x0"] + ["0x1, 0x80"] * 1 + ["0x4, 0x80"] * 2 + ["0x5, 0x100", "0x6, 0x100"] * 2
+        + ["0x2, 0x100"] * 4
     )  # fmt: skip
     # setmaxnreg in force: 24 (the producer), 256 (the WY warpgroup), 224 (the output one)
     regions = _max_register_by_region(instrs)
     assert regions["256"] < 256 and regions["224"] < 224 and regions["24"] < 24
+
+
+def _regions(instrs) -> dict[str, list[tuple[str, str]]]:
+    """The SASS's instructions by setmaxnreg region (`_max_register_by_region`'s keys)."""
+    out, cur = {}, "launch"
+    for op, a in instrs:
+        if op.startswith("USETMAXREG"):
+            cur = str(int(a.split()[-1], 16))
+        out.setdefault(cur, []).append((op, a.strip()))
+    return out
+
+
+def _waits(instrs) -> int:
+    return sum(op.startswith("BAR.SYNC") for op, _ in instrs)
+
+
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
+def test_fsplit_rows_handover(compiled, dtype):
+    """`fsplit`'s WY rows to the finish (`_rows_to_finish`, NOTES "GDN fsplit race"): racecheck
+    (H100, 2026-12-06) flagged sRed[0], stored by the WY warpgroup's last shared store (its dG
+    rows' read-modify-write, after 4 waits since bar 0) and loaded by the finish after 4 waits
+    of its own (one BAR_FINISH). Now the finish loads after 5 (BAR_FINISH twice, back to back
+    on both sides): more waits than the stores had (racecheck's rule, docs/attention/
+    MLA_NOTES.md), and after the storing thread has passed one of its own."""
+    _, instrs, _ = compiled(dtype, True, False, True, True, True)
+    regions = _regions(instrs)
+    finish = ("BAR.SYNC.DEFER_BLOCKING", "0x2, 0x100")
+    wy, out = regions["256"], regions["224"]  # the WY warpgroup, the output one
+    at = wy.index(finish)
+    assert wy[at + 1] == finish
+    store = max(i for i, (op, _) in enumerate(wy[:at]) if op.startswith("STS"))
+    at_out = out.index(finish)
+    assert out[at_out + 1] == finish
+    load = at_out + 2 + next(i for i, (op, _) in enumerate(out[at_out + 2 :]) if op == "LDS")
+    assert _waits(out[:load]) == _waits(wy[:store]) + 1 == 5
+    assert not [op for op, _ in wy[store:at] if op.startswith("BAR")]

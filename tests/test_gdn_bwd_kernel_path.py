@@ -38,6 +38,7 @@ from forgekernel.reference.gdn_bwd_state import (
     forward_state_tiles,
     forward_states,
     out16_forms,
+    over_slots,
     reverse_state_pass,
     state_pass_factors,
 )
@@ -72,7 +73,28 @@ def forward_inputs_as_reverse(do, ke, w, e_last):
 
 def emulated_kernel(calls=None):
     """kernel 1's stand-in: the tile emulation in fp64, the register operands rounded to the
-    tiles' dtype where it is 16-bit, fp32 outputs (the launcher's)."""
+    tiles' dtype where it is 16-bit, fp32 outputs (the launcher's); its varlen form (cu_seqlens,
+    order: the slot layout) by `over_slots` on the batch form, one recorded call a launch."""
+    batch, quiet = _batch_kernel(calls), _batch_kernel()
+
+    def run(do, pt, ke, qe, w, e_last, dht, dh0=None, out16=False, forward=False,
+            cu_seqlens=None, order=None):  # fmt: skip
+        if cu_seqlens is None:
+            return batch(do, pt, ke, qe, w, e_last, dht, dh0, out16, forward)
+        assert out16 and dht is None or dht.shape[0] == cu_seqlens.shape[0] - 1
+        assert cu_seqlens.dtype == order.dtype == torch.int32
+        if calls is not None:
+            calls.append(do.dtype)
+            FLAGS.append((out16, forward))
+        du, side, s0 = over_slots(quiet, cu_seqlens, order, do, pt, ke, qe, w, e_last, dht,
+                                  out16=out16, forward=forward)  # fmt: skip
+        return du, side, written_to(dh0, s0)
+
+    return run
+
+
+def _batch_kernel(calls=None):
+    """`emulated_kernel`'s batch form (B sequences of T tokens)."""
 
     def run(do, pt, ke, qe, w, e_last, dht, dh0=None, out16=False, forward=False):
         assert out16 or not forward
@@ -511,9 +533,9 @@ def test_qk16_within_the_check_tolerance(kernel_path, monkeypatch, h, hv, l2norm
 
 
 def test_fsplit_switch(kernel_path, monkeypatch):
-    """FSPLIT (TEMPORARY A/B switch, off by default): kernel 2's `fsplit` key with QK16 (the
-    same outputs: the stand-in ignores it), never without QK16."""
-    assert not bwd.FSPLIT
+    """FSPLIT (on by default since the H100 A/B, 2026-12-06: 1.18x): kernel 2's `fsplit` key
+    with QK16 (the same outputs: the stand-in ignores it), never without QK16."""
+    assert bwd.FSPLIT
     q, k, v, g, beta, do, h0, dht = _bf16_problem(1, 65, 2, 2, seed=5)
     outs = {}
     for fs, qk16 in ((False, True), (True, True), (True, False)):
@@ -532,15 +554,25 @@ def test_fsplit_switch(kernel_path, monkeypatch):
 
 @pytest.mark.parametrize(
     ("lens", "h0_too"),
-    [([1, 63, 0, 64, 65, 130], True), ([70, 70, 70], False), ([3, 129, 7], True)],
+    [
+        ([1, 63, 0, 64, 65, 130], True),
+        ([70, 70, 70], False),
+        ([3, 129, 7], True),
+        ([0, 5], True),
+        ([128, 64, 0], False),
+    ],
 )
-def test_varlen_buckets_equal_the_interim_path(monkeypatch, lens, h0_too):
-    """Several sequences behind cu_seqlens: buckets of sequences padded at their ends, one
-    kernel-path call a bucket (fp32 tiles, exact emulation), equal the interim path, empty
-    sequences included."""
+@pytest.mark.parametrize("in_slots", [True, False])
+def test_varlen_equals_the_interim_path(monkeypatch, lens, h0_too, in_slots):
+    """Several sequences behind cu_seqlens (fp32 tiles, exact emulation) equal the interim path,
+    empty sequences included: unequal lengths in the slot layout, one launch of each kernel
+    (the device pass, the default: ops/_linattn_varlen.py `run_in_slots`), or in buckets, one
+    kernel-path call a bucket (`in_slots` False: the fallback forms, STATES16 off); equal
+    lengths one call on the tokens as they are either way."""
     monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
     monkeypatch.setattr(bwd, "KERNEL_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(bwd, "TILE_DTYPES", (torch.float32,))
+    monkeypatch.setattr(bwd, "STATES16", in_slots)
     calls, chunk_calls = [], []
     _both_emulated(monkeypatch, calls, chunk_calls)
     n, t = len(lens), sum(lens)
@@ -551,36 +583,104 @@ def test_varlen_buckets_equal_the_interim_path(monkeypatch, lens, h0_too):
     h0 = h0 if h0_too else None
     want = bwd._backward_interim(*flat[:5], h0, cu, flat[5], dht, 0.2, False, True)
     got = bwd._backward_eager(*flat[:5], h0, cu, flat[5], dht, 0.2, False, True, 0)
-    buckets = 1 if len(set(lens)) == 1 else len(varlen.buckets(lens))
-    assert buckets == (1 if len(set(lens)) == 1 else 2)
-    assert len(calls) == 2 * buckets and len(chunk_calls) == buckets
+    calls_each = 1 if len(set(lens)) == 1 or in_slots else len(varlen.buckets(lens))
+    assert len(calls) == 2 * calls_each and len(chunk_calls) == calls_each
     for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
         assert a.shape == r.shape, name
         err = float((a - r).abs().max())
         assert err <= 1e-4 * float(r.abs().max()) + 1e-6, (name, err, float(r.abs().max()))
 
 
+def test_varlen_in_slots_is_the_batch_path(monkeypatch):
+    """Equal lengths in the slot layout (as a CUDA-graph capture runs them: no host read) give
+    the batch path's gradients bit for bit (fp32 tiles, exact emulation; lengths 64 and 70: no
+    tail and a tail chunk, one zero slot a sequence)."""
+    monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
+    monkeypatch.setattr(bwd, "KERNEL_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(bwd, "TILE_DTYPES", (torch.float32,))
+    _both_emulated(monkeypatch)
+    for b, t in ((3, 64), (2, 70)):
+        q, k, v, g, beta, do, h0, dht = _inputs(b, t, 2, 4, dk=32, dv=16, seed=t,
+                                                dtype=torch.float32)  # fmt: skip
+        flat = [x.flatten(0, 1) for x in (q, k, v, g, beta, do)]
+        cu = torch.arange(b + 1, dtype=torch.int32) * t
+        args = (*flat[:5], h0, flat[5], dht, 0.2, False, True)
+        want = bwd._backward_kernel(*args, b)
+
+        def run(q, k, v, g, beta, do, h0, dht, slots):
+            return bwd._backward_kernel(q, k, v, g, beta, h0, do, dht, 0.2, False, True, 1,
+                                        slots=slots)  # fmt: skip
+
+        got = varlen.run_in_slots(run, flat, (h0, dht), cu)
+        for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
+            assert torch.equal(a, r), name
+
+
 def test_varlen_routing(kernel_path, monkeypatch):
-    """Varlen reads the offsets (kernel path, padded); one long sequence among many short
-    ones: two buckets on the kernel path (the interim path before 2026-12-06); one sequence:
-    no host read."""
+    """Varlen reads the offsets once (eager) and runs unequal lengths once in the slot layout
+    (one long sequence among many short ones: two kernel-1 launches, as equal lengths; buckets
+    before, the interim path before those); one sequence: no host read."""
     seen = []
     interim = bwd._backward_interim
     monkeypatch.setattr(bwd, "_backward_interim", lambda *a: seen.append(1) or interim(*a))
     q, k, v, g, beta, do, h0, _ = _bf16_problem(1, 610, 1, 2)
-    for lens, launches in (([300, 310], 2), ([600] + [1] * 10, 4)):
+    for lens in ([300, 310], [600] + [1] * 10, [305, 305]):
         kernel_path.clear()
         seen.clear()
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
         forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, cu_seqlens=cu,
                                               use_qk_l2norm_in_kernel=True)  # fmt: skip
-        assert (len(kernel_path), seen) == (launches, [])
+        assert (len(kernel_path), seen) == (2, [])
     kernel_path.clear()
     cu = torch.tensor([0, 610], dtype=torch.int32)
     monkeypatch.setattr(bwd, "_backward_varlen", lambda *a: pytest.fail("host read"))
     forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, initial_state=h0[:1],
                                           cu_seqlens=cu)  # fmt: skip
     assert len(kernel_path) == 2
+
+
+@pytest.mark.parametrize("lens", [[1, 63, 0, 64, 65, 130], [200, 3], [64, 0]])
+def test_varlen_in_slots_is_each_sequence_alone(kernel_path, lens):
+    """bf16 on the device pass (the default; every kernel emulated): unequal sequences in the
+    slot layout, one launch each, give each sequence's own batch-path call's gradients bit for
+    bit (chunk-local kernels on the same chunks; kernel 1's extra zero slot passes the state
+    exactly); an empty sequence's state gradient is d_final_state's."""
+    n, t = len(lens), sum(lens)
+    q, k, v, g, beta, do, *_ = _bf16_problem(1, t, 2, 4, seed=t)
+    *_, h0, dht = _bf16_problem(n, 1, 2, 4, seed=n)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    kw = {"use_qk_l2norm_in_kernel": True}
+    got = forgekernel.gated_delta_rule_backward(
+        q, k, v, g, beta, do, cu_seqlens=cu, initial_state=h0, d_final_state=dht, **kw
+    )
+    assert len(kernel_path) == 2
+    for i, (a, z) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        if a == z:
+            assert torch.equal(got[5][i], dht[i])
+            continue
+        one = forgekernel.gated_delta_rule_backward(
+            *(x[:, a:z] for x in (q, k, v, g, beta, do)), initial_state=h0[i : i + 1],
+            d_final_state=dht[i : i + 1], **kw)  # fmt: skip
+        for name, x, r in zip(("dq", "dk", "dv", "dg", "dbeta"), got, one):
+            assert torch.equal(x[:, a:z], r), (i, name)
+        assert torch.equal(got[5][i : i + 1], one[5]), i
+
+
+def test_varlen_passes_count_the_tokens(kernel_path, monkeypatch):
+    """The slot layout's passes over heads count the callers' tokens, not its zero rows
+    (`pass_tokens`): 2 x 65 tokens in 4 slots (256 rows) at H = 2, HV = 4 stay one pass (two
+    kernel-1 launches) under a bound of 2 x 130 token-heads a q head; 256 rows would be two."""
+    q, k, v, g, beta, do, *_ = _bf16_problem(1, 130, 2, 4)
+    cu = torch.tensor([0, 65, 130], dtype=torch.int32)
+    monkeypatch.setattr(bwd, "TOKEN_HEADS_PER_PASS", 2 * 130 * 2)
+    forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, cu_seqlens=cu)  # equal: reshape
+    assert len(kernel_path) == 2
+    cu = torch.tensor([0, 60, 130], dtype=torch.int32)
+    forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, cu_seqlens=cu)  # in slots
+    assert len(kernel_path) == 4
+    monkeypatch.setattr(bwd, "TOKEN_HEADS_PER_PASS", 2 * 130 * 2 - 1)
+    forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, cu_seqlens=cu)
+    assert len(kernel_path) == 8  # two passes
 
 
 def test_switch_off_is_the_interim_path(kernel_path, monkeypatch):

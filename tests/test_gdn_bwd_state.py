@@ -169,8 +169,9 @@ def test_launcher_empty_sequences_pass_the_state_gradient():
 @pytest.mark.parametrize("with_dht", [False, True])
 def test_launcher_passes_the_compiled_signature(monkeypatch, dke, with_dht):
     """The call the launcher makes is the one compile.py declares: (dO, P^T, Ke, Qe, W, U or
-    None, e^(G_C), dS_T or None, dU, dh or None, dke or None, dh0), under the compile key of
-    the inputs (a recorder stands in for the kernel)."""
+    None, e^(G_C), dS_T or None, dU, dh or None, dke or None, dh0, cu_seqlens and the order or
+    None: the varlen form's), under the compile key of the inputs (a recorder stands in for the
+    kernel)."""
     calls = []
     monkeypatch.setattr(launch, "get_kernel",
                         lambda spec, params: lambda *a: calls.append((params, a)))  # fmt: skip
@@ -183,7 +184,7 @@ def test_launcher_passes_the_compiled_signature(monkeypatch, dke, with_dht):
                             "dke": dke}  # fmt: skip
     assert side.shape == ((2, 130, 3, 128) if dke else (2, 3, 3, 128, 128))
     want = (do, pt, ke, qe, w, u, e_last, dht, du, None if dke else side,
-            side if dke else None, dh0)  # fmt: skip
+            side if dke else None, dh0, None, None)  # fmt: skip
     assert len(args) == len(want)
     for got, ref in zip(args, want):
         assert got is ref or (got is not None and ref is not None and torch.equal(got, ref))
@@ -210,7 +211,7 @@ def test_launcher_out16_signature(monkeypatch, forward, with_dht):
     assert dict(params) == want_key
     assert du.dtype == ds.dtype == torch.bfloat16 and dh0.dtype == torch.float32
     assert du.shape == (2, 130, 3, 128) and ds.shape == (2, 3, 3, 128, 128)
-    want = (do, *tiles, None, e_last, dht, du, ds, None, dh0)
+    want = (do, *tiles, None, e_last, dht, du, ds, None, dh0, None, None)
     assert len(args) == len(want)
     for got, ref in zip(args, want):
         assert got is ref or (got is not None and ref is not None and torch.equal(got, ref))
@@ -223,6 +224,45 @@ def test_launcher_out16_signature(monkeypatch, forward, with_dht):
     with pytest.raises(ValueError, match="contiguous tensors of dtypes"):
         fp32 = launch.empty_outputs(do, 128)
         launch.gdn_bwd_state(do, pt, ke, qe, w, e_last, out16=True, out=fp32)
+
+
+@pytest.mark.parametrize("forward", [False, True])
+def test_launcher_varlen_signature(monkeypatch, forward):
+    """The varlen form (ops/_linattn_varlen.py's slot layout): tiles (1, 64 S, HV, ...), the
+    states and dh0 (N, HV, K, V), cu_seqlens and the order passed last, `varlen` in the key; the
+    checks: both tables or neither, out16 only, int32 of N + 1 and N, S >= N."""
+    calls = []
+    monkeypatch.setattr(launch, "get_kernel",
+                        lambda spec, params: lambda *a: calls.append((params, a)))  # fmt: skip
+    do, pt, ke, qe, w, e_last = _bf16_inputs(1, 4 * 64, 3)
+    cu = torch.tensor([0, 70, 70, 130], dtype=torch.int32)  # S = 130 // 64 + 3 = 5 > 4: fine
+    order = torch.tensor([0, 2, 1], dtype=torch.int32)
+    dht = torch.zeros(3, 3, 128, 128)
+    tiles = (None, ke, None, w) if forward else (pt, ke, qe, w)
+    du, ds, dh0 = launch.gdn_bwd_state(do, *tiles, e_last, dht, out16=True, forward=forward,
+                                       cu_seqlens=cu, order=order)  # fmt: skip
+    ((params, args),) = calls
+    assert dict(params)["varlen"] is True and dict(params)["d_final_state"] is True
+    assert du.shape == (1, 256, 3, 128) and ds.shape == (1, 4, 3, 128, 128)
+    assert dh0.shape == (3, 3, 128, 128)
+    assert args[-2] is cu and args[-1] is order and args[-3] is dh0 and args[7] is dht
+    with pytest.raises(ValueError, match="come together"):
+        launch.gdn_bwd_state(do, pt, ke, qe, w, e_last, out16=True, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="out16's"):
+        launch.gdn_bwd_state(do, pt, ke, qe, w, e_last, cu_seqlens=cu, order=order)
+    with pytest.raises(ValueError, match="order must be a contiguous int32"):
+        launch.gdn_bwd_state(do, pt, ke, qe, w, e_last, out16=True, cu_seqlens=cu,
+                             order=order.long())  # fmt: skip
+    with pytest.raises(ValueError, match="d_final_state must be float32"):
+        launch.gdn_bwd_state(do, pt, ke, qe, w, e_last, dht[:1], out16=True, cu_seqlens=cu,
+                             order=order)  # fmt: skip
+    many = torch.arange(6, dtype=torch.int32)  # 5 sequences in 4 slots
+    with pytest.raises(ValueError, match="cannot hold 5 sequences"):
+        launch.gdn_bwd_state(do, pt, ke, qe, w, e_last, out16=True, cu_seqlens=many,
+                             order=many[:5])  # fmt: skip
+    with pytest.raises(ValueError, match="varlen tiles must be"):
+        launch.gdn_bwd_state(do[:, :200], pt[:, :200], ke[:, :200], qe[:, :200], w[:, :200],
+                             e_last, out16=True, cu_seqlens=cu, order=order)  # fmt: skip
 
 
 # ---- per key channel (Kimi Delta Attention: the `channel_decay` variant) ----------------------

@@ -153,10 +153,11 @@ def compiled16():
 
     def get(name):
         if name not in cache:
-            dtype, dht, forward = OUT16[name]
+            base = name.removesuffix("_varlen")  # the varlen form of an OUT16 key
+            dtype, dht, forward = OUT16[base]
             params = dict(config.params_for(dtype, d_final_state=dht, out16=True,
-                                            forward=forward,
-                                            channel_decay=_channel(name)))  # fmt: skip
+                                            forward=forward, channel_decay=_channel(base),
+                                            varlen=base != name))  # fmt: skip
             kernel = kernel_for(params)
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_gdn_bwd_state(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
@@ -213,3 +214,37 @@ def test_out16_resources(compiled16, name):
     plain = compiled16("bf16_out16" if name.startswith("bf16") else "fp16_dht_out16")[1]
     if forward and dsl_toolchain() == "cu13":
         assert ops.count("FADD") == [op for op, _ in plain].count("FADD") + 32
+
+
+# ---- varlen (ops/_linattn_varlen.py's slot layout: one CTA per (head, sequence), its own slots)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["bf16_out16", "bf16_dht_fwd", "bf16_dht_out16_channel",
+     pytest.param("bf16_fwd_channel", marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_varlen_costs_nothing_per_chunk(compiled16, name):
+    """The varlen form of a device-pass key: the same registers (168 at launch under cu13), the
+    same shared memory, no spill, the same WGMMAs, TMA loads and 16-bit stores a chunk; its
+    extra work is three int32 loads a CTA (order[n], cu_seqlens[n], cu_seqlens[n + 1])."""
+    res, instrs, smem = compiled16(name + "_varlen")
+    base_res, base_instrs, base_smem = compiled16(name)
+    assert res["spill_bytes"] == 0 and res["registers"] == base_res["registers"]
+    assert smem == base_smem
+    ops, base_ops = ([op for op, _ in x] for x in (instrs, base_instrs))
+    for prefix in ("HGMMA", "UTMALDG", "STG.E.U16", "STG.E.64", "USETMAXREG", "LDL", "STL"):
+        assert sum(op.startswith(prefix) for op in ops) == sum(
+            op.startswith(prefix) for op in base_ops
+        ), prefix
+    assert (
+        sum(op.startswith("LDG") for op in ops) == sum(op.startswith("LDG") for op in base_ops) + 3
+    )
+
+
+def test_varlen_is_only_in_its_keys():
+    """The standard keys (the batch path's) do not name varlen: their kernels, and so their
+    cache entries, are the ones from before the form (their SASS compared identical on
+    2026-12-06, docs/linear_attention/NOTES.md "Varlen backward, one launch")."""
+    assert "varlen" not in dict(config.params_for("bfloat16", out16=True, forward=True))
+    assert dict(config.params_for("bfloat16", out16=True, varlen=True))["varlen"] is True

@@ -44,9 +44,9 @@ SMEM = 202752
 def compiled():
     cache = {}
 
-    def get(dtype, dw16=False, dq16=False):
-        if (dtype, dw16, dq16) not in cache:
-            params = dict(config.params_for(dtype, dw16=dw16, dq16=dq16))
+    def get(dtype, dw16=False, dq16=False, wg2=False):
+        if (dtype, dw16, dq16, wg2) not in cache:
+            params = dict(config.params_for(dtype, dw16=dw16, dq16=dq16, wg2=wg2))
             kernel = kernel_for(params)
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_kda_bwd_chunk(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
@@ -57,9 +57,9 @@ def compiled():
                     cubin = Path(d, "k.cubin")
                 res = inspect_cubin(cubin)
                 sass = sass_text(cubin)
-            cache[dtype, dw16, dq16] = (res, sass_instructions(sass),
-                                        kernel.shared_storage.size_in_bytes())  # fmt: skip
-        return cache[dtype, dw16, dq16]
+            cache[dtype, dw16, dq16, wg2] = (res, sass_instructions(sass),
+                                             kernel.shared_storage.size_in_bytes())  # fmt: skip
+        return cache[dtype, dw16, dq16, wg2]
 
     return get
 
@@ -72,6 +72,7 @@ def test_standard_params():
     assert keys == [(d, *f) for f in flags for d in config.DTYPES]
     assert "dw16" not in dict(config.params_for("bfloat16"))  # the old key unchanged
     assert "dq16" not in dict(config.params_for("bfloat16", dw16=True))
+    assert "wg2" not in dict(config.params_for("bfloat16", dw16=True, dq16=True))
 
 
 @pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
@@ -158,3 +159,66 @@ def test_load_barriers_split(compiled, dtype):
     assert seq[:6] == ["wait 0", "HGMMA x8", "WARPGROUP", "wait 1", "HGMMA x8", "wait 2"]
     assert seq[6:9] == ["HGMMA x8", "WARPGROUP", "wait 3"]
     assert seq[-1] == "wait 4" and "HGMMA x8" not in seq[9:]  # dke's come after dh's wait
+
+
+# `wg2` (NOTES "KDA kernel 2 on two math warpgroups, built"): compiled figures under cu13
+WG2_REGISTERS = {"bfloat16": (137, 137, 137), "float16": (139, 136, 136)}  # plain, dw16, +dq16
+WG2_FLAGS = ({}, {"dw16": True}, {"dw16": True, "dq16": True})
+
+
+@pytest.mark.parametrize("flags", range(3))
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
+def test_wg2_resources(compiled, dtype, flags):
+    """`wg2`: 384 threads at 137-139 registers (the launch's cap 168; no setmaxnreg: ptxas
+    dropped a 40 / 232 pair as moot), nothing spilled, shared memory unchanged; each math
+    warpgroup's code 40 HGMMA 64x64x16 (dw, dqe, S, dke 8 each in the tiles' dtype, dq's and
+    dk's 4 blocks bf16, B transposed; a CTA 80, S twice), the 256-thread kernel's twelve commit
+    groups and load waits; half its per-thread SIMT: te's shuffles 96 -> 48, the fp32 row
+    stores halved, MUFU.EX2 215 -> 117 (the tables' two branches both in the code)."""
+    f = WG2_FLAGS[flags]
+    res, instrs, smem = compiled(dtype, wg2=True, **f)
+    base_res, base, _ = compiled(dtype, **f)
+    assert res["registers"] <= config.WG2_REGISTERS == 168
+    if dsl_toolchain() == "cu13":
+        assert res["registers"] == WG2_REGISTERS[dtype][flags]
+    assert res["spill_bytes"] == 0
+    assert not [op for op, _ in instrs if op.startswith(("LDL", "STL", "USETMAXREG"))]
+    assert smem == SMEM and res["smem_bytes"] == base_res["smem_bytes"]
+    ops, ops0 = (Counter(op for op, _ in x) for x in (instrs, base))
+    shapes = [(op, a) for op, a in instrs if op.startswith("HGMMA")]
+    assert len(shapes) == 40 and all(op.startswith("HGMMA.64x64x16") for op, _ in shapes)
+    blocks = [op for op, a in shapes if "tnspB" in a]
+    assert len(blocks) == 8 and all(op.endswith(".BF16") for op in blocks)
+    assert sum("gsb0" in a for _, a in shapes) == 4 + 8
+    for op in ("UTMALDG.4D", "UTMALDG.5D", "STSM.16.MT88.4", "LDG.E", "SYNCS.EXCH.64"):
+        assert ops[op] == ops0[op], op
+    assert ops["SHFL.BFLY"] == 48 and ops["MUFU.EX2"] == 117 < ops0["MUFU.EX2"] == 215
+    assert ops["STG.E.64"] * 2 == ops0["STG.E.64"] and ops["STG.E"] * 2 == ops0["STG.E"] + 8
+    n = len(config.LOAD_GROUPS)
+    waits = [8 * g for g in config.STATE_GROUPS] + [8 * g for g in range(n)]
+    assert wait_pin(instrs, n, waits) == wait_pin(base, n, waits)
+
+
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
+def test_wg2_barriers(compiled, dtype):
+    """`wg2`'s named barriers (chunk_grads_wg2.py): bar 0 once; BAR_HDH (id 2) over 320 (both
+    math warpgroups wait, the <h, dh> warps arrive: the 256-thread kernel's hand-over); BAR_BOTH
+    (3, 256) once, after dP^T's stmatrix (warpgroup 1's; the other warpgroup's first read of it,
+    a WGMMA, after its own wait there); the warpgroup's own barrier (id 4 + kh in a register,
+    128) four times: G's rows, the tables, the block operands, dG's rows before the finish.
+    Every shared-memory hand-over between threads is loaded after more bar.syncs than it was
+    stored after (NOTES "GDN fsplit race")."""
+    _, instrs, _ = compiled(dtype, wg2=True)
+    bars = [(op, a.strip()) for op, a in instrs if op.startswith("BAR")]
+    assert sorted(bars) == sorted(
+        [("BAR.ARV", "0x2, 0x140"), ("BAR.SYNC.DEFER_BLOCKING", "0x0"),
+         ("BAR.SYNC.DEFER_BLOCKING", "0x2, 0x140"), ("BAR.SYNC.DEFER_BLOCKING", "0x3, 0x100")]
+        + [("BAR.SYNC.DEFER_BLOCKING", a) for _, a in bars if a.endswith(", 0x80")]
+    )  # fmt: skip
+    own = [a for _, a in bars if a.endswith(", 0x80")]
+    assert len(own) == 4 and len(set(own)) == 1 and own[0].startswith("R")
+    flat = [(op, a.strip()) for op, a in instrs]
+    both = flat.index(("BAR.SYNC.DEFER_BLOCKING", "0x3, 0x100"))
+    hdh = flat.index(("BAR.SYNC.DEFER_BLOCKING", "0x2, 0x140"))
+    stsm = [i for i, (op, _) in enumerate(flat) if op.startswith("STSM")]
+    assert stsm and max(stsm) < both < hdh

@@ -42,6 +42,7 @@ from forgekernel.reference.gdn_bwd_state import (
     forward_state_tiles,
     forward_states,
     out16_forms,
+    over_slots,
 )
 from forgekernel.reference.kda_bwd import _Factors, _states
 from forgekernel.reference.kda_bwd_chunk import chunk_grads_model
@@ -57,7 +58,28 @@ def emulated_kernel(calls=None, flags=None):
     """kernel 1's stand-in (its `channel_decay` variant): the tile emulation in fp64, the
     register operands rounded to the tiles' dtype where it is 16-bit, fp32 outputs (the
     launcher's); `out16` / `forward` (the device pass) as tests/test_gdn_bwd_kernel_path.py's:
-    `out16_forms` of them, I and 0 built in (`flags` records (out16, forward) a launch)."""
+    `out16_forms` of them, I and 0 built in (`flags` records (out16, forward) a launch); its
+    varlen form (cu_seqlens, order: the slot layout) by `over_slots` on the batch form, one
+    recorded call a launch."""
+    batch, quiet = _batch_kernel(calls, flags), _batch_kernel()
+
+    def run(do, pt, ke, qe, w, e_last, dht, out16=False, forward=False, cu_seqlens=None,
+            order=None):  # fmt: skip
+        if cu_seqlens is None:
+            return batch(do, pt, ke, qe, w, e_last, dht, out16, forward)
+        assert out16 and dht is None or dht.shape[0] == cu_seqlens.shape[0] - 1
+        if calls is not None:
+            calls.append(do.dtype)
+        if flags is not None:
+            flags.append((out16, forward))
+        return over_slots(quiet, cu_seqlens, order, do, pt, ke, qe, w, e_last, dht,
+                          out16=out16, forward=forward)  # fmt: skip
+
+    return run
+
+
+def _batch_kernel(calls=None, flags=None):
+    """`emulated_kernel`'s batch form (B sequences of T tokens)."""
 
     def run(do, pt, ke, qe, w, e_last, dht, out16=False, forward=False):
         assert out16 or not forward
@@ -462,6 +484,53 @@ def test_equal_varlen_equals_the_batch(kernel_path):
         torch.testing.assert_close(a.reshape(r.shape), r, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.parametrize("lens", [[1, 63, 0, 64, 65, 130], [200, 3], [64, 0]])
+def test_varlen_in_slots_is_each_sequence_alone(kernel_path, lens):
+    """bf16 on the device pass (the default; every kernel emulated, the first pass on its torch
+    model): unequal sequences in the slot layout (ops/_linattn_varlen.py), one launch each, give
+    each sequence's own batch-path call's gradients bit for bit; an empty sequence's state
+    gradient is d_final_state's."""
+    n, t = len(lens), sum(lens)
+    (q, k, v, g, beta, _), do, _ = _bf16_problem(1, t, 1, 2, seed=t)
+    (*_, h0), _, dht = _bf16_problem(n, 1, 1, 2, seed=n)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    kw = {"use_qk_l2norm_in_kernel": True}
+    got = bwd.kimi_delta_attention_backward(
+        q, k, v, g, beta, do, cu_seqlens=cu, initial_state=h0, d_final_state=dht, **kw
+    )
+    assert len(kernel_path) == 2
+    for i, (a, z) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        if a == z:
+            assert torch.equal(got[5][i], dht[i])
+            continue
+        one = bwd.kimi_delta_attention_backward(
+            *(x[:, a:z] for x in (q, k, v, g, beta, do)), initial_state=h0[i : i + 1],
+            d_final_state=dht[i : i + 1], **kw)  # fmt: skip
+        for name, x, r in zip(NAMES[:5], got, one):
+            assert torch.equal(x[:, a:z], r), (i, name)
+        assert torch.equal(got[5][i : i + 1], one[5]), i
+
+
+def test_equal_varlen_in_slots_is_the_batch(kernel_path):
+    """Equal lengths in the slot layout (as a CUDA-graph capture runs them: no host read) give
+    the (B, T) call's gradients bit for bit."""
+    (q, k, v, g, beta, h0), do, dht = _bf16_problem(2, 70, 1, 2, seed=4)
+    kw = {"initial_state": h0, "d_final_state": dht, "use_qk_l2norm_in_kernel": True}
+    batch = bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, **kw)
+    flat = [x.flatten(0, 1) for x in (q, k, v, g, beta, do)]
+    cu = torch.tensor([0, 70, 140], dtype=torch.int32)
+
+    def run(q, k, v, g, beta, do, h0, dht, slots):
+        return bwd._backward_kernel(q, k, v, g, beta, h0, do, dht, 128**-0.5, True, 1,
+                                    slots=slots)  # fmt: skip
+
+    got = varlen.run_in_slots(run, flat, (h0, dht), cu)
+    assert len(kernel_path) == 4
+    for name, a, r in zip(NAMES, got, batch):
+        assert torch.isfinite(r).all(), name
+        assert torch.equal(a.reshape(r.shape), r), name
+
+
 @pytest.mark.parametrize("b", [1, 2])
 def test_autograd_on_the_kernel_path(kernel_path, monkeypatch, b):
     """Autograd of `kimi_delta_attention` without cu_seqlens (B = 1, and B = 2: the offsets the
@@ -535,8 +604,8 @@ def test_the_wrapper_passes_its_equal_batch(monkeypatch):
 
 def test_routing_to_the_interim_path(kernel_path, monkeypatch):
     """The switch "0", `interim()`, and head dims other than kernel 1's take the interim path;
-    unequal sequences behind cu_seqlens (in buckets), equal ones (the offsets read on the host)
-    and one sequence take the kernel path."""
+    unequal sequences behind cu_seqlens (in the slot layout), equal ones (the offsets read on
+    the host) and one sequence take the kernel path."""
     seen = []
     interim = bwd._backward_interim
     monkeypatch.setattr(bwd, "_backward_interim", lambda *a: seen.append(1) or interim(*a))
@@ -544,7 +613,7 @@ def test_routing_to_the_interim_path(kernel_path, monkeypatch):
     cu = torch.tensor([0, 60, 130], dtype=torch.int32)
     h0 = h0.expand(2, -1, -1, -1).contiguous()
     bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, initial_state=h0, cu_seqlens=cu)
-    assert seen == [] and kernel_path == [torch.bfloat16, torch.bfloat16]  # one bucket
+    assert seen == [] and kernel_path == [torch.bfloat16, torch.bfloat16]  # one launch
     one = torch.tensor([0, 130], dtype=torch.int32)  # one sequence: the kernel path
     bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, initial_state=h0[:1], cu_seqlens=one)
     assert seen == [] and len(kernel_path) == 4

@@ -184,6 +184,12 @@ def test_launcher_checks_out(monkeypatch):
     outs = list(launch.empty_outputs(tiles[0], 128))
     with pytest.raises(ValueError, match="dk and dg must be distinct"):  # both accumulated
         launch.kda_bwd_wy(*tiles, out=(outs[0], outs[1], outs[0], outs[3]))
+    for i, name in ((0, "dk"), (2, "dg")):  # rows of bulk reduce-adds / L2 prefetches
+        shifted = list(outs)
+        shifted[i] = torch.zeros(outs[i].numel() + 1)[1:].view(outs[i].shape)  # 4 bytes in
+        assert shifted[i].is_contiguous() and shifted[i].data_ptr() % 16 == 4
+        with pytest.raises(ValueError, match=f"out's {name} must start 16-byte aligned"):
+            launch.kda_bwd_wy(*tiles, out=tuple(shifted))
     assert launched == []
     launch.kda_bwd_wy(*tiles, out=launch.empty_outputs(tiles[0], 128))
     assert launched == [14]  # 7 tiles, beta, G, 4 outputs, the final dk (dk itself without dk16)

@@ -1,9 +1,12 @@
-"""The varlen buckets of the linear-attention backwards' kernel paths (ops/_linattn_varlen.py):
-the grouping's invariants and the padding / scatter round trip."""
+"""Varlen on the linear-attention backwards' kernel paths (ops/_linattn_varlen.py): the slot
+layout's tables (the forward's chunk slots) on random lengths, empty sequences and lengths 1, 63,
+64, 65, the pack / unpack round trip and the routing; the fallback buckets' grouping invariants
+and their padding / scatter round trip."""
 
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -74,9 +77,10 @@ def test_a_missing_state_stays_none():
     assert torch.equal(gx, x) and gs.shape == (2, 1)
 
 
-def test_backward_varlen_routes():
+def test_backward_varlen_routes(monkeypatch):
     """Equal lengths: one call on the tokens as they are (no copy); no token: None (the
-    caller's interim path); unequal: the buckets."""
+    caller's interim path); unequal: the slot layout where the caller has it, else the buckets;
+    under a CUDA-graph capture the slot layout with no host read, whatever the lengths."""
     x = torch.randn(12, 2)
     calls = []
 
@@ -84,10 +88,104 @@ def test_backward_varlen_routes():
         calls.append((x.data_ptr(), n))
         return x, torch.zeros(n, 1)
 
+    def in_slots(x, do, state, slots):
+        calls.append(("slots", x.shape[0]))
+        return x, torch.zeros(slots.cu_seqlens.shape[0] - 1, 1)
+
     equal = torch.tensor([0, 4, 8, 12], dtype=torch.int32)
-    gx, gs = varlen.backward_varlen(run, (x, x), (None,), equal)
+    gx, gs = varlen.backward_varlen(run, (x, x), (None,), equal, in_slots=in_slots)
     assert calls == [(x.data_ptr(), 3)] and gx is x and gs.shape == (3, 1)
     assert varlen.backward_varlen(run, (x[:0], x[:0]), (None,), torch.zeros(3)) is None
     calls.clear()
-    gx, _ = varlen.backward_varlen(run, (x, x), (None,), torch.tensor([0, 1, 12]))
+    unequal = torch.tensor([0, 1, 12])
+    gx, _ = varlen.backward_varlen(run, (x, x), (None,), unequal)
     assert torch.equal(gx, x) and len(calls) == len(varlen.buckets([1, 11]))
+    calls.clear()
+    gx, gs = varlen.backward_varlen(run, (x, x), (None,), unequal, in_slots=in_slots)
+    assert calls == [("slots", 64 * (12 // 64 + 2))] and torch.equal(gx, x) and gs.shape == (2, 1)
+    calls.clear()
+    monkeypatch.setattr(varlen, "capturing", lambda t: True)
+    no_read = SimpleNamespace(tolist=lambda: pytest.fail("host read"), shape=equal.shape,
+                              to=lambda dtype: equal)  # fmt: skip
+    gx, _ = varlen.backward_varlen(run, (x, x), (None,), no_read, in_slots=in_slots)
+    assert calls == [("slots", 64 * (12 // 64 + 3))] and torch.equal(gx, x)
+
+
+def _random_lens(seed: int) -> list[int]:
+    rnd = random.Random(seed)
+    pick = [0, 1, 7, 63, 64, 65, 127, 128, 129, 300, 1000]
+    return [rnd.choice(pick) for _ in range(rnd.randint(1, 40))]
+
+
+LENGTHS = [[1], [63], [64], [65], [0, 1], [1, 0], [0, 0, 5], [63, 64, 65], [64, 64],
+           [1, 63, 0, 64, 65, 130], *(_random_lens(s) for s in range(8))]  # fmt: skip
+
+
+@pytest.mark.parametrize("lens", LENGTHS)
+def test_slot_tables(lens):
+    """The slot layout's tables (`slot_layout`) against their definition, computed on the host
+    here: sequence n owns [bos_n // 64 + n, eos_n // 64 + n + 1), the slots partition [0, S),
+    S = T // 64 + N; its chunk c is slot bos_n // 64 + n + c and its tokens fill the slots' rows
+    from the first in order (token i at row 64 (bos_n // 64 + n) + i - bos_n); it owns its
+    ceil(len / 64) chunks and at most one more (an empty sequence one zero slot); the order
+    lists every sequence once, owned slots not increasing."""
+    edges = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    cu = torch.tensor(edges, dtype=torch.int32)
+    t, n = edges[-1], len(lens)
+    slots = varlen.slot_layout(cu, t)
+    assert slots.count == t // 64 + n
+    assert slots.rows.dtype == torch.int64 and slots.rows.shape == (t,)
+    assert slots.order.dtype == torch.int32 and slots.cu_seqlens.dtype == torch.int32
+    owned = varlen.owned_slots(cu).tolist()
+    rows = slots.rows.tolist()
+    at = 0
+    for i, (a, z) in enumerate(zip(edges[:-1], edges[1:])):
+        first = a // 64 + i
+        assert first == at and owned[i] == z // 64 + i + 1 - first
+        assert -(-(z - a) // 64) <= owned[i] <= -(-(z - a) // 64) + 1 and owned[i] >= 1
+        assert rows[a:z] == list(range(64 * first, 64 * first + z - a))
+        at = first + owned[i]
+    assert at == slots.count  # the partition's end
+    assert len(set(rows)) == t and all(0 <= r < 64 * slots.count for r in rows)
+    pad = slots.pad.tolist()  # the complement, in order
+    assert slots.pad.dtype == torch.int64
+    assert pad == sorted(set(range(64 * slots.count)) - set(rows))
+    order = slots.order.tolist()
+    assert sorted(order) == list(range(n))
+    assert [owned[i] for i in order] == sorted(owned, reverse=True)
+
+
+@pytest.mark.parametrize("lens", LENGTHS[:10])
+def test_pack_round_trip(lens):
+    """`pack` puts every token at its row and zero everywhere else; `unpack` brings back the
+    tokens (also into a given buffer), dtypes kept."""
+    edges = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    t = edges[-1]
+    slots = varlen.slot_layout(torch.tensor(edges), t)
+    x = torch.randn(t, 3, 2).bfloat16() + 5  # no zero entry
+    packed = varlen.pack(x, slots)
+    assert packed.shape == (64 * slots.count, 3, 2) and packed.dtype == x.dtype
+    assert int(packed.ne(0).any(-1).any(-1).sum()) == t
+    assert torch.equal(packed[slots.rows], x)
+    assert torch.equal(varlen.unpack(packed, slots), x)
+    buf = torch.empty_like(x)
+    assert varlen.unpack(packed, slots, buf) is buf and torch.equal(buf, x)
+
+
+def test_run_in_slots_hands_over_the_states():
+    """`run_in_slots`: the packed tokens and the states as given reach `run` with the layout;
+    the token gradients come back at the callers' rows, into `out` where given, the state's
+    copied into its buffer."""
+    lens = [5, 0, 130, 64, 1, 66]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    x, do = torch.randn(266, 3), torch.randn(266, 3)
+    state = torch.randn(len(lens), 4)
+
+    def run(x, do, state, missing, slots):
+        assert missing is None and x.shape[0] == 64 * slots.count
+        return x * 2, state + 1
+
+    out = (torch.empty(266, 3), torch.empty(len(lens), 4))
+    gx, gs = varlen.run_in_slots(run, (x, do), (state, None), cu, out)
+    assert gx is out[0] and gs is out[1]
+    assert torch.equal(gx, x * 2) and torch.equal(gs, state + 1)

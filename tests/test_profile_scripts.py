@@ -399,3 +399,22 @@ def test_kda_paths_probe_lists_without_a_gpu(capsys):
     assert kda_bwd.FACTORS_FROM_FIRST_PASS and kda_bwd.WY_IN_KERNEL  # the defaults, restored
     with pytest.raises(SystemExit, match="no kda_bwd bench case"):
         probe.main(["--case", "nope", "--list"])
+
+
+def test_set_parses_and_applies_a_module_switch(monkeypatch, capsys):
+    """--set MODULE.NAME=VALUE: a Python literal onto an existing module constant (the temporary
+    A/B switches); a malformed spec or an unknown name is an error, not a silent default run."""
+    import forgekernel.ops.kda_bwd as kda
+
+    target = fp8.TARGET
+    args = ps.parse_args(target, ["--set", "forgekernel.ops.kda_bwd.CHUNK_2WG=True"])
+    assert args.set == [("forgekernel.ops.kda_bwd", "CHUNK_2WG", True)]
+    monkeypatch.setattr(kda, "CHUNK_2WG", False)
+    ps.apply_settings(args.set)
+    assert kda.CHUNK_2WG is True
+    assert "set forgekernel.ops.kda_bwd.CHUNK_2WG = True" in capsys.readouterr().out
+    for bad in ("CHUNK_2WG=True", "forgekernel.ops.kda_bwd.CHUNK_2WG", "a.b=not literal"):
+        with pytest.raises(SystemExit):
+            ps.parse_args(target, ["--set", bad])
+    with pytest.raises(SystemExit, match="has no"):
+        ps.apply_settings([("forgekernel.ops.kda_bwd", "NO_SUCH_SWITCH", 1)])

@@ -1,24 +1,37 @@
-"""Varlen on the chunked linear-attention backwards' equal-length kernel paths (Gated DeltaNet,
+"""Varlen on the chunked linear-attention backwards' kernel paths (Gated DeltaNet,
 ops/gated_delta_rule_bwd.py; Kimi Delta Attention, ops/kda_bwd.py).
 
-Their kernels read (B, T, heads, ...) tiles of B sequences of one length T: kernel 1 runs one
-CTA per (sequence, value head) through the chunks of its row. Sequences of unequal lengths
-(the offsets read on the host, one sync a call) are zero-padded at their ends, where a zero
-row (k = v = 0, g = 0, beta = 0) changes neither the state nor a real gradient, and grouped
-into buckets (`buckets`): the sequences sorted by length, longest first, each bucket taking
-the next ones while its padded chunks stay within WASTE times its real chunks. One kernel-path
-call a bucket (`run_in_buckets`), its gradients scattered back to the callers' token rows and
-sequences. Before 2026-12-06 the sequences were padded to the longest one in a single call,
-and a call whose padding passed 4x (one long sequence among short ones: the suites' mixes,
-5.9x and 22x) took the interim path (H100, 2026-12-06: gdn_bwd's mixes 60 and 127 ms, against
-6.5 ms for 4 x 8192 tokens on the kernel path).
+Their kernels read (B, T, heads, ...) tiles of B sequences of one length T. Unequal lengths on
+the device passes (both ops' defaults) run IN SLOTS (`run_in_slots`, 2026-12-06): the layout is
+the forward's chunk slots (kernels/linear_attention/gdn_prefill/sm90/config.py `first_slot`,
+`t_slots`): S = T // C + N slots of C = 64 rows, chunk c of sequence n at slot bos_n // C + n +
+c, sequence n owning [first_slot(bos_n, n), first_slot(eos_n, n + 1)), its ceil(len_n / C)
+chunks and at most one more: the slots partition [0, S). The token inputs are copied in once
+(`pack`, every row no token fills zero: k = v = 0, g = 0, beta = 0, dO = 0 change neither the
+state nor a real gradient, and a zero chunk passes the state unchanged, e^0 = 1), the op's
+kernel path runs on them as ONE sequence of S C tokens (the chunk-parallel kernels, under their
+batch keys and code) with kernel 1, the state recurrences, in its `varlen` form (one CTA per
+(value head, sequence) walking the slots it owns, longest first: `longest_first`), and the
+token gradients are gathered back (`unpack`). Every table is made on the device from
+cu_seqlens: no host read, so a CUDA-graph capture takes this path whatever the lengths.
+
+Eager calls read the offsets on the host once (`backward_varlen`): equal lengths stay the batch
+path (a reshape, no copy; the same kernels and code as a call without cu_seqlens), no token
+goes to the caller's interim path. The fallback forms without a varlen state launch (the
+switches' torch factors; KDA's fp16 tiles) keep the BUCKETS of before (`buckets`,
+`run_in_buckets`): sequences sorted by length, each bucket zero-padded to its longest, one
+kernel-path call a bucket, a few host syncs a call, refused under capture by the caller.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
+
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import first_slot, t_slots
+from forgekernel.ops._dispatch import capturing
 
 CHUNK = 64  # the kernels' chunk (tokens)
 # padded chunks / real chunks a bucket may reach: each bucket is one more pass of launches
@@ -107,22 +120,121 @@ def run_in_buckets(
     return (*grads, d_state)
 
 
+class Slots(NamedTuple):
+    """The slot layout of one varlen call (module docstring), all on the device."""
+
+    cu_seqlens: torch.Tensor  # int32 (N + 1,)
+    order: torch.Tensor  # int32 (N,): the sequences by their slots, most first
+    rows: torch.Tensor  # int64 (T,): token i's row in the layout
+    pad: torch.Tensor  # int64 (C S - T,): the rows no token fills
+    count: int  # S = T // C + N slots (from the shapes alone)
+
+
+def packed_rows(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
+    """(T,) int64: token i of sequence n (bos_n <= i < eos_n) at row C first_slot(bos_n, n) +
+    i - bos_n of the slot layout."""
+    cu = cu_seqlens.long()
+    i = torch.arange(tokens, device=cu.device)
+    n = torch.searchsorted(cu[1:].contiguous(), i, right=True)  # empty sequences skipped
+    bos = cu[n]
+    return i - bos + CHUNK * first_slot(bos, n)
+
+
+def pad_rows(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
+    """(C S - T,) int64: the rows no token fills, sequence n's C owned_n - len_n rows after its
+    tokens, in order (their count from the shapes alone: the owned slots partition S)."""
+    cu = cu_seqlens.long()
+    n = cu.shape[0] - 1
+    lens = cu[1:] - cu[:-1]
+    first = first_slot(cu[:-1], torch.arange(n, device=cu.device))
+    gap = CHUNK * owned_slots(cu) - lens
+    ends = gap.cumsum(0)
+    j = torch.arange(CHUNK * t_slots(tokens, n) - tokens, device=cu.device)
+    s = torch.searchsorted(ends, j, right=True)
+    return CHUNK * first[s] + lens[s] + j - (ends[s] - gap[s])
+
+
+def owned_slots(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """(N,) int64: the slots sequence n owns, eos_n // C - bos_n // C + 1 (its chain in kernel
+    1's varlen form): ceil(len_n / C) or one more."""
+    cu = cu_seqlens.long()
+    return cu[1:] // CHUNK - cu[:-1] // CHUNK + 1
+
+
+def longest_first(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """(N,) int32: the sequences by owned slots, most first (ties in order): kernel 1's CTAs
+    take them so, the longest chains start in the first wave."""
+    return torch.argsort(owned_slots(cu_seqlens), descending=True, stable=True).to(torch.int32)
+
+
+def slot_layout(cu_seqlens: torch.Tensor, tokens: int) -> Slots:
+    """The layout of `tokens` tokens behind cu_seqlens (N + 1,): no host read."""
+    cu = cu_seqlens.to(torch.int32).contiguous()
+    n = cu.shape[0] - 1
+    return Slots(cu, longest_first(cu), packed_rows(cu, tokens), pad_rows(cu, tokens),
+                 t_slots(tokens, n))  # fmt: skip
+
+
+def pack(x: torch.Tensor, slots: Slots) -> torch.Tensor:
+    """x (T, ...) in the slot layout (S C, ...): the rows no token fills are zero (written
+    alone: a zero fill of the whole buffer first would write 64 S rows twice, ~0.15 ms of 3 at
+    GDN's mix16 on the H100)."""
+    out = x.new_empty(slots.count * CHUNK, *x.shape[1:]).index_copy_(0, slots.rows, x)
+    return out.index_fill_(0, slots.pad, 0)
+
+
+def unpack(x: torch.Tensor, slots: Slots, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The token rows (T, ...) of x (S C, ...), into `out` (contiguous, x's dtype) when given."""
+    if out is None:
+        return x.index_select(0, slots.rows)
+    return torch.index_select(x, 0, slots.rows, out=out)
+
+
+def run_in_slots(
+    run: Callable[..., Grads],
+    tokens: Sequence[torch.Tensor],
+    states: Sequence[torch.Tensor | None],
+    cu_seqlens: torch.Tensor,
+    out: Sequence[torch.Tensor | None] | None = None,
+) -> Grads:
+    """`run(*packed_tokens, *states, slots)` once on the slot layout (module docstring):
+    `tokens` the flat (T, ...) inputs (their gradients, in the same order, are `run`'s first
+    len(tokens) - 1 outputs: dO, the last, has none), `states` (N, ...) or None as given.
+    `run` returns the token gradients (S C, ...) in the slot layout and the state gradient (N,
+    ...); returned: the token gradients gathered back to the callers' rows and the state
+    gradient, into `out` (the flat token gradients' buffers and the state's, each may be None)
+    where given."""
+    slots = slot_layout(cu_seqlens, tokens[0].shape[0])
+    res = run(*(pack(x, slots) for x in tokens), *states, slots)
+    given = list(out) if out is not None else [None] * len(tokens)
+    grads = [unpack(g, slots, o) for g, o in zip(res[:-1], given)]
+    d_state = res[-1] if given[-1] is None else given[-1].copy_(res[-1])
+    return (*grads, d_state)
+
+
 def backward_varlen(
     run: Callable[..., Grads],
     tokens: Sequence[torch.Tensor],
     states: Sequence[torch.Tensor | None],
     cu_seqlens: torch.Tensor,
     out: Sequence[torch.Tensor | None] | None = None,
+    in_slots: Callable[..., Grads] | None = None,
 ) -> Grads | None:
-    """Both ops' varlen backward on their kernel paths: the offsets read on the host (the
-    caller refuses a CUDA-graph capture first); equal lengths run as one call of `run` on the
-    tokens as they are (a reshape, no copy), unequal ones in buckets (`run_in_buckets`); None
-    (the caller's interim path) when no sequence has a token. `run`, `tokens`, `states`, `out`
-    as `run_in_buckets`' (`run` takes `out` as a keyword)."""
+    """Both ops' varlen backward on their kernel paths. Under a CUDA-graph capture: one call of
+    `in_slots` (`run_in_slots`; the caller refuses the capture first where it has none). Eager:
+    the offsets read on the host (one sync); equal lengths one call of `run` on the tokens as
+    they are (a reshape, no copy), unequal ones `in_slots` where given, else `run` in buckets
+    (`run_in_buckets`); None (the caller's interim path) when no sequence has a token. `run`,
+    `tokens`, `states`, `out` as `run_in_buckets`' (`run` takes `out` as a keyword);
+    `in_slots` as `run_in_slots`' `run`."""
+    if in_slots is not None and capturing(tokens[0]):
+        return run_in_slots(in_slots, tokens, states, cu_seqlens, out)
     edges = [int(e) for e in cu_seqlens.tolist()]
     lens = [z - a for a, z in zip(edges[:-1], edges[1:])]
     if max(lens) == 0:
         return None
     if all(x == lens[0] for x in lens):
         return run(*tokens, *states, len(lens), out=out)
+    if in_slots is not None:
+        return run_in_slots(in_slots, tokens, states, cu_seqlens, out)
     return run_in_buckets(run, tokens, states, edges, out)

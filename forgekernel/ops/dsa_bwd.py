@@ -19,9 +19,10 @@ THE KERNEL (kernels/attention/dsa_sparse_bwd/sm90, v1: dq and the fp32 dkv accum
 the preprocess kernel kernels/attention/dsa_sparse_bwd_pre/sm90: lse2, Delta' and the d_sink
 terms in one pass over out / dO; the dkv cast in torch) runs wherever it takes the inputs
 (`launch.unsupported`: CUDA, 16-bit, H 16 or a multiple of 32); at H a multiple of 64 the
-launcher's default runs its h64 kernels (kernel_h64.py: a kv part of 64 heads a CTA and a dq
-part, 0.64-0.84 of v1's time on the H100 2026-12-06), in chunks of tokens whose dS workspace
-stays within 1 GiB (`config.H64_WS_CAP_BYTES`). It reads q and the cache as
+launcher's default runs its fused h64 kernel (kernel_h64f.py: one CTA a (token, 64 heads), dkv
+and dq in one tile loop; before it the two-kernel h64 form, kernel_h64.py, 0.64-0.84 of v1's
+time on the H100 2026-12-06, which the launcher keeps as h64_fused=False). It reads q and the
+cache as
 (S, H, 576) / (slots, 576) rows: read in place where q_nope / q_pe (ckv / kpe) are cut from
 one buffer (a q split after its projection, FlashMLA's combined cache), else concatenated
 (`_rows`). The eager call's gradients are views of the kernel's dq buffer and of the one cast

@@ -45,9 +45,11 @@ take equal-length sequences ((B, T, HV, D) tiles): the explicit backward without
 cu_seqlens, autograd of `gated_delta_rule` without cu_seqlens (the forward op's `batch`
 argument says B equal lengths; autograd's setup saves it, eager and under torch.compile alike)
 and one sequence run with no host read (CUDA-graph capturable); several sequences behind a
-caller's cu_seqlens read the offsets on the host (one sync, as the interim path): equal
-lengths are a reshape, unequal ones run in buckets of similar lengths zero-padded at their ends
-(`_backward_varlen`, ops/_linattn_varlen.py; no token or 32-bit inputs: the interim).
+caller's cu_seqlens (`_backward_varlen`, ops/_linattn_varlen.py): eagerly the offsets read on
+the host once (equal lengths a reshape, no token the interim), unequal lengths (and any under a
+capture: no host read) ONE launch of each kernel over the forward's chunk slots, kernel 1 in
+its `varlen` form (the fallback forms, STATES16 or the switches off: buckets of similar lengths
+zero-padded at their ends, a capture refused; 32-bit inputs: the interim).
 
 Eager calls take the custom op when autograd records them (the dispatcher's ~30 us are nothing
 beside this backward); under torch.compile the backward graph records the backward custom op,
@@ -58,10 +60,12 @@ callers with their own autograd and for the suite's backward timing.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
 from forgekernel.kernels.common.sm90.constants import REGISTERS_PER_SM, THREADS_PER_WG
+from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.config import fused_fits
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90 import config as state_config
 from forgekernel.ops import gated_delta_rule_chunked as fwd
 from forgekernel.ops._dispatch import KernelSwitch, refuse_capture
@@ -252,8 +256,8 @@ def _chunk_grads_wy(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta, **flags):
 
 
 NOT_CAPTURABLE_VARLEN = (
-    "gated_delta_rule's backward on kernel 1 reads varlen offsets on the host (the padding to "
-    "equal lengths, one sync a call; equal-length calls without cu_seqlens have none)"
+    "gated_delta_rule's backward on its fallback forms reads varlen offsets on the host (the "
+    "padding to equal lengths in buckets; the default device pass has none under capture)"
 )
 
 
@@ -292,19 +296,21 @@ def _on_device() -> bool:
     return FACTORS_IN_KERNEL and WY_IN_KERNEL
 
 
-def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None):
+def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots=None):
     """Value heads of one pass, everything per value head: qs (scaled), ks (B, T, HV, K), v, do
     (B, T, HV, V), g, beta (B, T, HV); h0, dht (B, HV, K, V) fp32 or None -> (dqs, dks (B, T,
     HV, K), dv, dg, dbeta, dh0) fp32. On the 16-bit device path (`_device_pass`) qs, ks, v, do
     come in do's 16-bit dtype, qs / ks at the pass's H / HV q heads (strided head slices
     allowed: TMA reads them in place), else fp32 but do, qs / ks repeated to HV; into,
-    q_scale: the device pass's buffers and dq scale (`_device_pass`; q_scale only where
-    `_folds`), ignored by the other paths."""
+    q_scale, slots: the device pass's buffers, dq scale (`_device_pass`; q_scale only where
+    `_folds`) and varlen slot layout (ops/_linattn_varlen.py), the other paths take none."""
     t, dtype = qs.shape[1], do.dtype
     nc = -(-t // CHUNK)
     on_device = _on_device()
     if on_device and STATES16:
-        return _device_pass(qs, ks, v, g, beta, do, h0, dht, into, q_scale)
+        return _device_pass(qs, ks, v, g, beta, do, h0, dht, into, q_scale, slots)
+    if slots is not None:
+        raise ValueError("the slot layout (varlen) is the device pass's")
     if on_device:  # kernel 0: the factors from the 16-bit tiles kernel 2 reads too
         qs, ks, v16 = (x.to(dtype) for x in (qs, ks, v))
         out = _factors(qs, ks, v16, g, beta)
@@ -366,13 +372,53 @@ def _wy_buffers(do, kd, dg, dv, dbeta, dq=None, dk=None):
 QK16 = True
 
 # Kernel 2's `fsplit` form (with QK16 only): two math warpgroups split by function, the output
-# half and the WY half meeting once at dk's fp32 stash (the same outputs bit for bit). TEMPORARY
-# switch for the GPU A/B (NOTES "GDN backward chunk kernel: two math warpgroups or two CTAs a
-# SM?"); off until the timeline says it is faster, then the default and the switch removed.
-FSPLIT = False
+# half and the WY half meeting once at dk's fp32 stash (the same outputs bit for bit). On since
+# the H100 A/B: 1.968 vs 2.319 ms (1.18x) at 4 x 8192 hv32 bf16 (2026-12-06), its racecheck
+# report answered (NOTES "GDN fsplit race"). False: the 256-thread dqk16 key, kept for A/Bs
+# until it is retired.
+FSPLIT = True
+
+# The fused backward (kernels/linear_attention/gdn_bwd_fused/sm90, `_fused_pass`: kernel 1's
+# reverse launch and kernel 2 in one kernel, one CTA per (sequence, value head), dU and dS on
+# chip) with QK16, where B x HV fills about a wave (`fused_fits`; fewer CTAs: today's path).
+# TEMPORARY switch, off until a GPU A/B (NOTES "GDN fused backward"); FUSED_SWITCH overrides it
+# for the GPU checks: "1" as FUSED = True, "all" every device pass (small shapes too), "0" off.
+FUSED = False
+FUSED_SWITCH = "FORGEKERNEL_GDN_BWD_FUSED"
 
 
-def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None):
+def _fused_selected(b: int, hv: int, device: torch.device) -> bool:
+    """Whether the device pass of B sequences x HV value heads runs the fused kernel."""
+    mode = os.environ.get(FUSED_SWITCH, "1" if FUSED else "0")
+    if mode == "all":
+        return QK16
+    return mode == "1" and QK16 and fused_fits(b, hv, _device_sms(device))
+
+
+def state_flags(slots) -> dict:
+    """Kernel 1's launch keywords for the varlen slot layout (ops/_linattn_varlen.py `Slots`)
+    or none (None: B equal sequences)."""
+    return {} if slots is None else {"cu_seqlens": slots.cu_seqlens, "order": slots.order}
+
+
+def side_by_side_states(slots, b: int, hv: int, device: torch.device) -> bool:
+    """Kernel 1's two launches side by side: both fit one wave (`concurrent_state_launches`),
+    or varlen (`slots`): there the longest chain, not the work, sets a launch's time wherever
+    N HV CTAs leave SMs idle behind it, and side by side the second launch's CTAs fill them
+    (GDN mix16-t16384 hv32 on 132 SMs: chains of 98 slots, 2 x 98 slot steps in a row, ~134
+    side by side; work-bound cases take their work either way)."""
+    return slots is not None or concurrent_state_launches(b, hv, _device_sms(device))
+
+
+def pass_tokens(b: int, t: int, slots) -> int:
+    """The tokens a pass of heads counts against TOKEN_HEADS_PER_PASS: B T, or in the varlen
+    slot layout the callers' tokens (its zero rows, fewer than 64 N, left out: the suites'
+    mix64-t32768, 32768 tokens in 576 slots, stays one pass as 4 x 8192; two would run kernel
+    1's 194-slot chain twice, ~1 ms more on the H100's 5.5 us a slot step)."""
+    return b * t if slots is None else slots.rows.shape[0]
+
+
+def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots=None):
     """`_chunk_pass` with every kernel writing what the next reads (kernel 1 `out16`): kernel
     0's tiles, kernel 1's forward launch (`forward`: chunks first to last on kernel 0's u, W,
     Ke as written, the signs in registers) -> U, h (16-bit, chunk order), its reverse launch on
@@ -381,21 +427,28 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None):
     kernels (views only; the forward launch builds its I and 0 tiles in). into: (dq, dk, dv,
     dg, dbeta, dh0) contiguous buffers (or None each) kernel 2 / kernel 1 write directly (dq,
     dk only with q_scale). q_scale (QK16, `_folds`): kernel 2's 16-bit dq times it, dq and dk
-    the op's gradients (no epilogue)."""
+    the op's gradients (no epilogue). slots: the varlen slot layout (B = 1 over its S C
+    rows, h0 / dht / dh0 (N, HV, K, V)): kernel 1's varlen form, side by side."""
     t, device = qs.shape[1], qs.device
+    # the fused kernel walks B equal sequences; the varlen slot layout takes today's path
+    if slots is None and _fused_selected(do.shape[0], do.shape[2], device):
+        return _fused_pass(qs, ks, v, g, beta, do, h0, dht, into, q_scale)
+    varlen = state_flags(slots)
     dq_o, dk_o, dv_o, dg_o, dbeta_o, dh0_o = into or (None,) * 6
     out = _factors(qs, ks, v, g, beta)
     fw = forward_launch_tiles(out, identity=False)  # u, W, Ke, e^(G_C) as written (views)
 
     def forward_launch():
         return _state_recurrence(*(fw[n] for n in ("do", "pt", "ke", "qe", "w")),
-                                 fw["e_last"], h0, out16=True, forward=True)  # fmt: skip
+                                 fw["e_last"], h0, out16=True, forward=True,
+                                 **varlen)  # fmt: skip
 
     def reverse_launch():
         rev = tuple(out[n][:, :t] for n in ("pt", "ke", "qe", "w"))
-        return _state_recurrence(do, *rev, out["e_last"], dht, out16=True, **given(dh0=dh0_o))
+        return _state_recurrence(do, *rev, out["e_last"], dht, out16=True, **given(dh0=dh0_o),
+                                 **varlen)  # fmt: skip
 
-    if concurrent_state_launches(do.shape[0], do.shape[2], _device_sms(device)):
+    if side_by_side_states(slots, do.shape[0], do.shape[2], device):
         (u16, h16, _), (du16, dh16, dh0) = side_by_side(device, forward_launch, reverse_launch)
     else:
         u16, h16, _ = forward_launch()
@@ -412,6 +465,39 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None):
         flags["fsplit"] = True
     dq, dk, dg, dv, dbeta = _chunk_grads_wy(*tiles, k2["tt"], k2["w"], k2["u"], v, wide,
                                             dv16=True, **flags, **given(out=wy_out))  # fmt: skip
+    return dq, dk, dv, dg, dbeta, dh0
+
+
+def _fused_bwd(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, **flags):
+    """The fused kernel (kernel 1's reverse recurrence + kernel 2, `gdn_bwd_fused`): (dq, dk,
+    dg, dv, dbeta, dh0) (`flags`: scale, out). The CPU tests put an emulation here."""
+    from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.launch import gdn_bwd_fused
+
+    return gdn_bwd_fused(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, **flags)
+
+
+def _fused_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None):
+    """`_device_pass` on the fused kernel (FUSED): kernel 0's tiles, kernel 1's forward
+    launch (U, h), then `_fused_bwd` on kernel 0's P^T, T^T, W, u, G (its Ke, Qe, e^(G_C) not
+    read: folded in registers) with the same outputs as kernel 2 + the reverse launch."""
+    t = qs.shape[1]
+    dq_o, dk_o, dv_o, dg_o, dbeta_o, dh0_o = into or (None,) * 6
+    out = _factors(qs, ks, v, g, beta)
+    fw = forward_launch_tiles(out, identity=False)
+    u16, h16, _ = _state_recurrence(*(fw[n] for n in ("do", "pt", "ke", "qe", "w")),
+                                    fw["e_last"], h0, out16=True, forward=True)  # fmt: skip
+    k2 = for_kernel2(out, t)
+    wide = beta.to(torch.promote_types(beta.dtype, torch.float32))
+    bufs = None
+    if into is not None:
+        b, _, hv, vd = do.shape
+        dh0 = dh0_o if dh0_o is not None else do.new_empty(b, hv, qs.shape[-1], vd,
+                                                           dtype=torch.float32)  # fmt: skip
+        bufs = (*_wy_buffers(do, qs.shape[-1], dg_o, dv_o, dbeta_o, dq_o, dk_o), dh0)
+    dq, dk, dg, dv, dbeta, dh0 = _fused_bwd(
+        do, u16[:, :t], qs, ks, h16, k2["big_g"], out["pt"][:, :t], k2["tt"], k2["w"], k2["u"],
+        v, wide, dht, scale=1.0 if q_scale is None else q_scale, **given(out=bufs),
+    )  # fmt: skip
     return dq, dk, dv, dg, dbeta, dh0
 
 
@@ -498,7 +584,7 @@ def _joined(parts, i, out):
 
 
 def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b, out=None,
-                     k_last=False) -> Grads:  # fmt: skip
+                     k_last=False, slots=None) -> Grads:  # fmt: skip
     """`_backward_kernel` on the device path with 16-bit kernel-1 outputs: q / k normalized,
     scaled and converted at H heads (`_normalized`), read there by kernels 0 and 2 (value head
     hv: head hv // (HV / H); no repeated copy), v and do passed as they are (strided head
@@ -508,7 +594,8 @@ def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b, out=None,
     kernel 2's dv, dg, dbeta and kernel 1's dh0 in one pass, their concatenation in several),
     a copy only where the dtype or layout differs (beta in 16 bits, k_last's dh0). Without
     l2norm and with HV = H (`_folds`) kernel 2 writes dq (times the scale) and dk themselves
-    in 16 bits: no epilogue launch."""
+    in 16 bits: no epilogue launch. slots: the varlen slot layout the tokens are in (b = 1;
+    `_device_pass`)."""
     h, hv, dtype = q.shape[1], v.shape[1], do.dtype
     t, group = q.shape[0] // b, hv // h
 
@@ -518,7 +605,7 @@ def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b, out=None,
     qs = _normalized(seq(q), scale, l2norm, dtype)
     ks = _normalized(seq(k), 1.0, l2norm, dtype)
     v_side = [seq(v).to(dtype), seq(g).float(), seq(beta), seq(do)]
-    step = max(1, TOKEN_HEADS_PER_PASS // max(1, b * t * group))
+    step = max(1, TOKEN_HEADS_PER_PASS // max(1, pass_tokens(b, t, slots) * group))
     heads = range(0, h, step)
     one = len(heads) == 1
     f32 = torch.float32
@@ -531,7 +618,7 @@ def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b, out=None,
         states = (None if x is None else x[:, vh].float().contiguous() for x in (h0, dht))
         parts.append(_chunk_pass(qs[:, :, qh], ks[:, :, qh], *(x[:, :, vh] for x in v_side),
                                  *states, into=into,
-                                 q_scale=scale if fold else None))  # fmt: skip
+                                 q_scale=scale if fold else None, slots=slots))  # fmt: skip
     outs = (None,) * 6 if out is None else (*(None if o is None else seq(o) for o in out[:5]),
                                            None if k_last else out[5])  # fmt: skip
     if fold:  # kernel 2 wrote the op's dq, dk (16-bit, scaled): no epilogue
@@ -548,21 +635,25 @@ def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b, out=None,
 
 
 def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, k_last, l2norm,
-                     batch, out=None) -> Grads:  # fmt: skip
+                     batch, out=None, slots=None) -> Grads:  # fmt: skip
     """The backward on kernel 1 (see the module docstring): flat tensors as
     `_backward_interim`'s holding `batch` sequences of equal length. Grouped heads: q / k
     (normalized, scaled) repeated to the value heads before the factors (kernel 1 and every
     factor are per value head), dq / dk summed over each group of HV / H value heads after;
     value heads in passes of TOKEN_HEADS_PER_PASS token-heads (two kernel launches a pass) to
-    bound the fp32 temporaries."""
+    bound the fp32 temporaries. slots (with batch 1): the tokens in the varlen slot layout
+    (ops/_linattn_varlen.py), the states (N, ...): the device pass only (`_slots_path`)."""
     b, h, hv = batch, q.shape[1], v.shape[1]
     t, group = q.shape[0] // b, hv // h
     h0 = _to_kv(initial_state, k_last)
     dht = _to_kv(d_final, k_last)
     likes = (q, k, v, g, beta)
     if _on_device() and STATES16:
-        grads = _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b, out, k_last)
+        grads = _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b, out, k_last,
+                                 slots)  # fmt: skip
         return written(out, (*grads[:5], _to_kv(grads[5], k_last)), likes)
+    if slots is not None:
+        raise ValueError("the slot layout (varlen) is the device pass's")
 
     def seq(x):
         return x.reshape(b, t, *x.shape[1:])
@@ -591,17 +682,30 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, k_last
 
 def _backward_varlen(q, k, v, g, beta, initial_state, do, d_final, scale, k_last, l2norm,
                      cu_seqlens, out=None) -> Grads | None:  # fmt: skip
-    """Varlen on the kernel path: the offsets read on the host (one sync, as the interim
-    path's; a CUDA-graph capture is refused first); equal lengths are a reshape, unequal ones
-    run in buckets of sequences zero-padded at their ends (ops/_linattn_varlen.py: zero rows
-    change neither the state nor a real gradient). None (the interim path) when no token."""
-    refuse_capture(NOT_CAPTURABLE_VARLEN, q)
+    """Varlen on the kernel path (ops/_linattn_varlen.py `backward_varlen`): on the device pass
+    (`_slots_path`) unequal lengths run once in the slot layout, no host read under a
+    CUDA-graph capture; eagerly the offsets are read once (equal lengths: a reshape). The
+    fallback forms: buckets of sequences zero-padded at their ends, a capture refused first.
+    None (the interim path) when no token."""
+    in_slots = _slots_path()
+    if not in_slots:
+        refuse_capture(NOT_CAPTURABLE_VARLEN, q)
 
     def run(q, k, v, g, beta, do, h0, dht, n, out=None):
         return _backward_kernel(q, k, v, g, beta, h0, do, dht, scale, k_last, l2norm, n, out)
 
+    def run_slots(q, k, v, g, beta, do, h0, dht, slots):
+        return _backward_kernel(q, k, v, g, beta, h0, do, dht, scale, k_last, l2norm, 1,
+                                slots=slots)  # fmt: skip
+
     return backward_varlen(run, (q, k, v, g, beta, do), (initial_state, d_final), cu_seqlens,
-                           out)  # fmt: skip
+                           out, run_slots if in_slots else None)  # fmt: skip
+
+
+def _slots_path() -> bool:
+    """Varlen runs in the slot layout: the device pass with kernel 1's 16-bit outputs (the
+    default), the path whose state launches have the varlen form."""
+    return _on_device() and STATES16
 
 
 def _empty_grads(q, k, v, g, beta, cu_seqlens, k_last) -> Grads:
@@ -717,7 +821,8 @@ def gated_delta_rule_backward(
     gradients (d_initial_state's may be None: allocated), written and returned; on the kernel
     path the last kernel writing each gradient writes it there (the q / k epilogue dq, dk;
     kernel 2 dv, dg and an fp32 dbeta; kernel 1 d_initial_state unless k_last), a copy only
-    for a 16-bit dbeta, k_last's d_initial_state, varlen buckets and the interim path."""
+    for a 16-bit dbeta, k_last's d_initial_state, varlen (gathered from the slot layout or
+    the buckets) and the interim path."""
     check_bools(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, k_last=k_last)
     b, t, _, hv, dk, dv = fwd._check_heads(q, k, v)
     check_shaped("g", g, (b, t, hv), fwd.F32)

@@ -45,9 +45,12 @@ backward, scale and cast on Gated DeltaNet's q / k epilogue kernel
 lengths known on the host (the explicit backward without cu_seqlens, one sequence, autograd of a
 call without cu_seqlens: the forward op's `batch` argument says B equal lengths; autograd's
 setup saves it, eager and under torch.compile alike) run with no host read (CUDA-graph
-capturable); several sequences behind a caller's cu_seqlens have their offsets read on the host
-(one sync, as the interim path's): equal lengths are a reshape, unequal ones run in buckets of
-similar lengths zero-padded at their ends (`_backward_varlen`, ops/_linattn_varlen.py).
+capturable); several sequences behind a caller's cu_seqlens (`_backward_varlen`,
+ops/_linattn_varlen.py): eagerly the offsets read on the host once (equal lengths a reshape),
+unequal lengths (and any under a capture: no host read) on the device pass ONE launch of each
+kernel over the forward's chunk slots, kernel 1 in its `varlen` form; the fallback forms (fp16
+tiles, the switches off): buckets of similar lengths zero-padded at their ends, a capture
+refused.
 
 `kimi_delta_attention_backward` is the same backward for callers with their own autograd and
 for the suite's backward timing.
@@ -61,6 +64,7 @@ import torch
 import torch.nn.functional as F
 
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.config import HEAD_DIMS
+from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.config import BULK_ALIGN
 from forgekernel.ops import kda_chunked as fwd
 from forgekernel.ops._dispatch import KernelSwitch, refuse_capture
 from forgekernel.ops._dispatch import traced as _traced
@@ -77,19 +81,21 @@ from forgekernel.ops._validate import (
 # (q / k normalized and scaled once at H heads), `_qk_grads` (the epilogue kernel
 # kernels/linear_attention/gdn_bwd_norm/sm90: group sum, l2norm's backward, scale, cast; the
 # CPU tests put its model on this module's name) and `_normalized_backward` (its torch form);
-# its kernel-1 decision (`concurrent_state_launches`: the same kernel, the same CTAs) and its
+# its kernel-1 decisions (`side_by_side_states`, `state_flags`: the same kernel, the same CTAs,
+# the same varlen slot layout) and its
 # out= helpers (`check_grads_out`, `flat_out`, `given`, `_joined`, `written`)
 from forgekernel.ops.gated_delta_rule_bwd import (
     GradsOut,
-    _device_sms,
     _joined,
     _normalized,
     _normalized_backward,
     _qk_grads,
     check_grads_out,
-    concurrent_state_launches,
     flat_out,
     given,
+    pass_tokens,
+    side_by_side_states,
+    state_flags,
     written,
 )
 from forgekernel.reference.gdn_bwd_state import (
@@ -171,6 +177,10 @@ CHUNK_IN_KERNEL = True
 # epilogue kernel (`_qk_grads`, kernels/linear_attention/gdn_bwd_norm/sm90); False: torch
 # (`_normalized_backward`, the fallback).
 NORM_IN_KERNEL = True
+# TEMPORARY (until a GPU A/B; then the key becomes the default or goes): kernel 2 on two math
+# warpgroups split by key channels (`wg2`, kda_bwd_chunk/sm90/chunk_grads_wg2.py; bit for bit
+# the 256-thread kernel's outputs; NOTES "KDA kernel 2 on two math warpgroups, built").
+CHUNK_2WG = False
 
 
 def _chunk_grads(do, u, du, q, k, h, dh, big_g, dw16=False, dg=None, dq16=False, scale=1.0,
@@ -183,7 +193,7 @@ def _chunk_grads(do, u, du, q, k, h, dh, big_g, dw16=False, dg=None, dq16=False,
     `dq`, contiguous, when given). The CPU tests put the tile emulation here."""
     from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90 import launch
 
-    flags = {"dw16": dw16, **({"dq16": True, "scale": scale} if dq16 else {})}
+    flags = {"dw16": dw16, "wg2": CHUNK_2WG, **({"dq16": True, "scale": scale} if dq16 else {})}
     if dg is None and dq is None:
         return launch.kda_bwd_chunk(do, u, du, q, k, h, dh, big_g, **flags)
     own = launch.empty_outputs(do, q.shape[-1], dw16, dq16)
@@ -282,19 +292,21 @@ def _reverse_tiles(f, dtype):
 
 
 def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, ops=None, dg_out=None, dg_dtype=torch.float32,
-                dv_dtype=torch.float32, q_scale=None, into=None):  # fmt: skip
+                dv_dtype=torch.float32, q_scale=None, into=None, slots=None):  # fmt: skip
     """Value heads of one pass, everything per value head: qs (scaled), ks (B, T, HV, K), v, do
     (B, T, HV, V), g (B, T, HV, K), beta (B, T, HV) fp32 except do (16-bit: the tiles' dtype);
     h0, dht (B, HV, K, V) fp32 or None; ops: this pass's heads of `_first_pass_ops` or None
     (the factors in torch) -> (dqs, dks (B, T, HV, K), dv, dg (B, T, HV, K), dbeta, dh0) fp32.
     On the device pass (`_on_device`) qs, ks and v come in do's 16-bit dtype and dG goes into
     dg_out where given and dv in `dv_dtype` where that is do's (`_device_pass`; the other
-    paths ignore both; q_scale, into: `_device_pass`'s, the device pass only)."""
+    paths ignore both; q_scale, into, slots: `_device_pass`'s, the device pass only)."""
     t, dtype = qs.shape[1], do.dtype
     if ops is not None and _on_device(dtype):
         return _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out, dg_dtype, dv_dtype,
-                            q_scale, into)  # fmt: skip
+                            q_scale, into, slots)  # fmt: skip
     assert q_scale is None and into is None, "final-form dq / dk: the device pass only"
+    if slots is not None:
+        raise ValueError("the slot layout (varlen) is the device pass's")
     if ops is None:  # (B, NC, HV, C, ...) fp32, sub-chunked
         f = chunk_factors(qs, ks, v, g, beta, _Factors)
     else:
@@ -359,7 +371,7 @@ def _chunk_products(a, x, nc):
 
 
 def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=torch.float32,
-                 dv_dtype=torch.float32, q_scale=None, into=None):  # fmt: skip
+                 dv_dtype=torch.float32, q_scale=None, into=None, slots=None):  # fmt: skip
     """`_chunk_pass` with kernel 1 writing kernel 2's 16-bit forms (`out16`), as Gated DeltaNet's
     `_device_pass`: W = (T diag(beta)) Kg and u = (T diag(beta)) V from the first pass's rows
     (`_chunk_products`, the only factors formed here), kernel 1's forward launch (`forward`: I,
@@ -376,8 +388,11 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=tor
     the op's q UNscaled (the first pass got the scale), kernel 2 writes the op's dq (dq16,
     times q_scale) and the WY kernel the op's dk (dk16), both in do's dtype: no epilogue;
     into: (dq, dk, dv, dbeta) (B, T, HV, ...) contiguous buffers those kernels write (the
-    op's `out=`, each None or of the dtype its kernel writes)."""
+    op's `out=`, each None or of the dtype its kernel writes). slots: the varlen slot layout
+    (B = 1 over its S C rows, h0 / dht / dh0 (N, HV, K, V)): kernel 1's varlen form, side by
+    side (Gated DeltaNet's `side_by_side_states`)."""
     t, dtype = qs.shape[1], do.dtype
+    varlen = state_flags(slots)
     dq_o, dk_o, dv_o, db_o = (None,) * 4 if into is None else into
     nc = -(-t // CHUNK)
 
@@ -390,15 +405,15 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=tor
 
     def forward_launch():  # chunks first to last on u, W, Kd as they are, the signs in registers
         return _state_recurrence(u16, None, w16, None, ops["k_d"], ops["decay"], h0,
-                                 out16=True, forward=True)  # fmt: skip
+                                 out16=True, forward=True, **varlen)  # fmt: skip
 
     def reverse_launch():
         pt = to_tokens(chunks(ops["p"]).transpose(-1, -2))[:, :t]
         rev = (pt, ops["k_d"][:, :t], ops["q_g"][:, :t], w16[:, :t])
-        return _state_recurrence(do, *rev, ops["decay"], dht, out16=True)
+        return _state_recurrence(do, *rev, ops["decay"], dht, out16=True, **varlen)
 
     device = do.device
-    if concurrent_state_launches(do.shape[0], do.shape[2], _device_sms(device)):
+    if side_by_side_states(slots, do.shape[0], do.shape[2], device):
         (u_c, h16, _), (du16, dh16, dh0) = side_by_side(device, forward_launch, reverse_launch)
     else:
         u_c, h16, _ = forward_launch()
@@ -407,8 +422,10 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=tor
     # kernel's launchers read it contiguous (`.contiguous()`): cut to T it is not where B > 1
     # and T is no multiple of 64 (or in a head pass), so made so once here for both
     big_g = ops["big_g"][:, :t].contiguous()
-    # kernel 2 writes dG straight into `dg_out` where that is a contiguous fp32 buffer
-    into_dg = dg_out if dg_out is not None and dg_out.is_contiguous() else None
+    # kernel 2 writes dG straight into `dg_out` where that is a contiguous fp32 buffer whose
+    # start suits the WY kernel's bulk reduce-adds onto it (`BULK_ALIGN`)
+    into_dg = dg_out if dg_out is not None and dg_out.is_contiguous() \
+        and dg_out.data_ptr() % BULK_ALIGN == 0 else None  # fmt: skip
     # dw in the tiles' dtype from kernel 2 (the WY kernel's operand; no cast here)
     fold = {} if q_scale is None else {"dq16": True, "scale": q_scale, **given(dq=dq_o)}
     dq, dk, dw, dg = _chunk_grads(do, u_c[:, :t], du16, qs, ks, h16, dh16, big_g, dw16=True,
@@ -434,8 +451,13 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=tor
 # the op's q unscaled (the first pass takes the scale) and writes dq x scale in 16 bits (dq16),
 # the WY kernel the final dk in 16 bits (dk16), dv / dbeta into `out=`: no q x scale copy, no
 # epilogue launch. TEMPORARY switch for the GPU A/B (False: the fp32 dq / dk and the epilogue,
-# as before 2026-12-06's next/kda-final-outputs).
-FINAL_QK = True
+# as before 2026-12-06's next/kda-final-outputs). Off since next/kda-bwd-regress: on the H100
+# (4 x 8192, H = HV = 16) it cost kernel 2 +0.65 ms (3.18 -> 3.83; its SASS differs from
+# dq16's absence only by the scale's 72 FMUL and the 16-bit stores: cause open) and the WY
+# kernel +0.4 ms (dk16's loads serialized behind its stores, fixed there) for 0.52 ms of glue:
+# 9.76 vs 9.23 ms. Re-time it with the fixed WY kernel (NOTES.md "KDA backward regressions
+# of integration41"): on again if kernel 2's cost is gone, else remove the path (dq16, dk16).
+FINAL_QK = False
 
 
 def _folds(l2norm: bool, group: int, q: torch.Tensor, k: torch.Tensor, dtype) -> bool:
@@ -455,7 +477,7 @@ def _normalized32(x, scale, l2norm):
 
 
 def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm,
-                     batch, out: GradsOut = None) -> Grads:  # fmt: skip
+                     batch, out: GradsOut = None, slots=None) -> Grads:  # fmt: skip
     """The backward on kernel 1 (module docstring): flat tensors as `_backward_interim`'s
     holding `batch` sequences of equal length. Grouped heads: q / k normalized and scaled once
     at H heads in fp32 (`_normalized32`), repeated to the value heads a pass (not for HV = H)
@@ -466,7 +488,9 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
     pass: no concatenation. `out` (flat buffers, `GradsOut`): dq, dk written by the epilogue,
     an fp32 dg by the device pass's last add (one pass; several: their concatenation), dv,
     dbeta and d_initial_state copied in (the WY kernel writes dv, dbeta in fp32 and kernel 1
-    dh0 into buffers of its own: the cast and two small copies)."""
+    dh0 into buffers of its own: the cast and two small copies). slots (with batch 1): the
+    tokens in the varlen slot layout (ops/_linattn_varlen.py), the states (N, ...): the device
+    pass only (`_slots_path`)."""
     b, h, hv = batch, q.shape[1], v.shape[1]
     t, group = q.shape[0] // b, hv // h
 
@@ -487,7 +511,7 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
     if FACTORS_FROM_FIRST_PASS and CHUNK_IN_KERNEL and do.dtype in FIRST_PASS_DTYPES:  # 16-bit rows
         q16, k16 = (x.to(do.dtype) for x in (qn, kn))  # q scaled already unless fold
         ops = _first_pass_ops(q16, k16, v_side[1], v_side[2], scale if fold else 1.0, b, t)
-    step = max(1, TOKEN_HEADS_PER_PASS // max(1, b * t * group))
+    step = max(1, TOKEN_HEADS_PER_PASS // max(1, pass_tokens(b, t, slots) * group))
     heads = range(0, h, step)
     outs = (None,) * 5 if out is None else tuple(None if o is None else seq(o) for o in out[:5])
     dg_out = outs[3] if len(heads) == 1 and outs[3] is not None and g.dtype == torch.float32 \
@@ -509,7 +533,8 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
         mine = None if ops is None else {n: x[:, :, vh] for n, x in ops.items()}
         parts.append(_chunk_pass(qs, ks, *(x[:, :, vh] for x in v_side), *states, ops=mine,
                                  dg_out=dg_out, dg_dtype=g.dtype, dv_dtype=v.dtype,
-                                 q_scale=scale if fold else None, into=into))  # fmt: skip
+                                 q_scale=scale if fold else None, into=into,
+                                 slots=slots))  # fmt: skip
     del qn, kn
     if fold:  # the kernels wrote the op's dq, dk (16-bit, dq scaled): no epilogue
         dq, dk, dv, dbeta = (_joined(parts, i, outs[i]) for i in (0, 1, 2, 4))
@@ -557,25 +582,38 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, l2norm, b
 
 
 NOT_CAPTURABLE_VARLEN = (
-    "kimi_delta_attention's backward on kernel 1 reads varlen offsets on the host (the padding "
-    "to equal lengths, one sync a call; equal-length calls without cu_seqlens have none)"
+    "kimi_delta_attention's backward on its fallback forms (fp16 tiles, the torch factors) reads "
+    "varlen offsets on the host (the padding to equal lengths in buckets; the default device "
+    "pass has none under capture)"
 )
 
 
 def _backward_varlen(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm,
                      cu_seqlens, out=None) -> Grads | None:  # fmt: skip
-    """Varlen on the kernel path, as Gated DeltaNet's: the offsets read on the host (one sync,
-    as the interim path's; a CUDA-graph capture is refused first); equal lengths (the suite's
-    batch cases: B = 1 + cu_seqlens) are a reshape, unequal ones run in buckets of sequences
-    zero-padded at their ends (ops/_linattn_varlen.py). None (the interim path) when no
-    token."""
-    refuse_capture(NOT_CAPTURABLE_VARLEN, q)
+    """Varlen on the kernel path, as Gated DeltaNet's (ops/_linattn_varlen.py
+    `backward_varlen`): on the device pass (`_slots_path`) unequal lengths run once in the slot
+    layout, no host read under a CUDA-graph capture; eagerly the offsets are read once (equal
+    lengths, the suite's batch cases: B = 1 + cu_seqlens, a reshape). The fallback forms:
+    buckets of sequences zero-padded at their ends, a capture refused first. None (the interim
+    path) when no token."""
+    in_slots = _slots_path(do.dtype)
+    if not in_slots:
+        refuse_capture(NOT_CAPTURABLE_VARLEN, q)
 
     def run(q, k, v, g, beta, do, h0, dht, n, out=None):
         return _backward_kernel(q, k, v, g, beta, h0, do, dht, scale, l2norm, n, out)
 
+    def run_slots(q, k, v, g, beta, do, h0, dht, slots):
+        return _backward_kernel(q, k, v, g, beta, h0, do, dht, scale, l2norm, 1, slots=slots)
+
     return backward_varlen(run, (q, k, v, g, beta, do), (initial_state, d_final), cu_seqlens,
-                           out)  # fmt: skip
+                           out, run_slots if in_slots else None)  # fmt: skip
+
+
+def _slots_path(dtype: torch.dtype) -> bool:
+    """Varlen runs in the slot layout: the device pass (`_on_device`, the bf16 default), the
+    path whose state launches have the varlen form."""
+    return _on_device(dtype)
 
 
 def _backward_eager(q, k, v, g, beta, initial_state, cu_seqlens, do, d_final, scale, l2norm,

@@ -235,3 +235,27 @@ def out16_forms(
     if forward:
         ds, du = ds.flip(1), to_tokens(to_chunks(du, nc).flip(1))[:, :t]
     return du.contiguous(), ds.contiguous()
+
+
+def over_slots(launch, cu_seqlens, order, do, pt, ke, qe, w, e_last, state, **flags):
+    """Kernel 1's `varlen` form (ops/_linattn_varlen.py's slot layout) by its batch form
+    `launch(do, pt, ke, qe, w, e_last, state, **flags)`, its model: sequence n's owned slots
+    [bos_n // C + n, eos_n // C + n + 1) of the (1, S C, HV, ...) tiles (pt, qe None for the
+    forward launch) and of e_last (1, S, HV[, K]) run as one sequence from state[n] (or zero),
+    the outputs (dU (1, S C, HV, V), the per-chunk side (1, S, HV, ...), the state gradient (N,
+    HV, K, V)) at the same slots. The slots partition [0, S) (asserted); `order` (the CTAs'
+    order) changes nothing: only checked to be a permutation."""
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    n = len(cu) - 1
+    assert sorted(int(x) for x in order.tolist()) == list(range(n))
+    spans = [(cu[i] // CHUNK + i, cu[i + 1] // CHUNK + i + 1) for i in range(n)]
+    assert spans[0][0] == 0 and spans[-1][1] * CHUNK == do.shape[1]
+    assert all(a[1] == b[0] for a, b in zip(spans[:-1], spans[1:]))
+    parts = []
+    for i, (lo, hi) in enumerate(spans):
+        rows = slice(lo * CHUNK, hi * CHUNK)
+        tiles = (None if x is None else x[:, rows] for x in (do, pt, ke, qe, w))
+        st = None if state is None else state[i : i + 1]
+        parts.append(launch(*tiles, e_last[:, lo:hi], st, **flags))
+    du, side, s0 = (torch.cat(x, dim=0 if j == 2 else 1) for j, x in enumerate(zip(*parts)))
+    return du, side, s0

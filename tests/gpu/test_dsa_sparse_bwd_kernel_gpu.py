@@ -15,14 +15,15 @@ variant `was`): its standard build is xchg4s (S^T in one warpgroup, dP^T in the 
 red.global.add.v4.f32 from a staging in the tile's released stage) at both blocks; on every bf16
 case also the candidate red4s (S^T / dP^T split over the heads: the standard form before
 2026-12-04 04:23) and the fragments' red.global.add.v2 alone (the builds' test ids:
-standard-bf16, standard-fp16, red4s, v2; e.g. `-k red4s`). The h64 kernels (kernel_h64.py's kv
-and dq parts, 64 heads a CTA; the launcher's default at H a multiple of 64) on their own cases
+standard-bf16, standard-fp16, red4s, v2; e.g. `-k red4s`). The h64 kernels on their own cases
 (`-k h64`): H 64 / 128 / 192 / 256, top-k 20, 64, 100, 1000 and 2048 (not multiples of 64 among
 them), the suite's shapes cut to 64 / 32 tokens (the bench verifies the whole ones), bf16 and
-fp16; in one chunk (a poisoned workspace of every token), in chunks of a smaller poisoned
-h64_ws and in chunks by a lowered workspace cap (`-k h64_chunked`); the launcher's and the op's
-defaults at H 64 / 128 (`-k h64_default`). Then the op with FORGEKERNEL_DSA_BWD_KERNEL=1
-against its interim path."""
+fp16: the fused kernel (kernel_h64f.py, the launcher's default at H a multiple of 64; `-k h64f`,
+also with dq one element off 16-byte alignment: the launcher's aligned copy); the two-kernel
+form (kernel_h64.py's kv and dq parts, h64_fused=False) in one chunk (a poisoned workspace of
+every token), in chunks of a smaller poisoned h64_ws and in chunks by a lowered workspace cap
+(`-k h64_chunked`); the launcher's and the op's defaults at H 64 / 128 (`-k h64_default`). Then
+the op with FORGEKERNEL_DSA_BWD_KERNEL=1 against its interim path."""
 
 from __future__ import annotations
 
@@ -111,8 +112,29 @@ H64_CASES = [  # tokens, heads, topk, slots, sink, dlse
 
 
 @pytest.mark.parametrize("tokens,heads,topk,slots,sink,dlse", H64_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["h64f-bf16", "h64f-fp16"])
+def test_h64f_matches_fp64(dtype, tokens, heads, topk, slots, sink, dlse):
+    """The fused kernel (h64=True, the default form): dq NaN-poisoned (`_check`), every
+    element written; one launch whatever the token count (no workspace)."""
+    if dtype is torch.float16 and tokens > 7:
+        pytest.skip("fp16 on the small cases")
+    _check(dtype, tokens, heads, topk, slots, sink, dlse, h64=True, h64_fused=True)
+
+
+@pytest.mark.parametrize(
+    "tokens,heads,topk,slots,sink,dlse",
+    [(7, 64, 100, 500, True, True), (3, 128, 64, 200, False, False)],
+)
+def test_h64f_unaligned_dq_matches_fp64(tokens, heads, topk, slots, sink, dlse):
+    """dq one element off 16-byte alignment: the launcher runs the fused kernel on an aligned
+    buffer and copies it in."""
+    _check(torch.bfloat16, tokens, heads, topk, slots, sink, dlse, dq_offset=1)
+
+
+@pytest.mark.parametrize("tokens,heads,topk,slots,sink,dlse", H64_CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["h64-bf16", "h64-fp16"])
 def test_h64_matches_fp64(dtype, tokens, heads, topk, slots, sink, dlse):
+    """The two-kernel form (h64_ws names it)."""
     if dtype is torch.float16 and tokens > 7:
         pytest.skip("fp16 on the small cases")
     # the dS workspace poisoned: a cell the kv part leaves unwritten turns dq non-finite
@@ -133,7 +155,7 @@ H64_CHUNKED = [  # tokens, heads, topk, slots, sink, dlse, chunk
 @pytest.mark.parametrize("tokens,heads,topk,slots,sink,dlse,chunk", H64_CHUNKED)
 @pytest.mark.parametrize("by", ["ws", "cap"], ids=["h64_chunked-ws", "h64_chunked-cap"])
 def test_h64_chunked_matches_fp64(monkeypatch, by, tokens, heads, topk, slots, sink, dlse, chunk):
-    """The default (h64) in chunks of `chunk` tokens: by a NaN-poisoned h64_ws of `chunk`
+    """The two-kernel h64 form in chunks of `chunk` tokens: by a NaN-poisoned h64_ws of `chunk`
     tokens (the first chunk's cells the kv part leaves unwritten turn dq non-finite), or by the
     workspace cap lowered to `chunk` tokens' workspace (a fresh one): row slices of the
     per-token tensors launched kv then dq a chunk, dkv summed over the chunks."""
@@ -144,6 +166,7 @@ def test_h64_chunked_matches_fp64(monkeypatch, by, tokens, heads, topk, slots, s
                                      device="cuda")  # fmt: skip
     else:
         monkeypatch.setattr(config, "H64_WS_CAP_BYTES", chunk * rows * heads * 2)
+        forms["h64_fused"] = False
     _check(torch.bfloat16, tokens, heads, topk, slots, sink, dlse, **forms)
 
 
@@ -152,38 +175,38 @@ def test_h64_chunked_matches_fp64(monkeypatch, by, tokens, heads, topk, slots, s
     (64, 128, 2048, 8192, True, False),
 ])  # fmt: skip
 def test_h64_default_matches_fp64(monkeypatch, tokens, heads, topk, slots, sink, dlse):
-    """The launcher's default (no form named) takes the h64 kernels at H 64 / 128 and matches
-    the fp64 reference; so does the op's explicit backward (its preprocess kernel, the h64
-    launches, the dkv cast) in 3 chunks by a lowered cap."""
+    """The launcher's default (no form named) takes the fused h64 kernel at H 64 / 128 and
+    matches the fp64 reference; so does the op's explicit backward (its preprocess kernel, the
+    fused kernel, the dkv cast)."""
     from forgekernel.ops.dsa_bwd import dsa_sparse_attention_backward
 
     ran = []
-    h64 = launch._launch_h64
-    monkeypatch.setattr(launch, "_launch_h64", lambda *a: ran.append(1) or h64(*a))
+    get = launch.get_kernel
+    monkeypatch.setattr(launch, "get_kernel", lambda spec, p: ran.append(dict(p)["h64"])
+                        or get(spec, p))  # fmt: skip
     _check(torch.bfloat16, tokens, heads, topk, slots, sink, dlse)
-    assert ran == [1]
+    assert ran == ["fused"]
     q, kv, idx, dout, s, d = _problem(tokens, heads, topk, slots, torch.bfloat16, sink=sink,
                                       dlse=dlse, seed=tokens * heads + topk)  # fmt: skip
     clean, out, lse = _forward(q, kv, idx, s, torch.bfloat16)
-    rows = config.h64_workspace_rows(topk)
-    monkeypatch.setattr(config, "H64_WS_CAP_BYTES", -(-tokens // 3) * rows * heads * 2)
     grads = dsa_sparse_attention_backward(
         q[..., :LATENT], q[..., LATENT:], kv.view(-1, 1, 1, WIDTH), None, clean, dout,
         softmax_scale=SCALE, out=out, lse=lse, attn_sink=s, dlse=d,
     )  # fmt: skip
     torch.cuda.synchronize()
-    assert ran == [1, 1]
+    assert ran == ["fused", "fused"]
     assert (grads[4] is None) == (s is None)
     got = (torch.cat(grads[:2], -1), grads[2].view(-1, WIDTH), grads[4])
     _compare(got, q, kv, clean, dout, out, lse, s, d)
 
 
-def _check(dtype, tokens, heads, topk, slots, sink, dlse, **forms):
+def _check(dtype, tokens, heads, topk, slots, sink, dlse, dq_offset=0, **forms):
     q, kv, idx, dout, s, d = _problem(tokens, heads, topk, slots, dtype, sink=sink, dlse=dlse,
                                       seed=tokens * heads + topk)  # fmt: skip
     clean, out, lse = _forward(q, kv, idx, s, dtype)
     assert launch.unsupported(q, kv, idx) is None
-    dq = torch.full_like(q, float("nan"))
+    flat = torch.full((q.numel() + dq_offset,), float("nan"), dtype=dtype, device="cuda")
+    dq = flat[dq_offset:].view(q.shape)
     dq, dkv, d_sink = launch.dsa_sparse_bwd(q, kv, dout, out, lse, d, s, idx, SCALE, dq=dq,
                                             **forms)  # fmt: skip
     torch.cuda.synchronize()

@@ -198,8 +198,12 @@ def test_dqk16(dtype, t, group, scale):
             torch.testing.assert_close(a, r, rtol=0, atol=0, msg=name)
 
 
+# T = 65, 130: last chunks of 1 and 2 rows, where the WY warpgroup's tail is nearly empty and
+# it reaches BAR_FINISH first: 130 with (2, 4, 2) is the check case mix5-t323-h2-hv4's first
+# bucket (lengths 130, 65, 64 padded to 130, H 2, HV 4), where racecheck flagged the finish's
+# hand-over (NOTES "GDN fsplit race"); run these under racecheck (the note's commands)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("t", [1, 63, 64, 65, 200, 1000])
+@pytest.mark.parametrize("t", [1, 63, 64, 65, 130, 200, 1000])
 @pytest.mark.parametrize(("b", "hv", "group", "scale"),
                          [(1, 1, 1, 1.0), (2, 4, 2, 1.0), (3, 2, 1, 0.0883883)])  # fmt: skip
 def test_fsplit_is_the_dqk16_kernel_bit_for_bit(dtype, t, b, hv, group, scale):

@@ -50,7 +50,10 @@ def _poisoned_kernel(calls):
 
     def run(do, pt, ke, qe, w, e_last, dht, **flags):
         out16 = flags.get("out16", False)
-        out = tuple(x.fill_(float("nan")) for x in empty_outputs(do, ke.shape[-1], out16=out16))
+        cu = flags.get("cu_seqlens")  # varlen: the states (N, ...)
+        empty = empty_outputs(do, ke.shape[-1], out16=out16,
+                              states=None if cu is None else cu.shape[0] - 1)  # fmt: skip
+        out = tuple(x.fill_(float("nan")) for x in empty)
         calls.append(tuple(do.shape))
         FLAGS.append((out16, flags.get("forward", False)))
         return gdn_bwd_state(do, pt, ke, qe, w, e_last, dht, out=out, **flags)
@@ -73,16 +76,19 @@ QK16_CALLS: list = []  # kernel 2's (dqk16, scale) a WY launch
 
 
 def _poisoned_chunk_wy_kernel(calls):
-    """Kernel 2's WY variant with its outputs NaN-poisoned first; calls as ("k2wy", shape)."""
+    """Kernel 2's WY variant with its outputs NaN-poisoned first; calls as ("k2wy", shape);
+    `fsplit` (the op's FSPLIT) passed on."""
 
-    def run(do, u, du, q, k, h, dh, big_g, *wy, dv16=False, dqk16=False, scale=1.0):
+    def run(do, u, du, q, k, h, dh, big_g, *wy, dv16=False, dqk16=False, scale=1.0,
+            fsplit=False):  # fmt: skip
         out = tuple(x.fill_(float("nan"))
                     for x in chunk_launch.empty_wy_outputs(do, q.shape[-1], dv16,
                                                            dqk16))  # fmt: skip
         calls.append(("k2wy", tuple(do.shape)))
         QK16_CALLS.append((dqk16, scale))
         return chunk_launch.gdn_bwd_chunk_wy(do, u, du, q, k, h, dh, big_g, *wy, out=out,
-                                             dv16=dv16, dqk16=dqk16, scale=scale)  # fmt: skip
+                                             dv16=dv16, dqk16=dqk16, scale=scale,
+                                             fsplit=fsplit)  # fmt: skip
 
     return run
 
@@ -264,6 +270,29 @@ def test_varlen_padded(kernel_path, monkeypatch, lens):
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda").int()
     _check(kernel_path, monkeypatch, (q, k, v, g, beta, do), h0=h0, dht=dht, l2norm=True,
            cu=cu)  # fmt: skip
+
+
+@pytest.mark.parametrize("lens", [[1, 63, 0, 64, 65, 130], [6148, 301, 0, 295]])
+def test_varlen_in_slots_is_each_sequence_alone(kernel_path, lens):
+    """Unequal lengths in the slot layout (ops/_linattn_varlen.py: one launch of each kernel,
+    kernel 1's varlen form) give each sequence's own call's gradients bit for bit (the
+    chunk-local kernels see the same chunks; kernel 1's extra zero slot passes the state
+    exactly); an empty sequence's state gradient is d_final_state's."""
+    n, total = len(lens), sum(lens)
+    q, k, v, g, beta, do, *_ = _problem(1, total, 2, 4, torch.bfloat16, seed=n, l2norm=True)
+    *_, h0, dht = _problem(n, 1, 2, 4, torch.bfloat16, seed=98)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda").int()
+    got = _run((q, k, v, g, beta, do), h0=h0, dht=dht, l2norm=True, k_last=False, cu=cu)
+    assert len(kernel_path) == _launches()
+    for i, (a, z) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        if a == z:
+            assert torch.equal(got[5][i], dht[i])
+            continue
+        one = _run(tuple(x[:, a:z] for x in (q, k, v, g, beta, do)), h0=h0[i : i + 1],
+                   dht=dht[i : i + 1], l2norm=True, k_last=False)  # fmt: skip
+        for name, x, r in zip(NAMES[:5], got, one):
+            assert torch.equal(x[:, a:z], r), (i, name)
+        assert torch.equal(got[5][i : i + 1], one[5]), i
 
 
 @pytest.mark.parametrize("b", [1, 2])

@@ -25,10 +25,12 @@ from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.launch import (
     empty_outputs,
     gdn_bwd_state,
 )
+from forgekernel.ops._linattn_varlen import slot_layout
 from forgekernel.reference.gdn_bwd_state import (
     corrected_values,
     forward_launch_as_reverse,
     out16_forms,
+    over_slots,
     reverse_state_pass,
     state_pass_factors,
 )
@@ -195,3 +197,65 @@ def test_time_at_bench_size(dke):
     one = (do[:1, :, :4], {n: x[:1, :, :4] for n, x in tiles.items()}, e_last[:1, :, :4],
            dht[:1, :4])  # fmt: skip
     _check(*one)
+
+
+@pytest.mark.parametrize("lens", [[1, 63, 0, 64, 65, 130], [1000, 3, 700], [0, 5]])
+@pytest.mark.parametrize("forward", [False, True])
+@pytest.mark.parametrize("channel", [False, True])
+def test_varlen_is_each_sequence_alone(lens, forward, channel):
+    """The `varlen` form (ops/_linattn_varlen.py's slot layout: one CTA per (head, sequence),
+    longest first, over the slots the sequence owns) equals its batch form run on each
+    sequence's slots alone (`over_slots`, its model) bit for bit, outputs NaN-poisoned (every
+    slot is some sequence's: none stays unwritten); Gated DeltaNet's scalar e^(G_C) and Kimi
+    Delta Attention's per-channel one (`channel`)."""
+    n, t = len(lens), sum(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda").int()
+    slots = slot_layout(cu, t)
+    do, tiles, e_last, _ = _problem(1, 64 * slots.count, 2, torch.bfloat16, seed=n,
+                                    with_dht=False)  # fmt: skip
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    if channel:
+        e_last = torch.rand(1, slots.count, 2, 128, device="cuda", generator=gen) * 0.5 + 0.5
+    dht = torch.randn(n, 2, 128, 128, device="cuda", generator=gen) * 0.1
+    passed = [None if forward and name in ("pt", "qe") else tiles[name] for name in TILES]
+    out = tuple(x.fill_(float("nan")) for x in empty_outputs(do, 128, out16=True, states=n))
+    got = gdn_bwd_state(do, *passed, e_last, dht, out=out, out16=True, forward=forward,
+                        cu_seqlens=slots.cu_seqlens, order=slots.order)  # fmt: skip
+    want = over_slots(gdn_bwd_state, slots.cu_seqlens, slots.order, do, *passed, e_last, dht,
+                      out16=True, forward=forward)  # fmt: skip
+    torch.cuda.synchronize()
+    for name, a, r in zip(("dU", "dS", "dh0"), got, want):
+        assert not torch.isnan(a).any(), f"{name}: unwritten (NaN) entries"
+        assert torch.equal(a, r), name
+
+
+def test_varlen_time_of_the_mix():
+    """The gdn_bwd suite's mix16-t16384 at HV 32 (lengths from the suite) in the slot layout:
+    the reverse launch's time (printed, `-s`), against one 8192-token sequence's (the same
+    chain, ~98 vs 128 slots a CTA) on the same card."""
+    from forgekernel.bench.suites.gdn_prefill import _mix
+
+    lens = list(_mix(16, 16384))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda").int()
+    slots = slot_layout(cu, sum(lens))
+    rows = 64 * slots.count
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def tiles(b, t):
+        def rnd(*shape):
+            return (torch.randn(*shape, device="cuda", generator=gen) * 0.05).bfloat16()
+
+        return (rnd(b, t, 32, 128), rnd(b, t, 32, 64), *(rnd(b, t, 32, 128) for _ in range(3)),
+                torch.rand(b, -(-t // 64), 32, device="cuda", generator=gen))  # fmt: skip
+
+    varlen = tiles(1, rows)
+    dht = torch.randn(len(lens), 32, 128, 128, device="cuda", generator=gen) * 0.1
+    kw = {"cu_seqlens": slots.cu_seqlens, "order": slots.order}
+    one = tiles(1, 8192)
+    ms = median(time_ms(lambda: gdn_bwd_state(*varlen, dht, out16=True, **kw), reps=20))
+    base = median(time_ms(lambda: gdn_bwd_state(*one, dht[:1], out16=True), reps=20))
+    print(
+        f"kernel 1 reverse, mix16-t16384 hv32 in {slots.count} slots: {ms:.3f} ms; "
+        f"1 x 8192 hv32: {base:.3f} ms"
+    )
+    assert ms > 0 and base > 0

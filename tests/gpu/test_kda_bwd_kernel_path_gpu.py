@@ -122,7 +122,9 @@ def test_kernel_more_ctas_than_sms():
 
 def _poisoned_kernel(calls):
     def run(do, pt, ke, qe, w, e_last, dht, **flags):  # flags: the device pass's out16 / forward
-        empty = launch.empty_outputs(do, ke.shape[-1], out16=flags.get("out16", False))
+        cu = flags.get("cu_seqlens")  # varlen: the states (N, ...)
+        empty = launch.empty_outputs(do, ke.shape[-1], out16=flags.get("out16", False),
+                                     states=None if cu is None else cu.shape[0] - 1)  # fmt: skip
         out = tuple(x.fill_(float("nan")) for x in empty)
         calls.append(tuple(do.shape))
         return launch.gdn_bwd_state(do, pt, ke, qe, w, e_last, dht, out=out, **flags)
@@ -237,6 +239,32 @@ def test_equal_varlen_is_the_batch(kernel_path):
     for name, a, r in zip(NAMES, varlen, batch):
         assert torch.isfinite(r).all(), name
         torch.testing.assert_close(a.reshape(r.shape), r, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("lens", [[1, 63, 0, 64, 65, 130], [6148, 301, 0, 295]])
+def test_varlen_in_slots_is_each_sequence_alone(kernel_path, lens):
+    """Unequal lengths in the slot layout (ops/_linattn_varlen.py: one launch of each kernel,
+    kernel 1's varlen form) give each sequence's own call's gradients bit for bit; an empty
+    sequence's state gradient is d_final_state's."""
+    n, total = len(lens), sum(lens)
+    q, k, v, g, beta, do, *_ = _problem(1, total, 2, 2, torch.bfloat16, seed=n, l2norm=True)
+    *_, h0, dht = _problem(n, 1, 2, 2, torch.bfloat16, seed=97)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda").int()
+    kw = {"use_qk_l2norm_in_kernel": True}
+    got = forgekernel.kimi_delta_attention_backward(
+        q, k, v, g, beta, do, cu_seqlens=cu, initial_state=h0, d_final_state=dht, **kw
+    )
+    assert len(kernel_path) == 2
+    for i, (a, z) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        if a == z:
+            assert torch.equal(got[5][i], dht[i])
+            continue
+        one = forgekernel.kimi_delta_attention_backward(
+            *(x[:, a:z] for x in (q, k, v, g, beta, do)), initial_state=h0[i : i + 1],
+            d_final_state=dht[i : i + 1], **kw)  # fmt: skip
+        for name, x, r in zip(NAMES[:5], got, one):
+            assert torch.equal(x[:, a:z], r), (i, name)
+        assert torch.equal(got[5][i : i + 1], one[5]), i
 
 
 @pytest.mark.parametrize("b", [1, 2])

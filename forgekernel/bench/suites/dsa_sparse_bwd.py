@@ -3,9 +3,9 @@ gradients of `forgekernel.dsa_sparse_attention` in q, the latent rows and the si
 given the forward's out and KV-only LSE (`ops.dsa_bwd.dsa_sparse_attention_backward`: the
 kernels of kernels/attention/dsa_sparse_bwd/sm90, after its preprocess kernel,
 kernels/attention/dsa_sparse_bwd_pre/sm90, both run and sanitized by every case of the op: v1,
-kernel.py, at H 16 and the h64 kernels, kernel_h64.py, at H a multiple of 64;
+kernel.py, at H 16 and the fused h64 kernel, kernel_h64f.py, at H a multiple of 64;
 FORGEKERNEL_DSA_BWD_KERNEL=0 runs the INTERIM fp32 torch path; docs/attention/DSA_BWD_NOTES.md
-"Kernel v1", "H >= 64: one gather a token", "h64 adopted").
+"Kernel v1", "H >= 64: one gather a token", "h64 adopted", "H >= 64: dq back in the tile loop").
 
 Shapes (DeepSeek-V3.2 training / prefill, dsa_recompute's form): one sequence of `ctx` keys
 whose last `tokens` positions are the queries, token i picking min(visible, topk) of the
@@ -37,11 +37,10 @@ to a multiple of its 64-row tiles, as Megatron's DSA integration sanitizes them.
 
 Variants, each verified against the fp64 reference on the case like ours: `red4s` (every
 case), the op's launches with v1's form before xchg4s (launcher h64=False, xchg=False); `was`
-(H a multiple of 64: the h64 and tp1 groups), the same launches with the launcher's h64=False:
-the default before the h64 kernels (v1's xchg4s, CTAs of 32 heads), which they replaced on
-2026-12-06 (H100 01:37, h64 / this: 0.762 t4096-h64-kv16384-k2048, 0.656 t16384-h64-kv65536-k512,
-0.840 t4096-h128-kv8192-k2048, 0.641 t8192-h128-kv65536-k2048 in graph timing; then unchunked,
-now the two H 128 cases run in 2 / 4 chunks of the dS workspace, config.H64_WS_CAP_BYTES).
+(H a multiple of 64: the h64 and tp1 groups), the same launches with the launcher's
+h64_fused=False: the default before the fused kernel (kernel_h64.py's kv part and dq part with
+the dS workspace between them, H100 2026-12-06 x17: 13.88 / 26.31 / 22.89 / 94.89 ms on the four
+cases, graph), which had replaced v1's xchg4s at CTAs of 32 heads (0.64-0.84 of its time).
 """
 
 from __future__ import annotations
@@ -131,7 +130,7 @@ def alloc_out(inputs: Inputs) -> tuple[torch.Tensor, ...]:
 
 
 def run_ours(inputs: Inputs, out: tuple | None) -> tuple:
-    """The op (v1 at H 16, the h64 kernels at H a multiple of 64; FORGEKERNEL_DSA_BWD_KERNEL=0
+    """The op (v1 at H 16, the fused h64 kernel at H a multiple of 64; FORGEKERNEL_DSA_BWD_KERNEL=0
     times the interim path)."""
     from forgekernel.ops.dsa_bwd import dsa_sparse_attention_backward
 
@@ -182,14 +181,16 @@ def _run_red4s(inputs: Inputs, out: tuple | None) -> tuple:
 
 
 def _run_was(inputs: Inputs, out: tuple | None) -> tuple:
-    """The default before the h64 kernels at H a multiple of 64 (launcher h64=False: v1's
-    xchg4s, one gather and one dkv partial a (token, 32 heads))."""
-    return _run_launcher(inputs, out, h64=False)
+    """The default before the fused kernel at H a multiple of 64 (launcher h64_fused=False:
+    kernel_h64.py's kv and dq parts, the rows gathered twice a (token, 64 heads) with a dS
+    workspace between the two launches)."""
+    return _run_launcher(inputs, out, h64_fused=False)
 
 
 def variants(case: Case) -> dict[str, Any]:
     """Every case: v1's previous form red4s (`_run_red4s`); H a multiple of 64 (the h64 and tp1
-    groups, where ours runs the h64 kernels): v1's xchg4s, the default before (`_run_was`)."""
+    groups, where ours runs the fused kernel): the two-kernel h64 form, the default before
+    (`_run_was`)."""
     forms = {"red4s": _run_red4s}
     if case.params["hq"] % 64 == 0:
         forms["was"] = _run_was

@@ -5,9 +5,11 @@ fla's form as the forward suite (gdn_prefill.py: q, k (1, T, H, 128), k unit-nor
 
 Timed: the backward alone (`gated_delta_rule_backward`, which recomputes the forward's chunk
 states itself): its default since 2026-12-06, the KERNEL PATH of ops/gated_delta_rule_bwd.py
-(kernels 0, 1 and 2 and the q / k epilogue) on every case, the varlen ones in buckets of
-similar lengths (ops/_linattn_varlen.py; before 2026-12-06 they padded to 5.9x and 22x their
-chunks and took the INTERIM path: 60 and 127 ms on the H100); the
+(kernels 0, 1 and 2 and the q / k epilogue) on every case, the unequal varlen ones in one
+launch of each kernel over the forward's chunk slots (ops/_linattn_varlen.py, no host read
+under a graph capture; in buckets of similar lengths earlier on 2026-12-06, 5.60 and 11.03 ms
+on the H100; before that padded to 5.9x and 22x their chunks on the INTERIM path: 60 and
+127 ms); the
 variant `interim` (`INTERIM_CASES`, the two smallest cases: the old default, ~14.7 ms at 1 x
 2048) the INTERIM fp32 torch path beside it (`interim()`, as FORGEKERNEL_GDN_BWD_KERNEL=0); each
 comparator's backward through autograd of its forward recorded once per input set

@@ -6,8 +6,9 @@ k unit-norm, v (1, T, HV, 128), g (1, T, HV, 128) = logsigmoid(N(0, 1)) fp32, or
 
 Timed: the backward alone (`kimi_delta_attention_backward`, which recomputes the forward's
 chunk states itself): its default since 2026-12-06, the KERNEL PATH of ops/kda_bwd.py (kernels
-1 and 2) on every case, the unequal varlen ones in buckets of similar lengths
-(ops/_linattn_varlen.py; the INTERIM fp32 torch path before 2026-12-06);
+1 and 2) on every case, the unequal varlen ones in one launch of each kernel over the
+forward's chunk slots (ops/_linattn_varlen.py; in buckets of similar lengths earlier on
+2026-12-06, 9.80 and 17.05 ms on the H100; the INTERIM fp32 torch path before);
 the variant `interim` (`INTERIM_CASES`, the two smallest cases: the old default) the interim
 path beside it (`interim()`, as FORGEKERNEL_KDA_BWD_KERNEL=0); fla's chunk_kda
 backward through autograd of a forward recorded once per input set (gdn_bwd.autograd_backward:

@@ -1,7 +1,8 @@
 """DeepSeek sparse attention backward (DSA, issue 22), sm_90a: dq and the fp32 dkv accumulator
 of `forgekernel::dsa_sparse_attention_bwd`. v1 (kernel.py): one CTA per (query token, head block
-of 16 / 32); h64 (kernel_h64.py, the default where H is a multiple of 64): a kv part of 64 heads a
-CTA writing dkv and a dS workspace, then a dq part. DSL-free declaration; the launcher is
+of 16 / 32); h64f (kernel_h64f.py, the default where H is a multiple of 64): one CTA per (token,
+64 heads) computing dkv and dq; h64 (kernel_h64.py, the two-kernel form before it): a kv part
+writing dkv and a dS workspace, then a dq part. DSL-free declaration; the launcher is
 launch.py (preprocess and cast in torch), the op ops/dsa_bwd.py takes it unless
 FORGEKERNEL_DSA_BWD_KERNEL=0 (the interim path)."""
 
@@ -36,8 +37,7 @@ def _compile(params: Params, extra_options: str = ""):
 def _standard_params() -> list[Params]:
     """What the launcher's default reaches, every dtype: the head blocks (16: H = 16; 32: H a
     multiple of 32 but not of 64, and the launcher's h64=False) as xchg4s (red4s under xchg,
-    measured 2026-12-04 04:23); at H a multiple of 64 the h64 kv part (shfl4 reductions) and the
-    dq part at 64 heads a CTA (H 64, 192, ...) and at 128 (H a multiple of 128)."""
+    measured 2026-12-04 04:23); at H a multiple of 64 the fused h64 kernel (kernel_h64f.py)."""
     return [
         *(
             params_for(d, b, xchg=standard_xchg(b), red4s=standard_red4s(b))
@@ -49,6 +49,13 @@ def _standard_params() -> list[Params]:
 
 
 def _h64_standard_params() -> list[Params]:
+    return [params_h64(d, "fused") for d in DTYPES]
+
+
+def _h64_split_params() -> list[Params]:
+    """The two-kernel h64 form (kernel_h64.py, the default from 2026-12-06 01:37 until the fused
+    kernel): the kv part (shfl4 reductions) and the dq part at 64 and 128 heads a CTA, every
+    dtype (the bench variant `split`, the probe, the GPU tests' h64_ws / h64_v2 launches)."""
     return [
         params_h64(d, part, dq_heads=dq_heads)
         for d in DTYPES
@@ -78,9 +85,12 @@ def _candidate_params() -> list[Params]:
 
 
 def _h64_candidate_params() -> list[Params]:
-    """The probe's h64 builds beside the standard ones: the kv part without reductions and
-    with the fragments' v2 reductions (scripts/time_dsa_bwd_kernel.py)."""
+    """The two-kernel h64 form (`_h64_split_params`) and the probe's h64 builds: the fused
+    kernel and the kv part without reductions, the kv part with the fragments' v2 reductions
+    (scripts/time_dsa_bwd_kernel.py)."""
     return [
+        *_h64_split_params(),
+        params_h64("bfloat16", "fused", reduce=False),
         params_h64("bfloat16", "kv", reduce=False),
         params_h64("bfloat16", "kv", shfl4=False),
     ]

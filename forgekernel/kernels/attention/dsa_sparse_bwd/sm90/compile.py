@@ -49,7 +49,8 @@ def compile_sparse_bwd(params: dict, arch: str = "sm_90a", extra_options: str = 
 def compile_h64(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     """The h64 kernels (kernel_h64.py): part `kv` takes kernel.py's operands with the
     dS workspace (tokens, rows, H) in place of dq; part `dq` kv, the index rows, the workspace
-    and dq. The workspace's rows 16-byte aligned (H a multiple of 64)."""
+    and dq. The workspace's rows 16-byte aligned (H a multiple of 64). Part `fused`
+    (kernel_h64f.py) takes kernel.py's operands, dq's rows 16-byte aligned."""
     from forgekernel.kernels.attention.dsa_sparse_bwd.sm90.kernel_h64 import (
         DsaSparseBwdDqSm90,
         DsaSparseBwdKvSm90,
@@ -62,6 +63,30 @@ def compile_h64(params: dict, arch: str = "sm_90a", extra_options: str = ""):
     )
     ws = fake.rowmajor(dtype, (tokens, cute.sym_int32(), heads))
     kv = fake.rowmajor(dtype, (slots, WIDTH))
+    if params["h64"] == "fused":
+        from forgekernel.kernels.attention.dsa_sparse_bwd.sm90.kernel_h64f import (
+            DsaSparseBwdFusedSm90,
+        )
+
+        any_strides = (cute.sym_int64(), cute.sym_int64())
+        per_head = [
+            make_fake_tensor(cutlass.Float32, (tokens, heads), stride=any_strides, assumed_align=4)
+            for _ in range(2)
+        ]
+        return cute.compile(
+            DsaSparseBwdFusedSm90(not params.get("noreduce", False)),
+            fake.rowmajor(dtype, (tokens, heads, WIDTH)),
+            kv,
+            fake.rowmajor(dtype, (tokens, heads, D_V)),
+            *per_head,
+            idx,
+            fake.rowmajor(dtype, (tokens, heads, WIDTH)),  # dq: 16-byte rows (its 128-bit stores)
+            fake.rowmajor(cutlass.Float32, (slots, WIDTH), divisibility=4),
+            cutlass.Float32(1.0),
+            cutlass.Float32(1.0),
+            fake.stream(),
+            options=fake.options(arch, extra_options),
+        )
     if params["h64"] == "dq":
         return cute.compile(
             DsaSparseBwdDqSm90(params.get("dq_heads", 64)),

@@ -163,7 +163,7 @@ def params_for(
 # dP^T, P^T, dS^T and the dkv blocks, no dq accumulator; dS (16-bit) into a (tokens, TILE x tiles,
 # H) workspace) and `dq` (dq = dS K: the rows gathered again, dq^T of 64 heads in registers).
 H64_BLOCK = 64  # heads of one CTA in both kernels (the WGMMAs' N in S^T / dP^T, the K of dkv)
-H64_PARTS = ("kv", "dq")
+H64_PARTS = ("kv", "dq", "fused")
 # `kv`: S^T / dP^T are the stage's only readers, so one stage suffices if it is released right
 # after their WGMMAs (the gather of tile i + 1 then runs under tile i's exchange, dkv MMAs and
 # reductions); two would need 302 KB.
@@ -180,6 +180,21 @@ H64_DQ_THREADS = (1 + H64_DQ_CONSUMERS) * THREADS_PER_WG
 H64_DQ_CONSUMER_REGS = 152  # 56 x 128 + 152 x 384 = 65,536
 H64_DQ_STAGES = 2
 
+# `fused` (kernel_h64f.py, key h64 "fused"): the kv part with dq^T accumulated in the tile loop (no
+# dq part, no dS workspace). dq^T of 64 heads is 576 x 64 fp32 = 144 registers a thread over the two
+# consumer warpgroups, split by 64-column blocks: {0..3} (128) beside S^T / the dkv blocks {0..3, 8}
+# on two accumulators, {4..8} (160) beside dP^T / dkv {4..7} on one (two spilled 128 B at 240,
+# cuobjdump 2026-12-06); lse2 / Delta' move to shared memory (in the barrier block's spare bytes).
+# setmaxnreg 24 / 240: 24 + 2 x 240 = 504 = 3 x 168, the launch allocation (setmaxnreg.inc takes
+# only what .dec released: 32 / 240 would ask 1,024 registers the CTA never had). The producer fits
+# 24 with its gather's rows outer (kernel_h64f.py `_issue_rows`; columns outer spilled 16 B); the
+# consumers spilled 24 B at 232 (producer 40).
+H64F_DQ_BLOCKS = ((0, 1, 2, 3), (4, 5, 6, 7, 8))
+H64F_KV_ACCS = (2, 1)
+H64F_PRODUCER_REGS = 24
+H64F_CONSUMER_REGS = 240
+H64F_SMEM_EXTRA = 2 * 64 * 4  # lse2 / Delta' of the 64 heads, fp32
+
 
 def h64_supported(heads: int) -> bool:
     return heads > 0 and heads % H64_BLOCK == 0
@@ -194,6 +209,13 @@ def h64_kv_bytes() -> int:
         + 2 * TILE * H64_BLOCK * BYTES
         + BARRIER_BYTES
     )
+
+
+def h64f_bytes() -> int:
+    """The fused kernel's shared memory: the kv part's; lse2 / Delta' of the 64 heads (512 B)
+    sit in its barrier block (2 x 8 B of mbarriers + 256 B of row ids + 512 <= 1,024)."""
+    assert 2 * 8 + TILE * 4 + H64F_SMEM_EXTRA <= BARRIER_BYTES
+    return h64_kv_bytes()
 
 
 def h64_dq_heads(heads: int) -> int:
@@ -238,8 +260,9 @@ def h64_chunk_tokens(tokens: int, rows: int, heads: int, elem_bytes: int = BYTES
 def params_h64(
     dtype: str, part: str, reduce: bool = True, shfl4: bool = True, dq_heads: int = H64_BLOCK
 ) -> tuple:
-    """Compile key of an h64 kernel: dtype and part (`kv` or `dq`); reduce False (kv only): the
-    timing probe's build whose dkv reductions never run; shfl4 (kv only): dkv by
+    """Compile key of an h64 kernel: dtype and part (`kv`, `dq`, or `fused`: kernel_h64f.py, the
+    two in one); reduce False (kv, fused): the timing probe's build whose dkv reductions never
+    run; shfl4 (kv only): dkv by
     red.global.add.v4.f32 after a butterfly shuffle (the standard form), False: kernel.py's
     fragments' red.global.add.v2 (the probe's comparison); dq_heads (dq only): heads a CTA,
     64 or 128 (`h64_dq_heads`)."""
@@ -249,8 +272,8 @@ def params_h64(
         raise ValueError(f"part must be one of {H64_PARTS}, got {part!r}")
     keys = {"dtype": dtype, "block": H64_BLOCK, "h64": part}
     if not reduce:
-        if part != "kv":
-            raise ValueError("reduce=False applies to the kv part only")
+        if part == "dq":
+            raise ValueError("reduce=False applies to the kv and fused parts only")
         keys["noreduce"] = True
     if not shfl4:
         if part != "kv":

@@ -85,6 +85,7 @@ def dsa_sparse_bwd(
     h64: bool | None = None,
     h64_v2: bool = False,
     h64_ws: torch.Tensor | None = None,
+    h64_fused: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq (tokens, H, 576) in q's dtype, dkv (slots, 576) fp32, d_sink (H,) fp32): q
     (tokens, H, 576), kv (slots, 576) in one 16-bit dtype, dout / out (tokens, H, 512), lse /
@@ -117,9 +118,17 @@ def dsa_sparse_bwd(
     chunks of n; n >= tokens: one launch of each part, as before chunking), None: a fresh one
     within the cap; the GPU tests poison it with NaN so that a cell the kv part leaves
     unwritten shows in dq. h64_v2 / h64_ws with the standard kernel raise ValueError.
-    `unsupported` must be None for these inputs."""
+
+    h64_fused (the h64 path only): None (the default) runs the one-kernel form (kernel_h64f.py:
+    dq^T in the kv part's tile loop, no workspace, no second gather; docs/attention/
+    DSA_BWD_NOTES.md "H >= 64: dq back in the tile loop") unless h64_v2 / h64_ws name the
+    two-kernel form's options; False: the two kernels (the bench variant `split`); True: fused
+    (ValueError with h64_v2 / h64_ws). `unsupported` must be None for these inputs."""
     use_h64 = config.h64_supported(q.shape[1]) if h64 is None else h64
     _check_forms(q, use_h64, xchg, red4s, h64_v2, h64_ws)
+    if h64_fused and not use_h64:
+        raise ValueError("h64_fused applies to the h64 path (H a multiple of 64, h64 not False)")
+    fused = use_h64 and _fused(h64_fused, h64_v2, h64_ws)
     lse2, delta, d_sink = preprocess(out, dout, lse, dlse, attn_sink) if pre is None else pre
     tokens, heads, _ = q.shape
     if dq is None:
@@ -128,6 +137,20 @@ def dsa_sparse_bwd(
     if tokens == 0 or topk_indices.shape[1] == 0:
         return dq.zero_(), dkv, d_sink
     idx = topk_indices if topk_indices.stride(-1) == 1 else topk_indices.contiguous()
+    if fused:
+        # its dq stores are 16-byte rows: a caller's buffer off that alignment gets a copy
+        out_dq = (
+            dq
+            if dq.data_ptr() % 16 == 0 and dq.is_contiguous()
+            else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        )
+        kernel = get_kernel(SPEC, config.params_h64(dtype_name(q.dtype), "fused", reduce))
+        with on_device(q.device):
+            kernel(as_tma_ready(q), as_tma_ready(kv), as_tma_ready(dout), lse2, delta, idx,
+                   out_dq, dkv, softmax_scale * LOG2E, softmax_scale)  # fmt: skip
+        if out_dq is not dq:
+            dq.copy_(out_dq)
+        return dq, dkv, d_sink
     if use_h64:
         _launch_h64(
             q, kv, dout, lse2, delta, idx, dq, dkv, softmax_scale, reduce, not h64_v2, h64_ws
@@ -151,6 +174,17 @@ def h64_unsupported(q: torch.Tensor) -> str | None:
     if not config.h64_supported(q.shape[1]):
         return f"h64 takes a multiple of {config.H64_BLOCK} heads, got {q.shape[1]}"
     return None
+
+
+def _fused(h64_fused: bool | None, h64_v2: bool, h64_ws) -> bool:
+    """Whether the h64 path runs its one-kernel form (launcher docstring, `h64_fused`)."""
+    split_options = h64_v2 or h64_ws is not None
+    if h64_fused is None:
+        return not split_options
+    if h64_fused and split_options:
+        raise ValueError("h64_v2 / h64_ws name options of the two-kernel h64 form: pass "
+                         "h64_fused=False (or None) with them")  # fmt: skip
+    return h64_fused
 
 
 def _check_forms(q, use_h64: bool, xchg, red4s, h64_v2: bool, h64_ws) -> None:

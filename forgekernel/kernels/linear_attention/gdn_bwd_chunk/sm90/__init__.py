@@ -26,9 +26,9 @@ def _standard_params() -> list[Params]:
     standard = [params_for(dtype, wy=wy) for dtype in DTYPES for wy in (False, True)]
     # the op's path: the WY variant with dv in 16 bits, reading q / k at their own H heads when
     # value heads are grouped (H < HV); with dq, dk in 16 bits too (`dqk16`, the op's default:
-    # ops/gated_delta_rule_bwd.py QK16) and without (the QK16 = False A/B)
-    # and `fsplit` (two math warpgroups split by function; TEMPORARY A/B switch:
-    # ops/gated_delta_rule_bwd.py FSPLIT) on the op's dqk16 keys
+    # ops/gated_delta_rule_bwd.py QK16) and without (the QK16 = False A/B); on the dqk16 keys
+    # also `fsplit` (two math warpgroups split by function: the op's default,
+    # ops/gated_delta_rule_bwd.py FSPLIT; the 256-thread dqk16 keys its FSPLIT = False A/B)
     return standard + [
         params_for(dtype, wy=True, grouped=g, dv16=True, dqk16=q16, fsplit=fs)
         for dtype in DTYPES

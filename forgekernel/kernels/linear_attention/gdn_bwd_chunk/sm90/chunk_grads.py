@@ -48,7 +48,8 @@ dh); warpgroup 1 (`_math`) the output half (dq, dk's first half stashed in fp32 
 its dG / te rows in sRed), then dG's finish (`_finish_dg_split`); warpgroup 2 (`_math_wy`) dw =
 -dU h^T and `_wy`. They meet at 256-thread bar.syncs only: G staged (BAR_START), the stash
 handed over (BAR_HANDOVER: warpgroup 2 adds it to its dk, stores dk, adds its dG rows), the
-rows complete (BAR_FINISH). Same products in the same order: the outputs bit for bit.
+rows complete (BAR_FINISH, passed twice: `_rows_to_finish`). Same products in the same order:
+the outputs bit for bit.
 
 Constraints: K = V = 128, 16-bit tiles with unit last strides and 16-byte aligned outer strides
 (TMA); G, beta fp32 (B, T, HV) unit last stride; the fp32 outputs unit last strides.
@@ -97,7 +98,7 @@ BAR_FINISH = FIRST_FREE + 1  # math warpgroup -> finish warps (both wait): the r
 BAR_FINISH_WARPS = FIRST_FREE + 2  # the finish warps: <dh, h>'s partials
 # `fsplit` (config.FSPLIT_*): the WY warpgroup's own BAR_MATH; both math warpgroups (256): G
 # staged (BAR_START), dk's first half and the output rows stashed (BAR_HANDOVER), the WY rows
-# added (BAR_FINISH)
+# added (BAR_FINISH, twice: `_rows_to_finish`)
 BAR_MATH_WY = FIRST_FREE + 3
 BAR_START = FIRST_FREE + 4
 BAR_HANDOVER = FIRST_FREE + 5
@@ -116,6 +117,23 @@ def _new_groups(groups, steps) -> tuple:
         seen.update(new)
         out.append(tuple(new))
     return tuple(out)
+
+
+def _rows_to_finish() -> None:
+    """`fsplit`: the WY rows (warpgroup 2's sRed read-modify-writes after BAR_HANDOVER) to the
+    finish's loads (warpgroup 1): BAR_FINISH (256) passed twice by both math warpgroups. One
+    bar.sync orders them on the hardware, but racecheck flagged sRed[0] (H100, 2026-12-06,
+    mix5-t323-h2-hv4 block (2,0,0): thread 256's store +0xaa50, thread 128's load +0x12c80):
+    both threads at 4 waits since bar 0 there (racecheck's rule: a load is ordered after
+    another thread's store if its thread has waited at more bar.syncs, or, it seems, once the
+    storing thread is seen past a later one, which a load right after the barrier can outrun
+    where warpgroup 2 arrived first: a last chunk of 2 rows, its tail nearly empty). With the
+    second wait the loads come at 5 waits after stores at 4, and after the storing thread has
+    passed a wait (docs/linear_attention/NOTES.md "GDN fsplit race"). Cost: one bar.sync a CTA
+    that completes at once (both warpgroups leave the first together)."""
+    finish = named_barrier(BAR_FINISH, 2 * THREADS_PER_WG)
+    finish.arrive_and_wait()
+    finish.arrive_and_wait()
 
 
 # the output half's steps: dqe = dO h^T; S = dO U^T; dq += dPD k (and dq.q); dke = U dh^T; dw
@@ -441,7 +459,7 @@ class GdnBwdChunkSm90:
                  mDK, mV, mBeta, mDV, mDB, bars, c, hv, b, seqlen, stash):  # fmt: skip
         """`fsplit`'s WY warpgroup (warpgroup 2): dw = -dU h^T into sDW, then `_wy` (its tiles'
         groups waited there), dk = the output warpgroup's stash + the WY terms (after
-        BAR_HANDOVER), dG's WY rows onto the stashed rows, then BAR_FINISH: the output
+        BAR_HANDOVER), dG's WY rows onto the stashed rows, then `_rows_to_finish`: the output
         warpgroup finishes dG. The same code, in the same order, as `_math`'s tail: the same
         outputs bit for bit."""
         waits = _new_groups(self.load_groups, WY_STEPS)
@@ -465,35 +483,53 @@ class GdnBwdChunkSm90:
         self._wy(mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, wy_smem, sG, sRed, mDK, mV,
                  mBeta, mDV, mDB, math, e_g, t0, row_w, first, seqlen, b, hv, c, stash,
                  bars, waits)  # fmt: skip
-        # the WY rows on the stash: a wait on both sides (the racecheck lesson, `_math`'s end)
-        named_barrier(BAR_FINISH, 2 * THREADS_PER_WG).arrive_and_wait()
+        _rows_to_finish()  # the WY rows on the stash: waits on both sides (racecheck)
+
+    @cute.jit
+    def _h_dh_part(self, sH, sDH, tid):
+        """dG's finish, thread tid < FINISH_THREADS: its share of <dh, h> on the 16-bit state
+        tiles (two columns a thread), before the warp sum."""
+        hh, dd = sH[None, None, 0], sDH[None, None, 0]
+        part = Float32(0.0)
+        for r in cutlass.range(self.k, unroll=8):
+            part = part + Float32(hh[r, tid]) * Float32(dd[r, tid])
+            part = part + Float32(hh[r, tid + CHUNK]) * Float32(dd[r, tid + CHUNK])
+        return part
+
+    @cute.jit
+    def _stash_h_dh(self, part, sRed, tid):
+        """`_h_dh_part`'s sums, one a warp, into sRed[2 CHUNK + warp] (read by `_dg_rows` after a
+        barrier)."""
+        part = cute.arch.warp_reduction_sum(part)
+        if tid % WARP_SIZE == 0:
+            sRed[2 * CHUNK + tid // WARP_SIZE] = part
+
+    @cute.jit
+    def _dg_rows(self, sRed, sG, mDG, b, hv, first, seqlen, tid):
+        """dG of token `first + tid` (one a thread): the rows' dg (sRed[:CHUNK]) reverse-summed
+        within the chunk, plus the last position's te sum (sRed[CHUNK:2 CHUNK]) and
+        e^(G_C) <dh, h> (`_stash_h_dh`'s two warp sums)."""
+        dhh = sRed[2 * CHUNK] + sRed[2 * CHUNK + 1]
+        g_last = sG[cutlass.min(first + CHUNK, seqlen) - 1 - first]
+        acc = cute.math.exp(g_last, fastmath=True) * dhh
+        for j in cutlass.range(CHUNK, unroll=8):
+            acc = acc + sRed[CHUNK + j]
+            if j >= tid:
+                acc = acc + sRed[j]
+        if first + tid < seqlen:
+            mDG[b, first + tid, hv] = acc
 
     @cute.jit
     def _finish_dg_split(self, sH, sDH, sRed, sG, mDG, b, hv, c, seqlen, tid):
         """`fsplit`: `_finish_dg` by the output warpgroup's first two warps (tid < 64, the
         same token a thread and the same sums): <dh, h>'s partials while the WY warpgroup
-        ends, then BAR_FINISH (256: the WY rows added to sRed), then the reverse cumsum."""
+        ends, then `_rows_to_finish` (the WY rows added to sRed), then the reverse cumsum."""
         first = c * CHUNK
         if tid < FINISH_THREADS:
-            hh, dd = sH[None, None, 0], sDH[None, None, 0]
-            part = Float32(0.0)
-            for r in cutlass.range(self.k, unroll=8):
-                part = part + Float32(hh[r, tid]) * Float32(dd[r, tid])
-                part = part + Float32(hh[r, tid + CHUNK]) * Float32(dd[r, tid + CHUNK])
-            part = cute.arch.warp_reduction_sum(part)
-            if tid % WARP_SIZE == 0:
-                sRed[2 * CHUNK + tid // WARP_SIZE] = part
-        named_barrier(BAR_FINISH, 2 * THREADS_PER_WG).arrive_and_wait()
+            self._stash_h_dh(self._h_dh_part(sH, sDH, tid), sRed, tid)
+        _rows_to_finish()
         if tid < FINISH_THREADS:
-            dhh = sRed[2 * CHUNK] + sRed[2 * CHUNK + 1]
-            g_last = sG[cutlass.min(first + CHUNK, seqlen) - 1 - first]
-            acc = cute.math.exp(g_last, fastmath=True) * dhh
-            for j in cutlass.range(CHUNK, unroll=8):
-                acc = acc + sRed[CHUNK + j]
-                if j >= tid:
-                    acc = acc + sRed[j]
-            if first + tid < seqlen:
-                mDG[b, first + tid, hv] = acc
+            self._dg_rows(sRed, sG, mDG, b, hv, first, seqlen, tid)
 
     @cute.jit
     def _load_groups(self, tiles, bars, c, hv, b):
@@ -663,24 +699,9 @@ class GdnBwdChunkSm90:
             cute.arch.mbarrier_wait(bars + STATE_GROUPS[i], 0)
         tid = opaque_tid_x() - WARP_SIZE
         first = c * CHUNK
-        hh, dd = sH[None, None, 0], sDH[None, None, 0]
-        part = Float32(0.0)
-        for r in cutlass.range(self.k, unroll=8):
-            part = part + Float32(hh[r, tid]) * Float32(dd[r, tid])
-            part = part + Float32(hh[r, tid + CHUNK]) * Float32(dd[r, tid + CHUNK])
-        part = cute.arch.warp_reduction_sum(part)
-        if tid % WARP_SIZE == 0:
-            sRed[2 * CHUNK + tid // WARP_SIZE] = part
+        self._stash_h_dh(self._h_dh_part(sH, sDH, tid), sRed, tid)
         named_barrier(BAR_FINISH_WARPS, FINISH_THREADS).arrive_and_wait()
-        dhh = sRed[2 * CHUNK] + sRed[2 * CHUNK + 1]
-        g_last = sG[cutlass.min(first + CHUNK, seqlen) - 1 - first]
-        acc = cute.math.exp(g_last, fastmath=True) * dhh
-        for j in cutlass.range(CHUNK, unroll=8):
-            acc = acc + sRed[CHUNK + j]
-            if j >= tid:
-                acc = acc + sRed[j]
-        if first + tid < seqlen:
-            mDG[b, first + tid, hv] = acc
+        self._dg_rows(sRed, sG, mDG, b, hv, first, seqlen, tid)
 
     @cute.jit
     def _wy(self, mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, wy_smem, sG, sRed, mDK, mV,

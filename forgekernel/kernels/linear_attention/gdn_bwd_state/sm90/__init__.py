@@ -57,7 +57,14 @@ def _standard_params() -> list[Params]:
         for d in (False, True)
         for fw in (False, True)
     ]
-    return gdn + kda + out16 + kda16
+    # varlen (ops/_linattn_varlen.py): both ops' device-pass keys over the forward's chunk slots
+    varlen = [
+        params_for(dtype, d_final_state=d, channel_decay=cd, out16=True, forward=fw, varlen=True)
+        for dtype, cd in (*((dt, False) for dt in DTYPES), ("bfloat16", True))
+        for d in (False, True)
+        for fw in (False, True)
+    ]
+    return gdn + kda + out16 + kda16 + varlen
 
 
 SPEC = KernelSpec(

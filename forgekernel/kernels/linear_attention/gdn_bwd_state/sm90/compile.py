@@ -21,7 +21,7 @@ def kernel_for(params: dict) -> GdnBwdStateSm90:
     return GdnBwdStateSm90(
         params["k"], params["v"], d_final_state=params["d_final_state"], dke=params["dke"],
         channel_decay=params.get("channel_decay", False), out16=params.get("out16", False),
-        forward=params.get("forward", False),
+        forward=params.get("forward", False), varlen=params.get("varlen", False),
     )  # fmt: skip
 
 
@@ -31,6 +31,8 @@ def compile_gdn_bwd_state(params: dict, arch: str = "sm_90a", extra_options: str
     dtype = fake.dtype_of(params["dtype"])
     kd, vd = params["k"], params["v"]
     b, t, hv, nc = (cute.sym_int32() for _ in range(4))
+    varlen = params.get("varlen", False)
+    n = cute.sym_int32() if varlen else b  # the states' sequences (varlen: N, the tiles' B = 1)
     f32 = cutlass.Float32
     kernel = kernel_for(params) if kernel is None else kernel
     dke = params["dke"]
@@ -47,7 +49,7 @@ def compile_gdn_bwd_state(params: dict, arch: str = "sm_90a", extra_options: str
                                 assumed_align=16)  # fmt: skip
 
     def state():
-        return fake.rowmajor(f32, (b, hv, kd, vd), divisibility=4)
+        return fake.rowmajor(f32, (n, hv, kd, vd), divisibility=4)
 
     if params.get("channel_decay", False):
         e_last = fake.rowmajor(f32, (b, nc, hv, kd), divisibility=4)
@@ -70,6 +72,8 @@ def compile_gdn_bwd_state(params: dict, arch: str = "sm_90a", extra_options: str
         None if dke else side(),
         fake.rowmajor(f32, (b, t, hv, kd), divisibility=4) if dke else None,
         state(),
+        fake.offsets() if varlen else None,
+        make_fake_tensor(cutlass.Int32, (n,), stride=(1,), assumed_align=4) if varlen else None,
         fake.stream(),
         options=fake.options(arch, extra_options),
     )

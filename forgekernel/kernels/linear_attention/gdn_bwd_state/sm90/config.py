@@ -64,6 +64,7 @@ def params_for(
     channel_decay: bool = False,
     out16: bool = False,
     forward: bool = False,
+    varlen: bool = False,
 ) -> tuple:
     """Compile key: the 16-bit dtype of the tiles, (K, V), whether a final-state gradient is
     read (without one, dS starts from zero), and the state-side output: dke = U dS^T per token
@@ -74,7 +75,8 @@ def params_for(
     `out16` (dU and dS (K, V) a chunk in the tiles' 16-bit dtype, kernel 2's forms; not with
     dke) and `forward` (the forward launch: P^T = I and Qe = 0 compile-time forms, not read; the
     outputs at chunk NC - 1 - c, the forward's chunk order; needs out16) likewise only when
-    set."""
+    set. `varlen` (N sequences in the forward's chunk slots, one CTA per (value head,
+    sequence) walking its own slots: reverse_state.py's docstring) likewise."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
     if tuple(head_dims) not in HEAD_DIMS:
@@ -86,7 +88,7 @@ def params_for(
     k, v = head_dims
     key = {"dtype": dtype, "k": k, "v": v, "d_final_state": d_final_state, "dke": dke}
     for name, on in (("channel_decay", channel_decay), ("out16", out16),
-                     ("forward", forward)):  # fmt: skip
+                     ("forward", forward), ("varlen", varlen)):  # fmt: skip
         if on:
             key[name] = True
     return tuple(sorted(key.items()))

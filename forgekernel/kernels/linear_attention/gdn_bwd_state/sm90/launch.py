@@ -12,10 +12,13 @@ from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, on_device
 
 Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+MAX_SEQUENCES = 65535  # the varlen grid is (HV, N): N is gridDim.y
 
 
-def check_inputs(do, pt, ke, qe, w, e_last, d_final_state, u=None) -> tuple[int, int, int, int]:
-    """(B, T, HV, NC) of a valid call, else ValueError / TypeError saying what is off."""
+def check_inputs(do, pt, ke, qe, w, e_last, d_final_state, u=None,
+                 states: int | None = None) -> tuple[int, int, int, int]:  # fmt: skip
+    """(B, T, HV, NC) of a valid call, else ValueError / TypeError saying what is off; `states`:
+    the state tensors' leading size where it is not B (varlen: N sequences, B = 1)."""
     if do.dim() != 4:
         raise ValueError(f"do must be (B, T, HV, V), got {tuple(do.shape)}")
     b, t, hv, v = do.shape
@@ -37,26 +40,49 @@ def check_inputs(do, pt, ke, qe, w, e_last, d_final_state, u=None) -> tuple[int,
         raise ValueError(f"e_last must be float32 {(b, nc, hv)} (one decay a chunk) or "
                          f"{(b, nc, hv, k)} (one a key channel), got {e_last.dtype} "
                          f"{tuple(e_last.shape)}")  # fmt: skip
+    n = b if states is None else states
     if d_final_state is not None and (
-        tuple(d_final_state.shape) != (b, hv, k, v) or d_final_state.dtype != torch.float32
+        tuple(d_final_state.shape) != (n, hv, k, v) or d_final_state.dtype != torch.float32
     ):
-        raise ValueError(f"d_final_state must be float32 {(b, hv, k, v)}, got "
+        raise ValueError(f"d_final_state must be float32 {(n, hv, k, v)}, got "
                          f"{d_final_state.dtype} {tuple(d_final_state.shape)}")  # fmt: skip
     return b, t, hv, nc
 
 
-def empty_outputs(do: torch.Tensor, k: int, dke: bool = False, out16: bool = False) -> Outputs:
+def empty_outputs(do: torch.Tensor, k: int, dke: bool = False, out16: bool = False,
+                  states: int | None = None) -> Outputs:  # fmt: skip
     """(dU (B, T, HV, V), dh (B, NC, HV, V, K) or with `dke` dke (B, T, HV, K), dh0 (B, HV, K,
-    V)), fp32, uninitialized; `out16`: dU and dh (B, NC, HV, K, V) in do's dtype."""
+    V)), fp32, uninitialized; `out16`: dU and dh (B, NC, HV, K, V) in do's dtype; `states`:
+    dh0's leading size where it is not B (varlen: N)."""
     b, t, hv, v = do.shape
+    n = b if states is None else states
     nc = -(-t // CHUNK)
     f32 = {"dtype": torch.float32, "device": do.device}
     if out16:
         low = {"dtype": do.dtype, "device": do.device}
         return (torch.empty(b, t, hv, v, **low), torch.empty(b, nc, hv, k, v, **low),
-                torch.empty(b, hv, k, v, **f32))  # fmt: skip
+                torch.empty(n, hv, k, v, **f32))  # fmt: skip
     side = torch.empty(b, t, hv, k, **f32) if dke else torch.empty(b, nc, hv, v, k, **f32)
-    return torch.empty(b, t, hv, v, **f32), side, torch.empty(b, hv, k, v, **f32)
+    return torch.empty(b, t, hv, v, **f32), side, torch.empty(n, hv, k, v, **f32)
+
+
+def check_varlen(do: torch.Tensor, cu_seqlens: torch.Tensor, order: torch.Tensor) -> int:
+    """N of a valid varlen call (the tiles (1, S C, HV, D) over S = T // C + N chunk slots, T =
+    cu_seqlens[-1] not read: the slot count is checked against N alone), else ValueError."""
+    if do.shape[0] != 1 or do.shape[1] % CHUNK:
+        raise ValueError(f"varlen tiles must be (1, S x {CHUNK}, HV, V), got {tuple(do.shape)}")
+    n = cu_seqlens.shape[0] - 1
+    for name, x, size in (("cu_seqlens", cu_seqlens, n + 1), ("order", order, n)):
+        if x.dim() != 1 or x.shape[0] != size or x.dtype != torch.int32 or x.stride(0) != 1:
+            raise ValueError(f"{name} must be a contiguous int32 ({size},), got {x.dtype} "
+                             f"{tuple(x.shape)}")  # fmt: skip
+        if x.device != do.device:
+            raise ValueError(f"{name} is on {x.device} but do is on {do.device}")
+    if n < 1 or do.shape[1] // CHUNK < n:
+        raise ValueError(f"{do.shape[1] // CHUNK} chunk slots cannot hold {n} sequences")
+    if n > MAX_SEQUENCES:
+        raise ValueError(f"at most {MAX_SEQUENCES} sequences (the grid's y), got {n}")
+    return n
 
 
 def gdn_bwd_state(
@@ -72,6 +98,8 @@ def gdn_bwd_state(
     out: Outputs | None = None,
     out16: bool = False,
     forward: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    order: torch.Tensor | None = None,
 ) -> Outputs:
     """The reverse recurrence dU = P^T dO + Ke dS, dS <- e^(G_C) dS + Qe^T dO - W^T dU over the
     chunks of each (sequence, value head), last first, dS from d_final_state (or zero).
@@ -89,14 +117,25 @@ def gdn_bwd_state(
     S, S <- e^(G_C) S + Ke^T U over the chunks first to last, S from d_final_state (the initial
     state), on the factors as written (chunk order, unnegated): do = u, ke = W, w = Ke, e_last
     e^(G_C); pt and qe None (P^T = I and Qe = 0 built in); returns (U, h = S at every chunk's
-    start (B, NC, HV, K, V), the final state) in do's dtype but the last."""
-    b, t, hv, nc = check_inputs(do, pt, ke, qe, w, e_last, d_final_state, u)
+    start (B, NC, HV, K, V), the final state) in do's dtype but the last.
+    `cu_seqlens` (int32 (N + 1,)) and `order` (int32 (N,), the sequences longest first,
+    ops/_linattn_varlen.py `longest_first`): the `varlen` form, N sequences in the forward's
+    chunk slots: the tiles (1, S C, HV, ...), e_last (1, S, HV[, K]), the per-chunk outputs
+    at the same S slots, d_final_state and dh0 (N, HV, K, V) (reverse_state.py's docstring;
+    out16 only, the op's device passes). Nothing is read on the host."""
+    varlen = cu_seqlens is not None
+    if varlen != (order is not None):
+        raise ValueError("cu_seqlens and order come together (the varlen form)")
+    if varlen and not out16:
+        raise ValueError("the varlen form is out16's (the device passes)")
+    states = check_varlen(do, cu_seqlens, order) if varlen else None
+    b, t, hv, nc = check_inputs(do, pt, ke, qe, w, e_last, d_final_state, u, states)
     dke = u is not None
     if (out16 and dke) or (forward and not out16):
         raise ValueError("out16 excludes u (dke); forward needs out16")
     if (pt is None or qe is None) != forward:
         raise ValueError("pt and qe are None exactly when forward (I and 0 built in)")
-    du, side, dh0 = empty_outputs(do, ke.shape[-1], dke, out16) if out is None else out
+    du, side, dh0 = empty_outputs(do, ke.shape[-1], dke, out16, states) if out is None else out
     want = (do.dtype, do.dtype, torch.float32) if out16 else (torch.float32,) * 3
     for x, dt in zip((du, side, dh0), want):
         if not x.is_contiguous() or x.dtype != dt:
@@ -110,7 +149,7 @@ def gdn_bwd_state(
     params = params_for(dtype_name(do.dtype), (ke.shape[-1], do.shape[-1]),
                         d_final_state=d_final_state is not None, dke=dke,
                         channel_decay=channel_decay, out16=out16,
-                        forward=forward)  # fmt: skip
+                        forward=forward, varlen=varlen)  # fmt: skip
     fn = get_kernel(SPEC, params)
     tiles = [None if x is None else as_tma_ready(x) for x in (do, pt, ke, qe, w)]
     tiles.append(as_tma_ready(u) if dke else None)
@@ -118,5 +157,5 @@ def gdn_bwd_state(
     dh, dke_out = (None, side) if dke else (side, None)
     with on_device(do.device):
         el = as_tma_ready(e_last) if channel_decay else e_last.contiguous()
-        fn(*tiles, el, dht, du, dh, dke_out, dh0)
+        fn(*tiles, el, dht, du, dh, dke_out, dh0, cu_seqlens, order)
     return du, side, dh0

@@ -57,6 +57,17 @@ for bit the recurrence the reverse variant ran on u, -W, -Ke in reversed chunk o
 flip is exact in the product, the 16-bit rounding and x - y = x + (-y)). U and h land in chunk
 order. Neither flag is in Gated DeltaNet's or KDA's standard keys unless set.
 
+Variant `varlen` (compile flag, 2026-12-06; ops/_linattn_varlen.py): the tiles hold N sequences
+in the forward's chunk slots (`gdn_prefill/sm90/config.py` `first_slot`): (1, S C, HV, D) with
+S = T // C + N, chunk c of sequence n at slot bos_n // C + n + c, e^(G_C) (1, S, HV[, K]) and
+the per-chunk outputs at the same slots, the states (N, HV, K, V). One CTA per (value head,
+sequence), the sequence taken longest first from an order table (N,) int32 (the long chains
+start in the first wave); it reads bos, eos from cu_seqlens (N + 1,) and walks the slots it
+owns, [bos // C + n, eos // C + n + 1): its ceil(len / C) chunks and at most one zero chunk
+after them (zero tiles and e^(G_C) = 1: the state passes unchanged, exactly; dU = 0), so every
+slot of the outputs is written and every row stored (the zero rows' dU is 0). Batch index 0 for
+the tiles, n for the states. Not in any key unless set.
+
 Constraints: K = V = 128, 16-bit tiles with unit last strides and 16-byte aligned token strides
 (TMA); e^(G_C) and the states fp32, unit last strides (channel_decay: e^(G_C) 16-byte aligned
 outer strides, TMA).
@@ -134,6 +145,7 @@ class GdnBwdStateSm90:
         channel_decay: bool = False,
         out16: bool = False,
         forward: bool = False,
+        varlen: bool = False,
     ):
         if (k, v) != (128, 128):
             raise ValueError(f"(K, V) must be (128, 128), got {(k, v)}")
@@ -147,6 +159,7 @@ class GdnBwdStateSm90:
         self.channel_decay = channel_decay
         self.out16 = out16
         self.forward = forward
+        self.varlen = varlen
 
     def _setup(self):
         dt = self.dtype
@@ -187,13 +200,17 @@ class GdnBwdStateSm90:
         mDh: cute.Tensor | None,
         mDke: cute.Tensor | None,
         mDh0: cute.Tensor,
+        mCu: cute.Tensor | None,
+        mOrder: cute.Tensor | None,
         stream: cuda.CUstream,
     ):
         """mDO (B, T, HV, V), mPT (B, T, HV, C), mKe, mQe, mW (B, T, HV, K) 16-bit; mEl fp32
         (B, NC, HV), with channel_decay (B, NC, HV, K); mDht (or None) and mDh0 fp32 (B, HV,
         K, V); mDU fp32 (B, T, HV, V) (out16: 16-bit). With dke: mU (B, T, HV, V) 16-bit,
         mDke fp32 (B, T, HV, K), mDh None; else mU and mDke None, mDh fp32 (B, NC, HV, V, K)
-        (out16: 16-bit (B, NC, HV, K, V)). With forward: mPT and mQe None (I and 0)."""
+        (out16: 16-bit (B, NC, HV, K, V)). With forward: mPT and mQe None (I and 0). With varlen:
+        B = 1 and NC = S slots for the tiles and per-chunk outputs, mDht and mDh0 (N, HV, K, V),
+        mCu int32 (N + 1,), mOrder int32 (N,) (the sequences longest first); else both None."""
         self.dtype = mDO.element_type
         inputs = (mKe, mW) if const_expr(self.forward) else (mPT, mKe, mQe, mW)
         for t in inputs + ((mU,) if const_expr(self.dke) else ()):
@@ -267,6 +284,8 @@ class GdnBwdStateSm90:
             mDh,
             mDke,
             mDh0,
+            mCu,
+            mOrder,
             self.mma_ks,
             self.mma_st,
             self.mma_dke,
@@ -275,7 +294,7 @@ class GdnBwdStateSm90:
             self.sS_layout,
             self.sE_layout,
         ).launch(  # fmt: skip
-            grid=(mDO.shape[2], mDO.shape[0], 1),
+            grid=(mDO.shape[2], mDh0.shape[0] if const_expr(self.varlen) else mDO.shape[0], 1),
             block=[THREADS, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
@@ -304,6 +323,8 @@ class GdnBwdStateSm90:
         mDh: cute.Tensor | None,
         mDke: cute.Tensor | None,
         mDh0: cute.Tensor,
+        mCu: cute.Tensor | None,
+        mOrder: cute.Tensor | None,
         mma_ks: cute.TiledMma,
         mma_st: cute.TiledMma,
         mma_dke: cute.TiledMma,
@@ -348,6 +369,13 @@ class GdnBwdStateSm90:
         hv, b, _ = cute.arch.block_idx()
         seqlen = mDO4.shape[0]
         nchunks = (seqlen + CHUNK - 1) // CHUNK
+        n, first = b, None  # the state's sequence, its first chunk slot (varlen)
+        if const_expr(self.varlen):
+            n = mOrder[b]
+            bos, eos = mCu[n], mCu[n + 1]
+            first = bos // CHUNK + n
+            nchunks = eos // CHUNK + n + 1 - first
+            b = 0
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         if wg == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -361,19 +389,20 @@ class GdnBwdStateSm90:
                     srcs = srcs + ((mU4, sU, (CHUNK, self.v)),)
                 if const_expr(self.channel_decay):
                     srcs = srcs + ((mE4, sE, (1, self.k)),)  # row c: chunk c's e^(G_C)
-                self._produce(atoms, srcs, ring, hv, b, nchunks)
+                self._produce(atoms, srcs, ring, hv, b, nchunks, first)
         else:
             cute.arch.setmaxregister_increase(STATE_REGS)
             self._state(
                 wg - 1, tidx - wg * THREADS_PER_WG, mma_ks, mma_st, mma_dke, sDO, sPT, sKe, sQe,
-                sW, sU, sS, sE, mEl, mDht, mDU, mDh, mDke, mDh0, ring, hv, b, seqlen, nchunks,
+                sW, sU, sS, sE, mEl, mDht, mDU, mDh, mDke, mDh0, ring, hv, b, seqlen, nchunks, n,
+                first,
             )  # fmt: skip
 
     @cute.jit
-    def _produce(self, atoms, srcs, ring, hv, b, nchunks):
+    def _produce(self, atoms, srcs, ring, hv, b, nchunks, first):
         """TMA: per chunk, last first (forward: first first), one (C, D) box of each tile
         (head hv, sequence b) into the ring (and the (1, K) box of e^(G_C) with
-        channel_decay); boxes past T are zero-filled."""
+        channel_decay); boxes past T are zero-filled. varlen: chunk c at slot first + c."""
         one = cute.make_layout(1)
         loads = []
         for atom, (m, s, box) in zip(atoms, srcs):
@@ -385,6 +414,8 @@ class GdnBwdStateSm90:
         st = producer_state(STAGES)
         for i in cutlass.range(nchunks, unroll=1):
             c = i if const_expr(self.forward) else nchunks - 1 - i  # forward: in order
+            if const_expr(self.varlen):
+                c = first + c
             ring.producer_acquire(st)
             bar = ring.producer_get_barrier(st)
             for atom, ts, tg in loads:
@@ -394,12 +425,14 @@ class GdnBwdStateSm90:
     @cute.jit
     def _state(
         self, w, stid, mma_ks, mma_st, mma_dke, sDO, sPT, sKe, sQe, sW, sU, sS, sE, mEl, mDht,
-        mDU, mDh, mDke, mDh0, ring, hv, b, seqlen, nchunks,
+        mDU, mDh, mDke, mDh0, ring, hv, b, seqlen, nchunks, n, first,
     ):  # fmt: skip
+        """b: the tiles' batch index; n: the states' (both the sequence but with varlen, where
+        b = 0 and chunk i of the walk is slot first + i)."""
         thr_st = mma_st.get_slice(stid)
         acc_ds = cute.make_rmem_tensor(thr_st.partition_shape_C((ROWS, self.k)), Float32)
         if const_expr(self.d_final_state):
-            self._state_io(mDht[b, hv, None, None], acc_ds, thr_st, w, True, True)
+            self._state_io(mDht[n, hv, None, None], acc_ds, thr_st, w, True, True)
         else:
             acc_ds.fill(0.0)
         wg_ks = mma_ks.get_slice(0)
@@ -424,6 +457,8 @@ class GdnBwdStateSm90:
         st = consumer_state(STAGES)
         for i in cutlass.range(nchunks, unroll=1):
             c = i if const_expr(self.forward) else nchunks - 1 - i  # inputs and outputs alike
+            if const_expr(self.varlen):
+                c = first + c
             acc_du = cute.make_rmem_tensor(acc_shape, Float32)
             ring.consumer_wait(st)
             acc_to_operand_a(acc_ds, tDSrDS)
@@ -469,7 +504,7 @@ class GdnBwdStateSm90:
             warpgroup.wait_group(0)
             ring.consumer_release(st)
             st.advance()
-        self._state_io(mDh0[b, hv, None, None], acc_ds, thr_st, w, False, True)
+        self._state_io(mDh0[n, hv, None, None], acc_ds, thr_st, w, False, True)
 
     @cute.jit
     def _decay_columns(self, acc_ds, mma_st, sE, s):

@@ -71,7 +71,6 @@ from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90.config import (
     HDH_WARPS,
     LOAD_GROUPS,
     NS,
-    STATE_GROUPS,
     SUB,
     THREADS,
 )
@@ -85,12 +84,29 @@ PAIRS = NS * (NS - 1) // 2  # E_(I, J) of I > J
 G_STRIDE = 128 + 8  # the fp32 (C, K) tiles' padded rows (`_gi`)
 
 
+class _GroupWaits:
+    """Trace-time bookkeeping of the load groups' mbarriers (armed once, phase 0): calling it
+    with tile names waits on each group holding one of them that this thread has not waited on
+    yet, so the math names what a product reads and LOAD_GROUPS alone decides the waits."""
+
+    def __init__(self, bars, groups):
+        self.bars, self.groups, self.done = bars, groups, set()
+
+    def __call__(self, *names):
+        for i, group in enumerate(self.groups):
+            if i not in self.done and any(n in group for n in names):
+                cute.arch.mbarrier_wait(self.bars + i, 0)
+                self.done.add(i)
+
+
 class KdaBwdChunkSm90(GdnBwdChunkSm90):
     """One CTA per (chunk, value head, sequence): `_output_grads` of the chunk with KDA's
     per-channel decays; see the module docstring. Gated DeltaNet's kernel 2's row store
     (`_store_rows`) and grouped TMA loads (`_load_groups`) are used as they are."""
 
     load_groups = LOAD_GROUPS
+    threads = THREADS
+    math_threads = THREADS_PER_WG  # BAR_HDH's math side (`wg2`: both math warpgroups)
 
     def __init__(self, k: int, v: int):
         super().__init__(k, v, wy=False)
@@ -200,7 +216,7 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         layouts = (self.sT_layout, self.sH_layout, self.sP_layout, self.sB_layout)
         self.kernel(*atoms_and_views, mG, mDQ, mDK, mDW, mDG, scale, *mmas, *layouts).launch(
             grid=(nc, mDO.shape[2], mDO.shape[0]),
-            block=[THREADS, 1, 1],
+            block=[self.threads, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
         )
@@ -288,15 +304,15 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         else:
             self._math(
                 mma_w, mma_s, mma_q, mma_k, sDO, sU, sDU, sQ, sK, sH, sDH, sP, sKr, sQl, sG,
-                sRows, sTab, mG, mDQ, mDK, mDW, mDG, bars, c, hv, b, seqlen, scale,
+                sRows, sTab, mG, mDQ, mDK, mDW, mDG, bars, c, hv, b, seqlen, scale, wg - 1,
             )  # fmt: skip
 
     @cute.jit
     def _rowsum_hdh(self, sH, sDH, sTab, bars):
         """Warps 1, 2 of warpgroup 0: rowsum(h o dh) of key channels tid and tid + 64 over the
         16-bit state tiles, into the table; then BAR_HDH (h's bytes free for dG's rows)."""
-        for i in cutlass.range_constexpr(len(STATE_GROUPS)):  # the TMA'd states, seen here too
-            cute.arch.mbarrier_wait(bars + STATE_GROUPS[i], 0)
+        wait = _GroupWaits(bars, LOAD_GROUPS)
+        wait("h", "dh")  # the TMA'd states, seen here too
         tid = opaque_tid_x() - WARP_SIZE
         hh, dd = sH[None, None, 0], sDH[None, None, 0]
         for half in cutlass.range_constexpr(2):
@@ -305,7 +321,7 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
             for col in cutlass.range(self.v, unroll=8):
                 part = part + Float32(hh[row, col]) * Float32(dd[row, col])
             sTab[self.t_hdh * self.k + row] = part
-        named_barrier(BAR_HDH, THREADS_PER_WG + HDH_THREADS).arrive()
+        named_barrier(BAR_HDH, self.math_threads + HDH_THREADS).arrive()
 
     @cute.jit
     def _coords(self, mma):
@@ -378,8 +394,9 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
     @cute.jit
     def _math(
         self, mma_w, mma_s, mma_q, mma_k, sDO, sU, sDU, sQ, sK, sH, sDH, sP, sKr, sQl, sG, sRows,
-        sTab, mG, mDQ, mDK, mDW, mDG, bars, c, hv, b, seqlen, scale,
+        sTab, mG, mDQ, mDK, mDW, mDG, bars, c, hv, b, seqlen, scale, kh,
     ):  # fmt: skip
+        # kh: the math warpgroup's index (0 here; `wg2`'s key-channel half)
         # dq16: q unscaled, the scale on every product of q in registers (None: q scaled)
         qs = scale if const_expr(mDQ.element_type != Float32) else None
         wg_w = mma_w.get_slice(0)
@@ -404,18 +421,19 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         self._tables(mG, sG, sTab, first, seqlen, b, hv)
         math.arrive_and_wait()
 
-        # each load group's mbarrier waited just before its first product (LOAD_GROUPS)
+        # each load group's mbarrier waited once, just before the first product that reads it
+        wait = _GroupWaits(bars, LOAD_GROUPS)
         # dw = -dU h^T, out at once
         acc = cute.make_rmem_tensor(wg_w.partition_shape_C((CHUNK, self.k)), Float32)
-        cute.arch.mbarrier_wait(bars + 0, 0)  # dU, h
+        wait("du", "h")
         gemm(mma_w, acc, tArDU[None, None, None, 0], tBrH[None, None, None, 0], True, 0)
         acc.store(-acc.load())
         self._store_rows(acc, mma_w, mDW, tid, b, hv, c, seqlen)
         # dqe = dO h^T, S = dO U^T
-        cute.arch.mbarrier_wait(bars + 1, 0)  # dO
+        wait("do")
         gemm(mma_w, acc, tArDO[None, None, None, 0], tBrH[None, None, None, 0], True, -1)
         acc_s = cute.make_rmem_tensor(wg_s.partition_shape_C((CHUNK, CHUNK)), Float32)
-        cute.arch.mbarrier_wait(bars + 2, 0)  # U (dqe in flight)
+        wait("u")  # (dqe in flight where U has a group of its own)
         gemm(mma_s, acc_s, tSrDO[None, None, None, 0], tSrU[None, None, None, 0], True, 0)
         t0s, row_s, col_s = softmax.acc_coords(mma_s, tid, (CHUNK, CHUNK))
         t0, row_w, col_w = softmax.acc_coords(mma_w, tid, (CHUNK, self.k))
@@ -432,7 +450,7 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         self._store_bf16(acc_s, mma_s, sP, True)  # dP^T for dk's blocks
         acc_to_operand_a(acc_s, tQrP)
         math.arrive_and_wait()  # every thread's dO / dU products retired, dP^T stored
-        cute.arch.mbarrier_wait(bars + 3, 0)  # q, k
+        wait("q", "k")
         self._block_operands(sQ, sK, sKr, sQl, sG, sTab, first, seqlen, qs)
         cute.arch.fence_view_async_shared()
         math.arrive_and_wait()
@@ -456,7 +474,7 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         self._store_rows(acc, mma_w, mDQ, tid, b, hv, c, seqlen)
 
         # dk = er o (e^(G_C - r_w) o dke + sum_(I >= w) E_(I,w) o blocks) + dP_jj q_j
-        cute.arch.mbarrier_wait(bars + 4, 0)  # dh
+        wait("dh")
         gemm(mma_w, acc, tArU[None, None, None, 0], tBrDH[None, None, None, 0], True, 0)
         self._te(qa, mma_w, sK, sG, sTab, w, first, seqlen)
         self._scale_cols(qa, sTab, self.t_gr + w, t0, col_w)

@@ -17,6 +17,9 @@ TOKEN_TILES = ("dw", "du", "w", "k", "u", "v")
 # on each just before its first product): dvb = T^T du; dA = dvb u^T (in flight over the next);
 # rowsum(dvb o v); dkb = T^T dw; dA += dkb w^T (in flight over the next); z = dkb o k o e^G.
 LOAD_GROUPS = (("tt", "du"), ("u",), ("v",), ("dw",), ("w",), ("k",))
+# bytes: the start of dk and dG (B, T, HV, K) fp32 (their K * 4-byte rows keep it): the global
+# address of the bulk reduce-adds onto dG's rows and of the bulk L2 prefetches of dk's
+BULK_ALIGN = 16
 
 
 def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2) -> int:

@@ -6,7 +6,11 @@ from __future__ import annotations
 import torch
 
 from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90 import SPEC
-from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.config import CHUNK, params_for
+from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.config import (
+    BULK_ALIGN,
+    CHUNK,
+    params_for,
+)
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, on_device
 
@@ -55,7 +59,7 @@ def empty_outputs(dw: torch.Tensor, v: int, dv16: bool = False) -> Outputs:
 def check_outputs(outs, dw: torch.Tensor, v: int, dv16: bool = False) -> None:
     """`out` as `empty_outputs(dw, v, dv16)` would make it (the kernel reads and writes every
     entry of dk and dg and writes every entry of dv and dbeta: a smaller tensor would be
-    accessed past its end), else ValueError."""
+    accessed past its end; dk and dg 16-byte aligned), else ValueError."""
     b, t, hv, kd = dw.shape
     shapes = {"dk": (b, t, hv, kd), "dv": (b, t, hv, v), "dg": (b, t, hv, kd), "dbeta": (b, t, hv)}
     if len(outs) != len(shapes):
@@ -71,6 +75,10 @@ def check_outputs(outs, dw: torch.Tensor, v: int, dv16: bool = False) -> None:
             )
     if outs[0].data_ptr() == outs[2].data_ptr():
         raise ValueError("out's dk and dg must be distinct tensors (both are accumulated)")
+    for name, x in (("dk", outs[0]), ("dg", outs[2])):
+        if x.data_ptr() % BULK_ALIGN:  # dG's rows: bulk reduce-adds; dk's: bulk L2 prefetches
+            raise ValueError(f"out's {name} must start {BULK_ALIGN}-byte aligned (its rows are "
+                             f"bulk copies' addresses), got address {x.data_ptr():#x}")  # fmt: skip
 
 
 def kda_bwd_wy(

@@ -25,9 +25,14 @@ points r_I = G at row 16 I + 8 clamped inside T):
     dk += beta dx + dy;  dG's rows += k o (beta dx - dy)
     dG  = reverse cumsum of the rows, one key channel a thread
 
-dk and dG are ADDED onto the output tensors' contents (kernel 2's dk and dG, same layout): the
-first dk term and each dG row by a read-modify-write of this CTA's own rows (2026-12-06; was
-a plain store and two torch adds after).
+dk and dG are ADDED onto the output tensors' contents (kernel 2's dk and dG, same layout), this
+CTA's own rows (2026-12-06; was a plain store and two torch adds after): dk's first term by a
+read-modify-write of rows prefetched into L2 at the first load group's wait; dG's rows, reverse-
+cumsummed in shared memory, by one bulk reduce-add a row (fp32 add in L2, nothing waited but
+the shared memory read). The plain read-modify-write of dG (next/kda-wy-acc) kept each row's
+load behind the previous row's store: 64 dependent DRAM round trips a thread, the WY kernel
+1.93 -> 3.39 ms on the H100 (docs/linear_attention/NOTES.md "KDA backward regressions of
+integration41").
 
 el = e^(G - r_w), er = e^(r_w - G) <= e^(8 max|g|) (zero past T); no factor is e^(-G). The
 score-gradient blocks run in bf16 for either tile dtype (kernel 2's reason). The per-channel
@@ -68,7 +73,8 @@ from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG, WARP_SIZE
 from forgekernel.kernels.common.sm90.layout import acc_to_operand_a, rows_cols, transposed
 from forgekernel.kernels.common.sm90.mma import gemm
 from forgekernel.kernels.common.sm90.pipeline import init_arrive, init_wait, smem_tensor
-from forgekernel.kernels.common.sm90.ptx import opaque_tid_x
+from forgekernel.kernels.common.sm90.prefetch import bulk_prefetch_l2
+from forgekernel.kernels.common.sm90.ptx import bulk_reduce_add_f32, opaque_tid_x
 from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.chunk_grads import _tdhb
 from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90.chunk_grads import (
     BAR_MATH,
@@ -193,8 +199,9 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         nc = (mDW.shape[1] + CHUNK - 1) // CHUNK
         mmas = (self.mma_t, self.mma_da, self.mma_x, self.mma_y)
         layouts = (self.sT_layout, self.sTt_layout, self.sP_layout, self.sB_layout)
-        self.kernel(*atoms_and_views, mBeta, mG, mDK, mDV, mDG, mDB, mDKo, *mmas,
-                    *layouts).launch(  # fmt: skip
+        self.kernel(
+            *atoms_and_views, mBeta, mG, mDK, mDV, mDG, mDB, mDKo, *mmas, *layouts
+        ).launch(  # fmt: skip
             grid=(nc, mDW.shape[2], mDW.shape[0]),
             block=[THREADS, 1, 1],
             min_blocks_per_mp=1,
@@ -322,6 +329,9 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         # dvb = T^T du: dv = beta dvb out, rowsum(dvb o v), dA = dvb u^T in flight
         acc = cute.make_rmem_tensor(wg_t.partition_shape_C((CHUNK, self.k)), Float32)
         cute.arch.mbarrier_wait(bars + 0, 0)  # T^T, du
+        # kernel 2's dk rows into L2 now: dk's first term is added onto them after three more
+        # products (a synchronous read of a cold row there: one DRAM round trip a row)
+        self._prefetch_rows(mDK, tid, b, hv, first, seqlen)
         gemm(mma_t, acc, tArT[None, None, None, 0], tBrDU[None, None, None, 0], True, 0)
         acc_to_operand_a(acc, tDArV)
         acc_a = cute.make_rmem_tensor(wg_da.partition_shape_C((CHUNK, CHUNK)), Float32)
@@ -394,27 +404,28 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         else:
             self._add_rows(acc, mma_t, mDK, tid, b, hv, c, seqlen)
         math.arrive_and_wait()  # dG's rows in shared memory
-        self._finish_rows(sRows, mDG, first, seqlen, b, hv, tid)
+        self._finish_rows(sRows, mDG, first, seqlen, b, hv, tid, math)
 
     @cute.jit
     def _add_rows_to(self, acc, mma, mIn, mOut, tid, b, hv, c, seqlen):
         """out[b, tokens of chunk c, hv, :] = in[...] + a (C, K) accumulator in out's 16-bit
         dtype, rounded once; the rows inside T (`_add_rows`' partition: this thread's own
-        earlier fp32 read-modify-writes of `in`)."""
+        earlier fp32 read-modify-writes of `in`). A row's 16 pairs are all loaded before the
+        first store: out may alias in for the compiler, which otherwise keeps each load behind
+        the previous pair's store (32 dependent L2 round trips a thread, next/kda-final-outputs;
+        now two, as `_add_rows`)."""
         t0, row_base, _ = softmax.acc_coords(mma, tid, (CHUNK, self.k))
         src = cute.local_tile(mIn[b, None, hv, None], (CHUNK, self.k), (c, 0))
         dst = cute.local_tile(mOut[b, None, hv, None], (CHUNK, self.k), (c, 0))
         gi = rows_cols(mma.get_slice(tid).partition_C(src))
         go = rows_cols(mma.get_slice(tid).partition_C(dst))
         a = rows_cols(acc)
+        n = cute.size(a, mode=[1])
         for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
             if c * CHUNK + row_base + t0[r, 0][0] < seqlen:
-                # a thread's column pairs: both loaded before either store (out may alias in
-                # for the compiler: one LDG.E.64, one packed STG.E a pair)
-                for j in cutlass.range_constexpr(0, cute.size(a, mode=[1]), 2):
-                    x0, x1 = gi[r, j], gi[r, j + 1]
-                    go[r, j] = (x0 + a[r, j]).to(mOut.element_type)
-                    go[r, j + 1] = (x1 + a[r, j + 1]).to(mOut.element_type)
+                x = [gi[r, j] for j in range(n)]
+                for j in cutlass.range_constexpr(n):
+                    go[r, j] = (x[j] + a[r, j]).to(mOut.element_type)
 
     @cute.jit
     def _scale_rows(self, acc, vals):
@@ -463,13 +474,31 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
                     sRows[n] = sRows[n] - Float32(kk[i, col]) * a[r, j]
 
     @cute.jit
-    def _finish_rows(self, sRows, mDG, first, seqlen, b, hv, tid):
+    def _prefetch_rows(self, mX, tid, b, hv, first, seqlen):
+        """Math threads 0..C-1: row `tid` of the chunk in mX (B, T, HV, K) fp32 (K * 4 bytes,
+        contiguous) into L2, rows inside T; nothing waits on it."""
+        if tid < CHUNK:
+            if first + tid < seqlen:
+                bulk_prefetch_l2(mX[b, first + tid, hv, None].iterator, self.k * 4)
+
+    @cute.jit
+    def _finish_rows(self, sRows, mDG, first, seqlen, b, hv, tid, math):
         """Math thread = key channel c: dG of every token of the chunk, the reverse cumulative
-        sum of the rows from the last (rows past T zero), added onto mDG (kernel 2's dG: this
-        CTA's own rows, read once and written once)."""
+        sum of the rows from the last (rows past T zero), written over the rows in shared
+        memory; then math thread i < C adds row i onto mDG (kernel 2's dG: this CTA's own rows)
+        by one bulk reduce-add (fp32 add in L2, async: no load of kernel 2's dG here; the
+        plain read-modify-write of next/kda-wy-acc kept each row's load behind the previous
+        row's store, 64 dependent DRAM round trips a thread)."""
         acc = Float32(0.0)
         for n in cutlass.range(CHUNK, unroll=8):
             i = CHUNK - 1 - n
             acc = acc + sRows[self._gi(i, tid)]
-            if first + i < seqlen:
-                mDG[b, first + i, hv, tid] = mDG[b, first + i, hv, tid] + acc
+            sRows[self._gi(i, tid)] = acc
+        cute.arch.fence_view_async_shared()  # the sums seen by the bulk reduce (async proxy)
+        math.arrive_and_wait()
+        if tid < CHUNK:
+            if first + tid < seqlen:
+                bulk_reduce_add_f32(mDG[b, first + tid, hv, None].iterator,
+                                    sRows.iterator + self._gi(tid, 0), self.k * 4)  # fmt: skip
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # sRows read before the exit

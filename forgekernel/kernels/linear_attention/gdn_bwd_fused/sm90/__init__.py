@@ -1,0 +1,41 @@
+"""Gated DeltaNet backward, fused: kernel 1's reverse state recurrence and kernel 2's chunk
+gradients (WY form) in one kernel, one CTA per (sequence, value head), sm_90a. DSL-free
+declaration; the kernel is `fused_bwd.py`, the launcher `launch.py`. Behind
+ops/gated_delta_rule_bwd.py FUSED (off until a GPU A/B): it replaces kernel 1's reverse launch
+and kernel 2 on the device pass where B x HV fills about a wave (`config.fused_fits`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.config import DTYPES, params_for
+from forgekernel.runtime.spec import KernelSpec, Params
+
+
+def _compile(params: Params, extra_options: str = ""):
+    from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.compile import (
+        compile_gdn_bwd_fused,
+    )
+
+    return compile_gdn_bwd_fused(dict(params), "sm_90a", extra_options)
+
+
+def _standard_params() -> list[Params]:
+    # the op's keys: with / without a final-state gradient, q / k at their own H heads or not
+    return [
+        params_for(dtype, d_final_state=ds, grouped=g)
+        for dtype in DTYPES
+        for ds in (False, True)
+        for g in (False, True)
+    ]
+
+
+SPEC = KernelSpec(
+    name="gdn_bwd_fused_sm90",
+    arch="sm_90a",
+    directory=Path(__file__).parent,
+    compile=_compile,
+    standard_params=_standard_params,
+)
+
+__all__ = ["SPEC", "params_for"]

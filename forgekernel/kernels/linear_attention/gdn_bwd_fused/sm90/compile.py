@@ -1,0 +1,53 @@
+"""Compile the Gated DeltaNet fused backward (reverse recurrence + chunk gradients) against
+fake tensors: B, T, HV (and H when grouped), the chunk count and every outer stride dynamic;
+K, V, the dtype, whether a final-state gradient is read and `grouped` baked in. The 16-bit
+tiles: unit last strides, the others multiples of 8 elements, 16-byte aligned (TMA); G, beta
+fp32 (B, T, HV) unit last stride; dq, dk, dv 16-bit, dG, dbeta, dh0 fp32; the scale a runtime
+fp32."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+
+from forgekernel.kernels.common.sm90 import fake
+from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.config import CHUNK
+from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.fused_bwd import GdnBwdFusedSm90
+
+
+def kernel_for(params: dict) -> GdnBwdFusedSm90:
+    return GdnBwdFusedSm90(params["k"], params["v"], d_final_state=params["d_final_state"],
+                           grouped=params.get("grouped", False))  # fmt: skip
+
+
+def compile_gdn_bwd_fused(params: dict, arch: str = "sm_90a", extra_options: str = "",
+                          kernel=None):  # fmt: skip
+    """kernel: a `kernel_for(params)` object to compile (its shared_storage is set by the
+    compile: the tests read its size), or None for a fresh one."""
+    dtype = fake.dtype_of(params["dtype"])
+    kd, vd = params["k"], params["v"]
+    b, t, hv, nc = (cute.sym_int32() for _ in range(4))
+    f32 = cutlass.Float32
+    kernel = kernel_for(params) if kernel is None else kernel
+    h = cute.sym_int32() if params.get("grouped", False) else hv
+
+    def tok(d, heads=hv):
+        return fake.rowmajor(dtype, (b, t, heads, d))
+
+    def vec():
+        return fake.rowmajor(f32, (b, t, hv), divisibility=1, align=4)
+
+    def state():
+        return fake.rowmajor(f32, (b, hv, kd, vd), divisibility=4)
+
+    return cute.compile(
+        kernel,
+        tok(vd), tok(vd), tok(kd, h), tok(kd, h),
+        fake.rowmajor(dtype, (b, nc, hv, kd, vd)),
+        vec(), tok(CHUNK), tok(CHUNK), tok(kd), tok(vd), tok(vd), vec(),
+        state() if params["d_final_state"] else None,
+        tok(kd), tok(kd), vec(), tok(vd), vec(), state(),
+        f32(1.0),
+        fake.stream(),
+        options=fake.options(arch, extra_options),
+    )  # fmt: skip

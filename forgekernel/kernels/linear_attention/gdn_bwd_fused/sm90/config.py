@@ -1,0 +1,98 @@
+"""Gated DeltaNet fused backward (kernel 1's reverse recurrence + kernel 2's chunk gradients,
+one CTA per (sequence, value head)) configurations and fixed geometry (DSL-free: the launcher,
+the op's dispatch and the tests read it). Design: docs/linear_attention/
+gdn_bwd_fused_design_2026-12-06.md."""
+
+from __future__ import annotations
+
+from forgekernel.kernels.common.sm90.constants import (
+    NUM_SMS_H100_H200,
+    REGISTERS_PER_SM,
+    THREADS_PER_WG,
+)
+
+DTYPES = ("float16", "bfloat16")
+HEAD_DIMS = ((128, 128),)  # (K, V)
+CHUNK = 64  # tokens per chunk: the forward's
+# warpgroup 0: the TMA warp (warp 0) and dG's finish (warps 1, 2); warpgroup 1 ("S"): dS^T (V,
+# K) fp32, the whole state (two 64-row accumulators, 128 registers a thread), its update, and
+# K K^T and dPD = (dO U^T) o D for G; warpgroup 2 ("G"): dU = Ke dS + P^T dO, then every other
+# chunk gradient (kernel 2's WY form)
+THREADS = 3 * THREADS_PER_WG
+# setmaxnreg: the producer warpgroup (TMA + the finish loops), S, G (kernel 2's single math
+# warpgroup body: 254 registers in the chunk kernel's WY + dqk16 key)
+# (compiled 2026-12-06, bf16: G R0-R179, S R0-R221, warpgroup 0 R0-R24, nothing spilled)
+# setmaxnreg.inc takes registers only from the CTA's pool, which holds what the launch
+# allocated (LAUNCH_REGS a thread) less what the others keep: the three counts sum to at most
+# 3 x 168 = 504. At 32 / 224 / 256 (512) the second warpgroup's USETMAXREG.TRY_ALLOC spun
+# forever (a hang on the first launch); G's body needs 180 of its 248.
+LAUNCH_REGS = REGISTERS_PER_SM // THREADS // 8 * 8  # ptxas' count for 384 threads: 168
+REGS = (32, 224, 248)
+assert sum(REGS) * THREADS_PER_WG <= LAUNCH_REGS * THREADS
+# The chunk's TMA boxes, one mbarrier a group, in the order G consumes them (S waits on the
+# first two only: dO, then q and W): dU (k, P^T, dO); q + W (S's update, dq's B, dw's slot);
+# h (dqe = dO h^T, the finish's <dh, h>); U (S = dO U^T, dke); the WY tiles T^T, u.
+LOAD_GROUPS = (("k", "pt", "do"), ("q", "w"), ("h",), ("u",), ("tt", "uw"))
+S_GROUPS = (0, 1)  # the groups the state warpgroup reads (dO; q, W)
+H_GROUP = 2  # the finish warps' <dh, h>
+TOKEN_TILES = ("do", "u", "q", "k", "w", "uw")  # (C, 128) 16-bit
+# One stage (no double buffering: 2 x 144 KB do not fit): the next chunk's boxes are issued
+# once every reader has released this one (S after its update, G after the WY half, the finish
+# warps after <dh, h>). On chip beside the stage: dS (K, V) 16-bit (S -> G, the finish), dU
+# (C, V) 16-bit (G -> S and G's WY half), K K^T fp32 and dPD 16-bit (S -> G); dPD^T and M^T
+# live in the spent P^T box, dw in the spent q box, dk's fp32 stash over the spent dO and U
+# boxes.
+STAGES = 1
+# the consumers releasing a stage: S and G whole, the two finish warps (one arrival a thread)
+RELEASE_ARRIVALS = 2 * THREADS_PER_WG + 64
+
+
+def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2) -> int:
+    """Shared memory of one CTA (the kernel's SharedStorage, alignment padding included): the
+    stage (dO, U, u (C, V); q, k, W (C, K); P^T, T^T (C, C); h (K, V)), dS (K, V) and dU (C, V)
+    on chip, K K^T (C, C) fp32 and dPD (C, C) 16-bit (the state warpgroup's products for G),
+    the mbarriers, G (G's and S's) and e^G (fp32, two chunks' worth: the finish warps read one
+    while G stages the next) and the dG rows (two chunks' worth); 2 KB of alignment padding."""
+    stage = CHUNK * (3 * v + 3 * k + 2 * CHUNK) * elem_bytes + k * v * elem_bytes
+    on_chip = (k * v + CHUNK * v + CHUNK * CHUNK) * elem_bytes + CHUNK * CHUNK * 4
+    head = 8 * (len(LOAD_GROUPS) + 1) + 3 * 2 * CHUNK * 4 + 2 * (2 * CHUNK + 4) * 4
+    return STAGES * stage + on_chip + head + 2048
+
+
+# Dispatch (ops/gated_delta_rule_bwd.py FUSED): one CTA per (sequence, value head) walks every
+# chunk, so the grid is B x HV and the time is ~NC steps; today's path spreads its every-chunk
+# kernels over NC x HV x B CTAs. The fused kernel wins only with about a wave of CTAs (the
+# design note's table: 4 x 8192 hv32 = 128 CTAs, 1 x 2048 / 1 x 8192 hv32 = 32 CTAs lose).
+# Three quarters of a wave: 99 CTAs on the H100's 132 SMs (4 x 8192 hv32: 128, fused; 1 x 2048
+# and 1 x 8192 hv32: 32, today's path). No SM count (CPU tensors): never.
+WAVE_FRACTION = (3, 4)
+
+
+def fused_fits(b: int, hv: int, sms: int = NUM_SMS_H100_H200) -> bool:
+    """Whether B x HV CTAs fill WAVE_FRACTION of a wave of `sms` SMs (the fused kernel's
+    dispatch rule; `sms` 0, as off CUDA: False)."""
+    num, den = WAVE_FRACTION
+    return sms > 0 and b * hv * den >= sms * num
+
+
+def params_for(
+    dtype: str,
+    head_dims: tuple[int, int] = (128, 128),
+    *,
+    d_final_state: bool = False,
+    grouped: bool = False,
+) -> tuple:
+    """Compile key: the 16-bit dtype of the tiles, (K, V), whether a final-state gradient is
+    read (without one, dS starts from zero) and `grouped` (q, k at H < HV heads, value head hv
+    reading head hv // (HV / H); in the key only when set). The outputs are the op's device
+    path's: dq, dk, dv in the tiles' dtype (dq times the runtime scale), dG, dbeta and dS at
+    the start fp32."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
+    if tuple(head_dims) not in HEAD_DIMS:
+        raise ValueError(f"(K, V) must be one of {HEAD_DIMS}, got {tuple(head_dims)}")
+    k, v = head_dims
+    key = {"dtype": dtype, "k": k, "v": v, "d_final_state": d_final_state}
+    if grouped:
+        key["grouped"] = True
+    return tuple(sorted(key.items()))

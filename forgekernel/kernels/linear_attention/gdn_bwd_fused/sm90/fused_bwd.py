@@ -1,0 +1,776 @@
+"""Gated DeltaNet backward, fused: kernel 1's reverse state recurrence and kernel 2's chunk
+gradients (its WY form: all of pass 3) in one kernel for Hopper (sm_90a). One CTA per
+(sequence, value head) walks the chunks last first; the state gradient dS stays on chip for
+the whole sequence (fp32 in the state warpgroup's registers, a 16-bit copy in shared memory
+each chunk) and dU never leaves the SM: no dU, dS, Ke or Qe tile reaches HBM (design and byte
+accounting: docs/linear_attention/gdn_bwd_fused_design_2026-12-06.md).
+
+Per chunk c (C = 64 tokens; q scaled; G the within-chunk cumulative log decay; dS the state
+gradient at the chunk's end, from the final state's gradient; h the forward's state at the
+chunk's start, U its corrected values, both from kernel 1's forward launch):
+
+    G:  dU  = (k dS) o e^(G_C - G) (rows) + P^T dO       (C x V x K, then C x V x C)
+    S:  K K^T, dPD = (dO U^T) o D                          (C x C x K, C x C x V)
+    S:  dS <- e^(G_C) dS + q^T (e^G o dO) - W^T dU        (as dS^T: V x K x C twice)
+    G:  kernel 2's other products on dO, U, dU, q, k, h, dS, dPD and T^T, W, u
+        (`GdnBwdChunkSm90._math`'s order, then `_wy` with K K^T from S): dq, dk, dv (16-bit),
+        dbeta, dG's rows
+    finish warps: dG's last-token term (te's sum + e^(G_C) <dS, h>) and the reverse cumsum
+
+Ke = k e^(G_C - G) and Qe = q e^G are not read: the first scales dU's rows after the product,
+the second scales the state warpgroup's dO^T A operand (built in registers anyway) by column.
+
+Warp roles (3 warpgroups, 384 threads, setmaxnreg config.REGS):
+- warpgroup 0: warp 0 the TMA producer (per chunk, last first, config.LOAD_GROUPS on one
+  mbarrier each, after the stage's release: one stage, see config.STAGES); warps 1, 2 dG's
+  finish (one token a thread);
+- warpgroup 1 ("S", `_state`): dS^T (V, K) fp32 as two 64-row accumulators (kernel 1's two
+  state warpgroups' halves in one); per chunk it writes dS (K, V) 16-bit into sDH (transposed
+  stmatrix), K K^T (fp32, G's accumulator order) into sKK, then the update, its A operands
+  (e^G o dO)^T and -dU^T built in registers from shared memory, B = q, W (MN-major views),
+  and between its two halves dPD (sPD) and dPD^T (over the spent P^T box): S is idle while G
+  works, and G's registers were full (its first build spilled 400 bytes);
+- warpgroup 2 ("G", `_grads`): dU into sDU, then kernel 2's chunk gradients, its helpers
+  inherited (`GdnBwdChunkSm90`: `_row_decays`, `_row_dots`, `_store_tile`, `_store_rows`,
+  `_stash_rows`; `_wy` overridden: K K^T from sKK, the row sums into shared memory as formed).
+
+Hand-overs (named barriers, `Bar`): S -> G, finish: dS in sDH (DS_READY); G -> S: dU in sDU,
+P^T read (DU_READY); S -> G: K K^T, dPD, dPD^T written and the stage's dO, q, U read (S_DONE:
+G's fp32 dk stash goes over dO, U and dw over q); G, finish -> S: sDH read (DH_FREE: the
+next chunk's dS may be written); G -> finish: dG's rows (FINISH). The stage's release is an
+mbarrier (RELEASE_ARRIVALS).
+
+Constraints: K = V = 128, 16-bit tiles with unit last strides and 16-byte aligned outer strides
+(TMA); G, beta fp32 (B, T, HV) unit last stride; dq, dk, dv 16-bit, dG, dbeta, dh0 fp32.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+
+from forgekernel.kernels.common.sm90 import softmax
+from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
+from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG, WARP_SIZE
+from forgekernel.kernels.common.sm90.layout import acc_to_operand_a, rows_cols, transposed
+from forgekernel.kernels.common.sm90.mma import gemm
+from forgekernel.kernels.common.sm90.opaque import opaque_i32
+from forgekernel.kernels.common.sm90.pipeline import init_arrive, init_wait, smem_tensor
+from forgekernel.kernels.common.sm90.ptx import opaque_tid_x
+from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.chunk_grads import (
+    STASH_COLS,
+    GdnBwdChunkSm90,
+    _kvchb,
+    _tdhb,
+)
+from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.config import (
+    CHUNK,
+    H_GROUP,
+    LOAD_GROUPS,
+    REGS,
+    RELEASE_ARRIVALS,
+    S_GROUPS,
+    THREADS,
+)
+from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.reverse_state import (
+    GdnBwdStateSm90,
+)
+
+ROWS = 64  # value rows of one dS^T accumulator (the state warpgroup holds two)
+PRODUCER_WARP = 0
+FINISH_WARPS = 2
+FINISH_THREADS = FINISH_WARPS * WARP_SIZE
+WG = THREADS_PER_WG
+KK_REGS = CHUNK * CHUNK // THREADS_PER_WG  # a (C, C) fp32 accumulator's values a thread
+
+
+class Bar(IntEnum):
+    """Named barriers (id 0 is __syncthreads)."""
+
+    MATH = FIRST_FREE  # G alone (`_wy`'s too): its shared-memory tiles written
+    FINISH = FIRST_FREE + 1  # G -> the finish warps (both wait): dG's rows stashed
+    FINISH_WARPS = FIRST_FREE + 2  # the finish warps: <dS, h>'s partials
+    DS_READY = FIRST_FREE + 3  # S arrives, G and the finish warps wait: dS in sDH
+    DU_READY = FIRST_FREE + 4  # G arrives, S waits: dU in sDU
+    DH_FREE = FIRST_FREE + 5  # G and the finish warps arrive, S waits: sDH read
+    S_DONE = FIRST_FREE + 6  # S arrives, G waits: the stage's dO, q, W read by S
+    STATE = FIRST_FREE + 7  # S alone: e^G staged
+
+
+class GdnBwdFusedSm90(GdnBwdChunkSm90):
+    """Warp-specialized fused Gated DeltaNet backward (reverse recurrence + chunk gradients);
+    see the module docstring. Subclasses kernel 2's class for its per-chunk helpers."""
+
+    load_groups = LOAD_GROUPS
+
+    def __init__(self, k: int, v: int, *, d_final_state: bool, grouped: bool = False):
+        super().__init__(k, v, wy=True, grouped=grouped)
+        self.d_final_state = d_final_state
+        self.dqk16 = True
+
+    def _setup(self):
+        super()._setup()
+        dt = self.dtype
+        rmem = warpgroup.OperandSource.RMEM
+        k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
+        # kernel 1's: the (64 value rows, C tokens) register tiles of dO^T, dU^T (C layout)
+        self.mma_ks = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, k_major, k_major, Float32, (1, 1, 1), (ROWS, CHUNK), a_source=rmem
+        )
+        # the dS^T update: (64 value rows, K), A from registers, B q / W's transposed views
+        self.mma_st = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, k_major, mn_major, Float32, (1, 1, 1), (ROWS, self.k), a_source=rmem
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        mDO: cute.Tensor,
+        mU: cute.Tensor,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mH: cute.Tensor,
+        mG: cute.Tensor,
+        mPT: cute.Tensor,
+        mTt: cute.Tensor,
+        mW: cute.Tensor,
+        mUw: cute.Tensor,
+        mV: cute.Tensor,
+        mBeta: cute.Tensor,
+        mDht: cute.Tensor | None,
+        mDQ: cute.Tensor,
+        mDK: cute.Tensor,
+        mDG: cute.Tensor,
+        mDV: cute.Tensor,
+        mDB: cute.Tensor,
+        mDh0: cute.Tensor,
+        scale: Float32,
+        stream: cuda.CUstream,
+    ):
+        """mDO, mU (B, T, HV, V), mQ (scaled), mK (B, T, H, K), mH (B, NC, HV, K, V), mPT, mTt
+        (B, T, HV, C), mW (B, T, HV, K), mUw, mV (B, T, HV, V) 16-bit; mG, mBeta fp32 (B, T,
+        HV); mDht (or None) fp32 (B, HV, K, V). Outputs: mDQ (times `scale`), mDK (B, T, HV, K)
+        and mDV (B, T, HV, V) in the tiles' dtype, mDG, mDB fp32 (B, T, HV), mDh0 fp32 (B, HV,
+        K, V)."""
+        self.dtype = mDO.element_type
+        for t in (mU, mQ, mK, mH, mPT, mTt, mW, mUw, mV, mDQ, mDK, mDV):
+            if const_expr(t.element_type != self.dtype):
+                raise TypeError(f"the 16-bit tiles must share one dtype, got {t.element_type}")
+        self._setup()
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        sT_tile = cute.slice_(self.sT_layout, (None, None, 0))
+        sH_tile = cute.slice_(self.sH_layout, (None, None, 0))
+        sP_tile = cute.slice_(self.sP_layout, (None, None, 0))
+        tma = {}
+        for name, m, d in (("do", mDO, self.v), ("u", mU, self.v), ("q", mQ, self.k),
+                           ("k", mK, self.k), ("w", mW, self.k), ("uw", mUw, self.v)):  # fmt: skip
+            tma[name] = cpasync.make_tiled_tma_atom(g2s, _tdhb(m), sT_tile, (CHUNK, d))
+        for name, m in (("pt", mPT), ("tt", mTt)):
+            tma[name] = cpasync.make_tiled_tma_atom(g2s, _tdhb(m), sP_tile, (CHUNK, CHUNK))
+        tma["h"] = cpasync.make_tiled_tma_atom(g2s, _kvchb(mH), sH_tile, (self.k, self.v))
+        t_bytes = cute.size_in_bytes(self.dtype, sT_tile)
+        tile_bytes = {n: t_bytes for n in ("do", "u", "q", "k", "w", "uw")}
+        tile_bytes.update({n: cute.size_in_bytes(self.dtype, sP_tile) for n in ("pt", "tt")})
+        tile_bytes["h"] = cute.size_in_bytes(self.dtype, sH_tile)
+        self.group_bytes = tuple(sum(tile_bytes[n] for n in g) for g in LOAD_GROUPS)
+        t_elems = cute.cosize(self.sT_layout)
+        h_elems = cute.cosize(self.sH_layout)
+        p_elems = cute.cosize(self.sP_layout)
+
+        @cute.struct
+        class SharedStorage:
+            full: cute.struct.MemRange[cutlass.Int64, len(LOAD_GROUPS)]
+            empty: cute.struct.MemRange[cutlass.Int64, 1]
+            sG: cute.struct.Align[cute.struct.MemRange[Float32, 2 * CHUNK], 16]
+            sE: cute.struct.Align[cute.struct.MemRange[Float32, 2 * CHUNK], 16]
+            sRed: cute.struct.Align[cute.struct.MemRange[Float32, 2 * (3 * CHUNK + 4)], 16]
+            sDO: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sU: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sW: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sUw: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sPT: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
+            sTt: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
+            sH: cute.struct.Align[cute.struct.MemRange[self.dtype, h_elems], 1024]
+            sDH: cute.struct.Align[cute.struct.MemRange[self.dtype, h_elems], 1024]
+            sDU: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sKK: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK * CHUNK], 1024]
+            sPD: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
+            sGs: cute.struct.Align[cute.struct.MemRange[Float32, 2 * CHUNK], 16]
+
+        self.shared_storage = SharedStorage
+        order = ("do", "u", "q", "k", "w", "uw", "pt", "tt", "h")
+        atoms_and_views = [x for n in order for x in tma[n]]
+        # the chunk count a kernel parameter (constant bank): the loops' bound takes no register
+        nchunks = (mDO.shape[1] + CHUNK - 1) // CHUNK
+        self.kernel(
+            *atoms_and_views,
+            mG,
+            mV,
+            mBeta,
+            mDht,
+            mDQ,
+            mDK,
+            mDG,
+            mDV,
+            mDB,
+            mDh0,
+            nchunks,
+            scale,
+            self.mma_w,
+            self.mma_s,
+            self.mma_q,
+            self.mma_k,
+            self.mma_da,
+            self.mma_ks,
+            self.mma_st,
+            self.sT_layout,
+            self.sH_layout,
+            self.sP_layout,
+        ).launch(  # fmt: skip
+            grid=(mDO.shape[2], mDO.shape[0], 1),
+            block=[THREADS, 1, 1],
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_do: cute.CopyAtom,
+        mDO4: cute.Tensor,
+        tma_u: cute.CopyAtom,
+        mU4: cute.Tensor,
+        tma_q: cute.CopyAtom,
+        mQ4: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        mK4: cute.Tensor,
+        tma_w: cute.CopyAtom,
+        mW4: cute.Tensor,
+        tma_uw: cute.CopyAtom,
+        mUw4: cute.Tensor,
+        tma_pt: cute.CopyAtom,
+        mPT4: cute.Tensor,
+        tma_tt: cute.CopyAtom,
+        mTt4: cute.Tensor,
+        tma_h: cute.CopyAtom,
+        mH5: cute.Tensor,
+        mG: cute.Tensor,
+        mV: cute.Tensor,
+        mBeta: cute.Tensor,
+        mDht: cute.Tensor | None,
+        mDQ: cute.Tensor,
+        mDK: cute.Tensor,
+        mDG: cute.Tensor,
+        mDV: cute.Tensor,
+        mDB: cute.Tensor,
+        mDh0: cute.Tensor,
+        nchunks: cutlass.Int32,
+        scale: Float32,
+        mma_w: cute.TiledMma,
+        mma_s: cute.TiledMma,
+        mma_q: cute.TiledMma,
+        mma_k: cute.TiledMma,
+        mma_da: cute.TiledMma,
+        mma_ks: cute.TiledMma,
+        mma_st: cute.TiledMma,
+        sT_layout: cute.ComposedLayout,
+        sH_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == PRODUCER_WARP:
+            for atom in (tma_do, tma_u, tma_q, tma_k, tma_w, tma_uw, tma_pt, tma_tt, tma_h):
+                cpasync.prefetch_descriptor(atom)
+        storage = SmemAllocator().allocate(self.shared_storage)
+        full = storage.full.data_ptr()  # one mbarrier a load group, a phase a chunk
+        empty = storage.empty.data_ptr()  # the stage released by all its readers
+        if warp_idx == PRODUCER_WARP:
+            with cute.arch.elect_one():
+                for i in cutlass.range_constexpr(len(LOAD_GROUPS)):
+                    cute.arch.mbarrier_init(full + i, 1)
+                cute.arch.mbarrier_init(empty, RELEASE_ARRIVALS)
+        init_arrive()
+        sDO = smem_tensor(storage.sDO, sT_layout)
+        sU = smem_tensor(storage.sU, sT_layout)
+        sQ = smem_tensor(storage.sQ, sT_layout)
+        sK = smem_tensor(storage.sK, sT_layout)
+        sW = smem_tensor(storage.sW, sT_layout)
+        sUw = smem_tensor(storage.sUw, sT_layout)
+        sPT = smem_tensor(storage.sPT, sP_layout)
+        sTt = smem_tensor(storage.sTt, sP_layout)
+        sH = smem_tensor(storage.sH, sH_layout)
+        sDH = smem_tensor(storage.sDH, sH_layout)
+        sDU = smem_tensor(storage.sDU, sT_layout)
+        sPD = smem_tensor(storage.sPD, sP_layout)  # dPD (C, C) 16-bit: S -> G (dq's A)
+        # two chunks' worth (index i % 2): the finish warps read chunk i's while G stages i + 1
+        sG2 = storage.sG.get_tensor(cute.make_layout((CHUNK, 2)))
+        sE2 = storage.sE.get_tensor(cute.make_layout((CHUNK, 2)))
+        sGs2 = storage.sGs.get_tensor(cute.make_layout((CHUNK, 2)))  # S's own G
+        # [0, C) dG rows, [C, 2C) te, [2C, 2C + 2) <dS, h>'s partials, [2C + 4, 3C + 4) dbeta
+        sRed2 = storage.sRed.get_tensor(cute.make_layout((3 * CHUNK + 4, 2)))
+        # dk's first half in fp32 over the spent dO, U boxes (kernel 2's dqk16 stash)
+        stash = tuple(
+            cute.make_tensor(cute.recast_ptr(x.data_ptr(), dtype=Float32),
+                             cute.make_layout((WG, STASH_COLS), stride=(1, WG)))
+            for x in (storage.sDO, storage.sU)
+        )  # fmt: skip
+        # K K^T (C, C) fp32 in the accumulator's thread order: S computes it, G's `_wy` reads
+        sKK = storage.sKK.get_tensor(cute.make_layout((WG, KK_REGS), stride=(1, WG)))
+        init_wait()
+
+        hv, b, _ = cute.arch.block_idx()
+        seqlen = mDO4.shape[0]
+        wg = cute.arch.make_warp_uniform(tidx // WG)
+        if wg == 0:
+            cute.arch.setmaxregister_decrease(REGS[0])
+            if warp_idx == PRODUCER_WARP:
+                hq = hv  # q / k head: hv // (HV / H) when grouped
+                if const_expr(self.grouped):
+                    hq = hv // (mDO4.shape[2] // mQ4.shape[2])
+                tiles = {"do": (tma_do, mDO4, sDO, self.v, hv), "u": (tma_u, mU4, sU, self.v, hv),
+                         "q": (tma_q, mQ4, sQ, self.k, hq), "k": (tma_k, mK4, sK, self.k, hq),
+                         "w": (tma_w, mW4, sW, self.k, hv), "uw": (tma_uw, mUw4, sUw, self.v, hv),
+                         "pt": (tma_pt, mPT4, sPT, CHUNK, hv), "tt": (tma_tt, mTt4, sTt, CHUNK, hv),
+                         "h": (tma_h, mH5, sH)}  # fmt: skip
+                self._produce(tiles, full, empty, hv, b, nchunks)
+            elif warp_idx <= FINISH_WARPS:
+                self._finish(sH, sDH, sRed2, sG2, mDG, full, empty, b, hv, seqlen, nchunks)
+        elif wg == 1:
+            cute.arch.setmaxregister_increase(REGS[1])
+            self._state(mma_ks, mma_st, mma_s, sDO, sU, sQ, sK, sW, sPT, sPD, sDU, sDH, sE2,
+                        sGs2, sKK, mG, mDht, mDh0, full, empty, hv, b, seqlen,
+                        nchunks)  # fmt: skip
+        else:
+            cute.arch.setmaxregister_increase(REGS[2])
+            self._grads(mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sQ, sK, sW, sUw, sPT, sTt,
+                        sH, sDH, sDU, sG2, sRed2, mG, mV, mBeta, mDQ, mDK, mDG, mDV, mDB, full,
+                        empty, hv, b, seqlen, nchunks, scale, stash, sKK, sPD)  # fmt: skip
+
+    @cute.jit
+    def _produce(self, tiles, full, empty, hv, b, nchunks):
+        """The TMA warp: per chunk, last first, once the stage is released (the previous
+        chunk's readers all arrived on `empty`), kernel 2's `_load_groups` of the chunk."""
+        for i in cutlass.range(nchunks, unroll=1):
+            if i > 0:
+                cute.arch.mbarrier_wait(empty, (i - 1) % 2)
+            self._load_groups(tiles, full, nchunks - 1 - i, hv, b)
+
+    @cute.jit
+    def _state(self, mma_ks, mma_st, mma_s, sDO, sU, sQ, sK, sW, sPT, sPD, sDU, sDH, sE2, sGs2,
+               sKK, mG, mDht, mDh0, full, empty, hv, b, seqlen, nchunks):  # fmt: skip
+        """Warpgroup 1: dS^T (V, K) fp32 in two 64-row accumulators for the whole sequence;
+        per chunk: dS (16-bit) into sDH for G and the finish warps, then dS^T <- e^(G_C) dS^T
+        + (e^G o dO)^T q - dU^T W (kernel 1's update with Qe = q e^G folded into the A
+        operand's columns)."""
+        stid = opaque_tid_x() % WG
+        thr_st = mma_st.get_slice(stid)
+        acc_shape_st = thr_st.partition_shape_C((ROWS, self.k))
+        acc0 = cute.make_rmem_tensor(acc_shape_st, Float32)
+        acc1 = cute.make_rmem_tensor(acc_shape_st, Float32)
+        accs = (acc0, acc1)
+        for w in cutlass.range_constexpr(2):
+            if const_expr(self.d_final_state):
+                GdnBwdStateSm90._state_io(self, mDht[b, hv, None, None], accs[w], thr_st, w,
+                                          True, True)  # fmt: skip
+            else:
+                accs[w].fill(0.0)
+        wg_ks = mma_ks.get_slice(0)
+        wg_st = mma_st.get_slice(0)
+        acc_shape = wg_ks.partition_shape_C((ROWS, CHUNK))
+        tA = wg_ks.make_fragment_A(wg_ks.partition_shape_A((ROWS, CHUNK)))
+        tBrQ = wg_st.make_fragment_B(wg_st.partition_B(transposed(sQ)))
+        tBrW = wg_st.make_fragment_B(wg_st.partition_B(transposed(sW)))
+        ready = named_barrier(Bar.DS_READY, 2 * WG + FINISH_THREADS)
+        du_ready = named_barrier(Bar.DU_READY, 2 * WG)
+        dh_free = named_barrier(Bar.DH_FREE, 2 * WG + FINISH_THREADS)
+        s_done = named_barrier(Bar.S_DONE, 2 * WG)
+        own = named_barrier(Bar.STATE, WG)
+        for i in cutlass.range(nchunks, unroll=1):
+            c = nchunks - 1 - i
+            par = i % 2
+            first = c * CHUNK
+            sE = sE2[None, par]
+            sG = sGs2[None, par]
+            if stid < CHUNK:  # G and e^G of the chunk's tokens (zero past T)
+                g_t, e = Float32(0.0), Float32(0.0)
+                if first + stid < seqlen:
+                    g_t = mG[b, first + stid, hv]
+                    e = cute.math.exp(g_t, fastmath=True)
+                sG[stid] = g_t
+                sE[stid] = e
+            if i > 0:
+                dh_free.arrive_and_wait()  # G and the finish warps have read the last dS
+            for w in cutlass.range_constexpr(2):
+                GdnBwdStateSm90._store_ds(self, accs[w], mma_st, sDH, w)
+            ready.arrive()
+            own.arrive_and_wait()
+            e_c = sE[cutlass.min(first + CHUNK, seqlen) - 1 - first]
+            for g in cutlass.range_constexpr(len(S_GROUPS)):
+                cute.arch.mbarrier_wait(full + S_GROUPS[g], par)
+            tid = opaque_tid_x() % WG
+            # K K^T for G's WY half (S is idle while G works; G's `_wy` spilled holding it)
+            wg_s = mma_s.get_slice(0)
+            acc_kk = cute.make_rmem_tensor(wg_s.partition_shape_C((CHUNK, CHUNK)), Float32)
+            gemm(
+                mma_s,
+                acc_kk,
+                wg_s.make_fragment_A(wg_s.partition_A(sK))[None, None, None, 0],
+                wg_s.make_fragment_B(wg_s.partition_B(sK))[None, None, None, 0],
+                True,
+                0,
+            )
+            for e in cutlass.range_constexpr(KK_REGS):
+                sKK[tid, e] = acc_kk[e]
+            t0, _, col_base = softmax.acc_coords(mma_ks, tid, (ROWS, CHUNK))
+            for w in cutlass.range_constexpr(2):
+                accs[w].store(accs[w].load() * e_c)
+                r_do = cute.make_rmem_tensor(acc_shape, Float32)
+                dot = cute.local_tile(transposed(sDO)[None, None, 0], (ROWS, CHUNK), (w, 0))
+                r_do.store(mma_ks.get_slice(tid).partition_C(dot).load().to(Float32))
+                a = rows_cols(r_do)
+                for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
+                    e_j = sE[col_base + t0[0, j][1]]
+                    for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
+                        a[r, j] = a[r, j] * e_j
+                acc_to_operand_a(r_do, tA)
+                gemm(mma_st, accs[w], tA, tBrQ[None, None, None, 0], False, 0)
+            # dPD = (dO U^T) o D for G's dq and dk (kernel 2's first products), its transpose
+            # over the spent P^T box once G's dU (which reads P^T) is done
+            cute.arch.mbarrier_wait(full + 3, par)  # U
+            acc_p = cute.make_rmem_tensor(wg_s.partition_shape_C((CHUNK, CHUNK)), Float32)
+            gemm(
+                mma_s,
+                acc_p,
+                wg_s.make_fragment_A(wg_s.partition_A(sDO))[None, None, None, 0],
+                wg_s.make_fragment_B(wg_s.partition_B(sU))[None, None, None, 0],
+                True,
+                0,
+            )
+            self._decay_pd(acc_p, mma_s, sG, first, seqlen)
+            du_ready.arrive_and_wait()  # G's dU (16-bit) in sDU; P^T read
+            self._store_tile(acc_p, mma_s, sPD, False)
+            self._store_tile(acc_p, mma_s, sPT, True)
+            s_done.arrive()  # dPD, dPD^T written; dO, q, U read
+            for w in cutlass.range_constexpr(2):
+                r_du = cute.make_rmem_tensor(acc_shape, Float32)
+                dut = cute.local_tile(transposed(sDU)[None, None, 0], (ROWS, CHUNK), (w, 0))
+                r_du.store(-mma_ks.get_slice(tid).partition_C(dut).load().to(Float32))
+                acc_to_operand_a(r_du, tA)
+                gemm(mma_st, accs[w], tA, tBrW[None, None, None, 0], False, 0)
+            cute.arch.mbarrier_arrive(empty)
+        for w in cutlass.range_constexpr(2):
+            GdnBwdStateSm90._state_io(self, mDh0[b, hv, None, None], accs[w], thr_st, w, False,
+                                      True)  # fmt: skip
+
+    @cute.jit
+    def _decay_pd(self, acc_p, mma_s, sG, first, seqlen):
+        """dO U^T o D in place: D_ij = e^(G_i - G_j) for j <= i, rows inside T, else 0
+        (kernel 2's, from the G staged in `sG`)."""
+        tid = opaque_tid_x() % WG
+        t0s, row_s, col_s = softmax.acc_coords(mma_s, tid, (CHUNK, CHUNK))
+        p = rows_cols(acc_p)
+        for r in cutlass.range_constexpr(cute.size(p, mode=[0])):
+            ri = row_s + t0s[r, 0][0]
+            g_i = sG[ri]
+            for j in cutlass.range_constexpr(cute.size(p, mode=[1])):
+                col = col_s + t0s[0, j][1]
+                d = Float32(0.0)
+                if col <= ri and first + ri < seqlen:
+                    d = cute.math.exp(g_i - sG[col], fastmath=True)
+                p[r, j] = p[r, j] * d
+
+    @cute.jit
+    def _grads(
+        self, mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sQ, sK, sW, sUw, sPT, sTt, sH, sDH,
+        sDU, sG2, sRed2, mG, mV, mBeta, mDQ, mDK, mDG, mDV, mDB, full, empty, hv, b, seqlen,
+        nchunks, scale, stash, sKK, sPD,
+    ):  # fmt: skip
+        """Warpgroup 2, per chunk: dU = (k dS) o e^(G_C - G) + P^T dO into sDU (S's, and the
+        chunk's), then kernel 2's `_math` (WY, dqk16) on the stage: dPD^T in the spent P^T
+        box, dw in the spent q box (after S_DONE), M^T in the P^T box again (`_wy`)."""
+        math = named_barrier(Bar.MATH, WG)
+        ready = named_barrier(Bar.DS_READY, 2 * WG + FINISH_THREADS)
+        du_ready = named_barrier(Bar.DU_READY, 2 * WG)
+        dh_free = named_barrier(Bar.DH_FREE, 2 * WG + FINISH_THREADS)
+        s_done = named_barrier(Bar.S_DONE, 2 * WG)
+        finish = named_barrier(Bar.FINISH, WG + FINISH_THREADS)
+        wy_smem = (sTt, sW, sUw, sQ, sPT)  # T^T, w, u, dw (over q), M^T (over P^T)
+        for cc in cutlass.range(nchunks - 1, -1, -1, unroll=1):
+            # opaque: no induction variable derived from c lives across the loop (they spilled)
+            c = opaque_i32(cc)
+            i = nchunks - 1 - c
+            hv, b, _ = cute.arch.block_idx()  # re-read each chunk: not live across `_wy`
+            hv, b = opaque_i32(hv), opaque_i32(b)
+            par = i % 2
+            first = c * CHUNK
+            sG = sG2[None, par]
+            sRed = sRed2[None, par]
+            gtid = opaque_tid_x() % WG
+            if gtid < CHUNK:  # the chunk's G in shared memory (the decay loops' column reads)
+                g_t = Float32(0.0)
+                if first + gtid < seqlen:
+                    g_t = mG[b, first + gtid, hv]
+                sG[gtid] = g_t
+            math.arrive_and_wait()
+            # dU = (k dS) o e^(G_C - G) + P^T dO
+            wg_k = mma_k.get_slice(0)
+            tArK = wg_k.make_fragment_A(wg_k.partition_A(sK))
+            tArPT = wg_k.make_fragment_A(wg_k.partition_A(sPT))
+            tBrDS = wg_k.make_fragment_B(wg_k.partition_B(transposed(sDH)))
+            tBrDO = wg_k.make_fragment_B(wg_k.partition_B(transposed(sDO)))
+            tid = opaque_tid_x() % WG
+            t0, row_w, _ = softmax.acc_coords(mma_w, tid, (CHUNK, self.k))
+            last = cutlass.min(first + CHUNK, seqlen) - 1
+            _, e_end = self._row_decays(mG, t0, row_w, first, seqlen, b, hv, sG[last - first])
+            acc_u = cute.make_rmem_tensor(wg_k.partition_shape_C((CHUNK, self.v)), Float32)
+            cute.arch.mbarrier_wait(full + 0, par)  # k, P^T, dO
+            ready.arrive_and_wait()  # dS in sDH
+            gemm(mma_k, acc_u, tArK[None, None, None, 0], tBrDS[None, None, None, 0], True, 0)
+            ua = rows_cols(acc_u)
+            for r in cutlass.range_constexpr(cute.size(ua, mode=[0])):
+                for j in cutlass.range_constexpr(cute.size(ua, mode=[1])):
+                    ua[r, j] = ua[r, j] * e_end[r]
+            gemm(mma_k, acc_u, tArPT[None, None, None, 0], tBrDO[None, None, None, 0], False, 0)
+            self._store_tile(acc_u, mma_k, sDU, False)
+            math.arrive_and_wait()  # every thread's dU in sDU (and done with P^T)
+            du_ready.arrive()
+            self._chunk_grads(mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sQ, sK, sH, sDH,
+                              sPT, sDU, wy_smem, sG, sRed, mG, mV, mBeta, mDQ, mDK, mDV, mDB,
+                              full, math, dh_free, s_done, i, c, hv, b, seqlen,
+                              nchunks, scale, stash, sKK, sPD)  # fmt: skip
+            # G wrote into spent boxes (dk's stash, dPD^T, dw, M^T): ordered before the next
+            # chunk's TMA writes there (async proxy)
+            cute.arch.fence_view_async_shared()
+            cute.arch.mbarrier_arrive(empty)
+            finish.arrive_and_wait()  # the rows stashed: a wait on both sides (kernel 2's)
+
+    @cute.jit
+    def _chunk_grads(
+        self, mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sQ, sK, sH, sDH, sP, sDU, wy_smem,
+        sG, sRed, mG, mV, mBeta, mDQ, mDK, mDV, mDB, full, math, dh_free, s_done, i, c, hv, b,
+        seqlen, nchunks, scale, stash, sKK, sPD,
+    ):  # fmt: skip
+        """Kernel 2's `_math` (WY, dqk16, one math warpgroup) on this chunk's stage, its load
+        groups waited at this chunk's phase, dPD and dPD^T the state warpgroup's (S_DONE: in
+        shared memory, and dO, q, U read by S, so that dk's stash and dw may go over them),
+        DH_FREE arrived once sDH is read (dke)."""
+        par = i % 2
+        first = c * CHUNK
+        wg_w = mma_w.get_slice(0)
+        wg_k = mma_k.get_slice(0)
+        tArDO = wg_w.make_fragment_A(wg_w.partition_A(sDO))
+        tArU = wg_w.make_fragment_A(wg_w.partition_A(sU))
+        tArDU = wg_w.make_fragment_A(wg_w.partition_A(sDU))
+        tBrH = wg_w.make_fragment_B(wg_w.partition_B(sH))
+        tBrDH = wg_w.make_fragment_B(wg_w.partition_B(sDH))
+        tQrP = wg_k.make_fragment_A(wg_k.partition_A(sPD))
+        tQrK = wg_k.make_fragment_B(wg_k.partition_B(transposed(sK)))
+        tKrP = wg_k.make_fragment_A(wg_k.partition_A(sP))
+        tKrQ = wg_k.make_fragment_B(wg_k.partition_B(transposed(sQ)))
+        acc_q = cute.make_rmem_tensor(wg_w.partition_shape_C((CHUNK, self.k)), Float32)
+        cute.arch.mbarrier_wait(full + 2, par)  # h
+        gemm(mma_w, acc_q, tArDO[None, None, None, 0], tBrH[None, None, None, 0], True, 0)
+        tid = opaque_tid_x() % WG
+        t0, row_w, _ = softmax.acc_coords(mma_w, tid, (CHUNK, self.k))
+        last = cutlass.min(first + CHUNK, seqlen) - 1
+        e_g, e_end = self._row_decays(mG, t0, row_w, first, seqlen, b, hv, sG[last - first])
+        qa = rows_cols(acc_q)
+        for r in cutlass.range_constexpr(cute.size(qa, mode=[0])):
+            for j in cutlass.range_constexpr(cute.size(qa, mode=[1])):
+                qa[r, j] = qa[r, j] * e_g[r]
+        # S's dPD, dPD^T in shared memory; S has read dO, q, U: dk's stash and dw may go there
+        s_done.arrive_and_wait()
+        cute.arch.mbarrier_wait(full + 1, par)  # q, W
+        gemm(mma_k, acc_q, tQrP[None, None, None, 0], tQrK[None, None, None, 0], False, 0)
+        dg = self._row_dots(acc_q, mma_w, sQ, tid)
+        self._store_rows(acc_q, mma_w, mDQ, tid, b, hv, c, seqlen, scale)
+
+        acc_k = cute.make_rmem_tensor(wg_w.partition_shape_C((CHUNK, self.k)), Float32)
+        cute.arch.mbarrier_wait(full + 3, par)  # U
+        gemm(mma_w, acc_k, tArU[None, None, None, 0], tBrDH[None, None, None, 0], True, 0)
+        if c > 0:
+            dh_free.arrive()  # sDH read: S may write the next chunk's dS
+        ka = rows_cols(acc_k)
+        for r in cutlass.range_constexpr(cute.size(ka, mode=[0])):
+            for j in cutlass.range_constexpr(cute.size(ka, mode=[1])):
+                ka[r, j] = ka[r, j] * e_end[r]
+        te = self._row_dots(acc_k, mma_w, sK, tid)
+        gemm(mma_k, acc_k, tKrP[None, None, None, 0], tKrQ[None, None, None, 0], False, 0)
+        dk_k = self._row_dots(acc_k, mma_w, sK, tid)
+        for e in cutlass.range_constexpr(cute.size(acc_k)):
+            stash[e // STASH_COLS][tid, e % STASH_COLS] = acc_k[e]
+        for r in cutlass.range_constexpr(2):
+            dg[r] = dg[r] - dk_k[r]
+        self._stash_rows(dg, te, sRed, t0, row_w, tid, first, seqlen)
+        cute.arch.mbarrier_wait(full + 4, par)  # T^T, u
+        gemm(mma_w, acc_k, tArDU[None, None, None, 0], tBrH[None, None, None, 0], True, 0)
+        acc_k.store(-acc_k.load())
+        self._store_tile(acc_k, mma_w, wy_smem[3], False)  # dw, 16-bit, over q
+        math.arrive_and_wait()
+        self._wy(mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, wy_smem, sG, sRed, mDK, mV, mBeta,
+                 mDV, mDB, math, e_g, t0, row_w, first, seqlen, b, hv, c, stash, sKK)  # fmt: skip
+
+    @cute.jit
+    def _wy(self, mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, wy_smem, sG, sRed, mDK, mV,
+            mBeta, mDV, mDB, math, e_g, t0, row_w, first, seqlen, b, hv, c, stash,
+            sKK):  # fmt: skip
+        """Kernel 2's `_wy` (dqk16, one math warpgroup) with K K^T read from shared memory
+        (`sKK`: the state warpgroup's fp32 accumulator, stored in the same thread order)
+        instead of a product held in 32 registers across dA's masking: at kernel 2's 254 registers
+        plus this loop's own values, that peak spilled (368 bytes). The same sums in the same
+        order otherwise. TODO(merge): a K K^T hook in `GdnBwdChunkSm90._wy` instead of this
+        copy, once the fsplit edits there have landed."""
+        sTt, sW, sUw, sDW, sM = wy_smem
+        sDB = cute.make_tensor(sRed.iterator + 2 * CHUNK + 4, cute.make_layout(CHUNK))
+        tid = opaque_tid_x() % WG
+        wg_k = mma_k.get_slice(0)
+        wg_q = mma_q.get_slice(0)
+        wg_da = mma_da.get_slice(0)
+        wg_s = mma_s.get_slice(0)
+        tArT = wg_k.make_fragment_A(wg_k.partition_A(sTt))
+        tBrDW = wg_k.make_fragment_B(wg_k.partition_B(transposed(sDW)))
+        tBrDU = wg_k.make_fragment_B(wg_k.partition_B(transposed(sDU)))
+        shape = wg_k.partition_shape_C((CHUNK, self.k))
+        beta = [Float32(0.0), Float32(0.0)]
+        for r in cutlass.range_constexpr(2):
+            i = first + row_w + t0[r, 0][0]
+            if i < seqlen:
+                beta[r] = mBeta[b, i, hv]
+        acc_v = cute.make_rmem_tensor(shape, Float32)
+        gemm(mma_k, acc_v, tArT[None, None, None, 0], tBrDU[None, None, None, 0], True, 0)
+        # dvb.v and dv = beta dvb before dA's product (kernel 2 overlaps them with it): acc_v
+        # dies at its 16-bit copy, not held beside dA's accumulator
+        dbeta = self._row_dots_global(acc_v, mma_k, mV, tid, b, hv, c, seqlen)
+        tDArV = wg_da.make_fragment_A(wg_da.partition_shape_A((CHUNK, self.v)))
+        acc_to_operand_a(acc_v, tDArV)
+        va = rows_cols(acc_v)
+        for r in cutlass.range_constexpr(2):
+            for j in cutlass.range_constexpr(cute.size(va, mode=[1])):
+                va[r, j] = va[r, j] * beta[r]
+        self._store_rows(acc_v, mma_k, mDV, tid, b, hv, c, seqlen)
+        tBrW = wg_da.make_fragment_B(wg_da.partition_B(sW))
+        tBrUw = wg_da.make_fragment_B(wg_da.partition_B(sUw))
+        acc_a = cute.make_rmem_tensor(wg_s.partition_shape_C((CHUNK, CHUNK)), Float32)
+        gemm(mma_da, acc_a, tDArV, tBrUw[None, None, None, 0], True, -1)
+        acc_b = cute.make_rmem_tensor(shape, Float32)
+        gemm(mma_k, acc_b, tArT[None, None, None, 0], tBrDW[None, None, None, 0], True, 0)
+        tDArB = wg_da.make_fragment_A(wg_da.partition_shape_A((CHUNK, self.k)))
+        acc_to_operand_a(acc_b, tDArB)
+        gemm(mma_da, acc_a, tDArB, tBrW[None, None, None, 0], False, 0)
+        x = self._row_dots(acc_b, mma_k, sK, tid)  # dkb.k
+        # each row's dbeta and dG terms go to shared memory as they are formed (by the quad's
+        # first thread, which reads them back): none is held across the masking and M's
+        # products (at 256 registers they spilled)
+        self._add_rows(sDB, dbeta, e_g, x, t0, row_w, tid, first, seqlen, True)
+        bx = [beta[r] * e_g[r] * x[r] for r in range(2)]
+        self._add_rows(sRed, bx, None, None, t0, row_w, tid, first, seqlen)
+        ba = rows_cols(acc_b)
+        for r in cutlass.range_constexpr(2):
+            for j in cutlass.range_constexpr(cute.size(ba, mode=[1])):
+                ba[r, j] = ba[r, j] * (beta[r] * e_g[r])
+        warpgroup.wait_group(0)
+        # dA strictly lower, D, rows inside T; rowsum(dAe o KK^T); M = beta dAe. The thread's
+        # coordinates afresh: the output half's (same values) held 16 sG addresses across
+        tid = opaque_tid_x() % WG
+        t0s, row_s, col_s = softmax.acc_coords(mma_s, tid, (CHUNK, CHUNK))
+        s = rows_cols(acc_a)
+        # sKK[tid, e] holds register e of this thread's K K^T accumulator (S's, same layout)
+        kk_layout = cute.composition(cute.make_layout(cute.size(acc_a), stride=WG), acc_a.layout)
+        kk = rows_cols(cute.make_tensor(sKK.iterator + tid, kk_layout))
+        rkk = [Float32(0.0), Float32(0.0)]
+        rmk = [Float32(0.0), Float32(0.0)]
+        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+            i = row_s + t0s[r, 0][0]
+            g_i = sG[i]
+            beta_i = Float32(0.0)
+            if first + i < seqlen:
+                beta_i = mBeta[b, first + i, hv]
+            part = Float32(0.0)
+            for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                col = col_s + t0s[0, j][1]
+                d = Float32(0.0)
+                if col < i and first + i < seqlen:
+                    d = -cute.math.exp(g_i - sG[col], fastmath=True)
+                s[r, j] = s[r, j] * d
+                part = part + s[r, j] * kk[r, j]
+            rkk[r] = cute.arch.warp_reduction_sum(part, threads_in_group=4)
+            rmk[r] = beta_i * rkk[r]
+            for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                s[r, j] = s[r, j] * beta_i
+        self._add_rows(sDB, rkk, None, None, t0s, row_s, tid, first, seqlen)
+        self._add_rows(sRed, rmk, None, None, t0s, row_s, tid, first, seqlen)
+        self._store_tile(acc_a, mma_s, sM, True)  # M^T for M^T k
+        tQrM = wg_q.make_fragment_A(wg_q.partition_shape_A((CHUNK, CHUNK)))
+        acc_to_operand_a(acc_a, tQrM)
+        tQrK = wg_q.make_fragment_B(wg_q.partition_B(transposed(sK)))
+        gemm(mma_q, acc_b, tQrM, tQrK[None, None, None, 0], False, 0)
+        before = self._row_dots(acc_b, mma_k, sK, tid)
+        self._add_rows(sRed, before, None, None, t0, row_w, tid, first, seqlen)
+        math.arrive_and_wait()  # every thread's M^T in shared memory
+        tKrM = wg_k.make_fragment_A(wg_k.partition_A(sM))
+        tKrK = wg_k.make_fragment_B(wg_k.partition_B(transposed(sK)))
+        gemm(mma_k, acc_b, tKrM[None, None, None, 0], tKrK[None, None, None, 0], False, 0)
+        after = self._row_dots(acc_b, mma_k, sK, tid)
+        self._add_rows(sRed, [-after[0], -after[1]], None, None, t0, row_w, tid, first, seqlen)
+        tid = opaque_tid_x() % WG
+        c = opaque_i32(c)  # dk's row addresses afresh: dq's (same rows) were held across
+        for e in cutlass.range_constexpr(cute.size(acc_b)):
+            acc_b[e] = acc_b[e] + stash[e // STASH_COLS][tid, e % STASH_COLS]
+        self._store_rows(acc_b, mma_k, mDK, tid, b, hv, c, seqlen)
+        if tid % 4 == 0:  # dbeta from its rows' sums
+            for r in cutlass.range_constexpr(2):
+                i = row_w + t0[r, 0][0]
+                if first + i < seqlen:
+                    mDB[b, first + i, hv] = sDB[i]
+
+    @cute.jit
+    def _add_rows(self, dst, vals, e, x, t0, row_base, tid, first, seqlen,
+                  init: cutlass.Constexpr[bool] = False):  # fmt: skip
+        """dst[row] += vals[r] (`init`: dst[row] = vals[r] + e[r] x[r]) for this thread's two
+        rows, by the quad's first thread, rows inside T (the stashed dG rows' rule)."""
+        if tid % 4 == 0:
+            for r in cutlass.range_constexpr(2):
+                i = row_base + t0[r, 0][0]
+                if first + i < seqlen:
+                    if const_expr(init):
+                        dst[i] = vals[r] + e[r] * x[r]
+                    else:
+                        dst[i] = dst[i] + vals[r]
+
+    @cute.jit
+    def _finish(self, sH, sDH, sRed2, sG2, mDG, full, empty, b, hv, seqlen, nchunks):
+        """Warps 1, 2 of warpgroup 0, per chunk: <dS, h> as soon as both are on chip (then
+        sDH and the stage's h released), then, once G has stashed the rows, dG of every token
+        (one a thread): the rows' dg, the last position's te sum + e^(G_C) <dS, h>, and the
+        reverse cumulative sum within the chunk (kernel 2's `_finish_dg`)."""
+        ready = named_barrier(Bar.DS_READY, 2 * WG + FINISH_THREADS)
+        dh_free = named_barrier(Bar.DH_FREE, 2 * WG + FINISH_THREADS)
+        finish = named_barrier(Bar.FINISH, WG + FINISH_THREADS)
+        own = named_barrier(Bar.FINISH_WARPS, FINISH_THREADS)
+        for i in cutlass.range(nchunks, unroll=1):
+            c = nchunks - 1 - i
+            par = i % 2
+            first = c * CHUNK
+            sRed = sRed2[None, par]
+            tid = opaque_tid_x() - WARP_SIZE
+            ready.arrive_and_wait()
+            cute.arch.mbarrier_wait(full + H_GROUP, par)
+            part = self._h_dh_part(sH, sDH, tid)
+            if i < nchunks - 1:
+                dh_free.arrive()
+            cute.arch.mbarrier_arrive(empty)
+            self._stash_h_dh(part, sRed, tid)
+            own.arrive_and_wait()
+            finish.arrive_and_wait()
+            sG = sG2[None, par]
+            self._dg_rows(sRed, sG, mDG, b, hv, first, seqlen, tid)

@@ -1,0 +1,134 @@
+"""The Gated DeltaNet fused backward (kernels/linear_attention/gdn_bwd_fused/sm90, behind
+ops/gated_delta_rule_bwd.py FUSED: kernel 1's reverse launch and kernel 2 in one kernel, one
+CTA per (sequence, value head)) on the GPU, with FUSED on and its dispatch rule forced
+(`fused_fits` patched: the small shapes below fall under the wave rule): against the fp64
+chunked backward (reference/delta_rule_bwd.py) and against today's path (FUSED off) on the
+same 16-bit inputs, the fused kernel's outputs NaN-poisoned before every launch (a row it
+leaves unwritten fails); bf16 and fp16; T = 1, 63, 64, 65, 1000; B 1-3; H = HV and HV = 2H
+(q / k read at their own heads); with / without a final-state gradient; l2norm on / off (the q /
+k epilogue after the fused kernel); varlen through the existing buckets. The times printed
+(`-s`) at 4 x 8192 h16 hv32 (the rule's own choice: 128 CTAs, fused) and, rule forced, at 1 x
+2048 and 1 x 8192 hv32 (32 CTAs: the rule keeps today's path there), each next to today's
+path. Tolerance: 2e-2 of each gradient's max (the suite's rule, tests/gpu/
+test_gdn_bwd_kernel_path_gpu.py's). CPU twins: tests/test_gdn_bwd_fused_dispatch.py (the
+path on an emulation), tests/test_gdn_bwd_fused_compile.py (the build)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from test_gdn_bwd_kernel_path_gpu import NAMES, _close, _problem, _reference
+
+import forgekernel
+from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90 import launch as fused_launch
+from forgekernel.runtime.timing import median, time_ms
+
+pytestmark = pytest.mark.gpu
+bwd = importlib.import_module("forgekernel.ops.gated_delta_rule_bwd")
+
+
+@pytest.fixture
+def fused(monkeypatch):
+    """FUSED on, the rule forced, the fused kernel's outputs NaN-poisoned before each launch;
+    its launches recorded (do's shape)."""
+    calls = []
+
+    def run(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, out=None, scale=1.0):
+        if out is None:
+            out = fused_launch.empty_outputs(do, q.shape[-1])
+        for x in out:
+            x.fill_(float("nan"))
+        calls.append(tuple(do.shape))
+        return fused_launch.gdn_bwd_fused(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht,
+                                          scale=scale, out=out)  # fmt: skip
+
+    monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
+    monkeypatch.setattr(bwd, "FUSED", True)
+    monkeypatch.setattr(bwd, "fused_fits", lambda *a: True)
+    monkeypatch.setattr(bwd, "_fused_bwd", run)
+    return calls
+
+
+def _run(inputs, *, h0, dht, l2norm, cu=None):
+    q, k, v, g, beta, do = inputs
+    return forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, initial_state=h0,
+                                                 d_final_state=dht, cu_seqlens=cu,
+                                                 use_qk_l2norm_in_kernel=l2norm)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t", [1, 63, 64, 65, 1000])
+@pytest.mark.parametrize(
+    ("b", "h", "hv", "l2norm", "with_h0", "with_dht"),
+    [(1, 2, 2, False, True, True), (2, 2, 4, True, False, True), (3, 1, 2, True, True, False),
+     (2, 4, 4, False, False, False)],
+)  # fmt: skip
+def test_matches_the_fp64_backward_and_todays_path(fused, monkeypatch, dtype, t, b, h, hv,
+                                                   l2norm, with_h0, with_dht):  # fmt: skip
+    q, k, v, g, beta, do, h0, dht = _problem(b, t, h, hv, dtype, seed=t + b, l2norm=l2norm)
+    h0, dht = (h0 if with_h0 else None), (dht if with_dht else None)
+    inputs = (q, k, v, g, beta, do)
+    got = _run(inputs, h0=h0, dht=dht, l2norm=l2norm)
+    assert fused == [(b, t, hv, 128)], "the fused kernel was not taken"
+    want = _reference(inputs, h0=h0, dht=dht, l2norm=l2norm)
+    monkeypatch.setattr(bwd, "FUSED", False)
+    today = _run(inputs, h0=h0, dht=dht, l2norm=l2norm)
+    for name, a, r, o in zip(NAMES, got, want, today):
+        _close(name, a, r)
+        _close(name + " vs today's path", a, o.double())
+
+
+@pytest.mark.parametrize("lens", [[1, 63, 0, 64, 65, 130], [1000, 70]])
+def test_varlen_buckets(fused, monkeypatch, lens):
+    """cu_seqlens of unequal lengths: the existing buckets (ops/_linattn_varlen.py), each on
+    the fused kernel."""
+    total = sum(lens)
+    q, k, v, g, beta, do, h0, dht = _problem(1, total, 2, 4, torch.bfloat16, seed=len(lens))
+    n = len(lens)
+    h0, dht = h0.expand(n, -1, -1, -1).contiguous(), dht.expand(n, -1, -1, -1).contiguous()
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda",
+                      dtype=torch.int32)  # fmt: skip
+    inputs = (q, k, v, g, beta, do)
+    got = _run(inputs, h0=h0, dht=dht, l2norm=True, cu=cu)
+    assert fused, "the fused kernel was not taken"
+    want = _reference(inputs, h0=h0, dht=dht, l2norm=True, cu=cu)
+    for name, a, r in zip(NAMES, got, want):
+        _close(name, a, r)
+
+
+def _time(args, kw) -> float:
+    return median(time_ms(lambda: forgekernel.gated_delta_rule_backward(*args, **kw), reps=10))
+
+
+@pytest.mark.parametrize(("b", "t", "forced"), [(4, 8192, False), (1, 2048, True),
+                                                (1, 8192, True)])  # fmt: skip
+def test_time_next_to_todays_path(monkeypatch, b, t, forced):
+    """h16 hv32 bf16: the call with FUSED off and on (at 4 x 8192 the rule's own choice; at 1 x
+    2048 and 1 x 8192 forced: the rule keeps today's path there) and the fused kernel alone,
+    printed; gradients finite. Predictions: NOTES.md "GDN fused backward"."""
+    q, k, v, g, beta, do, h0, dht = _problem(b, t, 16, 32, torch.bfloat16, seed=13)
+    args, kw = [q, k, v, g, beta, do], {"initial_state": h0, "d_final_state": dht}
+    monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
+    monkeypatch.setattr(bwd, "FUSED", False)
+    today = _time(args, kw)
+    monkeypatch.setattr(bwd, "FUSED", True)
+    if forced:
+        monkeypatch.setattr(bwd, "fused_fits", lambda *a: True)
+    launches = []
+    real = bwd._fused_bwd
+    monkeypatch.setattr(
+        bwd, "_fused_bwd", lambda *a, **k2: launches.append((a, k2)) or real(*a, **k2)
+    )
+    grads = forgekernel.gated_delta_rule_backward(*args, **kw)
+    assert launches, "the fused kernel was not taken"
+    for name, x in zip(NAMES, grads):
+        assert torch.isfinite(x).all(), name
+    ours = _time(args, kw)
+    a, k2 = launches[0]
+    kernel = median(time_ms(lambda: real(*a, **k2), reps=10))
+    print(
+        f"\nGDN backward {b} x {t} h16 hv32 bf16: today's path {today:.3f} ms, FUSED "
+        f"{ours:.3f} ms (the fused kernel {kernel:.3f} ms)"
+    )

@@ -1,0 +1,133 @@
+"""The Gated DeltaNet fused backward (kernels/linear_attention/gdn_bwd_fused/sm90: kernel 1's
+reverse recurrence + kernel 2's chunk gradients, one CTA per (sequence, value head)) compiled
+for sm_90a on the CPU (the DSL compiles, ptxas assembles, cuobjdump reads the cubin): 384
+threads launched at 168 registers, setmaxnreg config.REGS (32 / 224 / 248: at most 3 x 168
+in all, the CTA's pool); 225,280 bytes of
+shared memory (within config's bound and the 227 KB opt-in); the products split as designed
+(S: K K^T, dPD, (e^G o dO)^T q and -dU^T W on both 64-row halves = 32 HGMMA; G: dU and kernel
+2's WY chain less dPD = 76); sixteen TMA boxes a chunk on five mbarriers plus the stage's
+release; every named barrier of `Bar` with its thread count.
+
+Registers by setmaxnreg region (bf16, 2026-12-06): warpgroup 0 R0-R24, S R0-R221, G R0-R179
+of 248 (kernel 2's WY body at 254 there: here K K^T and dPD are S's, and the WY half's row sums
+go to shared memory as they are formed); nothing spilled (was 400 bytes in G before those
+moves)."""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("cutlass")
+
+from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY  # noqa: E402
+from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90 import config  # noqa: E402
+from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.compile import (  # noqa: E402
+    compile_gdn_bwd_fused,
+    kernel_for,
+)
+from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_instructions, sass_text  # noqa: E402
+
+if find_tool("cuobjdump") is None:
+    pytest.skip("cuobjdump not found", allow_module_level=True)
+
+SMEM = 225280
+CONFIGS = [(config.DTYPES[1], False), pytest.param(config.DTYPES[1], True, marks=pytest.mark.slow),
+           pytest.param(config.DTYPES[0], False, marks=pytest.mark.slow)]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    cache = {}
+
+    def get(dtype, dht, grouped=False):
+        key = (dtype, dht, grouped)
+        if key not in cache:
+            params = dict(config.params_for(dtype, d_final_state=dht, grouped=grouped))
+            kernel = kernel_for(params)
+            with tempfile.TemporaryDirectory() as d:
+                fn = compile_gdn_bwd_fused(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
+                                           kernel=kernel)  # fmt: skip
+                cubin = fn.artifacts.CUBIN
+                if isinstance(cubin, bytes):
+                    Path(d, "k.cubin").write_bytes(cubin)
+                    cubin = Path(d, "k.cubin")
+                res = inspect_cubin(cubin)
+                sass = sass_text(cubin)
+            cache[key] = (res, sass_instructions(sass), kernel.shared_storage.size_in_bytes())
+        return cache[key]
+
+    return get
+
+
+def _regions(instrs) -> dict[int, list]:
+    """The SASS between setmaxnreg instructions, keyed by the count in force (0: before)."""
+    out, cur = {0: []}, 0
+    for op, a in instrs:
+        if op.startswith("USETMAXREG"):
+            cur = int(a.split()[-1], 16)
+            out.setdefault(cur, [])
+            continue
+        out[cur].append((op, a))
+    return out
+
+
+def _max_register(instrs) -> int:
+    return max([int(r) for _, a in instrs for r in re.findall(r"\bR(\d+)\b", a)] + [0])
+
+
+@pytest.mark.parametrize(("dtype", "dht"), CONFIGS)
+def test_registers_and_spills(compiled, dtype, dht):
+    res, instrs, _ = compiled(dtype, dht)
+    assert res["registers"] == 168 == 65536 // config.THREADS // 8 * 8
+    assert res["spill_bytes"] == 0
+    assert not [op for op, _ in instrs if op.startswith(("LDL", "STL"))]
+    setmax = sorted(int(a.split()[-1], 16) for op, a in instrs if op.startswith("USETMAXREG"))
+    assert setmax == sorted(config.REGS)
+    # setmaxnreg.inc (USETMAXREG.TRY_ALLOC.CTAPOOL) takes only what the launch allocated the
+    # CTA: a split over 3 x 168 spins forever (32 / 224 / 256 did: a hang on the GPU)
+    assert sum(setmax) * 128 <= res["registers"] * config.THREADS
+    regions = _regions(instrs)
+    for regs in config.REGS:
+        assert _max_register(regions[regs]) < regs
+
+
+@pytest.mark.parametrize(("dtype", "dht"), CONFIGS)
+def test_shared_memory_fits(compiled, dtype, dht):
+    res, _, smem = compiled(dtype, dht)
+    assert smem == SMEM <= config.smem_bytes() <= SMEM_CAPACITY
+    assert smem + res["smem_bytes"] <= SMEM_CAPACITY
+
+
+def test_products_split_between_the_warpgroups(compiled):
+    """S (224 registers): K K^T and dPD (8 HGMMA.64x64x16 each), the two 64-row halves'
+    (e^G o dO)^T q and -dU^T W (4 HGMMA.64x128x16 each a half); G (248): dU (k dS 8, P^T dO
+    4), kernel 2's dqe, dke, dw (8 each), dPD k, dPD^T q, T^T du, T^T dw, M k, M^T k (4 each),
+    dvb u^T, dkb w^T (8 HGMMA.64x64x16 each)."""
+    _, instrs, _ = compiled(config.DTYPES[1], False)
+    regions = _regions(instrs)
+
+    def count(regs, shape):
+        return sum(op.startswith(f"HGMMA.{shape}") for op, _ in regions[regs])
+
+    s_regs, g_regs = config.REGS[1], config.REGS[2]
+    assert count(s_regs, "64x64x16") == 16 and count(s_regs, "64x128x16") == 16
+    assert count(g_regs, "64x64x16") == 16 and count(g_regs, "64x128x16") == 60
+
+
+def test_loads_and_barriers(compiled):
+    """Sixteen TMA boxes a chunk (six (C, 128) token tiles in two 64-column halves, P^T and
+    T^T, h's two halves), six mbarriers (five load groups, the stage's release), the named
+    barriers of `Bar` with their thread counts."""
+    _, instrs, _ = compiled(config.DTYPES[1], False)
+    ops = [op for op, _ in instrs]
+    assert ops.count("UTMALDG.4D") == 14 and ops.count("UTMALDG.5D") == 2
+    assert ops.count("SYNCS.EXCH.64") == len(config.LOAD_GROUPS) + 1
+    ids = {(a.strip().split(",")[0], a.strip().split(",")[-1].strip())
+           for op, a in instrs if op.startswith("BAR") and "," in a}  # fmt: skip
+    want = {("0x1", "0x80"), ("0x2", "0xc0"), ("0x3", "0x40"), ("0x4", "0x140"),
+            ("0x5", "0x100"), ("0x6", "0x140"), ("0x7", "0x100"), ("0x8", "0x80")}  # fmt: skip
+    assert ids == want
