@@ -67,13 +67,14 @@ def forced(cfg):
 
 def cublas_kernel(inputs) -> str:
     """The device kernels of one torch.matmul into `out` (the suite's comparator)."""
-    gemm_suite.cublas(inputs)
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        gemm_suite.cublas(inputs)
-        torch.cuda.synchronize()
-    names = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
-    return "; ".join(sorted(names))
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            gemm_suite.cublas(inputs)
+            torch.cuda.synchronize()
+        kinds = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        return "; ".join(sorted({e.name for e in kinds}))
+    except Exception as e:  # noqa: BLE001 (the names are a note: the timing stands without)
+        return f"profiler failed: {type(e).__name__}: {e}"[:200]
 
 
 def measure(shape, rows, suite, gen, device) -> list[dict]:
