@@ -275,8 +275,13 @@ def _factors(q, k, v, g, beta):
     CPU tests put the tile emulation here."""
     from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90.launch import gdn_bwd_factors
 
-    return gdn_bwd_factors(q, k, v, g, beta)
+    return gdn_bwd_factors(q, k, v, g, beta, wg2=FACTORS_2WG)
 
+
+# TEMPORARY (until a GPU A/B; then the key becomes the default or goes): kernel 0 on two math
+# warpgroups by independent products (`wg2`, gdn_bwd_factors/sm90/factors_wg2.py; bit for bit
+# the 256-thread kernel's outputs; NOTES "GDN backward factors kernel on two math warpgroups").
+FACTORS_2WG = False
 
 # Kernel 0 forms the chunk factors (with kernel 2's WY variant, which reads its T^T, w, u);
 # False: the batched torch `_Factors` pass and its 16-bit conversions (the fallback).
