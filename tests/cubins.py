@@ -270,8 +270,9 @@ def two_site_barriers(sass: str, indirect: dict[int, list[int]] | None = None) -
     }  # fmt: skip
 
 
-def pin_unaligned_barriers(sass: str, unaligned: set[int], two_site: set,
-                           indirect: dict[int, list[int]] | None = None) -> list[BarrierSite]:  # fmt: skip
+def pin_unaligned_barriers(
+    sass: str, unaligned: set[int], two_site: set, indirect: dict[int, list[int]] | None = None
+) -> list[BarrierSite]:
     """The rule of kernels/common/sm90/unaligned_barrier.py on one build: the barriers waited at
     two instructions a phase (`two_site_barriers`) are `two_site`, and a BAR.SYNC is in the
     cubin's unaligned list (`unaligned_offsets`) exactly when its id is one of them (synccheck:

@@ -246,9 +246,10 @@ class GdnBwdFactorsSm90(AuxWy):
                 self._load_groups(tiles, bars, c, hv, b)
         else:
             # the output tiles' TMA stores: (atom, global view, shared tile, width) by name
-            tiles = {"w": (tma_w, mW4, outs[0], self.k), "u": (tma_u, mU4, outs[1], self.v),
-                     "ke": (tma_ke, mKe4, outs[2], self.k), "qe": (tma_qe, mQe4, outs[3], self.k),
-                     "pt": (tma_pt, mPt4, sPt, CHUNK), "tt": (tma_tt, mTt4, sTt, CHUNK)}  # fmt: skip
+            kd, vd, c_ = self.k, self.v, CHUNK
+            tiles = {"w": (tma_w, mW4, outs[0], kd), "u": (tma_u, mU4, outs[1], vd),
+                     "ke": (tma_ke, mKe4, outs[2], kd), "qe": (tma_qe, mQe4, outs[3], kd),
+                     "pt": (tma_pt, mPt4, sPt, c_), "tt": (tma_tt, mTt4, sTt, c_)}  # fmt: skip
             self._math_roles(mma_aux, mma_rs, sQ, sK, sV, outs, sPt, sTt, gates, sW, sX, mG,
                              mBeta, mElast, mBigG, bars, tiles, c, hv, b)  # fmt: skip
 
