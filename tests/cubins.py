@@ -173,14 +173,39 @@ def unaligned_offsets(cubin) -> set[int]:
 _TARGET = re.compile(r"0x([0-9a-f]+)\s*$")
 
 
-def _successors(sass: str) -> dict[int, list[int]]:
+def indirect_targets(cubin) -> dict[int, list[int]]:
+    """Each indirect branch's (BRX: ptxas's jump table of a switch) targets, as nvdisasm
+    annotates them (`BRANCH_TARGETS` labels; cuobjdump's listing has only the register): {the
+    BRX's offset: the targets' offsets}, for `_successors`. One kernel a cubin."""
+    from forgekernel.runtime.resources import find_tool
+
+    text = subprocess.run([find_tool("nvdisasm"), "-c", str(cubin)], capture_output=True,
+                          text=True, check=True).stdout  # fmt: skip
+    labels, pending, brx = {}, [], {}
+    for line in text.splitlines():
+        if m := re.match(r"^\s*(\.L_x_\d+):", line):
+            pending.append(m[1])
+        elif m := re.match(r"^\s*/\*([0-9a-f]+)\*/\s+(.*)$", line):
+            offset = int(m[1], 16)
+            labels.update({name: offset for name in pending})
+            pending = []
+            if t := re.search(r'BRANCH_TARGETS ([^"]*)"', m[2]):
+                brx[offset] = t[1].split(",")
+    return {o: [labels[n.strip()] for n in names] for o, names in brx.items()}
+
+
+def _successors(sass: str, indirect: dict[int, list[int]] | None = None) -> dict[int, list[int]]:
     """Each instruction's successors in the listing's control flow: the next one unless an
-    unpredicated BRA / EXIT / RET, a branch's target, a call's target and its return point."""
+    unpredicated BRA / EXIT / RET, a branch's target, a call's target and its return point; an
+    indirect branch's targets from `indirect` (`indirect_targets`; without them, an error)."""
     lines = [m for m in map(_SITE.match, sass.splitlines()) if m]
     out = {}
     for i, m in enumerate(lines):
         offset, pred, op, args = int(m[1], 16), m[2], m[3], m[4].strip()
         nxt = [int(lines[i + 1][1], 16)] if i + 1 < len(lines) else []
+        if op.startswith("BRX") and indirect and offset in indirect:
+            out[offset] = list(indirect[offset]) + (nxt if pred else [])
+            continue
         if op.startswith(("BRX", "JMX", "JMP")):
             raise ValueError(f"indirect branch at +{offset:#x}: {op} {args}")
         if op.startswith(("BRA", "CALL")):
@@ -216,13 +241,13 @@ def _collective_copies(sass: str) -> set[int]:
     return out
 
 
-def two_site_barriers(sass: str) -> set:
+def two_site_barriers(sass: str, indirect: dict[int, list[int]] | None = None) -> set:
     """The named barriers (`_barrier_id`s) with two BAR.SYNCs neither of which reaches the other
     in the listing's control flow: two roles' code (or a branch's two sides) each waiting at its
     own instruction, so that one phase's waiters stand at two instructions. The BAR.SYNCs one
     role passes in turn (or a loop's) reach each other: one instruction a phase, whatever the
-    arrivals (BAR.ARV: never checked)."""
-    succ = _successors(sass)
+    arrivals (BAR.ARV: never checked). `indirect`: `_successors`' (a listing with a BRX)."""
+    succ = _successors(sass, indirect)
 
     def reach(start):
         seen, todo = set(), list(succ[start])
@@ -245,15 +270,17 @@ def two_site_barriers(sass: str) -> set:
     }  # fmt: skip
 
 
-def pin_unaligned_barriers(sass: str, unaligned: set[int], two_site: set) -> list[BarrierSite]:
+def pin_unaligned_barriers(
+    sass: str, unaligned: set[int], two_site: set, indirect: dict[int, list[int]] | None = None
+) -> list[BarrierSite]:
     """The rule of kernels/common/sm90/unaligned_barrier.py on one build: the barriers waited at
     two instructions a phase (`two_site_barriers`) are `two_site`, and a BAR.SYNC is in the
     cubin's unaligned list (`unaligned_offsets`) exactly when its id is one of them (synccheck:
     "Divergent thread(s) in block" at an aligned one), or when it is ptxas's diverged-warp copy
     of one (`_collective_copies`, only where there are some). Returns the listing's
-    `barrier_sites` less those copies."""
+    `barrier_sites` less those copies. `indirect`: `_successors`' (a listing with a BRX)."""
     two_site = {int(i) if isinstance(i, int) else i for i in two_site}  # IntEnum members too
-    assert two_site_barriers(sass) == two_site
+    assert two_site_barriers(sass, indirect) == two_site
     copies = _collective_copies(sass)
     assert not copies or two_site
     assert copies <= unaligned
