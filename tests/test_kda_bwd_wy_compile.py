@@ -23,7 +23,12 @@ from sweeps import slow_past  # tests/ is on the path
 pytest.importorskip("cutlass")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cubins import wait_pin  # noqa: E402
+from cubins import (  # noqa: E402
+    indirect_targets,
+    pin_unaligned_barriers,
+    unaligned_offsets,
+    wait_pin,
+)
 from dsl_toolchain import dsl_toolchain  # noqa: E402
 
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY  # noqa: E402
@@ -61,9 +66,12 @@ def compiled():
                     cubin = Path(d, "k.cubin")
                 res = inspect_cubin(cubin)
                 sass = sass_text(cubin)
-            cache[dtype, dv16, dk16, wg2] = (res, sass_instructions(sass),
-                                             kernel.shared_storage.size_in_bytes())  # fmt: skip
-        return cache[dtype, dv16, dk16, wg2]
+                # the barrier pin's inputs (`wg2` only: `test_wg2_barriers_one_site`)
+                flow = (sass, unaligned_offsets(cubin), indirect_targets(cubin)) if wg2 else None
+            smem = kernel.shared_storage.size_in_bytes()
+            cache[dtype, dv16, dk16, wg2] = (res, sass_instructions(sass), smem, flow)
+        found = cache[dtype, dv16, dk16, wg2]
+        return found if wg2 else found[:3]
 
     return get
 
@@ -215,7 +223,7 @@ def test_wg2_resources(compiled, dtype, flags):
     (MUFU.EX2 150 -> 84 in the bf16 dk16 code, the tables' two branches both in it); the
     global loads and stores per thread halved, beta's and G's loads as before."""
     f = WG2_FLAGS[flags]
-    res, instrs, smem = compiled(dtype, wg2=True, **f)
+    res, instrs, smem, _ = compiled(dtype, wg2=True, **f)
     base_res, base, _ = compiled(dtype, **f)
     assert res["registers"] <= config.WG2_REGISTERS == 168
     assert res["registers"] * config.WG2_THREADS <= 65536
@@ -252,7 +260,7 @@ def test_wg2_barriers(compiled, dtype):
     stmatrix, before the block operands' stores; BAR_DOTS (6, 7, 8; 256) each one wait
     (warpgroup 2) and one arrive (warpgroup 1), so no barrier phase is waited at two
     instructions; the warpgroup's own barrier (4 + kh in a register, 128) seven times."""
-    _, instrs, _ = compiled(dtype, wg2=True, dv16=True, dk16=True)
+    _, instrs, _, _ = compiled(dtype, wg2=True, dv16=True, dk16=True)
     flat = [(op, a.strip()) for op, a in instrs]
     bars = [x for x in flat if x[0].startswith("BAR.") and x[0] != "BAR.ALL.CTA"
             and not x[1].startswith(("gsb0", "SB0"))]  # fmt: skip
@@ -269,3 +277,19 @@ def test_wg2_barriers(compiled, dtype):
     tr = [i for i, (op, _) in enumerate(flat) if op == "STSM.16.MT88.4"]
     hgmma = [i for i, (op, a) in enumerate(flat) if op.startswith("HGMMA") and "tnspB" not in a]
     assert max(plain) < both[0] < min(hgmma) and max(tr) < both[1]
+
+
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
+def test_wg2_barriers_one_site(compiled, dtype):
+    """`wg2` (review of integration44, NOTES "integration44 reviewed for hangs and races"): no
+    named barrier is waited at two instructions a phase in the listing's control flow
+    (two_site_barriers: BAR_BOTH's two waits follow each other in both math warpgroups' one
+    code path, each BAR_DOTS slot is waited once, by warpgroup 2, the warpgroup's own barrier
+    by id in a register at shared sites), so every BAR.SYNC stays in the aligned form and none
+    is in the cubin's unaligned list (synccheck's "Divergent thread(s) in block" otherwise)."""
+    _, _, _, (sass, unaligned, indirect) = compiled(dtype, wg2=True, dv16=True, dk16=True)
+    bars = pin_unaligned_barriers(sass, unaligned, set(), indirect)
+    dots = [b for b in bars if b.barrier in ("0x6", "0x7", "0x8")]
+    assert sorted((b.barrier, b.kind) for b in dots) == [
+        (f"0x{i:x}", kind) for i in (6, 7, 8) for kind in ("ARV", "SYNC")
+    ]
