@@ -24,6 +24,8 @@ from forgekernel.bench.check import expected, free, verify
 from forgekernel.bench.report import format_table
 from forgekernel.bench.suites import gemm as gemm_suite
 from forgekernel.kernels.gemm.dense.sm90 import config as C
+from forgekernel.kernels.gemm.dense.sm90.launch import config_for
+from forgekernel.runtime.device import num_sms
 from forgekernel.runtime.timing import median, rotation_sets, time_interleaved
 
 DTYPE = torch.bfloat16
@@ -52,6 +54,12 @@ ROWS = {
     (777, 4096, 14336): [("pick", None)],
     (2048, 7168, 5120): [("pick", None)],
 }
+
+
+def pick(m: int, n: int, k: int, device: torch.device):
+    """The configuration the op runs for (M, N, K) on `device` with none forced (launch.py
+    `_choose`): a tuning record's, else the chooser's for the device's SM count."""
+    return config_for(DTYPE, False, m, n, k, num_sms(device.index))
 
 
 def forced(cfg):
@@ -86,7 +94,7 @@ def measure(shape, rows, suite, gen, device) -> list[dict]:
     expect = expected(suite, sets[0])
     out_rows, fns = [], {}
     for label, cfg in rows:
-        tag = (cfg or C.choose_config(m, n, k)).tag()
+        tag = (cfg or pick(m, n, k, device)).tag()
         row = {"shape": case.name, "config": label, "tag": tag}
         out_rows.append(row)
         try:

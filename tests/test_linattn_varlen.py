@@ -216,6 +216,30 @@ def test_word(shape, dtype, cut, want):
         assert torch.equal(varlen.as_words(x, want).view(dtype), x)
 
 
+def test_word_needs_one_dtype_and_an_aligned_pointer():
+    """`word`: rows of different dtypes get no word (an index op across them must refuse, not
+    copy one dtype's bits into the other's buffer), nor a pointer off the word's bytes (a view
+    torch allows at storage offset 0 of a storage that starts off them)."""
+    x = torch.zeros(4, 8, dtype=torch.bfloat16)
+    assert varlen.word(x, x.half()) is None and varlen.word(x, x.float()) is None
+    assert varlen.word(x, x.clone()) == torch.int64
+    raw = torch.frombuffer(bytearray(2 + 4 * 8 * 2), dtype=torch.bfloat16, offset=2)
+    y = raw.view(4, 8)  # storage offset 0, the data 2 bytes past an 8-byte boundary
+    assert y.storage_offset() == 0 and y.data_ptr() % 8 == 2
+    assert varlen.word(y) == torch.int16
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_unpack_into_another_dtype_raises(dtype):
+    """`unpack` into an out= of another dtype raises as torch.index_select does (before the
+    words: the same error), not a silent bit copy (fp16) or a half-filled resized view (fp32)."""
+    edges = torch.tensor([0, 3, 70], dtype=torch.int32)
+    slots = varlen.slot_layout(edges, 70)
+    packed = varlen.pack(torch.randn(70, 4, 8).bfloat16(), slots)
+    with pytest.raises(RuntimeError, match="same scalar type"):
+        varlen.unpack(packed, slots, torch.zeros(70, 4, 8, dtype=dtype))
+
+
 @pytest.mark.parametrize("lens", [[5, 0, 130, 64, 1, 66], [64, 64]])
 def test_pack_unpack_as_words(lens):
     """`pack` / `unpack` on strided head slices, odd widths, fp32 and 16-bit rows and into an

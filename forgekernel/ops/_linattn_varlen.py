@@ -190,11 +190,17 @@ def word(*xs: torch.Tensor) -> torch.dtype | None:
     """The widest of WORDS no narrower than the xs' elements that every x can be viewed as
     (`Tensor.view(dtype)`: a unit last stride, the last size, the other strides and the storage
     offset multiples of the word's elements; 2-D at least: a word splits the last dimension,
-    never a row); None: none (the xs copied as they are)."""
+    never a row; the data pointer a multiple of the word's bytes: the index kernels load words
+    there); None: none (the xs copied as they are), also where the xs' dtypes differ (torch's
+    index ops then refuse them as before, where words would copy one dtype's bits into
+    another's buffer, or half of them into a wider one: next/int44-review-ops)."""
+    if len({x.dtype for x in xs}) > 1:
+        return None
     for w in WORDS:
         ratios = [w.itemsize // x.element_size() for x in xs]
         if min(ratios) >= 1 and all(
             x.dim() > 1 and x.stride(-1) == 1 and x.storage_offset() % r == 0
+            and x.data_ptr() % w.itemsize == 0
             and all(n % r == 0 for n in (x.shape[-1], *x.stride()[:-1]))
             for x, r in zip(xs, ratios)
         ):  # fmt: skip

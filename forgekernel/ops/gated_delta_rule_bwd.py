@@ -103,6 +103,7 @@ Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tens
 # out=), d_initial_state may be None; None: every gradient allocated
 GradsOut = tuple[torch.Tensor | None, ...] | None
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "d_initial_state")
+INPUT_NAMES = ("q", "k", "v", "g", "beta")  # `check_grads_out`'s likes
 NOT_CAPTURABLE = (
     "gated_delta_rule's interim backward reads the offsets on the host (its chunk layout, "
     "one sync a call) and builds its tables there"
@@ -845,7 +846,8 @@ def gated_delta_rule_backward(
     if d_final_state is not None:
         check_shaped("d_final_state", d_final_state, state_shape, fwd.F32)
     if out is not None:
-        check_grads_out(out, (q, k, v, g, beta), state_shape)
+        reads = {"do": do, "initial_state": initial_state, "d_final_state": d_final_state}
+        check_grads_out(out, (q, k, v, g, beta), state_shape, reads)
     check_cuda("q", q)
     others = {"initial_state": initial_state, "d_final_state": d_final_state,
               "cu_seqlens": cu_seqlens}  # fmt: skip
@@ -865,10 +867,14 @@ def gated_delta_rule_backward(
     return (*shaped, grads[5])
 
 
-def check_grads_out(out: object, likes: tuple[torch.Tensor, ...], state_shape) -> None:
+def check_grads_out(out: object, likes: tuple[torch.Tensor, ...], state_shape,
+                    reads: dict[str, torch.Tensor | None] | None = None) -> None:  # fmt: skip
     """`out` of a linear-attention backward (this op's, KDA's): a tuple of six tensors, each
     contiguous, on q's device, shaped and typed as its input's gradient (`likes`: q, k, v, g,
-    beta), the last (d_initial_state) fp32 `state_shape` or None."""
+    beta), the last (d_initial_state) fp32 `state_shape` or None; none overlapping another nor
+    an input (`likes` and `reads`, the other inputs by name): the kernels write dv, dg, dbeta,
+    d_initial_state (both ops) and dq, dk (where they fold) into `out` while they still read
+    the inputs (v on the WY pass, the initial state beside dS's launch)."""
     if not isinstance(out, (tuple, list)) or len(out) != 6:
         raise TypeError("out must be a tuple (dq, dk, dv, dg, dbeta, d_initial_state) of six "
                         "tensors (d_initial_state may be None)")  # fmt: skip
@@ -883,6 +889,27 @@ def check_grads_out(out: object, likes: tuple[torch.Tensor, ...], state_shape) -
             raise ValueError(f"{label} must be contiguous")
         if o.device != likes[0].device:
             raise ValueError(f"{label} is on {o.device} but q is on {likes[0].device}")
+    named = (*zip(INPUT_NAMES, likes), *(reads or {}).items())
+    spans = [(name, _span(x)) for name, x in named if x is not None]
+    for i, o in enumerate(out):
+        if o is None:
+            continue
+        a0, a1 = span = _span(o)
+        for other, (b0, b1) in spans:
+            if a0 < b1 and b0 < a1:
+                raise ValueError(f"out[{i}] ({GRAD_NAMES[i]}) overlaps {other}")
+        spans.append((f"out[{i}]", span))
+
+
+def _span(x: torch.Tensor) -> tuple[int, int]:
+    """The bytes x's elements lie in: [its first, past its last) (empty: (0, 0))."""
+    n, p = x.numel(), x.data_ptr()
+    if n == 0:
+        return 0, 0
+    if x.is_contiguous():
+        return p, p + n * x.element_size()
+    last = sum((d - 1) * s for d, s in zip(x.shape, x.stride()))
+    return p, p + (last + 1) * x.element_size()
 
 
 def flat_out(out: GradsOut) -> GradsOut:

@@ -701,7 +701,8 @@ def kimi_delta_attention_backward(
     if d_final_state is not None:
         check_shaped("d_final_state", d_final_state, (n, hv, q.shape[3], dv), fwd.F32)
     if out is not None:
-        check_grads_out(out, (q, k, v, g, beta), (n, hv, q.shape[3], dv))
+        reads = {"do": do, "initial_state": initial_state, "d_final_state": d_final_state}
+        check_grads_out(out, (q, k, v, g, beta), (n, hv, q.shape[3], dv), reads)
     check_cuda("q", q)
     extra = {} if d_final_state is None else {"d_final_state": d_final_state}
     check_same_device(q=q, do=do, **extra)
