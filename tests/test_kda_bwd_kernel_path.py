@@ -451,6 +451,29 @@ def _bf16_problem(b, t, h, hv, *, decay=(-1.0, 0.0), seed=0):
     return inputs, do, dht
 
 
+def test_first_pass_offsets_are_cached_per_shape(kernel_path, monkeypatch):
+    """The device pass hands the first pass `equal_offsets`' tensor (next/linattn-bwd-host: no
+    arange a call): a repeated call the same tensor and the same gradients bit for bit, a new
+    length its own offsets 0, T, ..., B T."""
+    seen, model = [], emulated_first_pass()
+
+    def first_pass(*args, **kw):
+        seen.append(args[4])
+        return model(*args, **kw)
+
+    monkeypatch.setattr(bwd, "_first_pass", first_pass)
+    monkeypatch.setattr(bwd.first_pass_launch, "_OFFSETS", {})
+    grads = []
+    for t in (65, 65, 130):
+        (q, k, v, g, beta, h0), do, dht = _bf16_problem(2, t, 1, 2, seed=3)
+        grads.append(bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, initial_state=h0,
+                                                       d_final_state=dht,
+                                                       use_qk_l2norm_in_kernel=True))  # fmt: skip
+    assert seen[0] is seen[1] and seen[0].tolist() == [0, 65, 130]
+    assert seen[2] is not seen[0] and seen[2].tolist() == [0, 130, 260]
+    assert all(torch.equal(a, b) for a, b in zip(*grads[:2]))
+
+
 @pytest.mark.parametrize(
     ("b", "t", "h", "hv", "decay"),
     [(2, 65, 1, 2, (-1.0, 0.0)), (1, 130, 2, 2, (-5.0, -4.0)), (2, 64, 1, 1, (-5.0, 0.0))],

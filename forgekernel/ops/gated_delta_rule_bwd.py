@@ -66,8 +66,16 @@ import os
 import torch
 
 from forgekernel.kernels.common.sm90.constants import REGISTERS_PER_SM, THREADS_PER_WG
+
+# the launchers as modules, imported once (an import a call cost ~1 us each; the tests patch
+# their functions on these modules)
+from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90 import launch as chunk_launch
+from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90 import launch as factors_launch
+from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90 import launch as fused_launch
 from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.config import fused_fits
+from forgekernel.kernels.linear_attention.gdn_bwd_norm.sm90 import launch as norm_launch
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90 import config as state_config
+from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90 import launch as state_launch
 from forgekernel.ops import gated_delta_rule_chunked as fwd
 from forgekernel.ops._dispatch import KernelSwitch, refuse_capture
 from forgekernel.ops._dispatch import traced as _traced
@@ -91,6 +99,7 @@ from forgekernel.reference.gdn_bwd_factors import for_kernel2, forward_launch_ti
 from forgekernel.reference.gdn_bwd_state import (
     CHUNK,
     chunk_factors,
+    cut,
     forward_state_tiles,
     forward_states,
     to_chunks,
@@ -187,16 +196,11 @@ def _state_recurrence(do, pt, ke, qe, w, e_last, d_final_state, dh0=None, **flag
     in 16 bits, kernel 2's forms (`reference.gdn_bwd_state.out16_forms`; forward: pt, qe None,
     I and 0 built in, outputs in chunk order); dh0: the caller's contiguous buffer for dS at
     the start (the kernel writes it there). The CPU tests put the tile emulation here."""
-    from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.launch import (
-        empty_outputs,
-        gdn_bwd_state,
-    )
-
     out = None
     if dh0 is not None:
-        du, side, _ = empty_outputs(do, ke.shape[-1], out16=flags.get("out16", False))
+        du, side, _ = state_launch.empty_outputs(do, ke.shape[-1], out16=flags.get("out16", False))
         out = (du, side, dh0)
-    return gdn_bwd_state(do, pt, ke, qe, w, e_last, d_final_state, out=out, **flags)
+    return state_launch.gdn_bwd_state(do, pt, ke, qe, w, e_last, d_final_state, out=out, **flags)
 
 
 # Kernel 1 holds one CTA an SM (the register file: 128 threads x (40 + 2 x 232) registers
@@ -238,9 +242,8 @@ def _chunk_grads(do, u, du, q, k, h, dh, big_g):
     """Kernel 2 (`_output_grads` on WGMMA, every chunk at once): (dq, dk, dw (B, T, HV, K),
     dG (B, T, HV), reverse-cumsummed within the chunk) fp32 from `chunk_grad_tiles`' inputs.
     The CPU tests put the tile emulation here."""
-    from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.launch import gdn_bwd_chunk
 
-    return gdn_bwd_chunk(do, u, du, q, k, h, dh, big_g)
+    return chunk_launch.gdn_bwd_chunk(do, u, du, q, k, h, dh, big_g)
 
 
 # Kernel 2 runs all of pass 3 (its WY variant, `_chunk_grads_wy`); False: `_output_grads` only
@@ -252,9 +255,8 @@ def _chunk_grads_wy(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta, **flags):
     """Kernel 2, WY variant (all of pass 3): (dq, dk (B, T, HV, K), dG (B, T, HV, the reverse
     cumsum done), dv (B, T, HV, V), dbeta (B, T, HV)) fp32 (`flags` dv16: dv in do's dtype;
     out: the five contiguous buffers it writes). The CPU tests put the tile emulation here."""
-    from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.launch import gdn_bwd_chunk_wy
 
-    return gdn_bwd_chunk_wy(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta, **flags)
+    return chunk_launch.gdn_bwd_chunk_wy(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta, **flags)
 
 
 NOT_CAPTURABLE_VARLEN = (
@@ -275,9 +277,8 @@ def _factors(q, k, v, g, beta):
     gdn_bwd_factors.NAMES`' dict: the tiles kernel 1's two launches and kernel 2 read) from q
     (scaled, normalized), k (B, T, H, K), v (B, T, HV, V) 16-bit, g, beta (B, T, HV) fp32. The
     CPU tests put the tile emulation here."""
-    from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90.launch import gdn_bwd_factors
 
-    return gdn_bwd_factors(q, k, v, g, beta, wg2=FACTORS_2WG)
+    return factors_launch.gdn_bwd_factors(q, k, v, g, beta, wg2=FACTORS_2WG)
 
 
 # TEMPORARY (until a GPU A/B; then the key becomes the default or goes): kernel 0 on two math
@@ -451,7 +452,7 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots
                                  **varlen)  # fmt: skip
 
     def reverse_launch():
-        rev = tuple(out[n][:, :t] for n in ("pt", "ke", "qe", "w"))
+        rev = tuple(cut(out[n], 1, slice(None, t)) for n in ("pt", "ke", "qe", "w"))
         return _state_recurrence(do, *rev, out["e_last"], dht, out16=True, **given(dh0=dh0_o),
                                  **varlen)  # fmt: skip
 
@@ -464,7 +465,7 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots
         del out[name]
     k2 = for_kernel2(out, t)
     wide = beta.to(torch.promote_types(beta.dtype, torch.float32))
-    tiles = (do, u16[:, :t], du16, qs, ks, h16, dh16, k2["big_g"])
+    tiles = (do, cut(u16, 1, slice(None, t)), du16, qs, ks, h16, dh16, k2["big_g"])
     wy_out = None if into is None else _wy_buffers(do, qs.shape[-1], dg_o, dv_o, dbeta_o, dq_o,
                                                    dk_o)  # fmt: skip
     flags = {"dqk16": True, "scale": 1.0 if q_scale is None else q_scale} if QK16 else {}
@@ -478,9 +479,8 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots
 def _fused_bwd(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, **flags):
     """The fused kernel (kernel 1's reverse recurrence + kernel 2, `gdn_bwd_fused`): (dq, dk,
     dg, dv, dbeta, dh0) (`flags`: scale, out). The CPU tests put an emulation here."""
-    from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.launch import gdn_bwd_fused
 
-    return gdn_bwd_fused(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, **flags)
+    return fused_launch.gdn_bwd_fused(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, **flags)
 
 
 def _fused_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None):
@@ -529,9 +529,8 @@ def _qk_grads(dxs, x, scale, l2norm, out=None):
     H, K) in x's dtype (group sum, l2norm's backward, scale), into `out` (contiguous, x's
     shape and dtype) when given.
     The CPU tests put the model here."""
-    from forgekernel.kernels.linear_attention.gdn_bwd_norm.sm90.launch import gdn_bwd_norm
 
-    return gdn_bwd_norm(dxs, x, scale, l2norm, out=out)
+    return norm_launch.gdn_bwd_norm(dxs, x, scale, l2norm, out=out)
 
 
 # The group sum and l2norm's backward on the epilogue kernel (`_qk_grads`); False: torch
@@ -622,8 +621,9 @@ def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b, out=None,
     for first in heads:  # passes over heads, not chunks
         qh, vh = slice(first, first + step), slice(first * group, (first + step) * group)
         # q / k at their own heads: kernels 0 and 2 read head hv // (HV / H) (`grouped`)
-        states = (None if x is None else x[:, vh].float().contiguous() for x in (h0, dht))
-        parts.append(_chunk_pass(qs[:, :, qh], ks[:, :, qh], *(x[:, :, vh] for x in v_side),
+        # `cut`: one pass (every head) takes the tensors themselves, no view each
+        states = (None if x is None else cut(x, 1, vh).float().contiguous() for x in (h0, dht))
+        parts.append(_chunk_pass(cut(qs, 2, qh), cut(ks, 2, qh), *(cut(x, 2, vh) for x in v_side),
                                  *states, into=into,
                                  q_scale=scale if fold else None, slots=slots))  # fmt: skip
     outs = (None,) * 6 if out is None else (*(None if o is None else seq(o) for o in out[:5]),

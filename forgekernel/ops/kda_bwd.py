@@ -65,7 +65,13 @@ import contextlib
 import torch
 
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.config import HEAD_DIMS
+
+# the launchers as modules, imported once (an import a call cost ~1 us each; the tests patch
+# their functions on these modules)
+from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90 import launch as chunk_launch
+from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90 import launch as wy_launch
 from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.config import BULK_ALIGN
+from forgekernel.kernels.linear_attention.kda_prefill.sm90 import launch as first_pass_launch
 from forgekernel.ops import kda_chunked as fwd
 from forgekernel.ops._dispatch import KernelSwitch, refuse_capture
 from forgekernel.ops._dispatch import traced as _traced
@@ -106,6 +112,7 @@ from forgekernel.reference.gdn_bwd_state import (
     CHUNK,
     chunk_decay,
     chunk_factors,
+    cut,
     forward_state_tiles,
     forward_states,
     to_chunks,
@@ -184,14 +191,12 @@ def _chunk_grads(do, u, du, q, k, h, dh, big_g, dw16=False, dg=None, dq16=False,
     written into (the op's `out=` dg, the WY kernel adding its half onto it after), else the
     launcher's own. dq16: q unscaled, dq times `scale` in do's 16-bit dtype (the op's dq; into
     `dq`, contiguous, when given). The CPU tests put the tile emulation here."""
-    from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90 import launch
-
     flags = {"dw16": dw16, "wg2": CHUNK_2WG, **({"dq16": True, "scale": scale} if dq16 else {})}
     if dg is None and dq is None:
-        return launch.kda_bwd_chunk(do, u, du, q, k, h, dh, big_g, **flags)
-    own = launch.empty_outputs(do, q.shape[-1], dw16, dq16)
+        return chunk_launch.kda_bwd_chunk(do, u, du, q, k, h, dh, big_g, **flags)
+    own = chunk_launch.empty_outputs(do, q.shape[-1], dw16, dq16)
     outs = (own[0] if dq is None else dq, own[1], own[2], own[3] if dg is None else dg)
-    return launch.kda_bwd_chunk(do, u, du, q, k, h, dh, big_g, **flags, out=outs)
+    return chunk_launch.kda_bwd_chunk(do, u, du, q, k, h, dh, big_g, **flags, out=outs)
 
 
 # On since 2026-12-06 (H100: with FACTORS_FROM_FIRST_PASS, the device pass 4.6-5.8x the previous
@@ -214,8 +219,6 @@ def _wy_kernel(dw, du, tt, w, k, u, v, beta, big_g, dk, dg, dv16=False, dk16=Fal
     dv in the tiles' 16-bit dtype with dv16; dk16: the final dk in the tiles' 16-bit dtype
     (into `dk_out` when given; dk then scratch); dv, dbeta: contiguous buffers to write them
     into (the op's `out=`), else new. The CPU tests put the tile emulation here."""
-    from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.launch import kda_bwd_wy
-
     b, t, hv, _ = dw.shape
     if dv is None:
         dv = torch.empty(b, t, hv, du.shape[-1], dtype=dw.dtype if dv16 else torch.float32,
@@ -223,8 +226,8 @@ def _wy_kernel(dw, du, tt, w, k, u, v, beta, big_g, dk, dg, dv16=False, dk16=Fal
     if dbeta is None:
         dbeta = torch.empty(b, t, hv, dtype=torch.float32, device=dw.device)
     final = {"dk16": True, **given(dk_out=dk_out)} if dk16 else {}
-    return kda_bwd_wy(dw, du, tt, w, k, u, v, beta, big_g, dv16=dv16, out=(dk, dv, dg, dbeta),
-                      wg2=WY_2WG, **final)  # fmt: skip
+    return wy_launch.kda_bwd_wy(dw, du, tt, w, k, u, v, beta, big_g, dv16=dv16,
+                                out=(dk, dv, dg, dbeta), wg2=WY_2WG, **final)  # fmt: skip
 
 
 # On since 2026-12-06 (H100, with WY_IN_KERNEL; docs/linear_attention/NOTES.md "KDA backward
@@ -244,9 +247,8 @@ def _first_pass(q, k, g, beta, cu_seqlens, scale, seq_len, bwd=False, v=None):
     bf16, decay (B NC, HV, K) fp32; bwd: its `bwd` key, T^T `tt`, G `big_g`, W `w` and u `u`
     too, from v (B T, HV, V) in q's dtype). The CPU tests put its torch model
     (`operands.kda_chunk_operands`, same arguments) here."""
-    from forgekernel.kernels.linear_attention.kda_prefill.sm90.launch import first_pass_kernel
-
-    return first_pass_kernel(q, k, g, beta, cu_seqlens, scale, False, seq_len, bwd=bwd, v=v)
+    return first_pass_launch.first_pass_kernel(q, k, g, beta, cu_seqlens, scale, False, seq_len,
+                                               bwd=bwd, v=v)  # fmt: skip
 
 
 def _first_pass_ops(q16, k16, v16, g, beta, scale, b, t):
@@ -256,7 +258,7 @@ def _first_pass_ops(q16, k16, v16, g, beta, scale, b, t):
     operand as it reads it) in P's place, and W = T_beta Kg, u = T_beta V (`w`, `u`: kernel 1's
     and the WY kernel's operands; v16 (B, T, HV, V) in q16's dtype; before next/kda-wu two
     cuBLAS GEMMs and a memset a value head, 353 us at 4 x 8192 H16 on the H100)."""
-    cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=q16.device)  # one launch
+    cu = first_pass_launch.equal_offsets(q16.device, b, t)  # cached: no launch a call
     v = v16.flatten(0, 1) if WY_IN_KERNEL else None
     ops = _first_pass(q16.flatten(0, 1), k16.flatten(0, 1), g.flatten(0, 1).contiguous(),
                       beta.flatten(0, 1).contiguous(), cu, scale, t,
@@ -376,6 +378,7 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=tor
     (B = 1 over its S C rows, h0 / dht / dh0 (N, HV, K, V)): kernel 1's varlen form, side by
     side (Gated DeltaNet's `side_by_side_states`)."""
     t, dtype = qs.shape[1], do.dtype
+    upto = slice(None, t)  # the first pass's rows (NC C) cut to T (`cut`: no view at T = NC C)
     varlen = state_flags(slots)
     dq_o, dk_o, dv_o, db_o, dh0_o = (None,) * 5 if into is None else into
     w16, u16 = ops["w"], ops["u"]  # (B, NC C, HV, K / V), zero rows past T
@@ -385,7 +388,7 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=tor
                                  out16=True, forward=True, **varlen)  # fmt: skip
 
     def reverse_launch():  # P^T as the first pass's bwd key wrote it (no transposing copy)
-        rev = (ops["pt"][:, :t], ops["k_d"][:, :t], ops["q_g"][:, :t], w16[:, :t])
+        rev = tuple(cut(x, 1, upto) for x in (ops["pt"], ops["k_d"], ops["q_g"], w16))
         return _state_recurrence(do, *rev, ops["decay"], dht, out16=True, **given(dh0=dh0_o),
                                  **varlen)  # fmt: skip
 
@@ -398,16 +401,17 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=tor
     # G = cumsum(g) within the chunk, as the first pass formed it; kernel 2's and the WY
     # kernel's launchers read it contiguous (`.contiguous()`): cut to T it is not where B > 1
     # and T is no multiple of 64 (or in a head pass), so made so once here for both
-    big_g = ops["big_g"][:, :t].contiguous()
+    big_g = cut(ops["big_g"], 1, upto).contiguous()
     # kernel 2 writes dG straight into `dg_out` where that is a contiguous fp32 buffer whose
     # start suits the WY kernel's bulk reduce-adds onto it (`BULK_ALIGN`)
     into_dg = _direct(dg_out, torch.float32)
     # dw in the tiles' dtype from kernel 2 (the WY kernel's operand; no cast here)
     fold = {} if q_scale is None else {"dq16": True, "scale": q_scale, **given(dq=dq_o)}
-    dq, dk, dw, dg = _chunk_grads(do, u_c[:, :t], du16, qs, ks, h16, dh16, big_g, dw16=True,
+    dq, dk, dw, dg = _chunk_grads(do, cut(u_c, 1, upto), du16, qs, ks, h16, dh16, big_g, dw16=True,
                                   dg=into_dg, **fold)  # fmt: skip
     del u_c, h16, dh16
-    wy = (dw, du16, ops["tt"][:, :t], w16[:, :t], ks, u16[:, :t], v, beta, big_g)
+    wy = (dw, du16, *(cut(x, 1, upto) for x in (ops["tt"], w16)), ks, cut(u16, 1, upto), v,
+          beta, big_g)  # fmt: skip
     # the WY kernel adds its dk and dG onto kernel 2's (in place, no torch add); left in torch:
     # dG's copy into a strided `dg_out`, or its cast to a 16-bit `dg_dtype` (the fp32 sum
     # rounded once, as before)
@@ -528,12 +532,13 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
     parts = []
     for first in heads:  # passes over heads, not chunks
         qh, vh = slice(first, first + step), slice(first * group, (first + step) * group)
-        qs, ks = (x[:, :, qh] if group == 1 else x[:, :, qh].repeat_interleave(group, dim=2)
+        # `cut`: one pass (every head) takes the tensors themselves, no view each
+        qs, ks = (cut(x, 2, qh) if group == 1 else x[:, :, qh].repeat_interleave(group, dim=2)
                   for x in (qn, kn))  # fmt: skip
-        states = (None if x is None else x[:, vh].float().contiguous()
+        states = (None if x is None else cut(x, 1, vh).float().contiguous()
                   for x in (initial_state, d_final))  # fmt: skip
-        mine = None if ops is None else {n: x[:, :, vh] for n, x in ops.items()}
-        parts.append(_chunk_pass(qs, ks, *(x[:, :, vh] for x in v_side), *states, ops=mine,
+        mine = None if ops is None else {n: cut(x, 2, vh) for n, x in ops.items()}
+        parts.append(_chunk_pass(qs, ks, *(cut(x, 2, vh) for x in v_side), *states, ops=mine,
                                  dg_out=dg_out, dg_dtype=g.dtype, dv_dtype=v.dtype,
                                  q_scale=scale if fold else None, into=into,
                                  slots=slots, dk16=dk16))  # fmt: skip

@@ -34,6 +34,7 @@ import torch
 from forgekernel.reference.delta_rule_bwd import _Factors
 from forgekernel.reference.gdn_bwd_state import (
     CHUNK,
+    cut,
     forward_launch_as_reverse,
     to_chunks,
     to_tokens,
@@ -136,7 +137,7 @@ def factors_model(
 def for_kernel2(tiles: dict[str, torch.Tensor], t: int) -> dict[str, torch.Tensor]:
     """Kernel 2's views of the outputs: w, u, tt and big_g cut to T tokens (views: strided
     when B > 1, which TMA reads in place)."""
-    return {n: tiles[n][:, :t] for n in ("w", "u", "tt", "big_g")}
+    return {n: cut(tiles[n], 1, slice(None, t)) for n in ("w", "u", "tt", "big_g")}
 
 
 def forward_launch_tiles(

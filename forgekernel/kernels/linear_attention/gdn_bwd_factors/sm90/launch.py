@@ -4,6 +4,8 @@ two launches and kernel 2 read; `for_kernel2` cuts kernel 2's views)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90 import SPEC
@@ -14,6 +16,10 @@ from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90.config import (
 )
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, on_device
+
+# Compile keys per (dtype, dims, flags), built once (a dict and a sort a call otherwise; twice a
+# launch: the support check and the key); at most 256 kept.
+_params = functools.lru_cache(maxsize=256)(params_for)
 
 DTYPES = (torch.float16, torch.bfloat16)
 
@@ -39,7 +45,7 @@ def check_inputs(q, k, v, g, beta) -> tuple[int, int, int, int]:
             raise ValueError(f"{name} must be {(b, t, hv)}, got {tuple(x.shape)}")
         if x.dtype not in (torch.float32, q.dtype):
             raise TypeError(f"{name} must be float32 or {q.dtype}, got {x.dtype}")
-    params_for(dtype_name(q.dtype), (kd, v.shape[3]))  # K, V supported
+    _params(dtype_name(q.dtype), (kd, v.shape[3]))  # K, V supported
     return b, t, h, hv
 
 
@@ -87,7 +93,7 @@ def gdn_bwd_factors(
         outs = {n: out[n] for n in outs}
     if b * hv * t == 0:
         return outs
-    fn = get_kernel(SPEC, params_for(dtype_name(q.dtype), (q.shape[-1], v.shape[-1]), wg2=wg2))
+    fn = get_kernel(SPEC, _params(dtype_name(q.dtype), (q.shape[-1], v.shape[-1]), wg2=wg2))
     tiles = [as_tma_ready(x) for x in (q, k, v)]
     gates = [x.float().contiguous() for x in (g, beta)]
     with on_device(q.device):

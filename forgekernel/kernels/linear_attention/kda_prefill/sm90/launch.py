@@ -63,11 +63,37 @@ MAX_TABLES = 256
 
 
 def _exact_tables(device: torch.device, sequences: int, seq_len: int):
-    cu = torch.arange(sequences + 1, dtype=torch.int32, device=device) * seq_len
-    tables = chunk_tables(cu, chunk_bound(sequences * seq_len, sequences, seq_len))
+    tables = chunk_tables(_offsets(device, sequences, seq_len),
+                          chunk_bound(sequences * seq_len, sequences, seq_len))  # fmt: skip
     if device.type == "cuda":  # built on this stream, later read on any: finished first
         torch.cuda.current_stream(device).synchronize()
     return tables
+
+
+def _offsets(device: torch.device, sequences: int, seq_len: int) -> torch.Tensor:
+    return torch.arange(sequences + 1, dtype=torch.int32, device=device) * seq_len
+
+
+# The offsets 0, L, ..., N L themselves (the KDA backward's first pass passes them: read only
+# under a CUDA-graph capture, where `_tables` builds from them; 2 launches a call before
+# next/linattn-bwd-host), kept as the tables are: per (device, N, L), never evicted, at most
+# MAX_TABLES, not while a graph captures.
+_OFFSETS: dict = {}
+
+
+def equal_offsets(device: torch.device, sequences: int, seq_len: int) -> torch.Tensor:
+    """int32 (N + 1,) offsets of N sequences of seq_len tokens on `device`: read only."""
+    if _capturing(device):
+        return _offsets(device, sequences, seq_len)
+    key = (device, sequences, seq_len)
+    cu = _OFFSETS.get(key)
+    if cu is None:
+        cu = _offsets(*key)
+        if device.type == "cuda":  # built on this stream, later read on any: finished first
+            torch.cuda.current_stream(device).synchronize()
+        if len(_OFFSETS) < MAX_TABLES:
+            _OFFSETS[key] = cu
+    return cu
 
 
 def device_tables(cu_seqlens: torch.Tensor, bound: int):
