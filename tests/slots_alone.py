@@ -51,3 +51,13 @@ def assert_sequence_alone(names, got, alone, first: int, end: int, label) -> Non
         err = float(diff.max()) if diff.numel() else 0.0
         bound = TAIL_TOL[name] * float(r.double().abs().max())
         assert err <= bound, (label, name, "last chunk", err, bound)
+
+
+# The lens of both ops' CPU slot tests and whether the factors' own sums stand in for G (`scan`:
+# the case whose cut last chunks are 45 and 39 rows, where the two G_C can differ)
+CPU_CASES = (
+    ([1, 63, 0, 64, 65, 130], False),
+    ([200, 3], False),
+    ([64, 0], False),
+    ([130, 301, 0, 295], True),
+)

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from slots_alone import assert_sequence_alone
+from slots_alone import CPU_CASES, assert_sequence_alone
 from test_gdn_bwd_state import tile_model
 
 import forgekernel
@@ -654,15 +654,7 @@ def scanned_factors_kernel():
     return run
 
 
-@pytest.mark.parametrize(
-    ("lens", "scan"),
-    [
-        ([1, 63, 0, 64, 65, 130], False),
-        ([200, 3], False),
-        ([64, 0], False),
-        ([130, 301, 0, 295], True),
-    ],
-)
+@pytest.mark.parametrize(("lens", "scan"), CPU_CASES)
 def test_varlen_in_slots_is_each_sequence_alone(kernel_path, monkeypatch, lens, scan):
     """bf16 on the device pass (the default; every kernel emulated): unequal sequences in the
     slot layout, one launch each, against each sequence's own batch-path call, as
