@@ -50,6 +50,9 @@ case $mode in
       name=${spec%%=*}
       t=${PROBE_T:-100}
       if [[ "$name" == *:* ]]; then t=${name#*:}; name=${name%%:*}; fi
+      room=$((${CALL_LIMIT:-570} - SECONDS - 15))
+      if (( room < 20 )); then echo "== $name skipped: ${room} s left of CALL_LIMIT"; continue; fi
+      (( t > room )) && t=$room
       echo "== $name $(date +%T)"
       start=$SECONDS
       timeout -k 10 "$t" bash -c "${spec#*=}" > "/tmp/probes/$name.log" 2>&1
