@@ -208,7 +208,7 @@ WY_IN_KERNEL = True
 # TEMPORARY (until a GPU A/B; then the key becomes the default or goes): the WY kernel on two
 # math warpgroups split by value / key channels (`wg2`, kda_bwd_wy/sm90/wy_grads_wg2.py; bit for
 # bit the 256-thread kernel's outputs; NOTES "KDA backward WY kernel on two math warpgroups").
-WY_2WG = False
+WY_2WG = True
 
 
 def _wy_kernel(dw, du, tt, w, k, u, v, beta, big_g, dk, dg, dv16=False, dk16=False,
