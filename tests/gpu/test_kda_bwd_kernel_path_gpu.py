@@ -447,36 +447,31 @@ def test_device_pass(kernel_path, monkeypatch, t, b, h, hv, decay):
     """FACTORS_FROM_FIRST_PASS and WY_IN_KERNEL (bf16): `_device_pass`, kernel 1's forward
     launch (channel_decay + out16 + forward) and reverse launch (channel_decay + out16), kernel
     2 and the WY kernel on their 16-bit forms, outputs NaN-poisoned: every gradient within
-    2e-2 of the fp64 backward and 1e-2 of the same opt-ins' fp32-out path (`_on_device` False)
-    and of the default path; at 1 x 2048 H16 the three times printed (`-s`)."""
+    2e-2 of the fp64 backward and 1e-2 of the default path; at 1 x 2048 H16 the two times
+    printed (`-s`). (The fp32-out comparison, `_on_device` patched False under these opt-ins,
+    went with next/kda-wu: the first pass takes v in q's dtype there, and no switch setting
+    reaches that state: H100 2026-12-06 17:00, 9 failures of the patched state only.)"""
     q, k, v, g, beta, do, h0, dht = _problem(b, t, h, hv, torch.bfloat16, seed=t + 11,
                                              l2norm=True, decay=decay)  # fmt: skip
     inputs = (q, k, v, g, beta, do)
     default = _run(inputs, h0=h0, dht=dht, l2norm=True)
     monkeypatch.setattr(bwd, "FACTORS_FROM_FIRST_PASS", True)
     monkeypatch.setattr(bwd, "WY_IN_KERNEL", True)
-    on_device = bwd._on_device
-    monkeypatch.setattr(bwd, "_on_device", lambda dtype: False)
-    fp32_out = _run(inputs, h0=h0, dht=dht, l2norm=True)
-    monkeypatch.setattr(bwd, "_on_device", on_device)
     kernel_path.clear()
     got = _run(inputs, h0=h0, dht=dht, l2norm=True)
     assert len(kernel_path) == 2
     want = _reference(inputs, h0=h0, dht=dht, l2norm=True)
-    for name, a, r, f, d in zip(NAMES, got, want, fp32_out, default):
+    for name, a, r, d in zip(NAMES, got, want, default):
         _close(name, a, r)
-        _close(name + " vs fp32-out", a, f.double(), KERNEL_TOL)
         _close(name + " vs default", a, d.double(), KERNEL_TOL)
     if (t, b) != (1000, 3):
         return
     args = _problem(1, 2048, 16, 16, torch.bfloat16, seed=5, l2norm=True)
     kw = {"initial_state": args[6], "d_final_state": args[7], "use_qk_l2norm_in_kernel": True}
     times = {}
-    for name, opt_ins, device in (("default", False, True), ("fp32-out", True, False),
-                                  ("device pass", True, True)):  # fmt: skip
+    for name, opt_ins in (("default", False), ("device pass", True)):
         monkeypatch.setattr(bwd, "FACTORS_FROM_FIRST_PASS", opt_ins)
         monkeypatch.setattr(bwd, "WY_IN_KERNEL", opt_ins)
-        monkeypatch.setattr(bwd, "_on_device", on_device if device else lambda dtype: False)
         call = lambda: forgekernel.kimi_delta_attention_backward(*args[:6], **kw)  # noqa: E731
         call()
         times[name] = median(time_ms(call, reps=10))
