@@ -74,8 +74,8 @@ def test_the_rule(b, hv, sms, fused):
     assert config.fused_fits(b, hv, sms) == fused
 
 
-def test_off_by_default():
-    assert bwd.FUSED is False
+def test_on_by_default():
+    assert bwd.FUSED is True
 
 
 @pytest.mark.parametrize(("b", "t", "h", "hv", "l2norm"), [(1, 130, 2, 2, False),
