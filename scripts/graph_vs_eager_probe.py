@@ -168,14 +168,18 @@ def measure(torch, call: Callable[[], Any], args: argparse.Namespace) -> dict[st
         for _ in range(args.calls):
             eager.rerun()  # the eager calls on the timed set
 
-    kernels_e, _ = profile_suite.profiled_kernels(torch, eager_calls)
-    kernels_g, _ = profile_suite.profiled_kernels(torch, graph.rerun)  # one replay: the timer's
-    return {
-        "eager_ms": median(eager), "graph_ms": median(graph), "graph_method": graph.method,
-        "graph_note": graph.note, "graph_calls": graph.launches,
-        "eager_kernels": profile_suite.per_call(kernels_e, args.calls),
-        "graph_kernels": profile_suite.per_call(kernels_g, graph.launches),
-    }  # fmt: skip
+    rec = {"eager_ms": median(eager), "graph_ms": median(graph), "graph_method": graph.method,
+           "graph_note": graph.note, "graph_calls": graph.launches, "profile_error": "",
+           "eager_kernels": {}, "graph_kernels": {}}  # fmt: skip
+    try:  # the times stand without the tables: a profiler failure costs only these
+        kernels_e, _ = profile_suite.profiled_kernels(torch, eager_calls)
+        kernels_g, _ = profile_suite.profiled_kernels(torch, graph.rerun)  # the timer's graph
+    except Exception as e:
+        rec["profile_error"] = f"{type(e).__name__}: {e}"[:300]
+        return rec
+    rec["eager_kernels"] = profile_suite.per_call(kernels_e, args.calls)
+    rec["graph_kernels"] = profile_suite.per_call(kernels_g, graph.launches)
+    return rec
 
 
 def report(label: str, rec: dict[str, Any], top: int) -> list[str]:
@@ -183,6 +187,8 @@ def report(label: str, rec: dict[str, Any], top: int) -> list[str]:
     how = rec["graph_method"] + (f", {rec['graph_note']}" if rec["graph_note"] else "")
     lines = [f"{label}: graph {rec['graph_ms']:.3f} ms ({how}, {rec['graph_calls']} calls a "
              f"replay), eager {rec['eager_ms']:.3f} ms, graph - eager {gap:+.3f} ms"]  # fmt: skip
+    if rec["profile_error"]:
+        return [*lines, f"  torch.profiler failed: {rec['profile_error']}"]
     if not rec["graph_kernels"] and rec["graph_method"] == "cuda-graph":
         lines.append("  the profiler saw no kernel in the replay (no graph node trace here)")
     return lines + comparison(rec["eager_kernels"], rec["graph_kernels"], top)

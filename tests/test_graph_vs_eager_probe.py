@@ -131,3 +131,23 @@ def test_measure_profiles_what_was_timed(monkeypatch):
     lines = probe.report("gdn_bwd:x varlen", rec, top=5)
     assert lines[0].startswith("gdn_bwd:x varlen: graph 6.500 ms (cuda-graph, 3 calls a replay)")
     assert "graph - eager +1.500 ms" in lines[0]
+
+
+def test_a_profiler_failure_keeps_the_times(monkeypatch):
+    """torch.profiler raising: the record keeps both medians, empty tables and the error,
+    which the report prints instead of the tables."""
+    from forgekernel.bench import methods
+    from forgekernel.runtime.timing import Samples
+
+    def time_method(method, fns, sets, **kw):
+        return {"fn": Samples([2.0], method=method, launches=2, rerun=lambda: None)}
+
+    def profiled(torch_, work):
+        raise RuntimeError("CUPTI unavailable")
+
+    monkeypatch.setattr(methods, "time_method", time_method)
+    monkeypatch.setattr(probe.profile_suite, "profiled_kernels", profiled)
+    rec = probe.measure(torch, lambda: None, probe.parse_args([]))
+    assert (rec["eager_ms"], rec["graph_ms"], rec["graph_kernels"]) == (2.0, 2.0, {})
+    lines = probe.report("kda_bwd:x batch", rec, top=5)
+    assert lines[-1] == "  torch.profiler failed: RuntimeError: CUPTI unavailable"
