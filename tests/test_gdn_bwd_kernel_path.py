@@ -695,29 +695,36 @@ def test_varlen_in_slots_is_each_sequence_alone(kernel_path, monkeypatch, lens, 
     assert equal == ([True] * len(equal) if not scan else [True, False, False])
 
 
-def test_varlen_capture_runs_either_path(kernel_path, monkeypatch):
-    """Under a CUDA-graph capture with EQUAL_IN_CAPTURE (emulated: each conditional body run
-    where its pred holds, `_either`): equal lengths take the batch path, unequal ones the slot
-    layout, each with the gradients of its eager call bit for bit, into one set of buffers
-    (k_last's transposed state gradient included)."""
-    from test_linattn_varlen import _either
-
+def test_varlen_capture_takes_the_slot_layout(kernel_path, monkeypatch):
+    """Under a CUDA-graph capture (emulated: `capturing` true) every call runs once in the slot
+    layout (no host read of cu_seqlens), equal lengths too (their batch path behind
+    conditional nodes was dropped: NOTES "next/capture-drop"): unequal lengths bit for bit
+    their eager call (the same path), equal ones as many launches as eager's batch path and
+    within 2e-2 of it (dk, dg of a cut last chunk sum G_C in another order: NOTES "Slots
+    against each sequence alone"), k_last's transposed state gradient included."""
     q, k, v, g, beta, do, h0, dht = _bf16_problem(1, 130, 2, 4)
     *_, h0, dht = _bf16_problem(2, 1, 2, 4, seed=1)
     kw = {"use_qk_l2norm_in_kernel": True, "k_last": True,
           "initial_state": h0.transpose(-1, -2).contiguous()}  # fmt: skip
-    for lens, taken_want in (([65, 65], [True, False]), ([60, 70], [False, True])):
+    slots = []
+    real = varlen.run_in_slots
+    monkeypatch.setattr(varlen, "run_in_slots", lambda *a: slots.append(1) or real(*a))
+    for lens in ([65, 65], [60, 70]):
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
         want = forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, cu_seqlens=cu, **kw)
+        slots.clear()
         with monkeypatch.context() as m:
-            taken: list = []
-            _either(m, taken)
+            m.setattr(varlen, "capturing", lambda t: True)
             kernel_path.clear()
             got = forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, cu_seqlens=cu,
                                                         **kw)  # fmt: skip
-        assert taken == taken_want and len(kernel_path) == 2  # one path's two kernel-1 launches
+        assert slots == [1] and len(kernel_path) == 2  # one pass: two kernel-1 launches
         for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
-            assert torch.equal(a, r), (lens, name)
+            if lens[0] != lens[1]:
+                assert torch.equal(a, r), (lens, name)
+            else:
+                err = float((a.double() - r.double()).abs().max())
+                assert err <= 2e-2 * float(r.abs().max()) + 1e-6, (lens, name, err)
 
 
 def test_varlen_passes_count_the_tokens(kernel_path, monkeypatch):

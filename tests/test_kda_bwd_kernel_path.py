@@ -589,26 +589,32 @@ def test_equal_varlen_in_slots_is_the_batch(kernel_path):
         assert torch.equal(a.reshape(r.shape), r), name
 
 
-def test_varlen_capture_runs_either_path(kernel_path, monkeypatch):
-    """Under a CUDA-graph capture with EQUAL_IN_CAPTURE (emulated: each conditional body run
-    where its pred holds, `_either`): equal lengths take the batch path, unequal ones the slot
-    layout, each with its eager call's gradients bit for bit, into one set of buffers."""
-    from test_linattn_varlen import _either
-
+def test_varlen_capture_takes_the_slot_layout(kernel_path, monkeypatch):
+    """Under a CUDA-graph capture (emulated: `capturing` true) every call runs once in the slot
+    layout, equal lengths too (NOTES "next/capture-drop"), as Gated DeltaNet's: unequal
+    lengths bit for bit their eager call (the same path), equal ones within 2e-2 of eager's
+    batch path, with as many kernel-1 launches."""
     (q, k, v, g, beta, _), do, _ = _bf16_problem(1, 140, 1, 2, seed=3)
     (*_, h0), _, dht = _bf16_problem(2, 1, 1, 2, seed=2)
     kw = {"initial_state": h0, "d_final_state": dht, "use_qk_l2norm_in_kernel": True}
-    for lens, taken_want in (([70, 70], [True, False]), ([64, 76], [False, True])):
+    slots = []
+    real = varlen.run_in_slots
+    monkeypatch.setattr(varlen, "run_in_slots", lambda *a: slots.append(1) or real(*a))
+    for lens in ([70, 70], [64, 76]):
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
         want = bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, cu_seqlens=cu, **kw)
+        slots.clear()
         with monkeypatch.context() as m:
-            taken: list = []
-            _either(m, taken)
+            m.setattr(varlen, "capturing", lambda t: True)
             kernel_path.clear()
             got = bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, cu_seqlens=cu, **kw)
-        assert taken == taken_want and len(kernel_path) == 2  # one path's kernel-1 launches
+        assert slots == [1] and len(kernel_path) == 2  # kernel 1's two launches
         for name, a, r in zip(NAMES, got, want):
-            assert torch.equal(a, r), (lens, name)
+            if lens[0] != lens[1]:
+                assert torch.equal(a, r), (lens, name)
+            else:
+                err = float((a.double() - r.double()).abs().max())
+                assert err <= 2e-2 * float(r.abs().max()) + 1e-6, (lens, name, err)
 
 
 @pytest.mark.parametrize("b", [1, 2])

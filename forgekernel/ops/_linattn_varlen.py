@@ -14,9 +14,9 @@ batch keys and code) with kernel 1, the state recurrences, in its `varlen` form 
 (value head, sequence) walking the slots it owns, longest first: `longest_first`), and the
 token gradients are gathered back (`unpack`; both copy the rows as the widest integer words
 they split into, `word`). Every table is made on the device from cu_seqlens: no host read, so
-a CUDA-graph capture takes this path whatever the lengths; with EQUAL_IN_CAPTURE the capture
-records the batch path beside it, each behind a conditional node, and a replay at N equal
-lengths runs the batch path (`run_either`).
+a CUDA-graph capture takes this path whatever the lengths, equal ones included (their batch path
+behind CUDA conditional nodes gained nothing on the H100: docs/linear_attention/NOTES.md
+"next/capture-drop").
 
 Eager calls read the offsets on the host once (`backward_varlen`): equal lengths stay the batch
 path (a reshape, no copy; the same kernels and code as a call without cu_seqlens), no token
@@ -255,61 +255,6 @@ def run_in_slots(
     return (*grads, d_state)
 
 
-# Under a CUDA-graph capture equal lengths take the batch path too, chosen on the device: the
-# capture records both paths, each in a conditional node (CUDA 12.4+, torch's
-# `CUDAGraph.begin_capture_to_if_node`), the batch one run at a replay where cu_seqlens holds N
-# lengths T / N, the slot layout where not, both into the same gradient buffers (`run_either`):
-# the slot layout's pack / unpack (~2.7 GB at GDN 4 x 8192 hv32, ~1.1 ms as words) only for
-# unequal lengths. TEMPORARY switch, off until the device check (NOTES "Varlen slots at equal
-# lengths"): False, every capture in the slot layout.
-EQUAL_IN_CAPTURE = False
-
-
-def capture_graph():
-    """The torch CUDA graph the current stream captures into (`torch.cuda.CUDAGraph`: it takes
-    conditional nodes), None where there is none to be had (a capture torch did not begin, a
-    torch without conditional nodes)."""
-    get = getattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph", None)
-    if get is None:
-        return None
-    try:
-        return get()
-    except RuntimeError:
-        return None
-
-
-def captured_if(graph, pred: torch.Tensor, body: Callable[[], object]) -> None:
-    """body's work captured into a conditional node of `graph`: a replay runs it where `pred`
-    (a bool on the device, read there at the replay) is true, else skips it."""
-    graph.begin_capture_to_if_node(pred)
-    try:
-        body()
-    finally:
-        graph.end_capture_to_conditional_node()
-
-
-def run_either(
-    graph,
-    run: Callable[..., Grads],
-    in_slots: Callable[..., Grads],
-    tokens: Sequence[torch.Tensor],
-    states: Sequence[torch.Tensor | None],
-    cu_seqlens: torch.Tensor,
-    out: Sequence[torch.Tensor],
-) -> Grads:
-    """Both paths captured into `graph` (`backward_varlen`, EQUAL_IN_CAPTURE), each behind a
-    conditional node: `run` on N sequences of T / N tokens where cu_seqlens holds them at the
-    replay (N divides T), `run_in_slots` where not; both write every gradient into `out` (all
-    given), returned."""
-    n, t = cu_seqlens.shape[0] - 1, tokens[0].shape[0]
-    edges = torch.arange(n + 1, dtype=cu_seqlens.dtype, device=cu_seqlens.device) * (t // n)
-    equal = torch.eq(cu_seqlens, edges).all()
-    captured_if(graph, equal, lambda: run(*tokens, *states, n, out=out))
-    captured_if(graph, equal.logical_not(),
-                lambda: run_in_slots(in_slots, tokens, states, cu_seqlens, out))  # fmt: skip
-    return tuple(out)
-
-
 def backward_varlen(
     run: Callable[..., Grads],
     tokens: Sequence[torch.Tensor],
@@ -317,25 +262,16 @@ def backward_varlen(
     cu_seqlens: torch.Tensor,
     out: Sequence[torch.Tensor | None] | None = None,
     in_slots: Callable[..., Grads] | None = None,
-    empty: Callable[[], Grads] | None = None,
 ) -> Grads | None:
     """Both ops' varlen backward on their kernel paths. Under a CUDA-graph capture: one call of
-    `in_slots` (`run_in_slots`; the caller refuses the capture first where it has none), or
-    with EQUAL_IN_CAPTURE, N dividing T and a torch graph capturing, both `run` and `in_slots`
-    behind conditional nodes (`run_either`; `empty()`: new buffers of every gradient, those
-    `out` lacks taken from it). Eager: the offsets read on the host (one sync); equal lengths
-    one call of `run` on the tokens as they are (a reshape, no copy), unequal ones `in_slots`
-    where given, else `run` in buckets (`run_in_buckets`); None (the caller's interim path)
-    when no sequence has a token. `run`, `tokens`, `states`, `out` as `run_in_buckets`' (`run`
-    takes `out` as a keyword); `in_slots` as `run_in_slots`' `run`."""
+    `in_slots` (`run_in_slots`, whatever the lengths; the caller refuses the capture first
+    where it has none). Eager: the offsets read on the host (one sync); equal lengths one call
+    of `run` on the tokens as they are (a reshape, no copy), unequal ones `in_slots` where
+    given, else `run` in buckets (`run_in_buckets`); None (the caller's interim path) when no
+    sequence has a token. `run`, `tokens`, `states`, `out` as `run_in_buckets`' (`run` takes
+    `out` as a keyword); `in_slots` as `run_in_slots`' `run`."""
     if in_slots is not None and capturing(tokens[0]):
-        n = cu_seqlens.shape[0] - 1
-        graph = capture_graph() if EQUAL_IN_CAPTURE and empty is not None else None
-        if graph is None or tokens[0].shape[0] % n:
-            return run_in_slots(in_slots, tokens, states, cu_seqlens, out)
-        given = out if out is not None else [None] * len(tokens)
-        bufs = [e if o is None else o for o, e in zip(given, empty())]
-        return run_either(graph, run, in_slots, tokens, states, cu_seqlens, bufs)
+        return run_in_slots(in_slots, tokens, states, cu_seqlens, out)
     edges = [int(e) for e in cu_seqlens.tolist()]
     lens = [z - a for a, z in zip(edges[:-1], edges[1:])]
     if max(lens) == 0:

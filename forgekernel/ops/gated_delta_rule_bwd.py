@@ -693,11 +693,10 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, k_last
 def _backward_varlen(q, k, v, g, beta, initial_state, do, d_final, scale, k_last, l2norm,
                      cu_seqlens, out=None) -> Grads | None:  # fmt: skip
     """Varlen on the kernel path (ops/_linattn_varlen.py `backward_varlen`): on the device pass
-    (`_slots_path`) unequal lengths run once in the slot layout, no host read under a
-    CUDA-graph capture (with EQUAL_IN_CAPTURE the batch path beside it, chosen at the replay:
-    `run_either`, into `_empty_grads`' buffers); eagerly the offsets are read once (equal
-    lengths: a reshape). The fallback forms: buckets of sequences zero-padded at their ends,
-    a capture refused first. None (the interim path) when no token."""
+    (`_slots_path`) unequal lengths run once in the slot layout, and so does every call under
+    a CUDA-graph capture (no host read: equal lengths too); eagerly the offsets are read once
+    (equal lengths: a reshape). The fallback forms: buckets of sequences zero-padded at their
+    ends, a capture refused first. None (the interim path) when no token."""
     in_slots = _slots_path()
     if not in_slots:
         refuse_capture(NOT_CAPTURABLE_VARLEN, q)
@@ -709,11 +708,8 @@ def _backward_varlen(q, k, v, g, beta, initial_state, do, d_final, scale, k_last
         return _backward_kernel(q, k, v, g, beta, h0, do, dht, scale, k_last, l2norm, 1,
                                 slots=slots)  # fmt: skip
 
-    def empty():
-        return _empty_grads(q, k, v, g, beta, cu_seqlens, k_last)
-
     return backward_varlen(run, (q, k, v, g, beta, do), (initial_state, d_final), cu_seqlens,
-                           out, run_slots if in_slots else None, empty)  # fmt: skip
+                           out, run_slots if in_slots else None)  # fmt: skip
 
 
 def _slots_path() -> bool:

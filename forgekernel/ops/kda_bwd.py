@@ -597,11 +597,11 @@ def _backward_varlen(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
                      cu_seqlens, out=None) -> Grads | None:  # fmt: skip
     """Varlen on the kernel path, as Gated DeltaNet's (ops/_linattn_varlen.py
     `backward_varlen`): on the device pass (`_slots_path`) unequal lengths run once in the slot
-    layout, no host read under a CUDA-graph capture (with EQUAL_IN_CAPTURE the batch path
-    beside it, chosen at the replay: `run_either`, into `_empty_grads`' buffers); eagerly the
-    offsets are read once (equal lengths, the suite's batch cases: B = 1 + cu_seqlens, a
-    reshape). The fallback forms: buckets of sequences zero-padded at their ends, a capture
-    refused first. None (the interim path) when no token."""
+    layout, and so does every call under a CUDA-graph capture (no host read: equal lengths too,
+    the suite's batch cases in its graph column); eagerly the offsets are read once (equal
+    lengths, the suite's batch cases: B = 1 + cu_seqlens, a reshape). The fallback forms:
+    buckets of sequences zero-padded at their ends, a capture refused first. None (the interim
+    path) when no token."""
     in_slots = _slots_path(do.dtype)
     if not in_slots:
         refuse_capture(NOT_CAPTURABLE_VARLEN, q)
@@ -612,11 +612,8 @@ def _backward_varlen(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
     def run_slots(q, k, v, g, beta, do, h0, dht, slots):
         return _backward_kernel(q, k, v, g, beta, h0, do, dht, scale, l2norm, 1, slots=slots)
 
-    def empty():
-        return _empty_grads(q, k, v, g, beta, cu_seqlens)
-
     return backward_varlen(run, (q, k, v, g, beta, do), (initial_state, d_final), cu_seqlens,
-                           out, run_slots if in_slots else None, empty)  # fmt: skip
+                           out, run_slots if in_slots else None)  # fmt: skip
 
 
 def _slots_path(dtype: torch.dtype) -> bool:
