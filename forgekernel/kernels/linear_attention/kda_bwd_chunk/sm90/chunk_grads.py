@@ -105,6 +105,14 @@ PAIRS = NS * (NS - 1) // 2  # E_(I, J) of I > J
 G_STRIDE = 128 + 8  # the fp32 (C, K) tiles' padded rows (`_gi`)
 
 
+def _tiled_mma(dtype, b_major: OperandMajorMode, n: int, rmem: bool = False) -> cute.TiledMma:
+    """One math warpgroup's (C, n) WGMMA: `dtype` operands, fp32 accumulator, A K-major from
+    shared memory (from registers with `rmem`)."""
+    source = warpgroup.OperandSource.RMEM if rmem else warpgroup.OperandSource.SMEM
+    return sm90_utils.make_trivial_tiled_mma(dtype, dtype, OperandMajorMode.K, b_major, Float32,
+                                             (1, 1, 1), (CHUNK, n), a_source=source)  # fmt: skip
+
+
 class _GroupWaits:
     """Trace-time bookkeeping of the load groups' mbarriers (armed once, phase 0): calling it
     with tile names waits on each group holding one of them that this thread has not waited on
@@ -139,23 +147,22 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         self.half = k // 2  # a math warpgroup's key channels
 
     def _setup(self):
+        """The tiled MMAs and shared layouts, the tiles' dtype known. mma_s, mma_q, mma_k and
+        the token, P and block-operand layouts are the WY kernel's too (its dA, dx's and dy's
+        blocks have their shapes); mma_w and the states' layout are kernel 2's own."""
         dt, bf = self.dtype, BFloat16
         k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
-        rmem = warpgroup.OperandSource.RMEM
-        n = (CHUNK, self.half)  # a math warpgroup's key channels
         # dqe, dke, dw: (C, 64) reduced over V, both operands K-major in shared memory
-        self.mma_w = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, k_major, Float32,
-                                                       (1, 1, 1), n)  # fmt: skip
-        # S = dO U^T: (C, C) reduced over V, whole in each math warpgroup
-        self.mma_s = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, k_major, k_major, Float32, (1, 1, 1), (CHUNK, CHUNK)
-        )
-        # dq's blocks: A = dP (registers, bf16), B = (k er)'s transposed (MN-major) view's half
-        self.mma_q = sm90_utils.make_trivial_tiled_mma(bf, bf, k_major, mn_major, Float32,
-                                                       (1, 1, 1), n, a_source=rmem)  # fmt: skip
-        # dk's blocks: A = dP^T from shared memory (K-major), B = (q el)'s transposed view's half
-        self.mma_k = sm90_utils.make_trivial_tiled_mma(bf, bf, k_major, mn_major, Float32,
-                                                       (1, 1, 1), n)  # fmt: skip
+        self.mma_w = _tiled_mma(dt, k_major, self.half)
+        # S = dO U^T (WY: dA = dvb u^T + dkb w^T): (C, C) reduced over V (WY: V + K), both
+        # operands K-major in shared memory, whole in each math warpgroup
+        self.mma_s = _tiled_mma(dt, k_major, CHUNK)
+        # dq's blocks (WY: dx's): A = dP (dA) from registers, bf16, B = (k er)'s transposed
+        # (MN-major) view's half
+        self.mma_q = _tiled_mma(bf, mn_major, self.half, rmem=True)
+        # dk's blocks (WY: dy's): A = dP^T ((beta dA)^T) from shared memory (K-major), B = (q el)'s
+        # ((k el)'s) transposed view's half
+        self.mma_k = _tiled_mma(bf, mn_major, self.half)
         row = LayoutEnum.ROW_MAJOR
         self.sT_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, self.v), dt, 1)
         self.sH_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, self.k, self.v), dt, 1)
@@ -366,13 +373,27 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         columns none, and every address is a thread base plus an immediate."""
         return row * G_STRIDE + col
 
+    def _half(self, s_tile, kh):
+        """Columns [64 kh, +64) of a staged (C, 128) shared tile, staged: (C, 64, 1)."""
+        return cute.local_tile(s_tile, (CHUNK, self.half, 1), (0, kh, 0))
+
+    def _half_t(self, s_tile, kh):
+        """The transposed view's rows [64 kh, +64) of a staged (C, 128) shared tile: a B
+        operand's half (MN-major), unstaged."""
+        return cute.local_tile(transposed(s_tile)[None, None, 0], (self.half, CHUNK), (kh, 0))
+
+    def _half_rows(self, mma, mX, tid, b, hv, c, kh):
+        """This thread's (rows, columns) partition of x[b, tokens of chunk c, hv, channels
+        [64 kh, +64)] (B, T, HV, K) global: a math warpgroup's (C, 64) accumulator's place."""
+        tile = cute.local_tile(mX[b, None, hv, None], (CHUNK, self.half), (c, kh))
+        return rows_cols(mma.get_slice(tid).partition_C(tile))
+
     @cute.jit
     def _store_rows(self, acc, mma, mOut, tid, b, hv, c, seqlen, scale=None):
         """Gated DeltaNet's `_store_rows` for this warpgroup's (C, 64) columns of out: the
         rows inside T, a 16-bit out rounded once."""
         t0, row_base, _ = softmax.acc_coords(mma, tid, (CHUNK, self.half))
-        tile = cute.local_tile(mOut[b, None, hv, None], (CHUNK, self.half), (c, self._kh()))
-        g = rows_cols(mma.get_slice(tid).partition_C(tile))
+        g = self._half_rows(mma, mOut, tid, b, hv, c, self._kh())
         a = rows_cols(acc)
         for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
             if c * CHUNK + row_base + t0[r, 0][0] < seqlen:
@@ -464,10 +485,9 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         wg_q = mma_q.get_slice(0)
         wg_k = mma_k.get_slice(0)
         # this warpgroup's B operands: h's / dh's rows, (k er)'s / (q el)'s columns [64 kh, +64)
+        # (their transposed views' rows: `_half_t`)
         sHh = cute.local_tile(sH[None, None, 0], (hk, self.v), (kh, 0))
         sDHh = cute.local_tile(sDH[None, None, 0], (hk, self.v), (kh, 0))
-        sKrT = cute.local_tile(transposed(sKr)[None, None, 0], (hk, CHUNK), (kh, 0))
-        sQlT = cute.local_tile(transposed(sQl)[None, None, 0], (hk, CHUNK), (kh, 0))
         tArDO = wg_w.make_fragment_A(wg_w.partition_A(sDO))
         tArU = wg_w.make_fragment_A(wg_w.partition_A(sU))
         tArDU = wg_w.make_fragment_A(wg_w.partition_A(sDU))
@@ -476,9 +496,9 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         tSrDO = wg_s.make_fragment_A(wg_s.partition_A(sDO))
         tSrU = wg_s.make_fragment_B(wg_s.partition_B(sU))
         tQrP = wg_q.make_fragment_A(wg_q.partition_shape_A((CHUNK, CHUNK)))
-        tQrKr = wg_q.make_fragment_B(wg_q.partition_B(sKrT))
+        tQrKr = wg_q.make_fragment_B(wg_q.partition_B(self._half_t(sKr, kh)))
         tKrP = wg_k.make_fragment_A(wg_k.partition_A(sP))
-        tKrQl = wg_k.make_fragment_B(wg_k.partition_B(sQlT))
+        tKrQl = wg_k.make_fragment_B(wg_k.partition_B(self._half_t(sQl, kh)))
         mine = named_barrier(BAR_WG + kh, THREADS_PER_WG)
         both = named_barrier(BAR_BOTH, MATH_THREADS)
         first = c * CHUNK

@@ -35,9 +35,10 @@ integration41").
 
 el = e^(G - r_w), er = e^(r_w - G) <= e^(8 max|g|) (zero past T); no factor is e^(-G). The
 score-gradient blocks run in bf16 for either tile dtype (kernel 2's reason). The per-channel
-tables, (k er) / (k el), the block products and their column scalings are kernel 2's
+tables, (k er) / (k el), the block products and their column scalings, the tiled MMAs and
+layouts but T^T's, the half tiles and the half-row stores are kernel 2's
 (kernels/linear_attention/kda_bwd_chunk/sm90, `KdaBwdChunkSm90`, inherited); Gated DeltaNet's
-kernel 2 brings the row stores and row dots.
+kernel 2 brings the grouped loads, the tile stores (stmatrix) and dbeta's store.
 
 Two math warpgroups split by value / key channels (2026-12-06: 1.20x the one-math-warpgroup
 kernel of 256 threads it replaced, 2.043 -> 1.706 ms at 4 x 8192 HV16 on the H100, bit for bit
@@ -93,7 +94,7 @@ from cutlass.tensor_utils import LayoutEnum
 from forgekernel.kernels.common.sm90 import softmax
 from forgekernel.kernels.common.sm90.barriers import named_barrier
 from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG, WARP_SIZE
-from forgekernel.kernels.common.sm90.layout import acc_to_operand_a, rows_cols, transposed
+from forgekernel.kernels.common.sm90.layout import acc_to_operand_a, rows_cols
 from forgekernel.kernels.common.sm90.mma import gemm
 from forgekernel.kernels.common.sm90.pipeline import init_arrive, init_wait, smem_tensor
 from forgekernel.kernels.common.sm90.prefetch import bulk_prefetch_l2
@@ -107,6 +108,7 @@ from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90.chunk_grads import 
     PRODUCER_WARP,
     QUAD,
     KdaBwdChunkSm90,
+    _tiled_mma,
 )
 from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.config import (
     CHUNK,
@@ -135,39 +137,14 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         self.table += DOTS * 2 * THREADS_PER_WG
 
     def _setup(self):
-        dt, bf = self.dtype, BFloat16
-        k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
-        rmem = warpgroup.OperandSource.RMEM
-        n = (CHUNK, self.half)
+        # kernel 2's: dA on its mma_s, dx's / dy's blocks on mma_q / mma_k, the token, P and
+        # block-operand layouts
+        super()._setup()
         # dvb, dkb's halves = T^T [du dw]'s: A = T^T (K-major), B the half's transposed
         # (MN-major) view
-        self.mma_t = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, mn_major, Float32,
-                                                       (1, 1, 1), n)  # fmt: skip
-        # dA = dvb u^T + dkb w^T, A (dvb, dkb over du's, dw's bytes) and B K-major in shared
-        # memory
-        self.mma_da = sm90_utils.make_trivial_tiled_mma(dt, dt, k_major, k_major, Float32,
-                                                        (1, 1, 1), (CHUNK, CHUNK))  # fmt: skip
-        # dx's blocks: A = dA (registers, bf16), B = (k er)'s transposed view's half
-        self.mma_x = sm90_utils.make_trivial_tiled_mma(bf, bf, k_major, mn_major, Float32,
-                                                       (1, 1, 1), n, a_source=rmem)  # fmt: skip
-        # dy's blocks: A = (beta dA)^T from shared memory (K-major), B = (k el)'s transposed
-        # view's half
-        self.mma_y = sm90_utils.make_trivial_tiled_mma(bf, bf, k_major, mn_major, Float32,
-                                                       (1, 1, 1), n)  # fmt: skip
+        self.mma_t = _tiled_mma(self.dtype, OperandMajorMode.MN, self.half)
         row = LayoutEnum.ROW_MAJOR
-        self.sT_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, self.v), dt, 1)
-        self.sTt_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, CHUNK), dt, 1)
-        self.sP_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, CHUNK), bf, 1)
-        self.sB_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, self.k), bf, 1)
-
-    def _half(self, s_tile, kh):
-        """Columns [64 kh, +64) of a staged (C, 128) shared tile, staged: (C, 64, 1)."""
-        return cute.local_tile(s_tile, (CHUNK, self.half, 1), (0, kh, 0))
-
-    def _half_t(self, s_tile, kh):
-        """The transposed view's rows [64 kh, +64) of a staged (C, 128) shared tile: a B
-        operand's half (MN-major), unstaged."""
-        return cute.local_tile(transposed(s_tile)[None, None, 0], (self.half, CHUNK), (kh, 0))
+        self.sTt_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, CHUNK), self.dtype, 1)
 
     @cute.jit
     def __call__(
@@ -242,7 +219,7 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         self.shared_storage = SharedStorage
         atoms_and_views = [x for atom_view in tmas for x in atom_view]
         nc = (mDW.shape[1] + CHUNK - 1) // CHUNK
-        mmas = (self.mma_t, self.mma_da, self.mma_x, self.mma_y)
+        mmas = (self.mma_t, self.mma_s, self.mma_q, self.mma_k)  # mma_da, mma_x, mma_y
         layouts = (self.sT_layout, self.sTt_layout, self.sP_layout, self.sB_layout)
         self.kernel(
             *atoms_and_views, mBeta, mG, mDK, mDV, mDG, mDB, mDKo, *mmas, *layouts
@@ -510,8 +487,7 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
     def _add_rows(self, acc, mma, mOut, tid, b, hv, c, seqlen):
         """GDN's `_add_rows` on this warpgroup's (C, 64) columns of out."""
         t0, row_base, _ = softmax.acc_coords(mma, tid, (CHUNK, self.half))
-        tile = cute.local_tile(mOut[b, None, hv, None], (CHUNK, self.half), (c, self._kh()))
-        g = rows_cols(mma.get_slice(tid).partition_C(tile))
+        g = self._half_rows(mma, mOut, tid, b, hv, c, self._kh())
         a = rows_cols(acc)
         for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
             if c * CHUNK + row_base + t0[r, 0][0] < seqlen:
@@ -528,10 +504,8 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         dependent L2 round trips a thread in the one-warpgroup kernel)."""
         t0, row_base, _ = softmax.acc_coords(mma, tid, (CHUNK, self.half))
         kh = self._kh()
-        src = cute.local_tile(mIn[b, None, hv, None], (CHUNK, self.half), (c, kh))
-        dst = cute.local_tile(mOut[b, None, hv, None], (CHUNK, self.half), (c, kh))
-        gi = rows_cols(mma.get_slice(tid).partition_C(src))
-        go = rows_cols(mma.get_slice(tid).partition_C(dst))
+        gi = self._half_rows(mma, mIn, tid, b, hv, c, kh)
+        go = self._half_rows(mma, mOut, tid, b, hv, c, kh)
         a = rows_cols(acc)
         n = cute.size(a, mode=[1])
         for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
