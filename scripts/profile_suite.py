@@ -94,7 +94,7 @@ def parse_args(target: Target, argv: Sequence[str] | None = None) -> argparse.Na
         default=[],
         metavar="MODULE.NAME=VALUE",
         help="set a module constant before the run (a temporary A/B switch, e.g. "
-        "forgekernel.ops.kda_bwd.CHUNK_2WG=True; VALUE a Python literal; repeatable)",
+        "forgekernel.ops.kda_bwd.FINAL_QK=True; VALUE a Python literal; repeatable)",
     )
     args = p.parse_args(argv)
     try:

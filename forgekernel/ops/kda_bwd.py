@@ -177,10 +177,6 @@ CHUNK_IN_KERNEL = True
 # epilogue kernel (`_qk_grads`, kernels/linear_attention/gdn_bwd_norm/sm90); False: torch
 # (`_normalized_backward`, the fallback).
 NORM_IN_KERNEL = True
-# TEMPORARY (until a GPU A/B; then the key becomes the default or goes): kernel 2 on two math
-# warpgroups split by key channels (`wg2`, kda_bwd_chunk/sm90/chunk_grads_wg2.py; bit for bit
-# the 256-thread kernel's outputs; NOTES "KDA kernel 2 on two math warpgroups, built").
-CHUNK_2WG = True
 
 
 def _chunk_grads(do, u, du, q, k, h, dh, big_g, dw16=False, dg=None, dq16=False, scale=1.0,
@@ -191,7 +187,7 @@ def _chunk_grads(do, u, du, q, k, h, dh, big_g, dw16=False, dg=None, dq16=False,
     written into (the op's `out=` dg, the WY kernel adding its half onto it after), else the
     launcher's own. dq16: q unscaled, dq times `scale` in do's 16-bit dtype (the op's dq; into
     `dq`, contiguous, when given). The CPU tests put the tile emulation here."""
-    flags = {"dw16": dw16, "wg2": CHUNK_2WG, **({"dq16": True, "scale": scale} if dq16 else {})}
+    flags = {"dw16": dw16, **({"dq16": True, "scale": scale} if dq16 else {})}
     if dg is None and dq is None:
         return chunk_launch.kda_bwd_chunk(do, u, du, q, k, h, dh, big_g, **flags)
     own = chunk_launch.empty_outputs(do, q.shape[-1], dw16, dq16)
@@ -205,10 +201,6 @@ def _chunk_grads(do, u, du, q, k, h, dh, big_g, dw16=False, dg=None, dq16=False,
 # CHUNK_IN_KERNEL only. T = L^-1 is formed in torch for its input tile, or read from the first
 # pass with FACTORS_FROM_FIRST_PASS.
 WY_IN_KERNEL = True
-# TEMPORARY (until a GPU A/B; then the key becomes the default or goes): the WY kernel on two
-# math warpgroups split by value / key channels (`wg2`, kda_bwd_wy/sm90/wy_grads_wg2.py; bit for
-# bit the 256-thread kernel's outputs; NOTES "KDA backward WY kernel on two math warpgroups").
-WY_2WG = True
 
 
 def _wy_kernel(dw, du, tt, w, k, u, v, beta, big_g, dk, dg, dv16=False, dk16=False,
@@ -227,7 +219,7 @@ def _wy_kernel(dw, du, tt, w, k, u, v, beta, big_g, dk, dg, dv16=False, dk16=Fal
         dbeta = torch.empty(b, t, hv, dtype=torch.float32, device=dw.device)
     final = {"dk16": True, **given(dk_out=dk_out)} if dk16 else {}
     return wy_launch.kda_bwd_wy(dw, du, tt, w, k, u, v, beta, big_g, dv16=dv16,
-                                out=(dk, dv, dg, dbeta), wg2=WY_2WG, **final)  # fmt: skip
+                                out=(dk, dv, dg, dbeta), **final)  # fmt: skip
 
 
 # On since 2026-12-06 (H100, with WY_IN_KERNEL; docs/linear_attention/NOTES.md "KDA backward
@@ -434,8 +426,8 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=tor
 # since next/kda-bwd-regress: on the H100 (4 x 8192, H = HV = 16) it cost kernel 2 +0.65 ms
 # (3.18 -> 3.83; its SASS differs from dq16's absence only by the scale's 72 FMUL and the
 # 16-bit stores: cause open) and the WY kernel +0.4 ms (dk16's loads serialized behind its
-# stores, fixed there) for 0.52 ms of glue: 9.76 vs 9.23 ms. Re-time kernel 2 (now the wg2
-# build) with dq16: on again if its cost is gone, else remove the dq16 path. The WY kernel's
+# stores, fixed there) for 0.52 ms of glue: 9.76 vs 9.23 ms. Re-time kernel 2 (now on two math
+# warpgroups) with dq16: on again if its cost is gone, else remove the dq16 path. The WY kernel's
 # half of it (dk16, `_writes_dk`) no longer rides on this switch (next/kda-glue3).
 FINAL_QK = False
 

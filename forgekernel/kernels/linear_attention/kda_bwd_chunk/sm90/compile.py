@@ -14,12 +14,6 @@ from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90.chunk_grads import 
 
 
 def kernel_for(params: dict) -> KdaBwdChunkSm90:
-    if params.get("wg2"):
-        from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90.chunk_grads_wg2 import (
-            KdaBwdChunkWg2Sm90,
-        )
-
-        return KdaBwdChunkWg2Sm90(params["k"], params["v"])
     return KdaBwdChunkSm90(params["k"], params["v"])
 
 

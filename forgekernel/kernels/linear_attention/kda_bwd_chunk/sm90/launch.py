@@ -86,7 +86,6 @@ def kda_bwd_chunk(
     dw16: bool = False,
     dq16: bool = False,
     scale: float = 1.0,
-    wg2: bool = False,
     out: Outputs | None = None,
 ) -> Outputs:
     """Per chunk of 64 tokens (every chunk at once), reference/kda_bwd.py's `_output_grads`:
@@ -99,9 +98,7 @@ def kda_bwd_chunk(
     (contiguous, as `empty_outputs` makes them) when given. `dq16`: q UNscaled, `scale` (the
     op's q scale) applied in the kernel to every product of q, dq written times it in do's
     16-bit dtype (the op's dq where no l2norm or group sum follows); else q scaled and
-    `scale` must be 1. `wg2`: the two-math-warpgroup build (split by key channels; the same
-    outputs bit for bit; off until a GPU A/B, NOTES "KDA kernel 2 on two math warpgroups,
-    built")."""
+    `scale` must be 1."""
     b, t, hv, _ = check_inputs(do, u, du, q, k, h, dh, big_g)
     if scale != 1.0 and not dq16:
         raise ValueError("scale applies to dq16's unscaled q only (else q comes scaled)")
@@ -109,8 +106,7 @@ def kda_bwd_chunk(
     check_outputs(outs, do, q.shape[-1], dw16, dq16)
     if b * hv * t == 0:
         return outs
-    key = _params(dtype_name(do.dtype), (q.shape[-1], do.shape[-1]), dw16=dw16, dq16=dq16,
-                  wg2=wg2)  # fmt: skip
+    key = _params(dtype_name(do.dtype), (q.shape[-1], do.shape[-1]), dw16=dw16, dq16=dq16)
     fn = get_kernel(SPEC, key)
     tiles = [as_tma_ready(x) for x in (do, u, du, q, k, h, dh)]
     with on_device(do.device):

@@ -102,7 +102,6 @@ def kda_bwd_wy(
     dk16: bool = False,
     out: Outputs | None = None,
     dk_out: torch.Tensor | None = None,
-    wg2: bool = False,
 ) -> Outputs:
     """Per chunk of 64 tokens (every chunk at once), reference/kda_bwd.py's `_wy_grads`: the
     WY half's dk, dv, dg (its per-channel dG after the reverse cumsum within the chunk) and
@@ -116,9 +115,7 @@ def kda_bwd_wy(
     tiles' 16-bit dtype (v's on the backward's path where the op's v is 16-bit). `dk16`: the
     final dk (out's fp32 dk + the WY half) in dw's 16-bit dtype, rounded once, into `dk_out`
     (contiguous (B, T, HV, K); a new tensor when None) and returned in dk's place; out's fp32
-    dk is then scratch (it ends holding kernel 2's dk plus two of the WY half's three terms).
-    `wg2`: the two-math-warpgroup build (split by value / key channels; the same outputs bit
-    for bit)."""
+    dk is then scratch (it ends holding kernel 2's dk plus two of the WY half's three terms)."""
     b, t, hv = check_inputs(dw, du, tt, w, k, u, v, beta, big_g)
     if dk_out is not None and not dk16:
         raise ValueError("dk_out is dk16's 16-bit final dk (pass dk16=True)")
@@ -138,8 +135,7 @@ def kda_bwd_wy(
     result = (dk_final, *outs[1:])
     if b * hv * t == 0:
         return result
-    key = _params(dtype_name(dw.dtype), (dw.shape[-1], du.shape[-1]), dv16=dv16, dk16=dk16,
-                  wg2=wg2)  # fmt: skip
+    key = _params(dtype_name(dw.dtype), (dw.shape[-1], du.shape[-1]), dv16=dv16, dk16=dk16)
     fn = get_kernel(SPEC, key)
     tiles = [as_tma_ready(x) for x in (dw, du, tt, w, k, u, v)]
     with on_device(dw.device):
