@@ -8,7 +8,10 @@
 #        argument, GPU_TEST_FILES (space-separated tests/gpu files) in one more stream; the host
 #        builds the kernels FK_BUILD_ARGS names (default: every kernel, ~3.5 min for ~700)
 #   bash scripts/device_session.sh probes "NAME=python3 SCRIPT ARGS" ...   each under PROBE_T s
-#        (default 100), logs (and JSON written to /tmp/probes) packed into $OUT/probes.tar; no
+#        (default 100; NAME:T=... its own T), run by bash -c (quotes and pipes work), logs (and
+#        JSON written to /tmp/probes) packed into $OUT/probes.tar, each log's last PROBE_TAIL
+#        lines (default 30) printed; `@FILE` reads such specs from FILE, one a line (blank and
+#        # lines skipped: a session's list longer than a call's 2,000-character command); no
 #        build unless FK_BUILD=1 (2026-12-03: the default built all 1044 kernels, 133 s, for a
 #        probe that compiles its own)
 #   bash scripts/device_session.sh benches OP ...   one stream of benches (BENCH_TIMEOUT each; a
@@ -33,13 +36,29 @@ case $mode in
     ;;
   probes)
     mkdir -p /tmp/probes
+    specs=()
     for spec in "$@"; do
+      if [ "${spec:0:1}" = @ ]; then
+        while IFS= read -r line; do
+          [[ -z "${line//[[:space:]]/}" || "$line" =~ ^[[:space:]]*# ]] || specs+=("$line")
+        done < "${spec:1}"
+      else
+        specs+=("$spec")
+      fi
+    done
+    for spec in "${specs[@]}"; do
       name=${spec%%=*}
+      t=${PROBE_T:-100}
+      if [[ "$name" == *:* ]]; then t=${name#*:}; name=${name%%:*}; fi
+      room=$((${CALL_LIMIT:-570} - SECONDS - 15))
+      if (( room < 20 )); then echo "== $name skipped: ${room} s left of CALL_LIMIT"; continue; fi
+      (( t > room )) && t=$room
       echo "== $name $(date +%T)"
-      # shellcheck disable=SC2086  # the probe's command line
-      timeout -k 10 "${PROBE_T:-100}" ${spec#*=} > "/tmp/probes/$name.log" 2>&1
-      echo "rc=$?"
-      grep -v "UserWarning\|exe_args\|^forgekernel: compiling" "/tmp/probes/$name.log" | tail -30
+      start=$SECONDS
+      timeout -k 10 "$t" bash -c "${spec#*=}" > "/tmp/probes/$name.log" 2>&1
+      echo "rc=$? in $((SECONDS - start)) s (limit $t)"
+      grep -v "UserWarning\|exe_args\|^forgekernel: compiling" "/tmp/probes/$name.log" \
+        | tail -"${PROBE_TAIL:-30}"
       tar -cf "${OUT:-/tmp/forgekernel-out}/probes.tar" -C /tmp/probes .
     done
     bash scripts/comparator_caches.sh pack "${OUT:-/tmp/forgekernel-out}" || true

@@ -14,6 +14,8 @@ token-head (token x value head) and grouped by the forgekernel source line that 
         # the default device pass with its launchers' own torch (as_tma_ready copies,
         # .contiguous(), casts) counted too: only the compiled kernels stubbed; --ops lists
         # every aten op that writes in the order called (shape, MiB written / read, site)
+    python3 scripts/kda_bwd_glue_bytes.py --first-pass --wy-kernel --launchers --ops \
+        --fp32-gates --no-l2norm --out --b 4 --t 8192   # the bench's 4 x 8192 call
 
 Runs against whichever forgekernel is on PYTHONPATH."""
 
@@ -47,10 +49,10 @@ def stub_kernels(chunk_in_kernel: bool = True, wy_in_kernel: bool = False,
     giving zero outputs of the launchers' shapes and dtypes (uncounted); `chunk_in_kernel`
     False: pass 3's output side in torch (CHUNK_IN_KERNEL's fallback); `wy_in_kernel`:
     WY_IN_KERNEL (its tiles counted); `first_pass`: FACTORS_FROM_FIRST_PASS (kernel 1's factors,
-    with the WY kernel its T^T too, from the first pass)."""
+    with the WY kernel its T^T, W and u too, from the first pass)."""
     bwd = importlib.import_module("forgekernel.ops.kda_bwd")
 
-    def first(q, k, g, beta, cu_seqlens, scale, seq_len, bwd=False):
+    def first(q, k, g, beta, cu_seqlens, scale, seq_len, bwd=False, v=None):
         from forgekernel.kernels.linear_attention.kda_prefill.sm90.operands import chunk_bound
 
         # the launcher's rows: every sequence's chunks (B NC 64), not the tokens' (B T / 64)
@@ -58,20 +60,22 @@ def stub_kernels(chunk_in_kernel: bool = True, wy_in_kernel: bool = False,
         hv, dk = g.shape[1], q.shape[2]
         out = {n: torch.zeros(rows, hv, dk, dtype=q.dtype) for n in ("q_g", "k_g", "k_d")}
         out.update(t_beta=torch.zeros(rows, hv, 64, dtype=q.dtype),
-                   p=torch.zeros(rows, hv, 64, dtype=q.dtype),
                    decay=torch.zeros(rows // 64, hv, dk))  # fmt: skip
+        out["pt" if bwd else "p"] = torch.zeros(rows, hv, 64, dtype=q.dtype)  # bwd: P^T
         if bwd:
             out.update(tt=torch.zeros(rows, hv, 64, dtype=q.dtype),
-                       big_g=torch.zeros(rows, hv, dk))  # fmt: skip
+                       big_g=torch.zeros(rows, hv, dk),
+                       w=torch.zeros(rows, hv, dk, dtype=q.dtype),
+                       u=torch.zeros(rows, hv, v.shape[-1], dtype=q.dtype))  # fmt: skip
         return out
 
-    def state(do, pt, ke, qe, w, e_last, dht, out16=False, forward=False):
+    def state(do, pt, ke, qe, w, e_last, dht, dh0=None, out16=False, forward=False):
         b, t, hv, dv = do.shape
         dk, nc = ke.shape[-1], -(-t // 64)
+        dh0 = torch.zeros(b, hv, dk, dv) if dh0 is None else dh0  # the caller's buffer
         if out16:  # the device pass: dU and dS (K, V) a chunk in the tiles' dtype
             return (torch.zeros(b, t, hv, dv, dtype=do.dtype),
-                    torch.zeros(b, nc, hv, dk, dv, dtype=do.dtype),
-                    torch.zeros(b, hv, dk, dv))  # fmt: skip
+                    torch.zeros(b, nc, hv, dk, dv, dtype=do.dtype), dh0)  # fmt: skip
         return (torch.zeros(b, t, hv, dv), torch.zeros(b, nc, hv, dv, dk),
                 torch.zeros(b, hv, dk, dv))  # fmt: skip
 
@@ -154,10 +158,12 @@ def stub_compiled(wy_in_kernel: bool = True, first_pass: bool = True):
 
 def count(b=1, t=2048, h=16, hv=16, l2norm=True, dtype=torch.bfloat16, with_states=True,
           chunk_in_kernel=True, dk=128, dv=128, wy_in_kernel=False,
-          first_pass=False, launchers=False, g_dtype=None):  # fmt: skip
+          first_pass=False, launchers=False, g_dtype=None, with_out=False):  # fmt: skip
     """`_backward_kernel` on flat inputs (g per key channel in [-1, 0), g and beta in `g_dtype`,
     default `dtype`) under `Written`; `launchers`: `stub_compiled` (the launchers' torch
-    counted, the kernels' real (K, V) = (128, 128) needed) instead of `stub_kernels`."""
+    counted, the kernels' real (K, V) = (128, 128) needed) instead of `stub_kernels`;
+    `with_out`: the six gradients' `out=` buffers given (the bench's call), their copies
+    counted."""
     gen = torch.Generator().manual_seed(0)
     g_dtype = g_dtype or dtype
 
@@ -172,8 +178,12 @@ def count(b=1, t=2048, h=16, hv=16, l2norm=True, dtype=torch.bfloat16, with_stat
     ds = rnd(b, hv, dk, dv, dt=torch.float32) if with_states else None
     stubs = (stub_compiled(wy_in_kernel, first_pass) if launchers
              else stub_kernels(chunk_in_kernel, wy_in_kernel, first_pass))  # fmt: skip
+    out = None
+    if with_out:
+        state = torch.empty(b, hv, dk, dv)
+        out = (*(torch.empty_like(x) for x in (q, k, v, g, beta)), state)
     with stubs as bwd, glue.Written() as mode:
-        bwd._backward_kernel(q, k, v, g, beta, s0, do, ds, dk**-0.5, l2norm, b)
+        bwd._backward_kernel(q, k, v, g, beta, s0, do, ds, dk**-0.5, l2norm, b, out)
     return mode
 
 
@@ -230,12 +240,15 @@ def main(argv=None) -> None:
                          "stubbed; K = V = 128)")  # fmt: skip
     ap.add_argument("--ops", action="store_true", help="every op in the order called")
     ap.add_argument("--fp32-gates", action="store_true", help="g and beta fp32 (the bench's)")
+    ap.add_argument("--out", action="store_true",
+                    help="the gradients' out= buffers given (the bench's call)")  # fmt: skip
     args = ap.parse_args(argv)
     mode = count(args.b, args.t, args.h, args.hv, not args.no_l2norm,
                  with_states=not args.no_states, chunk_in_kernel=not args.torch_chunk,
                  wy_in_kernel=args.wy_kernel, first_pass=args.first_pass,
                  launchers=args.launchers,
-                 g_dtype=torch.float32 if args.fp32_gates else None)  # fmt: skip
+                 g_dtype=torch.float32 if args.fp32_gates else None,
+                 with_out=args.out)  # fmt: skip
     token_heads = args.b * args.t * args.hv
     if args.ops:
         print("\n".join(ops_table(mode, token_heads)))

@@ -25,6 +25,14 @@ docs/attention/DSA_BWD_NOTES.md "H >= 64: dq back in the tile loop"), and the tw
 form before it (kernel_h64.py, h64_fused=False): `launcher, split`, its kv part without
 reductions (with the dq part), its kv part with the v2 reductions, and its dq part alone
 (`h64 dq part`: the second gather and dq = dS K; "H >= 64: one gather a token").
+Where the default sweeps (`launch.sweeps_by_default`), the launcher without the sweep
+(`launcher, no sweep`: the index rows as given, one launch), and over the L2 where it does not,
+with it (`launcher, sweep`); the other v1 / fused lines take the launcher's default, the sweep
+included; the split form never sweeps. At two or more 64-head
+blocks (H >= 128), after an agreement check, the fused kernel without the sweep on precomputed
+preprocess results as one launch (`h64f, pre, no sweep`: a token's head blocks adjacent CTAs)
+and as one launch a head block (`h64f, head blocks apart`: the CTA order before 2026-12-06).
+docs/attention/DSA_BWD_NOTES.md "Long caches" predicts these lines.
 The kernel at 5504 FLOP per (token, head, entry). Build first: `python3 -m forgekernel build
 --only dsa_sparse_bwd_sm90 --only dsa_sparse_bwd_pre_sm90 --candidates`."""
 
@@ -38,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's forgekernel
 
-from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import launch  # noqa: E402
+from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import config, launch  # noqa: E402
 from forgekernel.kernels.attention.dsa_sparse_bwd_pre.sm90 import (  # noqa: E402
     launch as pre_launch,
 )
@@ -64,7 +72,7 @@ def _agrees(args, name: str, **flags) -> bool:
 
 def _h64_dq_part(q, kv, idx):
     """The h64 dq part alone on a random dS workspace (the kernel as the launcher calls it)."""
-    from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import SPEC, config
+    from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import SPEC
     from forgekernel.runtime.cache import get_kernel
 
     rows = config.h64_workspace_rows(idx.shape[1])
@@ -73,6 +81,43 @@ def _h64_dq_part(q, kv, idx):
     dq_heads = config.h64_dq_heads(q.shape[1])
     kernel = get_kernel(SPEC, config.params_h64("bfloat16", "dq", dq_heads=dq_heads))
     return lambda: kernel(kv, idx, ws, dq)
+
+
+def _head_blocks(q, kv, dout, out, lse, sink, idx, scale) -> dict:
+    """At two or more 64-head blocks: the fused kernel without the sweep on the preprocess
+    kernel's results (computed once, outside the timing) as one launch (a token's head blocks
+    adjacent CTAs, the order since 2026-12-06) and as one launch a 64-head block (each launch's
+    CTAs one head block of every token: the order before, head block 0 of every token ahead of
+    head block 1; its only other costs, a dkv zeroing and a launch a block, are ~0.1 ms at S_kv
+    65536). DSA_BWD_NOTES.md "Long caches" predicts their ratio; the lines are timed after the
+    two forms' dq and summed dkv agree."""
+    pre = pre_launch.preprocess(out, dout, lse, None, sink)
+    together = (q, kv, dout, out, lse, None, sink, idx, scale)
+    plain = {"sweep": False}  # the index rows as given, one launch: the order alone differs
+
+    def apart():
+        parts = []
+        for h0 in range(0, q.shape[1], 64):
+            hs = slice(h0, h0 + 64)
+            part = (q[:, hs], kv, dout[:, hs], out[:, hs], lse[:, hs], None, sink[hs], idx, scale)
+            part_pre = (pre[0][:, hs], pre[1][:, hs], pre[2][hs])
+            parts.append(launch.dsa_sparse_bwd(*part, pre=part_pre, **plain))
+        return parts
+
+    want = launch.dsa_sparse_bwd(*together, pre=pre, **plain)
+    parts = apart()
+    got = (torch.cat([p[0] for p in parts], 1), sum(p[1] for p in parts))
+    torch.cuda.synchronize()
+    errs = [float((a - b).abs().max() / (b.abs().max() + 1e-6)) for a, b in zip(got, want)]
+    ok = all(e <= 2e-2 for e in errs)
+    print(f"head blocks apart vs together: dq, dkv relative errors {errs} "
+          f"({'timed' if ok else 'SKIPPED'})")  # fmt: skip
+    if not ok:
+        return {}
+    return {
+        "h64f, pre, no sweep": lambda: launch.dsa_sparse_bwd(*together, pre=pre, **plain),
+        "h64f, head blocks apart": apart,
+    }
 
 
 def main(s: int = 4096, h: int = 16, topk: int = 2048, s_kv: int = 8192) -> None:
@@ -101,6 +146,10 @@ def main(s: int = 4096, h: int = 16, topk: int = 2048, s_kv: int = 8192) -> None
     v1 = {"h64": False}
     if launch.h64_unsupported(q) is None:
         fns["launcher, v1"] = lambda: launch.dsa_sparse_bwd(*args, **v1)
+    if launch.sweeps_by_default(s_kv, topk, launch.ctas_per_token(h), None):
+        fns["launcher, no sweep"] = lambda: launch.dsa_sparse_bwd(*args, sweep=False)
+    elif s_kv * config.SWEEP_ROW_BYTES > config.SWEEP_L2_BYTES:  # over the L2, not swept
+        fns["launcher, sweep"] = lambda: launch.dsa_sparse_bwd(*args, sweep=True)
     fns |= {
         "xchg4s, no reductions": lambda: launch.dsa_sparse_bwd(
             *args, reduce=False, xchg=True, red4s=True, **v1
@@ -122,6 +171,8 @@ def main(s: int = 4096, h: int = 16, topk: int = 2048, s_kv: int = 8192) -> None
     )
     if launch.h64_unsupported(q) is None and _agrees(args, "h64f", h64=True):
         fns["h64f, no reductions"] = lambda: launch.dsa_sparse_bwd(*args, reduce=False)
+        if h >= 128:
+            fns |= _head_blocks(q, kv, dout, out, lse, sink, idx, scale)
     split = {"h64": True, "h64_fused": False}
     if launch.h64_unsupported(q) is None and _agrees(args, "h64 split", **split):
         fns |= {

@@ -1,11 +1,13 @@
 """The CPU tests' compile of one kernel configuration to the cubin and PTX they read (SASS,
-resources), once a process; and the mbarrier waits read from its SASS (`trywait_offsets`,
-`wait_pin`)."""
+resources), once a process; the mbarrier waits read from its SASS (`trywait_offsets`,
+`wait_pin`); the named barriers' sites (`barrier_sites`), the instructions the cubin lists
+as unaligned (`unaligned_offsets`) and the rule between them (`pin_unaligned_barriers`)."""
 
 from __future__ import annotations
 
 import copy
 import re
+import subprocess
 import tempfile
 from collections import Counter
 from collections.abc import Callable
@@ -118,3 +120,172 @@ def wait_pin(instrs, n: int, waits) -> list[str]:
         else:
             seq.append("HGMMA x1" if x == "HGMMA" else x)
     return seq
+
+
+class BarrierSite(NamedTuple):
+    """One BAR.SYNC / BAR.ARV of a SASS listing: its byte offset, SYNC or ARV, the barrier id
+    and thread count as written (hex, or a register), its predicate ("" if none) and the
+    setmaxnreg count in force (0 before any: a role's code follows its USETMAXREG)."""
+
+    offset: int
+    kind: str
+    barrier: str
+    threads: str
+    predicate: str
+    regs: int
+
+
+_SITE = re.compile(r"^\s+/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)\s*([^;]*);")
+
+
+def barrier_sites(sass: str) -> list[BarrierSite]:
+    """Every named-barrier instruction of a cuobjdump listing (one kernel), in order."""
+    out, regs = [], 0
+    for line in sass.splitlines():
+        m = _SITE.match(line)
+        if not m:
+            continue
+        offset, pred, op, args = int(m[1], 16), (m[2] or "").strip(), m[3], m[4].strip()
+        if op.startswith("USETMAXREG"):
+            regs = int(args.split()[-1], 16)
+        elif op.startswith("BAR.") and "," in args:
+            bar, threads = (a.strip() for a in args.split(","))
+            kind = "ARV" if op.startswith("BAR.ARV") else "SYNC"
+            out.append(BarrierSite(offset, kind, bar, threads, pred, regs))
+    return out
+
+
+def unaligned_offsets(cubin) -> set[int]:
+    """The offsets the cubin's EIATTR_COOP_GROUP_INSTR_OFFSETS lists (cuobjdump -elf): the
+    instructions ptxas was told may run divergent (`barrier.sync` without .aligned, shfl.sync).
+    A BAR.SYNC encodes the same either way: this list is what tells the aligned form (whose
+    waiters of one phase must all be at that one instruction, or synccheck reports "Divergent
+    thread(s) in block") from the unaligned one."""
+    from forgekernel.runtime.resources import find_tool
+
+    elf = subprocess.run([find_tool("cuobjdump"), "-elf", str(cubin)], capture_output=True,
+                         text=True, check=True).stdout  # fmt: skip
+    m = re.search(r"EIATTR_COOP_GROUP_INSTR_OFFSETS\s+Format:\s+\S+\s+Value:([^\n]*)", elf)
+    return {int(x, 16) for x in m[1].split()} if m else set()
+
+
+# a branch's target (cuobjdump writes it absolute, the last hex operand)
+_TARGET = re.compile(r"0x([0-9a-f]+)\s*$")
+
+
+def indirect_targets(cubin) -> dict[int, list[int]]:
+    """Each indirect branch's (BRX: ptxas's jump table of a switch) targets, as nvdisasm
+    annotates them (`BRANCH_TARGETS` labels; cuobjdump's listing has only the register): {the
+    BRX's offset: the targets' offsets}, for `_successors`. One kernel a cubin."""
+    from forgekernel.runtime.resources import find_tool
+
+    text = subprocess.run([find_tool("nvdisasm"), "-c", str(cubin)], capture_output=True,
+                          text=True, check=True).stdout  # fmt: skip
+    labels, pending, brx = {}, [], {}
+    for line in text.splitlines():
+        if m := re.match(r"^\s*(\.L_x_\d+):", line):
+            pending.append(m[1])
+        elif m := re.match(r"^\s*/\*([0-9a-f]+)\*/\s+(.*)$", line):
+            offset = int(m[1], 16)
+            labels.update({name: offset for name in pending})
+            pending = []
+            if t := re.search(r'BRANCH_TARGETS ([^"]*)"', m[2]):
+                brx[offset] = t[1].split(",")
+    return {o: [labels[n.strip()] for n in names] for o, names in brx.items()}
+
+
+def _successors(sass: str, indirect: dict[int, list[int]] | None = None) -> dict[int, list[int]]:
+    """Each instruction's successors in the listing's control flow: the next one unless an
+    unpredicated BRA / EXIT / RET, a branch's target, a call's target and its return point; an
+    indirect branch's targets from `indirect` (`indirect_targets`; without them, an error)."""
+    lines = [m for m in map(_SITE.match, sass.splitlines()) if m]
+    out = {}
+    for i, m in enumerate(lines):
+        offset, pred, op, args = int(m[1], 16), m[2], m[3], m[4].strip()
+        nxt = [int(lines[i + 1][1], 16)] if i + 1 < len(lines) else []
+        if op.startswith("BRX") and indirect and offset in indirect:
+            out[offset] = list(indirect[offset]) + (nxt if pred else [])
+            continue
+        if op.startswith(("BRX", "JMX", "JMP")):
+            raise ValueError(f"indirect branch at +{offset:#x}: {op} {args}")
+        if op.startswith(("BRA", "CALL")):
+            # BRA.DIV (taken where the warp diverged) and a call fall through too
+            falls = pred or op.startswith(("BRA.DIV", "CALL"))
+            out[offset] = [int(_TARGET.search(args)[1], 16)] + (nxt if falls else [])
+        elif op.startswith(("EXIT", "RET")):
+            out[offset] = nxt if pred else []
+        else:
+            out[offset] = nxt
+    return out
+
+
+def _barrier_id(written: str) -> int | str:
+    """A BarrierSite's id: an int, or the register of a computed one."""
+    return int(written, 16) if written.startswith("0x") else written
+
+
+def _collective_copies(sass: str) -> set[int]:
+    """The offsets of the BAR.SYNCs between WARPSYNC.COLLECTIVE and ENDCOLLECTIVE: ptxas's copy
+    of an unaligned `barrier.sync` for a warp that reaches it diverged (taken by BRA.DIV, id and
+    count in a register; the converged warp's BAR.SYNC is the one `two_site_barriers` reads)."""
+    out, inside = set(), False
+    for m in map(_SITE.match, sass.splitlines()):
+        if not m:
+            continue
+        if m[3].startswith("WARPSYNC.COLLECTIVE"):
+            inside = True
+        elif m[3].startswith("ENDCOLLECTIVE"):
+            inside = False
+        elif inside and m[3].startswith("BAR.SYNC"):
+            out.add(int(m[1], 16))
+    return out
+
+
+def two_site_barriers(sass: str, indirect: dict[int, list[int]] | None = None) -> set:
+    """The named barriers (`_barrier_id`s) with two BAR.SYNCs neither of which reaches the other
+    in the listing's control flow: two roles' code (or a branch's two sides) each waiting at its
+    own instruction, so that one phase's waiters stand at two instructions. The BAR.SYNCs one
+    role passes in turn (or a loop's) reach each other: one instruction a phase, whatever the
+    arrivals (BAR.ARV: never checked). `indirect`: `_successors`' (a listing with a BRX)."""
+    succ = _successors(sass, indirect)
+
+    def reach(start):
+        seen, todo = set(), list(succ[start])
+        while todo:
+            o = todo.pop()
+            if o not in seen:
+                seen.add(o)
+                todo.extend(succ[o])
+        return seen
+
+    copies = _collective_copies(sass)
+    syncs = [b for b in barrier_sites(sass) if b.kind == "SYNC" and b.offset not in copies]
+    after = {b.offset: reach(b.offset) for b in syncs}
+    return {
+        _barrier_id(a.barrier)
+        for i, a in enumerate(syncs)
+        for b in syncs[i + 1 :]
+        if a.barrier == b.barrier and b.offset not in after[a.offset]
+        and a.offset not in after[b.offset]
+    }  # fmt: skip
+
+
+def pin_unaligned_barriers(
+    sass: str, unaligned: set[int], two_site: set, indirect: dict[int, list[int]] | None = None
+) -> list[BarrierSite]:
+    """The rule of kernels/common/sm90/unaligned_barrier.py on one build: the barriers waited at
+    two instructions a phase (`two_site_barriers`) are `two_site`, and a BAR.SYNC is in the
+    cubin's unaligned list (`unaligned_offsets`) exactly when its id is one of them (synccheck:
+    "Divergent thread(s) in block" at an aligned one), or when it is ptxas's diverged-warp copy
+    of one (`_collective_copies`, only where there are some). Returns the listing's
+    `barrier_sites` less those copies. `indirect`: `_successors`' (a listing with a BRX)."""
+    two_site = {int(i) if isinstance(i, int) else i for i in two_site}  # IntEnum members too
+    assert two_site_barriers(sass, indirect) == two_site
+    copies = _collective_copies(sass)
+    assert not copies or two_site
+    assert copies <= unaligned
+    bars = [b for b in barrier_sites(sass) if b.offset not in copies]
+    for b in bars:
+        if b.kind == "SYNC":
+            assert (b.offset in unaligned) == (_barrier_id(b.barrier) in two_site), b
+    return bars

@@ -73,13 +73,17 @@ def intra_kernel(params: dict):
     2026-12-03, rounds Kl, Kr E, Ql instead: the same two roundings a product on the other
     operand, not modelled here) written where the kernel writes; T by the tensor-core merges'
     model (gdn_prefill_replay.blocked_inverse: the lanes' fragments, tf32 roundings). With the
-    bwd key (tt, big_g not None) those two as well, rows past the chunk's length zero."""
+    bwd key (tt, big_g not None) those two as well, rows past the chunk's length zero, P^T
+    written where P is, and W = T_beta Kg, u = T_beta V from the bf16 rows it wrote (fp32
+    products, one rounding)."""
 
     def blocked(akk: torch.Tensor) -> torch.Tensor:  # (HV, 64, 64)
         return torch.stack([gdn_prefill_replay.blocked_inverse(a) for a in akk])
 
-    def run(q, k, g, beta, starts, lengths, q_g, k_g, k_d, t_beta, p, decay, tt, big_g, scale):
-        assert (tt is None) == (big_g is None) == (not params.get("bwd", False))
+    def run(q, k, g, beta, starts, lengths, q_g, k_g, k_d, t_beta, p, decay, tt, big_g, v, w, u,
+            scale):  # fmt: skip
+        bwd = params.get("bwd", False)
+        assert all((x is None) == (not bwd) for x in (tt, big_g, v, w, u))
         hv = g.shape[1]
         heads = torch.arange(hv, device=q.device) // (hv // q.shape[1])
         for gc, (t0, n) in enumerate(zip(starts.tolist(), lengths.tolist())):
@@ -96,14 +100,19 @@ def intra_kernel(params: dict):
                                  operand_dtype=OPERAND, inverse=blocked,
                                  bwd=tt is not None)  # fmt: skip
             r = slice(gc * CHUNK, (gc + 1) * CHUNK)
-            for name, dst in (("q_g", q_g), ("k_g", k_g), ("k_d", k_d), ("t_beta", t_beta),
-                              ("p", p)):  # fmt: skip
+            for name, dst in (("q_g", q_g), ("k_g", k_g), ("k_d", k_d), ("t_beta", t_beta)):
                 dst[r] = ops[name].transpose(0, 1).to(dst.dtype)
+            pp = ops["p"] if tt is None else ops["p"].transpose(-1, -2)  # bwd: P^T into p
+            p[r] = pp.transpose(0, 1).to(p.dtype)
             decay[gc] = ops["decay"]
             if tt is not None:
                 tt[r] = 0
                 big_g[r] = 0
                 tt[r][:n] = ops["tt"].transpose(0, 1)[:n].to(tt.dtype)
                 big_g[r][:n] = ops["big_g"].transpose(0, 1)[:n]
+                tb = t_beta[r].float().transpose(0, 1)  # (HV, 64, 64) as written
+                for dst, x in ((w, k_g[r].float().transpose(0, 1)),
+                               (u, rows(v.to(torch.bfloat16)))):  # fmt: skip
+                    dst[r] = (tb @ x).transpose(0, 1).to(dst.dtype)
 
     return run

@@ -185,11 +185,13 @@ def _fused_part(q, kv, dout, lse2, delta, idx, dq, dkv, scale_log2, scale):
 
 
 def _fake_kernels(monkeypatch):
+    """The kernels replaced by their contracts (v1's keys, without `h64`, by the fused one's:
+    the same operands and outputs); the (key, args) of every launch."""
     calls = []
     parts = {"kv": _kv_part, "dq": _dq_part, "fused": _fused_part}
 
     def get_kernel(spec, params):
-        fn = parts[dict(params)["h64"]]
+        fn = parts[dict(params).get("h64", "fused")]
         return lambda *args: calls.append((dict(params), args)) or fn(*args)
 
     monkeypatch.setattr(launch, "get_kernel", get_kernel)
@@ -283,6 +285,101 @@ def test_h64f_launch_replayed_gives_the_reference(monkeypatch, dtype, heads, top
     _assert_reference(got, q, kv, clean, dout, out, lse, sink, dlse)
 
 
+@pytest.mark.parametrize("dtype,heads,topk,step,offset", [
+    (torch.bfloat16, 128, 130, 2, 0),
+    (torch.float16, 64, 100, 3, 1),
+    (torch.bfloat16, 192, 64, 1, 0),
+])  # fmt: skip
+def test_h64f_past_the_grid_limit_launches_row_slices(monkeypatch, dtype, heads, topk, step,
+                                                      offset):  # fmt: skip
+    """The fused kernel's grid is (H / 64, tokens): past config.H64F_GRID_TOKENS tokens (lowered
+    here to `step`) the launcher runs it on row slices of q, dout, lse2, Delta', the indices and
+    dq (views of the same memory with the parent's strides; dq the aligned copy when the
+    caller's is off 16 bytes), kv and one dkv accumulator shared; the fp64 reference's
+    gradients."""
+    calls = _fake_kernels(monkeypatch)
+    monkeypatch.setattr(config, "H64F_GRID_TOKENS", step)
+    tokens = 7
+    q, kv, idx, clean, dout, out, lse, sink, dlse = _reference_problem(tokens, heads, topk, dtype,
+                                                                       heads + step)  # fmt: skip
+    flat = torch.full((q.numel() + 1,), float("nan"), dtype=dtype)
+    dq = flat[offset : offset + q.numel()].view(q.shape)
+    got = launch.dsa_sparse_bwd(q, kv, dout, out, lse, dlse, sink, idx, WIDTH**-0.5, dq=dq)
+    spans = [(t0, min(t0 + step, tokens)) for t0 in range(0, tokens, step)]
+    assert [c[0]["h64"] for c in calls] == ["fused"] * len(spans) and len(spans) >= 3
+    written = calls[0][1][6] if offset == 0 else None
+    for (t0, t1), (_, a) in zip(spans, calls):
+        n = t1 - t0
+        for arg, whole in ((a[0], q), (a[2], dout), (a[5], idx)):
+            assert arg.shape[0] == n and arg.data_ptr() == whole[t0].data_ptr()
+            assert arg.stride() == whole.stride()
+        assert a[3].shape == a[4].shape == (n, heads)
+        assert a[6].shape == (n, heads, WIDTH) and a[6].data_ptr() % 16 == 0
+        assert (a[6].data_ptr() == dq[t0].data_ptr()) == (offset == 0)
+        assert a[1] is kv and a[7] is got[1]
+    assert written is None or written.data_ptr() == dq.data_ptr()
+    assert got[0] is dq
+    _assert_reference(got, q, kv, clean, dout, out, lse, sink, dlse)
+
+
+@pytest.mark.parametrize("heads,sms,by", [(128, 5, "forced"), (64, 3, "default"),
+                                           (192, 7, "default"), (16, 3, "forced"),
+                                           (32, 4, "default")])  # fmt: skip
+def test_sweep_launches_waves_of_sorted_rows(monkeypatch, heads, sms, by):
+    """The sweep (the fused kernel at H 64 / 128 / 192, v1 at H 16 / 32): the index rows sorted
+    by slot (every row's entries, -1 and past-the-cache ones included, ascending), the tokens in
+    launches of one wave (sms // CTAs a token, at least 1) on row slices; the default sweeps
+    exactly where the cache's rows and dkv rows exceed twice the L2 (lowered here around the
+    problem's size) and a wave visits a row at least SWEEP_MIN_VISITS times (set around the
+    problem's); the fp64 reference's gradients."""
+    calls = _fake_kernels(monkeypatch)
+    monkeypatch.setattr(launch, "num_sms", lambda index: sms)
+    tokens, topk, slots = 7, 100, 120
+    problem = _reference_problem(tokens, heads, topk, torch.bfloat16, sms, slots)
+    q, kv, idx, clean, dout, out, lse, sink, dlse = problem
+    args = (q, kv, dout, out, lse, dlse, sink, idx, WIDTH**-0.5)
+    part = "fused" if heads % 64 == 0 else None
+    ctas = heads // (64 if part else config.block_heads(heads))
+    assert ctas == launch.ctas_per_token(heads)
+    step = max(1, sms // ctas)
+    assert step == config.sweep_tokens(sms, ctas)
+    if by == "default":
+        visits = step * topk / slots  # a row's visits a wave
+        half = slots * config.SWEEP_ROW_BYTES // 2
+        for l2, least in ((half, visits), (half - 1, visits + 0.01)):  # not far; too few visits
+            monkeypatch.setattr(config, "SWEEP_L2_BYTES", l2)
+            monkeypatch.setattr(config, "SWEEP_MIN_VISITS", least)
+            assert not launch.sweeps_by_default(slots, topk, ctas, None)
+            launch.dsa_sparse_bwd(*args)
+            assert len(calls) == 1 and calls.pop()[1][5] is idx  # one launch, the rows as given
+        monkeypatch.setattr(config, "SWEEP_MIN_VISITS", visits)
+        assert launch.sweeps_by_default(slots, topk, ctas, None)
+    got = launch.dsa_sparse_bwd(*args, sweep=True if by == "forced" else None)
+    spans = [(t0, min(t0 + step, tokens)) for t0 in range(0, tokens, step)]
+    assert [c[0].get("h64") for c in calls] == [part] * len(spans) and len(spans) >= 2
+    for (t0, t1), (_, a) in zip(spans, calls):
+        assert a[0].shape[0] == t1 - t0 and a[0].data_ptr() == q[t0].data_ptr()
+        assert a[6].data_ptr() == got[0][t0].data_ptr()
+        assert torch.equal(a[5], idx[t0:t1].sort(dim=1).values)
+        assert a[7] is got[1]
+    _assert_reference(got, q, kv, clean, dout, out, lse, sink, dlse)
+
+
+def test_sweeps_by_default_at_the_suite_shapes(monkeypatch):
+    """On 132 SMs (H100 SXM / H200) the default sweeps t8192-h16-kv32768, t32768-h16-kv65536 and
+    t8192-h128-kv65536 (a row visited 8.3 / 4.1 / 2.1 times a wave), not t4096-h64-kv16384 (the
+    cache 1.1x the L2), t16384-h64-kv65536-k512 (1.03 visits) or anything at kv 8192; on 114
+    (H100 PCIe) t8192-h128-kv65536 still (1.8 visits)."""
+    monkeypatch.setattr(launch, "num_sms", lambda index: 132)
+    shapes = {(16, 32768, 2048): True, (16, 65536, 2048): True, (128, 65536, 2048): True,
+              (64, 16384, 2048): False, (64, 65536, 512): False, (16, 8192, 2048): False,
+              (128, 8192, 2048): False}  # fmt: skip
+    for (heads, slots, topk), want in shapes.items():
+        assert launch.sweeps_by_default(slots, topk, launch.ctas_per_token(heads), 0) is want
+    monkeypatch.setattr(launch, "num_sms", lambda index: 114)
+    assert launch.sweeps_by_default(65536, 2048, 2, 0)
+
+
 @pytest.mark.parametrize("by", ["cap", "ws"])
 @pytest.mark.parametrize("dtype,heads,topk,chunk", [(torch.bfloat16, 64, 100, 3),
                                                     (torch.float16, 128, 130, 2),
@@ -354,8 +451,9 @@ def test_op_default_runs_h64f(monkeypatch, heads):
 
 
 def test_chunked_h64_launches_read_nothing_back(monkeypatch):
-    """The chunk loop runs on shapes only: on meta tensors (the kernels no-ops) nothing is
-    read back or copied from the host (tests/capture_safety.py), so CUDA-graph capture holds."""
+    """The chunk loops (the split form's, the fused kernel's row slices, the sweep's sort and
+    waves, v1's too) run on shapes only: on meta tensors (the kernels no-ops) nothing is read
+    back or copied from the host (tests/capture_safety.py), so CUDA-graph capture holds."""
     from capture_safety import assert_capturable, meta
 
     monkeypatch.setattr(launch, "get_kernel", lambda spec, params: lambda *a: None)
@@ -366,6 +464,11 @@ def test_chunked_h64_launches_read_nothing_back(monkeypatch):
     args = meta(q, kv, dout, dout, lse, dlse, sink, idx)
     assert_capturable(launch.dsa_sparse_bwd, *args, WIDTH**-0.5, h64_fused=False)
     assert_capturable(launch.dsa_sparse_bwd, *args, WIDTH**-0.5)  # the fused default
+    monkeypatch.setattr(config, "H64F_GRID_TOKENS", 3)  # the fused default in row slices
+    assert_capturable(launch.dsa_sparse_bwd, *args, WIDTH**-0.5)
+    monkeypatch.setattr(launch, "num_sms", lambda index: 6)  # the sweep: 3 tokens a wave
+    assert_capturable(launch.dsa_sparse_bwd, *args, WIDTH**-0.5, sweep=True)
+    assert_capturable(launch.dsa_sparse_bwd, *args, WIDTH**-0.5, sweep=True, h64=False)  # v1
 
 
 def test_h64_launcher_rejects_and_keys(monkeypatch):
@@ -396,6 +499,8 @@ def test_h64_launcher_rejects_and_keys(monkeypatch):
         launch.dsa_sparse_bwd(*args, h64_fused=True, h64_v2=True)
     with pytest.raises(ValueError, match="h64_fused applies"):
         launch.dsa_sparse_bwd(*args, h64=False, h64_fused=True)
+    with pytest.raises(ValueError, match="sweep applies"):
+        launch.dsa_sparse_bwd(*args, sweep=True, h64_fused=False)
     assert not calls
     launch.dsa_sparse_bwd(*args, h64=True, reduce=False)
     launch.dsa_sparse_bwd(*args, h64_fused=False, reduce=False)

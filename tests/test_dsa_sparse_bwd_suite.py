@@ -101,8 +101,10 @@ def test_ledger_key_holds_the_kernel():
     names = {p.name for p in suite_mod.kernel_sources()}
     assert {"kernel.py", "launch.py", "dsa_bwd.py", "dsa.py"} <= names
     assert set(BWD.sources) | set(PRE.sources) <= set(suite_mod.kernel_sources())
-    assert {p.parent.parent.name for p in suite_mod.kernel_sources() if p.name == "launch.py"} \
-        >= {"dsa_sparse_bwd", "dsa_sparse_bwd_pre"}
+    assert {p.parent.parent.name for p in suite_mod.kernel_sources() if p.name == "launch.py"} >= {
+        "dsa_sparse_bwd",
+        "dsa_sparse_bwd_pre",
+    }
 
 
 def test_red4s_variant_runs_the_previous_standard_form(monkeypatch):
@@ -112,8 +114,11 @@ def test_red4s_variant_runs_the_previous_standard_form(monkeypatch):
     from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import SPEC as BWD
     from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import launch
 
-    assert all(set(suite_mod.variants(c)) == {"red4s"} | ({"was"} if c.params["hq"] % 64 == 0
-               else set()) for c in suite_mod.BENCH_CASES)  # fmt: skip
+    monkeypatch.setattr(launch, "num_sms", lambda index: 132)  # the variants' sweep decision
+
+    assert all(set(suite_mod.variants(c)) - {"unswept", "swept"} == {"red4s"}
+               | ({"was"} if c.params["hq"] % 64 == 0 else set())
+               for c in suite_mod.BENCH_CASES)  # fmt: skip
     for heads in (16, 64):
         case = next(c for c in suite_mod.CHECK_CASES if c.params["hq"] == heads)
         seen = _fake_v1(monkeypatch, launch)
@@ -158,6 +163,7 @@ def test_was_variant_runs_split_h64_where_ours_runs_fused(monkeypatch):
     from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import SPEC as BWD
     from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import config, launch
 
+    monkeypatch.setattr(launch, "num_sms", lambda index: 132)  # the variants' sweep decision
     assert {c.params["hq"] for c in suite_mod.BENCH_CASES if "was" in suite_mod.variants(c)} == {
         64, 128}  # fmt: skip
     case = next(c for c in suite_mod.CHECK_CASES if c.params["hq"] == 64)
@@ -195,3 +201,41 @@ def test_was_variant_runs_split_h64_where_ours_runs_fused(monkeypatch):
     assert set(seen) <= set(BWD.standard_params())
     assert torch.equal(out[0], 2 * out[-1]["q"][..., :512])
     assert torch.equal(out[1], 2 * out[-1]["q"][..., 512:])
+
+
+def test_sweep_variants_run_the_other_form(monkeypatch):
+    """Over the L2 the variant is the default's kernel in the other form (132 SMs): `unswept`
+    (sweep=False: one launch on the index rows as given) where the default sweeps, `swept`
+    (sweep=True: the rows sorted, one wave a launch) where it does not; no such variant under
+    the L2 (kv 8192)."""
+    from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import config, launch
+
+    monkeypatch.setattr(launch, "num_sms", lambda index: 132)
+    forms = {c.name: set(suite_mod.variants(c)) & {"unswept", "swept"}
+             for c in suite_mod.BENCH_CASES}  # fmt: skip
+    assert forms == {
+        "t4096-h16-kv8192-k2048": set(), "t4096-h16-kv8192-k2048-nosink": set(),
+        "t4096-h16-kv8192-k512": set(), "t8192-h16-kv32768-k2048": {"unswept"},
+        "t32768-h16-kv65536-k2048": {"unswept"}, "t4096-h64-kv16384-k2048": {"swept"},
+        "t16384-h64-kv65536-k512": {"swept"}, "t4096-h128-kv8192-k2048": set(),
+        "t8192-h128-kv65536-k2048": {"unswept"},
+    }  # fmt: skip
+    case = next(c for c in suite_mod.CHECK_CASES if c.params["hq"] == 64)
+    idxs = []
+
+    def fused(q, kv, dout, lse2, delta, idx, dq, dkv, *scales):
+        idxs.append(idx)
+        dkv.copy_(torch.arange(dkv.shape[0], dtype=dkv.dtype)[:, None].expand_as(dkv))
+        dq.copy_(2 * q)
+
+    monkeypatch.setattr(launch, "get_kernel", lambda spec, params: fused)
+    monkeypatch.setattr(launch, "as_tma_ready", lambda t: t)
+    monkeypatch.setattr(launch, "num_sms", lambda index: 4)
+    out = _run_faked(suite_mod._run_unswept, case)
+    assert len(idxs) == 1 and idxs[0] is out[-1]["idx"]
+    assert torch.equal(out[0], 2 * out[-1]["q"][..., :512])
+    idxs.clear()
+    out = _run_faked(suite_mod._run_swept, case)
+    assert len(idxs) == -(-case.params["tokens"] // 4)
+    assert torch.equal(torch.cat(idxs), out[-1]["idx"].sort(dim=1).values)
+    assert not config.sweep_far(case.params["ctx"])  # the default there: one launch

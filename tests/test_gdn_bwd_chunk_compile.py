@@ -17,17 +17,23 @@ from __future__ import annotations
 import re
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
 pytest.importorskip("cutlass")
 
-from cubins import trywait_offsets  # noqa: E402
+from cubins import pin_unaligned_barriers, trywait_offsets, unaligned_offsets  # noqa: E402
 from dsl_toolchain import dsl_toolchain  # noqa: E402
 from sweeps import slow_past  # noqa: E402  (tests/ is on the path)
 
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY  # noqa: E402
 from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90 import config  # noqa: E402
+from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.chunk_grads import (  # noqa: E402
+    BAR_FINISH,
+    BAR_HANDOVER,
+    BAR_START,
+)
 from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.compile import (  # noqa: E402
     compile_gdn_bwd_chunk,
     kernel_for,
@@ -45,6 +51,14 @@ CONFIGS = [
     for dtype in config.DTYPES
     for wy in (False, True)
 ]
+
+
+class Built(NamedTuple):
+    res: dict  # inspect_cubin's
+    instrs: list  # (op, operands) in order
+    smem: int  # the kernel's SharedStorage
+    sass: str  # cuobjdump's listing
+    unaligned: set  # cubins.unaligned_offsets
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +80,9 @@ def compiled():
                     cubin = Path(d, "k.cubin")
                 res = inspect_cubin(cubin)
                 sass = sass_text(cubin)
-            cache[key] = (
-                res, sass_instructions(sass), kernel.shared_storage.size_in_bytes())  # fmt: skip
+                unaligned = unaligned_offsets(cubin)
+            cache[key] = Built(res, sass_instructions(sass), kernel.shared_storage.size_in_bytes(),
+                               sass, unaligned)  # fmt: skip
         return cache[key]
 
     return get
@@ -75,7 +90,7 @@ def compiled():
 
 @pytest.mark.parametrize(("dtype", "wy"), CONFIGS)
 def test_registers_and_no_spills(compiled, dtype, wy):
-    res, instrs, _ = compiled(dtype, wy)
+    res, instrs = compiled(dtype, wy)[:2]
     assert res["registers"] <= min(REGISTERS[wy], 65536 // config.THREADS)
     assert res["spill_bytes"] == 0
     assert not [op for op, _ in instrs if op.startswith(("LDL", "STL"))]
@@ -83,14 +98,14 @@ def test_registers_and_no_spills(compiled, dtype, wy):
 
 @pytest.mark.parametrize(("dtype", "wy"), CONFIGS)
 def test_shared_memory_fits(compiled, dtype, wy):
-    res, _, smem = compiled(dtype, wy)
+    res, _, smem = compiled(dtype, wy)[:3]
     assert smem == SMEM[wy] <= config.smem_bytes(wy=wy) <= SMEM_CAPACITY
     assert smem + res["smem_bytes"] <= SMEM_CAPACITY
 
 
 @pytest.mark.parametrize(("dtype", "wy"), CONFIGS)
 def test_wgmmas_and_tma(compiled, dtype, wy):
-    _, instrs, _ = compiled(dtype, wy)
+    instrs = compiled(dtype, wy).instrs
     ops = [op for op, _ in instrs]
     shapes = [(op, a) for op, a in instrs if op.startswith("HGMMA")]
     assert sum(op.startswith("HGMMA.64x64x16") for op, _ in shapes) == 8 + 24 * wy
@@ -113,7 +128,7 @@ def test_named_barriers_are_waits(compiled, dtype, wy):
     before the finish warps' loads (2026-12-06: 57,024 RAW reports with its bar.arrive; see
     docs/linear_attention/NOTES.md). bar 0 once, the math warpgroup's 2 (4 with wy), the
     finish warps' own (id 3, 64 threads) once."""
-    _, instrs, _ = compiled(dtype, wy)
+    instrs = compiled(dtype, wy).instrs
     bars = [(op, a.strip()) for op, a in instrs if op.startswith("BAR")]
     assert not [op for op, _ in bars if not op.startswith("BAR.SYNC")]
     got = sorted(a for _, a in bars)
@@ -127,7 +142,7 @@ def test_load_barriers_split(compiled, dtype, wy):
     no consumer release), and the waits: the math warpgroup's one a group, the finish warps'
     on the states' groups (each wait a try_wait twice: the fast path and the retry loop). dqe
     = dO h^T (8 HGMMA) is in flight while U's group is waited: no DEPBAR between."""
-    _, instrs, _ = compiled(dtype, wy)
+    instrs = compiled(dtype, wy).instrs
     ops = [op for op, _ in instrs]
     n = len(config.LOAD_GROUPS)
     assert ops.count("SYNCS.EXCH.64") == n
@@ -156,8 +171,8 @@ def test_grouped_wy_resources(compiled, dtype):
     """`grouped` (q, k read at head hv // (HV / H), the op's path): the WY variant's registers,
     shared memory, products and loads unchanged, no spill; only the producer's head index
     differs (one integer division a CTA: a MUFU.RCP more)."""
-    res, instrs, smem = compiled(dtype, True, True)
-    base_res, base_instrs, base_smem = compiled(dtype, True)
+    res, instrs, smem = compiled(dtype, True, True)[:3]
+    base_res, base_instrs, base_smem = compiled(dtype, True)[:3]
     assert res["spill_bytes"] == 0
     assert not [op for op, _ in instrs if op.startswith(("LDL", "STL"))]
     assert res["registers"] == base_res["registers"] and smem == base_smem == SMEM[True]
@@ -173,8 +188,8 @@ def test_dv16_resources(compiled, dtype):
     spill; dv's 32 fp32 pair stores (STG.E.64) become 32 packed 16-bit pair stores (STG.E).
     Compared with the WY build (grouped moves none of these counts: test_grouped_wy_resources,
     slow), not the grouped one: one compile fewer."""
-    res, instrs, smem = compiled(dtype, True, True, True)
-    base_res, base_instrs, _ = compiled(dtype, True)
+    res, instrs, smem = compiled(dtype, True, True, True)[:3]
+    base_res, base_instrs = compiled(dtype, True)[:2]
     assert res["spill_bytes"] == 0
     assert not [op for op, _ in instrs if op.startswith(("LDL", "STL"))]
     assert res["registers"] == base_res["registers"] and smem == SMEM[True]
@@ -196,8 +211,8 @@ def test_dqk16_resources(compiled, dtype):
     64 packed 16-bit pair stores (STG.E) instead of 96 fp32 pair stores (dq 32, dk 32, dk's WY
     re-store 32: STG.E.64) and dk's 32 fp32 read-backs (LDG.E.64) are gone; the stash is 64
     STS + 64 LDS a thread; products, loads and shuffles unchanged."""
-    res, instrs, smem = compiled(dtype, True, False, True, True)
-    base_res, base_instrs, _ = compiled(dtype, True, False, True)
+    res, instrs, smem = compiled(dtype, True, False, True, True)[:3]
+    base_res, base_instrs = compiled(dtype, True, False, True)[:2]
     assert res["spill_bytes"] == 0
     assert not [op for op, _ in instrs if op.startswith(("LDL", "STL"))]
     assert res["registers"] <= REGISTERS[True] and smem == SMEM[True]
@@ -237,9 +252,11 @@ def test_fsplit_resources(compiled, dtype):
     and the finish's warp sum twice in the SASS (ptxas' copy for a divergent `tid < 64`); six
     load groups (dU + h, T^T + u, w + k, dO + U, q, dh); every named barrier a bar.sync: BAR_MATH
     (id 1) once, the WY warpgroup's (4) twice, the 256-thread start (5) and hand-over (6) once a
-    side, finish (2) twice a side (`_rows_to_finish`: test_fsplit_rows_handover)."""
-    res, instrs, smem = compiled(dtype, True, False, True, True, True)
-    base_res, base_instrs, _ = compiled(dtype, True, False, True, True)
+    side, finish (2) twice a side (`_rows_to_finish`: test_fsplit_rows_handover), and ptxas's
+    copies of the output side's two for a diverged warp (5, 6 and 2 are unaligned:
+    test_barriers_waited_from_two_roles_are_unaligned)."""
+    res, instrs, smem = compiled(dtype, True, False, True, True, True)[:3]
+    base_res, base_instrs = compiled(dtype, True, False, True, True)[:2]
     assert res["registers"] == 168 == 65536 // config.FSPLIT_THREADS // 8 * 8
     assert res["spill_bytes"] == 0
     assert not [op for op, _ in instrs if op.startswith(("LDL", "STL"))]
@@ -260,7 +277,11 @@ def test_fsplit_resources(compiled, dtype):
     assert ops.count("SYNCS.EXCH.64") == ops.count("SYNCS.ARRIVE.TRANS64") == n == 6
     bars = [(op, a.strip()) for op, a in instrs if op.startswith("BAR")]
     assert not [op for op, _ in bars if not op.startswith("BAR.SYNC")]
-    assert sorted(a for _, a in bars) == sorted(
+    # ptxas's diverged-warp copies (id and count in a register) of the output warpgroup's two
+    # unaligned BAR_FINISH waits, after its `tid < 64` branch (taken by BRA.DIV only)
+    copies = [a for _, a in bars if a.startswith("R")]
+    assert len(copies) == 2
+    assert sorted(a for _, a in bars if a not in copies) == sorted(
         ["0x0"] + ["0x1, 0x80"] * 1 + ["0x4, 0x80"] * 2 + ["0x5, 0x100", "0x6, 0x100"] * 2
         + ["0x2, 0x100"] * 4
     )  # fmt: skip
@@ -291,7 +312,7 @@ def test_fsplit_rows_handover(compiled, dtype):
     of its own (one BAR_FINISH). Now the finish loads after 5 (BAR_FINISH twice, back to back
     on both sides): more waits than the stores had (racecheck's rule, docs/attention/
     MLA_NOTES.md), and after the storing thread has passed one of its own."""
-    _, instrs, _ = compiled(dtype, True, False, True, True, True)
+    instrs = compiled(dtype, True, False, True, True, True).instrs
     regions = _regions(instrs)
     finish = ("BAR.SYNC.DEFER_BLOCKING", "0x2, 0x100")
     wy, out = regions["256"], regions["224"]  # the WY warpgroup, the output one
@@ -303,3 +324,34 @@ def test_fsplit_rows_handover(compiled, dtype):
     load = at_out + 2 + next(i for i, (op, _) in enumerate(out[at_out + 2 :]) if op == "LDS")
     assert _waits(out[:load]) == _waits(wy[:store]) + 1 == 5
     assert not [op for op, _ in wy[store:at] if op.startswith("BAR")]
+
+
+# the forms' `compiled` arguments after dtype, the barriers waited in two roles' code, and how
+# many BAR.SYNCs of theirs a CTA's code holds
+BARRIER_FORMS = {
+    "output": ((False,), {BAR_FINISH}, 2),
+    "wy": ((True,), {BAR_FINISH}, 2),
+    "dqk16": ((True, False, True, True), {BAR_FINISH}, 2),
+    "fsplit": ((True, False, True, True, True), {BAR_FINISH, BAR_START, BAR_HANDOVER}, 8),
+}
+
+
+@pytest.mark.parametrize("form", BARRIER_FORMS)
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
+def test_barriers_waited_from_two_roles_are_unaligned(compiled, dtype, form):
+    """The fused kernel's synccheck failure (NOTES "Fused GDN backward: synccheck's divergent
+    barrier"), here: BAR_FINISH is waited by the math warpgroup at the end of `_math` and by
+    the finish warps at the start of `_finish_dg`, one phase at two bar.syncs (the aligned
+    form's promise broken: "Divergent thread(s) in block"); `fsplit`'s BAR_START, BAR_HANDOVER
+    and both BAR_FINISH phases (`_rows_to_finish`) by the output warpgroup and the WY one each at
+    its own. Exactly those are waited at two instructions a phase and listed unaligned in the
+    cubin (`unaligned_barrier`); BAR_MATH, BAR_MATH_WY and the finish warps' own barrier, one
+    role's in turn, stay aligned. fsplit: each side's four in its own setmaxnreg region."""
+    args, two_site, count = BARRIER_FORMS[form]
+    built = compiled(dtype, *args)
+    bars = pin_unaligned_barriers(built.sass, built.unaligned, two_site)
+    unaligned = [b for b in bars if b.offset in built.unaligned]
+    assert len(unaligned) == count and all(b.kind == "SYNC" for b in unaligned)
+    if form == "fsplit":  # the output warpgroup's (224) and the WY one's (256)
+        output, wy = config.FSPLIT_REGS[1:]
+        assert sorted(b.regs for b in unaligned) == [output] * 4 + [wy] * 4

@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("cutlass")
 
-from cubins import trywait_offsets  # noqa: E402
+from cubins import indirect_targets, pin_unaligned_barriers, trywait_offsets, unaligned_offsets  # noqa: E402
 from dsl_toolchain import dsl_toolchain  # noqa: E402  (tests/ is on the path)
 from sweeps import slow_past  # noqa: E402
 
@@ -45,9 +45,9 @@ SMEM = 155648  # 188,416 with the reversed u, -W, -Ke tiles (before 2026-12-06)
 def compiled():
     cache = {}
 
-    def get(dtype):
-        if dtype not in cache:
-            params = dict(config.params_for(dtype))
+    def get(dtype, wg2=False):
+        if (dtype, wg2) not in cache:
+            params = dict(config.params_for(dtype, wg2=wg2))
             kernel = kernel_for(params)
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_gdn_bwd_factors(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
@@ -58,8 +58,11 @@ def compiled():
                     cubin = Path(d, "k.cubin")
                 res = inspect_cubin(cubin)
                 sass = sass_text(cubin)
-            cache[dtype] = (res, sass_instructions(sass), kernel.shared_storage.size_in_bytes())
-        return cache[dtype]
+                # the barrier pins' inputs (`wg2` only: its listing has ptxas's jump tables)
+                flow = (sass, unaligned_offsets(cubin), indirect_targets(cubin)) if wg2 else None
+            cache[dtype, wg2] = (res, sass_instructions(sass),
+                                 kernel.shared_storage.size_in_bytes(), flow)  # fmt: skip
+        return cache[dtype, wg2][:3] if not wg2 else cache[dtype, wg2]
 
     return get
 
@@ -150,3 +153,57 @@ def test_stores_in_three_groups(compiled, dtype):
     assert seq == ["bar", "bar", *[store] * 2, "UTMACMDFLUSH", "wait2", *["HGMMA"] * 8,
                    "bar", *[store] * 4, "UTMACMDFLUSH",
                    "bar", *[store] * 4, "UTMACMDFLUSH", "depbar"]  # fmt: skip
+
+
+# `wg2` (factors_wg2.py; NOTES "GDN backward factors kernel on two math warpgroups"): compiled
+# figures under cu13
+WG2_REGISTERS = {"bfloat16": 167, "float16": 167}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_wg2_resources(compiled, dtype):
+    """`wg2`: 384 threads within the launch's 168 registers (no setmaxnreg), nothing spilled,
+    the same shared memory; the 256-thread kernel's products, split: warpgroup 1 K K^T (8) and
+    u (4), warpgroup 2 Q K^T (8) and W (4), four commit groups; the same merges, TMA boxes,
+    stmatrix, gates' scan and MUFU count (every product, mask and scaling once: the split is by
+    product, nothing computed twice)."""
+    res, instrs, smem, _ = compiled(dtype, wg2=True)
+    _, base, base_smem = compiled(dtype)
+    assert config.WG2_REGISTERS == 168 and config.WG2_THREADS == 384
+    assert res["registers"] <= config.WG2_REGISTERS
+    assert res["registers"] * config.WG2_THREADS <= 65536
+    if dsl_toolchain() == "cu13":
+        assert res["registers"] == WG2_REGISTERS[dtype]
+    assert res["spill_bytes"] == 0
+    assert not [op for op, _ in instrs if op.startswith(("LDL", "STL", "USETMAXREG"))]
+    assert smem == base_smem == SMEM
+    ops = [op for op, _ in instrs]
+    ops0 = [op for op, _ in base]
+    same = ("HGMMA.64x64x16", "HGMMA.64x128x16", "HMMA.1688.F32.TF32", "UTMALDG.4D",
+            "UTMASTG.4D", "STSM.16.MT88.4", "STSM.16.M88.4", "SHFL.UP", "MUFU.EX2")  # fmt: skip
+    for op in same:
+        assert sum(o.startswith(op) for o in ops) == sum(o.startswith(op) for o in ops0), op
+    assert sum("gsb0" in a for op, a in instrs if op.startswith("HGMMA")) == 4
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_wg2_barriers(compiled, dtype):
+    """`wg2`'s named barriers (factors_wg2.py): bar 0 once; BAR_GATES (4, 256): warp 4's
+    arrive, the other math warps' one wait; BAR_T (3, 256): warpgroup 1's arrive after the
+    merges' last BAR_INVERSE (2, 128, four waits), warpgroup 2's one wait before W's HGMMAs;
+    each warpgroup's own store barrier (1 / 5, 128) twice. No phase is waited at two
+    instructions (two_site_barriers, through ptxas's jump tables: nvdisasm's targets), so no
+    barrier is in the unaligned form (pin_unaligned_barriers)."""
+    _, instrs, _, (sass, unaligned, indirect) = compiled(dtype, wg2=True)
+    bars = pin_unaligned_barriers(sass, unaligned, set(), indirect)
+    seen = sorted((b.kind, int(b.barrier, 16), int(b.threads or "0", 16)) for b in bars)
+    assert seen == sorted([("ARV", 4, 256), ("SYNC", 4, 256), ("ARV", 3, 256), ("SYNC", 3, 256)]
+                          + [("SYNC", 2, 128)] * 4 + [("SYNC", 1, 128)] * 2
+                          + [("SYNC", 5, 128)] * 2)  # fmt: skip
+    flat = [(op, a.strip()) for op, a in instrs]
+    t_arv = flat.index(("BAR.ARV", "0x3, 0x100"))
+    t_sync = flat.index(("BAR.SYNC.DEFER_BLOCKING", "0x3, 0x100"))
+    merges = [i for i, x in enumerate(flat) if x == ("BAR.SYNC.DEFER_BLOCKING", "0x2, 0x80")]
+    wide = [i for i, (op, _) in enumerate(flat) if op.startswith("HGMMA.64x128x16")]
+    assert max(merges) < t_arv
+    assert len([i for i in wide if i > t_sync]) == 4  # W's, after T is final

@@ -18,10 +18,13 @@ from __future__ import annotations
 import re
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
 pytest.importorskip("cutlass")
+
+from cubins import pin_unaligned_barriers, unaligned_offsets  # noqa: E402  (tests/ is on the path)
 
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY  # noqa: E402
 from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90 import config  # noqa: E402
@@ -29,6 +32,7 @@ from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.compile import (  #
     compile_gdn_bwd_fused,
     kernel_for,
 )
+from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.fused_bwd import Bar  # noqa: E402
 from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_instructions, sass_text  # noqa: E402
 
 if find_tool("cuobjdump") is None:
@@ -39,11 +43,19 @@ CONFIGS = [(config.DTYPES[1], False), pytest.param(config.DTYPES[1], True, marks
            pytest.param(config.DTYPES[0], False, marks=pytest.mark.slow)]  # fmt: skip
 
 
+class Built(NamedTuple):
+    res: dict  # inspect_cubin's
+    instrs: list  # (op, operands) in order
+    smem: int  # the kernel's SharedStorage
+    sass: str  # cuobjdump's listing
+    unaligned: set  # cubins.unaligned_offsets
+
+
 @pytest.fixture(scope="module")
 def compiled():
     cache = {}
 
-    def get(dtype, dht, grouped=False):
+    def get(dtype, dht, grouped=False) -> Built:
         key = (dtype, dht, grouped)
         if key not in cache:
             params = dict(config.params_for(dtype, d_final_state=dht, grouped=grouped))
@@ -57,7 +69,9 @@ def compiled():
                     cubin = Path(d, "k.cubin")
                 res = inspect_cubin(cubin)
                 sass = sass_text(cubin)
-            cache[key] = (res, sass_instructions(sass), kernel.shared_storage.size_in_bytes())
+                unaligned = unaligned_offsets(cubin)
+            cache[key] = Built(res, sass_instructions(sass), kernel.shared_storage.size_in_bytes(),
+                               sass, unaligned)  # fmt: skip
         return cache[key]
 
     return get
@@ -81,7 +95,7 @@ def _max_register(instrs) -> int:
 
 @pytest.mark.parametrize(("dtype", "dht"), CONFIGS)
 def test_registers_and_spills(compiled, dtype, dht):
-    res, instrs, _ = compiled(dtype, dht)
+    res, instrs = compiled(dtype, dht)[:2]
     assert res["registers"] == 168 == 65536 // config.THREADS // 8 * 8
     assert res["spill_bytes"] == 0
     assert not [op for op, _ in instrs if op.startswith(("LDL", "STL"))]
@@ -97,7 +111,7 @@ def test_registers_and_spills(compiled, dtype, dht):
 
 @pytest.mark.parametrize(("dtype", "dht"), CONFIGS)
 def test_shared_memory_fits(compiled, dtype, dht):
-    res, _, smem = compiled(dtype, dht)
+    res, _, smem = compiled(dtype, dht)[:3]
     assert smem == SMEM <= config.smem_bytes() <= SMEM_CAPACITY
     assert smem + res["smem_bytes"] <= SMEM_CAPACITY
 
@@ -107,8 +121,7 @@ def test_products_split_between_the_warpgroups(compiled):
     (e^G o dO)^T q and -dU^T W (4 HGMMA.64x128x16 each a half); G (248): dU (k dS 8, P^T dO
     4), kernel 2's dqe, dke, dw (8 each), dPD k, dPD^T q, T^T du, T^T dw, M k, M^T k (4 each),
     dvb u^T, dkb w^T (8 HGMMA.64x64x16 each)."""
-    _, instrs, _ = compiled(config.DTYPES[1], False)
-    regions = _regions(instrs)
+    regions = _regions(compiled(config.DTYPES[1], False).instrs)
 
     def count(regs, shape):
         return sum(op.startswith(f"HGMMA.{shape}") for op, _ in regions[regs])
@@ -122,7 +135,7 @@ def test_loads_and_barriers(compiled):
     """Sixteen TMA boxes a chunk (six (C, 128) token tiles in two 64-column halves, P^T and
     T^T, h's two halves), six mbarriers (five load groups, the stage's release), the named
     barriers of `Bar` with their thread counts."""
-    _, instrs, _ = compiled(config.DTYPES[1], False)
+    instrs = compiled(config.DTYPES[1], False).instrs
     ops = [op for op, _ in instrs]
     assert ops.count("UTMALDG.4D") == 14 and ops.count("UTMALDG.5D") == 2
     assert ops.count("SYNCS.EXCH.64") == len(config.LOAD_GROUPS) + 1
@@ -131,3 +144,25 @@ def test_loads_and_barriers(compiled):
     want = {("0x1", "0x80"), ("0x2", "0xc0"), ("0x3", "0x40"), ("0x4", "0x140"),
             ("0x5", "0x100"), ("0x6", "0x140"), ("0x7", "0x100"), ("0x8", "0x80")}  # fmt: skip
     assert ids == want
+
+
+@pytest.mark.parametrize(("dtype", "dht"), CONFIGS)
+def test_barriers_waited_from_two_roles_are_unaligned(compiled, dtype, dht):
+    """synccheck (H100, 2026-12-06) reported "Divergent thread(s) in block" at G's bar.sync of
+    DS_READY (+0x2fd0, threads 256..383), whose phase the finish warps wait at their own
+    bar.sync: the aligned form promises one instruction for a phase's waiters. The ids waited
+    at two instructions a phase (cubins.two_site_barriers: BAR.SYNCs of one id neither of which
+    reaches the other) are DS_READY (finish + G) and FINISH (G + finish): every BAR.SYNC of
+    theirs is listed unaligned in the cubin (EIATTR_COOP_GROUP_INSTR_OFFSETS), every other
+    BAR.SYNC is not (a phase's waiters at one instruction: the aligned form holds).
+    The only predicated barriers are DH_FREE's (on the chunk index: warp-uniform). (Whether a
+    warp is converged at a barrier the SASS does not say: ptxas opens BSSY spans well before
+    the branch they reconverge, DH_FREE's G arrive sits in one.)"""
+    built = compiled(dtype, dht)
+    bars = pin_unaligned_barriers(built.sass, built.unaligned, {Bar.DS_READY, Bar.FINISH})
+    assert {int(b.barrier, 16) for b in bars if b.predicate} == {Bar.DH_FREE}
+    # the unaligned sites: G's and the finish warps' waits of both
+    waits = sorted((int(b.barrier, 16), b.regs) for b in bars if b.offset in built.unaligned)
+    want = sorted((int(i), r) for i in (Bar.DS_READY, Bar.FINISH)
+                  for r in (config.REGS[0], config.REGS[2]))  # fmt: skip
+    assert waits == want

@@ -148,3 +148,40 @@ def test_the_switch(monkeypatch, env, fused, b, hv, sms, want):
     assert bwd._fused_selected(b, hv, torch.device("cpu")) == want
     monkeypatch.setattr(bwd, "QK16", False)
     assert not bwd._fused_selected(b, hv, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("lens", [[1, 63, 0, 64, 65, 130], [65, 65]])
+def test_varlen(kernel_path, monkeypatch, lens):  # noqa: F811
+    """FUSED on and the rule met, cu_seqlens (ops/_linattn_varlen.py `backward_varlen`): equal
+    lengths are B sequences (a reshape) on the fused kernel; unequal ones run once in the slot
+    layout (the default), today's reverse launch and kernel 2 (`_device_pass` takes the fused
+    kernel only without slots): no fused launch and the gradients FUSED off's bit for bit. The
+    GPU twin's test_varlen."""
+    n, total = len(lens), sum(lens)
+    q, k, v, g, beta, do, h0, dht = _bf16_problem(1, total, 2, 4, seed=n)
+    h0, dht = (x.expand(n, -1, -1, -1).contiguous() for x in (h0, dht))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+
+    def run():
+        return forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, initial_state=h0,
+                                                     d_final_state=dht, cu_seqlens=cu,
+                                                     use_qk_l2norm_in_kernel=True)  # fmt: skip
+
+    today = run()
+    calls = []
+    monkeypatch.setattr(bwd, "FUSED", True)
+    monkeypatch.setattr(bwd, "_device_sms", lambda device: 1)  # the rule met at any B x HV
+    monkeypatch.setattr(bwd, "_fused_bwd", emulated_fused_kernel(calls))
+    FLAGS.clear()
+    CHUNK_CALLS.clear()
+    got = run()
+    if len(set(lens)) == 1:
+        assert calls == [((n, lens[0], 4, 128), 2, True, 1.0)] and CHUNK_CALLS == []
+        for name, a, o in zip(NAMES, got, today):
+            scale = float(o.abs().max())
+            assert float((a.double() - o.double()).abs().max()) <= 2e-2 * scale, name
+    else:
+        assert calls == [] and CHUNK_CALLS == [torch.bfloat16]
+        assert FLAGS == [(True, True), (True, False)]  # kernel 1's two launches, varlen form
+        for name, a, o in zip(NAMES, got, today):
+            assert torch.equal(a, o), name

@@ -16,6 +16,7 @@ from forgekernel.reference.gdn_bwd_state import (
     CHUNK,
     batched_state_pass_factors,
     corrected_values,
+    cut,
     reverse_state_pass,
     state_pass_factors,
 )
@@ -368,3 +369,17 @@ def test_launcher_passes_the_channel_decay_signature(monkeypatch, with_dht):
     assert dict(params) == {"dtype": "bfloat16", "k": 128, "v": 128, "d_final_state": with_dht,
                             "dke": False, "channel_decay": True}  # fmt: skip
     assert args[6] is wide and dh.shape == (2, 3, 3, 128, 128)
+
+
+@pytest.mark.parametrize("dim, part", [(1, slice(None, 7)), (1, slice(None, 64)),
+                                       (1, slice(None, 100)), (2, slice(0, 3)), (2, slice(2, 3)),
+                                       (2, slice(1, 9)), (2, slice(0, 2))])  # fmt: skip
+def test_cut_is_the_slice_or_the_tensor_itself(dim, part):
+    """`cut` (the ops' x[:, :t] / x[:, :, heads]): the slice's elements, sizes, strides and
+    storage offset, and x itself (no view op) where the part is all of dim."""
+    x = torch.randn(2, 64, 3, 5)[:, :, :, 1:]  # strided, as the ops' head slices are
+    index = (slice(None),) * dim + (part,)
+    got, want = cut(x, dim, part), x[index]
+    assert got.shape == want.shape and got.stride() == want.stride()
+    assert got.data_ptr() == want.data_ptr() and torch.equal(got, want)
+    assert (got is x) == (want.shape == x.shape)

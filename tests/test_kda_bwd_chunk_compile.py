@@ -14,6 +14,7 @@ import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from sweeps import slow_past  # tests/ is on the path
@@ -21,7 +22,7 @@ from sweeps import slow_past  # tests/ is on the path
 pytest.importorskip("cutlass")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cubins import wait_pin  # noqa: E402
+from cubins import pin_unaligned_barriers, unaligned_offsets, wait_pin  # noqa: E402
 from dsl_toolchain import dsl_toolchain  # noqa: E402
 
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY  # noqa: E402
@@ -38,6 +39,14 @@ if find_tool("cuobjdump") is None:
 REGISTERS = 228  # compiled figure under cu13 (2026-12-06, split load barriers; 222 before)
 DQ16_REGISTERS = 222  # dq16 (next/kda-final-outputs, 2026-12-06): compiled figure under cu13
 SMEM = 202752
+
+
+class Built(NamedTuple):
+    res: dict  # inspect_cubin's
+    instrs: list  # (op, operands) in order
+    smem: int  # the kernel's SharedStorage
+    sass: str  # cuobjdump's listing
+    unaligned: set  # cubins.unaligned_offsets
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +66,10 @@ def compiled():
                     cubin = Path(d, "k.cubin")
                 res = inspect_cubin(cubin)
                 sass = sass_text(cubin)
-            cache[dtype, dw16, dq16, wg2] = (res, sass_instructions(sass),
-                                             kernel.shared_storage.size_in_bytes())  # fmt: skip
+                unaligned = unaligned_offsets(cubin)
+            cache[dtype, dw16, dq16, wg2] = Built(res, sass_instructions(sass),
+                                                  kernel.shared_storage.size_in_bytes(), sass,
+                                                  unaligned)  # fmt: skip
         return cache[dtype, dw16, dq16, wg2]
 
     return get
@@ -66,10 +77,11 @@ def compiled():
 
 def test_standard_params():
     assert SPEC.name == "kda_bwd_chunk_sm90"
-    keys = [(dict(p)["dtype"], dict(p).get("dw16", False), dict(p).get("dq16", False))
-            for p in SPEC.standard_params()]  # fmt: skip
+    keys = [(dict(p)["dtype"], dict(p).get("dw16", False), dict(p).get("dq16", False),
+             dict(p).get("wg2", False)) for p in SPEC.standard_params()]  # fmt: skip
     flags = ((False, False), (True, False), (True, True))
-    assert keys == [(d, *f) for f in flags for d in config.DTYPES]
+    # the default's two-math-warpgroup build first (ops.kda_bwd.CHUNK_2WG), then the 256-thread
+    assert keys == [(d, *f, w) for w in (True, False) for f in flags for d in config.DTYPES]
     assert "dw16" not in dict(config.params_for("bfloat16"))  # the old key unchanged
     assert "dq16" not in dict(config.params_for("bfloat16", dw16=True))
     assert "wg2" not in dict(config.params_for("bfloat16", dw16=True, dq16=True))
@@ -81,8 +93,8 @@ def test_dq16_stores_the_ops_dq_in_16_bits(compiled, dtype):
     dq without the epilogue): dq's 64 values a thread leave as 32 packed 16-bit pairs (STG.E)
     instead of 32 fp32 pairs (STG.E.64), over dw16; dk's 32 STG.E.64 and every load unchanged;
     registers 228 -> 222 (DQ16_REGISTERS), nothing spilled."""
-    res, instrs, _ = compiled(dtype, dw16=True, dq16=True)
-    _, base, _ = compiled(dtype, dw16=True)
+    res, instrs = compiled(dtype, dw16=True, dq16=True)[:2]
+    base = compiled(dtype, dw16=True).instrs
     ops, ops0 = (Counter(op for op, _ in x) for x in (instrs, base))
     assert ops0["STG.E.64"] == 2 * 32 and ops["STG.E.64"] == 32
     assert ops["STG.E"] == ops0["STG.E"] + 32
@@ -98,8 +110,8 @@ def test_dw16_stores_dw_in_16_bits(compiled, dtype):
     dw's 64 values a thread leave as 32 packed 16-bit pairs (STG.E) instead of 32 fp32 pairs
     (STG.E.64); dq's and dk's 2 x 32 STG.E.64 and the rest unchanged; registers as without it
     (REGISTERS), nothing spilled."""
-    res, instrs, _ = compiled(dtype, dw16=True)
-    _, base, _ = compiled(dtype)
+    res, instrs = compiled(dtype, dw16=True)[:2]
+    base = compiled(dtype).instrs
     ops, ops0 = (Counter(op for op, _ in x) for x in (instrs, base))
     assert ops0["STG.E.64"] == 3 * 32 and ops["STG.E.64"] == 2 * 32
     assert ops["STG.E"] == ops0["STG.E"] + 32
@@ -113,7 +125,7 @@ def test_dw16_stores_dw_in_16_bits(compiled, dtype):
 # of CI's CPU, 2026-12-06)
 @pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
 def test_registers_and_no_spills(compiled, dtype):
-    res, instrs, _ = compiled(dtype)
+    res, instrs = compiled(dtype)[:2]
     assert res["registers"] <= 65536 // config.THREADS
     if dsl_toolchain() == "cu13":
         assert res["registers"] == REGISTERS
@@ -123,14 +135,14 @@ def test_registers_and_no_spills(compiled, dtype):
 
 @pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
 def test_shared_memory_fits(compiled, dtype):
-    res, _, smem = compiled(dtype)
+    res, _, smem = compiled(dtype)[:3]
     assert smem == SMEM <= config.smem_bytes() <= SMEM_CAPACITY
     assert smem + res["smem_bytes"] <= SMEM_CAPACITY
 
 
 @pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
 def test_wgmmas_and_tma(compiled, dtype):
-    _, instrs, _ = compiled(dtype)
+    instrs = compiled(dtype).instrs
     ops = [op for op, _ in instrs]
     shapes = [(op, a) for op, a in instrs if op.startswith("HGMMA")]
     assert sum(op.startswith("HGMMA.64x64x16") for op, _ in shapes) == 8
@@ -153,7 +165,7 @@ def test_load_barriers_split(compiled, dtype):
     the waits: the math warpgroup's one a group, the <h, dh> warps' on the states' groups. dw
     (8 HGMMA) retired before dO's wait; dqe (8) in flight across U's wait (no DEPBAR between),
     S (8) waited before the block operands' q / k wait; dke after dh's."""
-    _, instrs, _ = compiled(dtype)
+    instrs = compiled(dtype).instrs
     n = len(config.LOAD_GROUPS)
     seq = wait_pin(instrs, n, [8 * g for g in config.STATE_GROUPS] + [8 * g for g in range(n)])
     assert seq[:6] == ["wait 0", "HGMMA x8", "WARPGROUP", "wait 1", "HGMMA x8", "wait 2"]
@@ -176,8 +188,8 @@ def test_wg2_resources(compiled, dtype, flags):
     groups and load waits; half its per-thread SIMT: te's shuffles 96 -> 48, the fp32 row
     stores halved, MUFU.EX2 215 -> 117 (the tables' two branches both in the code)."""
     f = WG2_FLAGS[flags]
-    res, instrs, smem = compiled(dtype, wg2=True, **f)
-    base_res, base, _ = compiled(dtype, **f)
+    res, instrs, smem = compiled(dtype, wg2=True, **f)[:3]
+    base_res, base = compiled(dtype, **f)[:2]
     assert res["registers"] <= config.WG2_REGISTERS == 168
     if dsl_toolchain() == "cu13":
         assert res["registers"] == WG2_REGISTERS[dtype][flags]
@@ -208,7 +220,7 @@ def test_wg2_barriers(compiled, dtype):
     128) four times: G's rows, the tables, the block operands, dG's rows before the finish.
     Every shared-memory hand-over between threads is loaded after more bar.syncs than it was
     stored after (NOTES "GDN fsplit race")."""
-    _, instrs, _ = compiled(dtype, wg2=True)
+    instrs = compiled(dtype, wg2=True).instrs
     bars = [(op, a.strip()) for op, a in instrs if op.startswith("BAR")]
     assert sorted(bars) == sorted(
         [("BAR.ARV", "0x2, 0x140"), ("BAR.SYNC.DEFER_BLOCKING", "0x0"),
@@ -222,3 +234,17 @@ def test_wg2_barriers(compiled, dtype):
     hdh = flat.index(("BAR.SYNC.DEFER_BLOCKING", "0x2, 0x140"))
     stsm = [i for i, (op, _) in enumerate(flat) if op.startswith("STSM")]
     assert stsm and max(stsm) < both < hdh
+
+
+@pytest.mark.parametrize("wg2", [False, True])
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
+def test_no_barrier_waited_from_two_roles(compiled, dtype, wg2):
+    """The fused GDN kernel's synccheck failure (a phase of an aligned barrier waited at two
+    bar.syncs, one a role: NOTES "Fused GDN backward: synccheck's divergent barrier") has no
+    counterpart here, in either form: BAR_HDH's math side waits at one instruction (`wg2`: both
+    math warpgroups run one copy of `_math`), the <h, dh> warps only arrive, and every other
+    barrier is one role's, passed in turn (wg2's per-warpgroup id in a register). So nothing is
+    listed unaligned, and synccheck's 0 (H100, 13:36) is the code's, not its test cases'."""
+    built = compiled(dtype, wg2=wg2)
+    bars = pin_unaligned_barriers(built.sass, built.unaligned, set())
+    assert [b.kind for b in bars].count("ARV") == 1  # the <h, dh> warps' BAR_HDH

@@ -223,6 +223,49 @@ def test_device_pass_in_bf16(kernel_path, monkeypatch, decay, b, t, h, hv):  # n
         _close(name, a, f, 1e-2)
 
 
+@pytest.mark.parametrize(
+    ("b", "t", "h", "hv", "l2norm", "beta16", "varlen"),
+    [(2, 128, 2, 2, False, False, True), (2, 65, 1, 2, True, False, False),
+     (1, 130, 2, 2, False, True, False)],
+)  # fmt: skip
+def test_device_pass_writes_out_in_place(kernel_path, monkeypatch, b, t, h, hv, l2norm,  # noqa: F811
+                                         beta16, varlen):  # fmt: skip
+    """out= on the device pass (next/kda-glue3): dv, dbeta (the WY kernel), d_initial_state
+    (kernel 1's reverse launch) and dg (kernel 2, the WY kernel adding onto it) written by the
+    kernels into the buffers, so `written` copies none of them (before: dv, dbeta, dh0 three
+    DtoD copies, 96 us at 4 x 8192 H16 on the H100); dq, dk by the epilogue into theirs; a
+    16-bit beta's dbeta (the WY kernel writes fp32) still cast in. The gradients bitwise those
+    of the call without out=. The bench's form first: no l2norm, HV = H, fp32 g and beta, B
+    equal lengths behind cu_seqlens (read on the host: one run of `_backward_kernel`)."""
+    (q, k, v, g, beta, h0), do, dht = _bf16_problem(b, t, h, hv, seed=t)
+    if beta16:
+        beta = beta.bfloat16()
+    kw = {"initial_state": h0, "d_final_state": dht, "use_qk_l2norm_in_kernel": l2norm}
+    if not l2norm:  # unit keys: the recurrence stays bounded
+        k = torch.nn.functional.normalize(k.float(), dim=-1).bfloat16()
+    args = [q, k, v, g, beta, do]
+    if varlen:  # (1, B T, ...) with B equal lengths, as the bench calls it
+        args = [x.flatten(0, 1).unsqueeze(0) for x in args]
+        kw["cu_seqlens"] = torch.arange(b + 1, dtype=torch.int32) * t
+    first, flags = [], []
+    _device_opt_ins(monkeypatch, first, flags, fp32=False)
+    want = bwd.kimi_delta_attention_backward(*args, **kw)
+    out = tuple(torch.full_like(x, float("nan")) for x in want)
+    copied = []
+    real = bwd.written
+
+    def written(buffers, grads, likes):
+        copied.extend(i for i, (x, o) in enumerate(zip(grads, buffers))
+                      if o is not None and x.data_ptr() != o.data_ptr())  # fmt: skip
+        return real(buffers, grads, likes)
+
+    monkeypatch.setattr(bwd, "written", written)
+    got = bwd.kimi_delta_attention_backward(*args, **kw, out=out)
+    assert copied == ([4] if beta16 else [])
+    for name, a, o, r in zip(NAMES, got, out, want):
+        assert a is o and torch.equal(a, r), name
+
+
 def test_first_pass_factors_off_with_the_torch_fallback(monkeypatch):
     """FACTORS_FROM_FIRST_PASS with CHUNK_IN_KERNEL = False (kernel 2's torch fallback): the
     fallback's `_output_grads` reads fields `_FirstPassFactors` does not form (q, e^(G_C - G)),

@@ -27,7 +27,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from test_gdn_bwd_kernel_path import emulated_norm_kernel, forward_inputs_as_reverse
+from slots_alone import CPU_CASES, assert_sequence_alone
+from test_gdn_bwd_kernel_path import emulated_norm_kernel, forward_inputs_as_reverse, written_to
 from test_gdn_bwd_state import tile_model
 from test_kda_bwd_op import (
     _fp64_grads,
@@ -45,7 +46,7 @@ from forgekernel.reference.gdn_bwd_state import (
     over_slots,
 )
 from forgekernel.reference.kda_bwd import _Factors, _states
-from forgekernel.reference.kda_bwd_chunk import chunk_grads_model
+from forgekernel.reference.kda_bwd_chunk import chunk_grads_model, first_pass_scan
 from forgekernel.reference.kda_bwd_wy import wy_grads_model
 
 bwd = importlib.import_module("forgekernel.ops.kda_bwd")
@@ -58,22 +59,24 @@ def emulated_kernel(calls=None, flags=None):
     """kernel 1's stand-in (its `channel_decay` variant): the tile emulation in fp64, the
     register operands rounded to the tiles' dtype where it is 16-bit, fp32 outputs (the
     launcher's); `out16` / `forward` (the device pass) as tests/test_gdn_bwd_kernel_path.py's:
-    `out16_forms` of them, I and 0 built in (`flags` records (out16, forward) a launch); its
-    varlen form (cu_seqlens, order: the slot layout) by `over_slots` on the batch form, one
-    recorded call a launch."""
+    `out16_forms` of them, I and 0 built in (`flags` records (out16, forward) a launch); dh0:
+    the caller's buffer for dS at the start (`written_to`); its varlen form (cu_seqlens,
+    order: the slot layout) by `over_slots` on the batch form, one recorded call a launch."""
     batch, quiet = _batch_kernel(calls, flags), _batch_kernel()
 
-    def run(do, pt, ke, qe, w, e_last, dht, out16=False, forward=False, cu_seqlens=None,
-            order=None):  # fmt: skip
+    def run(do, pt, ke, qe, w, e_last, dht, dh0=None, out16=False, forward=False,
+            cu_seqlens=None, order=None):  # fmt: skip
         if cu_seqlens is None:
-            return batch(do, pt, ke, qe, w, e_last, dht, out16, forward)
+            du, side, s0 = batch(do, pt, ke, qe, w, e_last, dht, out16, forward)
+            return du, side, written_to(dh0, s0)
         assert out16 and dht is None or dht.shape[0] == cu_seqlens.shape[0] - 1
         if calls is not None:
             calls.append(do.dtype)
         if flags is not None:
             flags.append((out16, forward))
-        return over_slots(quiet, cu_seqlens, order, do, pt, ke, qe, w, e_last, dht,
-                          out16=out16, forward=forward)  # fmt: skip
+        du, side, s0 = over_slots(quiet, cu_seqlens, order, do, pt, ke, qe, w, e_last, dht,
+                                  out16=out16, forward=forward)  # fmt: skip
+        return du, side, written_to(dh0, s0)
 
     return run
 
@@ -200,13 +203,14 @@ def emulated_first_pass(calls=None):
     """The first pass's stand-in: its torch model on the launcher's arguments (l2norm off: the
     backward hands it unit rows), B equal lengths known on the host."""
 
-    def run(q, k, g, beta, cu_seqlens, scale, seq_len, bwd=False):
+    def run(q, k, g, beta, cu_seqlens, scale, seq_len, bwd=False, v=None):
         assert q.dtype == k.dtype and g.dtype == beta.dtype == torch.float32
         assert cu_seqlens.dtype == torch.int32 and seq_len > 0
+        assert v is None or v.dtype == q.dtype
         if calls is not None:
             calls.append((q.dtype, tuple(q.shape), g.shape[1]) + (("bwd",) if bwd else ()))
         return operands.kda_chunk_operands(q, k, g, beta, cu_seqlens, scale, False, seq_len,
-                                           bwd=bwd)  # fmt: skip
+                                           bwd=bwd, v=v)  # fmt: skip
 
     return run
 
@@ -447,6 +451,29 @@ def _bf16_problem(b, t, h, hv, *, decay=(-1.0, 0.0), seed=0):
     return inputs, do, dht
 
 
+def test_first_pass_offsets_are_cached_per_shape(kernel_path, monkeypatch):
+    """The device pass hands the first pass `equal_offsets`' tensor (next/linattn-bwd-host: no
+    arange a call): a repeated call the same tensor and the same gradients bit for bit, a new
+    length its own offsets 0, T, ..., B T."""
+    seen, model = [], emulated_first_pass()
+
+    def first_pass(*args, **kw):
+        seen.append(args[4])
+        return model(*args, **kw)
+
+    monkeypatch.setattr(bwd, "_first_pass", first_pass)
+    monkeypatch.setattr(bwd.first_pass_launch, "_OFFSETS", {})
+    grads = []
+    for t in (65, 65, 130):
+        (q, k, v, g, beta, h0), do, dht = _bf16_problem(2, t, 1, 2, seed=3)
+        grads.append(bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, initial_state=h0,
+                                                       d_final_state=dht,
+                                                       use_qk_l2norm_in_kernel=True))  # fmt: skip
+    assert seen[0] is seen[1] and seen[0].tolist() == [0, 65, 130]
+    assert seen[2] is not seen[0] and seen[2].tolist() == [0, 130, 260]
+    assert all(torch.equal(a, b) for a, b in zip(*grads[:2]))
+
+
 @pytest.mark.parametrize(
     ("b", "t", "h", "hv", "decay"),
     [(2, 65, 1, 2, (-1.0, 0.0)), (1, 130, 2, 2, (-5.0, -4.0)), (2, 64, 1, 1, (-5.0, 0.0))],
@@ -484,12 +511,40 @@ def test_equal_varlen_equals_the_batch(kernel_path):
         torch.testing.assert_close(a.reshape(r.shape), r, rtol=0, atol=0, msg=name)
 
 
-@pytest.mark.parametrize("lens", [[1, 63, 0, 64, 65, 130], [200, 3], [64, 0]])
-def test_varlen_in_slots_is_each_sequence_alone(kernel_path, lens):
+def scanned_first_pass():
+    """The first pass's stand-in with G (`big_g`, what kernel 2 and the WY kernel read) as the
+    kernel sums it in fp32 (`first_pass_scan`), the rest as `emulated_first_pass`' (its
+    torch cumsum: the same G on every row past a chunk's last gate). B equal sequences of
+    seq_len, as the backward calls it: each sequence's chunks in order, rows past it zero."""
+    exact = emulated_first_pass()
+
+    def run(q, k, g, beta, cu_seqlens, scale, seq_len, bwd=False, v=None):
+        out = exact(q, k, g, beta, cu_seqlens, scale, seq_len, bwd=bwd, v=v)
+        b, nc = cu_seqlens.shape[0] - 1, -(-seq_len // CHUNK)
+        padded = g.new_zeros(b, nc * CHUNK, *g.shape[1:])
+        padded[:, :seq_len] = g.unflatten(0, (b, seq_len))
+        chunks = padded.unflatten(1, (nc, CHUNK)).transpose(2, 3)  # (B, NC, HV, C, K)
+        big_g = first_pass_scan(chunks).transpose(2, 3).flatten(0, 2)
+        inside = (torch.arange(nc * CHUNK) < seq_len).repeat(b).view(-1, 1, 1)
+        out["big_g"] = big_g * inside
+        return out
+
+    return run
+
+
+@pytest.mark.parametrize(("lens", "scan"), CPU_CASES)
+def test_varlen_in_slots_is_each_sequence_alone(kernel_path, monkeypatch, lens, scan):
     """bf16 on the device pass (the default; every kernel emulated, the first pass on its torch
-    model): unequal sequences in the slot layout (ops/_linattn_varlen.py), one launch each, give
-    each sequence's own batch-path call's gradients bit for bit; an empty sequence's state
-    gradient is d_final_state's."""
+    model): unequal sequences in the slot layout (ops/_linattn_varlen.py), one launch each,
+    against each sequence's own batch-path call, as tests/slots_alone.py states it (an empty
+    sequence's state gradient is d_final_state's). With G summed sequentially (`scan` False:
+    the torch model) bit for bit everywhere; with the first pass's sums (`scan`,
+    `first_pass_scan`) dk and dg of the last chunk of sequence 1 (301 % 64 = 45 rows: G_C
+    at row 44 in warp 2's upper half alone, row 63 in the slots; the H100's failing case of
+    2026-12-06 13:38) differ in their last bits, within the tolerance; sequences 0 (2 rows) and
+    3 (39 rows: a lower half, whose later rows repeat its G exactly) bit for bit."""
+    if scan:
+        monkeypatch.setattr(bwd, "_first_pass", scanned_first_pass())
     n, t = len(lens), sum(lens)
     (q, k, v, g, beta, _), do, _ = _bf16_problem(1, t, 1, 2, seed=t)
     (*_, h0), _, dht = _bf16_problem(n, 1, 1, 2, seed=n)
@@ -499,6 +554,7 @@ def test_varlen_in_slots_is_each_sequence_alone(kernel_path, lens):
         q, k, v, g, beta, do, cu_seqlens=cu, initial_state=h0, d_final_state=dht, **kw
     )
     assert len(kernel_path) == 2
+    equal = []
     for i, (a, z) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         if a == z:
             assert torch.equal(got[5][i], dht[i])
@@ -506,9 +562,11 @@ def test_varlen_in_slots_is_each_sequence_alone(kernel_path, lens):
         one = bwd.kimi_delta_attention_backward(
             *(x[:, a:z] for x in (q, k, v, g, beta, do)), initial_state=h0[i : i + 1],
             d_final_state=dht[i : i + 1], **kw)  # fmt: skip
-        for name, x, r in zip(NAMES[:5], got, one):
-            assert torch.equal(x[:, a:z], r), (i, name)
+        assert_sequence_alone(NAMES[:5], got, one, a, z, i)
         assert torch.equal(got[5][i : i + 1], one[5]), i
+        equal.append(all(torch.equal(x[:, a:z], r) for x, r in zip(got[:5], one)))
+    # the sequential G: every sequence bit for bit; the sums': sequence 1 not (the H100's)
+    assert equal == ([True] * len(equal) if not scan else [True, False, True])
 
 
 def test_equal_varlen_in_slots_is_the_batch(kernel_path):
@@ -529,6 +587,28 @@ def test_equal_varlen_in_slots_is_the_batch(kernel_path):
     for name, a, r in zip(NAMES, got, batch):
         assert torch.isfinite(r).all(), name
         assert torch.equal(a.reshape(r.shape), r), name
+
+
+def test_varlen_capture_runs_either_path(kernel_path, monkeypatch):
+    """Under a CUDA-graph capture with EQUAL_IN_CAPTURE (emulated: each conditional body run
+    where its pred holds, `_either`): equal lengths take the batch path, unequal ones the slot
+    layout, each with its eager call's gradients bit for bit, into one set of buffers."""
+    from test_linattn_varlen import _either
+
+    (q, k, v, g, beta, _), do, _ = _bf16_problem(1, 140, 1, 2, seed=3)
+    (*_, h0), _, dht = _bf16_problem(2, 1, 1, 2, seed=2)
+    kw = {"initial_state": h0, "d_final_state": dht, "use_qk_l2norm_in_kernel": True}
+    for lens, taken_want in (([70, 70], [True, False]), ([64, 76], [False, True])):
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        want = bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, cu_seqlens=cu, **kw)
+        with monkeypatch.context() as m:
+            taken: list = []
+            _either(m, taken)
+            kernel_path.clear()
+            got = bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, cu_seqlens=cu, **kw)
+        assert taken == taken_want and len(kernel_path) == 2  # one path's kernel-1 launches
+        for name, a, r in zip(NAMES, got, want):
+            assert torch.equal(a, r), (lens, name)
 
 
 @pytest.mark.parametrize("b", [1, 2])
@@ -734,10 +814,11 @@ def test_cpu_tensors_take_the_interim_path_by_default(monkeypatch, request):
                          [(2, 65, 2, (-1.0, 0.0)), (1, 130, 1, (-5.0, -4.0))])  # fmt: skip
 def test_final_outputs_without_l2norm(kernel_path, monkeypatch, b, t, h, decay):
     """Without l2norm at HV = H (`_folds`, FINAL_QK): kernel 2 reads q unscaled (dq16, the
-    scale in the emulation's products) and writes the op's dq, the WY kernel the op's dk
-    (dk16), no epilogue, dv / dbeta / dq / dk written straight into `out=`; within 2e-2 of
-    autograd through the fp64 recurrence, and dq, dk within one bf16 rounding step of
-    FINAL_QK = False's (the fp32 dq / dk and the epilogue) results."""
+    scale in the emulation's products) and writes the op's dq, no epilogue, dv / dbeta / dq /
+    dk written straight into `out=`; within 2e-2 of autograd through the fp64 recurrence, and
+    dq within one bf16 rounding step of FINAL_QK = False's (the fp32 dq and its epilogue)
+    results. The WY kernel writes the op's dk (dk16) with FINAL_QK either way (`_writes_dk`,
+    next/kda-glue3)."""
     (q, k, v, g, beta, h0), do, dht = _bf16_problem(b, t, h, h, decay=decay, seed=t)
     q, k = (F.normalize(x.float(), dim=-1).bfloat16() for x in (q, k))  # unit rows, no l2norm
     flags = []
@@ -752,7 +833,8 @@ def test_final_outputs_without_l2norm(kernel_path, monkeypatch, b, t, h, decay):
                                                     d_final_state=dht, out=out)  # fmt: skip
         for a, o in zip(got[on][:5], out[:5]):
             assert a is o
-    assert flags == [True, False] and len(norm_calls) == 2  # the epilogue only when off
+    # the dq epilogue only when off; never dk's (the WY kernel writes it: `_writes_dk`)
+    assert flags == [True, False] and len(norm_calls) == 1
     want = _fp64_grads([q, k, v, g, beta, h0], None, do, dht, l2norm=False)
     for name, a, r in zip(NAMES, got[True], want):
         _close(name, a, r, 2e-2)
@@ -760,6 +842,27 @@ def test_final_outputs_without_l2norm(kernel_path, monkeypatch, b, t, h, decay):
         a, r = got[True][i].float(), got[False][i].float()
         step = r.abs().clamp_min(2.0**-126) * 2.0**-7  # one bf16 rounding step of the fp32 path
         assert ((a - r).abs() <= step * 2 + 1e-3 * r.abs().max()).all(), name
+
+
+@pytest.mark.parametrize(("b", "t", "h"), [(2, 65, 2), (1, 130, 1), (1, 64, 3)])
+def test_wy_final_dk_is_the_epilogues_bit_for_bit(kernel_path, monkeypatch, b, t, h):
+    """Without l2norm at HV = H on the device pass the WY kernel writes the op's dk (dk16,
+    `_writes_dk`, no switch since next/kda-glue3): no dk epilogue launch (the dq one stays,
+    FINAL_QK off), and every gradient bit for bit the path's with dk16 off (kernel 2's fp32 dk
+    plus the WY half, cast by the epilogue with scale 1: the same fp32 sum rounded once)."""
+    (q, k, v, g, beta, h0), do, dht = _bf16_problem(b, t, h, h, seed=t)
+    q, k = (F.normalize(x.float(), dim=-1).bfloat16() for x in (q, k))  # unit rows, no l2norm
+    assert not bwd.FINAL_QK
+    got = {}
+    for on in (True, False):
+        norm_calls = []
+        monkeypatch.setattr(bwd, "_qk_grads", emulated_norm_kernel(norm_calls))
+        monkeypatch.setattr(bwd, "_writes_dk", lambda *a, on=on: on and bwd._on_device(a[-1]))
+        got[on] = bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, initial_state=h0,
+                                                    d_final_state=dht)  # fmt: skip
+        assert len(norm_calls) == (1 if on else 2)
+    for name, a, r in zip(NAMES, got[True], got[False]):
+        assert a.dtype == r.dtype and torch.equal(a, r), name
 
 
 def _recording(fn, flags):

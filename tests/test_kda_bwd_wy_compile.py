@@ -23,7 +23,12 @@ from sweeps import slow_past  # tests/ is on the path
 pytest.importorskip("cutlass")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cubins import wait_pin  # noqa: E402
+from cubins import (  # noqa: E402
+    indirect_targets,
+    pin_unaligned_barriers,
+    unaligned_offsets,
+    wait_pin,
+)
 from dsl_toolchain import dsl_toolchain  # noqa: E402
 
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY  # noqa: E402
@@ -48,9 +53,9 @@ SMEM = 196608
 def compiled():
     cache = {}
 
-    def get(dtype, dv16=False, dk16=False):
-        if (dtype, dv16, dk16) not in cache:
-            params = dict(config.params_for(dtype, dv16=dv16, dk16=dk16))
+    def get(dtype, dv16=False, dk16=False, wg2=False):
+        if (dtype, dv16, dk16, wg2) not in cache:
+            params = dict(config.params_for(dtype, dv16=dv16, dk16=dk16, wg2=wg2))
             kernel = kernel_for(params)
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_kda_bwd_wy(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
@@ -61,9 +66,12 @@ def compiled():
                     cubin = Path(d, "k.cubin")
                 res = inspect_cubin(cubin)
                 sass = sass_text(cubin)
-            cache[dtype, dv16, dk16] = (res, sass_instructions(sass),
-                                        kernel.shared_storage.size_in_bytes())  # fmt: skip
-        return cache[dtype, dv16, dk16]
+                # the barrier pin's inputs (`wg2` only: `test_wg2_barriers_one_site`)
+                flow = (sass, unaligned_offsets(cubin), indirect_targets(cubin)) if wg2 else None
+            smem = kernel.shared_storage.size_in_bytes()
+            cache[dtype, dv16, dk16, wg2] = (res, sass_instructions(sass), smem, flow)
+        found = cache[dtype, dv16, dk16, wg2]
+        return found if wg2 else found[:3]
 
     return get
 
@@ -76,6 +84,7 @@ def test_standard_params():
     assert keys == [(d, *f) for f in flags for d in config.DTYPES]
     assert "dv16" not in dict(config.params_for("bfloat16"))  # the old key unchanged
     assert "dk16" not in dict(config.params_for("bfloat16", dv16=True))
+    assert "wg2" not in dict(config.params_for("bfloat16", dv16=True, dk16=True))
 
 
 @pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
@@ -193,3 +202,94 @@ def test_load_barriers_split(compiled, dtype):
     seq = wait_pin(instrs, n, [8 * g for g in range(n)])
     assert seq == ["wait 0", "HGMMA x4", "WARPGROUP", "wait 1", "HGMMA x8", "wait 2", "wait 3",
                    "HGMMA x4", "WARPGROUP", "wait 4", "HGMMA x8", "wait 5"]  # fmt: skip
+
+
+# `wg2` (wy_grads_wg2.py; NOTES "KDA backward WY kernel on two math warpgroups"): compiled
+# figures under cu13, (plain, dv16, dv16 + dk16)
+WG2_REGISTERS = {"bfloat16": (139, 139, 165), "float16": (139, 139, 165)}
+WG2_FLAGS = ({}, {"dv16": True}, {"dv16": True, "dk16": True})
+WG2_SMEM = SMEM + 3 * 2 * 128 * 4  # warpgroup 1's row-dot partials after the tables
+
+
+@pytest.mark.parametrize("flags", range(3))
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
+def test_wg2_resources(compiled, dtype, flags):
+    """`wg2`: 384 threads within the launch's 168 registers (no setmaxnreg), nothing spilled,
+    3 KiB more shared memory (the row-dot hand-over); each math warpgroup's code 32 HGMMA
+    64x64x16: dvb's and dkb's halves (4 each, the tiles' dtype, B transposed), dA whole from
+    shared memory (16, the tiles' dtype; a CTA 32: dA twice), dx's and dy's blocks (4 each,
+    bf16, B transposed), the 256-thread kernel's twelve commit groups; dvb's / dkb's halves by 8
+    plain stmatrix, (beta dA)^T by 4 transposed (warpgroup 1's); half the per-thread SIMT
+    (MUFU.EX2 150 -> 84 in the bf16 dk16 code, the tables' two branches both in it); the
+    global loads and stores per thread halved, beta's and G's loads as before."""
+    f = WG2_FLAGS[flags]
+    res, instrs, smem, _ = compiled(dtype, wg2=True, **f)
+    base_res, base, _ = compiled(dtype, **f)
+    assert res["registers"] <= config.WG2_REGISTERS == 168
+    assert res["registers"] * config.WG2_THREADS <= 65536
+    if dsl_toolchain() == "cu13":
+        assert res["registers"] == WG2_REGISTERS[dtype][flags]
+    assert res["spill_bytes"] == 0
+    assert not [op for op, _ in instrs if op.startswith(("LDL", "STL", "USETMAXREG"))]
+    assert smem == WG2_SMEM <= SMEM_CAPACITY - res["smem_bytes"]
+    ops, ops0 = (Counter(op for op, _ in x) for x in (instrs, base))
+    shapes = [(op, a) for op, a in instrs if op.startswith("HGMMA")]
+    assert len(shapes) == 32 and all(op.startswith("HGMMA.64x64x16") for op, _ in shapes)
+    tile = "BF16" if dtype == "bfloat16" else "F32"
+    assert sum("tnspB" in a for _, a in shapes) == 16
+    assert sum(op.endswith(".BF16") for op, _ in shapes) == (32 if tile == "BF16" else 8)
+    assert sum("gsb0" in a for _, a in shapes) == 4 + 8
+    assert ops["STSM.16.M88.4"] == 8 and ops["STSM.16.MT88.4"] == 4
+    for op in ("UTMALDG.4D", "SYNCS.EXCH.64", "UBLKPF.L2", "UBLKRED.G.S.ADD.F32.RN"):
+        assert ops[op] == ops0[op], op
+    assert ops["LDG.E.64"] * 2 == ops0["LDG.E.64"] and ops["STG.E.64"] * 2 == ops0["STG.E.64"]
+    assert ops["SHFL.BFLY"] == ops0["SHFL.BFLY"] == 12  # dbeta's quad sums: warpgroup 2's
+    assert ops["MUFU.EX2"] < ops0["MUFU.EX2"] * 0.6
+    n = len(config.LOAD_GROUPS)
+    # dvb's half retired before v's wait, dkb's before u's and w's; dA's 16 after both, in
+    # flight across k's wait
+    assert wait_pin(instrs, n, [8 * g for g in range(n)]) == [
+        "wait 0", "HGMMA x4", "WARPGROUP", "wait 2", "wait 3", "HGMMA x4", "WARPGROUP",
+        "wait 1", "wait 4", "HGMMA x16", "wait 5"]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
+def test_wg2_barriers(compiled, dtype):
+    """`wg2`'s named barriers (wy_grads_wg2.py): bar 0 once; BAR_BOTH (3, 256) twice: after
+    dvb's and dkb's half stores (8 STSM), before dA's HGMMAs; after (beta dA)^T's transposed
+    stmatrix, before the block operands' stores; BAR_DOTS (6, 7, 8; 256) each one wait
+    (warpgroup 2) and one arrive (warpgroup 1), so no barrier phase is waited at two
+    instructions; the warpgroup's own barrier (4 + kh in a register, 128) seven times."""
+    _, instrs, _, _ = compiled(dtype, wg2=True, dv16=True, dk16=True)
+    flat = [(op, a.strip()) for op, a in instrs]
+    bars = [x for x in flat if x[0].startswith("BAR.") and x[0] != "BAR.ALL.CTA"
+            and not x[1].startswith(("gsb0", "SB0"))]  # fmt: skip
+    dots = [(op, f"0x{i:x}, 0x100") for i in (6, 7, 8) for op in ("BAR.SYNC.DEFER_BLOCKING",
+                                                                  "BAR.ARV")]  # fmt: skip
+    own = [a for _, a in bars if a.endswith(", 0x80")]
+    assert len(own) == 7 and len(set(own)) == 1 and own[0].startswith("R")
+    assert sorted(x for x in bars if not x[1].endswith(", 0x80")) == sorted(
+        [("BAR.SYNC.DEFER_BLOCKING", "0x0")] + [("BAR.SYNC.DEFER_BLOCKING", "0x3, 0x100")] * 2
+        + dots
+    )  # fmt: skip
+    both = [i for i, x in enumerate(flat) if x == ("BAR.SYNC.DEFER_BLOCKING", "0x3, 0x100")]
+    plain = [i for i, (op, _) in enumerate(flat) if op == "STSM.16.M88.4"]
+    tr = [i for i, (op, _) in enumerate(flat) if op == "STSM.16.MT88.4"]
+    hgmma = [i for i, (op, a) in enumerate(flat) if op.startswith("HGMMA") and "tnspB" not in a]
+    assert max(plain) < both[0] < min(hgmma) and max(tr) < both[1]
+
+
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
+def test_wg2_barriers_one_site(compiled, dtype):
+    """`wg2` (review of integration44, NOTES "integration44 reviewed for hangs and races"): no
+    named barrier is waited at two instructions a phase in the listing's control flow
+    (two_site_barriers: BAR_BOTH's two waits follow each other in both math warpgroups' one
+    code path, each BAR_DOTS slot is waited once, by warpgroup 2, the warpgroup's own barrier
+    by id in a register at shared sites), so every BAR.SYNC stays in the aligned form and none
+    is in the cubin's unaligned list (synccheck's "Divergent thread(s) in block" otherwise)."""
+    _, _, _, (sass, unaligned, indirect) = compiled(dtype, wg2=True, dv16=True, dk16=True)
+    bars = pin_unaligned_barriers(sass, unaligned, set(), indirect)
+    dots = [b for b in bars if b.barrier in ("0x6", "0x7", "0x8")]
+    assert sorted((b.barrier, b.kind) for b in dots) == [
+        (f"0x{i:x}", kind) for i in (6, 7, 8) for kind in ("ARV", "SYNC")
+    ]

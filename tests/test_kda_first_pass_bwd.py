@@ -5,12 +5,19 @@ kernel reads (reference/kda_bwd_wy.py `wy_tiles`' tt and G), on the CPU.
 - the model (`operands.kda_chunk_operands(..., bwd=True)`): tt = T^T (T = L^-1 unscaled) and
   big_g = G equal reference/kda_bwd.py `_Factors`' (its `lower` inverted and transposed, g's
   cumsum within the chunk; fp64) to bf16 / fp32 rounding on awkward lengths, grouped heads and
-  g in [-5, -4]; rows past the sequence exact zeros; the forward's outputs unchanged;
+  g in [-5, -4]; rows past the sequence exact zeros; the forward's outputs unchanged; W and u
+  (next/kda-wu) the fp64 products of its own bf16 t_beta, k_g and v rows to one bf16 rounding,
+  and `_Factors`' w, u to the bf16 operands' roundings;
 - the launcher's bwd call on the kernel's CPU replay (tests/kda_prefill_replay.py) equals the
-  model, varlen with empty sequences;
+  model, varlen with empty sequences; P^T ("pt") in P's place, bitwise the forward key's P
+  transposed chunk by chunk (next/kda-glue3);
 - the compile key: the forward's keys as before, `bwd` named only when on;
 - the bwd key compiled for sm_90a: no spill, three CTAs an SM as the forward's key, the same
-  shared memory, 20 more 16-byte stores (tt 4, big_g 16) and 32 scalar shared loads."""
+  shared memory, 20 more 16-byte stores (tt 4, big_g 16) and 32 scalar shared loads; P^T's 32
+  scalar 16-bit column loads in place of P's 4 row loads (its 4 stores the same count); W and
+  u's stage (next/kda-wu): 16 more cp.async, 20 more mma.sync in a rolled loop of 4, 4
+  transposed ldmatrix, 48 LDS.64 and 16 8-byte stores (two branches of 8); the forward keys'
+  SASS pinned (tests/test_kda_prefill_compile.py `test_first_pass_forward_sass_pinned`)."""
 
 from __future__ import annotations
 
@@ -31,7 +38,7 @@ K = 128
 SMEM_FORWARD = 73984  # the forward key's SharedStorage (the DSL adds a 1 KB static)
 
 
-def _inputs(b, t, h, hv, strong, seed):
+def _inputs(b, t, h, hv, strong, seed, with_v=False):
     gen = torch.Generator().manual_seed(seed)
 
     def rnd(*shape):
@@ -44,6 +51,8 @@ def _inputs(b, t, h, hv, strong, seed):
     else:
         g = F.logsigmoid(rnd(b, t, hv, K) + 2.0)
     beta = torch.sigmoid(rnd(b, t, hv))
+    if with_v:
+        return q, k, g, beta, rnd(b, t, hv, K).to(torch.bfloat16)
     return q, k, g, beta
 
 
@@ -59,11 +68,14 @@ def _reference(k, g, beta, hv):
     return to_tokens(tt)[:, :t], to_tokens(big_g)[:, :t]
 
 
-def _model(q, k, g, beta, bwd=True):
+def _model(q, k, g, beta, bwd=True, v=None):
     b, t = q.shape[:2]
     cu = torch.arange(b + 1, dtype=torch.int32) * t
     flat = (x.flatten(0, 1) for x in (q, k, g, beta))
-    return operands.kda_chunk_operands(*flat, cu, 0.1, False, seq_len=t, bwd=bwd)
+    if bwd and v is None:  # tt / big_g tests: any v
+        v = torch.ones(*g.shape[:3], K, dtype=q.dtype)
+    v = None if v is None else v.flatten(0, 1)
+    return operands.kda_chunk_operands(*flat, cu, 0.1, False, seq_len=t, bwd=bwd, v=v)
 
 
 CASES = [
@@ -99,16 +111,54 @@ def test_model_equals_the_backward_factors(b, t, h, hv, strong):
 def test_bwd_leaves_the_forward_outputs_as_they_were():
     q, k, g, beta = _inputs(2, 130, 2, 4, True, seed=3)
     on, off = _model(q, k, g, beta, bwd=True), _model(q, k, g, beta, bwd=False)
-    assert set(on) - set(off) == {"tt", "big_g"}
+    assert set(on) - set(off) == {"tt", "big_g", "pt", "w", "u"} and set(off) - set(on) == {"p"}
     for name, x in off.items():
-        assert torch.equal(on[name], x), name
+        if name != "p":
+            assert torch.equal(on[name], x), name
+    assert torch.equal(on["pt"], _transposed(off["p"]))  # P^T in P's place, bitwise
+
+
+@pytest.mark.parametrize(("b", "t", "h", "hv", "strong"), CASES)
+def test_model_w_u(b, t, h, hv, strong):
+    """W = T_beta Kg and u = T_beta V (next/kda-wu: the bwd key writes them, the backward's two
+    torch GEMMs a value head gone): the fp64 products of the model's own bf16 t_beta, k_g and
+    v rows chunk by chunk to one bf16 rounding (2^-8 relative) plus fp32 noise; `_Factors`' w,
+    u (fp64 from scratch, the triangular solve) within the bf16 operands' roundings (2^-6 of
+    the largest entry); rows past the sequence exact zeros."""
+    q, k, g, beta, v = _inputs(b, t, h, hv, strong, seed=t + 7, with_v=True)
+    got = _model(q, k, g, beta, v=v)
+    rows = got["w"].shape[0] // b
+    assert got["w"].dtype == got["u"].dtype == torch.bfloat16
+
+    def chunks(x):  # (B rows, HV, D) -> (B, NC, HV, 64, D) fp64
+        return to_chunks(x.unflatten(0, (b, rows)).double(), rows // C)
+
+    tb = chunks(got["t_beta"])
+    vp = F.pad(v, (0, 0, 0, 0, 0, rows - t)).double()
+    kx = k.double().repeat_interleave(hv // h, dim=2)
+    f = chunk_factors(kx, kx, v.double(), g.double(), beta.double(), _Factors)
+    for name, x, ref in (("w", chunks(got["k_g"]), f.w), ("u", to_chunks(vp, rows // C), f.u)):
+        out = got[name].unflatten(0, (b, rows))
+        exact = to_tokens(tb @ x)
+        err = (out.double() - exact).abs()
+        assert (err <= 2**-8 * exact.abs() + 1e-5 * exact.abs().max()).all(), name
+        want = to_tokens(ref)[:, :t]
+        loose = float((out[:, :t].double() - want).abs().max())
+        assert loose <= 2**-6 * float(want.abs().max()), (name, loose)
+        assert not out[:, t:].any(), name
+
+
+def _transposed(p):
+    """The first pass's (R, HV, 64) rows with each chunk's 64 x 64 tile transposed."""
+    return p.unflatten(0, (-1, C)).permute(0, 3, 2, 1).flatten(0, 1)  # [c, j, h, i] = P_c[i, j]
 
 
 def test_launcher_bwd_on_the_kernel_replay(monkeypatch):
     """first_pass_kernel(bwd=True) with get_kernel answering the kernel's CPU replay: the bwd
-    key asked for, tt and big_g as the model's over the real chunks (varlen: empty sequences,
-    lengths off the chunk, grouped heads, strong decay): T by the tensor-core merges' tf32
-    model, so within 1e-2 of T's largest entry; G bitwise (the same fp32 cumsum)."""
+    key asked for, tt, big_g, w and u as the model's over the real chunks (varlen: empty
+    sequences, lengths off the chunk, grouped heads, strong decay): T by the tensor-core merges'
+    tf32 model, so tt, w and u within 1e-2 of their largest entry; G bitwise (the same fp32
+    cumsum)."""
     import kda_prefill_replay as replay  # tests/ is on the path
 
     from forgekernel.kernels.linear_attention.kda_prefill.sm90 import launch
@@ -122,15 +172,39 @@ def test_launcher_bwd_on_the_kernel_replay(monkeypatch):
     monkeypatch.setattr(launch, "get_kernel", get)
     lens = [1, 0, 63, 64, 65, 130]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    q, k, g, beta = (x[0] for x in _inputs(1, sum(lens), 2, 4, True, seed=5))
-    got = launch.first_pass_kernel(q, k, g, beta, cu, 0.1, False, bwd=True)
-    want = operands.kda_chunk_operands(q, k, g, beta, cu, 0.1, False, bwd=True)
+    q, k, g, beta, v = (x[0] for x in _inputs(1, sum(lens), 2, 4, True, seed=5, with_v=True))
+    got = launch.first_pass_kernel(q, k, g, beta, cu, 0.1, False, bwd=True, v=v)
+    want = operands.kda_chunk_operands(q, k, g, beta, cu, 0.1, False, bwd=True, v=v)
     assert keys == [intra_params_for("bfloat16", 128, bwd=True)]
     real = C * sum(-(-n // C) for n in lens)
     assert got["tt"].shape == want["tt"].shape and got["big_g"].shape == want["big_g"].shape
     tt, tt_want = got["tt"][:real].float(), want["tt"][:real].float()
     assert float((tt - tt_want).abs().max()) <= 1e-2 * float(tt_want.abs().max())
     assert torch.equal(got["big_g"][:real], want["big_g"][:real])
+    for name in ("w", "u"):  # from the replay's t_beta (the tf32 merges' T): as tt's bound
+        x, x_want = got[name][:real].float(), want[name][:real].float()
+        assert float((x - x_want).abs().max()) <= 1e-2 * float(x_want.abs().max()), name
+    # P^T where the forward key writes P: the same replayed values, each chunk transposed
+    fwd = launch.first_pass_kernel(q, k, g, beta, cu, 0.1, False)
+    assert "w" not in fwd and "u" not in fwd
+    assert "p" not in got and torch.equal(got["pt"][:real], _transposed(fwd["p"][:real]))
+
+
+def test_v_goes_with_bwd():
+    """v is the bwd key's input (W, u): refused without bwd, required with it, (T, HV, K) in q's
+    dtype; the model the same."""
+    from forgekernel.kernels.linear_attention.kda_prefill.sm90 import launch
+
+    q, k, g, beta, v = (x[0] for x in _inputs(1, 70, 1, 2, False, seed=1, with_v=True))
+    cu = torch.tensor([0, 70], dtype=torch.int32)
+    for fn in (launch.first_pass_kernel, operands.kda_chunk_operands):
+        with pytest.raises(ValueError, match="v is the bwd"):
+            fn(q, k, g, beta, cu, 0.1, False, bwd=True)
+        with pytest.raises(ValueError, match="v is the bwd"):
+            fn(q, k, g, beta, cu, 0.1, False, v=v)
+    for bad in (v[:, :1], v.half()):
+        with pytest.raises(ValueError, match="v must be"):
+            launch.first_pass_kernel(q, k, g, beta, cu, 0.1, False, bwd=True, v=bad)
 
 
 def test_compile_keys():
@@ -182,10 +256,15 @@ def _compiled(dtype: str, bwd: bool):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float16", marks=pytest.mark.slow)])
 def test_bwd_key_compiles(dtype):
-    """No spill, three CTAs an SM (registers within the launch bound 168: 152 bf16 / 162 fp16,
-    cu13 ptxas 2026-12-06; the forward's key 168), 73,984 B of shared memory as the forward's
-    key; the forward's 34 STG.128 plus tt's 4 and big_g's 16 (two a token), tt's 32 scalar
-    column loads (LDS); the mma.sync blocks unchanged."""
+    """No spill, three CTAs an SM (registers within the launch bound 168: 159 bf16 / 168 fp16
+    with W and u, cu13 ptxas 2026-12-06 (152 / 162 before); the forward's key 168), 73,984 B of
+    shared memory as the forward's key (Kg and V land in the B tiles, free after the
+    products); the forward's 34 STG.128 plus tt's 4 and big_g's 16 (two a token), tt's 32
+    scalar column loads (LDS); the L / P mma.sync blocks unchanged. W and u (next/kda-wu):
+    Kg's and V's 8 + 8 cp.async (LDGSTS) after the products, their 80 mma a warp as a rolled
+    loop of 4 steps (20 HMMA, 4 transposed ldmatrix each), T_beta's 10 A fragments from 40
+    LDS.64 of T and 8 of beta, the C fragments in 8-byte stores (a lane pair's shuffle: whole
+    sectors): 8 a step, in the W and the u branch (16 STG.E.64)."""
     from forgekernel.kernels.common.sm90.constants import REGISTERS_PER_SM, THREADS_PER_WG
 
     res, ops, smem = _compiled(dtype, bwd=True)
@@ -195,7 +274,14 @@ def test_bwd_key_compiles(dtype):
     assert 3 * regs * THREADS_PER_WG <= REGISTERS_PER_SM
     assert smem == SMEM_FORWARD and res["smem_bytes"] == 1024
     assert 3 * (smem + res["smem_bytes"] + 1024) <= 228 * 1024
-    assert ops.count("STG.E.128") == sum(op.startswith("STG") for op in ops) == 34 + 4 + 16
-    assert ops.count("LDS") == 157  # the forward's 125 + 32
-    assert ops.count("HMMA.16816.F32.BF16") == 3 * 2 * 16
+    assert ops.count("STG.E.128") == 34 + 4 + 16
+    assert ops.count("STG.E.64") == 2 * 8  # W's, u's C fragments (two bf16 pairs a lane)
+    assert sum(op.startswith("STG") for op in ops) == 34 + 4 + 16 + 16
+    assert sum(op.startswith("LDGSTS") for op in ops) == 16 + 16  # q, k; then Kg, V
+    # P^T (next/kda-glue3): P's 4 row loads (LDS.128, the forward key's 82) and 4 stores gone,
+    # its 32 scalar column loads and 4 stores in their place
+    assert ops.count("LDS.128") == 78 and ops.count("LDS.U16") == 32
+    assert ops.count("LDS.64") == 4 + 40 + 8  # the forward's 4; T_beta's A fragments
+    assert ops.count("HMMA.16816.F32.BF16") == 3 * 2 * 16 + 20  # L, P; W and u (a loop step)
+    assert ops.count("LDSM.16.M88.4") == 3 * 3 * 8 and ops.count("LDSM.16.MT88.4") == 4
     assert ops.count("HMMA.1688.F32.TF32") == 7 * 4

@@ -494,6 +494,30 @@ def test_tables_cache_is_bypassed_while_capturing_and_never_evicts(monkeypatch):
     assert launch._tables(cu, 777, 777)[1] is kept[1]
 
 
+def test_equal_offsets_are_cached_per_shape(monkeypatch):
+    """The KDA backward's first-pass offsets (`launch.equal_offsets`, next/linattn-bwd-host):
+    0, L, ..., N L int32; a repeated (device, N, L) hands the same tensor (no launch), a new N
+    or L its own; built per call while a graph captures; at most MAX_TABLES kept (no eviction:
+    a kernel on another stream may still read one)."""
+    monkeypatch.setattr(launch, "_OFFSETS", {})
+    cpu = torch.device("cpu")
+    first = launch.equal_offsets(cpu, 2, 2048)
+    assert first.dtype == torch.int32 and first.tolist() == [0, 2048, 4096]
+    assert launch.equal_offsets(cpu, 2, 2048) is first
+    for n, seq_len in ((3, 2048), (2, 100)):
+        other = launch.equal_offsets(cpu, n, seq_len)
+        assert other is not first and other.tolist() == list(range(0, (n + 1) * seq_len, seq_len))
+    assert len(launch._OFFSETS) == 3
+    monkeypatch.setattr(launch, "_capturing", lambda device: True)
+    assert launch.equal_offsets(cpu, 2, 2048) is not first
+    assert launch.equal_offsets(cpu, 5, 7).tolist() == [0, 7, 14, 21, 28, 35]
+    assert len(launch._OFFSETS) == 3
+    monkeypatch.setattr(launch, "_capturing", lambda device: False)
+    monkeypatch.setattr(launch, "MAX_TABLES", 3)
+    assert launch.equal_offsets(cpu, 9, 9) is not launch.equal_offsets(cpu, 9, 9)
+    assert launch.equal_offsets(cpu, 2, 2048) is first and len(launch._OFFSETS) == 3
+
+
 def _launch(x, cu, segments, state=True):
     """launch.kda_prefill on the varlen form (batch axis dropped), segments forced."""
     n, hv = cu.numel() - 1, x["v"].shape[2]

@@ -253,3 +253,20 @@ def test_first_pass_tensor_cores(compiled_intra, dtype):
     assert ops.count("LDSM.16.M88.4") == 3 * 3 * 8
     assert ops.count("HMMA.1688.F32.TF32") == 7 * 4
     assert ops.count("FFMA") <= 160
+
+
+# The forward keys' SASS: the static instruction count and the first 16 hex digits of the
+# sha256 of the opcode sequence (space-joined; nvidia-cutlass-dsl 4.8.1, cu13 ptxas, 2026-12-06).
+# The bwd key's stages (next/kda-glue3's P^T, next/kda-wu's W and u) are compile-time branches
+# and None arguments: the forward keys' code must not move with them. A toolchain upgrade
+# moves the digests: re-pin them from a build of the commit before the change, then after.
+FORWARD_SASS = {"bfloat16": (3944, "7eeff08a59b5a1d8"), "float16": (3880, "95894469dec61c91")}
+
+
+@pytest.mark.parametrize("dtype", FIRST_PASS_DTYPES)
+def test_first_pass_forward_sass_pinned(compiled_intra, dtype):
+    import hashlib
+
+    _, ops, _ = compiled_intra(dtype)
+    digest = hashlib.sha256(" ".join(ops).encode()).hexdigest()[:16]
+    assert (len(ops), digest) == FORWARD_SASS[dtype]

@@ -132,6 +132,32 @@ def test_gdn_bad_out_is_refused():
             _gdn(q, k, v, g, beta, do, h0, dht, out=tuple(out))
 
 
+def _aliased_outs(grads, v, h0):
+    """out= buffers overlapping an input or one another: refused (the kernels write dv, dh0
+    and others into out= while they still read the inputs; next/int44-review-ops)."""
+    yield (*grads[:2], v, *grads[3:]), r"out\[2\] \(dv\) overlaps v"
+    yield (*grads[:5], h0), r"out\[5\] \(d_initial_state\) overlaps initial_state"
+    yield (grads[0], grads[0], *grads[2:]), r"out\[1\] \(dk\) overlaps out\[0\]"
+    nq, nv = grads[0].numel(), grads[2].numel()
+    flat = torch.empty(nq + nv, dtype=grads[0].dtype)  # dq, then dv: one buffer, side by side
+    dq, dv = flat[:nq].view_as(grads[0]), flat[nq:].view_as(grads[2])
+    yield (dq, grads[1], dv, *grads[3:]), None  # adjacent, not overlapping: accepted
+    dv = flat[nq - 1 : nq - 1 + nv].view_as(grads[2])  # one element shared with dq
+    yield (dq, grads[1], dv, *grads[3:]), r"out\[2\] \(dv\) overlaps out\[0\]"
+
+
+@pytest.mark.usefixtures("kernel_path")
+def test_gdn_out_overlapping_the_inputs_is_refused():
+    q, k, v, g, beta, do, h0, dht = _bf16_problem(1, 65, 2, 2)
+    grads = [torch.empty_like(x) for x in _gdn(q, k, v, g, beta, do, h0, dht)]
+    for out, message in _aliased_outs(grads, v, h0):
+        if message is None:
+            _gdn(q, k, v, g, beta, do, h0, dht, out=tuple(out))
+            continue
+        with pytest.raises(ValueError, match=message):
+            _gdn(q, k, v, g, beta, do, h0, dht, out=tuple(out))
+
+
 def _kda_problem(t=70, h=1, hv=2, seed=0):
     gen = torch.Generator().manual_seed(seed)
     q, k = (torch.randn(1, t, h, 128, generator=gen).bfloat16() for _ in range(2))
@@ -160,6 +186,12 @@ def test_kda_out_is_the_returned_form(monkeypatch):
         assert a is o and torch.equal(a, r), name
     for bad, error, message in _bad_outs(list(want)):
         with pytest.raises(error, match=message):
+            run(out=tuple(bad))
+    for bad, message in _aliased_outs([torch.empty_like(x) for x in want], v, h0):
+        if message is None:
+            run(out=tuple(bad))
+            continue
+        with pytest.raises(ValueError, match=message):
             run(out=tuple(bad))
 
 

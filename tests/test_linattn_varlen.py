@@ -189,3 +189,149 @@ def test_run_in_slots_hands_over_the_states():
     gx, gs = varlen.run_in_slots(run, (x, do), (state, None), cu, out)
     assert gx is out[0] and gs is out[1]
     assert torch.equal(gx, x * 2) and torch.equal(gs, state + 1)
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "cut", "want"),
+    [((5, 4, 128), torch.bfloat16, None, torch.int64),  # q, v: 256 B rows
+     ((5, 32), torch.float32, None, torch.int64),  # g, beta at HV 32
+     ((5, 1), torch.float32, None, torch.int32),  # HV 1: a word a row
+     ((5, 3, 2), torch.bfloat16, None, torch.int32),
+     ((5, 3), torch.bfloat16, None, torch.int16),  # odd rows: elements as they are
+     ((5, 6, 8), torch.bfloat16, "heads", torch.int64),  # a head slice at a 16-byte offset
+     ((5, 6, 8), torch.bfloat16, "odd", torch.int16),  # a slice at a 2-byte one
+     ((5, 3), torch.float64, None, torch.int64),
+     ((5, 8), torch.uint8, None, torch.int64),
+     ((40,), torch.bfloat16, None, None)],  # 1-D: the words would straddle rows
+)  # fmt: skip
+def test_word(shape, dtype, cut, want):
+    """`word`: the widest integer word every row splits into; the view copies bit for bit."""
+    x = torch.arange(torch.Size(shape).numel()).reshape(shape).to(dtype)
+    if cut == "heads":
+        x = x[:, 1:5]
+    elif cut == "odd":
+        x = x.flatten(1)[:, 1:9]
+    assert varlen.word(x) == want
+    if want is not None:
+        assert torch.equal(varlen.as_words(x, want).view(dtype), x)
+
+
+def test_word_needs_one_dtype_and_an_aligned_pointer():
+    """`word`: rows of different dtypes get no word (an index op across them must refuse, not
+    copy one dtype's bits into the other's buffer), nor a pointer off the word's bytes (a view
+    torch allows at storage offset 0 of a storage that starts off them)."""
+    x = torch.zeros(4, 8, dtype=torch.bfloat16)
+    assert varlen.word(x, x.half()) is None and varlen.word(x, x.float()) is None
+    assert varlen.word(x, x.clone()) == torch.int64
+    raw = torch.frombuffer(bytearray(2 + 4 * 8 * 2), dtype=torch.bfloat16, offset=2)
+    y = raw.view(4, 8)  # storage offset 0, the data 2 bytes past an 8-byte boundary
+    assert y.storage_offset() == 0 and y.data_ptr() % 8 == 2
+    assert varlen.word(y) == torch.int16
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_unpack_into_another_dtype_raises(dtype):
+    """`unpack` into an out= of another dtype raises as torch.index_select does (before the
+    words: the same error), not a silent bit copy (fp16) or a half-filled resized view (fp32)."""
+    edges = torch.tensor([0, 3, 70], dtype=torch.int32)
+    slots = varlen.slot_layout(edges, 70)
+    packed = varlen.pack(torch.randn(70, 4, 8).bfloat16(), slots)
+    with pytest.raises(RuntimeError, match="same scalar type"):
+        varlen.unpack(packed, slots, torch.zeros(70, 4, 8, dtype=dtype))
+
+
+@pytest.mark.parametrize("lens", [[5, 0, 130, 64, 1, 66], [64, 64]])
+def test_pack_unpack_as_words(lens):
+    """`pack` / `unpack` on strided head slices, odd widths, fp32 and 16-bit rows and into an
+    offset buffer: the tokens at their rows, zeros elsewhere, bit for bit (NaN payloads and
+    -0.0 included: the words are copied, not the values)."""
+    edges = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    t = edges[-1]
+    slots = varlen.slot_layout(torch.tensor(edges), t)
+    fused = torch.randn(t, 3 * 4, 16).bfloat16()
+    fused[0, 0, :2] = torch.tensor([float("nan"), -0.0])
+    for x in (fused[:, 4:8], fused[:, 1:2, :3], torch.randn(t, 1), torch.randn(t, 7).half()):
+        packed = varlen.pack(x, slots)
+        assert packed.shape == (64 * slots.count, *x.shape[1:]) and packed.dtype == x.dtype
+        bits = varlen.as_words(packed.contiguous(), torch.int16 if x.element_size() == 2
+                               else torch.int32)  # fmt: skip
+        assert int(bits.flatten(1).ne(0).any(-1).sum()) <= t
+        assert torch.equal(bits[slots.pad], torch.zeros_like(bits[slots.pad]))
+        back = varlen.unpack(packed, slots)
+        assert back.view(torch.uint8).equal(x.contiguous().view(torch.uint8))
+        buf = torch.empty(t * packed[0].numel() + 1, dtype=x.dtype)[1:].view(t, *x.shape[1:])
+        assert varlen.unpack(packed, slots, buf) is buf
+        assert buf.view(torch.uint8).equal(x.contiguous().view(torch.uint8))
+
+
+def _either(monkeypatch, taken):
+    """A capture as `backward_varlen` sees one with EQUAL_IN_CAPTURE, no CUDA: a graph, and
+    each conditional body run here where its pred holds (`taken`: each pred's value)."""
+    monkeypatch.setattr(varlen, "EQUAL_IN_CAPTURE", True)
+    monkeypatch.setattr(varlen, "capturing", lambda t: True)
+    monkeypatch.setattr(varlen, "capture_graph", lambda: "graph")
+
+    def captured_if(graph, pred, body):
+        assert graph == "graph" and pred.dtype == torch.bool and pred.dim() == 0
+        taken.append(bool(pred))
+        if pred:
+            body()
+
+    monkeypatch.setattr(varlen, "captured_if", captured_if)
+
+
+def test_capture_runs_either_path(monkeypatch):
+    """Under a capture with EQUAL_IN_CAPTURE: both paths behind conditional nodes, the batch
+    one where cu_seqlens holds N lengths T / N at the replay, the slot layout where not, both
+    into one set of buffers (`empty()`'s where `out` has none); N not dividing T, the switch
+    off, or no torch graph: the slot layout alone."""
+    x = torch.randn(12, 2)
+    calls, taken, made = [], [], []
+
+    def run(x, do, state, n, out=None):
+        calls.append(("batch", n))
+        assert len(out) == 2 and all(o is not None for o in out)
+        return out[0].copy_(x), out[1].fill_(n)
+
+    def in_slots(x, do, state, slots):
+        calls.append(("slots", x.shape[0]))
+        return x * 2, torch.full((slots.cu_seqlens.shape[0] - 1, 1), -1.0)
+
+    def empty():
+        made.append(1)
+        return torch.empty(12, 2), torch.empty(3, 1)
+
+    _either(monkeypatch, taken)
+    equal = torch.tensor([0, 4, 8, 12], dtype=torch.int32)
+    gx, gs = varlen.backward_varlen(run, (x, x), (None,), equal, None, in_slots, empty)
+    assert (calls, taken, made) == ([("batch", 3)], [True, False], [1])
+    assert torch.equal(gx, x) and torch.equal(gs, torch.full((3, 1), 3.0))
+    calls.clear(), taken.clear()
+    given = torch.empty(12, 2)
+    unequal = torch.tensor([0, 1, 5, 12], dtype=torch.int32)
+    gx, gs = varlen.backward_varlen(run, (x, x), (None,), unequal, (given, None), in_slots,
+                                    empty)  # fmt: skip
+    assert (calls, taken) == ([("slots", 64 * (12 // 64 + 3))], [False, True])
+    assert gx is given and torch.equal(gx, x * 2) and torch.equal(gs, torch.full((3, 1), -1.0))
+    calls.clear(), taken.clear(), made.clear()
+    uneven = torch.tensor([0, 5, 11], dtype=torch.int32)  # 11 tokens, N = 2: never equal
+    varlen.backward_varlen(run, (x[:11], x[:11]), (None,), uneven, None, in_slots, empty)
+    assert (calls, taken, made) == ([("slots", 64 * (11 // 64 + 2))], [], [])
+    calls.clear()
+    monkeypatch.setattr(varlen, "EQUAL_IN_CAPTURE", False)
+    varlen.backward_varlen(run, (x, x), (None,), equal, None, in_slots, empty)
+    monkeypatch.setattr(varlen, "EQUAL_IN_CAPTURE", True)
+    monkeypatch.setattr(varlen, "capture_graph", lambda: None)
+    varlen.backward_varlen(run, (x, x), (None,), equal, None, in_slots, empty)
+    assert calls == [("slots", 64 * (12 // 64 + 3))] * 2 and taken == [] and made == []
+
+
+def test_captured_if_closes_its_node():
+    """`captured_if`: the body between the node's begin and end, the end also after a raise."""
+    seen = []
+    graph = SimpleNamespace(begin_capture_to_if_node=lambda p: seen.append(("begin", p)),
+                            end_capture_to_conditional_node=lambda: seen.append("end"))  # fmt: skip
+    varlen.captured_if(graph, "p", lambda: seen.append("body"))
+    with pytest.raises(ZeroDivisionError):
+        varlen.captured_if(graph, "q", lambda: 1 / 0)
+    assert seen == [("begin", "p"), "body", "end", ("begin", "q"), "end"]

@@ -12,8 +12,11 @@ state nor a real gradient, and a zero chunk passes the state unchanged, e^0 = 1)
 kernel path runs on them as ONE sequence of S C tokens (the chunk-parallel kernels, under their
 batch keys and code) with kernel 1, the state recurrences, in its `varlen` form (one CTA per
 (value head, sequence) walking the slots it owns, longest first: `longest_first`), and the
-token gradients are gathered back (`unpack`). Every table is made on the device from
-cu_seqlens: no host read, so a CUDA-graph capture takes this path whatever the lengths.
+token gradients are gathered back (`unpack`; both copy the rows as the widest integer words
+they split into, `word`). Every table is made on the device from cu_seqlens: no host read, so
+a CUDA-graph capture takes this path whatever the lengths; with EQUAL_IN_CAPTURE the capture
+records the batch path beside it, each behind a conditional node, and a replay at N equal
+lengths runs the batch path (`run_either`).
 
 Eager calls read the offsets on the host once (`backward_varlen`): equal lengths stay the batch
 path (a reshape, no copy; the same kernels and code as a call without cu_seqlens), no token
@@ -175,19 +178,59 @@ def slot_layout(cu_seqlens: torch.Tensor, tokens: int) -> Slots:
                  t_slots(tokens, n))  # fmt: skip
 
 
+# The integer words `pack` / `unpack` copy a row in, widest first: torch's index kernels move one
+# element a thread (its offsets worked out per element), and the 2-byte elements' ~2.7 GB at GDN
+# 4 x 8192 hv32 took ~1.9 ms under capture (the H100 bench, 2026-12-06: ~1.4 TB/s, inferred from
+# the gap to the batch path); 8-byte words move 4x the bytes a thread (NOTES "Varlen slots at
+# equal lengths").
+WORDS = (torch.int64, torch.int32, torch.int16)
+
+
+def word(*xs: torch.Tensor) -> torch.dtype | None:
+    """The widest of WORDS no narrower than the xs' elements that every x can be viewed as
+    (`Tensor.view(dtype)`: a unit last stride, the last size, the other strides and the storage
+    offset multiples of the word's elements; 2-D at least: a word splits the last dimension,
+    never a row; the data pointer a multiple of the word's bytes: the index kernels load words
+    there); None: none (the xs copied as they are), also where the xs' dtypes differ (torch's
+    index ops then refuse them as before, where words would copy one dtype's bits into
+    another's buffer, or half of them into a wider one: next/int44-review-ops)."""
+    if len({x.dtype for x in xs}) > 1:
+        return None
+    for w in WORDS:
+        ratios = [w.itemsize // x.element_size() for x in xs]
+        if min(ratios) >= 1 and all(
+            x.dim() > 1 and x.stride(-1) == 1 and x.storage_offset() % r == 0
+            and x.data_ptr() % w.itemsize == 0
+            and all(n % r == 0 for n in (x.shape[-1], *x.stride()[:-1]))
+            for x, r in zip(xs, ratios)
+        ):  # fmt: skip
+            return w
+    return None
+
+
+def as_words(x: torch.Tensor, w: torch.dtype | None) -> torch.Tensor:
+    """x viewed as `w` words (x itself for None)."""
+    return x if w is None else x.view(w)
+
+
 def pack(x: torch.Tensor, slots: Slots) -> torch.Tensor:
     """x (T, ...) in the slot layout (S C, ...): the rows no token fills are zero (written
     alone: a zero fill of the whole buffer first would write 64 S rows twice, ~0.15 ms of 3 at
-    GDN's mix16 on the H100)."""
-    out = x.new_empty(slots.count * CHUNK, *x.shape[1:]).index_copy_(0, slots.rows, x)
-    return out.index_fill_(0, slots.pad, 0)
+    GDN's mix16 on the H100); both copied as the widest words the rows allow (`word`)."""
+    out = x.new_empty(slots.count * CHUNK, *x.shape[1:])
+    w = word(x, out)
+    as_words(out, w).index_copy_(0, slots.rows, as_words(x, w)).index_fill_(0, slots.pad, 0)
+    return out
 
 
 def unpack(x: torch.Tensor, slots: Slots, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The token rows (T, ...) of x (S C, ...), into `out` (contiguous, x's dtype) when given."""
+    """The token rows (T, ...) of x (S C, ...), into `out` (contiguous, x's dtype) when given;
+    copied as the widest words the rows allow (`word`)."""
     if out is None:
-        return x.index_select(0, slots.rows)
-    return torch.index_select(x, 0, slots.rows, out=out)
+        out = x.new_empty(slots.rows.shape[0], *x.shape[1:])
+    w = word(x, out)
+    torch.index_select(as_words(x, w), 0, slots.rows, out=as_words(out, w))
+    return out
 
 
 def run_in_slots(
@@ -212,6 +255,61 @@ def run_in_slots(
     return (*grads, d_state)
 
 
+# Under a CUDA-graph capture equal lengths take the batch path too, chosen on the device: the
+# capture records both paths, each in a conditional node (CUDA 12.4+, torch's
+# `CUDAGraph.begin_capture_to_if_node`), the batch one run at a replay where cu_seqlens holds N
+# lengths T / N, the slot layout where not, both into the same gradient buffers (`run_either`):
+# the slot layout's pack / unpack (~2.7 GB at GDN 4 x 8192 hv32, ~1.1 ms as words) only for
+# unequal lengths. TEMPORARY switch, off until the device check (NOTES "Varlen slots at equal
+# lengths"): False, every capture in the slot layout.
+EQUAL_IN_CAPTURE = False
+
+
+def capture_graph():
+    """The torch CUDA graph the current stream captures into (`torch.cuda.CUDAGraph`: it takes
+    conditional nodes), None where there is none to be had (a capture torch did not begin, a
+    torch without conditional nodes)."""
+    get = getattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph", None)
+    if get is None:
+        return None
+    try:
+        return get()
+    except RuntimeError:
+        return None
+
+
+def captured_if(graph, pred: torch.Tensor, body: Callable[[], object]) -> None:
+    """body's work captured into a conditional node of `graph`: a replay runs it where `pred`
+    (a bool on the device, read there at the replay) is true, else skips it."""
+    graph.begin_capture_to_if_node(pred)
+    try:
+        body()
+    finally:
+        graph.end_capture_to_conditional_node()
+
+
+def run_either(
+    graph,
+    run: Callable[..., Grads],
+    in_slots: Callable[..., Grads],
+    tokens: Sequence[torch.Tensor],
+    states: Sequence[torch.Tensor | None],
+    cu_seqlens: torch.Tensor,
+    out: Sequence[torch.Tensor],
+) -> Grads:
+    """Both paths captured into `graph` (`backward_varlen`, EQUAL_IN_CAPTURE), each behind a
+    conditional node: `run` on N sequences of T / N tokens where cu_seqlens holds them at the
+    replay (N divides T), `run_in_slots` where not; both write every gradient into `out` (all
+    given), returned."""
+    n, t = cu_seqlens.shape[0] - 1, tokens[0].shape[0]
+    edges = torch.arange(n + 1, dtype=cu_seqlens.dtype, device=cu_seqlens.device) * (t // n)
+    equal = torch.eq(cu_seqlens, edges).all()
+    captured_if(graph, equal, lambda: run(*tokens, *states, n, out=out))
+    captured_if(graph, equal.logical_not(),
+                lambda: run_in_slots(in_slots, tokens, states, cu_seqlens, out))  # fmt: skip
+    return tuple(out)
+
+
 def backward_varlen(
     run: Callable[..., Grads],
     tokens: Sequence[torch.Tensor],
@@ -219,16 +317,25 @@ def backward_varlen(
     cu_seqlens: torch.Tensor,
     out: Sequence[torch.Tensor | None] | None = None,
     in_slots: Callable[..., Grads] | None = None,
+    empty: Callable[[], Grads] | None = None,
 ) -> Grads | None:
     """Both ops' varlen backward on their kernel paths. Under a CUDA-graph capture: one call of
-    `in_slots` (`run_in_slots`; the caller refuses the capture first where it has none). Eager:
-    the offsets read on the host (one sync); equal lengths one call of `run` on the tokens as
-    they are (a reshape, no copy), unequal ones `in_slots` where given, else `run` in buckets
-    (`run_in_buckets`); None (the caller's interim path) when no sequence has a token. `run`,
-    `tokens`, `states`, `out` as `run_in_buckets`' (`run` takes `out` as a keyword);
-    `in_slots` as `run_in_slots`' `run`."""
+    `in_slots` (`run_in_slots`; the caller refuses the capture first where it has none), or
+    with EQUAL_IN_CAPTURE, N dividing T and a torch graph capturing, both `run` and `in_slots`
+    behind conditional nodes (`run_either`; `empty()`: new buffers of every gradient, those
+    `out` lacks taken from it). Eager: the offsets read on the host (one sync); equal lengths
+    one call of `run` on the tokens as they are (a reshape, no copy), unequal ones `in_slots`
+    where given, else `run` in buckets (`run_in_buckets`); None (the caller's interim path)
+    when no sequence has a token. `run`, `tokens`, `states`, `out` as `run_in_buckets`' (`run`
+    takes `out` as a keyword); `in_slots` as `run_in_slots`' `run`."""
     if in_slots is not None and capturing(tokens[0]):
-        return run_in_slots(in_slots, tokens, states, cu_seqlens, out)
+        n = cu_seqlens.shape[0] - 1
+        graph = capture_graph() if EQUAL_IN_CAPTURE and empty is not None else None
+        if graph is None or tokens[0].shape[0] % n:
+            return run_in_slots(in_slots, tokens, states, cu_seqlens, out)
+        given = out if out is not None else [None] * len(tokens)
+        bufs = [e if o is None else o for o, e in zip(given, empty())]
+        return run_either(graph, run, in_slots, tokens, states, cu_seqlens, bufs)
     edges = [int(e) for e in cu_seqlens.tolist()]
     lens = [z - a for a, z in zip(edges[:-1], edges[1:])]
     if max(lens) == 0:

@@ -21,13 +21,14 @@ terms in one pass over out / dO; the dkv cast in torch) runs wherever it takes t
 (`launch.unsupported`: CUDA, 16-bit, H 16 or a multiple of 32); at H a multiple of 64 the
 launcher's default runs its fused h64 kernel (kernel_h64f.py: one CTA a (token, 64 heads), dkv
 and dq in one tile loop; before it the two-kernel h64 form, kernel_h64.py, 0.64-0.84 of v1's
-time on the H100 2026-12-06, which the launcher keeps as h64_fused=False). It reads q and the
-cache as
-(S, H, 576) / (slots, 576) rows: read in place where q_nope / q_pe (ckv / kpe) are cut from
-one buffer (a q split after its projection, FlashMLA's combined cache), else concatenated
-(`_rows`). The eager call's gradients are views of the kernel's dq buffer and of the one cast
-dkv buffer (no split or join copies; the combined cache's gradient is that buffer); the custom
-op (torch.compile, export) returns contiguous copies, its outputs not aliasing one another.
+time on the H100 2026-12-06, which the launcher keeps as h64_fused=False); over a cache larger
+than the L2 the launcher sorts the index rows and launches one wave of CTAs at a time (its
+`sweep`; DSA_BWD_NOTES.md "Long caches"). It reads q and the cache as (S, H, 576) /
+(slots, 576) rows: read in place where q_nope / q_pe (ckv / kpe) are cut from one buffer (a q
+split after its projection, FlashMLA's combined cache), else concatenated (`_rows`). The eager
+call's gradients are views of the kernel's dq buffer and of the one cast dkv buffer (no split or
+join copies; the combined cache's gradient is that buffer); the custom op (torch.compile,
+export) returns contiguous copies, its outputs not aliasing one another.
 Checked on the H200 2026-12-03 (check, memcheck, racecheck clean), 0.57x cuDNN's backward at
 the suite's median then (docs/attention/DSA_BWD_NOTES.md; "Torch around the kernel": this
 form, CPU only so far).

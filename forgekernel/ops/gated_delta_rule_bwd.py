@@ -32,10 +32,11 @@ kernel 2 (kernels/linear_attention/gdn_bwd_chunk/sm90, every chunk at once,
 `_wy_grads` in torch); the chunk factors (A, T = L^-1, W, u, P, the decays, in the 16-bit
 layouts the other two read) on kernel 0 (kernels/linear_attention/gdn_bwd_factors/sm90,
 `reference.gdn_bwd_factors` its model; FACTORS_IN_KERNEL = False, or WY_IN_KERNEL = False: the
-batched torch `_Factors` pass); with both of those on, STATES16 and NORM_IN_KERNEL (the
-defaults): kernel 1 writes U, h and dU, dS in kernel 2's 16-bit forms (`out16`; its forward
-launch the `forward` variant: chunks first to last on kernel 0's u, W, Ke as written, P^T =
-I, Qe = 0 and the signs built in, outputs in chunk order), kernel 2 reads
+batched torch `_Factors` pass; FACTORS_2WG, TEMPORARY, off until its device A/B: kernel 0's
+two-math-warpgroup `wg2` key, the same outputs bit for bit); with both of those on, STATES16
+and NORM_IN_KERNEL (the defaults): kernel 1 writes U, h and dU, dS in kernel 2's 16-bit forms
+(`out16`; its forward launch the `forward` variant: chunks first to last on kernel 0's u, W, Ke
+as written, P^T = I, Qe = 0 and the signs built in, outputs in chunk order), kernel 2 reads
 q, k at their H heads (`grouped`), and the q / k epilogue kernel (kernels/linear_attention/
 gdn_bwd_norm/sm90, `reference.gdn_bwd_norm` its model) does the group sum over the value heads,
 l2norm's backward and the scale, kernel 2 writes dv in 16 bits (`dv16`): torch is left with q,
@@ -65,8 +66,16 @@ import os
 import torch
 
 from forgekernel.kernels.common.sm90.constants import REGISTERS_PER_SM, THREADS_PER_WG
+
+# the launchers as modules, imported once (an import a call cost ~1 us each; the tests patch
+# their functions on these modules)
+from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90 import launch as chunk_launch
+from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90 import launch as factors_launch
+from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90 import launch as fused_launch
 from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.config import fused_fits
+from forgekernel.kernels.linear_attention.gdn_bwd_norm.sm90 import launch as norm_launch
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90 import config as state_config
+from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90 import launch as state_launch
 from forgekernel.ops import gated_delta_rule_chunked as fwd
 from forgekernel.ops._dispatch import KernelSwitch, refuse_capture
 from forgekernel.ops._dispatch import traced as _traced
@@ -90,6 +99,7 @@ from forgekernel.reference.gdn_bwd_factors import for_kernel2, forward_launch_ti
 from forgekernel.reference.gdn_bwd_state import (
     CHUNK,
     chunk_factors,
+    cut,
     forward_state_tiles,
     forward_states,
     to_chunks,
@@ -102,6 +112,7 @@ Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tens
 # out=), d_initial_state may be None; None: every gradient allocated
 GradsOut = tuple[torch.Tensor | None, ...] | None
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "d_initial_state")
+INPUT_NAMES = ("q", "k", "v", "g", "beta")  # `check_grads_out`'s likes
 NOT_CAPTURABLE = (
     "gated_delta_rule's interim backward reads the offsets on the host (its chunk layout, "
     "one sync a call) and builds its tables there"
@@ -185,16 +196,11 @@ def _state_recurrence(do, pt, ke, qe, w, e_last, d_final_state, dh0=None, **flag
     in 16 bits, kernel 2's forms (`reference.gdn_bwd_state.out16_forms`; forward: pt, qe None,
     I and 0 built in, outputs in chunk order); dh0: the caller's contiguous buffer for dS at
     the start (the kernel writes it there). The CPU tests put the tile emulation here."""
-    from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.launch import (
-        empty_outputs,
-        gdn_bwd_state,
-    )
-
     out = None
     if dh0 is not None:
-        du, side, _ = empty_outputs(do, ke.shape[-1], out16=flags.get("out16", False))
+        du, side, _ = state_launch.empty_outputs(do, ke.shape[-1], out16=flags.get("out16", False))
         out = (du, side, dh0)
-    return gdn_bwd_state(do, pt, ke, qe, w, e_last, d_final_state, out=out, **flags)
+    return state_launch.gdn_bwd_state(do, pt, ke, qe, w, e_last, d_final_state, out=out, **flags)
 
 
 # Kernel 1 holds one CTA an SM (the register file: 128 threads x (40 + 2 x 232) registers
@@ -236,9 +242,8 @@ def _chunk_grads(do, u, du, q, k, h, dh, big_g):
     """Kernel 2 (`_output_grads` on WGMMA, every chunk at once): (dq, dk, dw (B, T, HV, K),
     dG (B, T, HV), reverse-cumsummed within the chunk) fp32 from `chunk_grad_tiles`' inputs.
     The CPU tests put the tile emulation here."""
-    from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.launch import gdn_bwd_chunk
 
-    return gdn_bwd_chunk(do, u, du, q, k, h, dh, big_g)
+    return chunk_launch.gdn_bwd_chunk(do, u, du, q, k, h, dh, big_g)
 
 
 # Kernel 2 runs all of pass 3 (its WY variant, `_chunk_grads_wy`); False: `_output_grads` only
@@ -250,9 +255,8 @@ def _chunk_grads_wy(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta, **flags):
     """Kernel 2, WY variant (all of pass 3): (dq, dk (B, T, HV, K), dG (B, T, HV, the reverse
     cumsum done), dv (B, T, HV, V), dbeta (B, T, HV)) fp32 (`flags` dv16: dv in do's dtype;
     out: the five contiguous buffers it writes). The CPU tests put the tile emulation here."""
-    from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.launch import gdn_bwd_chunk_wy
 
-    return gdn_bwd_chunk_wy(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta, **flags)
+    return chunk_launch.gdn_bwd_chunk_wy(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta, **flags)
 
 
 NOT_CAPTURABLE_VARLEN = (
@@ -273,10 +277,14 @@ def _factors(q, k, v, g, beta):
     gdn_bwd_factors.NAMES`' dict: the tiles kernel 1's two launches and kernel 2 read) from q
     (scaled, normalized), k (B, T, H, K), v (B, T, HV, V) 16-bit, g, beta (B, T, HV) fp32. The
     CPU tests put the tile emulation here."""
-    from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90.launch import gdn_bwd_factors
 
-    return gdn_bwd_factors(q, k, v, g, beta)
+    return factors_launch.gdn_bwd_factors(q, k, v, g, beta, wg2=FACTORS_2WG)
 
+
+# TEMPORARY (until a GPU A/B; then the key becomes the default or goes): kernel 0 on two math
+# warpgroups by independent products (`wg2`, gdn_bwd_factors/sm90/factors_wg2.py; bit for bit
+# the 256-thread kernel's outputs; NOTES "GDN backward factors kernel on two math warpgroups").
+FACTORS_2WG = False
 
 # Kernel 0 forms the chunk factors (with kernel 2's WY variant, which reads its T^T, w, u);
 # False: the batched torch `_Factors` pass and its 16-bit conversions (the fallback).
@@ -444,7 +452,7 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots
                                  **varlen)  # fmt: skip
 
     def reverse_launch():
-        rev = tuple(out[n][:, :t] for n in ("pt", "ke", "qe", "w"))
+        rev = tuple(cut(out[n], 1, slice(None, t)) for n in ("pt", "ke", "qe", "w"))
         return _state_recurrence(do, *rev, out["e_last"], dht, out16=True, **given(dh0=dh0_o),
                                  **varlen)  # fmt: skip
 
@@ -457,7 +465,7 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots
         del out[name]
     k2 = for_kernel2(out, t)
     wide = beta.to(torch.promote_types(beta.dtype, torch.float32))
-    tiles = (do, u16[:, :t], du16, qs, ks, h16, dh16, k2["big_g"])
+    tiles = (do, cut(u16, 1, slice(None, t)), du16, qs, ks, h16, dh16, k2["big_g"])
     wy_out = None if into is None else _wy_buffers(do, qs.shape[-1], dg_o, dv_o, dbeta_o, dq_o,
                                                    dk_o)  # fmt: skip
     flags = {"dqk16": True, "scale": 1.0 if q_scale is None else q_scale} if QK16 else {}
@@ -471,9 +479,8 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots
 def _fused_bwd(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, **flags):
     """The fused kernel (kernel 1's reverse recurrence + kernel 2, `gdn_bwd_fused`): (dq, dk,
     dg, dv, dbeta, dh0) (`flags`: scale, out). The CPU tests put an emulation here."""
-    from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.launch import gdn_bwd_fused
 
-    return gdn_bwd_fused(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, **flags)
+    return fused_launch.gdn_bwd_fused(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, **flags)
 
 
 def _fused_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None):
@@ -522,9 +529,8 @@ def _qk_grads(dxs, x, scale, l2norm, out=None):
     H, K) in x's dtype (group sum, l2norm's backward, scale), into `out` (contiguous, x's
     shape and dtype) when given.
     The CPU tests put the model here."""
-    from forgekernel.kernels.linear_attention.gdn_bwd_norm.sm90.launch import gdn_bwd_norm
 
-    return gdn_bwd_norm(dxs, x, scale, l2norm, out=out)
+    return norm_launch.gdn_bwd_norm(dxs, x, scale, l2norm, out=out)
 
 
 # The group sum and l2norm's backward on the epilogue kernel (`_qk_grads`); False: torch
@@ -615,8 +621,9 @@ def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b, out=None,
     for first in heads:  # passes over heads, not chunks
         qh, vh = slice(first, first + step), slice(first * group, (first + step) * group)
         # q / k at their own heads: kernels 0 and 2 read head hv // (HV / H) (`grouped`)
-        states = (None if x is None else x[:, vh].float().contiguous() for x in (h0, dht))
-        parts.append(_chunk_pass(qs[:, :, qh], ks[:, :, qh], *(x[:, :, vh] for x in v_side),
+        # `cut`: one pass (every head) takes the tensors themselves, no view each
+        states = (None if x is None else cut(x, 1, vh).float().contiguous() for x in (h0, dht))
+        parts.append(_chunk_pass(cut(qs, 2, qh), cut(ks, 2, qh), *(cut(x, 2, vh) for x in v_side),
                                  *states, into=into,
                                  q_scale=scale if fold else None, slots=slots))  # fmt: skip
     outs = (None,) * 6 if out is None else (*(None if o is None else seq(o) for o in out[:5]),
@@ -684,9 +691,10 @@ def _backward_varlen(q, k, v, g, beta, initial_state, do, d_final, scale, k_last
                      cu_seqlens, out=None) -> Grads | None:  # fmt: skip
     """Varlen on the kernel path (ops/_linattn_varlen.py `backward_varlen`): on the device pass
     (`_slots_path`) unequal lengths run once in the slot layout, no host read under a
-    CUDA-graph capture; eagerly the offsets are read once (equal lengths: a reshape). The
-    fallback forms: buckets of sequences zero-padded at their ends, a capture refused first.
-    None (the interim path) when no token."""
+    CUDA-graph capture (with EQUAL_IN_CAPTURE the batch path beside it, chosen at the replay:
+    `run_either`, into `_empty_grads`' buffers); eagerly the offsets are read once (equal
+    lengths: a reshape). The fallback forms: buckets of sequences zero-padded at their ends,
+    a capture refused first. None (the interim path) when no token."""
     in_slots = _slots_path()
     if not in_slots:
         refuse_capture(NOT_CAPTURABLE_VARLEN, q)
@@ -698,8 +706,11 @@ def _backward_varlen(q, k, v, g, beta, initial_state, do, d_final, scale, k_last
         return _backward_kernel(q, k, v, g, beta, h0, do, dht, scale, k_last, l2norm, 1,
                                 slots=slots)  # fmt: skip
 
+    def empty():
+        return _empty_grads(q, k, v, g, beta, cu_seqlens, k_last)
+
     return backward_varlen(run, (q, k, v, g, beta, do), (initial_state, d_final), cu_seqlens,
-                           out, run_slots if in_slots else None)  # fmt: skip
+                           out, run_slots if in_slots else None, empty)  # fmt: skip
 
 
 def _slots_path() -> bool:
@@ -835,7 +846,8 @@ def gated_delta_rule_backward(
     if d_final_state is not None:
         check_shaped("d_final_state", d_final_state, state_shape, fwd.F32)
     if out is not None:
-        check_grads_out(out, (q, k, v, g, beta), state_shape)
+        reads = {"do": do, "initial_state": initial_state, "d_final_state": d_final_state}
+        check_grads_out(out, (q, k, v, g, beta), state_shape, reads)
     check_cuda("q", q)
     others = {"initial_state": initial_state, "d_final_state": d_final_state,
               "cu_seqlens": cu_seqlens}  # fmt: skip
@@ -855,10 +867,14 @@ def gated_delta_rule_backward(
     return (*shaped, grads[5])
 
 
-def check_grads_out(out: object, likes: tuple[torch.Tensor, ...], state_shape) -> None:
+def check_grads_out(out: object, likes: tuple[torch.Tensor, ...], state_shape,
+                    reads: dict[str, torch.Tensor | None] | None = None) -> None:  # fmt: skip
     """`out` of a linear-attention backward (this op's, KDA's): a tuple of six tensors, each
     contiguous, on q's device, shaped and typed as its input's gradient (`likes`: q, k, v, g,
-    beta), the last (d_initial_state) fp32 `state_shape` or None."""
+    beta), the last (d_initial_state) fp32 `state_shape` or None; none overlapping another nor
+    an input (`likes` and `reads`, the other inputs by name): the kernels write dv, dg, dbeta,
+    d_initial_state (both ops) and dq, dk (where they fold) into `out` while they still read
+    the inputs (v on the WY pass, the initial state beside dS's launch)."""
     if not isinstance(out, (tuple, list)) or len(out) != 6:
         raise TypeError("out must be a tuple (dq, dk, dv, dg, dbeta, d_initial_state) of six "
                         "tensors (d_initial_state may be None)")  # fmt: skip
@@ -873,6 +889,27 @@ def check_grads_out(out: object, likes: tuple[torch.Tensor, ...], state_shape) -
             raise ValueError(f"{label} must be contiguous")
         if o.device != likes[0].device:
             raise ValueError(f"{label} is on {o.device} but q is on {likes[0].device}")
+    named = (*zip(INPUT_NAMES, likes), *(reads or {}).items())
+    spans = [(name, _span(x)) for name, x in named if x is not None]
+    for i, o in enumerate(out):
+        if o is None:
+            continue
+        a0, a1 = span = _span(o)
+        for other, (b0, b1) in spans:
+            if a0 < b1 and b0 < a1:
+                raise ValueError(f"out[{i}] ({GRAD_NAMES[i]}) overlaps {other}")
+        spans.append((f"out[{i}]", span))
+
+
+def _span(x: torch.Tensor) -> tuple[int, int]:
+    """The bytes x's elements lie in: [its first, past its last) (empty: (0, 0))."""
+    n, p = x.numel(), x.data_ptr()
+    if n == 0:
+        return 0, 0
+    if x.is_contiguous():
+        return p, p + n * x.element_size()
+    last = sum((d - 1) * s for d, s in zip(x.shape, x.stride()))
+    return p, p + (last + 1) * x.element_size()
 
 
 def flat_out(out: GradsOut) -> GradsOut:

@@ -41,7 +41,9 @@ DeltaNet's device pass; NOTES.md "KDA's device pass"); q / k
 normalized and scaled once at H heads (fp32: the torch factors read it; 16-bit on the device
 pass); dq / dk's group sum, l2norm's
 backward, scale and cast on Gated DeltaNet's q / k epilogue kernel
-(kernels/linear_attention/gdn_bwd_norm/sm90, `_qk_grads`; NORM_IN_KERNEL = False: torch). Equal
+(kernels/linear_attention/gdn_bwd_norm/sm90, `_qk_grads`; NORM_IN_KERNEL = False: torch), dk
+on the WY kernel (dk16, `_writes_dk`) where the epilogue would only cast it (device pass, no
+l2norm, HV = H). Equal
 lengths known on the host (the explicit backward without cu_seqlens, one sequence, autograd of a
 call without cu_seqlens: the forward op's `batch` argument says B equal lengths; autograd's
 setup saves it, eager and under torch.compile alike) run with no host read (CUDA-graph
@@ -61,10 +63,15 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.config import HEAD_DIMS
+
+# the launchers as modules, imported once (an import a call cost ~1 us each; the tests patch
+# their functions on these modules)
+from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90 import launch as chunk_launch
+from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90 import launch as wy_launch
 from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.config import BULK_ALIGN
+from forgekernel.kernels.linear_attention.kda_prefill.sm90 import launch as first_pass_launch
 from forgekernel.ops import kda_chunked as fwd
 from forgekernel.ops._dispatch import KernelSwitch, refuse_capture
 from forgekernel.ops._dispatch import traced as _traced
@@ -82,7 +89,9 @@ from forgekernel.ops._validate import (
 # kernels/linear_attention/gdn_bwd_norm/sm90: group sum, l2norm's backward, scale, cast; the
 # CPU tests put its model on this module's name) and `_normalized_backward` (its torch form);
 # its kernel-1 decisions (`side_by_side_states`, `state_flags`: the same kernel, the same CTAs,
-# the same varlen slot layout) and its
+# the same varlen slot layout), its kernel-1 wrapper `_state_recurrence` (KDA's e_last (B, NC,
+# HV, K) per key channel takes the launcher's `channel_decay` kernel; dh0= the caller's buffer
+# for dS at the start; the CPU tests put the tile emulation on this module's name) and its
 # out= helpers (`check_grads_out`, `flat_out`, `given`, `_joined`, `written`)
 from forgekernel.ops.gated_delta_rule_bwd import (
     GradsOut,
@@ -90,6 +99,7 @@ from forgekernel.ops.gated_delta_rule_bwd import (
     _normalized,
     _normalized_backward,
     _qk_grads,
+    _state_recurrence,
     check_grads_out,
     flat_out,
     given,
@@ -102,6 +112,7 @@ from forgekernel.reference.gdn_bwd_state import (
     CHUNK,
     chunk_decay,
     chunk_factors,
+    cut,
     forward_state_tiles,
     forward_states,
     to_chunks,
@@ -158,17 +169,6 @@ def interim() -> contextlib.AbstractContextManager[None]:
     return _SWITCH.off()
 
 
-def _state_recurrence(do, pt, ke, qe, w, e_last, d_final_state, **flags):
-    """Kernel 1, dh variant, e_last (B, NC, HV, K) per key channel (`channel_decay`): (dU (B, T,
-    HV, V), dh = dS^T per chunk end (B, NC, HV, V, K), dS at the start (B, HV, K, V)), fp32;
-    `flags` out16 / forward (the device pass, `_device_pass`): dU and dS (B, NC, HV, K, V) in
-    16 bits, kernel 2's forms (forward: pt, qe None, I and 0 built in, outputs in chunk order).
-    The CPU tests put the tile emulation here."""
-    from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.launch import gdn_bwd_state
-
-    return gdn_bwd_state(do, pt, ke, qe, w, e_last, d_final_state, **flags)
-
-
 # Pass 3's output side (`_output_grads`) on kernel 2 (kernels/linear_attention/kda_bwd_chunk/sm90)
 # on the kernel path; False: batched torch (the fallback if kernel 2 misbehaves on the GPU). The
 # WY half (`_wy_grads`) is torch unless WY_IN_KERNEL.
@@ -180,7 +180,7 @@ NORM_IN_KERNEL = True
 # TEMPORARY (until a GPU A/B; then the key becomes the default or goes): kernel 2 on two math
 # warpgroups split by key channels (`wg2`, kda_bwd_chunk/sm90/chunk_grads_wg2.py; bit for bit
 # the 256-thread kernel's outputs; NOTES "KDA kernel 2 on two math warpgroups, built").
-CHUNK_2WG = False
+CHUNK_2WG = True
 
 
 def _chunk_grads(do, u, du, q, k, h, dh, big_g, dw16=False, dg=None, dq16=False, scale=1.0,
@@ -191,14 +191,12 @@ def _chunk_grads(do, u, du, q, k, h, dh, big_g, dw16=False, dg=None, dq16=False,
     written into (the op's `out=` dg, the WY kernel adding its half onto it after), else the
     launcher's own. dq16: q unscaled, dq times `scale` in do's 16-bit dtype (the op's dq; into
     `dq`, contiguous, when given). The CPU tests put the tile emulation here."""
-    from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90 import launch
-
     flags = {"dw16": dw16, "wg2": CHUNK_2WG, **({"dq16": True, "scale": scale} if dq16 else {})}
     if dg is None and dq is None:
-        return launch.kda_bwd_chunk(do, u, du, q, k, h, dh, big_g, **flags)
-    own = launch.empty_outputs(do, q.shape[-1], dw16, dq16)
+        return chunk_launch.kda_bwd_chunk(do, u, du, q, k, h, dh, big_g, **flags)
+    own = chunk_launch.empty_outputs(do, q.shape[-1], dw16, dq16)
     outs = (own[0] if dq is None else dq, own[1], own[2], own[3] if dg is None else dg)
-    return launch.kda_bwd_chunk(do, u, du, q, k, h, dh, big_g, **flags, out=outs)
+    return chunk_launch.kda_bwd_chunk(do, u, du, q, k, h, dh, big_g, **flags, out=outs)
 
 
 # On since 2026-12-06 (H100: with FACTORS_FROM_FIRST_PASS, the device pass 4.6-5.8x the previous
@@ -207,6 +205,10 @@ def _chunk_grads(do, u, du, q, k, h, dh, big_g, dw16=False, dg=None, dq16=False,
 # CHUNK_IN_KERNEL only. T = L^-1 is formed in torch for its input tile, or read from the first
 # pass with FACTORS_FROM_FIRST_PASS.
 WY_IN_KERNEL = True
+# TEMPORARY (until a GPU A/B; then the key becomes the default or goes): the WY kernel on two
+# math warpgroups split by value / key channels (`wg2`, kda_bwd_wy/sm90/wy_grads_wg2.py; bit for
+# bit the 256-thread kernel's outputs; NOTES "KDA backward WY kernel on two math warpgroups").
+WY_2WG = True
 
 
 def _wy_kernel(dw, du, tt, w, k, u, v, beta, big_g, dk, dg, dv16=False, dk16=False,
@@ -217,8 +219,6 @@ def _wy_kernel(dw, du, tt, w, k, u, v, beta, big_g, dk, dg, dv16=False, dk16=Fal
     dv in the tiles' 16-bit dtype with dv16; dk16: the final dk in the tiles' 16-bit dtype
     (into `dk_out` when given; dk then scratch); dv, dbeta: contiguous buffers to write them
     into (the op's `out=`), else new. The CPU tests put the tile emulation here."""
-    from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.launch import kda_bwd_wy
-
     b, t, hv, _ = dw.shape
     if dv is None:
         dv = torch.empty(b, t, hv, du.shape[-1], dtype=dw.dtype if dv16 else torch.float32,
@@ -226,8 +226,8 @@ def _wy_kernel(dw, du, tt, w, k, u, v, beta, big_g, dk, dg, dv16=False, dk16=Fal
     if dbeta is None:
         dbeta = torch.empty(b, t, hv, dtype=torch.float32, device=dw.device)
     final = {"dk16": True, **given(dk_out=dk_out)} if dk16 else {}
-    return kda_bwd_wy(dw, du, tt, w, k, u, v, beta, big_g, dv16=dv16, out=(dk, dv, dg, dbeta),
-                      **final)  # fmt: skip
+    return wy_launch.kda_bwd_wy(dw, du, tt, w, k, u, v, beta, big_g, dv16=dv16,
+                                out=(dk, dv, dg, dbeta), wg2=WY_2WG, **final)  # fmt: skip
 
 
 # On since 2026-12-06 (H100, with WY_IN_KERNEL; docs/linear_attention/NOTES.md "KDA backward
@@ -240,27 +240,32 @@ FACTORS_FROM_FIRST_PASS = True
 FIRST_PASS_DTYPES = (torch.bfloat16,)
 
 
-def _first_pass(q, k, g, beta, cu_seqlens, scale, seq_len, bwd=False):
+def _first_pass(q, k, g, beta, cu_seqlens, scale, seq_len, bwd=False, v=None):
     """The KDA forward's first pass (kernels/linear_attention/kda_prefill/sm90 launch.py
     `first_pass_kernel`): q, k (B T, H, K) 16-bit unit rows where l2norm is on, g (B T, HV, K),
     beta (B T, HV) fp32, B sequences of `seq_len` tokens -> its dict (rows (B NC 64, HV, ...)
-    bf16, decay (B NC, HV, K) fp32; bwd: its `bwd` key, T^T `tt` and G `big_g` too). The CPU
-    tests put its torch model (`operands.kda_chunk_operands`, same arguments) here."""
-    from forgekernel.kernels.linear_attention.kda_prefill.sm90.launch import first_pass_kernel
+    bf16, decay (B NC, HV, K) fp32; bwd: its `bwd` key, T^T `tt`, G `big_g`, W `w` and u `u`
+    too, from v (B T, HV, V) in q's dtype). The CPU tests put its torch model
+    (`operands.kda_chunk_operands`, same arguments) here."""
+    return first_pass_launch.first_pass_kernel(q, k, g, beta, cu_seqlens, scale, False, seq_len,
+                                               bwd=bwd, v=v)  # fmt: skip
 
-    return first_pass_kernel(q, k, g, beta, cu_seqlens, scale, False, seq_len, bwd=bwd)
 
-
-def _first_pass_ops(q16, k16, g, beta, scale, b, t):
+def _first_pass_ops(q16, k16, v16, g, beta, scale, b, t):
     """`_first_pass` over every head of B equal sequences -> its token tiles as (B, NC C, HV,
     D) and decay (B, NC, HV, K) (views); with the WY kernel (WY_IN_KERNEL) its `bwd` key's T^T
-    too, the WY kernel's input tile (no torch solve)."""
-    cu = torch.arange(b + 1, dtype=torch.int32, device=q16.device) * t
+    too, the WY kernel's input tile (no torch solve), P^T (`pt`, kernel 1's reverse-launch
+    operand as it reads it) in P's place, and W = T_beta Kg, u = T_beta V (`w`, `u`: kernel 1's
+    and the WY kernel's operands; v16 (B, T, HV, V) in q16's dtype; before next/kda-wu two
+    cuBLAS GEMMs and a memset a value head, 353 us at 4 x 8192 H16 on the H100)."""
+    cu = first_pass_launch.equal_offsets(q16.device, b, t)  # cached: no launch a call
+    v = v16.flatten(0, 1) if WY_IN_KERNEL else None
     ops = _first_pass(q16.flatten(0, 1), k16.flatten(0, 1), g.flatten(0, 1).contiguous(),
                       beta.flatten(0, 1).contiguous(), cu, scale, t,
-                      bwd=WY_IN_KERNEL)  # fmt: skip
+                      bwd=WY_IN_KERNEL, v=v)  # fmt: skip
     nc = -(-t // CHUNK)
-    rows = ("q_g", "k_g", "k_d", "t_beta", "p") + (("tt", "big_g") if WY_IN_KERNEL else ())
+    bwd_rows = ("pt", "tt", "big_g", "w", "u") if WY_IN_KERNEL else ("p",)
+    rows = ("q_g", "k_g", "k_d", "t_beta") + bwd_rows
     out = {n: ops[n].unflatten(0, (b, nc * CHUNK)) for n in rows}
     out["decay"] = ops["decay"].unflatten(0, (b, nc))
     return out
@@ -292,19 +297,20 @@ def _reverse_tiles(f, dtype):
 
 
 def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, ops=None, dg_out=None, dg_dtype=torch.float32,
-                dv_dtype=torch.float32, q_scale=None, into=None, slots=None):  # fmt: skip
+                dv_dtype=torch.float32, q_scale=None, into=None, slots=None,
+                dk16=False):  # fmt: skip
     """Value heads of one pass, everything per value head: qs (scaled), ks (B, T, HV, K), v, do
     (B, T, HV, V), g (B, T, HV, K), beta (B, T, HV) fp32 except do (16-bit: the tiles' dtype);
     h0, dht (B, HV, K, V) fp32 or None; ops: this pass's heads of `_first_pass_ops` or None
     (the factors in torch) -> (dqs, dks (B, T, HV, K), dv, dg (B, T, HV, K), dbeta, dh0) fp32.
     On the device pass (`_on_device`) qs, ks and v come in do's 16-bit dtype and dG goes into
     dg_out where given and dv in `dv_dtype` where that is do's (`_device_pass`; the other
-    paths ignore both; q_scale, into, slots: `_device_pass`'s, the device pass only)."""
+    paths ignore both; q_scale, into, slots, dk16: `_device_pass`'s, the device pass only)."""
     t, dtype = qs.shape[1], do.dtype
     if ops is not None and _on_device(dtype):
         return _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out, dg_dtype, dv_dtype,
-                            q_scale, into, slots)  # fmt: skip
-    assert q_scale is None and into is None, "final-form dq / dk: the device pass only"
+                            q_scale, into, slots, dk16)  # fmt: skip
+    assert q_scale is None and into is None and not dk16, "final-form dq / dk: the device pass"
     if slots is not None:
         raise ValueError("the slot layout (varlen) is the device pass's")
     if ops is None:  # (B, NC, HV, C, ...) fp32, sub-chunked
@@ -347,36 +353,14 @@ def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, ops=None, dg_out=None, dg_dtype
     return (*grads, dh0)
 
 
-# W = T_beta Kg and u = T_beta V one value head a launch (`_chunk_products`) from this many
-# chunks a head (B NC) up; below, one batched product over every head with the layout copies
-# (each of 2 x HV launches then too small to pay for itself).
-HEADWISE_PRODUCTS_FROM = 128
-
-
-def _chunk_products(a, x, nc):
-    """A X per chunk and value head: a (B, NC C, HV, C), x (B, NC C, HV, D) token-major in one
-    16-bit dtype (head slices allowed) -> (B, NC C, HV, D) token-major, contiguous. From
-    HEADWISE_PRODUCTS_FROM chunks a head: one strided bmm a value head written in place (cuBLAS
-    reads both operands' token-major rows and writes the product's at their strides: none of
-    the three layout copies the batched `chunks(a) @ chunks(x)` makes, nor to_tokens')."""
-    b, _, hv, d = x.shape
-    if b * nc < HEADWISE_PRODUCTS_FROM:  # (B, NC, HV, C, ...) views: matmul copies them
-        ac, xc = (y.unflatten(1, (nc, CHUNK)).transpose(2, 3) for y in (a, x))
-        return to_tokens(ac @ xc)
-    out = x.new_empty(b, nc * CHUNK, hv, d)
-    a3, x3, o3 = (y.unflatten(1, (nc, CHUNK)).flatten(0, 1) for y in (a, x, out))
-    for i in range(hv):
-        torch.bmm(a3[:, :, i], x3[:, :, i], out=o3[:, :, i])
-    return out
-
-
 def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=torch.float32,
-                 dv_dtype=torch.float32, q_scale=None, into=None, slots=None):  # fmt: skip
+                 dv_dtype=torch.float32, q_scale=None, into=None, slots=None,
+                 dk16=False):  # fmt: skip
     """`_chunk_pass` with kernel 1 writing kernel 2's 16-bit forms (`out16`), as Gated DeltaNet's
-    `_device_pass`: W = (T diag(beta)) Kg and u = (T diag(beta)) V from the first pass's rows
-    (`_chunk_products`, the only factors formed here), kernel 1's forward launch (`forward`: I,
-    0 and the signs built in, chunks first to last) on u, W and Ke as they are -> U, h (16-bit,
-    chunk order); its reverse launch on P^T and the first pass's Ke, Qe as written -> dU, dS
+    `_device_pass`: W = (T diag(beta)) Kg and u = (T diag(beta)) V as the first pass's bwd key
+    wrote them (no factor formed here), kernel 1's forward launch (`forward`: I, 0 and the signs
+    built in, chunks first to last) on u, W and Ke as they are -> U, h (16-bit, chunk order);
+    its reverse launch on P^T and the first pass's Ke, Qe as written -> dU, dS
     (16-bit); kernel 2 and the WY kernel on those, the first pass's T^T, G and rows cut to T
     (views). qs, ks, v, do (B, T, HV, ...) in do's dtype (strided head slices allowed), g (B, T,
     HV, K), beta (B, T, HV) fp32; ops: `_first_pass_ops`' pass of heads, with `tt` and `big_g`.
@@ -386,31 +370,27 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=tor
     dv comes in do's 16-bit dtype straight from the WY kernel where `dv_dtype` is that (the
     op's v 16-bit: no cast after), else fp32. q_scale (`_folds`: no l2norm, HV = H): qs is
     the op's q UNscaled (the first pass got the scale), kernel 2 writes the op's dq (dq16,
-    times q_scale) and the WY kernel the op's dk (dk16), both in do's dtype: no epilogue;
-    into: (dq, dk, dv, dbeta) (B, T, HV, ...) contiguous buffers those kernels write (the
-    op's `out=`, each None or of the dtype its kernel writes). slots: the varlen slot layout
+    times q_scale) in do's dtype: no dq epilogue; dk16 (`_writes_dk`): the WY kernel writes
+    the op's dk in do's dtype: no dk epilogue. into: (dq, dk, dv, dbeta, dh0) contiguous
+    buffers those kernels write ((B, T, HV, ...), dh0 (B, HV, K, V); the op's `out=`
+    (`_direct`), each None or of the dtype its kernel writes; dq only with q_scale, dk only
+    with dk16). slots: the varlen slot layout
     (B = 1 over its S C rows, h0 / dht / dh0 (N, HV, K, V)): kernel 1's varlen form, side by
     side (Gated DeltaNet's `side_by_side_states`)."""
     t, dtype = qs.shape[1], do.dtype
+    upto = slice(None, t)  # the first pass's rows (NC C) cut to T (`cut`: no view at T = NC C)
     varlen = state_flags(slots)
-    dq_o, dk_o, dv_o, db_o = (None,) * 4 if into is None else into
-    nc = -(-t // CHUNK)
-
-    def chunks(x):  # token-major (B, NC C, HV, D) -> (B, NC, HV, C, D), a view
-        return x.unflatten(1, (nc, CHUNK)).transpose(2, 3)
-
-    w16 = _chunk_products(ops["t_beta"], ops["k_g"], nc)  # (B, NC C, HV, K)
-    v_rows = v if t == nc * CHUNK else F.pad(v, (0, 0, 0, 0, 0, nc * CHUNK - t))  # zero rows
-    u16 = _chunk_products(ops["t_beta"], v_rows, nc)  # (B, NC C, HV, V)
+    dq_o, dk_o, dv_o, db_o, dh0_o = (None,) * 5 if into is None else into
+    w16, u16 = ops["w"], ops["u"]  # (B, NC C, HV, K / V), zero rows past T
 
     def forward_launch():  # chunks first to last on u, W, Kd as they are, the signs in registers
         return _state_recurrence(u16, None, w16, None, ops["k_d"], ops["decay"], h0,
                                  out16=True, forward=True, **varlen)  # fmt: skip
 
-    def reverse_launch():
-        pt = to_tokens(chunks(ops["p"]).transpose(-1, -2))[:, :t]
-        rev = (pt, ops["k_d"][:, :t], ops["q_g"][:, :t], w16[:, :t])
-        return _state_recurrence(do, *rev, ops["decay"], dht, out16=True, **varlen)
+    def reverse_launch():  # P^T as the first pass's bwd key wrote it (no transposing copy)
+        rev = tuple(cut(x, 1, upto) for x in (ops["pt"], ops["k_d"], ops["q_g"], w16))
+        return _state_recurrence(do, *rev, ops["decay"], dht, out16=True, **given(dh0=dh0_o),
+                                 **varlen)  # fmt: skip
 
     device = do.device
     if side_by_side_states(slots, do.shape[0], do.shape[2], device):
@@ -421,24 +401,24 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=tor
     # G = cumsum(g) within the chunk, as the first pass formed it; kernel 2's and the WY
     # kernel's launchers read it contiguous (`.contiguous()`): cut to T it is not where B > 1
     # and T is no multiple of 64 (or in a head pass), so made so once here for both
-    big_g = ops["big_g"][:, :t].contiguous()
+    big_g = cut(ops["big_g"], 1, upto).contiguous()
     # kernel 2 writes dG straight into `dg_out` where that is a contiguous fp32 buffer whose
     # start suits the WY kernel's bulk reduce-adds onto it (`BULK_ALIGN`)
-    into_dg = dg_out if dg_out is not None and dg_out.is_contiguous() \
-        and dg_out.data_ptr() % BULK_ALIGN == 0 else None  # fmt: skip
+    into_dg = _direct(dg_out, torch.float32)
     # dw in the tiles' dtype from kernel 2 (the WY kernel's operand; no cast here)
     fold = {} if q_scale is None else {"dq16": True, "scale": q_scale, **given(dq=dq_o)}
-    dq, dk, dw, dg = _chunk_grads(do, u_c[:, :t], du16, qs, ks, h16, dh16, big_g, dw16=True,
+    dq, dk, dw, dg = _chunk_grads(do, cut(u_c, 1, upto), du16, qs, ks, h16, dh16, big_g, dw16=True,
                                   dg=into_dg, **fold)  # fmt: skip
     del u_c, h16, dh16
-    wy = (dw, du16, ops["tt"][:, :t], w16[:, :t], ks, u16[:, :t], v, beta, big_g)
+    wy = (dw, du16, *(cut(x, 1, upto) for x in (ops["tt"], w16)), ks, cut(u16, 1, upto), v,
+          beta, big_g)  # fmt: skip
     # the WY kernel adds its dk and dG onto kernel 2's (in place, no torch add); left in torch:
     # dG's copy into a strided `dg_out`, or its cast to a 16-bit `dg_dtype` (the fp32 sum
     # rounded once, as before)
-    final = {} if q_scale is None else {"dk16": True, **given(dk_out=dk_o)}
+    final = {"dk16": True, **given(dk_out=dk_o)} if dk16 else {}
     dk_wy, dv, dg, dbeta = _wy_kernel(*wy, dk, dg, dv16=dv_dtype == dtype, **final,
                                       **given(dv=dv_o, dbeta=db_o))  # fmt: skip
-    if q_scale is not None:  # the op's dk (16-bit), not kernel 2's fp32 scratch
+    if dk16:  # the op's dk (16-bit), not kernel 2's fp32 scratch
         dk = dk_wy
     if dg_out is not None and into_dg is None:
         dg = dg_out.copy_(dg)
@@ -449,23 +429,42 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=tor
 
 # On the device pass without l2norm and with HV = H (`_folds`, the bench's case): kernel 2 reads
 # the op's q unscaled (the first pass takes the scale) and writes dq x scale in 16 bits (dq16),
-# the WY kernel the final dk in 16 bits (dk16), dv / dbeta into `out=`: no q x scale copy, no
-# epilogue launch. TEMPORARY switch for the GPU A/B (False: the fp32 dq / dk and the epilogue,
-# as before 2026-12-06's next/kda-final-outputs). Off since next/kda-bwd-regress: on the H100
-# (4 x 8192, H = HV = 16) it cost kernel 2 +0.65 ms (3.18 -> 3.83; its SASS differs from
-# dq16's absence only by the scale's 72 FMUL and the 16-bit stores: cause open) and the WY
-# kernel +0.4 ms (dk16's loads serialized behind its stores, fixed there) for 0.52 ms of glue:
-# 9.76 vs 9.23 ms. Re-time it with the fixed WY kernel (NOTES.md "KDA backward regressions
-# of integration41"): on again if kernel 2's cost is gone, else remove the path (dq16, dk16).
+# dq into `out=`: no q x scale copy, no dq epilogue launch. TEMPORARY switch for the GPU A/B
+# (False: the fp32 dq and its epilogue, as before 2026-12-06's next/kda-final-outputs). Off
+# since next/kda-bwd-regress: on the H100 (4 x 8192, H = HV = 16) it cost kernel 2 +0.65 ms
+# (3.18 -> 3.83; its SASS differs from dq16's absence only by the scale's 72 FMUL and the
+# 16-bit stores: cause open) and the WY kernel +0.4 ms (dk16's loads serialized behind its
+# stores, fixed there) for 0.52 ms of glue: 9.76 vs 9.23 ms. Re-time kernel 2 (now the wg2
+# build) with dq16: on again if its cost is gone, else remove the dq16 path. The WY kernel's
+# half of it (dk16, `_writes_dk`) no longer rides on this switch (next/kda-glue3).
 FINAL_QK = False
 
 
+def _writes_dk(l2norm: bool, group: int, k: torch.Tensor, dtype) -> bool:
+    """The WY kernel writes the op's dk (dk16: kernel 2's fp32 dk plus its half, rounded once
+    to 16 bits, the epilogue's result bit for bit where that only casts): the device pass
+    (`_on_device`), no l2norm, no value-head group (HV = H), k in the tiles' dtype. On since
+    next/kda-glue3 (no switch: dk16's SASS is the plain key's but the 16-bit stores, its one
+    H100 cost fixed at next/kda-bwd-regress): the dk epilogue launch (~139 us at 4 x 8192
+    H16, half of the 277.7 us the two took) gone, 2 bytes a value less written."""
+    return _on_device(dtype) and not l2norm and group == 1 and k.dtype == dtype
+
+
 def _folds(l2norm: bool, group: int, q: torch.Tensor, k: torch.Tensor, dtype) -> bool:
-    """The kernels write the op's dq, dk (FINAL_QK): the device pass (`_on_device`), no l2norm,
-    no value-head group (HV = H), q and k in the tiles' dtype. The epilogue would only scale
-    dq and cast there."""
-    return (FINAL_QK and _on_device(dtype) and not l2norm and group == 1
-            and q.dtype == k.dtype == dtype)  # fmt: skip
+    """Kernel 2 writes the op's dq (FINAL_QK; the WY kernel then the op's dk, `_writes_dk`):
+    the device pass, no l2norm, no value-head group (HV = H), q and k in the tiles' dtype. The
+    epilogue would only scale dq and cast there."""
+    return FINAL_QK and _writes_dk(l2norm, group, k, dtype) and q.dtype == dtype
+
+
+def _direct(buf: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """`buf` (an `out=` buffer) where a kernel may write it directly: of `dtype` (the kernel's;
+    None: no kernel writes it), contiguous and starting `BULK_ALIGN`-byte aligned (the WY
+    kernel's bulk reduce-adds onto dG, the 16-byte stores of the others); else None (the kernel
+    writes its own buffer, copied after)."""
+    ok = (buf is not None and dtype is not None and buf.dtype == dtype and buf.is_contiguous()
+          and buf.data_ptr() % BULK_ALIGN == 0)  # fmt: skip
+    return buf if ok else None
 
 
 def _normalized32(x, scale, l2norm):
@@ -486,9 +485,9 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
     Gated DeltaNet's `_backward_device`; NORM_IN_KERNEL False: torch); value heads in passes of
     reference/kda_bwd.py's TOKEN_HEADS_PER_PASS token-heads (two kernel-1 launches a pass), one
     pass: no concatenation. `out` (flat buffers, `GradsOut`): dq, dk written by the epilogue,
-    an fp32 dg by the device pass's last add (one pass; several: their concatenation), dv,
-    dbeta and d_initial_state copied in (the WY kernel writes dv, dbeta in fp32 and kernel 1
-    dh0 into buffers of its own: the cast and two small copies). slots (with batch 1): the
+    on the device pass in one pass dg (fp32), dv, dbeta (the WY kernel) and d_initial_state
+    (kernel 1) by the kernels where the buffer's dtype is theirs (`_direct`), else (several
+    passes: their concatenation; another dtype: the cast) copied in. slots (with batch 1): the
     tokens in the varlen slot layout (ops/_linattn_varlen.py), the states (N, ...): the device
     pass only (`_slots_path`)."""
     b, h, hv = batch, q.shape[1], v.shape[1]
@@ -498,6 +497,7 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
         return x.reshape(b, t, *x.shape[1:])
 
     fold = _folds(l2norm, group, q, k, do.dtype)
+    dk16 = _writes_dk(l2norm, group, k, do.dtype)
     if _on_device(do.dtype):  # q / k, v in 16 bits: the first pass and the kernels read them
         # fold: q as it is (no copy), the scale taken by the first pass and kernel 2
         qn = _normalized(seq(q), 1.0 if fold else scale, l2norm, do.dtype)
@@ -510,43 +510,48 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
     ops = None
     if FACTORS_FROM_FIRST_PASS and CHUNK_IN_KERNEL and do.dtype in FIRST_PASS_DTYPES:  # 16-bit rows
         q16, k16 = (x.to(do.dtype) for x in (qn, kn))  # q scaled already unless fold
-        ops = _first_pass_ops(q16, k16, v_side[1], v_side[2], scale if fold else 1.0, b, t)
+        ops = _first_pass_ops(q16, k16, v_side[0], v_side[1], v_side[2], scale if fold else 1.0,
+                              b, t)  # fmt: skip
     step = max(1, TOKEN_HEADS_PER_PASS // max(1, pass_tokens(b, t, slots) * group))
     heads = range(0, h, step)
     outs = (None,) * 5 if out is None else tuple(None if o is None else seq(o) for o in out[:5])
     dg_out = outs[3] if len(heads) == 1 and outs[3] is not None and g.dtype == torch.float32 \
         else None  # fmt: skip
-    # fold, one pass: dq, dk, dv, dbeta written by the kernels into `out=` where its dtype is
-    # theirs (dq, dk, dv: do's 16-bit; dbeta fp32)
+    # one pass on the device pass: dv, dbeta (the WY kernel), dh0 (kernel 1), with fold dq
+    # (kernel 2) and with dk16 dk (the WY kernel) written by the kernels into `out=` where its
+    # dtype is theirs (dq, dk: do's 16-bit; dv: do's where v's is, else fp32; dbeta, dh0 fp32):
+    # no copy after (`written` finds them in place; before 2026-12-06's next/kda-glue3 dv,
+    # dbeta, dh0 were 3 DtoD copies, 96 us at 4 x 8192 H16 on the H100)
     into = None
-    if fold and len(heads) == 1:
-        kinds = (do.dtype, do.dtype, do.dtype, torch.float32)
-        into = tuple(None if o is None or o.dtype != dt else o
-                     for o, dt in zip((outs[0], outs[1], outs[2], outs[4]), kinds))  # fmt: skip
+    if out is not None and len(heads) == 1 and _on_device(do.dtype):
+        f32 = torch.float32
+        kinds = (do.dtype if fold else None, do.dtype if dk16 else None,
+                 do.dtype if v.dtype == do.dtype else f32, f32, f32)  # fmt: skip
+        bufs = (outs[0], outs[1], outs[2], outs[4], out[5])
+        into = tuple(_direct(o, dt) for o, dt in zip(bufs, kinds))
     parts = []
     for first in heads:  # passes over heads, not chunks
         qh, vh = slice(first, first + step), slice(first * group, (first + step) * group)
-        qs, ks = (x[:, :, qh] if group == 1 else x[:, :, qh].repeat_interleave(group, dim=2)
+        # `cut`: one pass (every head) takes the tensors themselves, no view each
+        qs, ks = (cut(x, 2, qh) if group == 1 else x[:, :, qh].repeat_interleave(group, dim=2)
                   for x in (qn, kn))  # fmt: skip
-        states = (None if x is None else x[:, vh].float().contiguous()
+        states = (None if x is None else cut(x, 1, vh).float().contiguous()
                   for x in (initial_state, d_final))  # fmt: skip
-        mine = None if ops is None else {n: x[:, :, vh] for n, x in ops.items()}
-        parts.append(_chunk_pass(qs, ks, *(x[:, :, vh] for x in v_side), *states, ops=mine,
+        mine = None if ops is None else {n: cut(x, 2, vh) for n, x in ops.items()}
+        parts.append(_chunk_pass(qs, ks, *(cut(x, 2, vh) for x in v_side), *states, ops=mine,
                                  dg_out=dg_out, dg_dtype=g.dtype, dv_dtype=v.dtype,
                                  q_scale=scale if fold else None, into=into,
-                                 slots=slots))  # fmt: skip
+                                 slots=slots, dk16=dk16))  # fmt: skip
     del qn, kn
-    if fold:  # the kernels wrote the op's dq, dk (16-bit, dq scaled): no epilogue
-        dq, dk, dv, dbeta = (_joined(parts, i, outs[i]) for i in (0, 1, 2, 4))
-    else:
-        dqs, dks, dv, dbeta = (_joined(parts, i, None) for i in (0, 1, 2, 4))
-    dh0 = _joined(parts, 5, None)
-    dg = _joined(parts, 3, outs[3])
+    # the kernels wrote the op's dq (fold: 16-bit, scaled) and dk (dk16): no epilogue for them
+    dqs, dks = (_joined(parts, i, outs[i] if final else None)
+                for i, final in ((0, fold), (1, dk16)))  # fmt: skip
+    dv, dg, dbeta = (_joined(parts, i, outs[i]) for i in (2, 3, 4))
+    dh0 = _joined(parts, 5, None if out is None else out[5])
     del parts
-    if not fold:
-        epilogue = _qk_grads if NORM_IN_KERNEL else _normalized_backward
-        dq = epilogue(dqs, seq(q), scale, l2norm, **given(out=outs[0]))
-        dk = epilogue(dks, seq(k), 1.0, l2norm, **given(out=outs[1]))
+    epilogue = _qk_grads if NORM_IN_KERNEL else _normalized_backward
+    dq = dqs if fold else epilogue(dqs, seq(q), scale, l2norm, **given(out=outs[0]))
+    dk = dks if dk16 else epilogue(dks, seq(k), 1.0, l2norm, **given(out=outs[1]))
     grads = (*(x.flatten(0, 1) for x in (dq, dk, dv, dg, dbeta)), dh0)
     return written(out, grads, (q, k, v, g, beta))
 
@@ -592,10 +597,11 @@ def _backward_varlen(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
                      cu_seqlens, out=None) -> Grads | None:  # fmt: skip
     """Varlen on the kernel path, as Gated DeltaNet's (ops/_linattn_varlen.py
     `backward_varlen`): on the device pass (`_slots_path`) unequal lengths run once in the slot
-    layout, no host read under a CUDA-graph capture; eagerly the offsets are read once (equal
-    lengths, the suite's batch cases: B = 1 + cu_seqlens, a reshape). The fallback forms:
-    buckets of sequences zero-padded at their ends, a capture refused first. None (the interim
-    path) when no token."""
+    layout, no host read under a CUDA-graph capture (with EQUAL_IN_CAPTURE the batch path
+    beside it, chosen at the replay: `run_either`, into `_empty_grads`' buffers); eagerly the
+    offsets are read once (equal lengths, the suite's batch cases: B = 1 + cu_seqlens, a
+    reshape). The fallback forms: buckets of sequences zero-padded at their ends, a capture
+    refused first. None (the interim path) when no token."""
     in_slots = _slots_path(do.dtype)
     if not in_slots:
         refuse_capture(NOT_CAPTURABLE_VARLEN, q)
@@ -606,8 +612,11 @@ def _backward_varlen(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
     def run_slots(q, k, v, g, beta, do, h0, dht, slots):
         return _backward_kernel(q, k, v, g, beta, h0, do, dht, scale, l2norm, 1, slots=slots)
 
+    def empty():
+        return _empty_grads(q, k, v, g, beta, cu_seqlens)
+
     return backward_varlen(run, (q, k, v, g, beta, do), (initial_state, d_final), cu_seqlens,
-                           out, run_slots if in_slots else None)  # fmt: skip
+                           out, run_slots if in_slots else None, empty)  # fmt: skip
 
 
 def _slots_path(dtype: torch.dtype) -> bool:
@@ -697,7 +706,8 @@ def kimi_delta_attention_backward(
     if d_final_state is not None:
         check_shaped("d_final_state", d_final_state, (n, hv, q.shape[3], dv), fwd.F32)
     if out is not None:
-        check_grads_out(out, (q, k, v, g, beta), (n, hv, q.shape[3], dv))
+        reads = {"do": do, "initial_state": initial_state, "d_final_state": d_final_state}
+        check_grads_out(out, (q, k, v, g, beta), (n, hv, q.shape[3], dv), reads)
     check_cuda("q", q)
     extra = {} if d_final_state is None else {"d_final_state": d_final_state}
     check_same_device(q=q, do=do, **extra)

@@ -34,6 +34,7 @@ import torch
 from forgekernel.reference.delta_rule_bwd import _Factors
 from forgekernel.reference.gdn_bwd_state import (
     CHUNK,
+    cut,
     forward_launch_as_reverse,
     to_chunks,
     to_tokens,
@@ -65,6 +66,27 @@ def factor_tiles(f: _Factors, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     inverse = torch.linalg.solve_triangular(f.lower, eye, upper=False, unitriangular=True)
     big_g = f.e_g.log()  # G itself: e^G > 0 on every row (zero gates past T)
     return _tiles(f.w, f.u, f.p, f.ke, f.qe, inverse, f.e_last[..., 0], big_g, dtype)
+
+
+def scan_model(g: torch.Tensor) -> torch.Tensor:
+    """G = cumsum(g) within each chunk as kernel 0's `_gates` adds it, in fp32: g (B, T, HV)
+    -> G (B, NC C, HV) (zero gates past T). Lane l of the warp holds tokens 2 l, 2 l + 1; their
+    pair sums are scanned over the 32 lanes in five shuffle steps (lane l adds lane l - 2^i's
+    running sum: Kogge-Stone), G_(2l+1) = lane l's inclusive sum, G_(2l) = (that - the pair) +
+    g_(2l). Not a sequential sum: past a chunk's last nonzero gate the rows need not repeat its
+    G bit for bit (row 63, e^(G_C) and Ke's G_C, against row T - 1, kernel 2's G_C of a chunk
+    cut by T: NOTES "Slots against each sequence alone")."""
+    nc = -(-g.shape[1] // CHUNK)
+    x = to_chunks(g.float(), nc).unflatten(-1, (CHUNK // 2, 2))  # (B, NC, HV, lanes, 2)
+    pair = x[..., 0] + x[..., 1]
+    incl = pair
+    for i in range(5):
+        step = 1 << i
+        up = torch.zeros_like(incl)
+        up[..., step:] = incl[..., :-step]
+        incl = torch.where(torch.arange(CHUNK // 2) >= step, incl + up, incl)
+    big = torch.stack(((incl - pair) + x[..., 0], incl), dim=-1).flatten(-2)
+    return to_tokens(big)
 
 
 def factors_model(
@@ -115,7 +137,7 @@ def factors_model(
 def for_kernel2(tiles: dict[str, torch.Tensor], t: int) -> dict[str, torch.Tensor]:
     """Kernel 2's views of the outputs: w, u, tt and big_g cut to T tokens (views: strided
     when B > 1, which TMA reads in place)."""
-    return {n: tiles[n][:, :t] for n in ("w", "u", "tt", "big_g")}
+    return {n: cut(tiles[n], 1, slice(None, t)) for n in ("w", "u", "tt", "big_g")}
 
 
 def forward_launch_tiles(

@@ -133,6 +133,16 @@ def to_chunks(x: torch.Tensor, nc: int) -> torch.Tensor:
     return padded.unflatten(1, (nc, CHUNK)).transpose(2, 3)
 
 
+def cut(x: torch.Tensor, dim: int, part: slice) -> torch.Tensor:
+    """x's `part` (start:stop, no step) of dim `dim` (x[:, :t], x[:, :, heads]); x itself where
+    that is all of it: the same tensor to every reader (pointer, sizes, strides), without the
+    view op (an eager call cut 27 whole views a call, ~1-2 us of host each on a GPU)."""
+    start, stop = part.start or 0, x.shape[dim] if part.stop is None else part.stop
+    if start == 0 and stop >= x.shape[dim]:
+        return x
+    return x.narrow(dim, start, min(stop, x.shape[dim]) - start)
+
+
 def to_tokens(x: torch.Tensor) -> torch.Tensor:
     """(B, NC, HV, C, ...) -> (B, NC C, HV, ...), contiguous (the kernel's token-major tiles)."""
     return x.transpose(2, 3).flatten(1, 2).contiguous()

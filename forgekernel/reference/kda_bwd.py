@@ -179,7 +179,8 @@ class _FirstPassFactors:
         t_beta = chunks(ops["t_beta"]).to(k.dtype)
         self.w = t_beta @ chunks(ops["k_g"]).to(k.dtype)
         self.u = t_beta @ v
-        self.p = chunks(ops["p"])  # the first pass's dtype (the tiles')
+        # the first pass's dtype (the tiles'); its bwd key writes P^T ("pt") in P's place
+        self.p = chunks(ops["p"]) if "p" in ops else chunks(ops["pt"]).transpose(-1, -2)
         self.ke, self.qe = chunks(ops["k_d"]), chunks(ops["q_g"])
         self.tokens = {"ke": ops["k_d"], "qe": ops["q_g"]}  # kernel 1's tiles as written
 

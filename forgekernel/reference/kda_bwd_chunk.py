@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from forgekernel.kernels.common.sm90.constants import LN2, LOG2E
 from forgekernel.reference.gdn_bwd_state import CHUNK, to_chunks, to_tokens
 from forgekernel.reference.kda_chunked import SUB_CHUNK
 
@@ -65,6 +66,28 @@ def cumulative_decay(g: torch.Tensor, nc: int) -> torch.Tensor:
     channel, fp32 (fp64 for fp64 g: the exact checks), contiguous."""
     wide = g.to(torch.promote_types(g.dtype, torch.float32))
     return to_tokens(to_chunks(wide, nc).cumsum(-2))[:, : g.shape[1]].contiguous()
+
+
+def first_pass_scan(g: torch.Tensor) -> torch.Tensor:
+    """G = cumsum(g) within the chunk as the forward's first pass (kernels/linear_attention/
+    kda_prefill/sm90/intra.py, its bwd key) sums the big_g this kernel reads, in fp32: g (...,
+    C, K) (zero past the sequence) -> G = ln 2 G2, G2 from g log2(e): 8-token running sums
+    (each thread's), the lower half-warp's total added to the upper's (warp w: tokens 16 w ..
+    16 w + 15), the warps' totals summed in order for each warp's base: G2 = (base_w + the
+    lower total or 0) + run. Not a sequential sum: past a chunk's last gate in an upper half of
+    warps 0-2, row 63 need not repeat its G bit for bit (G_C alone against in the slot layout:
+    tests/slots_alone.py)."""
+    run = (g.float() * LOG2E).unflatten(-2, (CHUNK // 8, 8)).clone()  # (..., 8 runs, 8, K)
+    for s in range(1, 8):
+        run[..., s, :] = run[..., s - 1, :] + run[..., s, :]
+    lower, upper = run[..., 0::2, 7, :], run[..., 1::2, 7, :]  # (..., 4 warps, K)
+    total = lower + upper
+    base = [torch.zeros_like(total[..., 0, :])]
+    for w in range(1, total.shape[-2]):
+        base.append(total[..., 0, :] if w == 1 else base[-1] + total[..., w - 1, :])
+    base = torch.stack(base, dim=-2)
+    start = torch.stack((base, base + lower), dim=-2).flatten(-3, -2)  # (..., 8 runs, K)
+    return ((start.unsqueeze(-2) + run) * LN2).flatten(-3, -2)
 
 
 def _ident(x: torch.Tensor) -> torch.Tensor:

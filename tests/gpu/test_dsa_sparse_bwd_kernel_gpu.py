@@ -19,11 +19,13 @@ standard-bf16, standard-fp16, red4s, v2; e.g. `-k red4s`). The h64 kernels on th
 (`-k h64`): H 64 / 128 / 192 / 256, top-k 20, 64, 100, 1000 and 2048 (not multiples of 64 among
 them), the suite's shapes cut to 64 / 32 tokens (the bench verifies the whole ones), bf16 and
 fp16: the fused kernel (kernel_h64f.py, the launcher's default at H a multiple of 64; `-k h64f`,
-also with dq one element off 16-byte alignment: the launcher's aligned copy); the two-kernel
-form (kernel_h64.py's kv and dq parts, h64_fused=False) in one chunk (a poisoned workspace of
-every token), in chunks of a smaller poisoned h64_ws and in chunks by a lowered workspace cap
-(`-k h64_chunked`); the launcher's and the op's defaults at H 64 / 128 (`-k h64_default`). Then
-the op with FORGEKERNEL_DSA_BWD_KERNEL=1 against its interim path."""
+also with dq one element off 16-byte alignment: the launcher's aligned copy, and in launches of
+row slices past its grid's token limit, lowered); the sweep (`-k sweep`: the index rows sorted,
+one wave a launch, the default over caches larger than the L2; v1 and the fused kernel); the
+two-kernel form (kernel_h64.py's kv and dq parts, h64_fused=False) in one chunk (a poisoned
+workspace of every token), in chunks of a smaller poisoned h64_ws and in chunks by a lowered
+workspace cap (`-k h64_chunked`); the launcher's and the op's defaults at H 64 / 128 (`-k
+h64_default`). Then the op with FORGEKERNEL_DSA_BWD_KERNEL=1 against its interim path."""
 
 from __future__ import annotations
 
@@ -129,6 +131,40 @@ def test_h64f_unaligned_dq_matches_fp64(tokens, heads, topk, slots, sink, dlse):
     """dq one element off 16-byte alignment: the launcher runs the fused kernel on an aligned
     buffer and copies it in."""
     _check(torch.bfloat16, tokens, heads, topk, slots, sink, dlse, dq_offset=1)
+
+
+@pytest.mark.parametrize("tokens,heads,topk,slots,sink,dlse,step,dq_offset", [
+    (7, 128, 100, 500, True, True, 3, 0),
+    (130, 64, 2048, 4000, False, False, 48, 1),
+    (5, 192, 130, 500, False, True, 1, 0),
+])  # fmt: skip
+def test_h64f_row_slices_matches_fp64(monkeypatch, tokens, heads, topk, slots, sink, dlse, step,
+                                      dq_offset):  # fmt: skip
+    """Past the fused kernel's grid.y limit (config.H64F_GRID_TOKENS, lowered here to `step`)
+    the launcher runs it on row slices of the per-token tensors (and of its aligned dq copy when
+    dq is off 16 bytes), one dkv accumulator: `-k h64f`."""
+    monkeypatch.setattr(config, "H64F_GRID_TOKENS", step)
+    _check(torch.bfloat16, tokens, heads, topk, slots, sink, dlse, dq_offset=dq_offset)
+
+
+@pytest.mark.parametrize("tokens,heads,topk,slots,sink,dlse,sweep", [
+    (300, 64, 2048, 4000, True, True, True),  # the fused kernel: 3 waves of 132 tokens (H100)
+    (140, 128, 1000, 3000, False, False, True),  # 3 waves of 66
+    (7, 192, 130, 500, True, True, True),  # one wave of 44, rows with -1 and past the cache
+    (140, 128, 2048, 40000, True, False, None),  # the default sweeps: 40000 slots, 2.6x the L2
+    (140, 128, 2048, 40000, True, False, False),
+    (300, 16, 2048, 4000, True, True, True),  # v1: 3 waves of 132
+    (7, 32, 100, 500, False, True, True),
+    (140, 16, 2048, 40000, True, False, None),
+])  # fmt: skip
+def test_sweep_matches_fp64(tokens, heads, topk, slots, sink, dlse, sweep):
+    """The sweep (the index rows sorted by slot, launches of one wave; the default far over the
+    L2 with a row visited >= 1.5 times a wave) and its absence, the fused kernel at H a multiple
+    of 64, v1 at H 16 / 32: `-k sweep`."""
+    if sweep is None:
+        ctas = launch.ctas_per_token(heads)
+        assert launch.sweeps_by_default(slots, topk, ctas, torch.cuda.current_device())
+    _check(torch.bfloat16, tokens, heads, topk, slots, sink, dlse, sweep=sweep)
 
 
 @pytest.mark.parametrize("tokens,heads,topk,slots,sink,dlse", H64_CASES)

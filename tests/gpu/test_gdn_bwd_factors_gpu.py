@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from same_bits import assert_same_bits
 
 from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90.launch import (
     empty_outputs,
@@ -140,3 +141,46 @@ def test_time_at_bench_size():
     moved = sum(x.numel() * x.element_size() for x in (*p, *out.values())) / 1e9
     print(f"\nGDN backward kernel 0 (the factors), 4 x 8192 h16 hv32 bf16: {ms:.3f} ms a "
           f"launch, {moved:.2f} GB moved, {moved / ms * 1e3:.0f} GB/s")  # fmt: skip
+
+
+def _launch_wg2(p, wg2):
+    """`_launch` with the `wg2` key chosen."""
+    q, k, v, g, beta = p
+    out = empty_outputs(q, v)
+    for x in out.values():
+        x.fill_(float("nan"))
+    return gdn_bwd_factors(q, k, v, g, beta, out=out, wg2=wg2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t", [1, 64, 65, 1000])
+@pytest.mark.parametrize(("b", "h", "hv"), [(1, 1, 1), (2, 1, 3), (3, 2, 4)])
+def test_wg2_is_the_256_thread_kernel_bit_for_bit(dtype, t, b, h, hv):
+    """`wg2` (NOTES "GDN backward factors kernel on two math warpgroups"): every output formed by
+    the same operations on the same operands as the 256-thread kernel's (the split is by
+    product: T handed over through the inverse's fp32 scratch), so every tile, e^(G_C) and G
+    equal bit for bit, NaN-poisoned outputs all written; correlated keys on the grouped case."""
+    p = _problem(b, t, h, hv, dtype, seed=5 * t + hv, coupled=1.0 if hv == 4 else 0.0)
+    want, got = _launch_wg2(p, False), _launch_wg2(p, True)
+    for name in NAMES:
+        assert_same_bits(name, got[name], want[name])
+
+
+def test_wg2_time_at_bench_size():
+    """4 x 8192 tokens, H16 HV32, bf16: the 256-thread kernel and `wg2`, interleaved, each the
+    median of 20 a round, 3 rounds (printed, `-s`); the same outputs after one call each."""
+    p = _problem(4, 8192, 16, 32, torch.bfloat16, seed=3)
+    outs = {w: _launch_wg2(p, w) for w in (False, True)}
+    for name in NAMES:
+        torch.testing.assert_close(outs[True][name], outs[False][name], rtol=0, atol=0)
+
+    def run(w):
+        return gdn_bwd_factors(*p, out=outs[w], wg2=w)
+
+    times = {False: [], True: []}
+    for _ in range(3):
+        for w in (False, True):
+            times[w] += time_ms(lambda w=w: run(w), reps=20)
+    base, two = median(times[False]), median(times[True])
+    print(f"\nGDN backward kernel 0 (the factors), 4 x 8192 h16 hv32 bf16: {base:.3f} ms (256 "
+          f"threads), {two:.3f} ms (wg2, 384), {base / two:.2f}x")  # fmt: skip

@@ -6,16 +6,18 @@ chunked backward (reference/delta_rule_bwd.py) and against today's path (FUSED o
 same 16-bit inputs, the fused kernel's outputs NaN-poisoned before every launch (a row it
 leaves unwritten fails); bf16 and fp16; T = 1, 63, 64, 65, 1000; B 1-3; H = HV and HV = 2H
 (q / k read at their own heads); with / without a final-state gradient; l2norm on / off (the q /
-k epilogue after the fused kernel); varlen through the existing buckets. The times printed
-(`-s`) at 4 x 8192 h16 hv32 (the rule's own choice: 128 CTAs, fused) and, rule forced, at 1 x
-2048 and 1 x 8192 hv32 (32 CTAs: the rule keeps today's path there), each next to today's
-path. Tolerance: 2e-2 of each gradient's max (the suite's rule, tests/gpu/
-test_gdn_bwd_kernel_path_gpu.py's). CPU twins: tests/test_gdn_bwd_fused_dispatch.py (the
-path on an emulation), tests/test_gdn_bwd_fused_compile.py (the build)."""
+k epilogue after the fused kernel); varlen (equal lengths on the fused kernel, unequal ones in
+the slot layout on today's path). The times printed (`-s`) at 4 x 8192 h16 hv32 (the rule's own
+choice: 128 CTAs, fused) and, rule forced, at 1 x 2048 and 1 x 8192 hv32 (32 CTAs: the rule
+keeps today's path there), each next to today's path. Tolerance: 2e-2 of each gradient's max
+(the suite's rule, tests/gpu/test_gdn_bwd_kernel_path_gpu.py's). CPU twins:
+tests/test_gdn_bwd_fused_dispatch.py (the path on an emulation), tests/
+test_gdn_bwd_fused_compile.py (the build)."""
 
 from __future__ import annotations
 
 import importlib
+import inspect
 
 import pytest
 import torch
@@ -80,19 +82,32 @@ def test_matches_the_fp64_backward_and_todays_path(fused, monkeypatch, dtype, t,
         _close(name + " vs today's path", a, o.double())
 
 
-@pytest.mark.parametrize("lens", [[1, 63, 0, 64, 65, 130], [1000, 70]])
-def test_varlen_buckets(fused, monkeypatch, lens):
-    """cu_seqlens of unequal lengths: the existing buckets (ops/_linattn_varlen.py), each on
-    the fused kernel."""
+@pytest.mark.parametrize("lens", [[1, 63, 0, 64, 65, 130], [1000, 70], [65, 65, 65]])
+def test_varlen(fused, monkeypatch, lens):
+    """cu_seqlens (ops/_linattn_varlen.py `backward_varlen`): equal lengths are B sequences (a
+    reshape), on the fused kernel; unequal ones run once in the varlen slot layout
+    (`_slots_path`, the default), whose device pass is today's path by design (`_device_pass`
+    takes the fused kernel only without slots; the buckets fallback, STATES16 off, never reaches
+    the device pass): the fused kernel not launched. Both against the fp64 varlen backward."""
     total = sum(lens)
     q, k, v, g, beta, do, h0, dht = _problem(1, total, 2, 4, torch.bfloat16, seed=len(lens))
     n = len(lens)
     h0, dht = h0.expand(n, -1, -1, -1).contiguous(), dht.expand(n, -1, -1, -1).contiguous()
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda",
                       dtype=torch.int32)  # fmt: skip
+    in_slots = []
+    real = bwd._device_pass
+
+    def device_pass(*a, **kw):
+        in_slots.append(inspect.signature(real).bind(*a, **kw).arguments.get("slots") is not None)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(bwd, "_device_pass", device_pass)
     inputs = (q, k, v, g, beta, do)
     got = _run(inputs, h0=h0, dht=dht, l2norm=True, cu=cu)
-    assert fused, "the fused kernel was not taken"
+    equal = len(set(lens)) == 1
+    assert in_slots == [not equal], in_slots  # one device pass, in the slot layout if unequal
+    assert fused == ([(n, lens[0], 4, 128)] if equal else []), fused
     want = _reference(inputs, h0=h0, dht=dht, l2norm=True, cu=cu)
     for name, a, r in zip(NAMES, got, want):
         _close(name, a, r)

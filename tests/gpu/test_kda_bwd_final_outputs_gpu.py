@@ -54,3 +54,51 @@ def test_final_outputs_match_the_epilogue_path(monkeypatch, b, t, h, with_out):
     for i, name in enumerate(("dv", "dg", "dbeta", "dh0"), start=2):
         a, r = got[True][i].float(), got[False][i].float()
         torch.testing.assert_close(a, r, atol=2e-2 * r.abs().max().item(), rtol=2e-2, msg=name)
+
+
+@pytest.mark.parametrize(("b", "t", "h"), [(1, 64, 1), (2, 130, 2), (4, 2048, 4)])
+def test_wy_final_dk_is_the_epilogues_bit_for_bit(monkeypatch, b, t, h):
+    """next/kda-glue3: with FINAL_QK off the WY kernel still writes the op's dk (dk16,
+    `_writes_dk`) instead of the epilogue casting its fp32 dk: every gradient bit for bit the
+    path's with dk16 off (the same fp32 sum rounded once to bf16, RNE both), one epilogue
+    launch instead of two. Falsifier: any dk bit differs (then the WY kernel's sum order or
+    rounding is not the epilogue's: `_writes_dk` back behind a switch)."""
+    q, k, v, g, beta, do, h0, dht = _problem(b, t, h, seed=t + 1)
+    assert not bwd.FINAL_QK
+    got = {}
+    for on in (True, False):
+        monkeypatch.setattr(bwd, "_writes_dk", lambda *a, on=on: on and bwd._on_device(a[-1]))
+        got[on] = bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, initial_state=h0,
+                                                    d_final_state=dht)  # fmt: skip
+    for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got[True], got[False]):
+        assert a.dtype == r.dtype and torch.equal(a, r), name
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_out_written_in_place_with_no_copy(monkeypatch, varlen):
+    """next/kda-glue3: with out= (the bench's call: fp32 g / beta, B equal lengths behind
+    cu_seqlens with `varlen`) every gradient is written by its kernel into the buffer: no
+    Python-level `copy_` in the call (`written`'s; before: dv, dbeta, dh0's three DtoD
+    copies), and the results bit for bit the call's without out=."""
+    b, t, h = 2, 256, 2
+    q, k, v, g, beta, do, h0, dht = _problem(b, t, h, seed=7)
+    kw = {"initial_state": h0, "d_final_state": dht}
+    args = [q, k, v, g, beta, do]
+    if varlen:
+        args = [x.flatten(0, 1).unsqueeze(0) for x in args]
+        kw["cu_seqlens"] = torch.arange(b + 1, dtype=torch.int32, device="cuda") * t
+    want = bwd.kimi_delta_attention_backward(*args, **kw)
+    out = tuple(torch.full_like(x, float("nan")) for x in want)
+    copies = []
+    real = torch.Tensor.copy_
+
+    def copy_(self, *a, **k):
+        copies.append(tuple(self.shape))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    got = bwd.kimi_delta_attention_backward(*args, **kw, out=out)
+    monkeypatch.undo()
+    assert copies == []
+    for name, a, o, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, out, want):
+        assert a is o and torch.equal(a, r), name

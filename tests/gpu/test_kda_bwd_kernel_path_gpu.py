@@ -33,6 +33,7 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
+from slots_alone import assert_sequence_alone
 
 import forgekernel
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90 import launch
@@ -121,10 +122,12 @@ def test_kernel_more_ctas_than_sms():
 
 
 def _poisoned_kernel(calls):
-    def run(do, pt, ke, qe, w, e_last, dht, **flags):  # flags: the device pass's out16 / forward
+    def run(do, pt, ke, qe, w, e_last, dht, dh0=None, **flags):  # flags: out16 / forward
         cu = flags.get("cu_seqlens")  # varlen: the states (N, ...)
         empty = launch.empty_outputs(do, ke.shape[-1], out16=flags.get("out16", False),
                                      states=None if cu is None else cu.shape[0] - 1)  # fmt: skip
+        if dh0 is not None:  # the op's out= d_initial_state, written into (next/kda-glue3)
+            empty = (*empty[:2], dh0)
         out = tuple(x.fill_(float("nan")) for x in empty)
         calls.append(tuple(do.shape))
         return launch.gdn_bwd_state(do, pt, ke, qe, w, e_last, dht, out=out, **flags)
@@ -244,8 +247,12 @@ def test_equal_varlen_is_the_batch(kernel_path):
 @pytest.mark.parametrize("lens", [[1, 63, 0, 64, 65, 130], [6148, 301, 0, 295]])
 def test_varlen_in_slots_is_each_sequence_alone(kernel_path, lens):
     """Unequal lengths in the slot layout (ops/_linattn_varlen.py: one launch of each kernel,
-    kernel 1's varlen form) give each sequence's own call's gradients bit for bit; an empty
-    sequence's state gradient is d_final_state's."""
+    kernel 1's varlen form) against each sequence's own call, as tests/slots_alone.py states
+    it: dq, dv, dbeta and the state gradient bit for bit, dk and dg bit for bit but on the last
+    chunk T cuts, where kernel 2's per-channel G_C (row T - 1 alone, row 63 in the slots: two
+    associations of the first pass's sums) moves them in the last bits (H100 2026-12-06 13:38:
+    sequence 1, 301 % 64 = 45 rows, dk); an empty sequence's state gradient is
+    d_final_state's."""
     n, total = len(lens), sum(lens)
     q, k, v, g, beta, do, *_ = _problem(1, total, 2, 2, torch.bfloat16, seed=n, l2norm=True)
     *_, h0, dht = _problem(n, 1, 2, 2, torch.bfloat16, seed=97)
@@ -262,8 +269,7 @@ def test_varlen_in_slots_is_each_sequence_alone(kernel_path, lens):
         one = forgekernel.kimi_delta_attention_backward(
             *(x[:, a:z] for x in (q, k, v, g, beta, do)), initial_state=h0[i : i + 1],
             d_final_state=dht[i : i + 1], **kw)  # fmt: skip
-        for name, x, r in zip(NAMES[:5], got, one):
-            assert torch.equal(x[:, a:z], r), (i, name)
+        assert_sequence_alone(NAMES[:5], got, one, a, z, i)
         assert torch.equal(got[5][i : i + 1], one[5]), i
 
 
@@ -335,6 +341,24 @@ def test_cuda_graph_capture(kernel_path):
         torch.testing.assert_close(a, r, rtol=1e-3, atol=1e-3, msg=name)
 
 
+# the op's own kernel wrappers (the `kernel_path` fixture puts poisoned ones in their place)
+OP_STATE_RECURRENCE = bwd._state_recurrence
+OP_CHUNK_GRADS = bwd._chunk_grads
+
+
+def _recorded(monkeypatch, name: str, real) -> list:
+    """bwd.`name` replaced by `real` keeping each call's (arguments, keywords) in the list
+    returned (a stub taking whatever the op passes: its keywords change as the path does)."""
+    calls = []
+
+    def run(*args, **kwargs):
+        calls.append((args, kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bwd, name, run)
+    return calls
+
+
 @pytest.mark.parametrize("hv", [16, 32])
 def test_time_at_bench_size(kernel_path, monkeypatch, hv):
     """4 x 8192 tokens, H 16, HV 16 / 32: the path's time, kernel 1's two launches, the interim
@@ -349,18 +373,17 @@ def test_time_at_bench_size(kernel_path, monkeypatch, hv):
     torch.cuda.reset_peak_memory_stats()
     ms = median(time_ms(lambda: forgekernel.kimi_delta_attention_backward(*args, **kw), reps=5))
     peak = torch.cuda.max_memory_allocated() / 2**30
-    # one list a kernel: the kernel 1 patch stays while kernel 2's arguments are taken
-    state_args, chunk_args = [], []
-    monkeypatch.setattr(bwd, "_state_recurrence",
-                        lambda *a: state_args.append(a) or launch.gdn_bwd_state(*a))  # fmt: skip
+    # one list a kernel: the kernel 1 patch stays while kernel 2's arguments are taken; each
+    # call's arguments and keywords (the device pass's out16 / forward / varlen; kernel 2's
+    # dw16, dq16, scale and out= buffers) replayed through the op's own wrappers
+    state_args = _recorded(monkeypatch, "_state_recurrence", OP_STATE_RECURRENCE)
     forgekernel.kimi_delta_attention_backward(*args, **kw)
-    launches = [median(time_ms(lambda a=a: launch.gdn_bwd_state(*a), reps=10))
-                for a in state_args]  # fmt: skip
-    k2_launch = chunk_launch.kda_bwd_chunk
-    monkeypatch.setattr(bwd, "_chunk_grads", lambda *a: chunk_args.append(a) or k2_launch(*a))
+    launches = [median(time_ms(lambda a=a, kws=kws: OP_STATE_RECURRENCE(*a, **kws), reps=10))
+                for a, kws in state_args]  # fmt: skip
+    chunk_args = _recorded(monkeypatch, "_chunk_grads", OP_CHUNK_GRADS)
     forgekernel.kimi_delta_attention_backward(*args, **kw)
-    k2 = [median(time_ms(lambda a=a: chunk_launch.kda_bwd_chunk(*a), reps=10))
-          for a in chunk_args]  # fmt: skip
+    k2 = [median(time_ms(lambda a=a, kws=kws: OP_CHUNK_GRADS(*a, **kws), reps=10))
+          for a, kws in chunk_args]  # fmt: skip
     monkeypatch.setattr(bwd, "CHUNK_IN_KERNEL", False)
     torch_p3 = median(time_ms(lambda: forgekernel.kimi_delta_attention_backward(*args, **kw),
                               reps=3))  # fmt: skip
@@ -424,36 +447,31 @@ def test_device_pass(kernel_path, monkeypatch, t, b, h, hv, decay):
     """FACTORS_FROM_FIRST_PASS and WY_IN_KERNEL (bf16): `_device_pass`, kernel 1's forward
     launch (channel_decay + out16 + forward) and reverse launch (channel_decay + out16), kernel
     2 and the WY kernel on their 16-bit forms, outputs NaN-poisoned: every gradient within
-    2e-2 of the fp64 backward and 1e-2 of the same opt-ins' fp32-out path (`_on_device` False)
-    and of the default path; at 1 x 2048 H16 the three times printed (`-s`)."""
+    2e-2 of the fp64 backward and 1e-2 of the default path; at 1 x 2048 H16 the two times
+    printed (`-s`). (The fp32-out comparison, `_on_device` patched False under these opt-ins,
+    went with next/kda-wu: the first pass takes v in q's dtype there, and no switch setting
+    reaches that state: H100 2026-12-06 17:00, 9 failures of the patched state only.)"""
     q, k, v, g, beta, do, h0, dht = _problem(b, t, h, hv, torch.bfloat16, seed=t + 11,
                                              l2norm=True, decay=decay)  # fmt: skip
     inputs = (q, k, v, g, beta, do)
     default = _run(inputs, h0=h0, dht=dht, l2norm=True)
     monkeypatch.setattr(bwd, "FACTORS_FROM_FIRST_PASS", True)
     monkeypatch.setattr(bwd, "WY_IN_KERNEL", True)
-    on_device = bwd._on_device
-    monkeypatch.setattr(bwd, "_on_device", lambda dtype: False)
-    fp32_out = _run(inputs, h0=h0, dht=dht, l2norm=True)
-    monkeypatch.setattr(bwd, "_on_device", on_device)
     kernel_path.clear()
     got = _run(inputs, h0=h0, dht=dht, l2norm=True)
     assert len(kernel_path) == 2
     want = _reference(inputs, h0=h0, dht=dht, l2norm=True)
-    for name, a, r, f, d in zip(NAMES, got, want, fp32_out, default):
+    for name, a, r, d in zip(NAMES, got, want, default):
         _close(name, a, r)
-        _close(name + " vs fp32-out", a, f.double(), KERNEL_TOL)
         _close(name + " vs default", a, d.double(), KERNEL_TOL)
     if (t, b) != (1000, 3):
         return
     args = _problem(1, 2048, 16, 16, torch.bfloat16, seed=5, l2norm=True)
     kw = {"initial_state": args[6], "d_final_state": args[7], "use_qk_l2norm_in_kernel": True}
     times = {}
-    for name, opt_ins, device in (("default", False, True), ("fp32-out", True, False),
-                                  ("device pass", True, True)):  # fmt: skip
+    for name, opt_ins in (("default", False), ("device pass", True)):
         monkeypatch.setattr(bwd, "FACTORS_FROM_FIRST_PASS", opt_ins)
         monkeypatch.setattr(bwd, "WY_IN_KERNEL", opt_ins)
-        monkeypatch.setattr(bwd, "_on_device", on_device if device else lambda dtype: False)
         call = lambda: forgekernel.kimi_delta_attention_backward(*args[:6], **kw)  # noqa: E731
         call()
         times[name] = median(time_ms(call, reps=10))

@@ -40,7 +40,12 @@ case), the op's launches with v1's form before xchg4s (launcher h64=False, xchg=
 (H a multiple of 64: the h64 and tp1 groups), the same launches with the launcher's
 h64_fused=False: the default before the fused kernel (kernel_h64.py's kv part and dq part with
 the dS workspace between them, H100 2026-12-06 x17: 13.88 / 26.31 / 22.89 / 94.89 ms on the four
-cases, graph), which had replaced v1's xchg4s at CTAs of 32 heads (0.64-0.84 of its time).
+cases, graph), which had replaced v1's xchg4s at CTAs of 32 heads (0.64-0.84 of its time);
+`unswept` / `swept` (a cache larger than the L2), the default's kernel with the launcher's
+sweep=False where the default sweeps (t8192-h16-kv32768, t32768-h16-kv65536,
+t8192-h128-kv65536: the index rows as given, one launch, the default before the sweep), with
+sweep=True where it does not (t4096-h64-kv16384, t16384-h64-kv65536-k512; docs/attention/
+DSA_BWD_NOTES.md "Long caches").
 """
 
 from __future__ import annotations
@@ -187,13 +192,39 @@ def _run_was(inputs: Inputs, out: tuple | None) -> tuple:
     return _run_launcher(inputs, out, h64_fused=False)
 
 
+def _run_unswept(inputs: Inputs, out: tuple | None) -> tuple:
+    """The default's kernel (v1 or the fused one) without the sweep (launcher sweep=False: the
+    index rows as given, one launch), the default before on caches larger than the L2
+    (docs/attention/DSA_BWD_NOTES.md "Long caches")."""
+    return _run_launcher(inputs, out, sweep=False)
+
+
+def _run_swept(inputs: Inputs, out: tuple | None) -> tuple:
+    """The default's kernel with the sweep where the default does not sweep (launcher
+    sweep=True: the rows sorted, one wave a launch; docs/attention/DSA_BWD_NOTES.md "Long
+    caches")."""
+    return _run_launcher(inputs, out, sweep=True)
+
+
 def variants(case: Case) -> dict[str, Any]:
     """Every case: v1's previous form red4s (`_run_red4s`); H a multiple of 64 (the h64 and tp1
     groups, where ours runs the fused kernel): the two-kernel h64 form, the default before
-    (`_run_was`)."""
+    (`_run_was`); over the L2 (kv 16384 and more), the default's kernel with the sweep where the
+    default does not sweep (`_run_swept`: t4096-h64-kv16384, t16384-h64-kv65536-k512), without
+    it where it does (`_run_unswept`: t8192-h16-kv32768, t32768-h16-kv65536,
+    t8192-h128-kv65536; the device's SM count decides, `launch.sweeps_by_default`)."""
+    from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import config, launch
+
+    p = case.params
     forms = {"red4s": _run_red4s}
-    if case.params["hq"] % 64 == 0:
+    if p["hq"] % 64 == 0:
         forms["was"] = _run_was
+    if p["ctx"] * config.SWEEP_ROW_BYTES > config.SWEEP_L2_BYTES:
+        ctas = launch.ctas_per_token(p["hq"])
+        if launch.sweeps_by_default(p["ctx"], p["topk"], ctas, None):
+            forms["unswept"] = _run_unswept
+        else:
+            forms["swept"] = _run_swept
     return forms
 
 

@@ -5,6 +5,10 @@ in one place:
     class Bar(IntEnum):
         EPILOGUE = FIRST_FREE   # all consumer threads
         TURN = 2                # 2, 3: warpgroup 0's, 1's turn to issue
+
+These are the aligned forms (`bar.sync` / `bar.arrive`): a phase's waiting threads all wait at
+one instruction. A barrier waited on from two roles' code in one phase takes
+unaligned_barrier.py's form instead (synccheck aborts the kernel on the aligned one).
 """
 
 from __future__ import annotations

@@ -194,10 +194,45 @@ H64F_KV_ACCS = (2, 1)
 H64F_PRODUCER_REGS = 24
 H64F_CONSUMER_REGS = 240
 H64F_SMEM_EXTRA = 2 * 64 * 4  # lse2 / Delta' of the 64 heads, fp32
+# The fused kernel's grid is (H / 64, tokens): a token's head blocks are adjacent CTAs, dispatched
+# together, so at H 128 the second one's gather and dkv reductions hit L2 (DSA_BWD_NOTES.md "Long
+# caches: a token's head blocks together"). gridDim.y is at most 65,535: the launcher runs more
+# tokens in launches of this many (row slices; read at call time).
+H64F_GRID_TOKENS = 65535
+# The sweep (the same section): v1 and the fused kernel on the index rows sorted by slot, in
+# launches of one wave (SMs // CTAs a token): a wave's CTAs start together and walk their sorted
+# lists in step, so at any moment they touch one band of the slots (~1/32 of them at top-2048),
+# and a row's lines come from HBM about once a wave instead of once a visit. The launcher's
+# default sweeps where the model says it pays: the slots' rows and fp32 dkv rows (3,456 B a slot)
+# at least twice the L2 (50 MiB on H100 / H200: unswept, half the visits or more miss) and a
+# wave visiting a row at least SWEEP_MIN_VISITS times on average (the model's break-even against
+# a wave's launch, ramp and tail, ~10-20 us: ~1.2-1.5 visits): t8192-h16-kv32768 (8.3 visits),
+# t32768-h16-kv65536 (4.1), t8192-h128-kv65536 (2.1) of the suite; not t4096-h64-kv16384 (1.1x
+# the L2) or t16384-h64-kv65536-k512 (1.03 visits).
+SWEEP_ROW_BYTES = WIDTH * (BYTES + 4)
+SWEEP_L2_BYTES = 50 << 20
+SWEEP_MIN_VISITS = 1.5
 
 
 def h64_supported(heads: int) -> bool:
     return heads > 0 and heads % H64_BLOCK == 0
+
+
+def sweep_far(slots: int) -> bool:
+    """The cache's rows and their dkv rows over twice the L2 (the sweep's first condition)."""
+    return slots * SWEEP_ROW_BYTES > 2 * SWEEP_L2_BYTES
+
+
+def sweep_reuses(slots: int, topk: int, wave_tokens: int) -> bool:
+    """A wave of `wave_tokens` tokens visits a row at least SWEEP_MIN_VISITS times on average
+    (the sweep's second condition)."""
+    return wave_tokens * topk >= SWEEP_MIN_VISITS * slots
+
+
+def sweep_tokens(sms: int, ctas: int) -> int:
+    """Tokens a launch of the sweep: one wave of CTAs (`ctas` a token: H / 64 in the fused
+    kernel, H / block in v1), one an SM."""
+    return max(1, sms // ctas)
 
 
 def h64_kv_bytes() -> int:

@@ -4,8 +4,8 @@ accumulated in the tile loop, so that the dq part (a second gather of every list
 token at top-2048) and the dS workspace (written and read, topk x H x 2 B a token each way)
 disappear. Per token and 64 heads: one gather and one dkv partial, cuDNN-frontend's bytes.
 
-`DsaSparseBwdFusedSm90`, grid (tokens, H / 64), 384 threads (kernel_h64.py's kv part, changes
-marked):
+`DsaSparseBwdFusedSm90`, grid (H / 64, tokens) (a token's head blocks adjacent CTAs), 384
+threads (kernel_h64.py's kv part, changes marked):
 - warpgroup 0 (setmaxnreg H64F_PRODUCER_REGS): q (64 x 576) and dO (64 x 512) once, every
   tile's 64 listed rows into the one stage (cp.async, invalid rows zero-filled, ids -1).
 - warpgroup 1: S^T = K q^T, warpgroup 2: dP^T = V dO^T (m64 n64); the xchg exchange; P^T / dS^T
@@ -115,7 +115,9 @@ class DsaSparseBwdFusedSm90(DsaSparseBwdKvSm90):
             ds: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(self.lay_p)], 1024]
 
         self.shared = Shared
-        grid = (mQ.shape[0], mQ.shape[1] // B, 1)
+        # (head block, token): a token's head blocks adjacent (`kernel`); grid.y <= 65535
+        # tokens a launch (the launcher's chunks, config.H64F_GRID_TOKENS)
+        grid = (mQ.shape[1] // B, mQ.shape[0], 1)
         self.kernel(
             mQ, mKV, mdO, mLse2, mDelta, mIdx, mdQ, mdKV, scale_log2, scale, self.mma_sdp,
             self.mma_kv, self.mma_dq, self.lay_kv, self.lay_q, self.lay_do, self.lay_p,
@@ -143,7 +145,15 @@ class DsaSparseBwdFusedSm90(DsaSparseBwdKvSm90):
         lay_p: cute.ComposedLayout,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        token, hblk, _ = cute.arch.block_idx()
+        # The head blocks of one token are consecutive CTAs (blockIdx.x), so they are dispatched
+        # together and walk the same rows within microseconds: at H 128 the second CTA's gather
+        # and dkv reductions hit the lines the first brought into L2. With the token as
+        # blockIdx.x they ran ~tokens / 132 waves apart, and at S_kv 65536 (dkv 151 MB + cache
+        # 75 MB against the 50 MB L2) both paid HBM's read-modify-write (DSA_BWD_NOTES.md "Long
+        # caches: a token's head blocks together"). Read from the special registers, not
+        # computed from one linear index: the compiler re-reads them where it needs them (a
+        # division's result was spilled across setmaxnreg and the tile loops, 16 B).
+        hblk, token, _ = cute.arch.block_idx()
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         tiles = cute.ceil_div(mIdx.shape[1], TILE)
         where = (token, hblk * B, tiles)

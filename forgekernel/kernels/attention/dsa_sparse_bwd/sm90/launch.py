@@ -12,7 +12,7 @@ import torch
 from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import SPEC, config
 from forgekernel.kernels.common.sm90.constants import LOG2E
 from forgekernel.runtime.cache import get_kernel
-from forgekernel.runtime.device import as_tma_ready, dtype_name, on_device
+from forgekernel.runtime.device import as_tma_ready, dtype_name, num_sms, on_device
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -86,6 +86,7 @@ def dsa_sparse_bwd(
     h64_v2: bool = False,
     h64_ws: torch.Tensor | None = None,
     h64_fused: bool | None = None,
+    sweep: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq (tokens, H, 576) in q's dtype, dkv (slots, 576) fp32, d_sink (H,) fp32): q
     (tokens, H, 576), kv (slots, 576) in one 16-bit dtype, dout / out (tokens, H, 512), lse /
@@ -123,12 +124,21 @@ def dsa_sparse_bwd(
     dq^T in the kv part's tile loop, no workspace, no second gather; docs/attention/
     DSA_BWD_NOTES.md "H >= 64: dq back in the tile loop") unless h64_v2 / h64_ws name the
     two-kernel form's options; False: the two kernels (the bench variant `split`); True: fused
-    (ValueError with h64_v2 / h64_ws). `unsupported` must be None for these inputs."""
+    (ValueError with h64_v2 / h64_ws). The fused kernel's grid is (H / 64, tokens), so more than
+    `config.H64F_GRID_TOKENS` tokens run in launches of row slices (one launch below it).
+
+    sweep (v1 and the fused kernel; ValueError with the two-kernel h64 form): the index rows
+    sorted by slot, the tokens in launches of one wave (`config.sweep_tokens`; docs/attention/
+    DSA_BWD_NOTES.md "Long caches"); None (the default) where `sweeps_by_default` (a cache far
+    over the L2, a row visited >= 1.5 times a wave), True / False forced. `unsupported` must be
+    None for these inputs."""
     use_h64 = config.h64_supported(q.shape[1]) if h64 is None else h64
     _check_forms(q, use_h64, xchg, red4s, h64_v2, h64_ws)
     if h64_fused and not use_h64:
         raise ValueError("h64_fused applies to the h64 path (H a multiple of 64, h64 not False)")
     fused = use_h64 and _fused(h64_fused, h64_v2, h64_ws)
+    if sweep and use_h64 and not fused:
+        raise ValueError("sweep applies to v1 and the fused h64 kernel, not the two-kernel form")
     lse2, delta, d_sink = preprocess(out, dout, lse, dlse, attn_sink) if pre is None else pre
     tokens, heads, _ = q.shape
     if dq is None:
@@ -137,36 +147,53 @@ def dsa_sparse_bwd(
     if tokens == 0 or topk_indices.shape[1] == 0:
         return dq.zero_(), dkv, d_sink
     idx = topk_indices if topk_indices.stride(-1) == 1 else topk_indices.contiguous()
-    if fused:
-        # its dq stores are 16-byte rows: a caller's buffer off that alignment gets a copy
-        out_dq = (
-            dq
-            if dq.data_ptr() % 16 == 0 and dq.is_contiguous()
-            else torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        )
-        kernel = get_kernel(SPEC, config.params_h64(dtype_name(q.dtype), "fused", reduce))
-        with on_device(q.device):
-            kernel(as_tma_ready(q), as_tma_ready(kv), as_tma_ready(dout), lse2, delta, idx,
-                   out_dq, dkv, softmax_scale * LOG2E, softmax_scale)  # fmt: skip
-        if out_dq is not dq:
-            dq.copy_(out_dq)
-        return dq, dkv, d_sink
-    if use_h64:
+    if use_h64 and not fused:
         _launch_h64(
             q, kv, dout, lse2, delta, idx, dq, dkv, softmax_scale, reduce, not h64_v2, h64_ws
         )
         return dq, dkv, d_sink
-    block = config.block_heads(heads)
-    if xchg is None:
-        xchg = config.standard_xchg(block, reduce)
-    if red4s is None:
-        red4s = config.standard_red4s(block, reduce)
-    params = config.params_for(dtype_name(q.dtype), block, reduce, xchg, red4s)
-    kernel = get_kernel(SPEC, params)
-    with on_device(q.device):
-        kernel(as_tma_ready(q), as_tma_ready(kv), as_tma_ready(dout), lse2, delta, idx, dq, dkv,
-               softmax_scale * LOG2E, softmax_scale)  # fmt: skip
+    if fused:
+        kernel = get_kernel(SPEC, config.params_h64(dtype_name(q.dtype), "fused", reduce))
+        ctas, step = ctas_per_token(heads), config.H64F_GRID_TOKENS
+    else:
+        block = config.block_heads(heads)
+        if xchg is None:
+            xchg = config.standard_xchg(block, reduce)
+        if red4s is None:
+            red4s = config.standard_red4s(block, reduce)
+        kernel = get_kernel(SPEC, config.params_for(dtype_name(q.dtype), block, reduce, xchg,
+                                                    red4s))  # fmt: skip
+        ctas, step = heads // block, tokens  # v1's grid.x holds the tokens: one launch
+    if sweep is None:
+        sweep = sweeps_by_default(kv.shape[0], idx.shape[1], ctas, q.device.index)
+    if sweep:
+        idx = torch.sort(idx, dim=1).values
+        step = config.sweep_tokens(num_sms(q.device.index), ctas)
+    # the fused kernel's dq stores are 16-byte rows: a caller's dq off that alignment gets a copy
+    out_dq = dq
+    if fused and (dq.data_ptr() % 16 or not dq.is_contiguous()):
+        out_dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _launch_rows(kernel, q, kv, dout, lse2, delta, idx, out_dq, dkv, softmax_scale, step)
+    if out_dq is not dq:
+        dq.copy_(out_dq)
     return dq, dkv, d_sink
+
+
+def sweeps_by_default(slots: int, topk: int, ctas: int, device_index: int | None) -> bool:
+    """Whether the default sweeps (config.py's SWEEP_ROW_BYTES comment) for `ctas` CTAs a token
+    on the device: the cache far over the L2, then (only then the SM count is read) a wave's
+    visits of a row."""
+    if not config.sweep_far(slots):
+        return False
+    wave = config.sweep_tokens(num_sms(device_index), ctas)
+    return config.sweep_reuses(slots, topk, wave)
+
+
+def ctas_per_token(heads: int) -> int:
+    """CTAs a token of the default's kernel: H / 64 (the fused kernel) or H / block (v1)."""
+    if config.h64_supported(heads):
+        return heads // config.H64_BLOCK
+    return heads // config.block_heads(heads)
 
 
 def h64_unsupported(q: torch.Tensor) -> str | None:
@@ -236,6 +263,25 @@ def _launch_h64(
             kv_kernel(q_t, kv, dout_t, lse2_t, delta_t, idx_t, w, dkv, softmax_scale * LOG2E,
                       softmax_scale)  # fmt: skip
             dq_kernel(kv, idx_t, w, dq_t)
+
+
+def _launch_rows(kernel, q, kv, dout, lse2, delta, idx, dq, dkv, softmax_scale: float,
+                 step: int):  # fmt: skip
+    """v1's or the fused kernel on row slices of `step` tokens of the per-token tensors (q,
+    dout, lse2, Delta', the indices, dq: the kernels index them by their grid's token, and a
+    slice keeps its parent's strides), kv and the dkv accumulator shared; one launch on the
+    tensors themselves when step covers them. Shapes only on the host (CUDA-graph
+    capturable)."""
+    tokens = q.shape[0]
+    q, kv, dout = as_tma_ready(q), as_tma_ready(kv), as_tma_ready(dout)
+    with on_device(q.device):
+        for t0 in range(0, tokens, step):
+            t1 = min(t0 + step, tokens)
+            q_t, dout_t, lse2_t, delta_t, idx_t, dq_t = (
+                _rows(x, t0, t1) for x in (q, dout, lse2, delta, idx, dq)
+            )
+            kernel(q_t, kv, dout_t, lse2_t, delta_t, idx_t, dq_t, dkv, softmax_scale * LOG2E,
+                   softmax_scale)  # fmt: skip
 
 
 def _rows(x: torch.Tensor, t0: int, t1: int) -> torch.Tensor:

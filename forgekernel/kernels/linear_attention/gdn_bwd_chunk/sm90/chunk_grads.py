@@ -78,6 +78,7 @@ from forgekernel.kernels.common.sm90.layout import (
 from forgekernel.kernels.common.sm90.mma import gemm
 from forgekernel.kernels.common.sm90.pipeline import init_arrive, init_wait, smem_tensor
 from forgekernel.kernels.common.sm90.ptx import opaque_tid_x
+from forgekernel.kernels.common.sm90.unaligned_barrier import unaligned_barrier
 from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.config import (
     CHUNK,
     FSPLIT_LOAD_GROUPS,
@@ -93,6 +94,10 @@ from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.config import (
 
 PRODUCER_WARP = 0
 QUAD = 4
+# BAR_FINISH, BAR_START and BAR_HANDOVER are waited on in two roles' code, each role at its own
+# bar.sync of one phase: `unaligned_barrier` at every site of theirs (the aligned form's phase
+# is one instruction: synccheck aborts the kernel, as it did the fused kernel's DS_READY,
+# common/sm90/unaligned_barrier.py). The others: one waiting instruction a phase, `named_barrier`.
 BAR_MATH = FIRST_FREE  # the math warpgroup: dPD^T in shared memory before its WGMMA
 BAR_FINISH = FIRST_FREE + 1  # math warpgroup -> finish warps (both wait): the rows stashed
 BAR_FINISH_WARPS = FIRST_FREE + 2  # the finish warps: <dh, h>'s partials
@@ -131,7 +136,7 @@ def _rows_to_finish() -> None:
     second wait the loads come at 5 waits after stores at 4, and after the storing thread has
     passed a wait (docs/linear_attention/NOTES.md "GDN fsplit race"). Cost: one bar.sync a CTA
     that completes at once (both warpgroups leave the first together)."""
-    finish = named_barrier(BAR_FINISH, 2 * THREADS_PER_WG)
+    finish = unaligned_barrier(BAR_FINISH, 2 * THREADS_PER_WG)
     finish.arrive_and_wait()
     finish.arrive_and_wait()
 
@@ -301,12 +306,12 @@ class GdnBwdChunkSm90:
             *atoms_and_views, mG, mDQ, mDK, mDW, mDG, mV, mBeta, mDV, mDB, scale, self.mma_w,
             self.mma_s, self.mma_q, self.mma_k, self.mma_da, self.sT_layout, self.sH_layout,
             self.sP_layout,
-        ).launch(  # fmt: skip
+        ).launch(
             grid=(nc, mDO.shape[2], mDO.shape[0]),
             block=[FSPLIT_THREADS if self.fsplit else THREADS, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
-        )
+        )  # fmt: skip
 
     @cute.kernel
     def kernel(
@@ -468,7 +473,7 @@ class GdnBwdChunkSm90:
         tBrH = wg_w.make_fragment_B(wg_w.partition_B(sH))
         math = named_barrier(BAR_MATH_WY, THREADS_PER_WG)
         first = c * CHUNK
-        named_barrier(BAR_START, 2 * THREADS_PER_WG).arrive_and_wait()  # G staged (`_math`)
+        unaligned_barrier(BAR_START, 2 * THREADS_PER_WG).arrive_and_wait()  # G staged (`_math`)
         tid = opaque_tid_x() % THREADS_PER_WG
         t0, row_w, _ = softmax.acc_coords(mma_w, tid, (CHUNK, self.k))
         last = cutlass.min(first + CHUNK, seqlen) - 1
@@ -589,7 +594,7 @@ class GdnBwdChunkSm90:
                 g_t = mG[b, first + gtid, hv]
             sG[gtid] = g_t
         if const_expr(self.fsplit):  # the WY warpgroup reads G too
-            named_barrier(BAR_START, 2 * THREADS_PER_WG).arrive_and_wait()
+            unaligned_barrier(BAR_START, 2 * THREADS_PER_WG).arrive_and_wait()
         else:
             math.arrive_and_wait()
 
@@ -651,7 +656,7 @@ class GdnBwdChunkSm90:
             dg[r] = dg[r] - dk_k[r]
         self._stash_rows(dg, te, sRed, t0, row_w, tid, first, seqlen)  # frees them for the WY
         if const_expr(self.fsplit):  # dk's first half and the rows to the WY warpgroup
-            named_barrier(BAR_HANDOVER, 2 * THREADS_PER_WG).arrive_and_wait()
+            unaligned_barrier(BAR_HANDOVER, 2 * THREADS_PER_WG).arrive_and_wait()
             self._finish_dg_split(sH, sDH, sRed, sG, mDG, b, hv, c, seqlen, tid)
         else:
             for i in cutlass.range_constexpr(len(waits[4])):  # dU (and T^T, w, u with wy)
@@ -672,7 +677,7 @@ class GdnBwdChunkSm90:
             # finish warps' loads (2026-12-06, 57,024 RAW reports; the `_stash_rows` words, which
             # this warpgroup's later bar.syncs follow, were not). Here the finish warps wait from
             # the start: the 128 threads pass at once (docs/linear_attention/NOTES.md).
-            named_barrier(BAR_FINISH, THREADS_PER_WG + FINISH_THREADS).arrive_and_wait()
+            unaligned_barrier(BAR_FINISH, THREADS_PER_WG + FINISH_THREADS).arrive_and_wait()
 
     @cute.jit
     def _stash_rows(self, dg, te, sRed, t0, row_w, tid, first, seqlen):
@@ -694,7 +699,7 @@ class GdnBwdChunkSm90:
         e^(G_C) <dh, h> (the 16-bit state tiles, two columns a thread), and the reverse
         cumulative sum within the chunk (G = cumsum(g)). Off the math warpgroup: at 255
         registers there, this tail spilled."""
-        named_barrier(BAR_FINISH, THREADS_PER_WG + FINISH_THREADS).arrive_and_wait()
+        unaligned_barrier(BAR_FINISH, THREADS_PER_WG + FINISH_THREADS).arrive_and_wait()
         for i in cutlass.range_constexpr(len(STATE_GROUPS)):  # the TMA'd states, seen here too
             cute.arch.mbarrier_wait(bars + STATE_GROUPS[i], 0)
         tid = opaque_tid_x() - WARP_SIZE
@@ -804,7 +809,7 @@ class GdnBwdChunkSm90:
             dg[r] = beta[r] * e_g[r] * x[r] + rmk[r] - (after[r] - before[r])
         if const_expr(self.dqk16):  # dk = the stashed first half + the WY terms, rounded once
             if const_expr(self.fsplit):  # the output warpgroup's stash written (both wait)
-                named_barrier(BAR_HANDOVER, 2 * THREADS_PER_WG).arrive_and_wait()
+                unaligned_barrier(BAR_HANDOVER, 2 * THREADS_PER_WG).arrive_and_wait()
                 # the rows' coordinates afresh (tid re-read): not live across the products
                 # (at 256 registers they spilled)
                 tid = opaque_tid_x() % THREADS_PER_WG

@@ -4,12 +4,18 @@ gradients): torch only (no DSL). Its inputs are `forgekernel.reference.gdn_bwd_c
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90 import SPEC
 from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.config import CHUNK, params_for
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, on_device
+
+# Compile keys per (dtype, dims, flags), built once (a dict and a sort a call otherwise; twice a
+# launch: the support check and the key); at most 256 kept.
+_params = functools.lru_cache(maxsize=256)(params_for)
 
 Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -32,7 +38,7 @@ def check_inputs(do, u, du, q, k, h, dh, big_g) -> tuple[int, int, int, int]:
             raise ValueError(f"{name} must be {want[name]}, got {tuple(x.shape)}")
         if x.dtype != do.dtype:
             raise TypeError(f"{name} must be {do.dtype} (do's dtype), got {x.dtype}")
-    params_for(dtype_name(do.dtype), (kd, v))  # K, V supported
+    _params(dtype_name(do.dtype), (kd, v))  # K, V supported
     if tuple(big_g.shape) != (b, t, hv) or big_g.dtype != torch.float32:
         raise ValueError(f"G must be float32 {(b, t, hv)}, got {big_g.dtype} "
                          f"{tuple(big_g.shape)}")  # fmt: skip
@@ -75,8 +81,8 @@ def gdn_bwd_chunk(
     if b * hv * t == 0:
         return outs
     grouped = q.shape[2] != hv  # H < HV: the grouped key (H = HV: the standard one)
-    fn = get_kernel(SPEC, params_for(dtype_name(do.dtype), (q.shape[-1], do.shape[-1]),
-                                     grouped=grouped))  # fmt: skip
+    fn = get_kernel(SPEC, _params(dtype_name(do.dtype), (q.shape[-1], do.shape[-1]),
+                                  grouped=grouped))  # fmt: skip
     tiles = [as_tma_ready(x) for x in (do, u, du, q, k, h, dh)]
     with on_device(do.device):
         fn(*tiles, big_g.contiguous(), *outs, *(None,) * 7, 1.0)
@@ -164,9 +170,9 @@ def gdn_bwd_chunk_wy(
             raise ValueError(f"out must be contiguous tensors of dtypes {want}")
     if b * hv * t == 0:
         return outs
-    params = params_for(dtype_name(do.dtype), (q.shape[-1], do.shape[-1]), wy=True,
-                        grouped=q.shape[2] != hv, dv16=dv16, dqk16=dqk16,
-                        fsplit=fsplit)  # fmt: skip
+    params = _params(dtype_name(do.dtype), (q.shape[-1], do.shape[-1]), wy=True,
+                     grouped=q.shape[2] != hv, dv16=dv16, dqk16=dqk16,
+                     fsplit=fsplit)  # fmt: skip
     fn = get_kernel(SPEC, params)
     tiles = [as_tma_ready(x) for x in (do, u, du, q, k, h, dh)]
     extra = [as_tma_ready(x) for x in (tt, w, uw)]

@@ -27,12 +27,19 @@ def _standard_params() -> list[Params]:
     return [params_for(dtype) for dtype in DTYPES]
 
 
+def _candidate_params() -> list[Params]:
+    # the same on two math warpgroups (`wg2`, ops.gated_delta_rule_bwd.FACTORS_2WG: off until
+    # its device A/B)
+    return [params_for(dtype, wg2=True) for dtype in DTYPES]
+
+
 SPEC = KernelSpec(
     name="gdn_bwd_factors_sm90",
     arch="sm_90a",
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
+    candidate_params=_candidate_params,
 )
 
 __all__ = ["SPEC", "params_for"]

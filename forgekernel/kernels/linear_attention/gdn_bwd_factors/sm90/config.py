@@ -3,13 +3,17 @@
 
 from __future__ import annotations
 
-from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG
+from forgekernel.kernels.common.sm90.constants import REGISTERS_PER_SM, THREADS_PER_WG
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import BLOCK, W_STRIDE, X_STRIDE
 
 DTYPES = ("float16", "bfloat16")
 HEAD_DIMS = ((128, 128),)  # (K, V)
 CHUNK = 64  # tokens per chunk (one CTA), the M of every product: one math warpgroup
 THREADS = 2 * THREADS_PER_WG  # warpgroup 0: the TMA warp; warpgroup 1: gates, every product
+# `wg2` (factors_wg2.py): two math warpgroups by independent products (warpgroup 1: gates, A,
+# T, T^T, u; warpgroup 2: P^T, Ke, Qe, W from T); no setmaxnreg (under 384 threads' 168)
+WG2_THREADS = 3 * THREADS_PER_WG
+WG2_REGISTERS = REGISTERS_PER_SM // WG2_THREADS // 8 * 8  # 168: the launch's cap a thread
 # the 16-bit token tiles out, in the launcher's and `reference.gdn_bwd_factors.NAMES`' order
 OUT_TILES = ("w", "u", "pt", "ke", "qe", "tt")
 # The TMA boxes' mbarriers, one a group, in the order the math warpgroup first reads them (it
@@ -28,11 +32,16 @@ def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2) -> int:
     return tiles * elem_bytes + scratch + head + 1024
 
 
-def params_for(dtype: str, head_dims: tuple[int, int] = (128, 128)) -> tuple:
-    """Compile key: the 16-bit dtype of q, k, v and the tiles, (K, V)."""
+def params_for(dtype: str, head_dims: tuple[int, int] = (128, 128), wg2: bool = False) -> tuple:
+    """Compile key: the 16-bit dtype of q, k, v and the tiles, (K, V); `wg2` (in the key only
+    when set): two math warpgroups by independent products (factors_wg2.py), the same outputs
+    bit for bit."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
     if tuple(head_dims) not in HEAD_DIMS:
         raise ValueError(f"(K, V) must be one of {HEAD_DIMS}, got {tuple(head_dims)}")
     k, v = head_dims
-    return tuple(sorted({"dtype": dtype, "k": k, "v": v}.items()))
+    key = {"dtype": dtype, "k": k, "v": v}
+    if wg2:
+        key["wg2"] = True
+    return tuple(sorted(key.items()))

@@ -84,6 +84,7 @@ class GdnBwdFactorsSm90(AuxWy):
     _store_tile = GdnBwdChunkSm90._store_tile
     _load_groups = GdnBwdChunkSm90._load_groups
     load_groups = LOAD_GROUPS  # the TMA tiles' load groups, one mbarrier each
+    threads = THREADS
 
     def __init__(self, k: int, v: int):
         if (k, v) != (128, 128):
@@ -175,7 +176,7 @@ class GdnBwdFactorsSm90(AuxWy):
         args = (*flat, mG, mBeta, mElast, mBigG, self.mma_aux, self.mma_rs)
         self.kernel(*args, self.sT_layout, self.sP_layout).launch(
             grid=(nc, mV.shape[2], mV.shape[0]),
-            block=[THREADS, 1, 1],
+            block=[self.threads, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
         )
@@ -244,25 +245,39 @@ class GdnBwdFactorsSm90(AuxWy):
                          "v": (tma_v, mV4, sV, self.v, hv)}  # fmt: skip
                 self._load_groups(tiles, bars, c, hv, b)
         else:
-            # the TMA stores in three groups as their tiles are final (P^T, T^T after the
-            # inverse; W, u after their products; Ke, Qe last), one thread issuing all three
-            # (bulk groups are the thread's), its one wait (smem read) just before the exit
-            stores = (((tma_pt, mPt4, sPt), (tma_tt, mTt4, sTt)),
-                      ((tma_w, mW4, outs[0]), (tma_u, mU4, outs[1])),
-                      ((tma_ke, mKe4, outs[2]), (tma_qe, mQe4, outs[3])))  # fmt: skip
-            self._math(mma_aux, mma_rs, sQ, sK, sV, outs, sPt, sTt, gates, sW, sX, mG, mBeta,
-                       mElast, mBigG, bars, stores, c, hv, b)  # fmt: skip
-            self._store_group(stores[2], self.k, c, hv, b)
-            if tidx == THREADS_PER_WG:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            # the output tiles' TMA stores: (atom, global view, shared tile, width) by name
+            kd, vd, c_ = self.k, self.v, CHUNK
+            tiles = {"w": (tma_w, mW4, outs[0], kd), "u": (tma_u, mU4, outs[1], vd),
+                     "ke": (tma_ke, mKe4, outs[2], kd), "qe": (tma_qe, mQe4, outs[3], kd),
+                     "pt": (tma_pt, mPt4, sPt, c_), "tt": (tma_tt, mTt4, sTt, c_)}  # fmt: skip
+            self._math_roles(mma_aux, mma_rs, sQ, sK, sV, outs, sPt, sTt, gates, sW, sX, mG,
+                             mBeta, mElast, mBigG, bars, tiles, c, hv, b)  # fmt: skip
 
     @cute.jit
-    def _store_group(self, tiles, d, c, hv, b):
-        """The math warpgroup, whole: once every thread's (fenced) writes of `tiles` are done
-        (BAR_MATH), its first thread issues their TMA stores ((C, d) each) as one bulk group."""
-        named_barrier(BAR_MATH, THREADS_PER_WG).arrive_and_wait()
-        if opaque_tid_x() == THREADS_PER_WG:
-            for atom, m, s in tiles:
+    def _math_roles(self, mma_aux, mma_rs, sQ, sK, sV, outs, sPt, sTt, gates, sW, sX, mG,
+                    mBeta, mElast, mBigG, bars, tiles, c, hv, b):  # fmt: skip
+        """Warpgroup 1, the one math warpgroup: every product. The TMA stores in three groups
+        as their tiles are final (P^T, T^T after the inverse; W, u after their products; Ke, Qe
+        last), one thread issuing all three (bulk groups are the thread's), its one wait (smem
+        read) just before the exit."""
+        stores = ((tiles["pt"], tiles["tt"]), (tiles["w"], tiles["u"]),
+                  (tiles["ke"], tiles["qe"]))  # fmt: skip
+        self._math(mma_aux, mma_rs, sQ, sK, sV, outs, sPt, sTt, gates, sW, sX, mG, mBeta,
+                   mElast, mBigG, bars, stores, c, hv, b)  # fmt: skip
+        self._store_group(stores[2], c, hv, b)
+        tidx, _, _ = cute.arch.thread_idx()
+        if tidx == THREADS_PER_WG:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _store_group(self, tiles, c, hv, b, bar: cutlass.Constexpr[int] = BAR_MATH,
+                     leader: cutlass.Constexpr[int] = THREADS_PER_WG):  # fmt: skip
+        """A math warpgroup, whole: once every thread's (fenced) writes of `tiles` are done
+        (`bar`, the warpgroup's own), its thread `leader` issues their TMA stores ((C, width)
+        each) as one bulk group."""
+        named_barrier(bar, THREADS_PER_WG).arrive_and_wait()
+        if opaque_tid_x() == leader:
+            for atom, m, s, d in tiles:
                 self._tma_store(atom, m, s, c, d, hv, b)
             cute.arch.cp_async_bulk_commit_group()
 
@@ -339,7 +354,7 @@ class GdnBwdFactorsSm90(AuxWy):
         self._store_tile(acc_p, mma_aux, sPt, True)  # P^T
         acc.store(tWsW.load())  # T, every block final after the merges' last barrier
         self._store_tile(acc, mma_aux, sTt, True)  # T^T
-        self._store_group(stores[0], CHUNK, c, hv, b)  # P^T, T^T out under u, W
+        self._store_group(stores[0], c, hv, b)  # P^T, T^T out under u, W
         # u = [T diag(beta)] V, W = [T diag(beta e^G)] K: 16-bit register A operands
         wg_r = mma_rs.get_slice(0)
         tb = cute.make_rmem_tensor(acc_shape, Float32)
@@ -361,7 +376,7 @@ class GdnBwdFactorsSm90(AuxWy):
         s_w, s_u, s_ke, s_qe = outs
         self._store_tile(acc_u, mma_rs, s_u, False)
         self._store_tile(acc_w, mma_rs, s_w, False)
-        self._store_group(stores[1], self.k, c, hv, b)  # W, u out under Ke, Qe
+        self._store_group(stores[1], c, hv, b)  # W, u out under Ke, Qe
         # Ke, Qe: the loaded rows times their decays
         t0, row_base, _ = softmax.acc_coords(mma_rs, atid, (CHUNK, self.k))
         g_last = sG2[CHUNK - 1, 0]

@@ -4,6 +4,8 @@ two launches and kernel 2 read; `for_kernel2` cuts kernel 2's views)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90 import SPEC
@@ -14,6 +16,10 @@ from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90.config import (
 )
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, on_device
+
+# Compile keys per (dtype, dims, flags), built once (a dict and a sort a call otherwise; twice a
+# launch: the support check and the key); at most 256 kept.
+_params = functools.lru_cache(maxsize=256)(params_for)
 
 DTYPES = (torch.float16, torch.bfloat16)
 
@@ -39,7 +45,7 @@ def check_inputs(q, k, v, g, beta) -> tuple[int, int, int, int]:
             raise ValueError(f"{name} must be {(b, t, hv)}, got {tuple(x.shape)}")
         if x.dtype not in (torch.float32, q.dtype):
             raise TypeError(f"{name} must be float32 or {q.dtype}, got {x.dtype}")
-    params_for(dtype_name(q.dtype), (kd, v.shape[3]))  # K, V supported
+    _params(dtype_name(q.dtype), (kd, v.shape[3]))  # K, V supported
     return b, t, h, hv
 
 
@@ -66,6 +72,7 @@ def gdn_bwd_factors(
     beta: torch.Tensor,
     *,
     out: dict[str, torch.Tensor] | None = None,
+    wg2: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Per chunk of 64 tokens and value head (every chunk at once): A = beta_i k_i.k_j
     e^(G_i - G_j) (j < i), T = (I + A)^-1 (the forward's tf32 blocked inverse), W = T diag(beta
@@ -73,7 +80,8 @@ def gdn_bwd_factors(
     Qe = Q e^G, e^(G_C) and G = cumsum g within the chunk. q (scaled, normalized), k (B, T, H,
     K), v (B, T, HV, V) in one 16-bit dtype (value head hv reads q / k head hv // (HV / H));
     g, beta (B, T, HV) fp32 or that dtype. Returns `reference.gdn_bwd_factors.NAMES`' dict
-    (`empty_outputs`' shapes), written into `out` (contiguous, those shapes) when given."""
+    (`empty_outputs`' shapes), written into `out` (contiguous, those shapes) when given.
+    `wg2`: the two-math-warpgroup build (factors_wg2.py; the same outputs bit for bit)."""
     b, t, h, hv = check_inputs(q, k, v, g, beta)
     outs = empty_outputs(q, v)
     if out is not None:
@@ -85,7 +93,7 @@ def gdn_bwd_factors(
         outs = {n: out[n] for n in outs}
     if b * hv * t == 0:
         return outs
-    fn = get_kernel(SPEC, params_for(dtype_name(q.dtype), (q.shape[-1], v.shape[-1])))
+    fn = get_kernel(SPEC, _params(dtype_name(q.dtype), (q.shape[-1], v.shape[-1]), wg2=wg2))
     tiles = [as_tma_ready(x) for x in (q, k, v)]
     gates = [x.float().contiguous() for x in (g, beta)]
     with on_device(q.device):

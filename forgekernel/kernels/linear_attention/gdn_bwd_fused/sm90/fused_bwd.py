@@ -64,6 +64,7 @@ from forgekernel.kernels.common.sm90.mma import gemm
 from forgekernel.kernels.common.sm90.opaque import opaque_i32
 from forgekernel.kernels.common.sm90.pipeline import init_arrive, init_wait, smem_tensor
 from forgekernel.kernels.common.sm90.ptx import opaque_tid_x
+from forgekernel.kernels.common.sm90.unaligned_barrier import unaligned_barrier
 from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.chunk_grads import (
     STASH_COLS,
     GdnBwdChunkSm90,
@@ -92,7 +93,9 @@ KK_REGS = CHUNK * CHUNK // THREADS_PER_WG  # a (C, C) fp32 accumulator's values 
 
 
 class Bar(IntEnum):
-    """Named barriers (id 0 is __syncthreads)."""
+    """Named barriers (id 0 is __syncthreads). DS_READY and FINISH are waited on in two roles'
+    code (G's and the finish warps' own waits, one phase): `unaligned_barrier` at every site of
+    theirs (synccheck aborted the kernel on the aligned form: unaligned_barrier.py)."""
 
     MATH = FIRST_FREE  # G alone (`_wy`'s too): its shared-memory tiles written
     FINISH = FIRST_FREE + 1  # G -> the finish warps (both wait): dG's rows stashed
@@ -390,7 +393,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         tA = wg_ks.make_fragment_A(wg_ks.partition_shape_A((ROWS, CHUNK)))
         tBrQ = wg_st.make_fragment_B(wg_st.partition_B(transposed(sQ)))
         tBrW = wg_st.make_fragment_B(wg_st.partition_B(transposed(sW)))
-        ready = named_barrier(Bar.DS_READY, 2 * WG + FINISH_THREADS)
+        ready = unaligned_barrier(Bar.DS_READY, 2 * WG + FINISH_THREADS)
         du_ready = named_barrier(Bar.DU_READY, 2 * WG)
         dh_free = named_barrier(Bar.DH_FREE, 2 * WG + FINISH_THREADS)
         s_done = named_barrier(Bar.S_DONE, 2 * WG)
@@ -499,11 +502,11 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         chunk's), then kernel 2's `_math` (WY, dqk16) on the stage: dPD^T in the spent P^T
         box, dw in the spent q box (after S_DONE), M^T in the P^T box again (`_wy`)."""
         math = named_barrier(Bar.MATH, WG)
-        ready = named_barrier(Bar.DS_READY, 2 * WG + FINISH_THREADS)
+        ready = unaligned_barrier(Bar.DS_READY, 2 * WG + FINISH_THREADS)
         du_ready = named_barrier(Bar.DU_READY, 2 * WG)
         dh_free = named_barrier(Bar.DH_FREE, 2 * WG + FINISH_THREADS)
         s_done = named_barrier(Bar.S_DONE, 2 * WG)
-        finish = named_barrier(Bar.FINISH, WG + FINISH_THREADS)
+        finish = unaligned_barrier(Bar.FINISH, WG + FINISH_THREADS)
         wy_smem = (sTt, sW, sUw, sQ, sPT)  # T^T, w, u, dw (over q), M^T (over P^T)
         for cc in cutlass.range(nchunks - 1, -1, -1, unroll=1):
             # opaque: no induction variable derived from c lives across the loop (they spilled)
@@ -753,9 +756,9 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         sDH and the stage's h released), then, once G has stashed the rows, dG of every token
         (one a thread): the rows' dg, the last position's te sum + e^(G_C) <dS, h>, and the
         reverse cumulative sum within the chunk (kernel 2's `_finish_dg`)."""
-        ready = named_barrier(Bar.DS_READY, 2 * WG + FINISH_THREADS)
+        ready = unaligned_barrier(Bar.DS_READY, 2 * WG + FINISH_THREADS)
         dh_free = named_barrier(Bar.DH_FREE, 2 * WG + FINISH_THREADS)
-        finish = named_barrier(Bar.FINISH, WG + FINISH_THREADS)
+        finish = unaligned_barrier(Bar.FINISH, WG + FINISH_THREADS)
         own = named_barrier(Bar.FINISH_WARPS, FINISH_THREADS)
         for i in cutlass.range(nchunks, unroll=1):
             c = nchunks - 1 - i

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from forgekernel.kernels.linear_attention.gdn_bwd_norm.sm90 import SPEC
 from forgekernel.kernels.linear_attention.gdn_bwd_norm.sm90.config import params_for
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, on_device
+
+# Compile keys per (dtype, dims, flags), built once (a dict and a sort a call otherwise; twice a
+# launch: the support check and the key); at most 256 kept.
+_params = functools.lru_cache(maxsize=256)(params_for)
 
 
 def check_inputs(dxs: torch.Tensor, x: torch.Tensor) -> None:
@@ -23,7 +29,7 @@ def check_inputs(dxs: torch.Tensor, x: torch.Tensor) -> None:
             or tuple(dxs.shape) != (b, t, dxs.shape[2], k)):  # fmt: skip
         raise ValueError(f"dxs must be float32 or {x.dtype} (B, T, HV, K) = ({b}, {t}, a "
                          f"multiple of {h}, {k}), got {dxs.dtype} {tuple(dxs.shape)}")  # fmt: skip
-    params_for(dtype_name(x.dtype), k)  # K supported
+    _params(dtype_name(x.dtype), k)  # K supported
 
 
 def gdn_bwd_norm(
@@ -47,7 +53,7 @@ def gdn_bwd_norm(
     if x.numel() == 0:
         return res
     d16 = dxs.dtype != torch.float32
-    fn = get_kernel(SPEC, params_for(dtype_name(x.dtype), x.shape[-1], l2norm=l2norm, d16=d16))
+    fn = get_kernel(SPEC, _params(dtype_name(x.dtype), x.shape[-1], l2norm=l2norm, d16=d16))
     with on_device(x.device):
         fn(as_tma_ready(dxs), as_tma_ready(x), res, float(scale))
     return res

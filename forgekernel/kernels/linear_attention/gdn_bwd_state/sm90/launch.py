@@ -4,12 +4,18 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90 import SPEC
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.config import CHUNK, params_for
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, on_device
+
+# Compile keys per (dtype, dims, flags), built once (a dict and a sort a call otherwise; twice a
+# launch: the support check and the key); at most 256 kept.
+_params = functools.lru_cache(maxsize=256)(params_for)
 
 Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 MAX_SEQUENCES = 65535  # the varlen grid is (HV, N): N is gridDim.y
@@ -35,7 +41,7 @@ def check_inputs(do, pt, ke, qe, w, e_last, d_final_state, u=None,
             raise ValueError(f"{name} must be {want[name]}, got {tuple(x.shape)}")
         if x.dtype != do.dtype:
             raise TypeError(f"{name} must be {do.dtype} (do's dtype), got {x.dtype}")
-    params_for(dtype_name(do.dtype), (k, v))  # K, V supported
+    _params(dtype_name(do.dtype), (k, v))  # K, V supported
     if tuple(e_last.shape) not in ((b, nc, hv), (b, nc, hv, k)) or e_last.dtype != torch.float32:
         raise ValueError(f"e_last must be float32 {(b, nc, hv)} (one decay a chunk) or "
                          f"{(b, nc, hv, k)} (one a key channel), got {e_last.dtype} "
@@ -146,10 +152,10 @@ def gdn_bwd_state(
         dh0.copy_(d_final_state) if d_final_state is not None else dh0.zero_()
         return du, side, dh0
     channel_decay = e_last.dim() == 4
-    params = params_for(dtype_name(do.dtype), (ke.shape[-1], do.shape[-1]),
-                        d_final_state=d_final_state is not None, dke=dke,
-                        channel_decay=channel_decay, out16=out16,
-                        forward=forward, varlen=varlen)  # fmt: skip
+    params = _params(dtype_name(do.dtype), (ke.shape[-1], do.shape[-1]),
+                     d_final_state=d_final_state is not None, dke=dke,
+                     channel_decay=channel_decay, out16=out16,
+                     forward=forward, varlen=varlen)  # fmt: skip
     fn = get_kernel(SPEC, params)
     tiles = [None if x is None else as_tma_ready(x) for x in (do, pt, ke, qe, w)]
     tiles.append(as_tma_ready(u) if dke else None)

@@ -4,12 +4,18 @@ gradients): torch only (no DSL). Its inputs are `forgekernel.reference.kda_bwd_c
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90 import SPEC
 from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90.config import CHUNK, params_for
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, on_device
+
+# Compile keys per (dtype, dims, flags), built once (a dict and a sort a call otherwise; twice a
+# launch: the support check and the key); at most 256 kept.
+_params = functools.lru_cache(maxsize=256)(params_for)
 
 Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -30,7 +36,7 @@ def check_inputs(do, u, du, q, k, h, dh, big_g) -> tuple[int, int, int, int]:
             raise ValueError(f"{name} must be {want[name]}, got {tuple(x.shape)}")
         if x.dtype != do.dtype:
             raise TypeError(f"{name} must be {do.dtype} (do's dtype), got {x.dtype}")
-    params_for(dtype_name(do.dtype), (kd, v))  # K, V supported
+    _params(dtype_name(do.dtype), (kd, v))  # K, V supported
     if tuple(big_g.shape) != (b, t, hv, kd) or big_g.dtype != torch.float32:
         raise ValueError(f"G must be float32 {(b, t, hv, kd)}, got {big_g.dtype} "
                          f"{tuple(big_g.shape)}")  # fmt: skip
@@ -103,8 +109,8 @@ def kda_bwd_chunk(
     check_outputs(outs, do, q.shape[-1], dw16, dq16)
     if b * hv * t == 0:
         return outs
-    key = params_for(dtype_name(do.dtype), (q.shape[-1], do.shape[-1]), dw16=dw16, dq16=dq16,
-                     wg2=wg2)  # fmt: skip
+    key = _params(dtype_name(do.dtype), (q.shape[-1], do.shape[-1]), dw16=dw16, dq16=dq16,
+                  wg2=wg2)  # fmt: skip
     fn = get_kernel(SPEC, key)
     tiles = [as_tma_ready(x) for x in (do, u, du, q, k, h, dh)]
     with on_device(do.device):

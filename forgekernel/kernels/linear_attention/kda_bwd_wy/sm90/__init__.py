@@ -26,12 +26,19 @@ def _standard_params() -> list[Params]:
     return [params_for(dtype, **f) for f in flags for dtype in DTYPES]
 
 
+def _candidate_params() -> list[Params]:
+    # the same on two math warpgroups (`wg2`, ops.kda_bwd.WY_2WG: off until its device A/B)
+    flags = ({"dv16": False}, {"dv16": True}, {"dv16": True, "dk16": True})
+    return [params_for(dtype, **f, wg2=True) for f in flags for dtype in DTYPES]
+
+
 SPEC = KernelSpec(
     name="kda_bwd_wy_sm90",
     arch="sm_90a",
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
+    candidate_params=_candidate_params,
 )
 
 __all__ = ["SPEC", "params_for"]

@@ -14,6 +14,12 @@ from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.wy_grads import KdaBwd
 
 
 def kernel_for(params: dict) -> KdaBwdWySm90:
+    if params.get("wg2"):
+        from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.wy_grads_wg2 import (
+            KdaBwdWyWg2Sm90,
+        )
+
+        return KdaBwdWyWg2Sm90(params["k"], params["v"])
     return KdaBwdWySm90(params["k"], params["v"])
 
 

@@ -3,7 +3,7 @@ fixed geometry (DSL-free: the launcher and the tests read it)."""
 
 from __future__ import annotations
 
-from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG
+from forgekernel.kernels.common.sm90.constants import REGISTERS_PER_SM, THREADS_PER_WG
 
 DTYPES = ("float16", "bfloat16")
 HEAD_DIMS = ((128, 128),)  # (K, V)
@@ -11,6 +11,10 @@ CHUNK = 64  # tokens per chunk (one CTA), the M of every product: one math warpg
 SUB = 16  # sub-chunk rows (one reference point each; a math warp's rows)
 NS = CHUNK // SUB
 THREADS = 2 * THREADS_PER_WG  # warpgroup 0: the TMA warp; warpgroup 1: every product
+# `wg2` (wy_grads_wg2.py): two math warpgroups, each the value / key channels [64 kh, +64) of
+# every product but dA (C x C, computed by both); no setmaxnreg (under 384 threads' 168)
+WG2_THREADS = 3 * THREADS_PER_WG
+WG2_REGISTERS = REGISTERS_PER_SM // WG2_THREADS // 8 * 8  # 168: the launch's cap a thread
 # the tiles of one chunk: dw, w, k (C, K), du, u, v (C, V), T^T (C, C)
 TOKEN_TILES = ("dw", "du", "w", "k", "u", "v")
 # The TMA tiles' mbarriers, one a group, in the order the math warpgroup consumes them (it waits
@@ -35,13 +39,14 @@ def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2) -> int:
 
 
 def params_for(dtype: str, head_dims: tuple[int, int] = (128, 128), *, dv16: bool = False,
-               dk16: bool = False) -> tuple:  # fmt: skip
+               dk16: bool = False, wg2: bool = False) -> tuple:  # fmt: skip
     """Compile key: the 16-bit dtype of the tiles and (K, V) (the score-gradient blocks run in
     bf16 for both: e^(+-a) reaches e^(8 max|g|), past fp16's range); `dv16` (in the key only
     when set): dv written in the tiles' 16-bit dtype (v's, when the op's v is 16-bit: its cast
     moved in), else fp32; `dk16` (likewise): the final dk (kernel 2's fp32 dk plus the WY
     half) written in the tiles' 16-bit dtype into a tensor of its own (the op's dk where no
-    l2norm or group sum follows: no epilogue)."""
+    l2norm or group sum follows: no epilogue); `wg2` (likewise): two math warpgroups split by
+    value / key channels (wy_grads_wg2.py), the same outputs bit for bit."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
     if tuple(head_dims) not in HEAD_DIMS:
@@ -52,4 +57,6 @@ def params_for(dtype: str, head_dims: tuple[int, int] = (128, 128), *, dv16: boo
         key["dv16"] = True
     if dk16:
         key["dk16"] = True
+    if wg2:
+        key["wg2"] = True
     return tuple(sorted(key.items()))

@@ -3,6 +3,8 @@ torch only (no DSL). Its inputs are `forgekernel.reference.kda_bwd_wy`'s `wy_til
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90 import SPEC
@@ -13,6 +15,10 @@ from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.config import (
 )
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, on_device
+
+# Compile keys per (dtype, dims, flags), built once (a dict and a sort a call otherwise; twice a
+# launch: the support check and the key); at most 256 kept.
+_params = functools.lru_cache(maxsize=256)(params_for)
 
 Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -32,7 +38,7 @@ def check_inputs(dw, du, tt, w, k, u, v, beta, big_g) -> tuple[int, int, int]:
             raise ValueError(f"{name} must be {want[name]}, got {tuple(x.shape)}")
         if x.dtype != dw.dtype:
             raise TypeError(f"{name} must be {dw.dtype} (dw's dtype), got {x.dtype}")
-    params_for(dtype_name(dw.dtype), (kd, vd))  # K, V supported
+    _params(dtype_name(dw.dtype), (kd, vd))  # K, V supported
     for name, x, shape in (("beta", beta, (b, t, hv)), ("G", big_g, (b, t, hv, kd))):
         if tuple(x.shape) != shape or x.dtype != torch.float32:
             raise ValueError(f"{name} must be float32 {shape}, got {x.dtype} "
@@ -96,6 +102,7 @@ def kda_bwd_wy(
     dk16: bool = False,
     out: Outputs | None = None,
     dk_out: torch.Tensor | None = None,
+    wg2: bool = False,
 ) -> Outputs:
     """Per chunk of 64 tokens (every chunk at once), reference/kda_bwd.py's `_wy_grads`: the
     WY half's dk, dv, dg (its per-channel dG after the reverse cumsum within the chunk) and
@@ -109,7 +116,9 @@ def kda_bwd_wy(
     tiles' 16-bit dtype (v's on the backward's path where the op's v is 16-bit). `dk16`: the
     final dk (out's fp32 dk + the WY half) in dw's 16-bit dtype, rounded once, into `dk_out`
     (contiguous (B, T, HV, K); a new tensor when None) and returned in dk's place; out's fp32
-    dk is then scratch (it ends holding kernel 2's dk plus two of the WY half's three terms)."""
+    dk is then scratch (it ends holding kernel 2's dk plus two of the WY half's three terms).
+    `wg2`: the two-math-warpgroup build (split by value / key channels; the same outputs bit
+    for bit)."""
     b, t, hv = check_inputs(dw, du, tt, w, k, u, v, beta, big_g)
     if dk_out is not None and not dk16:
         raise ValueError("dk_out is dk16's 16-bit final dk (pass dk16=True)")
@@ -129,7 +138,8 @@ def kda_bwd_wy(
     result = (dk_final, *outs[1:])
     if b * hv * t == 0:
         return result
-    key = params_for(dtype_name(dw.dtype), (dw.shape[-1], du.shape[-1]), dv16=dv16, dk16=dk16)
+    key = _params(dtype_name(dw.dtype), (dw.shape[-1], du.shape[-1]), dv16=dv16, dk16=dk16,
+                  wg2=wg2)  # fmt: skip
     fn = get_kernel(SPEC, key)
     tiles = [as_tma_ready(x) for x in (dw, du, tt, w, k, u, v)]
     with on_device(dw.device):

@@ -97,6 +97,7 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
     products are used as they are (its (q el) formed from k: (k el))."""
 
     load_groups = LOAD_GROUPS
+    threads = THREADS
 
     def _setup(self):
         dt, bf = self.dtype, BFloat16
@@ -203,7 +204,7 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
             *atoms_and_views, mBeta, mG, mDK, mDV, mDG, mDB, mDKo, *mmas, *layouts
         ).launch(  # fmt: skip
             grid=(nc, mDW.shape[2], mDW.shape[0]),
-            block=[THREADS, 1, 1],
+            block=[self.threads, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
         )
@@ -289,14 +290,15 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         else:
             self._math(
                 mma_t, mma_da, mma_x, mma_y, sDW, sDU, sW, sK, sU, sV, sTt, sP, sKr, sKl, sG,
-                sRows, sTab, mBeta, mG, mDK, mDV, mDG, mDB, mDKo, bars, c, hv, b, seqlen,
+                sRows, sTab, mBeta, mG, mDK, mDV, mDG, mDB, mDKo, bars, c, hv, b, seqlen, wg - 1,
             )  # fmt: skip
 
     @cute.jit
     def _math(
         self, mma_t, mma_da, mma_x, mma_y, sDW, sDU, sW, sK, sU, sV, sTt, sP, sKr, sKl, sG,
-        sRows, sTab, mBeta, mG, mDK, mDV, mDG, mDB, mDKo, bars, c, hv, b, seqlen,
+        sRows, sTab, mBeta, mG, mDK, mDV, mDG, mDB, mDKo, bars, c, hv, b, seqlen, kh,
     ):  # fmt: skip
+        # kh: the math warpgroup's index (0 here; `wg2`'s channel half)
         wg_t = mma_t.get_slice(0)
         wg_da = mma_da.get_slice(0)
         wg_x = mma_x.get_slice(0)
@@ -348,7 +350,7 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         cute.arch.mbarrier_wait(bars + 4, 0)  # w
         gemm(mma_da, acc_a, tDArB, tDBrW[None, None, None, 0], False, -1)
         cute.arch.mbarrier_wait(bars + 5, 0)  # k (dA in flight)
-        z = self._kb_rows(acc, mma_t, sK, sG, sRows, beta)
+        z = self._quad_sums(self._kb_rows(acc, mma_t, sK, sG, sRows, beta, [Float32(0.0)] * 2))
         self._add_rows(acc, mma_t, mDK, tid, b, hv, c, seqlen)  # onto kernel 2's dk
         warpgroup.wait_group(0)
         # dA: negated, j < i, rows inside T; dx's A operand, then (beta dA)^T for dy's
@@ -436,17 +438,18 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
                 a[r, j] = a[r, j] * vals[r]
 
     @cute.jit
-    def _kb_rows(self, acc, mma, sK, sG, sRows, beta):
+    def _kb_rows(self, acc, mma, sK, sG, sRows, beta, start):
         """From dkb (the accumulator): z = dkb o k o e^G; dG's rows = beta z into sRows, acc =
-        beta e^G dkb (dk's first term); returns rowsum(z) of this thread's two rows (quad
-        reduced). Rows past T: beta and k zero there (TMA's fill), G zero."""
+        beta e^G dkb (dk's first term); returns this thread's sums of z over its columns of
+        its two rows, from `start` (not quad reduced: `_quad_sums`). Rows past T: beta and k
+        zero there (TMA's fill), G zero."""
         t0, row_w, col_w = self._coords(mma)
         kk = sK[None, None, 0]
         a = rows_cols(acc)
         out = [Float32(0.0), Float32(0.0)]
         for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
             i = row_w + t0[r, 0][0]
-            part = Float32(0.0)
+            part = start[r]
             for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
                 col = col_w + t0[0, j][1]
                 n = self._gi(i, col)
@@ -455,8 +458,13 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
                 part = part + zz
                 sRows[n] = beta[r] * zz
                 a[r, j] = beta[r] * x
-            out[r] = cute.arch.warp_reduction_sum(part, threads_in_group=QUAD)
+            out[r] = part
         return out
+
+    @staticmethod
+    def _quad_sums(parts):
+        """This thread's two row partials summed over its quad (the row's 4 threads)."""
+        return [cute.arch.warp_reduction_sum(p, threads_in_group=QUAD) for p in parts]
 
     @cute.jit
     def _rows_add(self, a, mma, sK, sRows, plus: cutlass.Constexpr[bool]):

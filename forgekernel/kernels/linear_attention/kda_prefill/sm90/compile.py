@@ -53,7 +53,8 @@ def compile_kda_intra(params: dict, arch: str = "sm_90a", extra_options: str = "
                       kernel=None):  # fmt: skip
     """The first pass (`intra.py`): q, k (T, H, K) in the io dtype, g fp32 (T, HV, K), beta fp32
     (T, HV), per-chunk first tokens and lengths (NC,) int32; outputs as `operands.py` (with
-    `bwd` in the key also tt bf16 (R, HV, 64) and big_g fp32 (R, HV, K)). kernel: a
+    `bwd` in the key also tt bf16 (R, HV, 64) and big_g fp32 (R, HV, K), the input v (T, HV, V =
+    K) in the io dtype and W, u bf16 (R, HV, K)). kernel: a
     `KdaIntraSm90` to compile (the tests read its shared_storage after the compile), or None for
     a fresh one."""
     from cutlass.cute.runtime import make_fake_tensor
@@ -88,6 +89,9 @@ def compile_kda_intra(params: dict, arch: str = "sm_90a", extra_options: str = "
         fake.rowmajor(f32, (nc, hv, kd), divisibility=4),
         fake.rowmajor(op, (r, hv, CHUNK)) if bwd else None,
         fake.rowmajor(f32, (r, hv, kd), divisibility=4) if bwd else None,
+        fake.rowmajor(io, (t, hv, kd)) if bwd else None,
+        fake.rowmajor(op, (r, hv, kd)) if bwd else None,
+        fake.rowmajor(op, (r, hv, kd)) if bwd else None,
         cutlass.Float32(1.0),
         fake.stream(),
         options=fake.options(arch, extra_options),

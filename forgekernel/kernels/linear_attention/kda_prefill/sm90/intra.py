@@ -38,7 +38,16 @@ backward's WY kernel (reference/kda_bwd_wy.py `wy_tiles`' tt and G): big_g = G =
 (R, HV, K), stored from the G2 sums as they are formed (no new live range), and tt = T^T
 unscaled bf16 (R, HV, 64), T read down its columns from the fp32 scratch after the out stage
 (before it the scratch holds T, the out stage scaling only its copies). Rows past the sequence
-exact zeros in both (T's padded diagonal of ones masked). Shared memory unchanged.
+exact zeros in both (T's padded diagonal of ones masked). And mP holds P^T instead of P (row i
+of the chunk is column i of P, read down sP's columns as tt's from the scratch): the only
+reader of the bwd key's P is the backward's kernel 1, which takes P^T token-major; written so
+here, its transposing copy (a 2-byte-strided gather, 363 us at 4 x 8192 H16 on the H100) is
+gone. And W = T_beta Kg and u = T_beta V (bf16 (R, HV, 128), v (T, HV, 128) a new input; kernel
+1's and the WY kernel's operands, two cuBLAS GEMMs and a memset a value head before, 353 us
+there): Kg's rows (as this CTA stored them) and V's by cp.async into the B tiles once the
+products are done, in flight under the inverse; after the out stage 80 mma.sync a warp from
+T_beta's fragments (T x beta from the scratch, t_beta's bits) and the tiles by ldmatrix.trans
+(`_store_wu`). Shared memory unchanged.
 
 E on the B side: the kernel before rounded Kl E_IJ (A, J < I) and Kr (B) to bf16, this one Kl
 (A) and Kr E_IJ (B): the same product, the same two bf16 roundings, placed on the other operand
@@ -115,14 +124,17 @@ def mma_bf16_16x8x16(a, b, c, *, loc=None, ip=None) -> tuple:
 
 
 @dsl_user_op
-def ldsm_x4(addr: Int32, *, loc=None, ip=None) -> tuple:
-    """ldmatrix.sync.aligned.m8n8.x4.shared.b16: four 8 x 8 16-bit matrices, lanes 8 i .. 8 i + 7
-    giving matrix i's row addresses (16 bytes each); returns the lane's word of each. Volatile:
-    kept in order with the barriers around the tiles it reads."""
+def ldsm_x4(addr: Int32, trans: bool = False, *, loc=None, ip=None) -> tuple:
+    """ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16: four 8 x 8 16-bit matrices, lanes 8 i ..
+    8 i + 7 giving matrix i's row addresses (16 bytes each); returns the lane's word of each
+    (trans: of the transposed matrix, rows 2 (lane % 4), + 1 of column lane // 4: an mma B
+    fragment from a k-major tile). Volatile: kept in order with the barriers around the tiles it
+    reads."""
     res = llvm.inline_asm(
         llvm.StructType.get_literal([T.i32()] * 4),
         [Int32(addr).ir_value(loc=loc, ip=ip)],
-        "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];",
+        f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if trans else ''}.shared.b16 "
+        "{$0, $1, $2, $3}, [$4];",
         "=r,=r,=r,=r,r",
         has_side_effects=True,
         is_align_stack=False,
@@ -152,7 +164,7 @@ class KdaIntraSm90:
         if k != 128:
             raise ValueError(f"K must be 128 (16 groups of 8 channels), got {k}")
         self.k = k
-        self.bwd = bwd  # also write tt and big_g (the module docstring)
+        self.bwd = bwd  # also write tt, big_g, P^T, W and u (the module docstring)
 
     @cute.jit
     def __call__(
@@ -171,12 +183,16 @@ class KdaIntraSm90:
         mD: cute.Tensor,
         mTT: cute.Tensor | None,
         mBigG: cute.Tensor | None,
+        mV: cute.Tensor | None,
+        mW: cute.Tensor | None,
+        mU: cute.Tensor | None,
         scale: Float32,
         stream: cuda.CUstream,
     ):
         """mQ, mK (T, H, K) 16-bit; mG fp32 (T, HV, K); mBeta fp32 (T, HV); mTok0, mLen int32
         (NC,) each chunk's first token and valid length; outputs as `operands.py` (mTT bf16
-        (R, HV, 64), mBigG fp32 (R, HV, K) with `bwd`, else None)."""
+        (R, HV, 64), mBigG fp32 (R, HV, K) with `bwd`, else None; with `bwd` mV (T, HV, V =
+        128) 16-bit the input, mW, mU bf16 (R, HV, 128) W = T_beta Kg and u = T_beta V)."""
         kd = self.k
 
         @cute.struct
@@ -188,7 +204,8 @@ class KdaIntraSm90:
 
         self.shared_storage = SharedStorage
         self.kernel(
-            mQ, mK, mG, mBeta, mTok0, mLen, mQg, mKg, mKd, mT, mP, mD, mTT, mBigG, scale,
+            mQ, mK, mG, mBeta, mTok0, mLen, mQg, mKg, mKd, mT, mP, mD, mTT, mBigG, mV, mW, mU,
+            scale,
         ).launch(
             grid=(mTok0.shape[0], mG.shape[1], 1),
             block=[THREADS_PER_WG, 1, 1],
@@ -214,6 +231,9 @@ class KdaIntraSm90:
         mD: cute.Tensor,
         mTT: cute.Tensor | None,
         mBigG: cute.Tensor | None,
+        mV: cute.Tensor | None,
+        mW: cute.Tensor | None,
+        mU: cute.Tensor | None,
         scale: Float32,
     ):
         tid, _, _ = cute.arch.thread_idx()
@@ -242,12 +262,12 @@ class KdaIntraSm90:
         valid = mLen[gc]
         # a chunk of length 0 (past the last real one) has nothing to write
         if valid > 0:
-            self._chunk(mQ, mK, mG, mBeta, mQg, mKg, mKd, mT, mP, mD, mTT, mBigG, scale, sm,
-                        tid, gc, hv, tok0, valid)  # fmt: skip
+            self._chunk(mQ, mK, mG, mBeta, mQg, mKg, mKd, mT, mP, mD, mTT, mBigG, mV, mW, mU,
+                        scale, sm, tid, gc, hv, tok0, valid)  # fmt: skip
 
     @cute.jit
-    def _chunk(self, mQ, mK, mG, mBeta, mQg, mKg, mKd, mT, mP, mD, mTT, mBigG, scale, sm, tid,
-               gc, hv, tok0, valid):  # fmt: skip
+    def _chunk(self, mQ, mK, mG, mBeta, mQg, mKg, mKd, mT, mP, mD, mTT, mBigG, mV, mW, mU, scale,
+               sm, tid, gc, hv, tok0, valid):  # fmt: skip
         bar = named_barrier(Bar.AUX, THREADS_PER_WG)
         w = cute.arch.make_warp_uniform(tid // 32)
         lane = tid % 32
@@ -358,13 +378,19 @@ class KdaIntraSm90:
                     self._store(vals, self._at(sm["b"][None, None, tile_of(ii, 0) + w], r, c))
         bar.arrive_and_wait()
         self._products(sm, w, bar)
+        if const_expr(self.bwd):  # the B tiles are free (the products' barrier): Kg, V into them
+            self._load_kg_v(mKg, mV, sm, row0, hv, tok0, valid, w, half, cg, r_first)
         bar.arrive_and_wait()
         # L is complete in sW (every warp wrote its blocks before the barrier above)
         invert_diagonal(sm["w"], tid)
         invert_merge_mma(sm["w"], sm["x"], tid, bar)  # ends with a barrier: sP visible too
         self._store_out(sm, mP, mT, row0, hv, tid)
         if const_expr(self.bwd):  # the scratch still holds T (the out stage scaled copies)
-            self._store_tt(sm, mTT, row0, hv, tid, valid)
+            cute.arch.cp_async_wait_group(0)
+            bar.arrive_and_wait()  # every thread's Kg, V rows landed
+            self._store_columns(sm["w"], mTT, row0, hv, tid, valid)
+            self._store_columns(sm["p"], mP, row0, hv, tid, valid)  # P^T in mP
+            self._store_wu(sm, mW, mU, mV.element_type, row0, hv, tid)
 
     @cute.jit
     def _store_big_g(self, mBigG, start, run, row, hv, cg, r_first, valid):
@@ -378,12 +404,15 @@ class KdaIntraSm90:
             cute.autovec_copy(vals, cute.local_tile(mBigG[row + s, hv, None], (VEC,), (cg,)))
 
     @cute.jit
-    def _store_tt(self, sm, mTT, row0, hv, tid, valid):
-        """T^T (unscaled) to global, bf16: row i of tt is column i of T, read from the scratch
-        down the column (8 scalar loads a 16-byte store). Thread (warp w, lane) takes row i =
-        16 w + lane // 2 and, at step u, column group 2 u + lane % 2 (tokens j of block u): a
-        warp's store 16 whole 32-byte sectors, its loads 2-way bank conflicts (W_STRIDE = 72);
-        blocks u < w (T above its diagonal) and rows past the sequence (T's padded diagonal) 0."""
+    def _store_columns(self, tile, mOut, row0, hv, tid, valid):
+        """A lower block-triangular (64, 64) shared tile transposed to global, bf16: row i of
+        mOut is column i of `tile`, read down the column (8 scalar loads a 16-byte store): T^T
+        (unscaled, from the fp32 scratch) into tt, and with `bwd` P^T (the bf16 sP) into mP,
+        the KDA backward's kernel-1 operand as it reads it (no transposing copy after). Thread
+        (warp w, lane) takes row i = 16 w + lane // 2 and, at step u, column group 2 u + lane %
+        2 (tokens j of block u): a warp's store 16 whole 32-byte sectors, its loads 2-way bank
+        conflicts (W_STRIDE = 72 words, P_STRIDE = 72 bf16); blocks u < w (above the diagonal)
+        and rows past the sequence (T's padded diagonal; P's are zero there already) 0."""
         w = cute.arch.make_warp_uniform(tid // 32)
         lane = tid % 32
         i = SUB * w + lane // 2
@@ -391,9 +420,138 @@ class KdaIntraSm90:
         for u in cutlass.range_constexpr(NSUB):
             c = 2 * u + lane % 2
             keep = inside & (w <= u)
-            col = [sm["w"][VEC * c + e, i] for e in range(VEC)]
+            col = [Float32(tile[VEC * c + e, i]) for e in range(VEC)]
             vals = [cutlass.select_(keep, col[e], Float32(0.0)) for e in range(VEC)]
-            self._store(vals, cute.local_tile(mTT[row0 + i, hv, None], (VEC,), (c,)))
+            self._store(vals, cute.local_tile(mOut[row0 + i, hv, None], (VEC,), (c,)))
+
+    @cute.jit
+    def _load_kg_v(self, mKg, mV, sm, row0, hv, tok0, valid, w, half, cg, r_first):
+        """The chunk's Kg rows (as the token loop stored them: each thread reads back its own
+        16-byte pieces, in program order after its stores) and V rows (clamped to the sequence:
+        T_beta's columns past it are exact zeros) by cp.async into B tiles w (Kg) and 4 + w (V),
+        the token loop's rows and swizzle; in flight under the inverse."""
+        for s in cutlass.range_constexpr(TOK):
+            i = r_first + s
+            t, _ = self._token(tok0, valid, i)
+            for x in cutlass.range_constexpr(2):
+                src = mKg[row0 + i, hv, None] if const_expr(x == 0) else mV[t, hv, None]
+                dst = self._at(sm["b"][None, None, NSUB * x + w], TOK * half + s, cg ^ s)
+                cp_async_16(dst.iterator, cute.local_tile(src, (VEC,), (cg,)).iterator)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def _store_wu(self, sm, mW, mU, vtype, row0, hv, tid):
+        """W = T_beta Kg and u = T_beta V (bf16, what the backward's torch bmm wrote before
+        next/kda-wu: the same bf16 operands, fp32 sums in the mma's order) by mma.sync
+        m16n8k16: warp w takes channels 32 w .. 32 w + 31 of both, 16 at a time (two n tiles,
+        one ldmatrix.trans x4 of the Kg or V tile a k step), all four row blocks at once (32
+        accumulators), k step J feeding row blocks I >= J (T_beta block lower triangular: 10
+        of 16 blocks), 80 mma a warp. The A fragments of T_beta's 10 blocks (40 registers) built
+        once from the fp32 scratch T times beta (the out stage's product and bf16 rounding:
+        t_beta's bits); with the row blocks in the inner loop each B fragment is loaded once
+        (row blocks outer, ptxas merged the repeated loads into 64 live registers: 32 B
+        spilled). Rows past the sequence: T_beta's rows there are zero, so W's and u's are. The
+        C fragments stored 8 bytes a lane (`_store_fragments`)."""
+        w = cute.arch.make_warp_uniform(tid // 32)
+        lane = tid % 32
+        g = lane // 4
+        t = lane % 4
+        x = lane % 8
+        row_t = x + 8 * ((lane // 8) % 2)
+        hi = lane // 16
+        a = [[self._tb_fragment(sm, bi, bj, g, t) for bj in range(bi + 1)] for bi in range(NSUB)]
+        # (product o, channel half p) a rolled iteration: unrolled, ptxas issued all 16 B loads
+        # at once (64 registers more: 104 B spilled at the launch bound 168)
+        for step in cutlass.range(4, unroll=1):
+            o = step // 2
+            c = (4 * w + 2 * (step % 2) + hi) ^ x
+            acc = [Float32(0.0)] * 32  # row block bi, n tile nh: 4 at 8 bi + 4 nh
+            for bj in cutlass.range_constexpr(NSUB):
+                tile = sm["b"][None, None, NSUB * o + bj]
+                b = ldsm_x4(self._at(tile, row_t, c).iterator.toint(), True)
+                if const_expr(vtype is not BFloat16):  # the fp16 key's V (o = 1)
+                    b = [cutlass.select_(o == 1, self._as_bf16x2(word, vtype), word)
+                         for word in b]  # fmt: skip
+                for bi in cutlass.range_constexpr(bj, NSUB):
+                    for nh in cutlass.range_constexpr(2):
+                        at = 8 * bi + 4 * nh
+                        d = mma_bf16_16x8x16(
+                            a[bi][bj],
+                            (b[2 * nh], b[2 * nh + 1]),
+                            tuple(acc[at + q] for q in range(4)),
+                        )
+                        for q in cutlass.range_constexpr(4):
+                            acc[at + q] = d[q]
+            col0 = 32 * w + 16 * (step % 2)
+            if o == 0:
+                self._store_fragments(acc, mW, row0, hv, g, t, col0)
+            else:
+                self._store_fragments(acc, mU, row0, hv, g, t, col0)
+
+    @cute.jit
+    def _store_fragments(self, acc, dst, row0, hv, g, t, col0):
+        """`_store_wu`'s 32 accumulators (row block bi, n tile nh at 8 bi + 4 nh: rows g, g + 8,
+        columns col0 + 2 t + 8 nh, + 1) into dst's rows as bf16, 8 bytes a lane: lanes t, t ^ 1
+        swap one bf16 pair (one shuffle a row), the even lane storing n tile 0's columns 2 t ..
+        2 t + 3, the odd one n tile 1's 2 t + 6 .. 2 t + 9, so that a warp's store is 8 rows x
+        32 bytes, whole sectors (col0 a multiple of 16 channels); 4-byte pair stores wrote half
+        sectors, twice the store instructions."""
+        odd = t % 2 == 1
+        for bi in cutlass.range_constexpr(NSUB):
+            for hr in cutlass.range_constexpr(2):
+                pairs = cute.make_rmem_tensor(4, Float32)
+                for nh in cutlass.range_constexpr(2):
+                    for e in cutlass.range_constexpr(2):
+                        pairs[2 * nh + e] = acc[8 * bi + 4 * nh + 2 * hr + e]
+                half = cute.make_rmem_tensor(4, BFloat16)
+                half.store(pairs.load().to(BFloat16))
+                words = cute.recast_tensor(half, Int32)  # n tile 0's pair, n tile 1's
+                mine, theirs = words[0], words[1]
+                got = cute.arch.shuffle_sync_bfly(cutlass.select_(odd, mine, theirs), 1)
+                out = cute.make_rmem_tensor(2, Int32)
+                out[0] = cutlass.select_(odd, got, mine)
+                out[1] = cutlass.select_(odd, theirs, got)
+                col = col0 + 2 * t + cutlass.select_(odd, Int32(6), Int32(0))
+                i = SUB * bi + g + 8 * hr
+                cute.autovec_copy(
+                    cute.recast_tensor(out, BFloat16),
+                    cute.local_tile(dst[row0 + i, hv, None], (4,), (col // 4,)),
+                )
+
+    @cute.jit
+    def _tb_fragment(self, sm, bi, bj, g, t) -> tuple:
+        """The mma A fragment of T_beta's block (bi, bj): rows g, g + 8 x columns 2 t, + 1 and
+        2 t + 8, + 9 (register order), each T (fp32 scratch) x beta_j rounded to bf16 as the out
+        stage rounds t_beta."""
+        words = []
+        for dc in cutlass.range_constexpr(2):
+            for dr in cutlass.range_constexpr(2):
+                i = SUB * bi + g + 8 * dr
+                j = SUB * bj + 2 * t + 8 * dc
+                tw = cute.make_rmem_tensor(2, Float32)
+                tb = cute.make_rmem_tensor(2, Float32)
+                cute.autovec_copy(cute.local_tile(sm["w"][i, None], (2,), (j // 2,)), tw)
+                cute.autovec_copy(cute.local_tile(sm["beta"], (2,), (j // 2,)), tb)
+                v = cute.make_rmem_tensor(2, Float32)
+                for e in cutlass.range_constexpr(2):
+                    v[e] = tw[e] * tb[e]
+                half = cute.make_rmem_tensor(2, BFloat16)
+                half.store(v.load().to(BFloat16))
+                words.append(cute.recast_tensor(half, Int32)[0])
+        return tuple(words)
+
+    @cute.jit
+    def _as_bf16x2(self, word, dtype) -> Int32:
+        """A packed pair of `dtype` (fp16: the fp16 key's V) rounded to a bf16 pair."""
+        src = cute.make_rmem_tensor(1, Int32)
+        src[0] = word
+        vals = cute.recast_tensor(src, dtype)
+        f = cute.make_rmem_tensor(2, Float32)
+        for e in cutlass.range_constexpr(2):
+            f[e] = Float32(vals[e])
+        half = cute.make_rmem_tensor(2, BFloat16)
+        half.store(f.load().to(BFloat16))
+        return cute.recast_tensor(half, Int32)[0]
 
     @cute.jit
     def _raw(self, row: cute.Tensor, cg, dtype) -> cute.Tensor:
@@ -540,12 +698,13 @@ class KdaIntraSm90:
             i = p // groups
             c = p % groups
             keep = (c * VEC) // SUB <= i // SUB
-            pv = cute.make_rmem_tensor(VEC, BFloat16)
-            cute.autovec_copy(cute.local_tile(sm["p"][i, None], (VEC,), (c,)), pv)
-            pw = cute.recast_tensor(pv, Int32)
-            for e in cutlass.range_constexpr(VEC // 2):
-                pw[e] = cutlass.select_(keep, pw[e], Int32(0))
-            cute.autovec_copy(pv, cute.local_tile(mP[row0 + i, hv, None], (VEC,), (c,)))
+            if const_expr(not self.bwd):  # bwd: P^T by `_store_columns` instead
+                pv = cute.make_rmem_tensor(VEC, BFloat16)
+                cute.autovec_copy(cute.local_tile(sm["p"][i, None], (VEC,), (c,)), pv)
+                pw = cute.recast_tensor(pv, Int32)
+                for e in cutlass.range_constexpr(VEC // 2):
+                    pw[e] = cutlass.select_(keep, pw[e], Int32(0))
+                cute.autovec_copy(pv, cute.local_tile(mP[row0 + i, hv, None], (VEC,), (c,)))
             tw = cute.make_rmem_tensor(VEC, Float32)
             tb = cute.make_rmem_tensor(VEC, Float32)
             cute.autovec_copy(cute.local_tile(sm["w"][i, None], (VEC,), (c,)), tw)

@@ -63,11 +63,37 @@ MAX_TABLES = 256
 
 
 def _exact_tables(device: torch.device, sequences: int, seq_len: int):
-    cu = torch.arange(sequences + 1, dtype=torch.int32, device=device) * seq_len
-    tables = chunk_tables(cu, chunk_bound(sequences * seq_len, sequences, seq_len))
+    tables = chunk_tables(_offsets(device, sequences, seq_len),
+                          chunk_bound(sequences * seq_len, sequences, seq_len))  # fmt: skip
     if device.type == "cuda":  # built on this stream, later read on any: finished first
         torch.cuda.current_stream(device).synchronize()
     return tables
+
+
+def _offsets(device: torch.device, sequences: int, seq_len: int) -> torch.Tensor:
+    return torch.arange(sequences + 1, dtype=torch.int32, device=device) * seq_len
+
+
+# The offsets 0, L, ..., N L themselves (the KDA backward's first pass passes them: read only
+# under a CUDA-graph capture, where `_tables` builds from them; 2 launches a call before
+# next/linattn-bwd-host), kept as the tables are: per (device, N, L), never evicted, at most
+# MAX_TABLES, not while a graph captures.
+_OFFSETS: dict = {}
+
+
+def equal_offsets(device: torch.device, sequences: int, seq_len: int) -> torch.Tensor:
+    """int32 (N + 1,) offsets of N sequences of seq_len tokens on `device`: read only."""
+    if _capturing(device):
+        return _offsets(device, sequences, seq_len)
+    key = (device, sequences, seq_len)
+    cu = _OFFSETS.get(key)
+    if cu is None:
+        cu = _offsets(*key)
+        if device.type == "cuda":  # built on this stream, later read on any: finished first
+            torch.cuda.current_stream(device).synchronize()
+        if len(_OFFSETS) < MAX_TABLES:
+            _OFFSETS[key] = cu
+    return cu
 
 
 def device_tables(cu_seqlens: torch.Tensor, bound: int):
@@ -120,33 +146,45 @@ def _unit_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def first_pass_kernel(q, k, g, beta, cu_seqlens: torch.Tensor, scale: float, l2norm: bool,
-                      seq_len: int | None = None, bwd: bool = False) -> dict:  # fmt: skip
+                      seq_len: int | None = None, bwd: bool = False,
+                      v: torch.Tensor | None = None) -> dict:  # fmt: skip
     """The first pass on `intra.py` (one CTA per chunk and value head; a chunk of length 0, past
     the last real one, returns at once): the same outputs as `operands.kda_chunk_operands`
     (its model: within a few bf16 roundings on the H200, tests/gpu/test_kda_prefill_gpu.py),
     with the rows of those empty chunks left unwritten (the recurrence never reads them).
-    bwd: its bwd key, tt and big_g too (the KDA backward's; tests/gpu/
-    test_kda_first_pass_bwd_gpu.py)."""
+    bwd: its bwd key, tt and big_g too, P^T as "pt" in p's place, and W = T_beta Kg, u = T_beta
+    V ("w", "u", bf16 (R, HV, 128)) from v (T, HV, 128) in q's dtype, given with bwd only (the
+    KDA backward's; tests/gpu/test_kda_first_pass_bwd_gpu.py)."""
+    if bwd != (v is not None):
+        raise ValueError("v is the bwd key's input: given with bwd=True, and only then")
+    if v is not None and (v.shape != (*g.shape[:2], q.shape[2]) or v.dtype != q.dtype):
+        raise ValueError(f"v must be (T, HV, K) {tuple(g.shape[:2])} x {q.shape[2]} in q's "
+                         f"dtype {q.dtype}, got {tuple(v.shape)} {v.dtype}")  # fmt: skip
     if l2norm:  # the kernel reads unit rows: normalized here, in fp32, back in q's dtype
         q, k = (_unit_rows(x) for x in (q, k))
     first, starts, lengths = _tables(cu_seqlens, q.shape[0], seq_len)
     bound = starts.shape[0]
     rows, hv, dk = bound * CHUNK, g.shape[1], q.shape[2]
+    p = "pt" if bwd else "p"  # the bwd key writes P^T there (`operands.py`)
     out = {
         name: q.new_empty(rows, hv, width, dtype=OPERAND_DTYPE)
         for name, width in (("q_g", dk), ("k_g", dk), ("k_d", dk), ("t_beta", CHUNK),
-                            ("p", CHUNK))
+                            (p, CHUNK))
     }  # fmt: skip
     out["decay"] = q.new_empty(bound, hv, dk, dtype=torch.float32)
     out["first"] = first
     if bwd:
         out["tt"] = q.new_empty(rows, hv, CHUNK, dtype=OPERAND_DTYPE)
         out["big_g"] = q.new_empty(rows, hv, dk, dtype=torch.float32)
+        out["w"] = q.new_empty(rows, hv, dk, dtype=OPERAND_DTYPE)
+        out["u"] = q.new_empty(rows, hv, dk, dtype=OPERAND_DTYPE)
+        v = _aligned(v.contiguous())
     fn = get_kernel(INTRA_SPEC, _intra_params(dtype_name(q.dtype), dk, bwd=bwd))
     with on_device(q.device):
         fn(_aligned(q), _aligned(k), _aligned(g.float().contiguous()), beta.float().contiguous(),
-           starts, lengths, out["q_g"], out["k_g"], out["k_d"], out["t_beta"], out["p"],
-           out["decay"], out.get("tt"), out.get("big_g"), scale)  # fmt: skip
+           starts, lengths, out["q_g"], out["k_g"], out["k_d"], out["t_beta"], out[p],
+           out["decay"], out.get("tt"), out.get("big_g"), v, out.get("w"), out.get("u"),
+           scale)  # fmt: skip
     return out
 
 

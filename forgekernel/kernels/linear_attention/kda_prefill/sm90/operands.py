@@ -17,11 +17,17 @@ the chunks past the last real one are zeros that the recurrence never reads.
     first           (N,) int32
 
 and with `bwd` (the KDA backward's, `intra.py`'s bwd key) two more, rows past the sequence
-exact zeros like the others':
+exact zeros like the others', and P transposed in place of P (the backward's kernel 1 reads
+P^T token-major; nothing else reads the bwd key's P):
 
     tt              (R, HV, 64) bf16      T^T, T = (I + diag(beta) M(k, k))^-1 unscaled: row j
                                           of the chunk is column j of T
     big_g           (R, HV, K) fp32       G = cumsum(g) within the chunk
+    pt              (R, HV, 64) bf16      P^T (instead of p): row j of the chunk is column j of P
+    w, u            (R, HV, K / V) bf16   W = T_beta Kg, u = T_beta V: the bf16 rows t_beta,
+                                          k_g and v (bf16; zero past the sequence) multiplied
+                                          in fp32 per chunk, rounded once (the backward's
+                                          torch bmm before next/kda-wu)
 """
 
 from __future__ import annotations
@@ -121,10 +127,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def kda_chunk_operands(q, k, g, beta, cu_seqlens: torch.Tensor, scale: float, l2norm: bool,
-                       seq_len: int | None = None, bwd: bool = False) -> dict:  # fmt: skip
+                       seq_len: int | None = None, bwd: bool = False,
+                       v: torch.Tensor | None = None) -> dict:  # fmt: skip
     """q, k (T, H, K) 16-bit, g (T, HV, K), beta (T, HV) (fp32 or q's dtype); cu_seqlens
-    (N + 1,) on q's device (never read on the host); seq_len as `chunk_layout`; bwd: tt and
-    big_g too. Returns the dict of the module docstring."""
+    (N + 1,) on q's device (never read on the host); seq_len as `chunk_layout`; bwd: tt,
+    big_g, w and u too (v (T, HV, V) 16-bit, given with bwd only), pt in p's place. Returns
+    the dict of the module docstring."""
+    if bwd != (v is not None):
+        raise ValueError("v is the bwd outputs' input: given with bwd=True, and only then")
     hv = g.shape[1]
     grouped = hv != q.shape[1]
     heads = torch.arange(hv, device=q.device) // (hv // q.shape[1]) if grouped else None
@@ -135,13 +145,15 @@ def kda_chunk_operands(q, k, g, beta, cu_seqlens: torch.Tensor, scale: float, l2
         "k_g": q.new_empty(rows, hv, dk, dtype=OPERAND_DTYPE),
         "k_d": q.new_empty(rows, hv, dk, dtype=OPERAND_DTYPE),
         "t_beta": q.new_empty(rows, hv, CHUNK, dtype=OPERAND_DTYPE),
-        "p": q.new_empty(rows, hv, CHUNK, dtype=OPERAND_DTYPE),
+        ("pt" if bwd else "p"): q.new_empty(rows, hv, CHUNK, dtype=OPERAND_DTYPE),
         "decay": q.new_empty(rows // CHUNK, hv, dk, dtype=torch.float32),
         "first": first,
     }
     if bwd:
         out["tt"] = q.new_empty(rows, hv, CHUNK, dtype=OPERAND_DTYPE)
         out["big_g"] = q.new_empty(rows, hv, dk, dtype=torch.float32)
+        out["w"] = q.new_empty(rows, hv, dk, dtype=OPERAND_DTYPE)
+        out["u"] = q.new_empty(rows, hv, v.shape[-1], dtype=OPERAND_DTYPE)
     qf, kf = q.float(), k.float()
     if l2norm:
         qf, kf = (x / torch.sqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS) for x in (qf, kf))
@@ -156,11 +168,19 @@ def kda_chunk_operands(q, k, g, beta, cu_seqlens: torch.Tensor, scale: float, l2
 
         ops = chunk_operands(rows_of(qf, True), rows_of(kf, True), rows_of(g), rows_of(beta),
                              inverse=unit_lower_inverse, bwd=bwd)  # fmt: skip
-        for name in ("q_g", "k_g", "k_d", "t_beta", "p"):
+        for name in ("q_g", "k_g", "k_d", "t_beta"):
             out[name][a : a + span] = _rows(ops[name])
+        if bwd:
+            out["pt"][a : a + span] = _rows(ops["p"].transpose(-1, -2))
+        else:
+            out["p"][a : a + span] = _rows(ops["p"])
         out["decay"][a // CHUNK : (a + span) // CHUNK] = ops["decay"]
         if bwd:  # rows past the sequence: T's padded diagonal of ones, G_last carried: zeroed
             inside = 1 if part is None else (part >= 0).view(-1, 1, 1)
             out["tt"][a : a + span] = _rows(ops["tt"]) * inside
             out["big_g"][a : a + span] = ops["big_g"].transpose(1, 2).flatten(0, 1) * inside
+            tb = _chunks(out["t_beta"][a : a + span].float())
+            for name, x in (("w", _chunks(out["k_g"][a : a + span].float())),
+                            ("u", rows_of(v.to(OPERAND_DTYPE)))):  # fmt: skip
+                out[name][a : a + span] = _rows(tb @ x)
     return out

@@ -1,0 +1,120 @@
+"""Varlen under a CUDA-graph capture on the linear-attention backwards' kernel paths (Gated
+DeltaNet, Kimi Delta Attention; ops/_linattn_varlen.py `backward_varlen`): one graph captured
+at equal lengths and replayed with cu_seqlens rewritten in place (equal, unequal, equal again)
+equals an eager call on each: EQUAL_IN_CAPTURE on, the batch path and the slot layout each
+behind a conditional node (bit for bit: the replay runs the path the eager call takes); off,
+the slot layout every replay (within the suite's tolerance of the eager batch path). The 4 x
+8192 graph times printed (`-s`): the slot layout, the conditional nodes, eager batch."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import forgekernel
+from forgekernel.ops import _linattn_varlen as varlen
+from forgekernel.runtime.timing import median, time_eager_flushed, time_ms
+
+pytestmark = pytest.mark.gpu
+NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+TOL = 2e-2
+OPS = {
+    "gdn": (importlib.import_module("forgekernel.ops.gated_delta_rule_bwd"),
+            forgekernel.gated_delta_rule_backward),
+    "kda": (importlib.import_module("forgekernel.ops.kda_bwd"),
+            forgekernel.kimi_delta_attention_backward),
+}  # fmt: skip
+
+
+def _problem(op, t, h, hv, n, seed=0):
+    """One row of t tokens (B = 1, the suites' cu_seqlens form) and n sequences' states."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen)
+
+    q = rnd(1, t, h, 128).bfloat16()
+    k = (rnd(1, t, h, 128) * 2.0).bfloat16()
+    v = rnd(1, t, hv, 128).bfloat16()
+    if op == "gdn":
+        g = F.logsigmoid(rnd(1, t, hv) + 2.0)
+    else:
+        g = -torch.rand(1, t, hv, 128, device="cuda", generator=gen)
+    beta = torch.sigmoid(rnd(1, t, hv))
+    do = rnd(1, t, hv, 128).bfloat16()
+    return [q, k, v, g, beta, do], rnd(n, hv, 128, 128) * 0.1, rnd(n, hv, 128, 128) * 0.1
+
+
+def _captured(call):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()  # compile and warm the allocator outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    return graph, out
+
+
+def _close(name, got, want):
+    assert torch.isfinite(got).all(), f"{name}: NaN / inf"
+    err = float((got.double() - want.double()).abs().max())
+    assert err <= TOL * float(want.abs().max()) + 1e-5, (name, err, float(want.abs().max()))
+
+
+@pytest.mark.parametrize("equal_in_capture", [True, False])
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_one_graph_replays_equal_and_unequal_lengths(monkeypatch, op, equal_in_capture):
+    monkeypatch.setattr(varlen, "EQUAL_IN_CAPTURE", equal_in_capture)
+    bwd, backward = OPS[op]
+    monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
+    args, h0, dht = _problem(op, 400, 2, 4, 2, seed=31)
+    cu = torch.tensor([0, 200, 400], dtype=torch.int32, device="cuda")
+    kw = {"initial_state": h0, "d_final_state": dht, "cu_seqlens": cu,
+          "use_qk_l2norm_in_kernel": True}  # fmt: skip
+
+    def call():
+        return backward(*args, **kw)
+
+    graph, captured = _captured(call)
+    for edges in ([0, 200, 400], [0, 137, 400], [0, 64, 400], [0, 200, 400]):
+        cu.copy_(torch.tensor(edges))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = call()  # eager: equal lengths the batch path, unequal the slot layout
+        for name, a, r in zip(NAMES, captured, want):
+            if equal_in_capture or edges[1] != 200:
+                assert torch.equal(a, r), (edges, name)
+            else:
+                _close(name, a, r)
+
+
+@pytest.mark.parametrize(("op", "hv"), [("gdn", 32), ("gdn", 16), ("kda", 16)])
+def test_time_at_bench_size(monkeypatch, op, hv):
+    """4 x 8192 tokens, H 16 (the suites' batch cases in their cu_seqlens form): graph replays
+    in the slot layout (EQUAL_IN_CAPTURE off) and behind the conditional nodes (on), and eager
+    launches on a flushed L2 (the batch path), as the bench times them (printed; the
+    prediction: NOTES "Varlen slots at equal lengths")."""
+    backward = OPS[op][1]
+    args, h0, dht = _problem(op, 4 * 8192, 16, hv, 4, seed=13)
+    cu = torch.arange(5, dtype=torch.int32, device="cuda") * 8192
+    kw = {"initial_state": h0, "d_final_state": dht, "cu_seqlens": cu,
+          "use_qk_l2norm_in_kernel": True}  # fmt: skip
+
+    def call():
+        return backward(*args, **kw)
+
+    eager = median(time_eager_flushed({"fn": call}, reps=10, min_reps=5)["fn"])
+    times = {}
+    for on in (False, True):
+        monkeypatch.setattr(varlen, "EQUAL_IN_CAPTURE", on)
+        samples = time_ms(call, reps=10)  # CUDA-graph replays (the bench's graph timing)
+        assert samples.method == "cuda-graph", samples.note
+        times[on] = median(samples)
+    print(f"\n{op} backward 4 x 8192 h16 hv{hv} bf16, cu_seqlens: graph in slots "
+          f"{times[False]:.2f} ms, graph with conditional nodes {times[True]:.2f} ms, eager "
+          f"{eager:.2f} ms")  # fmt: skip
