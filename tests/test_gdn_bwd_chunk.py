@@ -8,11 +8,10 @@ tests/test_gdn_bwd_kernel_path.py; the GPU twin: tests/gpu/test_gdn_bwd_chunk_gp
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
+from rows_past_valid import past_valid
 
 from forgekernel.reference.delta_rule_bwd import _output_grads, _wy_grads
 from forgekernel.reference.gdn_bwd_chunk import (
@@ -180,36 +179,20 @@ def test_launcher_checks():
 
 def _one_chunk_past_valid(valid, fill):
     """Kernel 2's model (WY variant, fp64) on ONE chunk whose token tiles (dO, q, k, v) hold
-    `valid` rows of a problem and 64 - valid rows of `fill` (None: zeros, the slot layout's
-    packed rows; else a float: 1e4-scale noise, a tail chunk's box reading the next sequence;
-    nan) past them, the masks keyed on `valid` (G and beta `valid` rows long), the
-    intermediates as kernel 0 / 1 leave them past valid (U, dU, W, u zero; T^T identity rows)
-    and dG's rows stashed zero past valid (`_stash_rows`) -> its valid rows of (dq, dk, dG,
-    dv, dbeta)."""
+    `valid` rows of a problem and 64 - valid rows of `fill` past them (`past_valid`: zeros, the
+    slot layout; finite noise, a tail chunk's box reading the next sequence; NaN), the masks
+    keyed on `valid` (G and beta `valid` rows long), the intermediates as kernels 0 / 1 leave
+    them past valid (U, dU, W, u zero; T^T identity rows) and dG's rows stashed zero past valid
+    (`_stash_rows`) -> its valid rows of (dq, dk, dG, dv, dbeta)."""
     f, do, _, h, dh, big_u, d_u, qs, ks, g, v, beta = problem(1, valid, 3, seed=valid)
     tiles = [x.double() for x in chunk_grad_tiles(qs, ks, do, big_u, d_u, h, dh, g, torch.float32)]
     do_t, u_t, du_t, q_t, k_t, h_t, dh_t, big_g = tiles
     tt, w, uw, v_t, beta_t = (x.double() for x in wy_tiles(f, v, beta, torch.float32))
     gen = torch.Generator().manual_seed(99)
-
-    def grown(x, rows):
-        return torch.cat([x, rows.expand(1, CHUNK - valid, *x.shape[2:])], 1)
-
-    def token(x):
-        shape = (1, CHUNK - valid, *x.shape[2:])
-        if fill is None:
-            pad = torch.zeros(shape, dtype=x.dtype)
-        elif math.isnan(fill):
-            pad = torch.full(shape, fill, dtype=x.dtype)
-        else:
-            pad = fill * torch.randn(shape, generator=gen, dtype=x.dtype)
-        return torch.cat([x, pad], 1)
-
-    zero = torch.zeros(1, 1, 1, 1, dtype=torch.float64)
-    do_e, q_e, k_e, v_e = (token(x) for x in (do_t, q_t, k_t, v_t))
-    u_e, du_e, w_e, uw_e = (grown(x, zero) for x in (u_t, du_t, w, uw))
+    do_e, q_e, k_e, v_e = (past_valid(x, fill, gen) for x in (do_t, q_t, k_t, v_t))
+    u_e, du_e, w_e, uw_e = (past_valid(x, None, gen) for x in (u_t, du_t, w, uw))
     eye = torch.eye(CHUNK, dtype=tt.dtype)[valid:].unsqueeze(0).unsqueeze(2)
-    tt_e = grown(tt, eye.expand(1, CHUNK - valid, tt.shape[2], CHUNK))
+    tt_e = torch.cat([tt, eye.expand(1, CHUNK - valid, tt.shape[2], CHUNK)], 1)
     out = chunk_grads_model(do_e, u_e, du_e, q_e, k_e, h_t, dh_t, big_g)
     dq, dk, dg, te, dv, dbeta = wy_grads_model(out, du_e, k_e, h_t, big_g, tt_e, w_e, uw_e, v_e,
                                                beta_t)  # fmt: skip
