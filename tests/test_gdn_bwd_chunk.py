@@ -4,7 +4,9 @@ dG finish `kernel_dg`; the kernel's 16-bit operands rounded as it rounds them) e
 reference/delta_rule_bwd.py's pass 3 (`_output_grads`, and with the WY variant `_wy_grads`;
 dG after its reverse cumsum) exactly in fp64 and within tolerance with bf16 / fp16 tiles, on
 awkward T; the launcher's torch-only checks. The op with both kernels emulated:
-tests/test_gdn_bwd_kernel_path.py; the GPU twin: tests/gpu/test_gdn_bwd_chunk_gpu.py."""
+tests/test_gdn_bwd_kernel_path.py; the GPU twin: tests/gpu/test_gdn_bwd_chunk_gpu.py. And the
+varlen-native plan's premise (next/varlen-native-plan): a tail chunk's rows past its sequence,
+finite, change no valid row under masks keyed on the chunk's valid length."""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 the CPU: its tile emulation (`reference.gdn_bwd_factors.factors_model`) against the torch
 factors it replaces (`_Factors` through `factor_tiles`) in fp64 unrounded, and within the GPU
 tolerance with the kernel's 16-bit operands and outputs (and the forward's tf32 blocked
-inverse, replayed); the layouts kernel 1 and kernel 2 read; the launcher's checks."""
+inverse, replayed); the layouts kernel 1 and kernel 2 read; the launcher's checks; which outputs
+a tail chunk's rows past its sequence reach (next/varlen-native-plan's mask list)."""
 
 from __future__ import annotations
 

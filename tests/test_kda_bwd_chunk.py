@@ -4,7 +4,8 @@ blocks, the kernel's on-chip 16-bit operands rounded as it rounds them) equals
 reference/kda_bwd.py's `_output_grads` (dG after its reverse cumsum within the chunk) in fp64 and
 within tolerance with bf16 / fp16 tiles, on awkward T and strong decay; the launcher's torch-only
 checks. The op with the kernels emulated: tests/test_kda_bwd_kernel_path.py; the GPU twin:
-tests/gpu/test_kda_bwd_chunk_gpu.py."""
+tests/gpu/test_kda_bwd_chunk_gpu.py. And the varlen-native plan's premise: a tail chunk's rows
+past its sequence, finite, change no valid row under masks keyed on the chunk's valid length."""
 
 from __future__ import annotations
 

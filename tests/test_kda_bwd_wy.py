@@ -5,7 +5,7 @@ kernel rounds them) equals reference/kda_bwd.py's `_wy_grads` (dG after its reve
 within the chunk) in fp64 (1e-10) and fp32, and within tolerance with bf16 / fp16 tiles, on
 awkward T, grouped heads and strong decay; the launcher's torch-only checks. The op with the
 kernel emulated: tests/test_kda_bwd_kernel_path.py; the GPU twin:
-tests/gpu/test_kda_bwd_wy_gpu.py."""
+tests/gpu/test_kda_bwd_wy_gpu.py. And the varlen-native plan's premise, as kernel 2's."""
 
 from __future__ import annotations
 
