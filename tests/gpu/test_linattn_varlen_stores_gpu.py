@@ -1,7 +1,8 @@
 """The varlen slot layout with its token gradients written at their token rows
-(ops/_linattn_varlen.py NATIVE_STORES, TEMPORARY: off until this file passes on a GPU; GDN
-kernel 2's `token_rows` key, a candidate build: docs/linear_attention/NOTES.md
-"next/varlen-stores"): every gradient bit for bit the slot path's (the switch off), on unequal
+(ops/_linattn_varlen.py NATIVE_STORES, TEMPORARY: off until this file passes on a GPU; the
+`token_rows` keys of GDN kernel 2, KDA kernel 2 and the KDA WY kernel, candidate builds:
+docs/linear_attention/NOTES.md "next/varlen-stores"), both ops (Gated DeltaNet, Kimi Delta
+Attention): every gradient bit for bit the slot path's (the switch off), on unequal
 lengths (empty, one-token and tail-cut sequences; eager: one host read, then the slot layout)
 and on equal lengths under a capture (the only route of equal lengths into the slot layout),
 one graph replayed with cu_seqlens rewritten in place, the op's out= buffers written in place;
@@ -20,13 +21,18 @@ from forgekernel.runtime.timing import median, time_ms
 
 pytestmark = pytest.mark.gpu
 varlen = importlib.import_module("forgekernel.ops._linattn_varlen")
-bwd = importlib.import_module("forgekernel.ops.gated_delta_rule_bwd")
+OPS = {
+    "gdn": (importlib.import_module("forgekernel.ops.gated_delta_rule_bwd"),
+            forgekernel.gated_delta_rule_backward),
+    "kda": (importlib.import_module("forgekernel.ops.kda_bwd"),
+            forgekernel.kimi_delta_attention_backward),
+}  # fmt: skip
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 MIXES = ([1, 0, 65, 64, 200, 0, 7, 1000], [300, 301, 295, 2], [8192, 5, 130])
 
 
-def _problem(t, h, hv, n, l2norm, seed=0):
-    """GDN's inputs as one row of t tokens (the suites' cu_seqlens form), n states; k unit
+def _problem(op, t, h, hv, n, l2norm, seed=0):
+    """The op's inputs as one row of t tokens (the suites' cu_seqlens form), n states; k unit
     rows where the op does not normalize them (the suites' form)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
 
@@ -37,7 +43,10 @@ def _problem(t, h, hv, n, l2norm, seed=0):
     k = rnd(1, t, h, 128) * 2.0
     k = (k if l2norm else F.normalize(k, dim=-1)).bfloat16()
     v = rnd(1, t, hv, 128).bfloat16()
-    g = F.logsigmoid(rnd(1, t, hv) + 2.0)
+    if op == "gdn":
+        g = F.logsigmoid(rnd(1, t, hv) + 2.0)
+    else:
+        g = -torch.rand(1, t, hv, 128, device="cuda", generator=gen)
     beta = torch.sigmoid(rnd(1, t, hv))
     do = rnd(1, t, hv, 128).bfloat16()
     return [q, k, v, g, beta, do], rnd(n, hv, 128, 128) * 0.1, rnd(n, hv, 128, 128) * 0.1
@@ -57,24 +66,27 @@ def _equal(got, want, label):
 
 @pytest.mark.parametrize("lens", MIXES)
 @pytest.mark.parametrize(("h", "hv", "l2norm"), [(4, 4, False), (2, 4, False), (4, 4, True)])
-def test_native_stores_are_the_slot_path(monkeypatch, lens, h, hv, l2norm):
-    """Eager, unequal lengths (the slot layout): NATIVE_STORES on equals off bit for bit, kernel
-    2 writing the op's dq, dk (HV = H, no l2norm) or the epilogue reading the callers' q, k;
-    nothing unpacked; into out= buffers in place."""
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_native_stores_are_the_slot_path(monkeypatch, op, lens, h, hv, l2norm):
+    """Eager, unequal lengths (the slot layout): NATIVE_STORES on equals off bit for bit, the
+    kernels writing the op's dq, dk (HV = H, no l2norm: GDN kernel 2's both, KDA's WY kernel's
+    dk) or the epilogue reading the callers' q, k; nothing unpacked; into out= buffers in
+    place."""
+    bwd, backward = OPS[op]
     monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
-    args, h0, dht = _problem(sum(lens), h, hv, len(lens), l2norm, seed=len(lens))
+    args, h0, dht = _problem(op, sum(lens), h, hv, len(lens), l2norm, seed=len(lens))
     kw = {"initial_state": h0, "d_final_state": dht, "cu_seqlens": _cu(lens),
           "use_qk_l2norm_in_kernel": l2norm}  # fmt: skip
     monkeypatch.setattr(varlen, "NATIVE_STORES", False)
-    want = forgekernel.gated_delta_rule_backward(*args, **kw)
+    want = backward(*args, **kw)
     unpacked = []
     real = varlen.unpack
     monkeypatch.setattr(varlen, "unpack", lambda *a: unpacked.append(1) or real(*a))
     monkeypatch.setattr(varlen, "NATIVE_STORES", True)
-    _equal(forgekernel.gated_delta_rule_backward(*args, **kw), want, lens)
+    _equal(backward(*args, **kw), want, lens)
     assert unpacked == []
     out = tuple(torch.full_like(x, float("nan")) for x in want)
-    got = forgekernel.gated_delta_rule_backward(*args, out=out, **kw)
+    got = backward(*args, out=out, **kw)
     assert all(a.data_ptr() == o.data_ptr() for a, o in zip(got, out))
     _equal(out, want, (lens, "out="))
 
@@ -92,18 +104,20 @@ def _captured(call):
 
 
 @pytest.mark.parametrize(("h", "hv", "l2norm"), [(2, 4, True), (4, 4, False)])
-def test_one_graph_with_native_stores(monkeypatch, h, hv, l2norm):
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_one_graph_with_native_stores(monkeypatch, op, h, hv, l2norm):
     """One graph each way (switch off, switch on), captured at equal lengths and replayed with
     cu_seqlens rewritten in place (equal, unequal, a tail, equal): every replay's gradients bit
     for bit between the two graphs (both the slot layout; equal lengths reach it only so)."""
+    bwd, backward = OPS[op]
     monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
-    args, h0, dht = _problem(400, h, hv, 2, l2norm, seed=31)
+    args, h0, dht = _problem(op, 400, h, hv, 2, l2norm, seed=31)
     cu = torch.tensor([0, 200, 400], dtype=torch.int32, device="cuda")
     kw = {"initial_state": h0, "d_final_state": dht, "cu_seqlens": cu,
           "use_qk_l2norm_in_kernel": l2norm}  # fmt: skip
 
     def call():
-        return forgekernel.gated_delta_rule_backward(*args, **kw)
+        return backward(*args, **kw)
 
     graphs = {}
     for native in (False, True):
@@ -117,14 +131,15 @@ def test_one_graph_with_native_stores(monkeypatch, h, hv, l2norm):
         _equal(graphs[True][1], graphs[False][1], edges)
 
 
-@pytest.mark.parametrize("hv", [32, 16])
-def test_time_native_stores(monkeypatch, hv):
-    """4 x 8192 tokens, H 16, l2norm off (the bench's gdn_bwd batch cases in their cu_seqlens
-    form): graph replays (the slot layout) with the switch off and on, printed; the two bit
-    for bit. Predicted (NOTES "next/varlen-stores"): on ~0.3 ms (hv32) / ~0.2 ms (hv16) below
-    off (the 2026-12-06 bench: graph 5.94 / 3.16 ms)."""
+@pytest.mark.parametrize(("op", "hv"), [("gdn", 32), ("gdn", 16), ("kda", 16)])
+def test_time_native_stores(monkeypatch, op, hv):
+    """4 x 8192 tokens, H 16, l2norm off (the bench's batch cases in their cu_seqlens form):
+    graph replays (the slot layout) with the switch off and on, printed; the two bit for bit.
+    Predicted (NOTES "next/varlen-stores"): on below off by ~0.36 ms (GDN hv32), ~0.27 (GDN
+    hv16), ~0.45 (KDA hv16) (the 2026-12-06 bench's graph: 5.94 / 3.16 / 6.11 ms)."""
+    bwd, backward = OPS[op]
     monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
-    args, h0, dht = _problem(4 * 8192, 16, hv, 4, False, seed=13)
+    args, h0, dht = _problem(op, 4 * 8192, 16, hv, 4, False, seed=13)
     cu = torch.arange(5, dtype=torch.int32, device="cuda") * 8192
     kw = {"initial_state": h0, "d_final_state": dht, "cu_seqlens": cu}
     times, grads = {}, {}
@@ -133,13 +148,13 @@ def test_time_native_stores(monkeypatch, hv):
         out = tuple(torch.empty_like(x) for x in (*args[:5], h0))
 
         def call(out=out):
-            return forgekernel.gated_delta_rule_backward(*args, out=out, **kw)
+            return backward(*args, out=out, **kw)
 
         samples = time_ms(call, reps=10)  # CUDA-graph replays (the bench's graph timing)
         assert samples.method == "cuda-graph", samples.note
         times[native] = median(samples)
         grads[native] = out
     _equal(grads[True], grads[False], "4 x 8192")
-    print(f"\ngdn backward 4 x 8192 h16 hv{hv} bf16, cu_seqlens at equal lengths, graph in "
+    print(f"\n{op} backward 4 x 8192 h16 hv{hv} bf16, cu_seqlens at equal lengths, graph in "
           f"slots: NATIVE_STORES off {times[False]:.3f} ms, on {times[True]:.3f} ms "
           f"({times[False] - times[True]:+.3f})")  # fmt: skip
