@@ -19,6 +19,11 @@ replayed) and the kernels are listed side by side, per call, the largest differe
 
     python3 scripts/graph_vs_eager_probe.py [--case SUITE:CASE ...] [--form FORM ...]
         [--l2norm] [--reps N] [--calls N] [--top N] [--json PATH] [--list]
+        [--set MODULE.NAME=VALUE ...]
+
+--set as scripts/profile_suite.py's (a temporary A/B switch set before the run, e.g.
+forgekernel.ops._linattn_varlen.NATIVE_STORES=True: the slot layout's gradients written at
+their token rows, NOTES "next/varlen-stores").
 
 ~60 s on an H100 for the defaults once the kernels are built (2 cases x 3 forms).
 """
@@ -67,7 +72,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=15, help="kernels listed a form")
     p.add_argument("--json", type=Path, default=None, help="write every figure here")
     p.add_argument("--list", action="store_true", help="print the cases and forms (no GPU)")
+    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                   help="a module constant set first (profile_suite's; repeatable)")  # fmt: skip
     args = p.parse_args(argv)
+    try:
+        args.set = [profile_suite._setting(spec) for spec in args.set]
+    except ValueError as e:
+        p.error(str(e))
     args.case = args.case or list(DEFAULT_CASES)
     args.form = args.form or list(FORMS)
     if args.reps < 1 or args.calls < 1 or args.top < 1:
@@ -204,6 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     import torch
 
+    profile_suite.apply_settings(args.set)
     device, results = torch.device("cuda"), {}
     for index, (suite_name, case) in enumerate(cases):
         suite = profile_suite.load_suite(suite_name)

@@ -179,6 +179,35 @@ def test_launcher_checks():
         check_wy_inputs(x16, x16, tt, x16, x16, x16, big_g.bfloat16())
 
 
+def test_token_rows_checks():
+    """The `token_rows` key's tables and tokens (`check_tables`, `empty_wy_outputs`): together,
+    B = 1, int32 (NC,); the outputs at the tokens' count; the key flag with wy only."""
+    from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90 import config
+    from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.launch import (
+        check_tables,
+        empty_wy_outputs,
+    )
+
+    tab = torch.zeros(3, dtype=torch.int32)
+    check_tables(None, None, 2, 130)
+    check_tables((tab, tab), 100, 1, 130)  # NC = 3
+    with pytest.raises(ValueError, match="together"):
+        check_tables((tab, tab), None, 1, 130)
+    with pytest.raises(ValueError, match="B = 1"):
+        check_tables((tab, tab), 100, 2, 130)
+    with pytest.raises(ValueError, match="int32"):
+        check_tables((tab, tab[:2]), 100, 1, 130)
+    with pytest.raises(ValueError, match="int32"):
+        check_tables((tab.long(), tab), 100, 1, 130)
+    x16 = torch.zeros(1, 192, 3, 128, dtype=torch.bfloat16)
+    shapes = [tuple(x.shape) for x in empty_wy_outputs(x16, 128, True, True, tokens=100)]
+    assert shapes == [(1, 100, 3, 128), (1, 100, 3, 128), (1, 100, 3), (1, 100, 3, 128),
+                      (1, 100, 3)]  # fmt: skip
+    assert dict(config.params_for("bfloat16", wy=True, token_rows=True))["token_rows"]
+    with pytest.raises(ValueError, match="token_rows needs wy"):
+        config.params_for("bfloat16", token_rows=True)
+
+
 def _one_chunk_past_valid(valid, fill):
     """Kernel 2's model (WY variant, fp64) on ONE chunk whose token tiles (dO, q, k, v) hold
     `valid` rows of a problem and 64 - valid rows of `fill` past them (`past_valid`: zeros, the

@@ -45,6 +45,16 @@ def _small():
     return case, inputs, tuple(gdn_bwd.alloc_out(inputs))
 
 
+def test_set_takes_profile_suites_form():
+    """--set MODULE.NAME=VALUE (profile_suite.py's parser: a Python literal, repeatable);
+    a malformed one is refused by the parser."""
+    args = probe.parse_args(["--set", "forgekernel.ops._linattn_varlen.NATIVE_STORES=True"])
+    assert args.set == [("forgekernel.ops._linattn_varlen", "NATIVE_STORES", True)]
+    assert probe.parse_args([]).set == []
+    with pytest.raises(SystemExit):
+        probe.parse_args(["--set", "NATIVE_STORES"])
+
+
 def test_batched_is_a_view_of_the_suite_form():
     """(1, 3 x 64, ...) -> (3, 64, ...) views of the same memory, no cu_seqlens, the states
     and the state buffer untouched; unequal lengths refused."""

@@ -145,6 +145,46 @@ def test_launcher_dw16_and_out_checks(monkeypatch):
     assert len(keys) == n
 
 
+def test_launcher_token_rows(monkeypatch):
+    """`tables`, `tokens` (the varlen slot layout, NATIVE_STORES): the `token_rows` key, dq, dk,
+    dg at `tokens` rows and dw at the slots' (`empty_outputs`, `check_outputs`), the tables
+    passed after the outputs; the WY launcher likewise (dk, dv, dg, dbeta and dk16's final dk
+    at `tokens` rows); tables without tokens, or B > 1, raise before any launch."""
+    from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90 import launch
+    from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90 import launch as wy
+
+    keys, args = [], []
+
+    def kernel(spec, key):
+        keys.append(dict(key))
+        return lambda *a: args.append(a)
+
+    monkeypatch.setattr(launch, "get_kernel", kernel)
+    monkeypatch.setattr(wy, "get_kernel", kernel)
+    tiles = _launcher_tiles(t=130)  # NC = 3
+    tab = (torch.zeros(3, dtype=torch.int32), torch.zeros(3, dtype=torch.int32))
+    outs = launch.kda_bwd_chunk(*tiles, dw16=True, tables=tab, tokens=100)
+    assert [tuple(x.shape)[1] for x in outs] == [100, 100, 130, 100]
+    assert keys[-1].get("token_rows") is True
+    assert args[-1][-3] is tab[0] and args[-1][-2] is tab[1]
+    launch.kda_bwd_chunk(*tiles, dw16=True)
+    assert "token_rows" not in keys[-1] and args[-1][-3] is None and args[-1][-2] is None
+    n = len(keys)
+    with pytest.raises(ValueError, match="together"):
+        launch.kda_bwd_chunk(*tiles, tables=tab)
+    with pytest.raises(ValueError, match="out's dq must be"):
+        launch.kda_bwd_chunk(*tiles, tables=tab, tokens=100,
+                             out=launch.empty_outputs(tiles[0], 128))  # fmt: skip
+    assert len(keys) == n
+    t16 = torch.zeros(1, 130, 2, 128, dtype=torch.bfloat16)
+    wy_in = (t16, t16, torch.zeros(1, 130, 2, 64, dtype=torch.bfloat16), t16, t16, t16, t16,
+             torch.zeros(1, 130, 2), torch.zeros(1, 130, 2, 128))  # fmt: skip
+    got = wy.kda_bwd_wy(*wy_in, dv16=True, dk16=True, tables=tab, tokens=100)
+    assert [tuple(x.shape)[1] for x in got] == [100, 100, 100, 100]
+    assert keys[-1].get("token_rows") is True
+    assert args[-1][-2] is tab[0] and args[-1][-1] is tab[1]
+
+
 @pytest.mark.parametrize("valid", [1, 37, 63])
 def test_rows_past_valid_change_no_valid_row(valid, monkeypatch):
     """The varlen-native plan's claim for KDA kernel 2 (NOTES "next/varlen-native-plan" section

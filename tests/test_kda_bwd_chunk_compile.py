@@ -56,9 +56,10 @@ class Built(NamedTuple):
 def compiled():
     cache = {}
 
-    def get(dtype, dw16=False, dq16=False):
-        if (dtype, dw16, dq16) not in cache:
-            params = dict(config.params_for(dtype, dw16=dw16, dq16=dq16))
+    def get(dtype, dw16=False, dq16=False, token_rows=False):
+        key = (dtype, dw16, dq16) + (("token_rows",) if token_rows else ())
+        if key not in cache:
+            params = dict(config.params_for(dtype, dw16=dw16, dq16=dq16, token_rows=token_rows))
             kernel = kernel_for(params)
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_kda_bwd_chunk(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
@@ -70,10 +71,9 @@ def compiled():
                 res = inspect_cubin(cubin)
                 sass = sass_text(cubin)
                 unaligned = unaligned_offsets(cubin)
-            cache[dtype, dw16, dq16] = Built(res, sass_instructions(sass),
-                                             kernel.shared_storage.size_in_bytes(), sass,
-                                             unaligned)  # fmt: skip
-        return cache[dtype, dw16, dq16]
+            cache[key] = Built(res, sass_instructions(sass), kernel.shared_storage.size_in_bytes(),
+                               sass, unaligned)  # fmt: skip
+        return cache[key]
 
     return get
 
@@ -120,6 +120,24 @@ def test_dw16_stores_dw_in_16_bits(compiled, dtype):
     assert res["spill_bytes"] == 0 and not [op for op in ops if op.startswith(("LDL", "STL"))]
     if dsl_toolchain() == "cu13":
         assert res["registers"] == REGISTERS[dtype][1]
+
+
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
+def test_token_rows_resources(compiled, dtype):
+    """`token_rows` on the dw16 key (the candidate behind ops/_linattn_varlen.py NATIVE_STORES;
+    NOTES "next/varlen-stores"): dq, dk, dG at the per-slot tables' token rows cost six global
+    loads (two table entries at each of the three store groups) and registers (153 of 168 on
+    2026-12-06, 137 without), nothing spilled; shared memory, products, TMA loads, stores and
+    barriers as the dw16 key's."""
+    res, instrs, smem = compiled(dtype, dw16=True, token_rows=True)[:3]
+    base = compiled(dtype, dw16=True)
+    ops, ops0 = (Counter(op for op, _ in x) for x in (instrs, base.instrs))
+    assert res["registers"] <= config.REGISTERS == 168 and smem == base.smem
+    assert res["spill_bytes"] == 0 and not [op for op in ops if op.startswith(("LDL", "STL"))]
+    assert ops["LDG.E"] == ops0["LDG.E"] + 6
+    for prefix in ("HGMMA", "UTMA", "STG", "STS", "LDS", "BAR", "MUFU"):
+        assert {o: x for o, x in ops.items() if o.startswith(prefix)} == {
+            o: x for o, x in ops0.items() if o.startswith(prefix)}, prefix  # fmt: skip
 
 
 # CI: the first dtype's compile, read by this test and the next two; the other's is slow (~7 s

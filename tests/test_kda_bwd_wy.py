@@ -194,7 +194,8 @@ def test_launcher_checks_out(monkeypatch):
             launch.kda_bwd_wy(*tiles, out=tuple(shifted))
     assert launched == []
     launch.kda_bwd_wy(*tiles, out=launch.empty_outputs(tiles[0], 128))
-    assert launched == [14]  # 7 tiles, beta, G, 4 outputs, the final dk (dk itself without dk16)
+    # 7 tiles, beta, G, 4 outputs, the final dk (dk itself without dk16), the tables (None)
+    assert launched == [16]
 
 
 def test_launcher_accumulates_into_dk_and_dg(monkeypatch):
@@ -204,8 +205,8 @@ def test_launcher_accumulates_into_dk_and_dg(monkeypatch):
     from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90 import launch
 
     seen = []
-    # the kernel's last argument: the final dk (dk itself without dk16)
-    monkeypatch.setattr(launch, "get_kernel", lambda *a: lambda *b: seen.append(b[-5:-1]))
+    # the kernel's outputs: (dk, dv, dg, dbeta) before the final dk and the two tables (None)
+    monkeypatch.setattr(launch, "get_kernel", lambda *a: lambda *b: seen.append(b[-7:-3]))
     tiles = _tiles()
     dk, dv, dg, dbeta = launch.empty_outputs(tiles[0], 128)
     assert not dk.any() and not dg.any()

@@ -54,9 +54,10 @@ SMEM = 196608 + 3 * 2 * 128 * 4  # warpgroup 1's row-dot partials after the tabl
 def compiled():
     cache = {}
 
-    def get(dtype, dv16=False, dk16=False, flow=False):
-        if (dtype, dv16, dk16) not in cache:
-            params = dict(config.params_for(dtype, dv16=dv16, dk16=dk16))
+    def get(dtype, dv16=False, dk16=False, flow=False, token_rows=False):
+        key = (dtype, dv16, dk16) + (("token_rows",) if token_rows else ())
+        if key not in cache:
+            params = dict(config.params_for(dtype, dv16=dv16, dk16=dk16, token_rows=token_rows))
             kernel = kernel_for(params)
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_kda_bwd_wy(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
@@ -70,8 +71,8 @@ def compiled():
                 # the barrier pin's inputs (`test_barriers_one_site`)
                 pins = (sass, unaligned_offsets(cubin), indirect_targets(cubin))
             smem = kernel.shared_storage.size_in_bytes()
-            cache[dtype, dv16, dk16] = (res, sass_instructions(sass), smem, pins)
-        found = cache[dtype, dv16, dk16]
+            cache[key] = (res, sass_instructions(sass), smem, pins)
+        found = cache[key]
         return found if flow else found[:3]
 
     return get
@@ -251,3 +252,23 @@ def test_barriers_one_site(compiled, dtype):
     assert sorted((b.barrier, b.kind) for b in dots) == [
         (f"0x{i:x}", kind) for i in (6, 7, 8) for kind in ("ARV", "SYNC")
     ]
+
+
+@pytest.mark.parametrize("dk16", [False, True])
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
+def test_token_rows_resources(compiled, dtype, dk16):
+    """`token_rows` on the dv16 (+ dk16) keys (the candidates behind ops/_linattn_varlen.py
+    NATIVE_STORES; NOTES "next/varlen-stores"): dk, dv, dG, dbeta at the per-slot tables' token
+    rows cost twelve global loads (two table entries at each of six row groups: dk's L2
+    prefetch, dv, dbeta, dk's two adds, dG's bulk reduce-adds) and registers (166 / 168 of 168
+    on 2026-12-06, 139 / 165 without: dk16's at the cap), nothing spilled; shared memory,
+    products, TMA loads, stores, bulk ops and barriers as without."""
+    res, instrs, smem = compiled(dtype, dv16=True, dk16=dk16, token_rows=True)
+    _, base, smem0 = compiled(dtype, dv16=True, dk16=dk16)
+    ops, ops0 = (Counter(op for op, _ in x) for x in (instrs, base))
+    assert res["registers"] <= config.REGISTERS == 168 and smem == smem0
+    assert res["spill_bytes"] == 0 and not [op for op in ops if op.startswith(("LDL", "STL"))]
+    assert ops["LDG.E"] == ops0["LDG.E"] + 12
+    for prefix in ("HGMMA", "UTMA", "UBLK", "STG", "STS", "LDS", "LDG.E.64", "BAR", "MUFU"):
+        assert {o: x for o, x in ops.items() if o.startswith(prefix)} == {
+            o: x for o, x in ops0.items() if o.startswith(prefix)}, prefix  # fmt: skip

@@ -155,6 +155,61 @@ def test_slot_tables(lens):
     assert [owned[i] for i in order] == sorted(owned, reverse=True)
 
 
+@pytest.mark.parametrize("lens", LENGTHS)
+def test_per_slot_tables(lens):
+    """`slot_tables` (the KDA forward's `device_tables` over the owned slots, no host read):
+    every slot's first token and token count, int32 (S,); token i at slot s, row r of the
+    layout (`packed_rows`) is starts[s] + r with r < lengths[s], the lengths sum to T (every
+    token once), a slot no token fills has length 0. With `tables` the layout carries them,
+    without it None (the landed path builds none)."""
+    edges = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    cu = torch.tensor(edges, dtype=torch.int32)
+    t = edges[-1]
+    slots = varlen.slot_layout(cu, t, tables=True)
+    assert varlen.slot_layout(cu, t).starts is None
+    starts, lengths = slots.starts, slots.lengths
+    assert starts.dtype == lengths.dtype == torch.int32
+    assert starts.shape == lengths.shape == (slots.count,)
+    s, r = slots.rows // 64, slots.rows % 64
+    assert torch.equal(starts.long()[s] + r, torch.arange(t))
+    assert bool((r < lengths.long()[s]).all()) and int(lengths.sum()) == t
+    assert bool(((lengths >= 0) & (lengths <= 64)).all())
+    filled = torch.zeros(slots.count, dtype=torch.bool)
+    filled[s] = True
+    assert torch.equal(lengths > 0, filled)
+
+
+def test_run_in_slots_takes_token_rows_as_they_are(monkeypatch):
+    """`run_in_slots` with `stores` and NATIVE_STORES: `run` gets the tables and `out=` the
+    buffers; a gradient it returns at the T token rows is taken as it is (in its buffer, or
+    copied there), one in the slot layout unpacked as before; `stores` alone or the switch
+    alone change nothing (no tables, no out=)."""
+    lens = [5, 0, 130, 64, 1, 66]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    x, y, do = torch.randn(266, 3), torch.randn(266, 2), torch.randn(266, 3)
+    seen = []
+
+    def run(x, y, do, state, slots, out=None):
+        seen.append((slots.starts is not None, out is not None))
+        if out is None:
+            return x * 2, y + 1, state
+        gx = out[0] if out[0] is not None else x.new_empty(266, 3)
+        gx[...] = varlen.unpack(x, slots) * 2  # the caller's rows, written natively
+        return gx, y + 1, state  # y's in the slot layout: unpacked
+
+    state = torch.randn(len(lens), 4)
+    for native, stores in ((False, True), (True, False), (True, True)):
+        monkeypatch.setattr(varlen, "NATIVE_STORES", native)
+        seen.clear()
+        out = (torch.empty(266, 3), torch.empty(266, 2), torch.empty(len(lens), 4))
+        gx, gy, gs = varlen.run_in_slots(run, (x, y, do), (state,), cu, out, stores)
+        assert seen == [(native and stores,) * 2]
+        assert gx is out[0] and gy is out[1] and gs is out[2]
+        assert torch.equal(gx, x * 2) and torch.equal(gy, y + 1) and torch.equal(gs, state)
+    gx, gy, _ = varlen.run_in_slots(run, (x, y, do), (state,), cu, None, True)
+    assert torch.equal(gx, x * 2) and torch.equal(gy, y + 1)
+
+
 @pytest.mark.parametrize("lens", LENGTHS[:10])
 def test_pack_round_trip(lens):
     """`pack` puts every token at its row and zero everywhere else; `unpack` brings back the

@@ -34,6 +34,7 @@ from typing import NamedTuple
 import torch
 
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import first_slot, t_slots
+from forgekernel.kernels.linear_attention.kda_prefill.sm90.launch import device_tables
 from forgekernel.ops._dispatch import capturing
 
 CHUNK = 64  # the kernels' chunk (tokens)
@@ -123,6 +124,14 @@ def run_in_buckets(
     return (*grads, d_state)
 
 
+# TEMPORARY until its device A/B (docs/linear_attention/NOTES.md "next/varlen-stores"). True: an
+# op whose slot-layout run can write its token gradients at their token rows (`run_in_slots`'
+# `stores`: GDN's, kernel 2's `token_rows` key) gets the per-slot tables (`Slots.starts`,
+# `lengths`) and the callers' out buffers, and only what it returns in the slot layout is
+# unpacked. False: every token gradient unpacked (the landed path).
+NATIVE_STORES = False
+
+
 class Slots(NamedTuple):
     """The slot layout of one varlen call (module docstring), all on the device."""
 
@@ -131,6 +140,10 @@ class Slots(NamedTuple):
     rows: torch.Tensor  # int64 (T,): token i's row in the layout
     pad: torch.Tensor  # int64 (C S - T,): the rows no token fills
     count: int  # S = T // C + N slots (from the shapes alone)
+    # `slot_tables` (NATIVE_STORES' runs only, else None): int32 (S,) each slot's first token and
+    # its tokens (0 on a slot no token fills)
+    starts: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
 
 
 def packed_rows(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -170,12 +183,27 @@ def longest_first(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return torch.argsort(owned_slots(cu_seqlens), descending=True, stable=True).to(torch.int32)
 
 
-def slot_layout(cu_seqlens: torch.Tensor, tokens: int) -> Slots:
-    """The layout of `tokens` tokens behind cu_seqlens (N + 1,): no host read."""
+def slot_tables(cu_seqlens: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(starts, lengths) int32 (S,) of the slot layout (S = `count`): slot s of sequence n (s -
+    first_slot(bos_n, n) = c) starts at token bos_n + C c and holds min(eos_n - that, C) tokens,
+    0 past them. The KDA forward's chunk tables (kda_prefill launch.py `device_tables`) over
+    each sequence's owned slots instead of ceil(len / C) chunks: the exclusive sum of
+    `owned_slots` is first_slot(bos_n, n) (their sum is S: the slots partition). No host read.
+    Token i at slot s, row r: packed row C s + r (`packed_rows`), i = starts[s] + r."""
+    cu = cu_seqlens.to(torch.int32).contiguous()
+    _, starts, lengths = device_tables(cu, count, owned_slots(cu).to(torch.int32))
+    return starts, lengths
+
+
+def slot_layout(cu_seqlens: torch.Tensor, tokens: int, tables: bool = False) -> Slots:
+    """The layout of `tokens` tokens behind cu_seqlens (N + 1,): no host read; `tables`: with
+    the per-slot tables (`slot_tables`)."""
     cu = cu_seqlens.to(torch.int32).contiguous()
     n = cu.shape[0] - 1
-    return Slots(cu, longest_first(cu), packed_rows(cu, tokens), pad_rows(cu, tokens),
-                 t_slots(tokens, n))  # fmt: skip
+    count = t_slots(tokens, n)
+    starts, lengths = slot_tables(cu, count) if tables else (None, None)
+    return Slots(cu, longest_first(cu), packed_rows(cu, tokens), pad_rows(cu, tokens), count,
+                 starts, lengths)  # fmt: skip
 
 
 # The integer words `pack` / `unpack` copy a row in, widest first: torch's index kernels move one
@@ -233,12 +261,20 @@ def unpack(x: torch.Tensor, slots: Slots, out: torch.Tensor | None = None) -> to
     return out
 
 
+def into(out: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """x, copied into `out` where given and not already there."""
+    if out is None or (x.data_ptr() == out.data_ptr() and x.stride() == out.stride()):
+        return x if out is None else out
+    return out.copy_(x)
+
+
 def run_in_slots(
     run: Callable[..., Grads],
     tokens: Sequence[torch.Tensor],
     states: Sequence[torch.Tensor | None],
     cu_seqlens: torch.Tensor,
     out: Sequence[torch.Tensor | None] | None = None,
+    stores: bool = False,
 ) -> Grads:
     """`run(*packed_tokens, *states, slots)` once on the slot layout (module docstring):
     `tokens` the flat (T, ...) inputs (their gradients, in the same order, are `run`'s first
@@ -246,13 +282,19 @@ def run_in_slots(
     `run` returns the token gradients (S C, ...) in the slot layout and the state gradient (N,
     ...); returned: the token gradients gathered back to the callers' rows and the state
     gradient, into `out` (the flat token gradients' buffers and the state's, each may be None)
-    where given."""
-    slots = slot_layout(cu_seqlens, tokens[0].shape[0])
-    res = run(*(pack(x, slots) for x in tokens), *states, slots)
+    where given. `stores` (with NATIVE_STORES): `run` can write token gradients at their token
+    rows: it gets `slots` with the per-slot tables and `out=` the buffers, and a gradient it
+    returns with T rows (never S C: S C > T) is taken as it is (in its buffer), only the
+    others unpacked."""
+    t = tokens[0].shape[0]
+    native = stores and NATIVE_STORES
+    slots = slot_layout(cu_seqlens, t, tables=native)
     given = list(out) if out is not None else [None] * len(tokens)
-    grads = [unpack(g, slots, o) for g, o in zip(res[:-1], given)]
-    d_state = res[-1] if given[-1] is None else given[-1].copy_(res[-1])
-    return (*grads, d_state)
+    kw = {"out": given} if native else {}
+    res = run(*(pack(x, slots) for x in tokens), *states, slots, **kw)
+    grads = [into(o, g) if g.shape[0] == t else unpack(g, slots, o)
+             for g, o in zip(res[:-1], given)]  # fmt: skip
+    return (*grads, into(given[-1], res[-1]))
 
 
 def backward_varlen(
@@ -262,6 +304,7 @@ def backward_varlen(
     cu_seqlens: torch.Tensor,
     out: Sequence[torch.Tensor | None] | None = None,
     in_slots: Callable[..., Grads] | None = None,
+    stores: bool = False,
 ) -> Grads | None:
     """Both ops' varlen backward on their kernel paths. Under a CUDA-graph capture: one call of
     `in_slots` (`run_in_slots`, whatever the lengths; the caller refuses the capture first
@@ -269,9 +312,9 @@ def backward_varlen(
     of `run` on the tokens as they are (a reshape, no copy), unequal ones `in_slots` where
     given, else `run` in buckets (`run_in_buckets`); None (the caller's interim path) when no
     sequence has a token. `run`, `tokens`, `states`, `out` as `run_in_buckets`' (`run` takes
-    `out` as a keyword); `in_slots` as `run_in_slots`' `run`."""
+    `out` as a keyword); `in_slots`, `stores` as `run_in_slots`' `run`, `stores`."""
     if in_slots is not None and capturing(tokens[0]):
-        return run_in_slots(in_slots, tokens, states, cu_seqlens, out)
+        return run_in_slots(in_slots, tokens, states, cu_seqlens, out, stores)
     edges = [int(e) for e in cu_seqlens.tolist()]
     lens = [z - a for a, z in zip(edges[:-1], edges[1:])]
     if max(lens) == 0:
@@ -279,5 +322,5 @@ def backward_varlen(
     if all(x == lens[0] for x in lens):
         return run(*tokens, *states, len(lens), out=out)
     if in_slots is not None:
-        return run_in_slots(in_slots, tokens, states, cu_seqlens, out)
+        return run_in_slots(in_slots, tokens, states, cu_seqlens, out, stores)
     return run_in_buckets(run, tokens, states, edges, out)

@@ -358,17 +358,19 @@ def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots=
     return dq, dk + dk_wy, dv, dg + dg_wy, dbeta, dh0
 
 
-def _wy_buffers(do, kd, dg, dv, dbeta, dq=None, dk=None):
+def _wy_buffers(do, kd, dg, dv, dbeta, dq=None, dk=None, tokens=None):
     """Kernel 2's (WY, dv16) five outputs: dq, dk, dg, dv, dbeta the given buffers, the rest
     (and any None) new: dq, dk (B, T, HV, K) fp32 (QK16: do's dtype), dg, dbeta (B, T, HV)
-    fp32, dv do's shape and dtype."""
-    b, t, hv, _ = do.shape
+    fp32, dv do's shape (T = `tokens` where given: the token rows of the slot layout's
+    `token_rows` outputs) and dtype."""
+    b, t, hv, vd = do.shape
+    t = t if tokens is None else tokens
     f32 = {"dtype": torch.float32, "device": do.device}
     qk = {"dtype": do.dtype if QK16 else torch.float32, "device": do.device}
     return (torch.empty(b, t, hv, kd, **qk) if dq is None else dq,
             torch.empty(b, t, hv, kd, **qk) if dk is None else dk,
             torch.empty(b, t, hv, **f32) if dg is None else dg,
-            torch.empty(do.shape, dtype=do.dtype, device=do.device) if dv is None else dv,
+            torch.empty(b, t, hv, vd, dtype=do.dtype, device=do.device) if dv is None else dv,
             torch.empty(b, t, hv, **f32) if dbeta is None else dbeta)  # fmt: skip
 
 
@@ -421,6 +423,18 @@ def side_by_side_states(slots, b: int, hv: int, device: torch.device) -> bool:
     return slots is not None or concurrent_state_launches(b, hv, _device_sms(device))
 
 
+def native(slots) -> bool:
+    """The slot layout's run writes its token gradients at their token rows: `slots` carries
+    the per-slot tables (ops/_linattn_varlen.py NATIVE_STORES, given where `stores_natively`)."""
+    return slots is not None and slots.starts is not None
+
+
+def stores_natively() -> bool:
+    """Kernel 2 has the `token_rows` form here: the device pass with QK16 and FSPLIT (the
+    256-thread dqk16 key with `token_rows` spills: 16 bytes, NOTES "next/varlen-stores")."""
+    return _slots_path() and QK16 and FSPLIT
+
+
 def pass_tokens(b: int, t: int, slots) -> int:
     """The tokens a pass of heads counts against TOKEN_HEADS_PER_PASS: B T, or in the varlen
     slot layout the callers' tokens (its zero rows, fewer than 64 N, left out: the suites'
@@ -439,7 +453,9 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots
     dg, dbeta, dh0) contiguous buffers (or None each) kernel 2 / kernel 1 write directly (dq,
     dk only with q_scale). q_scale (QK16, `_folds`): kernel 2's 16-bit dq times it, dq and dk
     the op's gradients (no epilogue). slots: the varlen slot layout (B = 1 over its S C
-    rows, h0 / dht / dh0 (N, HV, K, V)): kernel 1's varlen form, side by side."""
+    rows, h0 / dht / dh0 (N, HV, K, V)): kernel 1's varlen form, side by side; with its
+    per-slot tables (`native`) kernel 2 writes dq, dk, dv, dg, dbeta at their T token rows
+    (the `token_rows` key; `into` those rows' buffers)."""
     t, device = qs.shape[1], qs.device
     # the fused kernel walks B equal sequences; the varlen slot layout takes today's path
     if slots is None and _fused_selected(do.shape[0], do.shape[2], device):
@@ -469,11 +485,15 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots
     k2 = for_kernel2(out, t)
     wide = beta.to(torch.promote_types(beta.dtype, torch.float32))
     tiles = (do, cut(u16, 1, slice(None, t)), du16, qs, ks, h16, dh16, k2["big_g"])
+    rows = {}  # the slot layout's outputs at their token rows (`native`)
+    if native(slots):
+        rows = {"tables": (slots.starts, slots.lengths), "tokens": slots.rows.shape[0]}
     wy_out = None if into is None else _wy_buffers(do, qs.shape[-1], dg_o, dv_o, dbeta_o, dq_o,
-                                                   dk_o)  # fmt: skip
+                                                   dk_o, rows.get("tokens"))  # fmt: skip
     flags = {"dqk16": True, "scale": 1.0 if q_scale is None else q_scale} if QK16 else {}
     if QK16 and FSPLIT:
         flags["fsplit"] = True
+    flags.update(rows)
     dq, dk, dg, dv, dbeta = _chunk_grads_wy(*tiles, k2["tt"], k2["w"], k2["u"], v, wide,
                                             dv16=True, **flags, **given(out=wy_out))  # fmt: skip
     return dq, dk, dv, dg, dbeta, dh0
@@ -593,7 +613,7 @@ def _joined(parts, i, out):
 
 
 def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b, out=None,
-                     k_last=False, slots=None) -> Grads:  # fmt: skip
+                     k_last=False, slots=None, token_qk=None) -> Grads:  # fmt: skip
     """`_backward_kernel` on the device path with 16-bit kernel-1 outputs: q / k normalized,
     scaled and converted at H heads (`_normalized`), read there by kernels 0 and 2 (value head
     hv: head hv // (HV / H); no repeated copy), v and do passed as they are (strided head
@@ -604,12 +624,18 @@ def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b, out=None,
     a copy only where the dtype or layout differs (beta in 16 bits, k_last's dh0). Without
     l2norm and with HV = H (`_folds`) kernel 2 writes dq (times the scale) and dk themselves
     in 16 bits: no epilogue launch. slots: the varlen slot layout the tokens are in (b = 1;
-    `_device_pass`)."""
+    `_device_pass`); with its tables (`native`) the token gradients come back at the callers'
+    T token rows (`out` those rows' buffers), the epilogue reading `token_qk`, the callers' q,
+    k (T, H, K)."""
     h, hv, dtype = q.shape[1], v.shape[1], do.dtype
     t, group = q.shape[0] // b, hv // h
+    rows = slots.rows.shape[0] if native(slots) else t  # the gradients' tokens a sequence
 
     def seq(x):
         return x.reshape(b, t, *x.shape[1:])
+
+    def seq_out(x):
+        return x.reshape(b, rows, *x.shape[1:])
 
     qs = _normalized(seq(q), scale, l2norm, dtype)
     ks = _normalized(seq(k), 1.0, l2norm, dtype)
@@ -619,7 +645,7 @@ def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b, out=None,
     one = len(heads) == 1
     f32 = torch.float32
     fold = _folds(l2norm, group, q, k, dtype)
-    into = _pass_buffers(out, seq, (dtype, f32, f32, f32), k_last, fold) if one else None
+    into = _pass_buffers(out, seq_out, (dtype, f32, f32, f32), k_last, fold) if one else None
     parts = []
     for first in heads:  # passes over heads, not chunks
         qh, vh = slice(first, first + step), slice(first * group, (first + step) * group)
@@ -629,7 +655,7 @@ def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b, out=None,
         parts.append(_chunk_pass(cut(qs, 2, qh), cut(ks, 2, qh), *(cut(x, 2, vh) for x in v_side),
                                  *states, into=into,
                                  q_scale=scale if fold else None, slots=slots))  # fmt: skip
-    outs = (None,) * 6 if out is None else (*(None if o is None else seq(o) for o in out[:5]),
+    outs = (None,) * 6 if out is None else (*(None if o is None else seq_out(o) for o in out[:5]),
                                            None if k_last else out[5])  # fmt: skip
     if fold:  # kernel 2 wrote the op's dq, dk (16-bit, scaled): no epilogue
         dq, dk = (_joined(parts, i, outs[i]) for i in (0, 1))
@@ -639,20 +665,22 @@ def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b, out=None,
     del parts
     if not fold:
         epilogue = _qk_grads if NORM_IN_KERNEL else _normalized_backward
-        dq = epilogue(dqs, seq(q), scale, l2norm, **given(out=outs[0]))
-        dk = epilogue(dks, seq(k), 1.0, l2norm, **given(out=outs[1]))
+        xq, xk = (seq(q), seq(k)) if token_qk is None else (seq_out(x) for x in token_qk)
+        dq = epilogue(dqs, xq, scale, l2norm, **given(out=outs[0]))
+        dk = epilogue(dks, xk, 1.0, l2norm, **given(out=outs[1]))
     return (*(x.flatten(0, 1) for x in (dq, dk, dv, dg, dbeta)), dh0)
 
 
 def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, k_last, l2norm,
-                     batch, out=None, slots=None) -> Grads:  # fmt: skip
+                     batch, out=None, slots=None, token_qk=None) -> Grads:  # fmt: skip
     """The backward on kernel 1 (see the module docstring): flat tensors as
     `_backward_interim`'s holding `batch` sequences of equal length. Grouped heads: q / k
     (normalized, scaled) repeated to the value heads before the factors (kernel 1 and every
     factor are per value head), dq / dk summed over each group of HV / H value heads after;
     value heads in passes of TOKEN_HEADS_PER_PASS token-heads (two kernel launches a pass) to
     bound the fp32 temporaries. slots (with batch 1): the tokens in the varlen slot layout
-    (ops/_linattn_varlen.py), the states (N, ...): the device pass only (`_slots_path`)."""
+    (ops/_linattn_varlen.py), the states (N, ...): the device pass only (`_slots_path`);
+    token_qk: `_backward_device`'s (the slot layout's tables given)."""
     b, h, hv = batch, q.shape[1], v.shape[1]
     t, group = q.shape[0] // b, hv // h
     h0 = _to_kv(initial_state, k_last)
@@ -660,7 +688,7 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, k_last
     likes = (q, k, v, g, beta)
     if _on_device() and STATES16:
         grads = _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b, out, k_last,
-                                 slots)  # fmt: skip
+                                 slots, token_qk)  # fmt: skip
         return written(out, (*grads[:5], _to_kv(grads[5], k_last)), likes)
     if slots is not None:
         raise ValueError("the slot layout (varlen) is the device pass's")
@@ -704,12 +732,15 @@ def _backward_varlen(q, k, v, g, beta, initial_state, do, d_final, scale, k_last
     def run(q, k, v, g, beta, do, h0, dht, n, out=None):
         return _backward_kernel(q, k, v, g, beta, h0, do, dht, scale, k_last, l2norm, n, out)
 
-    def run_slots(q, k, v, g, beta, do, h0, dht, slots):
-        return _backward_kernel(q, k, v, g, beta, h0, do, dht, scale, k_last, l2norm, 1,
-                                slots=slots)  # fmt: skip
+    def run_slots(qp, kp, v, g, beta, do, h0, dht, slots, out=None):
+        # with the tables (`native`): the gradients at the callers' rows, the epilogue on q, k
+        token_qk = (q, k) if native(slots) else None
+        return _backward_kernel(qp, kp, v, g, beta, h0, do, dht, scale, k_last, l2norm, 1, out,
+                                slots, token_qk)  # fmt: skip
 
     return backward_varlen(run, (q, k, v, g, beta, do), (initial_state, d_final), cu_seqlens,
-                           out, run_slots if in_slots else None)  # fmt: skip
+                           out, run_slots if in_slots else None,
+                           in_slots and stores_natively())  # fmt: skip
 
 
 def _slots_path() -> bool:

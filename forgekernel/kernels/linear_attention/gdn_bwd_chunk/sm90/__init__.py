@@ -37,12 +37,21 @@ def _standard_params() -> list[Params]:
     ]
 
 
+def _candidate_params() -> list[Params]:
+    # the varlen slot layout's outputs at their token rows (`token_rows`: ops/_linattn_varlen.py
+    # NATIVE_STORES, off until its device A/B): the op's default form (dv16, dqk16, fsplit)
+    return [params_for(dtype, wy=True, grouped=g, dv16=True, dqk16=True, fsplit=True,
+                       token_rows=True)
+            for dtype in DTYPES for g in (False, True)]  # fmt: skip
+
+
 SPEC = KernelSpec(
     name="gdn_bwd_chunk_sm90",
     arch="sm_90a",
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
+    candidate_params=_candidate_params,
 )
 
 __all__ = ["SPEC", "params_for"]

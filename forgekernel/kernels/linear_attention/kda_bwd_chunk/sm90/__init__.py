@@ -29,12 +29,19 @@ def _standard_params() -> list[Params]:
     return [params_for(dtype, **f) for f in flags for dtype in DTYPES]
 
 
+def _candidate_params() -> list[Params]:
+    # the varlen slot layout's dq, dk, dG at their token rows (`token_rows`: ops/_linattn_varlen.py
+    # NATIVE_STORES, off until its device A/B): the device pass's dw16 form
+    return [params_for(dtype, dw16=True, token_rows=True) for dtype in DTYPES]
+
+
 SPEC = KernelSpec(
     name="kda_bwd_chunk_sm90",
     arch="sm_90a",
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
+    candidate_params=_candidate_params,
 )
 
 __all__ = ["SPEC", "params_for"]

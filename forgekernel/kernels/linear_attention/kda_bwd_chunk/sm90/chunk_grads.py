@@ -81,6 +81,7 @@ from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.chunk_grads import 
     GdnBwdChunkSm90,
     _kvchb,
     _tdhb,
+    _token_rows,
 )
 from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.config import STATE_TILES
 from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90.config import (
@@ -136,8 +137,9 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
     load_groups = LOAD_GROUPS
     threads = THREADS
 
-    def __init__(self, k: int, v: int):
+    def __init__(self, k: int, v: int, token_rows: bool = False):
         super().__init__(k, v, wy=False)
+        self.token_rows = token_rows  # dq, dk, dG at the per-slot tables' rows (`_token_rows`)
         # the per-channel fp32 tables, (rows of K floats): r_I, e^(r_I), e^(G_C - r_J), E_(I, J)
         # (I > J), te's warp partials, rowsum(h o dh); then dP's diagonal (C floats)
         self.t_r, self.t_er, self.t_gr = 0, NS, 2 * NS
@@ -184,6 +186,8 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         mDK: cute.Tensor,
         mDW: cute.Tensor,
         mDG: cute.Tensor,
+        mStarts: cute.Tensor | None,
+        mLens: cute.Tensor | None,
         scale: Float32,
         stream: cuda.CUstream,
     ):
@@ -194,7 +198,11 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         mDQ in the tiles' 16-bit dtype (`dq16`): q read unscaled, `scale` (the op's q scale)
         applied in registers to every product of q ((q el), dP_jj q_j, q o dq) and to dq
         before its one rounding: dq = scale dL/d(q scale), the op's dq itself; fp32 dq
-        ignores `scale` (q comes scaled)."""
+        ignores `scale` (q comes scaled). `token_rows`: mStarts, mLens int32 (NC,) the per-slot
+        tables: dq, dk, dG (B, T', ...) written at token mStarts[c] + row for row < mLens[c]
+        (Gated DeltaNet kernel 2's `token_rows`), dw and the inputs at the slots; else None."""
+        if const_expr(self.token_rows != (mStarts is not None)):
+            raise TypeError("mStarts, mLens: given with token_rows, and only then")
         if const_expr(mDW.element_type != Float32 and mDW.element_type != mDO.element_type):
             raise TypeError(f"dw must be fp32 or the tiles' dtype, got {mDW.element_type}")
         if const_expr(mDQ.element_type != Float32 and mDQ.element_type != mDO.element_type):
@@ -240,7 +248,9 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         nc = (mDO.shape[1] + CHUNK - 1) // CHUNK
         mmas = (self.mma_w, self.mma_s, self.mma_q, self.mma_k)
         layouts = (self.sT_layout, self.sH_layout, self.sP_layout, self.sB_layout)
-        self.kernel(*atoms_and_views, mG, mDQ, mDK, mDW, mDG, scale, *mmas, *layouts).launch(
+        self.kernel(
+            *atoms_and_views, mG, mDQ, mDK, mDW, mDG, mStarts, mLens, scale, *mmas, *layouts
+        ).launch(
             grid=(nc, mDO.shape[2], mDO.shape[0]),
             block=[self.threads, 1, 1],
             min_blocks_per_mp=1,
@@ -269,6 +279,8 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         mDK: cute.Tensor,
         mDW: cute.Tensor,
         mDG: cute.Tensor,
+        mStarts: cute.Tensor | None,
+        mLens: cute.Tensor | None,
         scale: Float32,
         mma_w: cute.TiledMma,
         mma_s: cute.TiledMma,
@@ -317,6 +329,7 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
 
         c, hv, b = cute.arch.block_idx()
         seqlen = mDO4.shape[0]
+        tables = (mStarts, mLens) if const_expr(self.token_rows) else None
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         if wg == 0:
             if warp_idx == PRODUCER_WARP:
@@ -331,6 +344,7 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
             self._math(
                 mma_w, mma_s, mma_q, mma_k, sDO, sU, sDU, sQ, sK, sH, sDH, sP, sKr, sQl, sG,
                 sRows, sTab, mG, mDQ, mDK, mDW, mDG, bars, c, hv, b, seqlen, scale, wg - 1,
+                tables,
             )  # fmt: skip
 
     @cute.jit
@@ -382,21 +396,30 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         operand's half (MN-major), unstaged."""
         return cute.local_tile(transposed(s_tile)[None, None, 0], (self.half, CHUNK), (kh, 0))
 
-    def _half_rows(self, mma, mX, tid, b, hv, c, kh):
+    def _half_rows(self, mma, mX, tid, b, hv, c, kh, at=None):
         """This thread's (rows, columns) partition of x[b, tokens of chunk c, hv, channels
-        [64 kh, +64)] (B, T, HV, K) global: a math warpgroup's (C, 64) accumulator's place."""
-        tile = cute.local_tile(mX[b, None, hv, None], (CHUNK, self.half), (c, kh))
+        [64 kh, +64)] (B, T, HV, K) global: a math warpgroup's (C, 64) accumulator's place;
+        `at` (`_token_rows`): the tokens from at[0] instead."""
+        if const_expr(at is None):
+            tile = cute.local_tile(mX[b, None, hv, None], (CHUNK, self.half), (c, kh))
+        else:
+            rows = cute.domain_offset((at[0], 0), mX[b, None, hv, None])
+            tile = cute.local_tile(rows, (CHUNK, self.half), (0, kh))
         return rows_cols(mma.get_slice(tid).partition_C(tile))
 
     @cute.jit
-    def _store_rows(self, acc, mma, mOut, tid, b, hv, c, seqlen, scale=None):
+    def _store_rows(self, acc, mma, mOut, tid, b, hv, c, seqlen, scale=None, at=None):
         """Gated DeltaNet's `_store_rows` for this warpgroup's (C, 64) columns of out: the
-        rows inside T, a 16-bit out rounded once."""
+        rows inside T, a 16-bit out rounded once; `at` (`_token_rows`): the first at[1] rows at
+        the tokens from at[0]."""
         t0, row_base, _ = softmax.acc_coords(mma, tid, (CHUNK, self.half))
-        g = self._half_rows(mma, mOut, tid, b, hv, c, self._kh())
+        g = self._half_rows(mma, mOut, tid, b, hv, c, self._kh(), at)
+        first, bound = c * CHUNK, seqlen
+        if const_expr(at is not None):
+            first, bound = 0, at[1]
         a = rows_cols(acc)
         for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
-            if c * CHUNK + row_base + t0[r, 0][0] < seqlen:
+            if first + row_base + t0[r, 0][0] < bound:
                 for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
                     if const_expr(mOut.element_type != Float32):
                         g[r, j] = a[r, j].to(mOut.element_type)
@@ -474,7 +497,7 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
     @cute.jit
     def _math(
         self, mma_w, mma_s, mma_q, mma_k, sDO, sU, sDU, sQ, sK, sH, sDH, sP, sKr, sQl, sG, sRows,
-        sTab, mG, mDQ, mDK, mDW, mDG, bars, c, hv, b, seqlen, scale, kh,
+        sTab, mG, mDQ, mDK, mDW, mDG, bars, c, hv, b, seqlen, scale, kh, tables=None,
     ):  # fmt: skip
         """Math warpgroup kh's products and per-channel work on key channels [64 kh, +64) (kh
         warp-uniform); S whole in both."""
@@ -558,7 +581,7 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         # free for dG's rows
         named_barrier(BAR_HDH, MATH_THREADS + HDH_THREADS).arrive_and_wait()
         self._rows_out(qa, mma_w, sQ, sK, sRows, sTab, diag, True, qs)
-        self._store_rows(acc, mma_w, mDQ, tid, b, hv, c, seqlen)
+        self._store_rows(acc, mma_w, mDQ, tid, b, hv, c, seqlen, at=_token_rows(tables, c))
 
         # dk = er o (e^(G_C - r_w) o dke + sum_(I >= w) E_(I,w) o blocks) + dP_jj q_j
         wait("dh")
@@ -573,10 +596,11 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
                 self._add_scaled_cols(qa, ba, sTab, i, w, t0, col_w)
         self._scale_rows_g(qa, mma_w, sG, sTab, w, first, seqlen, False)
         self._rows_out(qa, mma_w, sK, sQ, sRows, sTab, diag, False, qs)
-        self._store_rows(acc, mma_w, mDK, tid, b, hv, c, seqlen)
+        self._store_rows(acc, mma_w, mDK, tid, b, hv, c, seqlen, at=_token_rows(tables, c))
         mine.arrive_and_wait()  # this warpgroup's dG rows and te's partials in shared memory
         if tid < hk:  # one channel a thread (the chain of the one-warpgroup kernel it replaced)
-            self._finish_dg(sG, sRows, sTab, mDG, first, seqlen, b, hv, tid + hk * kh)
+            self._finish_dg(sG, sRows, sTab, mDG, first, seqlen, b, hv, tid + hk * kh,
+                            _token_rows(tables, c))  # fmt: skip
 
     @cute.jit
     def _scale_cols(self, a, sTab, t_row, t0, col_w):
@@ -661,9 +685,10 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
                 a[r, j] = a[r, j] + d * Float32(yy[i, col])
 
     @cute.jit
-    def _finish_dg(self, sG, sRows, sTab, mDG, first, seqlen, b, hv, tid):
+    def _finish_dg(self, sG, sRows, sTab, mDG, first, seqlen, b, hv, tid, at=None):
         """Math thread = key channel c: dG of every token of the chunk, the reverse cumulative
-        sum of the rows from the last plus te + e^(G_C) rowsum(h o dh)."""
+        sum of the rows from the last plus te + e^(G_C) rowsum(h o dh); `at` (`_token_rows`):
+        row i at token at[0] + i, i < at[1]."""
         col = tid
         last = cutlass.min(first + CHUNK, seqlen) - 1 - first
         hdh = sTab[self.t_hdh * self.k + col]
@@ -673,8 +698,12 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         for n in cutlass.range(CHUNK, unroll=8):
             i = CHUNK - 1 - n
             acc = acc + sRows[self._gi(i, col)]
-            if first + i < seqlen:
-                mDG[b, first + i, hv, col] = acc
+            if const_expr(at is None):
+                if first + i < seqlen:
+                    mDG[b, first + i, hv, col] = acc
+            else:
+                if i < at[1]:
+                    mDG[b, at[0] + i, hv, col] = acc
 
     @cute.jit
     def _store_bf16(self, acc, mma, s_tile, transpose: cutlass.Constexpr[bool]):

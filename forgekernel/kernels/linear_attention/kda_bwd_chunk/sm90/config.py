@@ -40,12 +40,14 @@ def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2) -> int:
 
 
 def params_for(dtype: str, head_dims: tuple[int, int] = (128, 128), *, dw16: bool = False,
-               dq16: bool = False) -> tuple:  # fmt: skip
+               dq16: bool = False, token_rows: bool = False) -> tuple:  # fmt: skip
     """Compile key: the 16-bit dtype of the tiles and (K, V) (the block products run in bf16
     for both: e^(+-a) reaches e^(8 max|g|), past fp16's range); `dw16` (in the key only when
     set): dw written in the tiles' 16-bit dtype (the WY kernel's operand dtype: the op's cast
     moved in), else fp32; `dq16` (likewise): q read unscaled, the runtime `scale` applied in
-    registers, dq written times it in the tiles' 16-bit dtype (the op's dq: no epilogue)."""
+    registers, dq written times it in the tiles' 16-bit dtype (the op's dq: no epilogue);
+    `token_rows` (likewise): the varlen slot layout's dq, dk, dG at their token rows (the
+    per-slot tables, Gated DeltaNet kernel 2's flag of the name), dw at the slots."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
     if tuple(head_dims) not in HEAD_DIMS:
@@ -56,4 +58,6 @@ def params_for(dtype: str, head_dims: tuple[int, int] = (128, 128), *, dw16: boo
         key["dw16"] = True
     if dq16:
         key["dq16"] = True
+    if token_rows:
+        key["token_rows"] = True
     return tuple(sorted(key.items()))

@@ -26,12 +26,20 @@ def _standard_params() -> list[Params]:
     return [params_for(dtype, **f) for f in flags for dtype in DTYPES]
 
 
+def _candidate_params() -> list[Params]:
+    # the varlen slot layout's gradients at their token rows (`token_rows`: ops/_linattn_varlen.py
+    # NATIVE_STORES, off until its device A/B): the device pass's 16-bit-dv forms
+    flags = ({"dv16": True}, {"dv16": True, "dk16": True})
+    return [params_for(dtype, **f, token_rows=True) for f in flags for dtype in DTYPES]
+
+
 SPEC = KernelSpec(
     name="kda_bwd_wy_sm90",
     arch="sm_90a",
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
+    candidate_params=_candidate_params,
 )
 
 __all__ = ["SPEC", "params_for"]

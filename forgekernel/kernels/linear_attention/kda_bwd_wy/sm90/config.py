@@ -47,13 +47,15 @@ def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2) -> int:
 
 
 def params_for(dtype: str, head_dims: tuple[int, int] = (128, 128), *, dv16: bool = False,
-               dk16: bool = False) -> tuple:  # fmt: skip
+               dk16: bool = False, token_rows: bool = False) -> tuple:  # fmt: skip
     """Compile key: the 16-bit dtype of the tiles and (K, V) (the score-gradient blocks run in
     bf16 for both: e^(+-a) reaches e^(8 max|g|), past fp16's range); `dv16` (in the key only
     when set): dv written in the tiles' 16-bit dtype (v's, when the op's v is 16-bit: its cast
     moved in), else fp32; `dk16` (likewise): the final dk (kernel 2's fp32 dk plus the WY
     half) written in the tiles' 16-bit dtype into a tensor of its own (the op's dk where no
-    l2norm or group sum follows: no epilogue)."""
+    l2norm or group sum follows: no epilogue); `token_rows` (likewise): the varlen slot
+    layout's dk, dv, dG, dbeta at their token rows (the per-slot tables; kernel 2's flag of the
+    name wrote dk, dG there)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
     if tuple(head_dims) not in HEAD_DIMS:
@@ -64,4 +66,6 @@ def params_for(dtype: str, head_dims: tuple[int, int] = (128, 128), *, dv16: boo
         key["dv16"] = True
     if dk16:
         key["dk16"] = True
+    if token_rows:
+        key["token_rows"] = True
     return tuple(sorted(key.items()))

@@ -99,7 +99,7 @@ from forgekernel.kernels.common.sm90.mma import gemm
 from forgekernel.kernels.common.sm90.pipeline import init_arrive, init_wait, smem_tensor
 from forgekernel.kernels.common.sm90.prefetch import bulk_prefetch_l2
 from forgekernel.kernels.common.sm90.ptx import bulk_reduce_add_f32, opaque_tid_x
-from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.chunk_grads import _tdhb
+from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.chunk_grads import _tdhb, _token_rows
 from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90.chunk_grads import (
     BAR_BOTH,
     BAR_WG,
@@ -130,8 +130,8 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
     load_groups = LOAD_GROUPS
     threads = THREADS
 
-    def __init__(self, k: int, v: int):
-        super().__init__(k, v)
+    def __init__(self, k: int, v: int, token_rows: bool = False):
+        super().__init__(k, v, token_rows)
         # warpgroup 1's row-dot partials (a slot each: 2 rows x 128 threads) after the tables
         self.t_dots = self.table
         self.table += DOTS * 2 * THREADS_PER_WG
@@ -163,6 +163,8 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         mDG: cute.Tensor,
         mDB: cute.Tensor,
         mDKo: cute.Tensor,
+        mStarts: cute.Tensor | None,
+        mLens: cute.Tensor | None,
         stream: cuda.CUstream,
     ):
         """mDW, mW, mK (B, T, HV, K), mDU, mU, mV (B, T, HV, V), mTt (B, T, HV, C) 16-bit;
@@ -174,7 +176,12 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         dtype with `dv16`, rounded once by `_store_rows`), mDB (B, T, HV) written. mDKo (B,
         T, HV, K): fp32 (without `dk16`: mDK itself, unused) or the tiles' 16-bit dtype
         (`dk16`): the final dk (kernel 2's + the WY half) written there, rounded once; mDK
-        then holds kernel 2's dk plus the WY half's first two terms (scratch)."""
+        then holds kernel 2's dk plus the WY half's first two terms (scratch). `token_rows`:
+        mStarts, mLens int32 (NC,) the per-slot tables: mDK, mDV, mDG, mDB, mDKo (B, T', ...)
+        at token mStarts[c] + row for row < mLens[c] (kernel 2's `token_rows` wrote mDK, mDG
+        so), the inputs at the slots; else None."""
+        if const_expr(self.token_rows != (mStarts is not None)):
+            raise TypeError("mStarts, mLens: given with token_rows, and only then")
         self.dtype = mDW.element_type
         if const_expr(mDKo.element_type != Float32 and mDKo.element_type != self.dtype):
             raise TypeError(f"the final dk must be fp32 or the tiles' dtype, got "
@@ -222,7 +229,7 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         mmas = (self.mma_t, self.mma_s, self.mma_q, self.mma_k)  # mma_da, mma_x, mma_y
         layouts = (self.sT_layout, self.sTt_layout, self.sP_layout, self.sB_layout)
         self.kernel(
-            *atoms_and_views, mBeta, mG, mDK, mDV, mDG, mDB, mDKo, *mmas, *layouts
+            *atoms_and_views, mBeta, mG, mDK, mDV, mDG, mDB, mDKo, mStarts, mLens, *mmas, *layouts
         ).launch(  # fmt: skip
             grid=(nc, mDW.shape[2], mDW.shape[0]),
             block=[self.threads, 1, 1],
@@ -254,6 +261,8 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         mDG: cute.Tensor,
         mDB: cute.Tensor,
         mDKo: cute.Tensor,
+        mStarts: cute.Tensor | None,
+        mLens: cute.Tensor | None,
         mma_t: cute.TiledMma,
         mma_da: cute.TiledMma,
         mma_x: cute.TiledMma,
@@ -299,6 +308,7 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
 
         c, hv, b = cute.arch.block_idx()
         seqlen = mDW4.shape[0]
+        tables = (mStarts, mLens) if const_expr(self.token_rows) else None
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         if wg == 0:
             if warp_idx == PRODUCER_WARP:
@@ -312,12 +322,14 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
             self._math(
                 mma_t, mma_da, mma_x, mma_y, sDW, sDU, sW, sK, sU, sV, sTt, sP, sKr, sKl, sG,
                 sRows, sTab, mBeta, mG, mDK, mDV, mDG, mDB, mDKo, bars, c, hv, b, seqlen, wg - 1,
+                tables,
             )  # fmt: skip
 
     @cute.jit
     def _math(
         self, mma_t, mma_da, mma_x, mma_y, sDW, sDU, sW, sK, sU, sV, sTt, sP, sKr, sKl, sG,
         sRows, sTab, mBeta, mG, mDK, mDV, mDG, mDB, mDKo, bars, c, hv, b, seqlen, kh,
+        tables=None,
     ):  # fmt: skip
         """Math warpgroup kh's products and per-channel work on channels [64 kh, +64) (kh
         warp-uniform); dA whole in both."""
@@ -356,7 +368,7 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         acc = cute.make_rmem_tensor(wg_t.partition_shape_C((CHUNK, hk)), Float32)
         cute.arch.mbarrier_wait(bars + 0, 0)  # T^T, du
         if kh == 0:
-            self._prefetch_rows(mDK, tid, b, hv, first, seqlen)
+            self._prefetch_rows(mDK, tid, b, hv, first, seqlen, _token_rows(tables, c))
         gemm(mma_t, acc, tArT[None, None, None, 0], tBrDU, True, 0)
         mine.arrive_and_wait()
         self._store_tile(acc, mma_t, self._half(sDU, kh), False)
@@ -365,7 +377,7 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         dv_dot = self._dots_end(self._dots_from(acc, mma_t, self._half(sV, kh), tid, dv_dot),
                                 sTab, 0, kh, tid)  # fmt: skip
         self._scale_rows(acc, beta)
-        self._store_rows(acc, mma_t, mDV, tid, b, hv, c, seqlen)
+        self._store_rows(acc, mma_t, mDV, tid, b, hv, c, seqlen, at=_token_rows(tables, c))
         # dkb's half = T^T dw's: over dw's half
         cute.arch.mbarrier_wait(bars + 3, 0)  # dw
         gemm(mma_t, acc, tArT[None, None, None, 0], tBrDW, True, 0)
@@ -418,10 +430,11 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
                             kh, tid)  # fmt: skip
         dbeta = [dv_dot[r] + z[r] + kx[r] for r in range(2)]  # warpgroup 2's: the row sums
         if kh == 1:
-            self._store_vec(dbeta, t0, row_w, tid, mDB, b, hv, first, seqlen)
+            self._store_vec(dbeta, t0, row_w, tid, mDB, b, hv, first, seqlen,
+                            _token_rows(tables, c))  # fmt: skip
         self._scale_rows(acc, beta)
         self._rows_add(xa, mma_t, sK, sRows, True)
-        self._add_rows(acc, mma_t, mDK, tid, b, hv, c, seqlen)
+        self._add_rows(acc, mma_t, mDK, tid, b, hv, c, seqlen, _token_rows(tables, c))
 
         # dy = er o sum_(I >= w) E_(I,w) o blocks
         acc.fill(0.0)
@@ -434,11 +447,12 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         self._scale_rows_g(xa, mma_t, sG, sTab, w, first, seqlen, False)
         self._rows_add(xa, mma_t, sK, sRows, False)
         if const_expr(mDKo.element_type != Float32):  # dk16: the final dk, rounded once
-            self._add_rows_to(acc, mma_t, mDK, mDKo, tid, b, hv, c, seqlen)
+            self._add_rows_to(acc, mma_t, mDK, mDKo, tid, b, hv, c, seqlen,
+                              _token_rows(tables, c))  # fmt: skip
         else:
-            self._add_rows(acc, mma_t, mDK, tid, b, hv, c, seqlen)
+            self._add_rows(acc, mma_t, mDK, tid, b, hv, c, seqlen, _token_rows(tables, c))
         mine.arrive_and_wait()  # this warpgroup's dG rows in shared memory
-        self._finish_rows(sRows, mDG, first, seqlen, b, hv, tid, kh, mine)
+        self._finish_rows(sRows, mDG, first, seqlen, b, hv, tid, kh, mine, _token_rows(tables, c))
 
     @cute.jit
     def _dots_from(self, acc, mma, s_tile, tid, start):
@@ -484,32 +498,38 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         return [o0, o1]
 
     @cute.jit
-    def _add_rows(self, acc, mma, mOut, tid, b, hv, c, seqlen):
-        """GDN's `_add_rows` on this warpgroup's (C, 64) columns of out."""
+    def _add_rows(self, acc, mma, mOut, tid, b, hv, c, seqlen, at=None):
+        """GDN's `_add_rows` on this warpgroup's (C, 64) columns of out (`at` as there)."""
         t0, row_base, _ = softmax.acc_coords(mma, tid, (CHUNK, self.half))
-        g = self._half_rows(mma, mOut, tid, b, hv, c, self._kh())
+        g = self._half_rows(mma, mOut, tid, b, hv, c, self._kh(), at)
+        first, bound = c * CHUNK, seqlen
+        if const_expr(at is not None):
+            first, bound = 0, at[1]
         a = rows_cols(acc)
         for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
-            if c * CHUNK + row_base + t0[r, 0][0] < seqlen:
+            if first + row_base + t0[r, 0][0] < bound:
                 for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
                     g[r, j] = g[r, j] + a[r, j]
 
     @cute.jit
-    def _add_rows_to(self, acc, mma, mIn, mOut, tid, b, hv, c, seqlen):
+    def _add_rows_to(self, acc, mma, mIn, mOut, tid, b, hv, c, seqlen, at=None):
         """out[b, tokens of chunk c, hv, this warpgroup's 64 columns] = in[...] + a (C, 64)
         accumulator in out's 16-bit dtype, rounded once; the rows inside T (`_add_rows`'
         partition: this thread's own earlier fp32 read-modify-writes of `in`). A row's 8 pairs
         are all loaded before the first store: out may alias in for the compiler, which
         otherwise keeps each load behind the previous pair's store (next/kda-final-outputs: 32
-        dependent L2 round trips a thread in the one-warpgroup kernel)."""
+        dependent L2 round trips a thread in the one-warpgroup kernel). `at` as `_add_rows`'."""
         t0, row_base, _ = softmax.acc_coords(mma, tid, (CHUNK, self.half))
         kh = self._kh()
-        gi = self._half_rows(mma, mIn, tid, b, hv, c, kh)
-        go = self._half_rows(mma, mOut, tid, b, hv, c, kh)
+        gi = self._half_rows(mma, mIn, tid, b, hv, c, kh, at)
+        go = self._half_rows(mma, mOut, tid, b, hv, c, kh, at)
+        first, bound = c * CHUNK, seqlen
+        if const_expr(at is not None):
+            first, bound = 0, at[1]
         a = rows_cols(acc)
         n = cute.size(a, mode=[1])
         for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
-            if c * CHUNK + row_base + t0[r, 0][0] < seqlen:
+            if first + row_base + t0[r, 0][0] < bound:
                 x = [gi[r, j] for j in range(n)]
                 for j in cutlass.range_constexpr(n):
                     go[r, j] = (x[j] + a[r, j]).to(mOut.element_type)
@@ -562,21 +582,27 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
                     sRows[n] = sRows[n] - Float32(kk[i, col]) * a[r, j]
 
     @cute.jit
-    def _prefetch_rows(self, mX, tid, b, hv, first, seqlen):
+    def _prefetch_rows(self, mX, tid, b, hv, first, seqlen, at=None):
         """Math threads 0..C-1: row `tid` of the chunk in mX (B, T, HV, K) fp32 (K * 4 bytes,
-        contiguous) into L2, rows inside T; nothing waits on it."""
+        contiguous) into L2, rows inside T; nothing waits on it. `at` (`_token_rows`): row
+        at[0] + tid, tid < at[1]."""
         if tid < CHUNK:
-            if first + tid < seqlen:
-                bulk_prefetch_l2(mX[b, first + tid, hv, None].iterator, self.k * 4)
+            if const_expr(at is None):
+                if first + tid < seqlen:
+                    bulk_prefetch_l2(mX[b, first + tid, hv, None].iterator, self.k * 4)
+            else:
+                if tid < at[1]:
+                    bulk_prefetch_l2(mX[b, at[0] + tid, hv, None].iterator, self.k * 4)
 
     @cute.jit
-    def _finish_rows(self, sRows, mDG, first, seqlen, b, hv, tid, kh, mine):
+    def _finish_rows(self, sRows, mDG, first, seqlen, b, hv, tid, kh, mine, at=None):
         """dG on channels [64 kh, +64): thread t < 64 = channel 64 kh + t, the reverse
         cumulative sum of the rows from the last (rows past T zero), written over the rows in
         shared memory; then thread i < C adds row i's half (256 B) onto mDG (kernel 2's dG:
         this CTA's own rows) by one bulk reduce-add (fp32 add in L2, async: no load of kernel
         2's dG here; the plain read-modify-write of next/kda-wy-acc kept each row's load behind
-        the previous row's store, 64 dependent DRAM round trips a thread)."""
+        the previous row's store, 64 dependent DRAM round trips a thread). `at`
+        (`_token_rows`): row tid onto token at[0] + tid, tid < at[1]."""
         col = tid + self.half * kh
         if tid < self.half:
             acc = Float32(0.0)
@@ -587,9 +613,14 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         cute.arch.fence_view_async_shared()  # the sums seen by the bulk reduce (async proxy)
         mine.arrive_and_wait()
         if tid < CHUNK:
-            if first + tid < seqlen:
-                bulk_reduce_add_f32(mDG[b, first + tid, hv, None].iterator + self.half * kh,
-                                    sRows.iterator + self._gi(tid, self.half * kh),
-                                    self.half * 4)  # fmt: skip
+            src = sRows.iterator + self._gi(tid, self.half * kh)
+            if const_expr(at is None):
+                if first + tid < seqlen:
+                    bulk_reduce_add_f32(mDG[b, first + tid, hv, None].iterator + self.half * kh,
+                                        src, self.half * 4)  # fmt: skip
+            else:
+                if tid < at[1]:
+                    bulk_reduce_add_f32(mDG[b, at[0] + tid, hv, None].iterator + self.half * kh,
+                                        src, self.half * 4)  # fmt: skip
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # sRows read before the exit
