@@ -259,16 +259,17 @@ def test_barriers_one_site(compiled, dtype):
 def test_token_rows_resources(compiled, dtype, dk16):
     """`token_rows` on the dv16 (+ dk16) keys (the candidates behind ops/_linattn_varlen.py
     NATIVE_STORES; NOTES "next/varlen-stores"): dk, dv, dG, dbeta at the per-slot tables' token
-    rows cost twelve global loads (two table entries at each of six row groups: dk's L2
-    prefetch, dv, dbeta, dk's two adds, dG's bulk reduce-adds) and registers (166 / 168 of 168
-    on 2026-12-06, 139 / 165 without: dk16's at the cap), nothing spilled; shared memory,
+    rows cost fourteen global loads (two table entries at each of seven row groups: dk's L2
+    prefetch, dv, dbeta, dk's three adds (the first, `_kb_rows`' term, was at the slot rows
+    until next/int45-review), dG's bulk reduce-adds) and registers (bf16 166 / 168, fp16 168 /
+    166 of 168 on 2026-12-06 cu13; 139 / 165 without), nothing spilled; shared memory,
     products, TMA loads, stores, bulk ops and barriers as without."""
     res, instrs, smem = compiled(dtype, dv16=True, dk16=dk16, token_rows=True)
     _, base, smem0 = compiled(dtype, dv16=True, dk16=dk16)
     ops, ops0 = (Counter(op for op, _ in x) for x in (instrs, base))
     assert res["registers"] <= config.REGISTERS == 168 and smem == smem0
     assert res["spill_bytes"] == 0 and not [op for op in ops if op.startswith(("LDL", "STL"))]
-    assert ops["LDG.E"] == ops0["LDG.E"] + 12
+    assert ops["LDG.E"] == ops0["LDG.E"] + 14
     for prefix in ("HGMMA", "UTMA", "UBLK", "STG", "STS", "LDS", "LDG.E.64", "BAR", "MUFU"):
         assert {o: x for o, x in ops.items() if o.startswith(prefix)} == {
             o: x for o, x in ops0.items() if o.startswith(prefix)}, prefix  # fmt: skip

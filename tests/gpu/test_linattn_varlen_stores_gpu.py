@@ -91,6 +91,37 @@ def test_native_stores_are_the_slot_path(monkeypatch, op, lens, h, hv, l2norm):
     _equal(out, want, (lens, "out="))
 
 
+@pytest.mark.parametrize(("op", "dtype"), [("gdn", torch.bfloat16), ("gdn", torch.float16),
+                                           ("kda", torch.bfloat16)])  # fmt: skip
+def test_native_stores_in_passes_and_fp16(monkeypatch, op, dtype):
+    """The corners the test above leaves: GDN's fp16 `token_rows` key (KDA's device pass, hence
+    its slot layout, is bf16 only), value heads in several passes (TOKEN_HEADS_PER_PASS cut to
+    one head a pass: each pass's kernels allocate their own T-row outputs, joined after) and
+    empty first and last sequences: the native route taken (the per-slot tables made),
+    NATIVE_STORES on equals off bit for bit, nothing unpacked, out= (NaN-filled) written in
+    place (next/int45-review)."""
+    bwd, backward = OPS[op]
+    monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
+    monkeypatch.setattr(bwd, "TOKEN_HEADS_PER_PASS", 1)
+    lens = [0, 130, 1, 64, 0]
+    args, h0, dht = _problem(op, sum(lens), 2, 4, len(lens), False, seed=5)
+    args = [x.to(dtype) if x.dtype == torch.bfloat16 else x for x in args]
+    kw = {"initial_state": h0, "d_final_state": dht, "cu_seqlens": _cu(lens)}
+    monkeypatch.setattr(varlen, "NATIVE_STORES", False)
+    want = backward(*args, **kw)
+    unpacked, tables = [], []
+    real, real_tables = varlen.unpack, varlen.slot_tables
+    monkeypatch.setattr(varlen, "unpack", lambda *a: unpacked.append(1) or real(*a))
+    monkeypatch.setattr(varlen, "slot_tables", lambda *a: tables.append(1) or real_tables(*a))
+    monkeypatch.setattr(varlen, "NATIVE_STORES", True)
+    _equal(backward(*args, **kw), want, (op, dtype))
+    assert unpacked == [] and tables == [1]
+    out = tuple(torch.full_like(x, float("nan")) for x in want)
+    got = backward(*args, out=out, **kw)
+    assert all(a.data_ptr() == o.data_ptr() for a, o in zip(got, out))
+    _equal(out, want, (op, dtype, "out="))
+
+
 def _captured(call):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

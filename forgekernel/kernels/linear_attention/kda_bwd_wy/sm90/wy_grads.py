@@ -393,7 +393,8 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         cute.arch.mbarrier_wait(bars + 5, 0)  # k
         z = self._dots_start(sTab, 1, kh, tid)
         z = self._dots_end(self._kb_rows(acc, mma_t, sK, sG, sRows, beta, z), sTab, 1, kh, tid)
-        self._add_rows(acc, mma_t, mDK, tid, b, hv, c, seqlen)  # onto kernel 2's dk
+        # onto kernel 2's dk (at its token rows with `token_rows`)
+        self._add_rows(acc, mma_t, mDK, tid, b, hv, c, seqlen, _token_rows(tables, c))
         warpgroup.wait_group(0)
         t0s, row_s, col_s = softmax.acc_coords(mma_da, tid, (CHUNK, CHUNK))
         s = rows_cols(acc_a)
