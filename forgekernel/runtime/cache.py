@@ -8,12 +8,14 @@ compiling the same key serialize on a lock file and the loser loads the winner's
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,13 @@ def search_dirs(arch: str) -> list[Path]:
     env = os.environ.get("FORGEKERNEL_KERNEL_DIR", "")
     dirs = [Path(d) for d in env.split(os.pathsep) if d]
     return dirs + [package_prebuilt_dir(arch), user_cache_dir(arch)]
+
+
+def cached_params(params_for: Callable[..., Params]) -> Callable[..., Params]:
+    """A leaf's `params_for` memoized (at most 256 keys): a launcher builds its compile key on
+    every call (a dict and a sort; twice a launch where the support check builds it too), while
+    the keys a process uses are few."""
+    return functools.lru_cache(maxsize=256)(params_for)
 
 
 def get_kernel(spec: KernelSpec, params: Params) -> Any:

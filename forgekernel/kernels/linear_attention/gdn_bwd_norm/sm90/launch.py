@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from forgekernel.kernels.linear_attention.gdn_bwd_norm.sm90 import SPEC
 from forgekernel.kernels.linear_attention.gdn_bwd_norm.sm90.config import params_for
-from forgekernel.runtime.cache import get_kernel
+from forgekernel.runtime.cache import cached_params, get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, on_device
 
-# Compile keys per (dtype, dims, flags), built once (a dict and a sort a call otherwise; twice a
-# launch: the support check and the key); at most 256 kept.
-_params = functools.lru_cache(maxsize=256)(params_for)
+_params = cached_params(params_for)  # the compile key, built once per arguments
 
 
 def check_inputs(dxs: torch.Tensor, x: torch.Tensor) -> None:

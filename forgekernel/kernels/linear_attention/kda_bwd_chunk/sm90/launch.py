@@ -4,19 +4,15 @@ gradients): torch only (no DSL). Its inputs are `forgekernel.reference.kda_bwd_c
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.launch import check_tables
 from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90 import SPEC
 from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90.config import CHUNK, params_for
-from forgekernel.runtime.cache import get_kernel
+from forgekernel.runtime.cache import cached_params, get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, on_device
 
-# Compile keys per (dtype, dims, flags), built once (a dict and a sort a call otherwise; twice a
-# launch: the support check and the key); at most 256 kept.
-_params = functools.lru_cache(maxsize=256)(params_for)
+_params = cached_params(params_for)  # the compile key, built once per arguments
 
 Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
