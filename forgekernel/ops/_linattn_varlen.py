@@ -124,12 +124,12 @@ def run_in_buckets(
     return (*grads, d_state)
 
 
-# TEMPORARY until its device A/B (docs/linear_attention/NOTES.md "next/varlen-stores"). True: an
-# op whose slot-layout run can write its token gradients at their token rows (`run_in_slots`'
-# `stores`: GDN's, kernel 2's `token_rows` key) gets the per-slot tables (`Slots.starts`,
-# `lengths`) and the callers' out buffers, and only what it returns in the slot layout is
-# unpacked. False: every token gradient unpacked (the landed path).
-NATIVE_STORES = False
+# docs/linear_attention/NOTES.md "next/varlen-stores" (its device A/B: "integration45 measured").
+# True: an op whose slot-layout run can write its token gradients at their token rows
+# (`run_in_slots`' `stores`: GDN's, kernel 2's `token_rows` key) gets the per-slot tables
+# (`Slots.starts`, `lengths`) and the callers' out buffers, and only what it returns in the slot
+# layout is unpacked. False: every token gradient unpacked (the path before).
+NATIVE_STORES = True
 
 
 class Slots(NamedTuple):

@@ -24,15 +24,12 @@ def _compile(params: Params, extra_options: str = ""):
 
 def _standard_params() -> list[Params]:
     # fp32 dw (kernel 2 alone, the torch WY fallback) and 16-bit dw (the device pass's); with
-    # it dq16 (the device pass without l2norm at HV = H: the op's dq, no epilogue)
-    flags = ({"dw16": False}, {"dw16": True}, {"dw16": True, "dq16": True})
+    # it dq16 (the device pass without l2norm at HV = H: the op's dq, no epilogue); dw16 with
+    # `token_rows` (the varlen slot layout's dq, dk, dG at their token rows: ops/_linattn_varlen.py
+    # NATIVE_STORES)
+    flags = ({"dw16": False}, {"dw16": True}, {"dw16": True, "dq16": True},
+             {"dw16": True, "token_rows": True})  # fmt: skip
     return [params_for(dtype, **f) for f in flags for dtype in DTYPES]
-
-
-def _candidate_params() -> list[Params]:
-    # the varlen slot layout's dq, dk, dG at their token rows (`token_rows`: ops/_linattn_varlen.py
-    # NATIVE_STORES, off until its device A/B): the device pass's dw16 form
-    return [params_for(dtype, dw16=True, token_rows=True) for dtype in DTYPES]
 
 
 SPEC = KernelSpec(
@@ -41,7 +38,6 @@ SPEC = KernelSpec(
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
-    candidate_params=_candidate_params,
 )
 
 __all__ = ["SPEC", "params_for"]
