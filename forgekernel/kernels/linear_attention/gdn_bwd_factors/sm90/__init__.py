@@ -24,13 +24,15 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    return [params_for(dtype) for dtype in DTYPES]
+    # today's path, and the fused route's (`fused`: no Qe; ops.gated_delta_rule_bwd
+    # `_fused_pass`)
+    return [params_for(dtype, fused=f) for dtype in DTYPES for f in (False, True)]
 
 
 def _candidate_params() -> list[Params]:
     # the same on two math warpgroups (`wg2`, ops.gated_delta_rule_bwd.FACTORS_2WG: off until
     # its device A/B)
-    return [params_for(dtype, wg2=True) for dtype in DTYPES]
+    return [params_for(dtype, wg2=True, fused=f) for dtype in DTYPES for f in (False, True)]
 
 
 SPEC = KernelSpec(

@@ -17,7 +17,7 @@ Warp roles (3 warpgroups, 384 threads, no setmaxnreg: under the launch's 168 reg
 thread): warpgroup 0 as before (the TMA warp); warpgroups 1, 2 as above, each issuing its own
 TMA stores (bulk groups are the issuing thread's: warpgroup 1's first thread T^T, then u;
 warpgroup 2's P^T, Ke, Qe, then W) and waiting its own groups' shared-memory reads before
-the exit.
+the exit. `fused` (no Qe) as the one-warpgroup kernel's.
 
 Named barriers: BAR_GATES (256: the gates in shared memory, every math warp waits at one
 instruction, warpgroup 1's warp 0 after writing them: so warpgroup 1's four warps reach the
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 from forgekernel.kernels.common.sm90 import softmax
@@ -140,13 +140,14 @@ class GdnBwdFactorsWg2Sm90(GdnBwdFactorsSm90):
             e_end.append(cute.math.exp2(g_last - g_i, fastmath=True))
             e_g.append(cute.math.exp2(g_i, fastmath=True))
         self._scaled_rows(mma_rs, atid, sK, s_ke, e_end, out_shape)
-        self._scaled_rows(mma_rs, atid, sQ, s_qe, e_g, out_shape)
+        if const_expr(not self.fused):
+            self._scaled_rows(mma_rs, atid, sQ, s_qe, e_g, out_shape)
         cute.arch.fence_view_async_shared()
         warpgroup.wait_group(0)
         coords = softmax.acc_coords(mma_aux, atid, (CHUNK, CHUNK))
         self._decay_mask(acc_p, coords, sG2, sBeta, sG2, 0, Float32(1.0), False)
         self._store_tile(acc_p, mma_aux, sPt, True)  # P^T
-        self._store_group((tiles["pt"], tiles["ke"], tiles["qe"]), c, hv, b, BAR_MATH2,
+        self._store_group((tiles["pt"], *self._last_stores(tiles)), c, hv, b, BAR_MATH2,
                           LEADER[1])  # fmt: skip
         named_barrier(BAR_T, MATH_PAIR).arrive_and_wait()  # T final in sW
         acc = cute.make_rmem_tensor(acc_shape, Float32)
