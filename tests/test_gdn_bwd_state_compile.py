@@ -153,11 +153,13 @@ def compiled16():
 
     def get(name):
         if name not in cache:
-            base = name.removesuffix("_varlen")  # the varlen form of an OUT16 key
+            # the varlen / h_only form of an OUT16 key
+            base = name.removesuffix("_varlen").removesuffix("_h_only")
             dtype, dht, forward = OUT16[base]
             params = dict(config.params_for(dtype, d_final_state=dht, out16=True,
                                             forward=forward, channel_decay=_channel(base),
-                                            varlen=base != name))  # fmt: skip
+                                            varlen=name.endswith("_varlen"),
+                                            h_only=name.endswith("_h_only")))  # fmt: skip
             kernel = kernel_for(params)
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_gdn_bwd_state(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
@@ -248,3 +250,25 @@ def test_varlen_is_only_in_its_keys():
     2026-12-06, docs/linear_attention/NOTES.md "Varlen backward, one launch")."""
     assert "varlen" not in dict(config.params_for("bfloat16", out16=True, forward=True))
     assert dict(config.params_for("bfloat16", out16=True, varlen=True))["varlen"] is True
+
+
+# ---- h_only (the fused route's forward launch, next/gdn-fused-diet: U not stored)
+
+
+@pytest.mark.parametrize("name", ["bf16_dht_fwd", pytest.param("fp16_fwd", marks=pytest.mark.slow)])
+def test_h_only_drops_the_u_stores(compiled16, name):
+    """`h_only`: the forward key less U's 32 two-byte stores a thread and chunk; the same
+    registers, shared memory, WGMMAs, TMA loads and h / final-state stores, no spill."""
+    res, instrs, smem = compiled16(name + "_h_only")
+    base_res, base_instrs, base_smem = compiled16(name)
+    assert res["spill_bytes"] == 0 and res["registers"] == base_res["registers"]
+    assert smem == base_smem
+    ops, base_ops = ([op for op, _ in x] for x in (instrs, base_instrs))
+    assert ops.count("STG.E.U16") == base_ops.count("STG.E.U16") - 32
+    for prefix in ("HGMMA", "UTMALDG", "STG.E.64", "USETMAXREG", "LDL", "STL"):
+        assert sum(op.startswith(prefix) for op in ops) == sum(
+            op.startswith(prefix) for op in base_ops
+        ), prefix
+    assert ops.count("STG.E") == base_ops.count("STG.E")  # dh0 (fp32)
+    with pytest.raises(ValueError, match="h_only needs forward"):
+        config.params_for("bfloat16", out16=True, h_only=True)

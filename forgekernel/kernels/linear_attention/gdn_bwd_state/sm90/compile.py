@@ -22,6 +22,7 @@ def kernel_for(params: dict) -> GdnBwdStateSm90:
         params["k"], params["v"], d_final_state=params["d_final_state"], dke=params["dke"],
         channel_decay=params.get("channel_decay", False), out16=params.get("out16", False),
         forward=params.get("forward", False), varlen=params.get("varlen", False),
+        h_only=params.get("h_only", False),
     )  # fmt: skip
 
 
@@ -68,7 +69,7 @@ def compile_gdn_bwd_state(params: dict, arch: str = "sm_90a", extra_options: str
         fake.rowmajor(dtype, (b, t, hv, vd)) if dke else None,
         e_last,
         state() if params["d_final_state"] else None,
-        fake.rowmajor(out, (b, t, hv, vd), divisibility=4),
+        None if params.get("h_only", False) else fake.rowmajor(out, (b, t, hv, vd), divisibility=4),
         None if dke else side(),
         fake.rowmajor(f32, (b, t, hv, kd), divisibility=4) if dke else None,
         state(),

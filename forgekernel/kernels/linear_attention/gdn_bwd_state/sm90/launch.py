@@ -52,18 +52,18 @@ def check_inputs(do, pt, ke, qe, w, e_last, d_final_state, u=None,
 
 
 def empty_outputs(do: torch.Tensor, k: int, dke: bool = False, out16: bool = False,
-                  states: int | None = None) -> Outputs:  # fmt: skip
+                  states: int | None = None, h_only: bool = False) -> Outputs:  # fmt: skip
     """(dU (B, T, HV, V), dh (B, NC, HV, V, K) or with `dke` dke (B, T, HV, K), dh0 (B, HV, K,
     V)), fp32, uninitialized; `out16`: dU and dh (B, NC, HV, K, V) in do's dtype; `states`:
-    dh0's leading size where it is not B (varlen: N)."""
+    dh0's leading size where it is not B (varlen: N); `h_only`: dU None (not written)."""
     b, t, hv, v = do.shape
     n = b if states is None else states
     nc = -(-t // CHUNK)
     f32 = {"dtype": torch.float32, "device": do.device}
     if out16:
         low = {"dtype": do.dtype, "device": do.device}
-        return (torch.empty(b, t, hv, v, **low), torch.empty(b, nc, hv, k, v, **low),
-                torch.empty(n, hv, k, v, **f32))  # fmt: skip
+        du = None if h_only else torch.empty(b, t, hv, v, **low)
+        return du, torch.empty(b, nc, hv, k, v, **low), torch.empty(n, hv, k, v, **f32)
     side = torch.empty(b, t, hv, k, **f32) if dke else torch.empty(b, nc, hv, v, k, **f32)
     return torch.empty(b, t, hv, v, **f32), side, torch.empty(n, hv, k, v, **f32)
 
@@ -102,6 +102,7 @@ def gdn_bwd_state(
     forward: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     order: torch.Tensor | None = None,
+    h_only: bool = False,
 ) -> Outputs:
     """The reverse recurrence dU = P^T dO + Ke dS, dS <- e^(G_C) dS + Qe^T dO - W^T dU over the
     chunks of each (sequence, value head), last first, dS from d_final_state (or zero).
@@ -124,7 +125,8 @@ def gdn_bwd_state(
     ops/_linattn_varlen.py `longest_first`): the `varlen` form, N sequences in the forward's
     chunk slots: the tiles (1, S C, HV, ...), e_last (1, S, HV[, K]), the per-chunk outputs
     at the same S slots, d_final_state and dh0 (N, HV, K, V) (reverse_state.py's docstring;
-    out16 only, the op's device passes). Nothing is read on the host."""
+    out16 only, the op's device passes). `h_only` (with forward; the op's fused route): U not
+    written, None in its place (`out`'s first entry ignored). Nothing is read on the host."""
     varlen = cu_seqlens is not None
     if varlen != (order is not None):
         raise ValueError("cu_seqlens and order come together (the varlen form)")
@@ -137,10 +139,14 @@ def gdn_bwd_state(
         raise ValueError("out16 excludes u (dke); forward needs out16")
     if (pt is None or qe is None) != forward:
         raise ValueError("pt and qe are None exactly when forward (I and 0 built in)")
-    du, side, dh0 = empty_outputs(do, ke.shape[-1], dke, out16, states) if out is None else out
+    if h_only and not forward:
+        raise ValueError("h_only is the forward launch's")
+    if out is None:
+        out = empty_outputs(do, ke.shape[-1], dke, out16, states, h_only)
+    du, side, dh0 = (None, *out[1:]) if h_only else out
     want = (do.dtype, do.dtype, torch.float32) if out16 else (torch.float32,) * 3
     for x, dt in zip((du, side, dh0), want):
-        if not x.is_contiguous() or x.dtype != dt:
+        if x is not None and (not x.is_contiguous() or x.dtype != dt):
             raise ValueError(f"out must be contiguous tensors of dtypes {want}")
     if b * hv == 0:
         return du, side, dh0
@@ -151,7 +157,7 @@ def gdn_bwd_state(
     params = _params(dtype_name(do.dtype), (ke.shape[-1], do.shape[-1]),
                      d_final_state=d_final_state is not None, dke=dke,
                      channel_decay=channel_decay, out16=out16,
-                     forward=forward, varlen=varlen)  # fmt: skip
+                     forward=forward, varlen=varlen, h_only=h_only)  # fmt: skip
     fn = get_kernel(SPEC, params)
     tiles = [None if x is None else as_tma_ready(x) for x in (do, pt, ke, qe, w)]
     tiles.append(as_tma_ready(u) if dke else None)

@@ -55,7 +55,10 @@ dU^T = dO^T - dS^T Ke^T (the product's fp32 accumulator subtracted from the dO^T
 U^T = u^T - S^T W^T), dS^T <- e^(G_C) dS^T + dU^T W (dU^T fed unnegated: S^T += U^T Ke). Bit
 for bit the recurrence the reverse variant ran on u, -W, -Ke in reversed chunk order (a sign
 flip is exact in the product, the 16-bit rounding and x - y = x + (-y)). U and h land in chunk
-order. Neither flag is in Gated DeltaNet's or KDA's standard keys unless set.
+order. Neither flag is in Gated DeltaNet's or KDA's standard keys unless set. Variant `h_only`
+(compile flag, with forward; the op's fused route, ops/gated_delta_rule_bwd.py `_fused_pass`):
+U not stored (mDU None; the fused kernel recomputes U = u - W h from the h written here), 16 KB
+a chunk-head less written; h and the final state bit for bit the forward key's.
 
 Variant `varlen` (compile flag, 2026-12-06; ops/_linattn_varlen.py): the tiles hold N sequences
 in the forward's chunk slots (`gdn_prefill/sm90/config.py` `first_slot`): (1, S C, HV, D) with
@@ -146,6 +149,7 @@ class GdnBwdStateSm90:
         out16: bool = False,
         forward: bool = False,
         varlen: bool = False,
+        h_only: bool = False,
     ):
         if (k, v) != (128, 128):
             raise ValueError(f"(K, V) must be (128, 128), got {(k, v)}")
@@ -153,6 +157,8 @@ class GdnBwdStateSm90:
             raise ValueError("out16 writes dh: not with dke")
         if forward and not out16:
             raise ValueError("forward needs out16")
+        if h_only and not forward:
+            raise ValueError("h_only is the forward launch's")
         self.k, self.v = k, v
         self.d_final_state = d_final_state
         self.dke = dke
@@ -160,6 +166,7 @@ class GdnBwdStateSm90:
         self.out16 = out16
         self.forward = forward
         self.varlen = varlen
+        self.h_only = h_only  # forward: U not stored
 
     def _setup(self):
         dt = self.dtype
@@ -196,7 +203,7 @@ class GdnBwdStateSm90:
         mU: cute.Tensor | None,
         mEl: cute.Tensor,
         mDht: cute.Tensor | None,
-        mDU: cute.Tensor,
+        mDU: cute.Tensor | None,
         mDh: cute.Tensor | None,
         mDke: cute.Tensor | None,
         mDh0: cute.Tensor,
@@ -210,14 +217,15 @@ class GdnBwdStateSm90:
         mDke fp32 (B, T, HV, K), mDh None; else mU and mDke None, mDh fp32 (B, NC, HV, V, K)
         (out16: 16-bit (B, NC, HV, K, V)). With forward: mPT and mQe None (I and 0). With varlen:
         B = 1 and NC = S slots for the tiles and per-chunk outputs, mDht and mDh0 (N, HV, K, V),
-        mCu int32 (N + 1,), mOrder int32 (N,) (the sequences longest first); else both None."""
+        mCu int32 (N + 1,), mOrder int32 (N,) (the sequences longest first); else both None.
+        With h_only: mDU None (U not stored)."""
         self.dtype = mDO.element_type
         inputs = (mKe, mW) if const_expr(self.forward) else (mPT, mKe, mQe, mW)
         for t in inputs + ((mU,) if const_expr(self.dke) else ()):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"the 16-bit tiles must share one dtype, got {t.element_type}")
         if const_expr(self.out16):
-            for t in (mDU, mDh):
+            for t in (mDh,) if const_expr(self.h_only) else (mDU, mDh):
                 if const_expr(t.element_type != self.dtype):
                     raise TypeError(f"out16: dU, dh in the tiles' dtype, got {t.element_type}")
         self._setup()
@@ -319,7 +327,7 @@ class GdnBwdStateSm90:
         mE4: cute.Tensor | None,
         mEl: cute.Tensor | None,
         mDht: cute.Tensor | None,
-        mDU: cute.Tensor,
+        mDU: cute.Tensor | None,
         mDh: cute.Tensor | None,
         mDke: cute.Tensor | None,
         mDh0: cute.Tensor,
@@ -498,7 +506,8 @@ class GdnBwdStateSm90:
                 r_neg.store(-acc_du.load())
                 acc_to_operand_a(r_neg, tDUrDU)
             gemm(mma_st, acc_ds, tDUrDU, tBrW[None, None, None, st.index], False, -1)
-            self._store_du(acc_du, mma_ks, mDU, tid, w, hv, b, c, seqlen)
+            if const_expr(not self.h_only):
+                self._store_du(acc_du, mma_ks, mDU, tid, w, hv, b, c, seqlen)
             if const_expr(self.dke):
                 self._store_dke(acc_dke, mma_dke, mDke, tid, w, hv, b, c, seqlen)
             warpgroup.wait_group(0)
