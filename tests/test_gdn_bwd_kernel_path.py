@@ -84,9 +84,9 @@ def emulated_kernel(calls=None):
     batch, quiet = _batch_kernel(calls), _batch_kernel()
 
     def run(do, pt, ke, qe, w, e_last, dht, dh0=None, out16=False, forward=False,
-            cu_seqlens=None, order=None):  # fmt: skip
+            cu_seqlens=None, order=None, h_only=False):  # fmt: skip
         if cu_seqlens is None:
-            return batch(do, pt, ke, qe, w, e_last, dht, dh0, out16, forward)
+            return batch(do, pt, ke, qe, w, e_last, dht, dh0, out16, forward, h_only)
         assert out16 and dht is None or dht.shape[0] == cu_seqlens.shape[0] - 1
         assert cu_seqlens.dtype == order.dtype == torch.int32
         if calls is not None:
@@ -102,8 +102,9 @@ def emulated_kernel(calls=None):
 def _batch_kernel(calls=None):
     """`emulated_kernel`'s batch form (B sequences of T tokens)."""
 
-    def run(do, pt, ke, qe, w, e_last, dht, dh0=None, out16=False, forward=False):
+    def run(do, pt, ke, qe, w, e_last, dht, dh0=None, out16=False, forward=False, h_only=False):
         assert out16 or not forward
+        assert forward or not h_only  # h_only: the forward launch without U (None)
         assert (pt is None and qe is None) == forward  # the forward variant builds I and 0 in
         rows = do.shape[1]
         if forward:  # chunks first to last on u, W, Ke as written: the reverse model's
@@ -129,7 +130,7 @@ def _batch_kernel(calls=None):
         du, dh, dh0 = (x.float() for x in tile_model(factors, do.double(), dst, rounding))
         if out16:  # the kernel's 16-bit forms (fp32 where the test runs fp32 tiles)
             du, dh = out16_forms(du, dh, do.dtype, forward)
-        return du[:, :rows], dh, written_to(out_dh0, dh0)
+        return None if h_only else du[:, :rows], dh, written_to(out_dh0, dh0)
 
     return run
 
@@ -222,7 +223,7 @@ def emulated_factors_kernel(calls=None):
     inputs, T diag(.) rounded to the tiles' dtype where it is 16-bit, the outputs in the
     launcher's dtypes (tiles in q's dtype, e_last and G fp32)."""
 
-    def run(q, k, v, g, beta):
+    def run(q, k, v, g, beta, fused=False):
         assert q.dtype == k.dtype == v.dtype and q.shape == k.shape and q.shape[:2] == v.shape[:2]
         assert g.shape == beta.shape == v.shape[:3]
         if calls is not None:
@@ -231,6 +232,8 @@ def emulated_factors_kernel(calls=None):
         wide = [x.double() for x in (q, k, v, g, beta)]
         out = factors_model(*wide, q.dtype, rounding_to(q.dtype) if low else None)
         out["e_last"], out["big_g"] = out["e_last"].float(), out["big_g"].float()
+        if fused:  # the fused route's key: no Qe
+            del out["qe"]
         return out
 
     return run
@@ -659,8 +662,8 @@ def scanned_factors_kernel():
     cumsum: the same G on every row past a chunk's last gate)."""
     exact = emulated_factors_kernel()
 
-    def run(q, k, v, g, beta):
-        out = exact(q, k, v, g, beta)
+    def run(q, k, v, g, beta, fused=False):
+        out = exact(q, k, v, g, beta, fused)
         out["big_g"] = scan_model(g)
         return out
 

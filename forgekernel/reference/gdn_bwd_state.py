@@ -231,6 +231,17 @@ def forward_states(du: torch.Tensor, dh: torch.Tensor) -> tuple[torch.Tensor, to
     return dh.flip(1).transpose(-1, -2), u
 
 
+def u_from_states(uw: torch.Tensor, w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """U = u - W h per chunk, as the fused backward's `u_from_h` key forms it from the forward
+    launch's h (its `h_only` key): uw (B, T, HV, V), w (B, T, HV, K) and h (B, NC, HV, K, V)
+    in one 16-bit dtype -> U (B, T, HV, V) in that dtype, the difference formed in fp64 and
+    rounded once (the kernel's fp32 accumulator, up to its order of sums)."""
+    t, nc = uw.shape[1], h.shape[1]
+    wc, uc = to_chunks(w.double(), nc), to_chunks(uw.double(), nc)  # (B, NC, HV, C, .)
+    big_u = uc - wc @ h.double()
+    return to_tokens(big_u)[:, :t].to(uw.dtype)
+
+
 def out16_forms(
     du: torch.Tensor, dh: torch.Tensor, dtype: torch.dtype, forward: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
