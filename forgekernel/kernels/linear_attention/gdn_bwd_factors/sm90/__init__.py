@@ -24,7 +24,7 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    # today's path, and the fused route's (`fused`: no Qe; ops.gated_delta_rule_bwd
+    # today's path, and the fused route's (`fused`: no Ke, Qe; ops.gated_delta_rule_bwd
     # `_fused_pass`)
     return [params_for(dtype, fused=f) for dtype in DTYPES for f in (False, True)]
 

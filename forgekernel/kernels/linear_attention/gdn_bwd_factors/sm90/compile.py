@@ -38,7 +38,7 @@ def compile_gdn_bwd_factors(params: dict, arch: str = "sm_90a", extra_options: s
     f32 = cutlass.Float32
     kernel = kernel_for(params) if kernel is None else kernel
     width = {"w": kd, "u": vd, "pt": CHUNK, "ke": kd, "qe": kd, "tt": CHUNK}
-    written = out_tiles(params.get("fused", False))  # fused: Qe None
+    written = out_tiles(params.get("fused", False))  # fused: Ke, Qe None
     outs = [fake.rowmajor(dtype, (b, rows, hv, width[n])) if n in written else None
             for n in OUT_TILES]  # fmt: skip
     return cute.compile(

@@ -19,10 +19,11 @@ zero as the zero-filled loads make them): W, u, P^T, Ke, Qe, T^T at chunk c (ker
 forward launch reads u, W, Ke as they are, in chunk order, its signs in registers); e^(G_C) and
 G fp32 by plain stores.
 
-Variant `fused` (compile flag; the op's fused route, ops/gated_delta_rule_bwd.py `_fused_pass`):
-no Qe tile (mQe None, no shared-memory box, no store): the fused kernel folds e^G into its
-state warpgroup's A operand and kernel 1's forward launch never reads Qe (16 KB a chunk-head
-not written). Every other output bit for bit the standard key's.
+Variant `fused` (compile flag; the op's fused route, ops/gated_delta_rule_bwd.py `_fused_pass`,
+FUSED_DIET): no Qe and no Ke tile (mQe, mKe None: no shared-memory boxes, no scaling, no third
+store group): the fused kernel folds both decays in registers, Qe into its state warpgroup's A
+operand, and kernel 1's forward launch (its `fused` key) reads k and G in place of Ke (32 KB a
+chunk-head not written). Every other output bit for bit the standard key's.
 
 Warp roles (2 warpgroups, 256 threads): warpgroup 0, warp 0: the three TMA loads, all issued at
 once, each on its own mbarrier armed once (config.LOAD_GROUPS: k, q, v, the order the math first
@@ -95,7 +96,7 @@ class GdnBwdFactorsSm90(AuxWy):
         if (k, v) != (128, 128):
             raise ValueError(f"(K, V) must be (128, 128), got {(k, v)}")
         self.k, self.v = k, v
-        self.fused = fused  # no Qe (the module docstring)
+        self.fused = fused  # no Qe, no Ke (the module docstring)
         self.l2norm = False  # q, k arrive normalized (AuxWy's masks read this)
 
     def _setup(self):
@@ -125,7 +126,7 @@ class GdnBwdFactorsSm90(AuxWy):
         mW: cute.Tensor,
         mU: cute.Tensor,
         mPt: cute.Tensor,
-        mKe: cute.Tensor,
+        mKe: cute.Tensor | None,
         mQe: cute.Tensor | None,
         mTt: cute.Tensor,
         mElast: cute.Tensor,
@@ -134,10 +135,10 @@ class GdnBwdFactorsSm90(AuxWy):
     ):
         """mQ (scaled, normalized), mK (B, T, H, K), mV (B, T, HV, V) 16-bit; mG, mBeta fp32
         (B, T, HV). Outputs in mQ's dtype, (B, NC C, HV, D): mW, mU, mPt (D = C), mKe, mQe,
-        mTt (D = C) at chunk c (`fused`: mQe None, not written); fp32 mElast (B, NC, HV) =
+        mTt (D = C) at chunk c (`fused`: mKe, mQe None, not written); fp32 mElast (B, NC, HV) =
         e^(G_C), mBigG (B, NC C, HV) = G."""
         self.dtype = mQ.element_type
-        outs = (mW, mU, mPt, mKe, mTt) if const_expr(self.fused) else (mW, mU, mPt, mKe, mQe, mTt)
+        outs = (mW, mU, mPt, mTt) if const_expr(self.fused) else (mW, mU, mPt, mKe, mQe, mTt)
         for t in (mK, mV, *outs):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"the 16-bit tiles must share one dtype, got {t.element_type}")
@@ -151,7 +152,7 @@ class GdnBwdFactorsSm90(AuxWy):
             loads.append(cpasync.make_tiled_tma_atom(g2s, _tdhb(m), sT_tile, (CHUNK, d)))
         stores = []
         for m in (mW, mU, mKe, mQe):
-            if const_expr(m is None):  # fused: no Qe
+            if const_expr(m is None):  # fused: no Ke, Qe
                 stores.append((None, None))
             else:
                 stores.append(cpasync.make_tiled_tma_atom(s2g, _tdhb(m), sT_tile, (CHUNK, self.k)))
@@ -162,7 +163,7 @@ class GdnBwdFactorsSm90(AuxWy):
         self.group_bytes = tuple(t_bytes * len(group) for group in LOAD_GROUPS)
         t_elems = cute.cosize(self.sT_layout)
         p_elems = cute.cosize(self.sP_layout)
-        qe_elems = 0 if const_expr(self.fused) else t_elems
+        e_elems = 0 if const_expr(self.fused) else t_elems  # Ke, Qe
 
         @cute.struct
         class SharedStorage:
@@ -177,8 +178,8 @@ class GdnBwdFactorsSm90(AuxWy):
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
             sOw: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
             sOu: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
-            sOke: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
-            sOqe: cute.struct.Align[cute.struct.MemRange[self.dtype, qe_elems], 1024]
+            sOke: cute.struct.Align[cute.struct.MemRange[self.dtype, e_elems], 1024]
+            sOqe: cute.struct.Align[cute.struct.MemRange[self.dtype, e_elems], 1024]
             sOpt: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
             sOtt: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
 
@@ -206,8 +207,8 @@ class GdnBwdFactorsSm90(AuxWy):
         mW4: cute.Tensor,
         tma_u: cute.CopyAtom,
         mU4: cute.Tensor,
-        tma_ke: cute.CopyAtom,
-        mKe4: cute.Tensor,
+        tma_ke: cute.CopyAtom | None,
+        mKe4: cute.Tensor | None,
         tma_qe: cute.CopyAtom | None,
         mQe4: cute.Tensor | None,
         tma_pt: cute.CopyAtom,
@@ -238,8 +239,9 @@ class GdnBwdFactorsSm90(AuxWy):
         sQ = smem_tensor(storage.sQ, sT_layout)
         sK = smem_tensor(storage.sK, sT_layout)
         sV = smem_tensor(storage.sV, sT_layout)
-        outs = [smem_tensor(f, sT_layout) for f in (storage.sOw, storage.sOu, storage.sOke)]
-        outs.append(None if const_expr(self.fused) else smem_tensor(storage.sOqe, sT_layout))
+        outs = [smem_tensor(f, sT_layout) for f in (storage.sOw, storage.sOu)]
+        for f in (storage.sOke, storage.sOqe):  # fused: neither
+            outs.append(None if const_expr(self.fused) else smem_tensor(f, sT_layout))
         sPt = smem_tensor(storage.sOpt, sP_layout)
         sTt = smem_tensor(storage.sOtt, sP_layout)
         gates = [f.get_tensor(cute.make_layout((CHUNK, 1)))
@@ -263,7 +265,7 @@ class GdnBwdFactorsSm90(AuxWy):
                      "ke": (tma_ke, mKe4, outs[2], kd), "qe": (tma_qe, mQe4, outs[3], kd),
                      "pt": (tma_pt, mPt4, sPt, c_), "tt": (tma_tt, mTt4, sTt, c_)}  # fmt: skip
             if const_expr(self.fused):
-                del tiles["qe"]
+                del tiles["ke"], tiles["qe"]
             self._math_roles(mma_aux, mma_rs, sQ, sK, sV, outs, sPt, sTt, gates, sW, sX, mG,
                              mBeta, mElast, mBigG, bars, tiles, c, hv, b)  # fmt: skip
 
@@ -272,19 +274,20 @@ class GdnBwdFactorsSm90(AuxWy):
                     mBeta, mElast, mBigG, bars, tiles, c, hv, b):  # fmt: skip
         """Warpgroup 1, the one math warpgroup: every product. The TMA stores in three groups
         as their tiles are final (P^T, T^T after the inverse; W, u after their products; Ke, Qe
-        last), one thread issuing all three (bulk groups are the thread's), its one wait (smem
-        read) just before the exit."""
+        last, not with `fused`), one thread issuing all three (bulk groups are the thread's),
+        its one wait (smem read) just before the exit."""
         stores = ((tiles["pt"], tiles["tt"]), (tiles["w"], tiles["u"]), self._last_stores(tiles))
         self._math(mma_aux, mma_rs, sQ, sK, sV, outs, sPt, sTt, gates, sW, sX, mG, mBeta,
                    mElast, mBigG, bars, stores, c, hv, b)  # fmt: skip
-        self._store_group(stores[2], c, hv, b)
+        if const_expr(not self.fused):
+            self._store_group(stores[2], c, hv, b)
         tidx, _, _ = cute.arch.thread_idx()
         if tidx == THREADS_PER_WG:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     def _last_stores(self, tiles) -> tuple:
-        """The last store group's tiles: Ke, Qe (`fused`: Ke alone)."""
-        return (tiles["ke"],) if self.fused else (tiles["ke"], tiles["qe"])
+        """The last store group's tiles: Ke, Qe (`fused`: none)."""
+        return () if self.fused else (tiles["ke"], tiles["qe"])
 
     @cute.jit
     def _store_group(self, tiles, c, hv, b, bar: cutlass.Constexpr[int] = BAR_MATH,
@@ -394,18 +397,17 @@ class GdnBwdFactorsSm90(AuxWy):
         self._store_tile(acc_u, mma_rs, s_u, False)
         self._store_tile(acc_w, mma_rs, s_w, False)
         self._store_group(stores[1], c, hv, b)  # W, u out under Ke, Qe
-        # Ke, Qe: the loaded rows times their decays
-        t0, row_base, _ = softmax.acc_coords(mma_rs, atid, (CHUNK, self.k))
-        g_last = sG2[CHUNK - 1, 0]
-        e_end, e_g = [], []
-        for r in cutlass.range_constexpr(2):
-            g_i = sG2[row_base + t0[r, 0][0], 0]
-            e_end.append(cute.math.exp2(g_last - g_i, fastmath=True))
-            e_g.append(cute.math.exp2(g_i, fastmath=True))
-        self._scaled_rows(mma_rs, atid, sK, s_ke, e_end, out_shape)
-        if const_expr(not self.fused):
+        if const_expr(not self.fused):  # Ke, Qe: the loaded rows times their decays
+            t0, row_base, _ = softmax.acc_coords(mma_rs, atid, (CHUNK, self.k))
+            g_last = sG2[CHUNK - 1, 0]
+            e_end, e_g = [], []
+            for r in cutlass.range_constexpr(2):
+                g_i = sG2[row_base + t0[r, 0][0], 0]
+                e_end.append(cute.math.exp2(g_last - g_i, fastmath=True))
+                e_g.append(cute.math.exp2(g_i, fastmath=True))
+            self._scaled_rows(mma_rs, atid, sK, s_ke, e_end, out_shape)
             self._scaled_rows(mma_rs, atid, sQ, s_qe, e_g, out_shape)
-        cute.arch.fence_view_async_shared()
+            cute.arch.fence_view_async_shared()
 
     @cute.jit
     def _scaled_rows(self, mma, tid, src, dst, scales, shape):

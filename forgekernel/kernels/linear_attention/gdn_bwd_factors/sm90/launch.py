@@ -47,7 +47,7 @@ def check_inputs(q, k, v, g, beta) -> tuple[int, int, int, int]:
 
 
 def empty_outputs(q: torch.Tensor, v: torch.Tensor, fused: bool = False) -> dict[str, torch.Tensor]:
-    """The outputs, uninitialized: token tiles (B, NC C, HV, D) in q's dtype (`fused`: no Qe),
+    """The outputs, uninitialized: token tiles (B, NC C, HV, D) in q's dtype (`fused`: no Ke, Qe),
     e_last (B, NC, HV) and big_g (B, NC C, HV) fp32."""
     b, t, _, kd = q.shape
     hv, vd = v.shape[2], v.shape[3]
@@ -80,7 +80,7 @@ def gdn_bwd_factors(
     g, beta (B, T, HV) fp32 or that dtype. Returns `reference.gdn_bwd_factors.NAMES`' dict
     (`empty_outputs`' shapes), written into `out` (contiguous, those shapes) when given.
     `wg2`: the two-math-warpgroup build (factors_wg2.py; the same outputs bit for bit).
-    `fused`: the op's fused route's key, no Qe (not in the dict; the others bit for bit)."""
+    `fused`: the op's fused route's key, no Ke, Qe (not in the dict; the others bit for bit)."""
     b, t, h, hv = check_inputs(q, k, v, g, beta)
     outs = empty_outputs(q, v, fused)
     if out is not None:
