@@ -64,9 +64,10 @@ def _standard_params() -> list[Params]:
         for d in (False, True)
         for fw in (False, True)
     ]
-    # the fused route's forward launch (ops/gated_delta_rule_bwd.py `_fused_pass`): h only
+    # the fused route's forward launch (ops/gated_delta_rule_bwd.py `_fused_pass`, FUSED_DIET):
+    # h only, on k and G in place of Ke
     fused = [
-        params_for(dtype, d_final_state=d, out16=True, forward=True, h_only=True)
+        params_for(dtype, d_final_state=d, out16=True, forward=True, fused=True)
         for dtype in DTYPES
         for d in (False, True)
     ]
