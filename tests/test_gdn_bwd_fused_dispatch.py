@@ -221,10 +221,12 @@ def test_varlen(kernel_path, monkeypatch, lens):  # noqa: F811
 
 @pytest.mark.parametrize(("t", "dtype"), [(1, torch.bfloat16), (65, torch.float16),
                                           (130, torch.bfloat16)])  # fmt: skip
-def test_u_from_h_is_the_forward_launchs_u(t, dtype):
-    """The fused kernel's `u_from_h` U (`u_from_states`: u - W h from the forward launch's
-    16-bit h, rounded once) against the U the forward launch writes (its `forward` key's
-    emulation, the same 16-bit u, W, h): equal up to one rounding of the 16-bit result."""
+def test_the_diet_keys_models(t, dtype):
+    """FUSED_DIET's kernel models on one problem (grouped: H = 2, HV = 4): kernel 0's `fused`
+    tiles are the standard ones less Ke, Qe; kernel 1's `fused` forward launch (k and G in place
+    of Ke, `reference.gdn_bwd_state.decayed_keys`; no U) gives the `forward` key's h within the
+    16-bit rounding of Ke; the fused kernel's `u_from_h` U (`u_from_states`: u - W h, rounded
+    once) is the U the `forward` launch writes up to one rounding of the 16-bit result."""
     from test_gdn_bwd_kernel_path import emulated_factors_kernel
 
     from forgekernel.reference.gdn_bwd_factors import forward_launch_tiles
@@ -232,17 +234,24 @@ def test_u_from_h_is_the_forward_launchs_u(t, dtype):
     q, k, v, g, beta, *_ = _bf16_problem(2, t, 2, 4, seed=t)
     k = (k.float() / k.float().norm(dim=-1, keepdim=True)).bfloat16()
     q, k, v = (x.to(dtype) for x in (q, k, v))
-    tiles = emulated_factors_kernel()(q, k, v, g, beta, fused=True)
-    assert "qe" not in tiles
-    fw = forward_launch_tiles(tiles, identity=False)
+    tiles = {f: emulated_factors_kernel()(q, k, v, g, beta, fused=f) for f in (False, True)}
+    assert set(tiles[True]) == set(tiles[False]) - {"ke", "qe"}
+    for name, x in tiles[True].items():
+        assert torch.equal(x, tiles[False][name]), name
     h0 = torch.randn(2, 4, 128, 128, generator=torch.Generator().manual_seed(t)) * 0.1
     run = emulated_kernel()
-    u16, h16, _ = run(*(fw[n] for n in ("do", "pt", "ke", "qe", "w")), fw["e_last"], h0,
-                      out16=True, forward=True)  # fmt: skip
-    none, h_only, _ = run(*(fw[n] for n in ("do", "pt", "ke", "qe", "w")), fw["e_last"], h0,
-                          out16=True, forward=True, h_only=True)  # fmt: skip
-    assert none is None and torch.equal(h_only, h16)
-    got = u_from_states(tiles["u"][:, :t], tiles["w"][:, :t], h16)
+    fw = forward_launch_tiles(tiles[False], identity=False)
+    u16, h16, s16 = run(*(fw[n] for n in ("do", "pt", "ke", "qe", "w")), fw["e_last"], h0,
+                        out16=True, forward=True)  # fmt: skip
+    fw = forward_launch_tiles(tiles[True], identity=False, k=k)
+    assert fw["w"] is k and fw["big_g"] is tiles[True]["big_g"]
+    none, h_fused, s_fused = run(*(fw[n] for n in ("do", "pt", "ke", "qe", "w")), fw["e_last"],
+                                 h0, out16=True, forward=True, big_g=fw["big_g"])  # fmt: skip
+    assert none is None
+    for a, r in ((h_fused, h16), (s_fused, s16)):
+        err = float((a.double() - r.double()).abs().max())
+        assert err <= 1e-2 * float(r.double().abs().max()), err
+    got = u_from_states(tiles[False]["u"][:, :t], tiles[False]["w"][:, :t], h16)
     u16 = u16[:, :t]  # the launch's rows: every chunk's (the tiles as kernel 0 wrote them)
     assert got.dtype == dtype and got.shape == u16.shape
     ulp = torch.finfo(dtype).eps * u16.double().abs() + 1e-6
@@ -250,10 +259,10 @@ def test_u_from_h_is_the_forward_launchs_u(t, dtype):
 
 
 def test_diet_off_is_the_fused_route_of_before(kernel_path, monkeypatch):  # noqa: F811
-    """FUSED_DIET (the default) against it off: on, kernel 0's `fused` key (no Qe), the forward
-    launch's `h_only` (no U) and the fused kernel handed no U; off, kernel 0's standard key, U
-    written and read. The gradients within 1e-2 of each other's max (they differ by U's
-    16-bit rounding only)."""
+    """FUSED_DIET (the default) against it off: on, kernel 0's `fused` key (no Ke, Qe), the
+    forward launch's `fused` key (k and G in place of Ke, no U) and the fused kernel handed no
+    U; off, kernel 0's standard key, Ke read, U written and read. The gradients within 1e-2 of
+    each other's max (they differ by the 16-bit roundings of Ke and U only)."""
     b, t, h, hv = 2, 130, 2, 4
     q, k, v, g, beta, do, h0, dht = _bf16_problem(b, t, h, hv, seed=5)
     k = (k.float() / k.float().norm(dim=-1, keepdim=True)).bfloat16()
@@ -264,6 +273,11 @@ def test_diet_off_is_the_fused_route_of_before(kernel_path, monkeypatch):  # noq
     monkeypatch.setattr(
         bwd, "_factors", lambda *a, **kw: keys.append(kw.get("fused", False)) or real(*a, **kw)
     )
+    state = bwd._state_recurrence
+    forward = []  # the forward launch on k and G (its `fused` key): w is k (B, T, H, K)
+    monkeypatch.setattr(bwd, "_state_recurrence",
+                        lambda *a, **kw: forward.append(("big_g" in kw, a[4].shape == k.shape))
+                        or state(*a, **kw))  # fmt: skip
     grads = {}
     for diet in (True, False):
         calls = []
@@ -273,7 +287,7 @@ def test_diet_off_is_the_fused_route_of_before(kernel_path, monkeypatch):  # noq
                                                             initial_state=h0,
                                                             d_final_state=dht)  # fmt: skip
         assert [c[-1] for c in calls] == [diet]
-    assert keys == [True, False]
+    assert keys == [True, False] and forward == [(True, True), (False, False)]
     for name, a, o in zip(NAMES, grads[True], grads[False]):
         err = float((a.double() - o.double()).abs().max())
         assert err <= 1e-2 * float(o.abs().max()), (name, err)

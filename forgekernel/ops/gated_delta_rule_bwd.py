@@ -401,10 +401,11 @@ FUSED = True
 FUSED_SWITCH = "FORGEKERNEL_GDN_BWD_FUSED"
 
 # TEMPORARY (until the device session's A/B, NOTES "next/gdn-fused-diet"; then the keys stay or
-# go): the fused route without the bytes nobody reads there. Kernel 0's `fused` key writes no
-# Qe (16 KB a chunk-head); kernel 1's forward launch writes h only (`h_only`: U, 16 KB a
-# chunk-head, not stored) and the fused kernel recomputes U = u - W h (`u_from_h`: U's 16 KB
-# read gone, its box filled by the state warpgroup). False: the fused route as on 2026-12-06.
+# go): the fused route without the tiles nobody needs there. Kernel 0's `fused` key writes no
+# Qe, Ke (32 KB a chunk-head); kernel 1's forward launch (its `fused` key) reads k (at the H
+# heads) and G in place of Ke and writes h only (U's 16 KB not stored); the fused kernel forms
+# U = u - W h (`u_from_h`: U's 16 KB not read, its box filled by the state warpgroup). ~72 KB
+# a chunk-head less moved in all. False: the fused route as on 2026-12-06.
 FUSED_DIET = True
 
 
@@ -519,14 +520,16 @@ def _fused_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None):
     """`_device_pass` on the fused kernel (FUSED): kernel 0's tiles, kernel 1's forward
     launch (U, h), then `_fused_bwd` on kernel 0's P^T, T^T, W, u, G (its Ke, Qe, e^(G_C) not
     read: folded in registers) with the same outputs as kernel 2 + the reverse launch. With
-    FUSED_DIET: kernel 0 without Qe, the forward launch h only, U formed in the fused kernel."""
+    FUSED_DIET: kernel 0 without Ke, Qe, the forward launch on k and G writing h only, U
+    formed in the fused kernel."""
     t = qs.shape[1]
     dq_o, dk_o, dv_o, dg_o, dbeta_o, dh0_o = into or (None,) * 6
     out = _factors(qs, ks, v, g, beta, fused=FUSED_DIET)
-    fw = forward_launch_tiles(out, identity=False)
+    fw = forward_launch_tiles(out, identity=False, k=ks if FUSED_DIET else None)
+    diet = given(big_g=fw.get("big_g"))  # FUSED_DIET: kernel 1's `fused` key
     u16, h16, _ = _state_recurrence(*(fw[n] for n in ("do", "pt", "ke", "qe", "w")),
                                     fw["e_last"], h0, out16=True, forward=True,
-                                    h_only=FUSED_DIET)  # fmt: skip
+                                    **diet)  # fmt: skip
     k2 = for_kernel2(out, t)
     wide = beta.to(torch.promote_types(beta.dtype, torch.float32))
     bufs = None

@@ -54,7 +54,7 @@ def _poisoned_kernel(calls):
         cu = flags.get("cu_seqlens")  # varlen: the states (N, ...)
         empty = empty_outputs(do, ke.shape[-1], out16=out16,
                               states=None if cu is None else cu.shape[0] - 1,
-                              h_only=flags.get("h_only", False))  # fmt: skip
+                              fused="big_g" in flags)  # fmt: skip
         out = tuple(None if x is None else x.fill_(float("nan")) for x in empty)
         calls.append(tuple(do.shape))
         FLAGS.append((out16, flags.get("forward", False)))

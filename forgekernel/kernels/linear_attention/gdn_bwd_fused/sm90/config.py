@@ -91,7 +91,7 @@ def params_for(
     read (without one, dS starts from zero) and `grouped` (q, k at H < HV heads, value head hv
     reading head hv // (HV / H); in the key only when set). `u_from_h` (likewise): U not read,
     the state warpgroup forms U = u - W h (fp32, rounded once) from the WY u, W and h it loads
-    anyway (kernel 1's forward launch then writes h only, its `h_only` key). The outputs are
+    anyway (kernel 1's forward launch then writes h only, its `fused` key). The outputs are
     the op's device path's: dq, dk, dv in the tiles' dtype (dq times the runtime scale), dG,
     dbeta and dS at the start fp32."""
     if dtype not in DTYPES:

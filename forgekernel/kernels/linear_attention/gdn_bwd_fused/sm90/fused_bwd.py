@@ -26,7 +26,7 @@ WY u have landed: U = u - W h (C x V x K, one (C, V) fp32 accumulator, the WY u 
 shared memory, rounded once to 16 bits: kernel 1's forward launch's U^T = u^T - S^T W^T on the
 same 16-bit u, W and h, up to the order of the tensor core's sums), then dPD as before; G reads
 it after S_DONE as it read the loaded U. 16 KB a chunk-head less read here and written by the
-forward launch (`h_only`).
+forward launch (its `fused` key).
 
 Warp roles (3 warpgroups, 384 threads, setmaxnreg config.REGS):
 - warpgroup 0: warp 0 the TMA producer (per chunk, last first, config.LOAD_GROUPS on one
