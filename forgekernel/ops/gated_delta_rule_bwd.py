@@ -276,7 +276,7 @@ def _factors(q, k, v, g, beta, fused=False):
     """Kernel 0: the chunk factors of every (chunk, value head) at once (`reference.
     gdn_bwd_factors.NAMES`' dict: the tiles kernel 1's two launches and kernel 2 read) from q
     (scaled, normalized), k (B, T, H, K), v (B, T, HV, V) 16-bit, g, beta (B, T, HV) fp32;
-    `fused` (the fused route's key): no Qe in the dict. The CPU tests put the tile emulation
+    `fused` (the fused route's key): no Ke, Qe in the dict. The CPU tests put the tile emulation
     here."""
 
     return factors_launch.gdn_bwd_factors(q, k, v, g, beta, wg2=FACTORS_2WG, fused=fused)
