@@ -81,7 +81,7 @@ def test_the_rule(b, hv, sms, fused):
 
 
 def test_on_by_default():
-    assert bwd.FUSED is True
+    assert bwd.FUSED is True and bwd.FUSED_DIET is True
 
 
 @pytest.mark.parametrize(("b", "t", "h", "hv", "l2norm"), [(1, 130, 2, 2, False),
