@@ -643,7 +643,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         self._store_rows(acc_q, mma_w, mDQ, tid, b, hv, c, seqlen, scale)
 
         acc_k = cute.make_rmem_tensor(wg_w.partition_shape_C((CHUNK, self.k)), Float32)
-        cute.arch.mbarrier_wait(full + 3, par)  # U
+        cute.arch.mbarrier_wait(full + U_GROUP, par)  # U (u_from_h: the WY u; U is S's, S_DONE)
         gemm(mma_w, acc_k, tArU[None, None, None, 0], tBrDH[None, None, None, 0], True, 0)
         if c > 0:
             dh_free.arrive()  # sDH read: S may write the next chunk's dS
