@@ -52,9 +52,9 @@ SMEM = 155648  # 188,416 with the reversed u, -W, -Ke tiles (before 2026-12-06)
 def compiled():
     cache = {}
 
-    def get(dtype, wg2=False):
-        if (dtype, wg2) not in cache:
-            params = dict(config.params_for(dtype, wg2=wg2))
+    def get(dtype, wg2=False, fused=False):
+        if (dtype, wg2, fused) not in cache:
+            params = dict(config.params_for(dtype, wg2=wg2, fused=fused))
             kernel = kernel_for(params)
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_gdn_bwd_factors(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
@@ -67,9 +67,9 @@ def compiled():
                 sass = sass_text(cubin)
                 # the barrier pins' inputs (`wg2` only: its listing has ptxas's jump tables)
                 flow = (sass, unaligned_offsets(cubin), indirect_targets(cubin)) if wg2 else None
-            cache[dtype, wg2] = (res, sass_instructions(sass),
-                                 kernel.shared_storage.size_in_bytes(), flow)  # fmt: skip
-        return cache[dtype, wg2][:3] if not wg2 else cache[dtype, wg2]
+            cache[dtype, wg2, fused] = (res, sass_instructions(sass),
+                                        kernel.shared_storage.size_in_bytes(), flow)  # fmt: skip
+        return cache[dtype, wg2, fused][:3] if not wg2 else cache[dtype, wg2, fused]
 
     return get
 
@@ -236,3 +236,33 @@ def test_wg2_waits_balanced(compiled, dtype):
     for offset in sorted(counts):
         by_bar.setdefault(sites[offset], []).extend(counts[offset])
     assert by_bar == {4: [0], 2: [1, 2, 3, 4], 1: [5, 6], 5: [1, 3], 3: [2]}
+
+
+# `fused` (the op's fused route, next/gdn-fused-diet): no Ke, Qe; cu13, 2026-12-06
+FUSED_REGISTERS = {"bfloat16": 186, "float16": 186}
+
+
+@pytest.mark.parametrize("wg2", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_key_writes_no_ke_qe(compiled, dtype, wg2):
+    """`fused`: the standard key (or `wg2`'s) less Ke and Qe: 32 KB less shared memory
+    (122,880), four TMA store boxes fewer (6: P^T, T^T, W, u), the four exponentials a thread
+    of their row decays gone, and on the one-warpgroup kernel its third store group (one bulk
+    commit, one BAR_MATH fewer); every product, merge, load, stmatrix and the gates' scan as the
+    key without it; nothing spilled, registers no more than the standard key's."""
+    res, instrs, smem = compiled(dtype, wg2, True)[:3]
+    base, base_instrs, base_smem = compiled(dtype, wg2)[:3]
+    assert res["spill_bytes"] == 0 and res["registers"] <= base["registers"]
+    if dsl_toolchain() == "cu13" and not wg2:
+        assert res["registers"] == FUSED_REGISTERS[dtype]
+    assert smem == base_smem - 2 * 64 * 128 * 2 == SMEM - 32768
+    ops = [op for op, _ in instrs]
+    ops0 = [op for op, _ in base_instrs]
+    assert ops.count("UTMASTG.4D") == ops0.count("UTMASTG.4D") - 4 == 6
+    assert ops.count("MUFU.EX2") == ops0.count("MUFU.EX2") - 4
+    fewer = 0 if wg2 else 1  # wg2: Ke, Qe rode warpgroup 2's P^T group
+    assert ops.count("UTMACMDFLUSH") == ops0.count("UTMACMDFLUSH") - fewer
+    same = ("HGMMA.64x64x16", "HGMMA.64x128x16", "HMMA.1688.F32.TF32", "UTMALDG.4D",
+            "STSM.16.MT88.4", "STSM.16.M88.4", "SHFL.UP")  # fmt: skip
+    for op in same:
+        assert sum(o.startswith(op) for o in ops) == sum(o.startswith(op) for o in ops0), op

@@ -4,7 +4,8 @@ least three quarters of a wave, `config.fused_fits`), the switch off by default,
 with the switch on, the fused kernel replaced by an emulation built from the two kernels it
 fuses (tests/test_gdn_bwd_kernel_path.py's tile emulations of kernel 1's reverse launch and
 kernel 2's WY variant, fed Ke = k e^(G_C - G), Qe = q e^G and e^(G_C) formed from the fused
-kernel's own inputs: what the kernel folds in registers). Checked: the inputs it is handed
+kernel's own inputs: what the kernel folds in registers; with FUSED_DIET, U = u - W h as its
+`u_from_h` key forms it, `reference.gdn_bwd_state.u_from_states`). Checked: the inputs it is handed
 (shapes, dtypes, strided views as TMA reads them), one launch in place of the reverse launch
 and kernel 2, and the gradients against today's path and autograd through the fp64
 recurrence (2e-2 of each gradient's max). The GPU twin: tests/gpu/test_gdn_bwd_fused_gpu.py."""
@@ -27,6 +28,7 @@ from test_gdn_bwd_kernel_path import (  # noqa: F401  (kernel_path: a fixture)
 
 import forgekernel
 from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90 import config
+from forgekernel.reference.gdn_bwd_state import u_from_states
 
 bwd = importlib.import_module("forgekernel.ops.gated_delta_rule_bwd")
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
@@ -34,18 +36,22 @@ NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 def emulated_fused_kernel(calls):
     """The fused kernel's stand-in: kernel 1's reverse emulation and kernel 2's WY emulation on
-    the factors the kernel forms from its inputs (Ke, Qe, e^(G_C) from k, q and G)."""
+    the factors the kernel forms from its inputs (Ke, Qe, e^(G_C) from k, q and G; u None:
+    U = uw - W h, the `u_from_h` key). Calls recorded as (do's shape, q's heads, dht given,
+    scale, U formed in the kernel)."""
     reverse, chunk = emulated_kernel(), emulated_chunk_wy_kernel()
 
     def run(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, scale=1.0, out=None):
         b, t, hv, _ = do.shape
         nc = -(-t // 64)
-        for x in (do, u, pt, tt, w, uw, v):  # strided views allowed (TMA)
+        for x in (do, pt, tt, w, uw, v) if u is None else (do, u, pt, tt, w, uw, v):
             assert x.stride(-1) == 1 and x.dtype == do.dtype and x.shape[:3] == (b, t, hv)
         assert q.shape == k.shape and q.shape[:2] == (b, t) and hv % q.shape[2] == 0
         assert h.shape == (b, nc, hv, q.shape[-1], do.shape[-1]) and h.dtype == do.dtype
         assert big_g.dtype == beta.dtype == torch.float32 and big_g.shape == beta.shape
-        calls.append((tuple(do.shape), q.shape[2], dht is not None, scale))
+        calls.append((tuple(do.shape), q.shape[2], dht is not None, scale, u is None))
+        if u is None:  # `u_from_h`
+            u = u_from_states(uw, w, h)
         group = hv // q.shape[2]
         qh, kh = (x.double().repeat_interleave(group, dim=2) for x in (q, k))
         last = torch.clamp(torch.arange(nc) * 64 + 63, max=t - 1)
@@ -75,7 +81,7 @@ def test_the_rule(b, hv, sms, fused):
 
 
 def test_on_by_default():
-    assert bwd.FUSED is True
+    assert bwd.FUSED is True and bwd.FUSED_DIET is True
 
 
 @pytest.mark.parametrize(("b", "t", "h", "hv", "l2norm"), [(1, 130, 2, 2, False),
@@ -104,7 +110,7 @@ def test_fused_path_equals_todays(kernel_path, monkeypatch, b, t, h, hv, l2norm)
     CHUNK_CALLS.clear()
     got = run()
     fold = not l2norm and h == hv
-    assert calls == [((b, t, hv, 128), h, True, 128**-0.5 if fold else 1.0)]
+    assert calls == [((b, t, hv, 128), h, True, 128**-0.5 if fold else 1.0, True)]
     assert FLAGS == [(True, True)] and CHUNK_CALLS == []  # the forward launch only
     want = _fp64_grads([q, k, v, g, beta, h0], None, do, dht, l2norm=l2norm, with_state=True)
     for name, a, r, o in zip(NAMES, got, want, today):
@@ -202,7 +208,7 @@ def test_varlen(kernel_path, monkeypatch, lens):  # noqa: F811
     CHUNK_CALLS.clear()
     got = run()
     if len(set(lens)) == 1:
-        assert calls == [((n, lens[0], 4, 128), 2, True, 1.0)] and CHUNK_CALLS == []
+        assert calls == [((n, lens[0], 4, 128), 2, True, 1.0, True)] and CHUNK_CALLS == []
         for name, a, o in zip(NAMES, got, today):
             scale = float(o.abs().max())
             assert float((a.double() - o.double()).abs().max()) <= 2e-2 * scale, name
@@ -211,3 +217,77 @@ def test_varlen(kernel_path, monkeypatch, lens):  # noqa: F811
         assert FLAGS == [(True, True), (True, False)]  # kernel 1's two launches, varlen form
         for name, a, o in zip(NAMES, got, today):
             assert torch.equal(a, o), name
+
+
+@pytest.mark.parametrize(("t", "dtype"), [(1, torch.bfloat16), (65, torch.float16),
+                                          (130, torch.bfloat16)])  # fmt: skip
+def test_the_diet_keys_models(t, dtype):
+    """FUSED_DIET's kernel models on one problem (grouped: H = 2, HV = 4): kernel 0's `fused`
+    tiles are the standard ones less Ke, Qe; kernel 1's `fused` forward launch (k and G in place
+    of Ke, `reference.gdn_bwd_state.decayed_keys`; no U) gives the `forward` key's h within the
+    16-bit rounding of Ke; the fused kernel's `u_from_h` U (`u_from_states`: u - W h, rounded
+    once) is the U the `forward` launch writes up to one rounding of the 16-bit result."""
+    from test_gdn_bwd_kernel_path import emulated_factors_kernel
+
+    from forgekernel.reference.gdn_bwd_factors import forward_launch_tiles
+
+    q, k, v, g, beta, *_ = _bf16_problem(2, t, 2, 4, seed=t)
+    k = (k.float() / k.float().norm(dim=-1, keepdim=True)).bfloat16()
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    tiles = {f: emulated_factors_kernel()(q, k, v, g, beta, fused=f) for f in (False, True)}
+    assert set(tiles[True]) == set(tiles[False]) - {"ke", "qe"}
+    for name, x in tiles[True].items():
+        assert torch.equal(x, tiles[False][name]), name
+    h0 = torch.randn(2, 4, 128, 128, generator=torch.Generator().manual_seed(t)) * 0.1
+    run = emulated_kernel()
+    fw = forward_launch_tiles(tiles[False], identity=False)
+    u16, h16, s16 = run(*(fw[n] for n in ("do", "pt", "ke", "qe", "w")), fw["e_last"], h0,
+                        out16=True, forward=True)  # fmt: skip
+    fw = forward_launch_tiles(tiles[True], identity=False, k=k)
+    assert fw["w"] is k and fw["big_g"] is tiles[True]["big_g"]
+    none, h_fused, s_fused = run(*(fw[n] for n in ("do", "pt", "ke", "qe", "w")), fw["e_last"],
+                                 h0, out16=True, forward=True, big_g=fw["big_g"])  # fmt: skip
+    assert none is None
+    for a, r in ((h_fused, h16), (s_fused, s16)):
+        err = float((a.double() - r.double()).abs().max())
+        assert err <= 1e-2 * float(r.double().abs().max()), err
+    got = u_from_states(tiles[False]["u"][:, :t], tiles[False]["w"][:, :t], h16)
+    u16 = u16[:, :t]  # the launch's rows: every chunk's (the tiles as kernel 0 wrote them)
+    assert got.dtype == dtype and got.shape == u16.shape
+    ulp = torch.finfo(dtype).eps * u16.double().abs() + 1e-6
+    assert bool(((got.double() - u16.double()).abs() <= ulp).all())
+
+
+def test_diet_off_is_the_fused_route_of_before(kernel_path, monkeypatch):  # noqa: F811
+    """FUSED_DIET (the default) against it off: on, kernel 0's `fused` key (no Ke, Qe), the
+    forward launch's `fused` key (k and G in place of Ke, no U) and the fused kernel handed no
+    U; off, kernel 0's standard key, Ke read, U written and read. The gradients within 1e-2 of
+    each other's max (they differ by the 16-bit roundings of Ke and U only)."""
+    b, t, h, hv = 2, 130, 2, 4
+    q, k, v, g, beta, do, h0, dht = _bf16_problem(b, t, h, hv, seed=5)
+    k = (k.float() / k.float().norm(dim=-1, keepdim=True)).bfloat16()
+    monkeypatch.setattr(bwd, "FUSED", True)
+    monkeypatch.setattr(bwd, "_device_sms", lambda device: b * hv)
+    real = bwd._factors
+    keys = []
+    monkeypatch.setattr(
+        bwd, "_factors", lambda *a, **kw: keys.append(kw.get("fused", False)) or real(*a, **kw)
+    )
+    state = bwd._state_recurrence
+    forward = []  # the forward launch on k and G (its `fused` key): w is k (B, T, H, K)
+    monkeypatch.setattr(bwd, "_state_recurrence",
+                        lambda *a, **kw: forward.append(("big_g" in kw, a[4].shape == k.shape))
+                        or state(*a, **kw))  # fmt: skip
+    grads = {}
+    for diet in (True, False):
+        calls = []
+        monkeypatch.setattr(bwd, "FUSED_DIET", diet)
+        monkeypatch.setattr(bwd, "_fused_bwd", emulated_fused_kernel(calls))
+        grads[diet] = forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do,
+                                                            initial_state=h0,
+                                                            d_final_state=dht)  # fmt: skip
+        assert [c[-1] for c in calls] == [diet]
+    assert keys == [True, False] and forward == [(True, True), (False, False)]
+    for name, a, o in zip(NAMES, grads[True], grads[False]):
+        err = float((a.double() - o.double()).abs().max())
+        assert err <= 1e-2 * float(o.abs().max()), (name, err)

@@ -272,13 +272,14 @@ def _kernel_path(q, v) -> bool:
             and q.dtype in TILE_DTYPES and v.shape[1] > 0)  # fmt: skip
 
 
-def _factors(q, k, v, g, beta):
+def _factors(q, k, v, g, beta, fused=False):
     """Kernel 0: the chunk factors of every (chunk, value head) at once (`reference.
     gdn_bwd_factors.NAMES`' dict: the tiles kernel 1's two launches and kernel 2 read) from q
-    (scaled, normalized), k (B, T, H, K), v (B, T, HV, V) 16-bit, g, beta (B, T, HV) fp32. The
-    CPU tests put the tile emulation here."""
+    (scaled, normalized), k (B, T, H, K), v (B, T, HV, V) 16-bit, g, beta (B, T, HV) fp32;
+    `fused` (the fused route's key): no Ke, Qe in the dict. The CPU tests put the tile emulation
+    here."""
 
-    return factors_launch.gdn_bwd_factors(q, k, v, g, beta, wg2=FACTORS_2WG)
+    return factors_launch.gdn_bwd_factors(q, k, v, g, beta, wg2=FACTORS_2WG, fused=fused)
 
 
 # Kernel 0 on two math warpgroups by independent products (`wg2`, gdn_bwd_factors/sm90/
@@ -400,6 +401,14 @@ FSPLIT = True
 FUSED = True
 FUSED_SWITCH = "FORGEKERNEL_GDN_BWD_FUSED"
 
+# TEMPORARY (until the device session's A/B, NOTES "next/gdn-fused-diet"; then the keys stay or
+# go): the fused route without the tiles nobody needs there. Kernel 0's `fused` key writes no
+# Qe, Ke (32 KB a chunk-head); kernel 1's forward launch (its `fused` key) reads k (at the H
+# heads) and G in place of Ke and writes h only (U's 16 KB not stored); the fused kernel forms
+# U = u - W h (`u_from_h`: U's 16 KB not read, its box filled by the state warpgroup). ~72 KB
+# a chunk-head less moved in all. False: the fused route as on 2026-12-06.
+FUSED_DIET = True
+
 
 def _fused_selected(b: int, hv: int, device: torch.device) -> bool:
     """Whether the device pass of B sequences x HV value heads runs the fused kernel."""
@@ -502,7 +511,8 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots
 
 def _fused_bwd(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, **flags):
     """The fused kernel (kernel 1's reverse recurrence + kernel 2, `gdn_bwd_fused`): (dq, dk,
-    dg, dv, dbeta, dh0) (`flags`: scale, out). The CPU tests put an emulation here."""
+    dg, dv, dbeta, dh0) (`flags`: scale, out; u None: U = uw - W h formed in the kernel). The
+    CPU tests put an emulation here."""
 
     return fused_launch.gdn_bwd_fused(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, **flags)
 
@@ -510,13 +520,17 @@ def _fused_bwd(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, **flags):
 def _fused_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None):
     """`_device_pass` on the fused kernel (FUSED): kernel 0's tiles, kernel 1's forward
     launch (U, h), then `_fused_bwd` on kernel 0's P^T, T^T, W, u, G (its Ke, Qe, e^(G_C) not
-    read: folded in registers) with the same outputs as kernel 2 + the reverse launch."""
+    read: folded in registers) with the same outputs as kernel 2 + the reverse launch. With
+    FUSED_DIET: kernel 0 without Ke, Qe, the forward launch on k and G writing h only, U
+    formed in the fused kernel."""
     t = qs.shape[1]
     dq_o, dk_o, dv_o, dg_o, dbeta_o, dh0_o = into or (None,) * 6
-    out = _factors(qs, ks, v, g, beta)
-    fw = forward_launch_tiles(out, identity=False)
+    out = _factors(qs, ks, v, g, beta, fused=FUSED_DIET)
+    fw = forward_launch_tiles(out, identity=False, k=ks if FUSED_DIET else None)
+    diet = given(big_g=fw.get("big_g"))  # FUSED_DIET: kernel 1's `fused` key
     u16, h16, _ = _state_recurrence(*(fw[n] for n in ("do", "pt", "ke", "qe", "w")),
-                                    fw["e_last"], h0, out16=True, forward=True)  # fmt: skip
+                                    fw["e_last"], h0, out16=True, forward=True,
+                                    **diet)  # fmt: skip
     k2 = for_kernel2(out, t)
     wide = beta.to(torch.promote_types(beta.dtype, torch.float32))
     bufs = None
@@ -525,8 +539,9 @@ def _fused_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None):
         dh0 = dh0_o if dh0_o is not None else do.new_empty(b, hv, qs.shape[-1], vd,
                                                            dtype=torch.float32)  # fmt: skip
         bufs = (*_wy_buffers(do, qs.shape[-1], dg_o, dv_o, dbeta_o, dq_o, dk_o), dh0)
+    big_u = None if u16 is None else u16[:, :t]  # FUSED_DIET: formed in the kernel
     dq, dk, dg, dv, dbeta, dh0 = _fused_bwd(
-        do, u16[:, :t], qs, ks, h16, k2["big_g"], out["pt"][:, :t], k2["tt"], k2["w"], k2["u"],
+        do, big_u, qs, ks, h16, k2["big_g"], out["pt"][:, :t], k2["tt"], k2["w"], k2["u"],
         v, wide, dht, scale=1.0 if q_scale is None else q_scale, **given(out=bufs),
     )  # fmt: skip
     return dq, dk, dv, dg, dbeta, dh0

@@ -231,6 +231,31 @@ def forward_states(du: torch.Tensor, dh: torch.Tensor) -> tuple[torch.Tensor, to
     return dh.flip(1).transpose(-1, -2), u
 
 
+def decayed_keys(k: torch.Tensor, big_g: torch.Tensor) -> torch.Tensor:
+    """Ke = k e^(G_C - G) of every row from k (B, T', H, K) at its own heads (value head hv
+    reads hv // (HV / H); rows past T' zero) and G (B, NC C, HV) of every row (kernel 0's,
+    G_C each chunk's last row's): (B, NC C, HV, K) in fp64, the decays kernel 1's `fused`
+    forward launch forms on U^T's columns in place of reading Ke."""
+    b, rows, hv = big_g.shape
+    kk = k.new_zeros(b, rows, *k.shape[2:])
+    kk[:, : k.shape[1]] = k
+    kk = kk.double().repeat_interleave(hv // k.shape[2], dim=2)
+    g = big_g.double().unflatten(1, (rows // CHUNK, CHUNK))  # (B, NC, C, HV)
+    decay = (g[:, :, -1:] - g).exp().flatten(1, 2)  # (B, NC C, HV)
+    return kk * decay.unsqueeze(-1)
+
+
+def u_from_states(uw: torch.Tensor, w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """U = u - W h per chunk, as the fused backward's `u_from_h` key forms it from the forward
+    launch's h (its `fused` key): uw (B, T, HV, V), w (B, T, HV, K) and h (B, NC, HV, K, V)
+    in one 16-bit dtype -> U (B, T, HV, V) in that dtype, the difference formed in fp64 and
+    rounded once (the kernel's fp32 accumulator, up to its order of sums)."""
+    t, nc = uw.shape[1], h.shape[1]
+    wc, uc = to_chunks(w.double(), nc), to_chunks(uw.double(), nc)  # (B, NC, HV, C, .)
+    big_u = uc - wc @ h.double()
+    return to_tokens(big_u)[:, :t].to(uw.dtype)
+
+
 def out16_forms(
     du: torch.Tensor, dh: torch.Tensor, dtype: torch.dtype, forward: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -53,8 +53,9 @@ def _poisoned_kernel(calls):
         out16 = flags.get("out16", False)
         cu = flags.get("cu_seqlens")  # varlen: the states (N, ...)
         empty = empty_outputs(do, ke.shape[-1], out16=out16,
-                              states=None if cu is None else cu.shape[0] - 1)  # fmt: skip
-        out = tuple(x.fill_(float("nan")) for x in empty)
+                              states=None if cu is None else cu.shape[0] - 1,
+                              fused="big_g" in flags)  # fmt: skip
+        out = tuple(None if x is None else x.fill_(float("nan")) for x in empty)
         calls.append(tuple(do.shape))
         FLAGS.append((out16, flags.get("forward", False)))
         return gdn_bwd_state(do, pt, ke, qe, w, e_last, dht, out=out, **flags)
@@ -100,12 +101,14 @@ def _poisoned_factors_kernel(calls):
     """Kernel 0 with its outputs NaN-poisoned first; calls as ("k0", v's shape); the op's
     FACTORS_2WG passed on."""
 
-    def run(q, k, v, g, beta):
-        out = factors_launch.empty_outputs(q, v)
+    def run(q, k, v, g, beta, fused=False):
+        out = factors_launch.empty_outputs(q, v, fused)
         for x in out.values():
             x.fill_(float("nan"))
         calls.append(("k0", tuple(v.shape)))
         return factors_launch.gdn_bwd_factors(q, k, v, g, beta, out=out, wg2=bwd.FACTORS_2WG)
+
+        return factors_launch.gdn_bwd_factors(q, k, v, g, beta, out=out, fused=fused)
 
     return run
 
@@ -388,7 +391,9 @@ def test_time_at_bench_size(kernel_path, monkeypatch, varlen):
     kn = norm_launch.gdn_bwd_norm
     monkeypatch.setattr(bwd, "_qk_grads", lambda *a: norm_args.append(a) or kn(*a))
     k0 = factors_launch.gdn_bwd_factors
-    monkeypatch.setattr(bwd, "_factors", lambda *a: factor_args.append(a) or k0(*a))
+    monkeypatch.setattr(
+        bwd, "_factors", lambda *a, **kw: factor_args.append((a, kw)) or k0(*a, **kw)
+    )
 
     def k1(*a, **kw):
         kernel_args.append((a, kw))
@@ -403,7 +408,7 @@ def test_time_at_bench_size(kernel_path, monkeypatch, varlen):
                 for a, kw in kernel_args]  # fmt: skip
     chunk = [median(time_ms(lambda a=a, kw=kw: k2(*a, **kw), reps=10))
              for a, kw in chunk_args]  # fmt: skip
-    factors = [median(time_ms(lambda a=a: k0(*a), reps=10)) for a in factor_args]
+    factors = [median(time_ms(lambda a=a, kw=kw: k0(*a, **kw), reps=10)) for a, kw in factor_args]
     norms = [median(time_ms(lambda a=a: kn(*a), reps=10)) for a in norm_args]
     form = "varlen" if varlen else "B = 4"
     print(f"\nGDN backward on kernels 0-2, 4 x 8192 h16 hv32 bf16 ({form}): {ms:.2f} ms a "

@@ -16,6 +16,9 @@ WG2_THREADS = 3 * THREADS_PER_WG
 WG2_REGISTERS = REGISTERS_PER_SM // WG2_THREADS // 8 * 8  # 168: the launch's cap a thread
 # the 16-bit token tiles out, in the launcher's and `reference.gdn_bwd_factors.NAMES`' order
 OUT_TILES = ("w", "u", "pt", "ke", "qe", "tt")
+# the `fused` key's (the op's fused route): no Ke, Qe, which neither the fused kernel nor kernel
+# 1's forward launch (its `fused` key: k and G in place of Ke) reads
+FUSED_OUT_TILES = tuple(n for n in OUT_TILES if n not in ("ke", "qe"))
 # The TMA boxes' mbarriers, one a group, in the order the math warpgroup first reads them (it
 # waits on each just before that product; all boxes issued at once, TMA order = group order):
 # k (A = K K^T, then the inverse), q (P = Q K^T, under the merges), v (u = [T diag(beta)] V)
@@ -32,16 +35,24 @@ def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2) -> int:
     return tiles * elem_bytes + scratch + head + 1024
 
 
-def params_for(dtype: str, head_dims: tuple[int, int] = (128, 128), wg2: bool = False) -> tuple:
+def out_tiles(fused: bool = False) -> tuple[str, ...]:
+    """The token tiles a key writes, in the kernel's argument order (`fused`: no Ke, Qe)."""
+    return FUSED_OUT_TILES if fused else OUT_TILES
+
+
+def params_for(dtype: str, head_dims: tuple[int, int] = (128, 128), wg2: bool = False,
+               fused: bool = False) -> tuple:  # fmt: skip
     """Compile key: the 16-bit dtype of q, k, v and the tiles, (K, V); `wg2` (in the key only
     when set): two math warpgroups by independent products (factors_wg2.py), the same outputs
-    bit for bit."""
+    bit for bit; `fused` (likewise): the op's fused route's tiles, no Ke, Qe
+    (`FUSED_OUT_TILES`), the others bit for bit."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
     if tuple(head_dims) not in HEAD_DIMS:
         raise ValueError(f"(K, V) must be one of {HEAD_DIMS}, got {tuple(head_dims)}")
     k, v = head_dims
     key = {"dtype": dtype, "k": k, "v": v}
-    if wg2:
-        key["wg2"] = True
+    for name, on in (("wg2", wg2), ("fused", fused)):
+        if on:
+            key[name] = True
     return tuple(sorted(key.items()))

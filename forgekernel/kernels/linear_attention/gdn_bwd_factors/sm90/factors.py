@@ -19,6 +19,12 @@ zero as the zero-filled loads make them): W, u, P^T, Ke, Qe, T^T at chunk c (ker
 forward launch reads u, W, Ke as they are, in chunk order, its signs in registers); e^(G_C) and
 G fp32 by plain stores.
 
+Variant `fused` (compile flag; the op's fused route, ops/gated_delta_rule_bwd.py `_fused_pass`,
+FUSED_DIET): no Qe and no Ke tile (mQe, mKe None: no shared-memory boxes, no scaling, no third
+store group): the fused kernel folds both decays in registers, Qe into its state warpgroup's A
+operand, and kernel 1's forward launch (its `fused` key) reads k and G in place of Ke (32 KB a
+chunk-head not written). Every other output bit for bit the standard key's.
+
 Warp roles (2 warpgroups, 256 threads): warpgroup 0, warp 0: the three TMA loads, all issued at
 once, each on its own mbarrier armed once (config.LOAD_GROUPS: k, q, v, the order the math first
 reads them; Gated DeltaNet's chunk kernel's `_load_groups`; no ring, no empty barrier: one chunk
@@ -86,10 +92,11 @@ class GdnBwdFactorsSm90(AuxWy):
     load_groups = LOAD_GROUPS  # the TMA tiles' load groups, one mbarrier each
     threads = THREADS
 
-    def __init__(self, k: int, v: int):
+    def __init__(self, k: int, v: int, fused: bool = False):
         if (k, v) != (128, 128):
             raise ValueError(f"(K, V) must be (128, 128), got {(k, v)}")
         self.k, self.v = k, v
+        self.fused = fused  # no Qe, no Ke (the module docstring)
         self.l2norm = False  # q, k arrive normalized (AuxWy's masks read this)
 
     def _setup(self):
@@ -119,8 +126,8 @@ class GdnBwdFactorsSm90(AuxWy):
         mW: cute.Tensor,
         mU: cute.Tensor,
         mPt: cute.Tensor,
-        mKe: cute.Tensor,
-        mQe: cute.Tensor,
+        mKe: cute.Tensor | None,
+        mQe: cute.Tensor | None,
         mTt: cute.Tensor,
         mElast: cute.Tensor,
         mBigG: cute.Tensor,
@@ -128,9 +135,11 @@ class GdnBwdFactorsSm90(AuxWy):
     ):
         """mQ (scaled, normalized), mK (B, T, H, K), mV (B, T, HV, V) 16-bit; mG, mBeta fp32
         (B, T, HV). Outputs in mQ's dtype, (B, NC C, HV, D): mW, mU, mPt (D = C), mKe, mQe,
-        mTt (D = C) at chunk c; fp32 mElast (B, NC, HV) = e^(G_C), mBigG (B, NC C, HV) = G."""
+        mTt (D = C) at chunk c (`fused`: mKe, mQe None, not written); fp32 mElast (B, NC, HV) =
+        e^(G_C), mBigG (B, NC C, HV) = G."""
         self.dtype = mQ.element_type
-        for t in (mK, mV, mW, mU, mPt, mKe, mQe, mTt):
+        outs = (mW, mU, mPt, mTt) if const_expr(self.fused) else (mW, mU, mPt, mKe, mQe, mTt)
+        for t in (mK, mV, *outs):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"the 16-bit tiles must share one dtype, got {t.element_type}")
         self._setup()
@@ -143,7 +152,10 @@ class GdnBwdFactorsSm90(AuxWy):
             loads.append(cpasync.make_tiled_tma_atom(g2s, _tdhb(m), sT_tile, (CHUNK, d)))
         stores = []
         for m in (mW, mU, mKe, mQe):
-            stores.append(cpasync.make_tiled_tma_atom(s2g, _tdhb(m), sT_tile, (CHUNK, self.k)))
+            if const_expr(m is None):  # fused: no Ke, Qe
+                stores.append((None, None))
+            else:
+                stores.append(cpasync.make_tiled_tma_atom(s2g, _tdhb(m), sT_tile, (CHUNK, self.k)))
         for m in (mPt, mTt):
             stores.append(cpasync.make_tiled_tma_atom(s2g, _tdhb(m), sP_tile, (CHUNK, CHUNK)))
         # the bytes each load group's mbarrier expects (`_load_groups`): (C, 128) 16-bit tiles
@@ -151,6 +163,7 @@ class GdnBwdFactorsSm90(AuxWy):
         self.group_bytes = tuple(t_bytes * len(group) for group in LOAD_GROUPS)
         t_elems = cute.cosize(self.sT_layout)
         p_elems = cute.cosize(self.sP_layout)
+        e_elems = 0 if const_expr(self.fused) else t_elems  # Ke, Qe
 
         @cute.struct
         class SharedStorage:
@@ -165,8 +178,8 @@ class GdnBwdFactorsSm90(AuxWy):
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
             sOw: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
             sOu: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
-            sOke: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
-            sOqe: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sOke: cute.struct.Align[cute.struct.MemRange[self.dtype, e_elems], 1024]
+            sOqe: cute.struct.Align[cute.struct.MemRange[self.dtype, e_elems], 1024]
             sOpt: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
             sOtt: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
 
@@ -194,10 +207,10 @@ class GdnBwdFactorsSm90(AuxWy):
         mW4: cute.Tensor,
         tma_u: cute.CopyAtom,
         mU4: cute.Tensor,
-        tma_ke: cute.CopyAtom,
-        mKe4: cute.Tensor,
-        tma_qe: cute.CopyAtom,
-        mQe4: cute.Tensor,
+        tma_ke: cute.CopyAtom | None,
+        mKe4: cute.Tensor | None,
+        tma_qe: cute.CopyAtom | None,
+        mQe4: cute.Tensor | None,
         tma_pt: cute.CopyAtom,
         mPt4: cute.Tensor,
         tma_tt: cute.CopyAtom,
@@ -226,8 +239,9 @@ class GdnBwdFactorsSm90(AuxWy):
         sQ = smem_tensor(storage.sQ, sT_layout)
         sK = smem_tensor(storage.sK, sT_layout)
         sV = smem_tensor(storage.sV, sT_layout)
-        outs = [smem_tensor(f, sT_layout)
-                for f in (storage.sOw, storage.sOu, storage.sOke, storage.sOqe)]  # fmt: skip
+        outs = [smem_tensor(f, sT_layout) for f in (storage.sOw, storage.sOu)]
+        for f in (storage.sOke, storage.sOqe):  # fused: neither
+            outs.append(None if const_expr(self.fused) else smem_tensor(f, sT_layout))
         sPt = smem_tensor(storage.sOpt, sP_layout)
         sTt = smem_tensor(storage.sOtt, sP_layout)
         gates = [f.get_tensor(cute.make_layout((CHUNK, 1)))
@@ -250,6 +264,8 @@ class GdnBwdFactorsSm90(AuxWy):
             tiles = {"w": (tma_w, mW4, outs[0], kd), "u": (tma_u, mU4, outs[1], vd),
                      "ke": (tma_ke, mKe4, outs[2], kd), "qe": (tma_qe, mQe4, outs[3], kd),
                      "pt": (tma_pt, mPt4, sPt, c_), "tt": (tma_tt, mTt4, sTt, c_)}  # fmt: skip
+            if const_expr(self.fused):
+                del tiles["ke"], tiles["qe"]
             self._math_roles(mma_aux, mma_rs, sQ, sK, sV, outs, sPt, sTt, gates, sW, sX, mG,
                              mBeta, mElast, mBigG, bars, tiles, c, hv, b)  # fmt: skip
 
@@ -258,16 +274,20 @@ class GdnBwdFactorsSm90(AuxWy):
                     mBeta, mElast, mBigG, bars, tiles, c, hv, b):  # fmt: skip
         """Warpgroup 1, the one math warpgroup: every product. The TMA stores in three groups
         as their tiles are final (P^T, T^T after the inverse; W, u after their products; Ke, Qe
-        last), one thread issuing all three (bulk groups are the thread's), its one wait (smem
-        read) just before the exit."""
-        stores = ((tiles["pt"], tiles["tt"]), (tiles["w"], tiles["u"]),
-                  (tiles["ke"], tiles["qe"]))  # fmt: skip
+        last, not with `fused`), one thread issuing all three (bulk groups are the thread's),
+        its one wait (smem read) just before the exit."""
+        stores = ((tiles["pt"], tiles["tt"]), (tiles["w"], tiles["u"]), self._last_stores(tiles))
         self._math(mma_aux, mma_rs, sQ, sK, sV, outs, sPt, sTt, gates, sW, sX, mG, mBeta,
                    mElast, mBigG, bars, stores, c, hv, b)  # fmt: skip
-        self._store_group(stores[2], c, hv, b)
+        if const_expr(not self.fused):
+            self._store_group(stores[2], c, hv, b)
         tidx, _, _ = cute.arch.thread_idx()
         if tidx == THREADS_PER_WG:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    def _last_stores(self, tiles) -> tuple:
+        """The last store group's tiles: Ke, Qe (`fused`: none)."""
+        return () if self.fused else (tiles["ke"], tiles["qe"])
 
     @cute.jit
     def _store_group(self, tiles, c, hv, b, bar: cutlass.Constexpr[int] = BAR_MATH,
@@ -377,17 +397,17 @@ class GdnBwdFactorsSm90(AuxWy):
         self._store_tile(acc_u, mma_rs, s_u, False)
         self._store_tile(acc_w, mma_rs, s_w, False)
         self._store_group(stores[1], c, hv, b)  # W, u out under Ke, Qe
-        # Ke, Qe: the loaded rows times their decays
-        t0, row_base, _ = softmax.acc_coords(mma_rs, atid, (CHUNK, self.k))
-        g_last = sG2[CHUNK - 1, 0]
-        e_end, e_g = [], []
-        for r in cutlass.range_constexpr(2):
-            g_i = sG2[row_base + t0[r, 0][0], 0]
-            e_end.append(cute.math.exp2(g_last - g_i, fastmath=True))
-            e_g.append(cute.math.exp2(g_i, fastmath=True))
-        self._scaled_rows(mma_rs, atid, sK, s_ke, e_end, out_shape)
-        self._scaled_rows(mma_rs, atid, sQ, s_qe, e_g, out_shape)
-        cute.arch.fence_view_async_shared()
+        if const_expr(not self.fused):  # Ke, Qe: the loaded rows times their decays
+            t0, row_base, _ = softmax.acc_coords(mma_rs, atid, (CHUNK, self.k))
+            g_last = sG2[CHUNK - 1, 0]
+            e_end, e_g = [], []
+            for r in cutlass.range_constexpr(2):
+                g_i = sG2[row_base + t0[r, 0][0], 0]
+                e_end.append(cute.math.exp2(g_last - g_i, fastmath=True))
+                e_g.append(cute.math.exp2(g_i, fastmath=True))
+            self._scaled_rows(mma_rs, atid, sK, s_ke, e_end, out_shape)
+            self._scaled_rows(mma_rs, atid, sQ, s_qe, e_g, out_shape)
+            cute.arch.fence_view_async_shared()
 
     @cute.jit
     def _scaled_rows(self, mma, tid, src, dst, scales, shape):

@@ -17,7 +17,7 @@ Warp roles (3 warpgroups, 384 threads, no setmaxnreg: under the launch's 168 reg
 thread): warpgroup 0 as before (the TMA warp); warpgroups 1, 2 as above, each issuing its own
 TMA stores (bulk groups are the issuing thread's: warpgroup 1's first thread T^T, then u;
 warpgroup 2's P^T, Ke, Qe, then W) and waiting its own groups' shared-memory reads before
-the exit.
+the exit. `fused` (no Ke, Qe) as the one-warpgroup kernel's.
 
 Named barriers: BAR_GATES (256: the gates in shared memory, every math warp waits at one
 instruction, warpgroup 1's warp 0 after writing them: so warpgroup 1's four warps reach the
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 from forgekernel.kernels.common.sm90 import softmax
@@ -130,23 +130,23 @@ class GdnBwdFactorsWg2Sm90(GdnBwdFactorsSm90):
         acc_p = cute.make_rmem_tensor(acc_shape, Float32)
         gemm(mma_aux, acc_p, tSrQ[None, None, None, 0], tSrKb[None, None, None, 0], True, -1)
         atid = opaque_tid_x() - 2 * THREADS_PER_WG
-        # Ke, Qe: the loaded rows times their decays
         out_shape = mma_rs.get_slice(0).partition_shape_C((CHUNK, self.k))
-        t0, row_base, _ = softmax.acc_coords(mma_rs, atid, (CHUNK, self.k))
-        g_last = sG2[CHUNK - 1, 0]
-        e_end, e_g = [], []
-        for r in cutlass.range_constexpr(2):
-            g_i = sG2[row_base + t0[r, 0][0], 0]
-            e_end.append(cute.math.exp2(g_last - g_i, fastmath=True))
-            e_g.append(cute.math.exp2(g_i, fastmath=True))
-        self._scaled_rows(mma_rs, atid, sK, s_ke, e_end, out_shape)
-        self._scaled_rows(mma_rs, atid, sQ, s_qe, e_g, out_shape)
-        cute.arch.fence_view_async_shared()
+        if const_expr(not self.fused):  # Ke, Qe: the loaded rows times their decays
+            t0, row_base, _ = softmax.acc_coords(mma_rs, atid, (CHUNK, self.k))
+            g_last = sG2[CHUNK - 1, 0]
+            e_end, e_g = [], []
+            for r in cutlass.range_constexpr(2):
+                g_i = sG2[row_base + t0[r, 0][0], 0]
+                e_end.append(cute.math.exp2(g_last - g_i, fastmath=True))
+                e_g.append(cute.math.exp2(g_i, fastmath=True))
+            self._scaled_rows(mma_rs, atid, sK, s_ke, e_end, out_shape)
+            self._scaled_rows(mma_rs, atid, sQ, s_qe, e_g, out_shape)
+            cute.arch.fence_view_async_shared()
         warpgroup.wait_group(0)
         coords = softmax.acc_coords(mma_aux, atid, (CHUNK, CHUNK))
         self._decay_mask(acc_p, coords, sG2, sBeta, sG2, 0, Float32(1.0), False)
         self._store_tile(acc_p, mma_aux, sPt, True)  # P^T
-        self._store_group((tiles["pt"], tiles["ke"], tiles["qe"]), c, hv, b, BAR_MATH2,
+        self._store_group((tiles["pt"], *self._last_stores(tiles)), c, hv, b, BAR_MATH2,
                           LEADER[1])  # fmt: skip
         named_barrier(BAR_T, MATH_PAIR).arrive_and_wait()  # T final in sW
         acc = cute.make_rmem_tensor(acc_shape, Float32)

@@ -21,12 +21,15 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    # the op's keys: with / without a final-state gradient, q / k at their own H heads or not
+    # the op's keys: with / without a final-state gradient, q / k at their own H heads or not;
+    # U read (kernel 1's forward launch's) or formed in the kernel (`u_from_h`,
+    # ops.gated_delta_rule_bwd.FUSED_DIET)
     return [
-        params_for(dtype, d_final_state=ds, grouped=g)
+        params_for(dtype, d_final_state=ds, grouped=g, u_from_h=u)
         for dtype in DTYPES
         for ds in (False, True)
         for g in (False, True)
+        for u in (False, True)
     ]
 
 

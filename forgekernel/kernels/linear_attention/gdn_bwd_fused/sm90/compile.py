@@ -17,7 +17,8 @@ from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.fused_bwd import Gd
 
 def kernel_for(params: dict) -> GdnBwdFusedSm90:
     return GdnBwdFusedSm90(params["k"], params["v"], d_final_state=params["d_final_state"],
-                           grouped=params.get("grouped", False))  # fmt: skip
+                           grouped=params.get("grouped", False),
+                           u_from_h=params.get("u_from_h", False))  # fmt: skip
 
 
 def compile_gdn_bwd_fused(params: dict, arch: str = "sm_90a", extra_options: str = "",
@@ -42,7 +43,7 @@ def compile_gdn_bwd_fused(params: dict, arch: str = "sm_90a", extra_options: str
 
     return cute.compile(
         kernel,
-        tok(vd), tok(vd), tok(kd, h), tok(kd, h),
+        tok(vd), None if params.get("u_from_h", False) else tok(vd), tok(kd, h), tok(kd, h),
         fake.rowmajor(dtype, (b, nc, hv, kd, vd)),
         vec(), tok(CHUNK), tok(CHUNK), tok(kd), tok(vd), tok(vd), vec(),
         state() if params["d_final_state"] else None,

@@ -33,8 +33,12 @@ assert sum(REGS) * THREADS_PER_WG <= LAUNCH_REGS * THREADS
 # first two only: dO, then q and W): dU (k, P^T, dO); q + W (S's update, dq's B, dw's slot);
 # h (dqe = dO h^T, the finish's <dh, h>); U (S = dO U^T, dke); the WY tiles T^T, u.
 LOAD_GROUPS = (("k", "pt", "do"), ("q", "w"), ("h",), ("u",), ("tt", "uw"))
+# `u_from_h` (U = u - W h formed by the state warpgroup into the U box): the WY u in U's slot,
+# where S waits for it (with h) before dPD; G's later wait on the slot finds it landed
+U_FROM_H_LOAD_GROUPS = (("k", "pt", "do"), ("q", "w"), ("h",), ("uw",), ("tt",))
 S_GROUPS = (0, 1)  # the groups the state warpgroup reads (dO; q, W)
 H_GROUP = 2  # the finish warps' <dh, h>
+U_GROUP = 3  # U (`u_from_h`: the WY u, U's operand)
 TOKEN_TILES = ("do", "u", "q", "k", "w", "uw")  # (C, 128) 16-bit
 # One stage (no double buffering: 2 x 144 KB do not fit): the next chunk's boxes are issued
 # once every reader has released this one (S after its update, G after the WY half, the finish
@@ -81,18 +85,22 @@ def params_for(
     *,
     d_final_state: bool = False,
     grouped: bool = False,
+    u_from_h: bool = False,
 ) -> tuple:
     """Compile key: the 16-bit dtype of the tiles, (K, V), whether a final-state gradient is
     read (without one, dS starts from zero) and `grouped` (q, k at H < HV heads, value head hv
-    reading head hv // (HV / H); in the key only when set). The outputs are the op's device
-    path's: dq, dk, dv in the tiles' dtype (dq times the runtime scale), dG, dbeta and dS at
-    the start fp32."""
+    reading head hv // (HV / H); in the key only when set). `u_from_h` (likewise): U not read,
+    the state warpgroup forms U = u - W h (fp32, rounded once) from the WY u, W and h it loads
+    anyway (kernel 1's forward launch then writes h only, its `fused` key). The outputs are
+    the op's device path's: dq, dk, dv in the tiles' dtype (dq times the runtime scale), dG,
+    dbeta and dS at the start fp32."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
     if tuple(head_dims) not in HEAD_DIMS:
         raise ValueError(f"(K, V) must be one of {HEAD_DIMS}, got {tuple(head_dims)}")
     k, v = head_dims
     key = {"dtype": dtype, "k": k, "v": v, "d_final_state": d_final_state}
-    if grouped:
-        key["grouped"] = True
+    for name, on in (("grouped", grouped), ("u_from_h", u_from_h)):
+        if on:
+            key[name] = True
     return tuple(sorted(key.items()))

@@ -20,6 +20,14 @@ chunk's start, U its corrected values, both from kernel 1's forward launch):
 Ke = k e^(G_C - G) and Qe = q e^G are not read: the first scales dU's rows after the product,
 the second scales the state warpgroup's dO^T A operand (built in registers anyway) by column.
 
+Variant `u_from_h` (compile flag; ops/gated_delta_rule_bwd.py FUSED_DIET): U is not read. The
+state warpgroup forms it in the U box, once its q half of the update is issued and h and the
+WY u have landed: U = u - W h (C x V x K, one (C, V) fp32 accumulator, the WY u subtracted from
+shared memory, rounded once to 16 bits: kernel 1's forward launch's U^T = u^T - S^T W^T on the
+same 16-bit u, W and h, up to the order of the tensor core's sums), then dPD as before; G reads
+it after S_DONE as it read the loaded U. 16 KB a chunk-head less read here and written by the
+forward launch (its `fused` key).
+
 Warp roles (3 warpgroups, 384 threads, setmaxnreg config.REGS):
 - warpgroup 0: warp 0 the TMA producer (per chunk, last first, config.LOAD_GROUPS on one
   mbarrier each, after the stage's release: one stage, see config.STAGES); warps 1, 2 dG's
@@ -79,6 +87,8 @@ from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.config import (
     RELEASE_ARRIVALS,
     S_GROUPS,
     THREADS,
+    U_FROM_H_LOAD_GROUPS,
+    U_GROUP,
 )
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.reverse_state import (
     GdnBwdStateSm90,
@@ -113,10 +123,14 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
 
     load_groups = LOAD_GROUPS
 
-    def __init__(self, k: int, v: int, *, d_final_state: bool, grouped: bool = False):
+    def __init__(self, k: int, v: int, *, d_final_state: bool, grouped: bool = False,
+                 u_from_h: bool = False):  # fmt: skip
         super().__init__(k, v, wy=True, grouped=grouped)
         self.d_final_state = d_final_state
         self.dqk16 = True
+        self.u_from_h = u_from_h  # U = u - W h formed by S (the module docstring)
+        if u_from_h:
+            self.load_groups = U_FROM_H_LOAD_GROUPS
 
     def _setup(self):
         super()._setup()
@@ -136,7 +150,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
     def __call__(
         self,
         mDO: cute.Tensor,
-        mU: cute.Tensor,
+        mU: cute.Tensor | None,
         mQ: cute.Tensor,
         mK: cute.Tensor,
         mH: cute.Tensor,
@@ -161,9 +175,9 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         (B, T, HV, C), mW (B, T, HV, K), mUw, mV (B, T, HV, V) 16-bit; mG, mBeta fp32 (B, T,
         HV); mDht (or None) fp32 (B, HV, K, V). Outputs: mDQ (times `scale`), mDK (B, T, HV, K)
         and mDV (B, T, HV, V) in the tiles' dtype, mDG, mDB fp32 (B, T, HV), mDh0 fp32 (B, HV,
-        K, V)."""
+        K, V). `u_from_h`: mU None (U formed in the kernel)."""
         self.dtype = mDO.element_type
-        for t in (mU, mQ, mK, mH, mPT, mTt, mW, mUw, mV, mDQ, mDK, mDV):
+        for t in (mQ, mK, mH, mPT, mTt, mW, mUw, mV, mDQ, mDK, mDV):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"the 16-bit tiles must share one dtype, got {t.element_type}")
         self._setup()
@@ -171,10 +185,11 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         sT_tile = cute.slice_(self.sT_layout, (None, None, 0))
         sH_tile = cute.slice_(self.sH_layout, (None, None, 0))
         sP_tile = cute.slice_(self.sP_layout, (None, None, 0))
-        tma = {}
+        tma = {"u": (None, None)}  # u_from_h: U not loaded
         for name, m, d in (("do", mDO, self.v), ("u", mU, self.v), ("q", mQ, self.k),
                            ("k", mK, self.k), ("w", mW, self.k), ("uw", mUw, self.v)):  # fmt: skip
-            tma[name] = cpasync.make_tiled_tma_atom(g2s, _tdhb(m), sT_tile, (CHUNK, d))
+            if const_expr(m is not None):
+                tma[name] = cpasync.make_tiled_tma_atom(g2s, _tdhb(m), sT_tile, (CHUNK, d))
         for name, m in (("pt", mPT), ("tt", mTt)):
             tma[name] = cpasync.make_tiled_tma_atom(g2s, _tdhb(m), sP_tile, (CHUNK, CHUNK))
         tma["h"] = cpasync.make_tiled_tma_atom(g2s, _kvchb(mH), sH_tile, (self.k, self.v))
@@ -182,7 +197,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         tile_bytes = {n: t_bytes for n in ("do", "u", "q", "k", "w", "uw")}
         tile_bytes.update({n: cute.size_in_bytes(self.dtype, sP_tile) for n in ("pt", "tt")})
         tile_bytes["h"] = cute.size_in_bytes(self.dtype, sH_tile)
-        self.group_bytes = tuple(sum(tile_bytes[n] for n in g) for g in LOAD_GROUPS)
+        self.group_bytes = tuple(sum(tile_bytes[n] for n in g) for g in self.load_groups)
         t_elems = cute.cosize(self.sT_layout)
         h_elems = cute.cosize(self.sH_layout)
         p_elems = cute.cosize(self.sP_layout)
@@ -250,8 +265,8 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         self,
         tma_do: cute.CopyAtom,
         mDO4: cute.Tensor,
-        tma_u: cute.CopyAtom,
-        mU4: cute.Tensor,
+        tma_u: cute.CopyAtom | None,
+        mU4: cute.Tensor | None,
         tma_q: cute.CopyAtom,
         mQ4: cute.Tensor,
         tma_k: cute.CopyAtom,
@@ -293,7 +308,8 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == PRODUCER_WARP:
             for atom in (tma_do, tma_u, tma_q, tma_k, tma_w, tma_uw, tma_pt, tma_tt, tma_h):
-                cpasync.prefetch_descriptor(atom)
+                if const_expr(atom is not None):
+                    cpasync.prefetch_descriptor(atom)
         storage = SmemAllocator().allocate(self.shared_storage)
         full = storage.full.data_ptr()  # one mbarrier a load group, a phase a chunk
         empty = storage.empty.data_ptr()  # the stage released by all its readers
@@ -345,13 +361,15 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
                          "w": (tma_w, mW4, sW, self.k, hv), "uw": (tma_uw, mUw4, sUw, self.v, hv),
                          "pt": (tma_pt, mPT4, sPT, CHUNK, hv), "tt": (tma_tt, mTt4, sTt, CHUNK, hv),
                          "h": (tma_h, mH5, sH)}  # fmt: skip
+                if const_expr(self.u_from_h):
+                    del tiles["u"]
                 self._produce(tiles, full, empty, hv, b, nchunks)
             elif warp_idx <= FINISH_WARPS:
                 self._finish(sH, sDH, sRed2, sG2, mDG, full, empty, b, hv, seqlen, nchunks)
         elif wg == 1:
             cute.arch.setmaxregister_increase(REGS[1])
-            self._state(mma_ks, mma_st, mma_s, sDO, sU, sQ, sK, sW, sPT, sPD, sDU, sDH, sE2,
-                        sGs2, sKK, mG, mDht, mDh0, full, empty, hv, b, seqlen,
+            self._state(mma_ks, mma_st, mma_s, mma_k, sDO, sU, sQ, sK, sW, sUw, sH, sPT, sPD,
+                        sDU, sDH, sE2, sGs2, sKK, mG, mDht, mDh0, full, empty, hv, b, seqlen,
                         nchunks)  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(REGS[2])
@@ -369,12 +387,13 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             self._load_groups(tiles, full, nchunks - 1 - i, hv, b)
 
     @cute.jit
-    def _state(self, mma_ks, mma_st, mma_s, sDO, sU, sQ, sK, sW, sPT, sPD, sDU, sDH, sE2, sGs2,
-               sKK, mG, mDht, mDh0, full, empty, hv, b, seqlen, nchunks):  # fmt: skip
+    def _state(self, mma_ks, mma_st, mma_s, mma_k, sDO, sU, sQ, sK, sW, sUw, sH, sPT, sPD, sDU,
+               sDH, sE2, sGs2, sKK, mG, mDht, mDh0, full, empty, hv, b, seqlen,
+               nchunks):  # fmt: skip
         """Warpgroup 1: dS^T (V, K) fp32 in two 64-row accumulators for the whole sequence;
         per chunk: dS (16-bit) into sDH for G and the finish warps, then dS^T <- e^(G_C) dS^T
         + (e^G o dO)^T q - dU^T W (kernel 1's update with Qe = q e^G folded into the A
-        operand's columns)."""
+        operand's columns); `u_from_h`: U = u - W h into the U box before dPD."""
         stid = opaque_tid_x() % WG
         thr_st = mma_st.get_slice(stid)
         acc_shape_st = thr_st.partition_shape_C((ROWS, self.k))
@@ -449,7 +468,11 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
                 gemm(mma_st, accs[w], tA, tBrQ[None, None, None, 0], False, 0)
             # dPD = (dO U^T) o D for G's dq and dk (kernel 2's first products), its transpose
             # over the spent P^T box once G's dU (which reads P^T) is done
-            cute.arch.mbarrier_wait(full + 3, par)  # U
+            cute.arch.mbarrier_wait(full + U_GROUP, par)  # U (u_from_h: the WY u)
+            if const_expr(self.u_from_h):
+                cute.arch.mbarrier_wait(full + H_GROUP, par)
+                self._u_from_h(mma_k, sW, sH, sUw, sU)
+                own.arrive_and_wait()  # every thread's U in sU (fenced) before dPD reads it
             acc_p = cute.make_rmem_tensor(wg_s.partition_shape_C((CHUNK, CHUNK)), Float32)
             gemm(
                 mma_s,
@@ -474,6 +497,27 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         for w in cutlass.range_constexpr(2):
             GdnBwdStateSm90._state_io(self, mDh0[b, hv, None, None], accs[w], thr_st, w, False,
                                       True)  # fmt: skip
+
+    @cute.jit
+    def _u_from_h(self, mma_k, sW, sH, sUw, sU):
+        """`u_from_h`: U = u - W h (C, V) into the U box, 16-bit, fenced: the product on W and
+        h's transposed (MN-major) view in fp32, the WY u read from shared memory in the
+        accumulator's order and the difference rounded once (G's dU on k and dS likewise)."""
+        wg_k = mma_k.get_slice(0)
+        acc = cute.make_rmem_tensor(wg_k.partition_shape_C((CHUNK, self.v)), Float32)
+        gemm(
+            mma_k,
+            acc,
+            wg_k.make_fragment_A(wg_k.partition_A(sW))[None, None, None, 0],
+            wg_k.make_fragment_B(wg_k.partition_B(transposed(sH)))[None, None, None, 0],
+            True,
+            0,
+        )
+        tid = opaque_tid_x() % WG
+        u = mma_k.get_slice(tid).partition_C(sUw[None, None, 0])
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            acc[e] = u[e].to(Float32) - acc[e]
+        self._store_tile(acc, mma_k, sU, False)
 
     @cute.jit
     def _decay_pd(self, acc_p, mma_s, sG, first, seqlen):
@@ -599,7 +643,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         self._store_rows(acc_q, mma_w, mDQ, tid, b, hv, c, seqlen, scale)
 
         acc_k = cute.make_rmem_tensor(wg_w.partition_shape_C((CHUNK, self.k)), Float32)
-        cute.arch.mbarrier_wait(full + 3, par)  # U
+        cute.arch.mbarrier_wait(full + U_GROUP, par)  # U (u_from_h: the WY u; U is S's, S_DONE)
         gemm(mma_w, acc_k, tArU[None, None, None, 0], tBrDH[None, None, None, 0], True, 0)
         if c > 0:
             dh_free.arrive()  # sDH read: S may write the next chunk's dS

@@ -31,6 +31,8 @@ def check_inputs(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht) -> tuple[in
             "h": (b, nc, hv, kd, vd), "pt": (b, t, hv, CHUNK), "tt": (b, t, hv, CHUNK),
             "w": (b, t, hv, kd), "uw": (b, t, hv, vd), "v": (b, t, hv, vd)}  # fmt: skip
     for name, x in zip(want, (u, q, k, h, pt, tt, w, uw, v)):
+        if x is None and name == "u":  # formed in the kernel (`u_from_h`)
+            continue
         if tuple(x.shape) != want[name]:
             raise ValueError(f"{name} must be {want[name]}, got {tuple(x.shape)}")
         if x.dtype != do.dtype:
@@ -58,7 +60,7 @@ def empty_outputs(do: torch.Tensor, k: int) -> Outputs:
 
 def gdn_bwd_fused(
     do: torch.Tensor,
-    u: torch.Tensor,
+    u: torch.Tensor | None,
     q: torch.Tensor,
     k: torch.Tensor,
     h: torch.Tensor,
@@ -76,7 +78,8 @@ def gdn_bwd_fused(
 ) -> Outputs:
     """The reverse state recurrence and every chunk gradient, one CTA per (sequence, value
     head), chunks last first (kernels/linear_attention/gdn_bwd_fused/sm90/fused_bwd.py). do
-    (B, T, HV, V), u = U (the forward's corrected values), q (scaled), k (B, T, H, K), h (B, NC,
+    (B, T, HV, V), u = U (the forward's corrected values; None: the kernel forms U = uw - W h,
+    the `u_from_h` key), q (scaled), k (B, T, H, K), h (B, NC,
     HV, K, V: the state at each chunk's start), pt, tt (B, T, HV, 64: row j of a chunk holds
     column j of P, of T = L^-1), w (B, T, HV, K), uw = the WY u, v (B, T, HV, V), all in one
     16-bit dtype; big_g (the within-chunk cumulative log decay), beta (B, T, HV) fp32; dht (B,
@@ -91,9 +94,10 @@ def gdn_bwd_fused(
     if b * hv * t == 0:
         return outs
     params = params_for(dtype_name(do.dtype), (q.shape[-1], do.shape[-1]),
-                        d_final_state=dht is not None, grouped=q.shape[2] != hv)  # fmt: skip
+                        d_final_state=dht is not None, grouped=q.shape[2] != hv,
+                        u_from_h=u is None)  # fmt: skip
     fn = get_kernel(SPEC, params)
-    tiles = [as_tma_ready(x) for x in (do, u, q, k, h)]
+    tiles = [None if x is None else as_tma_ready(x) for x in (do, u, q, k, h)]
     wy = [as_tma_ready(x) for x in (pt, tt, w, uw)]
     dq, dk, dg, dv, dbeta, dh0 = outs
     dst = None if dht is None else dht.contiguous()
