@@ -84,9 +84,9 @@ def emulated_kernel(calls=None):
     batch, quiet = _batch_kernel(calls), _batch_kernel()
 
     def run(do, pt, ke, qe, w, e_last, dht, dh0=None, out16=False, forward=False,
-            cu_seqlens=None, order=None):  # fmt: skip
+            cu_seqlens=None, order=None, out=None):  # fmt: skip
         if cu_seqlens is None:
-            return batch(do, pt, ke, qe, w, e_last, dht, dh0, out16, forward)
+            return batch(do, pt, ke, qe, w, e_last, dht, dh0, out16, forward, out)
         assert out16 and dht is None or dht.shape[0] == cu_seqlens.shape[0] - 1
         assert cu_seqlens.dtype == order.dtype == torch.int32
         if calls is not None:
@@ -102,7 +102,7 @@ def emulated_kernel(calls=None):
 def _batch_kernel(calls=None):
     """`emulated_kernel`'s batch form (B sequences of T tokens)."""
 
-    def run(do, pt, ke, qe, w, e_last, dht, dh0=None, out16=False, forward=False):
+    def run(do, pt, ke, qe, w, e_last, dht, dh0=None, out16=False, forward=False, out=None):
         assert out16 or not forward
         assert (pt is None and qe is None) == forward  # the forward variant builds I and 0 in
         rows = do.shape[1]
@@ -129,6 +129,8 @@ def _batch_kernel(calls=None):
         du, dh, dh0 = (x.float() for x in tile_model(factors, do.double(), dst, rounding))
         if out16:  # the kernel's 16-bit forms (fp32 where the test runs fp32 tiles)
             du, dh = out16_forms(du, dh, do.dtype, forward)
+        if out is not None:  # the launcher's out=: all three written (views of larger buffers)
+            return tuple(written_to(o, x) for o, x in zip(out, (du[:, :rows], dh, dh0)))
         return du[:, :rows], dh, written_to(out_dh0, dh0)
 
     return run
