@@ -170,6 +170,23 @@ def test_a_wrong_scan_fails(exact_path, monkeypatch, scan, grads):
         assert _max_rel_err([got[name]], [want[name]]) > 1e-3, name
 
 
+def test_head_passes(exact_path, monkeypatch):
+    """Value heads in two passes (strided head slices of v, do: the (B S) rows still views)
+    segmented equal the one unsegmented pass; B = 2, H 2, HV 4."""
+    q, k, v, g, beta, do, h0, dht = _inputs(2, 256, 2, 4, dk=16, dv=16, seed=5,
+                                            dtype=torch.float32)  # fmt: skip
+    flat = [x.flatten(0, 1) for x in (q, k, v, g, beta, do)]
+    args = (*flat[:5], h0, flat[5], dht, 0.3, False, True, 2)
+    monkeypatch.setenv(bwd.SEGMENTS_SWITCH, "0")
+    want = bwd._backward_kernel(*args)
+    monkeypatch.setattr(bwd, "TOKEN_HEADS_PER_PASS", 2 * 256 * 2)  # one q head a pass
+    monkeypatch.setenv(bwd.SEGMENTS_SWITCH, "4")
+    exact_path.clear()
+    got = bwd._backward_kernel(*args)
+    assert len(exact_path) == 2 * 5
+    assert _max_rel_err(got, want) <= 2e-5
+
+
 @pytest.mark.parametrize("lens", [[256, 256], [300, 212]])
 def test_varlen(exact_path, monkeypatch, lens):
     """cu_seqlens: equal lengths run as B sequences and segment (forced S = 4: five launches);

@@ -300,7 +300,9 @@ def _segmented_states(fw, tiles, do, h0, dht, parts, dh0=None):
     rows, chunks = b * parts, nc // parts
     low = {"dtype": do.dtype, "device": do.device}
     f32 = {"dtype": torch.float32, "device": do.device}
-    if t < nc * CHUNK:  # the tail chunk's rows past T: zero, as kernel 0's tiles there
+    # a tail chunk: do's rows past T zero, as kernel 0's tiles there (a copy also where B > 1
+    # sequences' rows are not one stride apart: no (B S) view)
+    if t < nc * CHUNK or (b > 1 and do.stride(0) != t * do.stride(1)):
         padded = do.new_zeros(b, nc * CHUNK, hv, vd)
         padded[:, :t] = do
         do = padded
