@@ -271,3 +271,44 @@ def test_fused_route_is_disjoint():
 
     for b, hv in ((1, 128), (4, 32), (2, 64), (1, 99), (1, 16), (1, 8)):
         assert not (fused_fits(b, hv, 132) and bwd._segments_for_bwd(b, hv, 512, 132) > 1)
+
+
+@pytest.mark.parametrize(("b", "t", "parts"), [(1, 512, 4), (2, 250, 2)])
+def test_runs_through_the_launcher(monkeypatch, b, t, parts):
+    """`_segmented_states` through kernel 1's launcher (its checks; the compiled kernel a
+    recorder): bf16, K = V = 128; per launch the rows (R - 1, R - 2 from c I, R - 1; then
+    R - 1 twice), every tile TMA-ready and read in place (a view of kernel 0's buffers or the
+    padded do where T has a tail chunk), the outputs written in place at their rows of U, h,
+    dU, dS."""
+    from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90 import launch as k0
+    from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90 import launch as k1
+    from forgekernel.reference.gdn_bwd_factors import forward_launch_tiles
+    from forgekernel.runtime.device import tma_ready
+
+    calls = []
+    monkeypatch.setattr(k1, "get_kernel", lambda spec, params: lambda *a: calls.append(a))
+    hv, nc = 2, -(-t // 64)
+    q = torch.zeros(b, t, 1, 128, dtype=torch.bfloat16)
+    tiles = k0.empty_outputs(q, torch.zeros(b, t, hv, 128, dtype=torch.bfloat16))
+    tiles["e_last"].fill_(1.0)
+    do = torch.zeros(b, t, hv, 128, dtype=torch.bfloat16)
+    h0, dht = torch.zeros(b, hv, 128, 128), torch.zeros(b, hv, 128, 128)
+    fw = forward_launch_tiles(tiles, identity=False)
+    (u16, h16), (du16, dh16, _) = bwd._segmented_states(fw, tiles, do, h0, dht, parts)
+    rows, seg = b * parts, nc // parts
+    want_rows = [rows - 1, rows - 2, rows - 1] if parts > 2 else [rows - 1, rows - 1]
+    assert [a[0].shape[0] for a in calls] == [*want_rows, rows - 1, rows - 1]
+    inputs = {x.untyped_storage().data_ptr() for x in (*tiles.values(), do)}
+    ins = [x for a in calls for x in a[:7] if x is not None]
+    assert all(tma_ready(x) for x in ins if x.dtype == torch.bfloat16)
+    copies = {x.untyped_storage().data_ptr() for x in ins} - inputs
+    assert len(copies) == (t % 64 != 0)  # only do, padded to whole chunks
+    step_u, step_h = seg * 64 * hv * 128 * 2, seg * hv * 128 * 128 * 2  # bytes a row
+    fa, *_, fc, rc = calls
+    ra = calls[-3]
+    assert (fa[8].data_ptr(), fa[9].data_ptr()) == (u16.data_ptr(), h16.data_ptr())
+    assert (fc[8].data_ptr(), fc[9].data_ptr()) == (u16.data_ptr() + step_u,
+                                                    h16.data_ptr() + step_h)  # fmt: skip
+    assert (ra[8].data_ptr(), ra[9].data_ptr()) == (du16.data_ptr() + step_u,
+                                                    dh16.data_ptr() + step_h)  # fmt: skip
+    assert (rc[8].data_ptr(), rc[9].data_ptr()) == (du16.data_ptr(), dh16.data_ptr())
