@@ -88,6 +88,10 @@ def emulated_kernel(calls=None):
             cu_seqlens=None, order=None, big_g=None):  # fmt: skip
         if cu_seqlens is None:
             return batch(do, pt, ke, qe, w, e_last, dht, dh0, out16, forward, big_g)
+
+            cu_seqlens=None, order=None, out=None):  # fmt: skip
+        if cu_seqlens is None:
+            return batch(do, pt, ke, qe, w, e_last, dht, dh0, out16, forward, out)
         assert out16 and dht is None or dht.shape[0] == cu_seqlens.shape[0] - 1
         assert cu_seqlens.dtype == order.dtype == torch.int32
         if calls is not None:
@@ -104,6 +108,8 @@ def _batch_kernel(calls=None):
     """`emulated_kernel`'s batch form (B sequences of T tokens)."""
 
     def run(do, pt, ke, qe, w, e_last, dht, dh0=None, out16=False, forward=False, big_g=None):
+
+    def run(do, pt, ke, qe, w, e_last, dht, dh0=None, out16=False, forward=False, out=None):
         assert out16 or not forward
         fused = big_g is not None  # the `fused` forward launch: w = k, Ke's decays from G, no U
         assert forward or not fused
@@ -136,6 +142,10 @@ def _batch_kernel(calls=None):
         if out16:  # the kernel's 16-bit forms (fp32 where the test runs fp32 tiles)
             du, dh = out16_forms(du, dh, do.dtype, forward)
         return None if fused else du[:, :rows], dh, written_to(out_dh0, dh0)
+
+        if out is not None:  # the launcher's out=: all three written (views of larger buffers)
+            return tuple(written_to(o, x) for o, x in zip(out, (du[:, :rows], dh, dh0)))
+        return du[:, :rows], dh, written_to(out_dh0, dh0)
 
     return run
 

@@ -76,6 +76,7 @@ from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.config import fused
 from forgekernel.kernels.linear_attention.gdn_bwd_norm.sm90 import launch as norm_launch
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90 import config as state_config
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90 import launch as state_launch
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.launch import SEGMENT_SCALE
 from forgekernel.ops import gated_delta_rule_chunked as fwd
 from forgekernel.ops._dispatch import KernelSwitch, refuse_capture
 from forgekernel.ops._dispatch import traced as _traced
@@ -102,6 +103,9 @@ from forgekernel.reference.gdn_bwd_state import (
     cut,
     forward_state_tiles,
     forward_states,
+    segment_ends,
+    segment_starts,
+    segment_transitions,
     to_chunks,
     to_tokens,
 )
@@ -190,13 +194,13 @@ TOKEN_HEADS_PER_PASS = 2**20
 TILE_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _state_recurrence(do, pt, ke, qe, w, e_last, d_final_state, dh0=None, **flags):
+def _state_recurrence(do, pt, ke, qe, w, e_last, d_final_state, dh0=None, out=None, **flags):
     """Kernel 1 (dh variant): (dU (B, T, HV, V), dh = dS^T per chunk end (B, NC, HV, V, K),
     dS at the start (B, HV, K, V)), fp32; `flags` out16 / forward: dU and dS (B, NC, HV, K, V)
     in 16 bits, kernel 2's forms (`reference.gdn_bwd_state.out16_forms`; forward: pt, qe None,
     I and 0 built in, outputs in chunk order); dh0: the caller's contiguous buffer for dS at
-    the start (the kernel writes it there). The CPU tests put the tile emulation here."""
-    out = None
+    the start (the kernel writes it there); out: all three buffers (the segmented pass's views,
+    `_segmented_states`). The CPU tests put the tile emulation here."""
     if dh0 is not None:
         du, side, _ = state_launch.empty_outputs(do, ke.shape[-1], out16=flags.get("out16", False))
         out = (du, side, dh0)
@@ -229,6 +233,129 @@ def _device_sms(device: torch.device) -> int:
     """The SMs `concurrent_state_launches` counts on: the CUDA device's, none off CUDA (the CPU
     tests run the launches one after the other unless they ask otherwise)."""
     return num_sms(device.index) if device.type == "cuda" else 0
+
+
+# Kernel 1 over segments (stage 2 of docs/linear_attention/segment_parallel_plan_2026-12-06.md,
+# launcher only, `_segmented_states`): each sequence cut into S segments of whole chunks, the
+# (B, NC C, ...) tiles seen as (B S, NC C / S, ...) rows, the boundary states exact by
+# linearity as in the gdn_prefill launcher's `_segmented`: a summary phase (forward runs from
+# the initial state or zero and from SEGMENT_SCALE x I, a reverse run from the final state's
+# gradient or zero), two scans of S - 2 batched products, then both launches over the segments
+# from their true states. Depth 2 NC / S chunk steps instead of NC for 3.5x (S = 4) the chunk
+# steps of work: it pays only where the summary phase, (3 B S - 4) HV CTAs at one an SM, fits
+# one wave: B HV <= 16 on 132 SMs (1 x 8192 hv16, predicted ~460 -> ~350 us); at B HV = 32 (1 x
+# 8192 hv32) each phase takes two waves and it loses (~460 -> ~620 us predicted; NOTES.md
+# "next/gdn-bwd-segments"). OFF until a device A/B. SEGMENTS_SWITCH overrides SEGMENTS: "0"
+# off, "1" on (the rule, `_segments_for_bwd`), an integer S >= 2 forces S segments wherever S
+# divides NC (the A/Bs; the fused route and the varlen slot layout never segment).
+SEGMENTS = False
+SEGMENTS_SWITCH = "FORGEKERNEL_GDN_BWD_SEGMENTS"
+MIN_SEGMENT_CHUNKS = 32  # a segment's chunks: shorter, the scans' ~20 small launches eat the gain
+
+
+def _segments_for_bwd(b: int, hv: int, nc: int, sms: int) -> int:
+    """Segments a sequence for kernel 1 (1: none): the largest power of two S >= 4 dividing NC
+    with NC / S >= MIN_SEGMENT_CHUNKS whose summary phase, (3 B S - 4) HV CTAs (forward runs
+    over rows [0, B S - 1) and [1, B S - 1), the reverse run over [1, B S)), fits one wave of
+    `sms` SMs (0, off CUDA: none)."""
+    parts, s = 1, 4
+    while (nc % s == 0 and nc // s >= MIN_SEGMENT_CHUNKS
+           and (3 * b * s - 4) * hv <= sms * STATE_CTAS_PER_SM):  # fmt: skip
+        parts, s = s, 2 * s
+    return parts
+
+
+def _segments_selected(b: int, hv: int, nc: int, device: torch.device) -> int:
+    """Segments a sequence for the device pass of B sequences x HV value heads of NC chunks:
+    SEGMENTS_SWITCH's (or SEGMENTS') choice (the comment above)."""
+    mode = os.environ.get(SEGMENTS_SWITCH, "1" if SEGMENTS else "0")
+    if mode == "0":
+        return 1
+    if mode == "1":
+        return _segments_for_bwd(b, hv, nc, _device_sms(device))
+    if not mode.isdigit():
+        raise ValueError(f"{SEGMENTS_SWITCH} must be 0, 1 or a segment count, got {mode!r}")
+    parts = int(mode)
+    return parts if nc % parts == 0 else 1
+
+
+def _segmented_states(fw, tiles, do, h0, dht, parts, dh0=None):
+    """Kernel 1's two launches over `parts` segments of each of B sequences (the comment
+    above; rows n P + p in flat order, each launch over a contiguous run of rows, every row
+    given its own state): (U, h), (dU, dS, the initial state's gradient) as the unsegmented
+    launches give them, U and dU at NC C rows. fw: the forward launch's tiles
+    (`forward_launch_tiles`, the variant's own), tiles: kernel 0's (pt, ke, qe, w at NC C rows,
+    zero past T; e_last), do (B, T, HV, V), h0, dht (B, HV, K, V) fp32 or None, dh0: the
+    caller's buffer for the initial state's gradient or None. Summary phase at once (three
+    streams): forward over rows [0, R - 1) from h0 at each sequence's segment 0 and zero
+    elsewhere (segment 0's U, h final), forward over [1, R - 1) from SEGMENT_SCALE x I (outputs
+    discarded), reverse over [1, R) from dht at each last segment and zero elsewhere (the last
+    segment's dU, dS final); the scans (reference/gdn_bwd_state.py `segment_starts`,
+    `segment_ends`); then forward over [1, R) and reverse over [0, R - 1) from the true states,
+    side by side. With B > 1 the runs take a few rows they need not (a sequence's last segment
+    in the first forward run, ...): their results unread or rewritten bit for bit. No host
+    read: CUDA-graph capturable."""
+    b, t, hv, vd = do.shape
+    kd, nc = fw["ke"].shape[-1], fw["e_last"].shape[1]
+    rows, chunks = b * parts, nc // parts
+    low = {"dtype": do.dtype, "device": do.device}
+    f32 = {"dtype": torch.float32, "device": do.device}
+    # a tail chunk: do's rows past T zero, as kernel 0's tiles there (a copy also where B > 1
+    # sequences' rows are not one stride apart: no (B S) view)
+    if t < nc * CHUNK or (b > 1 and do.stride(0) != t * do.stride(1)):
+        padded = do.new_zeros(b, nc * CHUNK, hv, vd)
+        padded[:, :t] = do
+        do = padded
+
+    def seg(x):  # (B, N, ...) -> (B S, N / S, ...), a view (strided head slices stay views)
+        return x.view(rows, x.shape[1] // parts, *x.shape[2:])
+
+    fwd_tiles = [seg(fw[n]) for n in ("do", "ke", "w", "e_last")]
+    rev_tiles = [seg(x) for x in (do, *(tiles[n] for n in ("pt", "ke", "qe", "w", "e_last")))]
+
+    def forward(run, start, outs):
+        u, ke, w, e_last = (x[run] for x in fwd_tiles)
+        return _state_recurrence(u, None, ke, None, w, e_last, start, out=outs, out16=True,
+                                 forward=True)  # fmt: skip
+
+    def reverse(run, end, outs):
+        return _state_recurrence(*(x[run] for x in rev_tiles), end, out=outs, out16=True)
+
+    u16, du16 = (torch.empty(b, nc * CHUNK, hv, vd, **low) for _ in range(2))
+    h16, dh16 = (torch.empty(b, nc, hv, kd, vd, **low) for _ in range(2))
+    su, sh, sdu, sdh = (seg(x) for x in (u16, h16, du16, dh16))
+    head, tail, middle = slice(0, rows - 1), slice(1, rows), slice(1, rows - 1)
+    by_seq = (b, parts, hv, kd, vd)
+    first, last = (torch.zeros(rows, hv, kd, vd, **f32) for _ in range(2))
+    if h0 is not None:
+        first.view(by_seq)[:, 0] = h0
+    if dht is not None:
+        last.view(by_seq)[:, -1] = dht
+    local, shifted, rlocal = (torch.empty(rows, hv, kd, vd, **f32) for _ in range(3))
+    summary = [
+        lambda: forward(head, None if h0 is None else first[head],
+                        (su[head], sh[head], local[head])),
+        lambda: reverse(tail, None if dht is None else last[tail],
+                        (sdu[tail], sdh[tail], rlocal[tail])),
+    ]  # fmt: skip
+    if parts > 2:  # the middle segments' transitions (K = V: M a state; from c I: c M + L)
+        init = (torch.eye(kd, **f32) * SEGMENT_SCALE).expand(rows - 2, hv, kd, vd).contiguous()
+        scratch = (torch.empty(rows - 2, chunks * CHUNK, hv, vd, **low),
+                   torch.empty(rows - 2, chunks, hv, kd, vd, **low))  # fmt: skip
+        summary.insert(1, lambda: forward(middle, init, (*scratch, shifted[middle])))
+    side_by_side(do.device, *summary)
+    trans = segment_transitions(local, shifted, parts, SEGMENT_SCALE)
+    starts = segment_starts(trans, local, first)
+    ends = segment_ends(trans, rlocal, last)
+    # local and rlocal take the full runs' end states (the scans read them first, in stream
+    # order); the forward's final state is not the device pass's output
+    side_by_side(
+        do.device,
+        lambda: forward(tail, starts[tail], (su[tail], sh[tail], local[tail])),
+        lambda: reverse(head, ends[head], (sdu[head], sdh[head], rlocal[head])),
+    )
+    grad0 = rlocal.view(by_seq)[:, 0]
+    return (u16, h16), (du16, dh16, grad0 if dh0 is None else dh0.copy_(grad0))
 
 
 # Kernel 1 writes U, h (forward launch, `forward`: I and 0 built in, chunk order) and dU, dS
@@ -458,8 +585,10 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots
     0's tiles, kernel 1's forward launch (`forward`: chunks first to last on kernel 0's u, W,
     Ke as written, the signs in registers) -> U, h (16-bit, chunk order), its reverse launch on
     kernel 0's tiles cut to T -> dU, dS (16-bit), kernel 2 on those; the two launches side by
-    side where both fit one wave (`concurrent_state_launches`). No torch op between the
-    kernels (views only; the forward launch builds its I and 0 tiles in). into: (dq, dk, dv,
+    side where both fit one wave (`concurrent_state_launches`), or over segments of each
+    sequence where SEGMENTS_SWITCH / SEGMENTS picks them (`_segmented_states`: a summary phase
+    and two scans in torch before them). No torch op between the kernels otherwise (views
+    only; the forward launch builds its I and 0 tiles in). into: (dq, dk, dv,
     dg, dbeta, dh0) contiguous buffers (or None each) kernel 2 / kernel 1 write directly (dq,
     dk only with q_scale). q_scale (QK16, `_folds`): kernel 2's 16-bit dq times it, dq and dk
     the op's gradients (no epilogue). slots: the varlen slot layout (B = 1 over its S C
@@ -485,7 +614,11 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots
         return _state_recurrence(do, *rev, out["e_last"], dht, out16=True, **given(dh0=dh0_o),
                                  **varlen)  # fmt: skip
 
-    if side_by_side_states(slots, do.shape[0], do.shape[2], device):
+    nc = out["e_last"].shape[1]
+    parts = 1 if slots is not None else _segments_selected(do.shape[0], do.shape[2], nc, device)
+    if parts > 1:
+        (u16, h16), (du16, dh16, dh0) = _segmented_states(fw, out, do, h0, dht, parts, dh0_o)
+    elif side_by_side_states(slots, do.shape[0], do.shape[2], device):
         (u16, h16, _), (du16, dh16, dh0) = side_by_side(device, forward_launch, reverse_launch)
     else:
         u16, h16, _ = forward_launch()
@@ -494,7 +627,8 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots
         del out[name]
     k2 = for_kernel2(out, t)
     wide = beta.to(torch.promote_types(beta.dtype, torch.float32))
-    tiles = (do, cut(u16, 1, slice(None, t)), du16, qs, ks, h16, dh16, k2["big_g"])
+    u16, du16 = (cut(x, 1, slice(None, t)) for x in (u16, du16))  # segments: NC C rows
+    tiles = (do, u16, du16, qs, ks, h16, dh16, k2["big_g"])
     rows = {}  # the slot layout's outputs at their token rows (`native`)
     if native(slots):
         rows = {"tables": (slots.starts, slots.lengths), "tokens": slots.rows.shape[0]}

@@ -294,3 +294,52 @@ def over_slots(launch, cu_seqlens, order, do, pt, ke, qe, w, e_last, state, **fl
         parts.append(launch(*tiles, e_last[:, lo:hi], st, **flags))
     du, side, s0 = (torch.cat(x, dim=0 if j == 2 else 1) for j, x in enumerate(zip(*parts)))
     return du, side, s0
+
+
+# ---- segments (ops/gated_delta_rule_bwd.py `_segmented_states`): boundary states by linearity
+
+
+def segment_transitions(local: torch.Tensor, shifted: torch.Tensor, parts: int,
+                        scale: float) -> torch.Tensor:  # fmt: skip
+    """M_p (N, P - 2, HV, K, K), the middle segments' transitions S_end = M_p S_start + L_p of the
+    forward recurrence (K = V: M is a state), from kernel 1's forward runs over N P segments of
+    whole chunks in flat order n P + p: `local` (N P, HV, K, V) holding at row n P + p (p < P -
+    1) the segment's end state from its run's start (zero but at p = 0) and `shifted` at row
+    n P + p (0 < p < P - 1) the end state from scale x I (scale M_p + L_p); fp32. The reverse
+    recurrence's transition over the same segment is M_p^T (dS_start = M_p^T dS_end + L^d_p)."""
+    shape = (-1, parts, *local.shape[1:])
+    middle = slice(1, parts - 1)
+    return (shifted.view(shape)[:, middle] - local.view(shape)[:, middle]) * (1.0 / scale)
+
+
+def segment_starts(trans: torch.Tensor, local: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """The forward's state at every segment's start (N P, HV, K, V): row n P the sequence's
+    initial state (`first`'s row n P: the state its segment 0 ran from, the other rows are not
+    read), row n P + 1 segment 0's end (`local`), then S_(p+1) = M_p S_p + L_p (`trans`:
+    `segment_transitions`'); fp32, P - 2 batched products."""
+    parts = trans.shape[1] + 2
+    shape = (-1, parts, *local.shape[1:])
+    lo, starts = local.view(shape), first.clone().view(shape)
+    state = lo[:, 0]
+    for p in range(1, parts):
+        starts[:, p] = state
+        if p + 1 < parts:
+            state = trans[:, p - 1] @ state + lo[:, p]
+    return starts.view(local.shape)
+
+
+def segment_ends(trans: torch.Tensor, rlocal: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """The reverse recurrence's state gradient at every segment's end (N P, HV, K, V): row
+    n P + P - 1 the final state's gradient (`last`'s row; the other rows are not read), row
+    n P + P - 2 the last segment's start gradient (`rlocal`: at row n P + p (p > 0) the start
+    gradient of kernel 1's reverse run over the segment from `last`'s row, zero but at p =
+    P - 1), then dS_end(p - 1) = M_p^T dS_end(p) + L^d_p; fp32, P - 2 batched products."""
+    parts = trans.shape[1] + 2
+    shape = (-1, parts, *rlocal.shape[1:])
+    rl, ends = rlocal.view(shape), last.clone().view(shape)
+    grad = rl[:, parts - 1]
+    for p in range(parts - 2, -1, -1):
+        ends[:, p] = grad
+        if p > 0:
+            grad = trans[:, p - 1].transpose(-1, -2) @ grad + rl[:, p]
+    return ends.view(rlocal.shape)

@@ -49,13 +49,18 @@ FLAGS: list = []  # kernel 1's (out16, forward) a launch
 def _poisoned_kernel(calls):
     """Kernel 1 with its outputs (fp32, or 16-bit with out16) NaN-poisoned first."""
 
-    def run(do, pt, ke, qe, w, e_last, dht, **flags):
+    def run(do, pt, ke, qe, w, e_last, dht, out=None, **flags):
         out16 = flags.get("out16", False)
         cu = flags.get("cu_seqlens")  # varlen: the states (N, ...)
         empty = empty_outputs(do, ke.shape[-1], out16=out16,
                               states=None if cu is None else cu.shape[0] - 1,
                               fused="big_g" in flags)  # fmt: skip
         out = tuple(None if x is None else x.fill_(float("nan")) for x in empty)
+
+        if out is None:  # the segmented pass gives its views (`_segmented_states`)
+            out = empty_outputs(do, ke.shape[-1], out16=out16,
+                                states=None if cu is None else cu.shape[0] - 1)  # fmt: skip
+        out = tuple(x.fill_(float("nan")) for x in out)
         calls.append(tuple(do.shape))
         FLAGS.append((out16, flags.get("forward", False)))
         return gdn_bwd_state(do, pt, ke, qe, w, e_last, dht, out=out, **flags)
