@@ -18,7 +18,9 @@ The `t_pre` form (`o_warp`: its key without state_lds) reads V^T by transposed l
 hands the O tile to warpgroup 0's O warp through an mbarrier pair a tile (`_hand_o`,
 `_drain_o`: a TMA store a whole chunk), its thread-dependent views hoisted out of the loop.
 Both t_pre forms (the T ring's) release the v stage after U^T, once every V^T load has been
-read, not after the corrections (NOTES, "t_pre failed on the H100").
+read, not after the corrections (NOTES, "t_pre failed on the H100"). The `state_order` key
+(unsplit t_pre form) issues the four batches a chunk in turns with the other state warpgroup
+(`_take_turn`, `_pass_turn`: named barriers `Bar.TURN + w`) instead of in lockstep.
 """
 
 from __future__ import annotations
