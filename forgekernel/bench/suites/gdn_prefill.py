@@ -217,8 +217,8 @@ def variants(case: Case) -> dict[str, Any]:
     out: dict[str, Any] = {}
     direct = segments_for(n, hv, sum(lens), H200_SMS) == 1
     if direct and v_split_for(n, hv, H200_SMS) == 1:
-        out["t_pre"] = _run_forced(t_pre=True, state_order=False)
-        out["t_pre_state_order"] = _run_forced(t_pre=True, state_order=True)
+        out["t_pre"] = _run_forced(t_pre=True, state_order=False, v_split=1)
+        out["t_pre_state_order"] = _run_forced(t_pre=True, state_order=True, v_split=1)
     else:
         out["t_pre"] = _run_forced(t_pre=True)
     if case.name in STATE_CHAIN_AB:
