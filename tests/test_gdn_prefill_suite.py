@@ -50,9 +50,12 @@ def test_variants_force_the_other_v_split(cpu_kernel):  # noqa: F811
                                                                        t_pre}  # fmt: skip
     assert set(gdn_prefill.variants(by_name["1x131072-h16-hv16"])) == {"segments_1", t_pre}
     ab = "t_pre_state_lds"  # STATE_CHAIN_AB
-    assert set(gdn_prefill.variants(by_name["4x8192-h16-hv32"])) == {"v_split_2", t_pre, ab}
+    turns = "t_pre_state_order"  # direct unsplit launches
+    assert set(gdn_prefill.variants(by_name["4x8192-h16-hv32"])) == {"v_split_2", t_pre, ab,
+                                                                      turns}  # fmt: skip
     assert set(gdn_prefill.variants(by_name["1x4096-h16-hv32"])) == {"v_split_1", t_pre, ab}
-    assert set(gdn_prefill.variants(by_name["mix64-t32768-h16-hv32"])) == {t_pre}
+    assert set(gdn_prefill.variants(by_name["mix64-t32768-h16-hv32"])) == {t_pre, turns}
+    assert set(gdn_prefill.variants(by_name["8x32768-h16-hv16"])) == {"v_split_2", t_pre, turns}
     suite = gdn_prefill.suite()
     case = gdn_prefill.CHECK_CASES[0]
     inputs = suite.make_inputs(case, torch.bfloat16, torch.device("cpu"),
@@ -75,6 +78,11 @@ def test_variants_force_the_other_v_split(cpu_kernel):  # noqa: F811
     assert "state_lds" not in cpu_kernel[-2]
     got = gdn_prefill._run_forced(t_pre=True, state_lds=True)(inputs, gdn_prefill.alloc_out(inputs))
     assert torch.equal(got, standard) and cpu_kernel[-2]["state_lds"]
+    assert "state_order" not in cpu_kernel[-2]
+    got = gdn_prefill._run_forced(t_pre=True, state_order=True)(
+        inputs, gdn_prefill.alloc_out(inputs)
+    )
+    assert torch.equal(got, standard) and cpu_kernel[-2]["state_order"]  # same products
 
 
 @pytest.mark.parametrize("module", ["gdn_prefill", "kda_prefill"])

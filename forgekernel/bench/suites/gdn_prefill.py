@@ -178,7 +178,8 @@ def _run_forced(**forced):
     """Ours through the launcher with a choice forced: `v_split` (1: one CTA per sequence and
     head; 2: two, each with 64 value rows of the state and two aux warpgroups), `segments`
     (1: the direct launch; P: each sequence cut into P segments, three passes) or `t_pre` (T
-    diag(beta) by the precompute kernel, read by the chunked kernel's t_pre form)."""
+    diag(beta) by the precompute kernel, read by the chunked kernel's t_pre form; with
+    `state_order`, its state warpgroups in turns)."""
 
     def run(inputs: Inputs, out):
         launch = importlib.import_module(
@@ -204,17 +205,25 @@ def variants(case: Case) -> dict[str, Any]:
     1 x hv32, the model's break-even, launch.segments_for). `t_pre` (T precomputed, the
     launcher's other choices its own) on every case (segmented: T precomputed once for all
     three passes, each reading its own view). `t_pre_state_lds` on STATE_CHAIN_AB: the t_pre
-    form with next/gdn-tpre's state chain, the A/B of its O warp and ldmatrix V^T."""
+    form with next/gdn-tpre's state chain, the A/B of its O warp and ldmatrix V^T.
+    `t_pre_state_order` where the launch is direct and unsplit: the t_pre form with its two
+    state warpgroups issuing in turns (launch.state_order_for), against `t_pre` on the same case
+    (`t_pre` is forced lockstep there, whatever the switch says)."""
     from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import v_split_for
     from forgekernel.kernels.linear_attention.gdn_prefill.sm90.launch import segments_for
 
     lens, hv = case.params["lens"], case.params["hv"]
     n = len(lens)
     out: dict[str, Any] = {}
-    out["t_pre"] = _run_forced(t_pre=True)
+    direct = segments_for(n, hv, sum(lens), H200_SMS) == 1
+    if direct and v_split_for(n, hv, H200_SMS) == 1:
+        out["t_pre"] = _run_forced(t_pre=True, state_order=False, v_split=1)
+        out["t_pre_state_order"] = _run_forced(t_pre=True, state_order=True, v_split=1)
+    else:
+        out["t_pre"] = _run_forced(t_pre=True)
     if case.name in STATE_CHAIN_AB:
         out["t_pre_state_lds"] = _run_forced(t_pre=True, state_lds=True)
-    if segments_for(n, hv, sum(lens), H200_SMS) > 1:
+    if not direct:
         return {**out, "segments_1": _run_forced(segments=1)}
     if 4 * n * hv <= H200_SMS and sum(lens) >= 16384 * n:
         parts = (H200_SMS // hv + 1) // n

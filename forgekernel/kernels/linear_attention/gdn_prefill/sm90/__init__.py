@@ -45,14 +45,18 @@ def _compile_t_pre(params: Params, extra_options: str = ""):
 def _t_pre_candidates() -> list[Params]:
     """The chunked kernel's `t_pre` form (bench variant `t_pre`, not yet the launcher's
     default): the suite's configurations (bf16, fla's state layout, no l2norm), state or not,
-    unsplit and split; and the same with next/gdn-tpre's state chain (`state_lds`, the bench's
-    A/B variant `t_pre_state_lds`)."""
+    unsplit and split; the same with next/gdn-tpre's state chain (`state_lds`, the bench's
+    A/B variant `t_pre_state_lds`); unsplit, the state warpgroups in turns (`state_order`, the
+    bench's `t_pre_state_order`)."""
     suite = dict(k_last=False, l2norm=False, t_pre=True)
     return [
         params_for("bfloat16", initial_state=init, v_split=split, state_lds=lds, **suite)
         for lds in (False, True)
         for init in (False, True)
         for split in V_SPLITS
+    ] + [
+        params_for("bfloat16", initial_state=init, state_order=True, **suite)
+        for init in (False, True)
     ]
 
 
