@@ -85,13 +85,9 @@ def emulated_kernel(calls=None):
     batch, quiet = _batch_kernel(calls), _batch_kernel()
 
     def run(do, pt, ke, qe, w, e_last, dht, dh0=None, out16=False, forward=False,
-            cu_seqlens=None, order=None, big_g=None):  # fmt: skip
+            cu_seqlens=None, order=None, big_g=None, out=None):  # fmt: skip
         if cu_seqlens is None:
-            return batch(do, pt, ke, qe, w, e_last, dht, dh0, out16, forward, big_g)
-
-            cu_seqlens=None, order=None, out=None):  # fmt: skip
-        if cu_seqlens is None:
-            return batch(do, pt, ke, qe, w, e_last, dht, dh0, out16, forward, out)
+            return batch(do, pt, ke, qe, w, e_last, dht, dh0, out16, forward, big_g, out)
         assert out16 and dht is None or dht.shape[0] == cu_seqlens.shape[0] - 1
         assert cu_seqlens.dtype == order.dtype == torch.int32
         if calls is not None:
@@ -107,9 +103,8 @@ def emulated_kernel(calls=None):
 def _batch_kernel(calls=None):
     """`emulated_kernel`'s batch form (B sequences of T tokens)."""
 
-    def run(do, pt, ke, qe, w, e_last, dht, dh0=None, out16=False, forward=False, big_g=None):
-
-    def run(do, pt, ke, qe, w, e_last, dht, dh0=None, out16=False, forward=False, out=None):
+    def run(do, pt, ke, qe, w, e_last, dht, dh0=None, out16=False, forward=False, big_g=None,
+            out=None):  # fmt: skip
         assert out16 or not forward
         fused = big_g is not None  # the `fused` forward launch: w = k, Ke's decays from G, no U
         assert forward or not fused
@@ -141,11 +136,11 @@ def _batch_kernel(calls=None):
         du, dh, dh0 = (x.float() for x in tile_model(factors, do.double(), dst, rounding))
         if out16:  # the kernel's 16-bit forms (fp32 where the test runs fp32 tiles)
             du, dh = out16_forms(du, dh, do.dtype, forward)
-        return None if fused else du[:, :rows], dh, written_to(out_dh0, dh0)
-
-        if out is not None:  # the launcher's out=: all three written (views of larger buffers)
-            return tuple(written_to(o, x) for o, x in zip(out, (du[:, :rows], dh, dh0)))
-        return du[:, :rows], dh, written_to(out_dh0, dh0)
+        du = None if fused else du[:, :rows]
+        if out is not None:  # the launcher's out=: all written (views of larger buffers)
+            return tuple(None if x is None else written_to(o, x)
+                         for o, x in zip(out, (du, dh, dh0)))  # fmt: skip
+        return du, dh, written_to(out_dh0, dh0)
 
     return run
 

@@ -52,15 +52,11 @@ def _poisoned_kernel(calls):
     def run(do, pt, ke, qe, w, e_last, dht, out=None, **flags):
         out16 = flags.get("out16", False)
         cu = flags.get("cu_seqlens")  # varlen: the states (N, ...)
-        empty = empty_outputs(do, ke.shape[-1], out16=out16,
-                              states=None if cu is None else cu.shape[0] - 1,
-                              fused="big_g" in flags)  # fmt: skip
-        out = tuple(None if x is None else x.fill_(float("nan")) for x in empty)
-
         if out is None:  # the segmented pass gives its views (`_segmented_states`)
             out = empty_outputs(do, ke.shape[-1], out16=out16,
-                                states=None if cu is None else cu.shape[0] - 1)  # fmt: skip
-        out = tuple(x.fill_(float("nan")) for x in out)
+                                states=None if cu is None else cu.shape[0] - 1,
+                                fused="big_g" in flags)  # fmt: skip
+        out = tuple(None if x is None else x.fill_(float("nan")) for x in out)
         calls.append(tuple(do.shape))
         FLAGS.append((out16, flags.get("forward", False)))
         return gdn_bwd_state(do, pt, ke, qe, w, e_last, dht, out=out, **flags)
@@ -111,9 +107,8 @@ def _poisoned_factors_kernel(calls):
         for x in out.values():
             x.fill_(float("nan"))
         calls.append(("k0", tuple(v.shape)))
-        return factors_launch.gdn_bwd_factors(q, k, v, g, beta, out=out, wg2=bwd.FACTORS_2WG)
-
-        return factors_launch.gdn_bwd_factors(q, k, v, g, beta, out=out, fused=fused)
+        return factors_launch.gdn_bwd_factors(q, k, v, g, beta, out=out, wg2=bwd.FACTORS_2WG,
+                                              fused=fused)  # fmt: skip
 
     return run
 
