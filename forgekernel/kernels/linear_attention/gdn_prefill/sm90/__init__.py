@@ -25,8 +25,12 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
+    """Both forms of every configuration: the launcher takes the t_pre form (T precomputed)
+    except on direct unsplit launches over ungrouped heads (`launch.t_pre_for`), where the
+    standard one runs; the other form stays the bench's variant."""
     return [
-        params_for(dtype, dims, k_last=kl, l2norm=l2, initial_state=init, v_split=split)
+        params_for(dtype, dims, k_last=kl, l2norm=l2, initial_state=init, v_split=split, t_pre=tp)
+        for tp in (False, True)
         for dtype in DTYPES
         for dims in HEAD_DIMS
         for kl in (False, True)
@@ -42,15 +46,13 @@ def _compile_t_pre(params: Params, extra_options: str = ""):
     return compile_gdn_t_pre(dict(params), "sm_90a", extra_options)
 
 
-def _t_pre_candidates() -> list[Params]:
-    """The chunked kernel's `t_pre` form (bench variant `t_pre`, not yet the launcher's
-    default): the suite's configurations (bf16, fla's state layout, no l2norm), state or not,
-    unsplit and split; and the same with next/gdn-tpre's state chain (`state_lds`, the bench's
-    A/B variant `t_pre_state_lds`)."""
-    suite = dict(k_last=False, l2norm=False, t_pre=True)
+def _state_lds_candidates() -> list[Params]:
+    """The t_pre form with next/gdn-tpre's state chain (`state_lds`, the bench's A/B variant
+    `t_pre_state_lds`) in the suite's configurations (bf16, fla's state layout, no l2norm),
+    state or not, unsplit and split."""
+    suite = dict(k_last=False, l2norm=False, t_pre=True, state_lds=True)
     return [
-        params_for("bfloat16", initial_state=init, v_split=split, state_lds=lds, **suite)
-        for lds in (False, True)
+        params_for("bfloat16", initial_state=init, v_split=split, **suite)
         for init in (False, True)
         for split in V_SPLITS
     ]
@@ -62,7 +64,7 @@ SPEC = KernelSpec(
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
-    candidate_params=_t_pre_candidates,
+    candidate_params=_state_lds_candidates,
 )
 
 # T diag(beta) of every (chunk, value head) at once (`t_pre.py`), read by the t_pre form above.
