@@ -59,6 +59,9 @@ def test_variants_force_the_other_form_and_v_split(cpu_kernel):  # noqa: F811
     assert [c.name for c in gdn_prefill.BENCH_CASES if not gdn_prefill.uses_t_pre(c)] == [
         "8x32768-h16-hv16"
     ]
+    # the check covers both forms (the last case the standard one), the sanitizers the t_pre one
+    assert [gdn_prefill.uses_t_pre(c) for c in gdn_prefill.CHECK_CASES] == [True] * 4 + [False]
+    assert all(gdn_prefill.uses_t_pre(c) for c in gdn_prefill.SANITIZE_CASES)
     suite = gdn_prefill.suite()
     case = gdn_prefill.CHECK_CASES[0]  # h 2, hv 4: the launcher's form is t_pre
     inputs = suite.make_inputs(case, torch.bfloat16, torch.device("cpu"),

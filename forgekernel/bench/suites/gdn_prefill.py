@@ -115,6 +115,9 @@ CHECK_CASES = (
     _case([257], 4, 8, state=False),
     _case([100, 0, 37], 16, 32),
     _case([300, 301], 16, 16),
+    # HV = H over 2 N HV > SMs CTAs: the launcher's one standard-form route (launch.t_pre_for);
+    # the cases above take the t_pre form
+    _case([40] * 9, 8, 8),
 )
 SANITIZE_CASES = CHECK_CASES[:3]  # the third has an empty sequence
 
