@@ -101,7 +101,7 @@ def test_switch_reaches_unsplit_t_pre_launches_only(cpu_kernels, monkeypatch):  
     bench's `t_pre` beside `t_pre_state_order`)."""
     monkeypatch.setenv(SWITCH, "1")
     inputs = _inputs([70, 130], 2, 4, seed=2)
-    o_std, _ = _run(inputs)
+    o_std, _ = _run(inputs, t_pre=False)  # the standard form, forced (HV > H: t_pre by default)
     for split, want in ((1, True), (2, False)):
         o_t, _ = _run(inputs, t_pre=True, v_split=split)
         assert torch.equal(o_t, o_std)

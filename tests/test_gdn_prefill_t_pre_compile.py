@@ -81,7 +81,7 @@ STATE_ORDER = {
     },  # fmt: skip
 }
 
-# The chunked kernel's `t_pre` forms are candidate keys (gdn_prefill's candidate_params): CI
+# The chunked kernel's `t_pre` forms are standard keys (the launcher's default form): CI
 # compiles the first (bf16), the others and the `state_lds` key are slow (~6 s of CI's CPU, idle
 # machine, 2026-12-06); the precompute (gdn_t_pre_sm90, standard) keeps both its builds in CI
 FORM_NAMES = slow_past(FORMS)

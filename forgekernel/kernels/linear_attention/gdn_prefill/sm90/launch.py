@@ -72,6 +72,19 @@ def segments_for(sequences: int, value_heads: int, tokens: int, sms: int) -> int
     return max(1, min(MAX_SEGMENTS, (sms // value_heads + 1) // sequences))
 
 
+def t_pre_for(heads: int, value_heads: int, v_split: int, segments: int) -> bool:
+    """Whether T diag(beta) is precomputed (`t_diag_beta`, then the chunked kernel's t_pre
+    form): everywhere but the direct unsplit launch over ungrouped heads (HV = H). The t_pre
+    path moves ~1.5x the standard's HBM bytes (T written and read back, k read again by the
+    precompute) for a shorter chunk. Unsplit with HV = H each CTA streams its own q and k
+    (64 KB a chunk): the standard form already draws ~1.9 TB/s there and the t_pre form's
+    ~6.5 GB at 8 x 32768 h16 hv16 sit at the H100's HBM (2.44 vs 2.23 ms, 1.096x; eager
+    1.155x). Grouped heads (HV > H: q, k shared through L2), split CTAs (a chunk half the
+    rows) and segments (T once for three passes) win: 0.53-0.93x on the other 15 suite cases
+    (H100 2026-12-06, docs/linear_attention/NOTES.md "next/gdn-tpre-rule")."""
+    return segments > 1 or v_split > 1 or value_heads > heads
+
+
 def _sms(device: torch.device) -> int:
     """The device's SM count (132 for a CPU tensor: the tests' stand-in for the H200)."""
     return num_sms(device.index) if device.type == "cuda" else 132
@@ -93,7 +106,7 @@ def gdn_prefill(
     l2norm: bool,
     v_split: int | None = None,
     segments: int | None = None,
-    t_pre: bool = False,
+    t_pre: bool | None = None,
     state_lds: bool = False,
     state_order: bool | None = None,
 ) -> None:
@@ -105,25 +118,29 @@ def gdn_prefill(
     as `v_split` says: the bench's variants time both on a case). Problems of N x HV <= SMs / 8
     long sequences cut each sequence into `segments_for` pieces run in parallel
     (`_segmented`; `segments` forces a count, 1 the direct launch). t_pre: T diag(beta) of
-    every chunk by the precompute kernel first, read by the chunked kernel's `t_pre` form (the
-    bench's variant `t_pre`; not the default until measured); state_lds (with t_pre): that form
-    with next/gdn-tpre's state chain (the bench's A/B `t_pre_state_lds`). state_order (with
-    t_pre, unsplit): the state warpgroups in turns (the bench's `t_pre_state_order`); None:
-    `state_order_for`'s default."""
+    every chunk by the precompute kernel first, read by the chunked kernel's `t_pre` form; None:
+    as `t_pre_for` says (True / False forced: the bench's variants `t_pre` / `standard`);
+    state_lds (with t_pre=True): that form with next/gdn-tpre's state chain (the bench's A/B
+    `t_pre_state_lds`). state_order (with t_pre, unsplit): the state warpgroups in turns (the
+    bench's `t_pre_state_order`); None: `state_order_for`'s default."""
     if final_state.shape[0] == 0:
         return
     if q.shape[0] == 0:  # every sequence empty: no TMA descriptor over zero tokens
         final_state.copy_(initial_state) if initial_state is not None else final_state.zero_()
         return
     n, hv = final_state.shape[0], v.shape[1]
-    parts = segments or segments_for(n, hv, q.shape[0], _sms(q.device))
+    sms = _sms(q.device)
+    parts = segments or segments_for(n, hv, q.shape[0], sms)
+    split = v_split or v_split_for(n, hv, sms)  # the direct launch's (segments: each pass's own)
+    if t_pre is None:
+        t_pre = t_pre_for(q.shape[1], hv, split, parts)
     if parts > 1:
         _segmented(q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale, parts,
                    k_last=k_last, l2norm=l2norm, t_pre=t_pre, state_lds=state_lds,
                    state_order=state_order)  # fmt: skip
         return
     _direct(q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale,
-            k_last=k_last, l2norm=l2norm, v_split=v_split, t_pre=t_pre,
+            k_last=k_last, l2norm=l2norm, v_split=split, t_pre=t_pre,
             state_lds=state_lds, state_order=state_order)  # fmt: skip
 
 
