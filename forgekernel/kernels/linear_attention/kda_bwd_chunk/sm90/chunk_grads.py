@@ -146,6 +146,7 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         self.t_e, self.t_te = 3 * NS, 3 * NS + PAIRS
         self.t_hdh = 4 * NS + PAIRS
         self.table = (4 * NS + PAIRS + 1) * k + CHUNK
+        self.t_diag = self.table - CHUNK  # dP's diagonal (subclasses append after the table)
         self.half = k // 2  # a math warpgroup's key channels
 
     def _setup(self):
@@ -498,9 +499,12 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
     def _math(
         self, mma_w, mma_s, mma_q, mma_k, sDO, sU, sDU, sQ, sK, sH, sDH, sP, sKr, sQl, sG, sRows,
         sTab, mG, mDQ, mDK, mDW, mDG, bars, c, hv, b, seqlen, scale, kh, tables=None,
+        sDWo=None,
     ):  # fmt: skip
         """Math warpgroup kh's products and per-channel work on key channels [64 kh, +64) (kh
-        warp-uniform); S whole in both."""
+        warp-uniform); S whole in both. sDWo: a (C, K) shared tile in the tiles' dtype that dw
+        goes into (this warpgroup's half, stmatrix: dw16's rounding) instead of mDW (the fused
+        kernel's WY phase reads it there; kda_bwd_fused)."""
         qs = scale if const_expr(mDQ.element_type != Float32) else None
         hk = self.half
         wg_w = mma_w.get_slice(0)
@@ -536,7 +540,10 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         wait("du", "h")
         gemm(mma_w, acc, tArDU[None, None, None, 0], tBrH, True, 0)
         acc.store(-acc.load())
-        self._store_rows(acc, mma_w, mDW, tid, b, hv, c, seqlen)
+        if const_expr(sDWo is None):
+            self._store_rows(acc, mma_w, mDW, tid, b, hv, c, seqlen)
+        else:
+            self._store_tile(acc, mma_w, self._half(sDWo, kh), False)
         # dqe = dO h^T, S = dO U^T (S whole in both warpgroups)
         wait("do")
         gemm(mma_w, acc, tArDO[None, None, None, 0], tBrH, True, -1)
@@ -546,7 +553,7 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         t0s, row_s, col_s = softmax.acc_coords(mma_s, tid, (CHUNK, CHUNK))
         t0, row_w, col_w = softmax.acc_coords(mma_w, tid, (CHUNK, hk))
         col_w = col_w + hk * kh
-        diag = self.table - CHUNK
+        diag = self.t_diag
         s = rows_cols(acc_s)
         for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
             i = row_s + t0s[r, 0][0]

@@ -329,10 +329,11 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
     def _math(
         self, mma_t, mma_da, mma_x, mma_y, sDW, sDU, sW, sK, sU, sV, sTt, sP, sKr, sKl, sG,
         sRows, sTab, mBeta, mG, mDK, mDV, mDG, mDB, mDKo, bars, c, hv, b, seqlen, kh,
-        tables=None,
+        tables=None, staged=False,
     ):  # fmt: skip
         """Math warpgroup kh's products and per-channel work on channels [64 kh, +64) (kh
-        warp-uniform); dA whole in both."""
+        warp-uniform); dA whole in both. staged: G and the per-channel tables are in sG / sTab
+        already (the fused kernel's kernel-2 phase formed them; kda_bwd_fused)."""
         hk = self.half
         wg_t = mma_t.get_slice(0)
         wg_da = mma_da.get_slice(0)
@@ -354,7 +355,8 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         first = c * CHUNK
         tid = opaque_tid_x() % THREADS_PER_WG
         w = tid // WARP_SIZE  # the warp's sub-chunk
-        self._tables(mG, sG, sTab, first, seqlen, b, hv, kh)
+        if const_expr(not staged):
+            self._tables(mG, sG, sTab, first, seqlen, b, hv, kh)
         t0, row_w, col_w = softmax.acc_coords(mma_t, tid, (CHUNK, hk))
         col_w = col_w + hk * kh
         beta = [Float32(0.0), Float32(0.0)]  # zero past T: every row product there is zero
