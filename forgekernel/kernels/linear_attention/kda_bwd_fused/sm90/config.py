@@ -39,7 +39,8 @@ def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2) -> int:
 
 
 def params_for(dtype: str, head_dims: tuple[int, int] = (128, 128), *, dq16: bool = False,
-               dv16: bool = False, dk16: bool = False, token_rows: bool = False) -> tuple:  # fmt: skip
+               dv16: bool = False, dk16: bool = False,
+               token_rows: bool = False) -> tuple:  # fmt: skip
     """Compile key: kernel 2's dtype and (K, V) with dw always in the tiles' dtype (its `dw16`:
     the WY phase's operand, now on chip), kernel 2's `dq16` and `token_rows`, the WY kernel's
     `dv16` and `dk16` (each in the key only when set; their meanings are the two kernels')."""

@@ -173,10 +173,8 @@ class KdaBwdFusedSm90(KdaBwdWySm90):
         mmas = (self.mma_w, self.mma_s, self.mma_q, self.mma_k, self.mma_t)
         layouts = (self.sT_layout, self.sH_layout, self.sP_layout, self.sB_layout,
                    self.sTt_layout)  # fmt: skip
-        self.kernel(
-            *atoms_and_views, mG, mBeta, mDQ, mDK, mDG, mDV, mDB, mDKo, mStarts, mLens, scale,
-            *mmas, *layouts,
-        ).launch(  # fmt: skip
+        outs = (mDQ, mDK, mDG, mDV, mDB, mDKo, mStarts, mLens)
+        self.kernel(*atoms_and_views, mG, mBeta, *outs, scale, *mmas, *layouts).launch(
             grid=(nc, mDO.shape[2], mDO.shape[0]),
             block=[self.threads, 1, 1],
             min_blocks_per_mp=1,
