@@ -255,8 +255,16 @@ def _fused_grads(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta, dg=None, dq1
     (dq, dk, dv, dg, dbeta) as those two return them; dq, dg, dk_out, dv, dbeta: the callers'
     contiguous buffers (the op's `out=`) or None (new). The CPU tests put the two kernels' tile
     emulations, chained, here."""
-    own = fused_launch.empty_outputs(do, q.shape[-1], dq16, dv16, tokens)
-    outs = tuple(o if x is None else x for o, x in zip(own, (dq, None, dv, dg, dbeta)))
+    b, t, hv, _ = do.shape
+    t = t if tokens is None else tokens
+    kd, low = q.shape[-1], do.dtype
+
+    def new(x, *shape, dtype=torch.float32):
+        return torch.empty(b, t, hv, *shape, dtype=dtype, device=do.device) if x is None else x
+
+    outs = (new(dq, kd, dtype=low if dq16 else torch.float32), new(None, kd),
+            new(dv, do.shape[-1], dtype=low if dv16 else torch.float32), new(dg, kd),
+            new(dbeta))  # fmt: skip
     return fused_launch.kda_bwd_fused(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta,
                                       dq16=dq16, scale=scale, dv16=dv16, dk16=dk16, out=outs,
                                       dk_out=dk_out, tables=tables, tokens=tokens)  # fmt: skip
@@ -451,29 +459,24 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=tor
                                              big_g, *wy, dg=into_dg, dv16=dv_dtype == dtype,
                                              **fold, **final, **given(dv=dv_o, dbeta=db_o),
                                              **rows)  # fmt: skip
-        return dq, dk, dv, _dg_out(dg, dg_out, into_dg, dg_dtype), dbeta, dh0
-    dq, dk, dw, dg = _chunk_grads(do, cut(u_c, 1, upto), du16, qs, ks, h16, dh16, big_g, dw16=True,
-                                  dg=into_dg, **fold, **rows)  # fmt: skip
-    del u_c, h16, dh16
-    wy = (dw, du16, *(cut(x, 1, upto) for x in (ops["tt"], w16)), ks, cut(u16, 1, upto), v,
-          beta, big_g)  # fmt: skip
-    # the WY kernel adds its dk and dG onto kernel 2's (in place, no torch add)
-    dk_wy, dv, dg, dbeta = _wy_kernel(*wy, dk, dg, dv16=dv_dtype == dtype, **final,
-                                      **given(dv=dv_o, dbeta=db_o), **rows)  # fmt: skip
-    if dk16:  # the op's dk (16-bit), not kernel 2's fp32 scratch
-        dk = dk_wy
-    return dq, dk, dv, _dg_out(dg, dg_out, into_dg, dg_dtype), dbeta, dh0
-
-
-def _dg_out(dg, dg_out, into_dg, dg_dtype):
-    """dG as the device pass returns it, left in torch: its copy into a strided `dg_out` (not
-    `into_dg`, the one the kernels wrote), or its cast to a 16-bit `dg_dtype` (the fp32 sum
-    rounded once)."""
+    else:
+        dq, dk, dw, dg = _chunk_grads(do, cut(u_c, 1, upto), du16, qs, ks, h16, dh16, big_g,
+                                      dw16=True, dg=into_dg, **fold, **rows)  # fmt: skip
+        del u_c, h16, dh16
+        wy = (dw, du16, *(cut(x, 1, upto) for x in (ops["tt"], w16)), ks, cut(u16, 1, upto), v,
+              beta, big_g)  # fmt: skip
+        # the WY kernel adds its dk and dG onto kernel 2's (in place, no torch add)
+        dk_wy, dv, dg, dbeta = _wy_kernel(*wy, dk, dg, dv16=dv_dtype == dtype, **final,
+                                          **given(dv=dv_o, dbeta=db_o), **rows)  # fmt: skip
+        if dk16:  # the op's dk (16-bit), not kernel 2's fp32 scratch
+            dk = dk_wy
+    # left in torch: dG's copy into a strided `dg_out`, or its cast to a 16-bit `dg_dtype` (the
+    # fp32 sum rounded once, as before)
     if dg_out is not None and into_dg is None:
-        return dg_out.copy_(dg)
-    if dg_out is None and dg_dtype != dg.dtype:
-        return dg.to(dg_dtype)
-    return dg
+        dg = dg_out.copy_(dg)
+    elif dg_out is None and dg_dtype != dg.dtype:
+        dg = dg.to(dg_dtype)
+    return dq, dk, dv, dg, dbeta, dh0
 
 
 # On the device pass without l2norm and with HV = H (`_folds`, the bench's case): kernel 2 reads
