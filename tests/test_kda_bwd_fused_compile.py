@@ -77,14 +77,15 @@ def _ops(instrs):
     return Counter(op for op, _ in instrs)
 
 
-def test_candidate_params():
-    """No standard key until the switch's GPU A/B; the device pass's two forms as candidates."""
-    assert SPEC.name == "kda_bwd_fused_sm90" and SPEC.standard_params() == []
-    keys = [dict(p) for p in SPEC.candidate_params()]
-    assert [(k["dtype"], k.get("dk16", False)) for k in keys] == [
-        (d, dk16) for dk16 in (False, True) for d in config.DTYPES
+def test_params():
+    """The device pass's two forms a dtype standard (built for the A/B, taken only with the
+    switch), their `token_rows` forms candidates; flags in the key only when set."""
+    assert SPEC.name == "kda_bwd_fused_sm90"
+    keys = [dict(p) for p in SPEC.standard_params()]
+    assert [(k["dtype"], k["dv16"], k.get("dk16", False)) for k in keys] == [
+        (d, True, dk16) for dk16 in (False, True) for d in config.DTYPES
     ]
-    assert all(k["dv16"] for k in keys)
+    assert all(dict(p)["token_rows"] for p in SPEC.candidate_params())
     assert dict(config.params_for("bfloat16")) == {"dtype": "bfloat16", "k": 128, "v": 128}
 
 

@@ -21,14 +21,18 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    return []  # none until the switch's GPU A/B (FUSED off)
+    # the device pass's forms (built by `build --only kda_bwd_fused_sm90` for the switch's A/B;
+    # no run takes them with FUSED off): 16-bit dv (a 16-bit v), with it dk16 (no l2norm at
+    # HV = H: the bench's); FINAL_QK's dq16 compiles on first use
+    flags = ({"dv16": True}, {"dv16": True, "dk16": True})
+    return [params_for(dtype, **f) for f in flags for dtype in DTYPES]
 
 
 def _candidate_params() -> list[Params]:
-    # the device pass's forms: 16-bit dv (a 16-bit v), with it dk16 (no l2norm at HV = H: the
-    # bench's); FINAL_QK's dq16 and the slot layout's token_rows compile on first use
+    # the varlen slot layout's gradients at their token rows (both kernels' `token_rows`,
+    # ops/_linattn_varlen.py NATIVE_STORES)
     flags = ({"dv16": True}, {"dv16": True, "dk16": True})
-    return [params_for(dtype, **f) for f in flags for dtype in DTYPES]
+    return [params_for(dtype, **f, token_rows=True) for f in flags for dtype in DTYPES]
 
 
 SPEC = KernelSpec(
