@@ -4,8 +4,8 @@ the cubin), both dtypes: 384 threads, no setmaxnreg, nothing spilled, 155-166 re
 the launch's 168 (cu13 ptxas, 2026-12-06); 222,208 bytes of shared memory (config's bound, the
 opt-in 232,448); the two kernels' code joined: their 72 HGMMA, their boxes less the four dw and
 k take from HBM, their global memory ops less dw's stores and the WY kernel's G loads; the
-phase hand-over BAR_FREE (the math warpgroups arrive, the TMA warp waits) and dG's
-`fence.proxy.async.global` before the bulk reduce-adds."""
+phase hand-overs BAR_FREE_U_DH and BAR_FREE (the math warpgroups arrive, the TMA warp waits)
+and dG's `fence.proxy.async.global` before the bulk reduce-adds."""
 
 from __future__ import annotations
 
@@ -130,8 +130,9 @@ def test_the_two_kernels_joined(compiled):
 def test_barriers(compiled):
     """Kernel 2's (bar 0; BAR_HDH 2 sync + the <h, dh> warps' arrive; BAR_BOTH 3 once) and the
     WY kernel's (BAR_BOTH twice; BAR_DOTS 6-8 sync + arrive each) named barriers, each phase at
-    one instruction, and BAR_FREE (9, 288 = the two math warpgroups + the TMA warp) synced once
-    (the TMA warp) and arrived at once (the math threads)."""
+    one instruction, and BAR_FREE (9) and BAR_FREE_U_DH (10; 288 each = the two math
+    warpgroups + the TMA warp) synced once (the TMA warp) and arrived at once (the math
+    threads)."""
     _, instrs, _ = compiled("bfloat16", dv16=True, dk16=True)
     bars = Counter(f"{op} {' '.join(args.split())}" for op, args in instrs if op.startswith("BAR."))
     syncs = {k: n for k, n in bars.items() if k.startswith("BAR.SYNC.DEFER_BLOCKING 0x")}
@@ -140,7 +141,9 @@ def test_barriers(compiled):
                      "BAR.SYNC.DEFER_BLOCKING 0x6, 0x100": 1,
                      "BAR.SYNC.DEFER_BLOCKING 0x7, 0x100": 1,
                      "BAR.SYNC.DEFER_BLOCKING 0x8, 0x100": 1,
-                     "BAR.SYNC.DEFER_BLOCKING 0x9, 0x120": 1}  # fmt: skip
+                     "BAR.SYNC.DEFER_BLOCKING 0x9, 0x120": 1,
+                     "BAR.SYNC.DEFER_BLOCKING 0xa, 0x120": 1}  # fmt: skip
     arrives = {k: n for k, n in bars.items() if k.startswith("BAR.ARV")}
     assert arrives == {"BAR.ARV 0x2, 0x140": 1, "BAR.ARV 0x6, 0x100": 1, "BAR.ARV 0x7, 0x100": 1,
-                       "BAR.ARV 0x8, 0x100": 1, "BAR.ARV 0x9, 0x120": 1}  # fmt: skip
+                       "BAR.ARV 0x8, 0x100": 1, "BAR.ARV 0x9, 0x120": 1,
+                       "BAR.ARV 0xa, 0x120": 1}  # fmt: skip

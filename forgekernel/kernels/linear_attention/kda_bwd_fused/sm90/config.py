@@ -18,9 +18,9 @@ REGISTERS = REGISTERS_PER_SM // THREADS // 8 * 8  # 168: the launch's cap a thre
 # Phase A (kernel 2's products): kernel 2's load groups as they are. Phase B (the WY products):
 # the WY kernel's groups with du re-read (phase A's dU bytes hold (k er), then dG's rows) and dw,
 # k on chip (dw from phase A, k phase A's tile): their groups carry 0 bytes and complete when
-# armed. Phase B's boxes land in bytes phase A has finished with, so they are issued once both
-# math warpgroups are through phase A (BAR_FREE): du over U, T^T and v over dh, u over dO (q el),
-# W over q.
+# armed. Phase B's boxes land in bytes phase A has finished with: du over U, T^T and v over dh
+# (issued once both math warpgroups' dke has retired), u over dO ((q el)), W over q (once both
+# are through phase A; fused_grads.py EARLY_B / LATE_B).
 A_GROUPS = chunk.LOAD_GROUPS
 B_GROUPS = wy.LOAD_GROUPS
 ON_CHIP = ("dw", "k")  # phase B's tiles already in shared memory

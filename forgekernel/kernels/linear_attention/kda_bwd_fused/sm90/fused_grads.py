@@ -23,10 +23,13 @@ du's new place, (beta dA)^T over dP^T, its dG rows over phase A's (dU + h), each
 own columns.
 
 Warp roles (3 warpgroups, 384 threads, no setmaxnreg): warpgroup 0, warp 0: phase A's TMA
-boxes on five mbarriers (kernel 2's groups), then, at BAR_FREE (both math warpgroups through
-phase A), phase B's on six more (the WY kernel's groups; dw's and k's carry no bytes: on chip);
-warps 1, 2: rowsum(h o dh) (kernel 2's); warpgroups 1, 2: phase A, then BAR_FREE (arrive only),
-then phase B, each on its key / value channel half as the two kernels split them.
+boxes on five mbarriers (kernel 2's groups), then phase B's on six more (the WY kernel's
+groups; dw's and k's carry no bytes: on chip): T^T, du and v at BAR_FREE_U_DH (both math
+warpgroups' dke retired: U's and dh's bytes free; they land under phase A's dk blocks and dG's
+finish), u and W at BAR_FREE (both through phase A; first read by dA, after dvb, dv and dkb);
+warps 1, 2: rowsum(h o dh) (kernel 2's); warpgroups 1, 2: phase A (arriving at BAR_FREE_U_DH
+after dke), BAR_FREE (arrive only), phase B, each on its key / value channel half as the two
+kernels split them.
 
 Hand-overs between the phases: dw (phase A's stmatrix, fenced; read by the same warpgroup's
 phase-B WGMMAs, its own half); G, the tables (read only); dk's partial (the same thread's
@@ -71,8 +74,16 @@ from forgekernel.kernels.linear_attention.kda_bwd_fused.sm90.config import (
 from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.config import DOTS
 from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.wy_grads import BAR_DOTS, KdaBwdWySm90
 
-# the math warpgroups (arrive) -> the TMA warp (waits): phase A done, phase B's bytes free
+# the math warpgroups (arrive) -> the TMA warp (waits): phase A done (q's, dO's bytes free)
 BAR_FREE = BAR_DOTS + DOTS
+# likewise, within phase A: dke retired in both (U's and dh's bytes free)
+BAR_FREE_U_DH = BAR_FREE + 1
+# phase B's groups (indices into B_GROUPS, as the WY kernel's `_math` waits on them) issued at
+# BAR_FREE_U_DH: T^T + du (over U), v (over dh), dw (on chip); the rest at BAR_FREE: u (over
+# dO), W (over q), k (on chip). The first three land under phase A's dk blocks and dG's finish;
+# u and W are first read by dA, after dvb, dv and dkb.
+EARLY_B = tuple(i for i, g in enumerate(B_GROUPS) if set(g) <= {"tt", "du", "v", "dw"})
+LATE_B = tuple(i for i in range(len(B_GROUPS)) if i not in EARLY_B)
 
 
 class KdaBwdFusedSm90(KdaBwdWySm90):
@@ -277,6 +288,7 @@ class KdaBwdFusedSm90(KdaBwdWySm90):
         seqlen = mDO4.shape[0]
         tables = (mStarts, mLens) if const_expr(self.token_rows) else None
         free = named_barrier(BAR_FREE, MATH_THREADS + WARP_SIZE)
+        free_u_dh = named_barrier(BAR_FREE_U_DH, MATH_THREADS + WARP_SIZE)
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         if wg == 0:
             if warp_idx == PRODUCER_WARP:
@@ -285,12 +297,16 @@ class KdaBwdFusedSm90(KdaBwdWySm90):
                          "q": (tma_q, mQ4, sQ, self.k, hv), "k": (tma_k, mK4, sK, self.k, hv),
                          "h": (tma_h, mH5, sH), "dh": (tma_dh, mDH5, sDH)}  # fmt: skip
                 self._load_phase(A_GROUPS, self.bytes_a, tiles, bars, c, hv, b)
-                free.arrive_and_wait()  # both math warpgroups through phase A
                 tiles = {"tt": (tma_tt, mTt4, sTt, CHUNK, hv),
                          "du": (tma_du, mDU4, sDUb, self.v, hv),
                          "u": (tma_uw, mUw4, sUb, self.v, hv), "v": (tma_v, mV4, sVb, self.v, hv),
                          "w": (tma_w, mW4, sWb, self.k, hv)}  # fmt: skip
-                self._load_phase(B_GROUPS, self.bytes_b, tiles, bars_b, c, hv, b)
+                free_u_dh.arrive_and_wait()  # dke retired in both math warpgroups
+                for i in cutlass.range_constexpr(len(EARLY_B)):
+                    self._load_b(EARLY_B[i], tiles, bars_b, c, hv, b)
+                free.arrive_and_wait()  # both math warpgroups through phase A
+                for i in cutlass.range_constexpr(len(LATE_B)):
+                    self._load_b(LATE_B[i], tiles, bars_b, c, hv, b)
             elif warp_idx <= HDH_WARPS:
                 self._rowsum_hdh(sH, sDH, sTab, bars)
         else:
@@ -298,7 +314,7 @@ class KdaBwdFusedSm90(KdaBwdWySm90):
             KdaBwdChunkSm90._math(
                 self, mma_w, mma_s, mma_q, mma_k, sDO, sU, sDU, sQ, sK, sH, sDH, sP, sKr, sQl,
                 sG, sRows, sTab, mG, mDQ, mDK, None, mDG, bars, c, hv, b, seqlen, scale, kh,
-                tables, sDWo=sDW,
+                tables, sDWo=sDW, done_u_dh=free_u_dh,
             )  # fmt: skip
             fence_proxy_async_global()  # dG's stores before phase B's bulk reduce-adds onto them
             cute.arch.fence_view_async_shared()  # (q el), dw: before phase B's boxes overwrite
@@ -311,6 +327,10 @@ class KdaBwdFusedSm90(KdaBwdWySm90):
 
     def _load_phase(self, groups, group_bytes, tiles, bars, c, hv, b):
         """Gated DeltaNet's `_load_groups` (the producer warp's boxes, one mbarrier a group) on
-        one phase's groups and bytes (it reads them from the object)."""
+        these groups and bytes (it reads them from the object), the first on `bars`."""
         self.load_groups, self.group_bytes = groups, group_bytes
         self._load_groups(tiles, bars, c, hv, b)
+
+    def _load_b(self, i, tiles, bars_b, c, hv, b):
+        """Phase B's group i (B_GROUPS) on its mbarrier bars_b + i."""
+        self._load_phase((B_GROUPS[i],), (self.bytes_b[i],), tiles, bars_b + i, c, hv, b)
