@@ -317,7 +317,7 @@ class KdaBwdFusedSm90(KdaBwdWySm90):
                 tables, sDWo=sDW, done_u_dh=free_u_dh,
             )  # fmt: skip
             fence_proxy_async_global()  # dG's stores before phase B's bulk reduce-adds onto them
-            cute.arch.fence_view_async_shared()  # (q el), dw: before phase B's boxes overwrite
+            cute.arch.fence_view_async_shared()  # (q el)'s stores before u's box over them
             free.arrive()
             KdaBwdWySm90._math(
                 self, mma_t, mma_s, mma_q, mma_k, sDW, sDUb, sWb, sK, sUb, sVb, sTt, sP, sKrB,
