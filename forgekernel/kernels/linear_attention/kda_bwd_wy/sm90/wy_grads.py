@@ -74,7 +74,10 @@ overwritten, the block operands, dG's rows).
 Why a kernel of its own, not kernel 2's `wy` as Gated DeltaNet does: kernel 2 holds 198 KiB of
 shared memory (202,752 B); the WY half adds T^T, w, u, v, dw (72 KiB at 16 bits) and dG's rows
 stay: 270 KiB, past the 227 KiB a CTA may hold. Alone it needs 195 KiB (199,680 B compiled,
-tests/test_kda_bwd_wy_compile.py; config.smem_bytes bounds it at 200,464 B).
+tests/test_kda_bwd_wy_compile.py; config.smem_bytes bounds it at 200,464 B). Run after kernel 2
+in one CTA, its tiles over the bytes kernel 2 is done with and dw, k, G reused, the two fit in
+222,208 B: kernels/linear_attention/kda_bwd_fused (this `_math` with `staged`; behind
+ops/kda_bwd.py FUSED until its GPU A/B).
 
 Constraints: K = V = 128, 16-bit tiles with unit last strides and 16-byte aligned outer strides
 (TMA); beta (B, T, HV), G and the fp32 outputs unit last strides.
