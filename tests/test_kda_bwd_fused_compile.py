@@ -32,6 +32,9 @@ from forgekernel.kernels.linear_attention.kda_bwd_fused.sm90.compile import (  #
     compile_kda_bwd_fused,
     kernel_for,
 )
+from forgekernel.kernels.linear_attention.kda_bwd_fused.sm90.fused_grads import (  # noqa: E402
+    B_PLACES,
+)
 from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90 import config as wy_config  # noqa: E402
 from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.compile import (  # noqa: E402
     compile_kda_bwd_wy,
@@ -68,7 +71,10 @@ def compiled():
             kernel = kernel_for(params)
             res, instrs = _build(compile_kda_bwd_fused, params, kernel)
             cache[key] = (res, instrs, kernel.shared_storage.size_in_bytes())
+            offsets[key] = dict(kernel.shared_storage._offsets)  # the DSL struct's field starts
         return cache[key]
+
+    get.offsets = offsets = {}
 
     return get
 
@@ -147,3 +153,28 @@ def test_barriers(compiled):
     assert arrives == {"BAR.ARV 0x2, 0x140": 1, "BAR.ARV 0x6, 0x100": 1, "BAR.ARV 0x7, 0x100": 1,
                        "BAR.ARV 0x8, 0x100": 1, "BAR.ARV 0x9, 0x120": 1,
                        "BAR.ARV 0xa, 0x120": 1}  # fmt: skip
+
+
+def test_shared_memory_plan(compiled):
+    """Phase B's boxes (fused_grads.B_PLACES) land inside their fields, 1,024-byte aligned (the
+    128-byte swizzle's atom), apart from each other and from every byte phase B reads or writes
+    that phase A left: dw, k, G, the tables, dP^T's tile and the dG rows (fp32 (C, 136) over dU's
+    and h's bytes, kernel 2's place: adjacent fields)."""
+    compiled("bfloat16", dv16=True, dk16=True)
+    at = compiled.offsets[("bfloat16", (("dk16", True), ("dv16", True)))]
+    tile, tt, state = 64 * 128 * 2, 64 * 64 * 2, 128 * 128 * 2
+    size = {"sDO": tile, "sU": tile, "sQ": tile, "sK": tile, "sDU": tile, "sDW": tile,
+            "sH": state, "sDH": state, "sP": 64 * 64 * 2, "sG": 64 * 136 * 4}  # fmt: skip
+    rows = (at["sDU"], at["sDU"] + 64 * 136 * 4)
+    assert at["sH"] == at["sDU"] + tile and rows[1] <= at["sH"] + state
+    kept = [rows, (at["sTab"], at["sG"])]
+    kept += [(at[f], at[f] + size[f]) for f in ("sG", "sK", "sDW", "sP")]
+    boxes = []
+    for name, (field, tiles_in) in B_PLACES.items():
+        start = at[field] + tiles_in * tile
+        span = (start, start + (tt if name == "tt" else tile))
+        assert start % 1024 == 0 and span[1] <= at[field] + size[field], name
+        boxes.append(span)
+    for i, (a0, a1) in enumerate(boxes):
+        for b0, b1 in kept + boxes[i + 1 :]:
+            assert a1 <= b0 or b1 <= a0, (a0, a1, b0, b1)

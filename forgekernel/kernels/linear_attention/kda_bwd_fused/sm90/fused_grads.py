@@ -84,6 +84,9 @@ BAR_FREE_U_DH = BAR_FREE + 1
 # u and W are first read by dA, after dvb, dv and dkb.
 EARLY_B = tuple(i for i, g in enumerate(B_GROUPS) if set(g) <= {"tt", "du", "v", "dw"})
 LATE_B = tuple(i for i in range(len(B_GROUPS)) if i not in EARLY_B)
+# where phase B's boxes land: (shared field, offset in (C, 128) 16-bit tiles), each in bytes no
+# later phase-A step reads (tests/test_kda_bwd_fused_compile.py checks the plan on the struct)
+B_PLACES = {"du": ("sU", 0), "u": ("sDO", 0), "w": ("sQ", 0), "v": ("sDH", 0), "tt": ("sDH", 1)}
 
 
 class KdaBwdFusedSm90(KdaBwdWySm90):
@@ -270,13 +273,16 @@ class KdaBwdFusedSm90(KdaBwdWySm90):
         # phase A (kernel 2's): (k er) over dU's bytes, (q el) over dO's
         sKr = over(storage.sDU.data_ptr(), sB_layout, BFloat16)
         sQl = over(storage.sDO.data_ptr(), sB_layout, BFloat16)
-        # phase B (the WY kernel's tiles where phase A is done): du over U, u over dO, W over
-        # q, v and T^T over dh; (k er) over dw, (k el) over du's new place
-        sDUb, sUb, sWb = sU, sDO, sQ
-        sVb = over(storage.sDH.data_ptr(), sT_layout, self.dtype)
-        sTt = over(storage.sDH.data_ptr() + t_elems, sTt_layout, self.dtype)
+
+        def place(name):  # phase B's box `name` where phase A is done (B_PLACES)
+            field, tiles_in = B_PLACES[name]
+            return getattr(storage, field).data_ptr() + tiles_in * t_elems
+
+        sDUb, sUb, sWb, sVb = (over(place(n), sT_layout, self.dtype) for n in ("du", "u", "w", "v"))
+        sTt = over(place("tt"), sTt_layout, self.dtype)
+        # phase B's (k er) over dw, (k el) over du's new place (the WY kernel's: over dw, du)
         sKrB = over(storage.sDW.data_ptr(), sB_layout, BFloat16)
-        sKlB = over(storage.sU.data_ptr(), sB_layout, BFloat16)
+        sKlB = over(place("du"), sB_layout, BFloat16)
         flat = cute.make_layout(CHUNK * G_STRIDE)
         sG = storage.sG.get_tensor(flat)
         # both phases' dG rows over dU's and h's bytes (kernel 2's place: BAR_HDH frees them)
