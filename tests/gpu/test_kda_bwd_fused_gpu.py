@@ -4,8 +4,9 @@ launches it replaces (kda_bwd_chunk with dw16, then kda_bwd_wy on its dw) on the
 bit for bit (the same products, roundings and sums in the same order; NOTES "next/kda-fuse-wy"),
 every output NaN-poisoned first (an entry the kernel does not write fails); bf16 and fp16; T = 1,
 63, 65, 1000 (tail chunks zero-filled by TMA); 1-3 sequences, 1-3 heads; the keys fp32 dv, dv16,
-dv16 + dk16 and dq16 + dv16 + dk16; then the op with FUSED_SWITCH on against off (bitwise), and
-the times of both paths (`-s`). Not yet run on a GPU (branch next/kda-fuse-wy, 2026-12-06)."""
+dv16 + dk16 and dq16 + dv16 + dk16; then the op with FUSED_SWITCH on against off (bitwise; also
+varlen with NATIVE_STORES: the token_rows key), and the times of both paths (`-s`). Not yet run
+on a GPU (branch next/kda-fuse-wy, 2026-12-06)."""
 
 from __future__ import annotations
 
@@ -121,6 +122,31 @@ def test_the_op_with_the_switch_is_the_op_without(monkeypatch, b, t, hv):
     monkeypatch.setenv(bwd.FUSED_SWITCH, "1")
     got = run()
     for name, a, r in zip((*NAMES, "dh0"), got, want):
+        assert torch.equal(a, r), name
+
+
+def test_the_slot_layout_with_the_switch(monkeypatch):
+    """Varlen (cu_seqlens: an empty, a one-token and tail sequences) with NATIVE_STORES on (the
+    fused kernel's `token_rows` key: the outputs at their token rows) and FUSED_SWITCH "1"
+    against "0": every gradient bit for bit."""
+    varlen = importlib.import_module("forgekernel.ops._linattn_varlen")
+    lens, hv = [1, 0, 65, 200, 7], 2
+    t = sum(lens)
+    q, k, v, g, beta, do, _, _ = _op_problem(1, t, hv, hv, torch.bfloat16, seed=9)
+    gen = torch.Generator(device="cuda").manual_seed(10)
+    h0, dht = (torch.randn(len(lens), hv, 128, 128, device="cuda", generator=gen) * 0.1
+               for _ in range(2))  # fmt: skip
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                      device="cuda")  # fmt: skip
+    monkeypatch.setattr(varlen, "NATIVE_STORES", True)
+    got = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv(bwd.FUSED_SWITCH, mode)
+        got[mode] = bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, cu_seqlens=cu,
+                                                      initial_state=h0, d_final_state=dht,
+                                                      scale=128**-0.5,
+                                                      use_qk_l2norm_in_kernel=False)  # fmt: skip
+    for name, a, r in zip((*NAMES, "dh0"), got["1"], got["0"]):
         assert torch.equal(a, r), name
 
 
