@@ -20,6 +20,7 @@ from sweeps import slow_past  # tests/ is on the path
 pytest.importorskip("cutlass")
 
 sys.path.insert(0, str(Path(__file__).parent))
+from cubins import tma_arms  # noqa: E402
 from dsl_toolchain import dsl_toolchain  # noqa: E402
 
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY  # noqa: E402
@@ -51,13 +52,16 @@ SMEM = 202752 + 3 * 2 * 128 * 4 + 64 * 128 * 2  # kernel 2's + the row-dot parti
 
 
 def _build(compile_fn, params, kernel=None):
+    """(resources, SASS instructions, PTX) of one compile."""
     with tempfile.TemporaryDirectory() as d:
-        fn = compile_fn(params, "sm_90a", f"--keep-cubin --dump-dir {d}", kernel=kernel)
+        fn = compile_fn(params, "sm_90a", f"--keep-cubin --keep-ptx --dump-dir {d}",
+                        kernel=kernel)  # fmt: skip
         cubin = fn.artifacts.CUBIN
         if isinstance(cubin, bytes):
             Path(d, "k.cubin").write_bytes(cubin)
             cubin = Path(d, "k.cubin")
-        return inspect_cubin(cubin), sass_instructions(sass_text(cubin))
+        ptx = "".join(p.read_text() for p in sorted(Path(d).glob("*.ptx")))
+        return inspect_cubin(cubin), sass_instructions(sass_text(cubin)), ptx
 
 
 @pytest.fixture(scope="module")
@@ -69,12 +73,14 @@ def compiled():
         if key not in cache:
             params = dict(config.params_for(dtype, **flags))
             kernel = kernel_for(params)
-            res, instrs = _build(compile_kda_bwd_fused, params, kernel)
+            res, instrs, ptx = _build(compile_kda_bwd_fused, params, kernel)
             cache[key] = (res, instrs, kernel.shared_storage.size_in_bytes())
             offsets[key] = dict(kernel.shared_storage._offsets)  # the DSL struct's field starts
+            ptxs[key] = ptx
         return cache[key]
 
     get.offsets = offsets = {}
+    get.ptx = ptxs = {}
 
     return get
 
@@ -118,9 +124,9 @@ def test_the_two_kernels_joined(compiled):
     kernel's 8 of G (the tables staged by phase A); one bulk reduce-add of dG's rows after one
     `fence.proxy.async.global`; 11 mbarriers."""
     _, fused, _ = compiled("bfloat16", dv16=True, dk16=True)
-    _, k2 = _build(compile_kda_bwd_chunk, dict(chunk_config.params_for("bfloat16", dw16=True)))
-    _, wy = _build(compile_kda_bwd_wy, dict(wy_config.params_for("bfloat16", dv16=True,
-                                                                  dk16=True)))  # fmt: skip
+    _, k2, _ = _build(compile_kda_bwd_chunk, dict(chunk_config.params_for("bfloat16", dw16=True)))
+    _, wy, _ = _build(compile_kda_bwd_wy, dict(wy_config.params_for("bfloat16", dv16=True,
+                                                                     dk16=True)))  # fmt: skip
     f, a, b = _ops(fused), _ops(k2), _ops(wy)
     hgmma = "HGMMA.64x64x16.F32.BF16"
     assert f[hgmma] == a[hgmma] + b[hgmma] == 72
@@ -131,6 +137,28 @@ def test_the_two_kernels_joined(compiled):
     assert f["LDG.E"] == a["LDG.E"] + b["LDG.E"] - 8 and f["LDG.E.64"] == b["LDG.E.64"]
     assert f["UBLKRED.G.S.ADD.F32.RN"] == 1 and f["FENCE.VIEW.ASYNC.G"] == 1
     assert f["SYNCS.EXCH.64"] == len(config.A_GROUPS) + len(config.B_GROUPS) == 11
+
+
+# a TMA box's bytes by its dimensionality (16-bit, 64 columns: the 128-byte swizzle's width):
+# 4d the token tiles' and T^T's (C = 64 rows), 5d the states' (K = 128 rows)
+BOX_BYTES = {4: 64 * 64 * 2, 5: 128 * 64 * 2}
+
+
+@pytest.mark.parametrize("flags", range(len(FLAGS)))
+def test_each_mbarrier_armed_with_its_boxes_bytes(compiled, flags):
+    """Every load mbarrier's arm (arrive.expect_tx, once) carries exactly the bytes of the TMA
+    boxes completing on it, phase A's five groups as kernel 2's (du + h, dO, U, q + k, dh),
+    phase B's six as the WY kernel's but dw's and k's (on chip: 0 bytes, no box). The fused
+    kernel's first build armed phase A's q + k group with 16 KB for its four 8 KB boxes (k's
+    bytes zeroed for both phases): the phase completed on whichever two landed first, its math
+    free to read q or k before they had (next/kda-fuse-hang)."""
+    compiled("bfloat16", **FLAGS[flags])
+    key = ("bfloat16", tuple(sorted(FLAGS[flags].items())))
+    arms = list(tma_arms(compiled.ptx[key]).values())
+    assert [armed for armed, _ in arms] == [sum(BOX_BYTES[d] for d in dims) for _, dims in arms]
+    kb = 1024
+    assert [armed // kb for armed, _ in arms] == [48, 16, 16, 32, 32, 24, 16, 0, 16, 16, 0]
+    assert [len(dims) for _, dims in arms] == [4, 2, 2, 4, 2, 3, 2, 0, 2, 2, 0]
 
 
 def test_barriers(compiled):
