@@ -91,13 +91,18 @@ def _ops(instrs):
 
 def test_params():
     """The device pass's two forms a dtype standard (built for the A/B, taken only with the
-    switch), their `token_rows` forms candidates; flags in the key only when set."""
+    switch), their `token_rows` forms and the GPU tests' fp32-dv and dq16 forms candidates;
+    flags in the key only when set."""
     assert SPEC.name == "kda_bwd_fused_sm90"
     keys = [dict(p) for p in SPEC.standard_params()]
     assert [(k["dtype"], k["dv16"], k.get("dk16", False)) for k in keys] == [
         (d, True, dk16) for dk16 in (False, True) for d in config.DTYPES
     ]
-    assert all(dict(p)["token_rows"] for p in SPEC.candidate_params())
+    cands = [dict(p) for p in SPEC.candidate_params()]
+    assert [c.get("token_rows", False) for c in cands] == [True] * 4 + [False] * 4
+    # the GPU tests' other keys (fp32 dv, dq16 + dv16 + dk16): prebuilt by `build --candidates`
+    assert [(c.get("dq16", False), c.get("dv16", False)) for c in cands[4:]] == [
+        (False, False), (False, False), (True, True), (True, True)]  # fmt: skip
     assert dict(config.params_for("bfloat16")) == {"dtype": "bfloat16", "k": 128, "v": 128}
 
 

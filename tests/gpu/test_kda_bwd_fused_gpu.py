@@ -2,15 +2,18 @@
 kernel 2's products, then the WY kernel's, in one CTA a chunk-head) on the GPU, against the two
 launches it replaces (kda_bwd_chunk with dw16, then kda_bwd_wy on its dw) on the same tiles:
 bit for bit (the same products, roundings and sums in the same order; NOTES "next/kda-fuse-wy"),
-every output NaN-poisoned first (an entry the kernel does not write fails); bf16 and fp16; T = 1,
-63, 65, 1000 (tail chunks zero-filled by TMA); 1-3 sequences, 1-3 heads; the keys fp32 dv, dv16,
-dv16 + dk16 and dq16 + dv16 + dk16; then the op with FUSED_SWITCH on against off (bitwise; also
-varlen with NATIVE_STORES: the token_rows key), and the times of both paths (`-s`). Not yet run
-on a GPU (branch next/kda-fuse-wy, 2026-12-06)."""
+every output NaN-poisoned first (an entry the kernel does not write fails), one launch polled
+for a hang first; bf16 and fp16; T = 1, 63, 65, 1000 (tail chunks zero-filled by TMA); 1-3
+sequences, 1-3 heads; the keys fp32 dv, dv16, dv16 + dk16 and dq16 + dv16 + dk16; then the op
+with FUSED_SWITCH on against off (bitwise; also varlen with NATIVE_STORES: the token_rows key),
+and the times of both paths (`-s`). Not yet run to the end on a GPU: next/kda-fuse-wy's tree
+produced nothing in 60 s on the H100 (2026-12-06; next/kda-fuse-hang: phase A's q + k
+mbarrier under-armed, fixed). Keys: docs/pending/kda-fuse-keys.jsonl."""
 
 from __future__ import annotations
 
 import importlib
+import time
 
 import pytest
 import torch
@@ -22,6 +25,7 @@ from forgekernel.kernels.linear_attention.kda_bwd_fused.sm90 import launch
 from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90 import launch as wy_launch
 from forgekernel.reference.kda_bwd_chunk import chunk_grad_tiles
 from forgekernel.reference.kda_bwd_wy import wy_tiles
+from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.timing import median, time_ms
 
 pytestmark = pytest.mark.gpu
@@ -74,6 +78,32 @@ def _same(got, want):
             err = float((a.double() - r.double()).abs().max())
             pytest.fail(f"{name} differs from the two launches: max |diff| {err:.3e} "
                         f"(largest {float(r.double().abs().max()):.3e})")  # fmt: skip
+
+
+HANG_S = 20.0  # a launch of 2 CTAs runs in microseconds
+
+
+def test_one_launch_finishes():
+    """First and cheapest (1 x 65 tokens, one head, bf16 dv16 + dk16: standard keys): the fused
+    key loaded (its seconds printed: a prebuilt .so loads in well under one, a compile takes
+    ~15), the two launches, then the fused one polled on an event: not done in HANG_S seconds
+    fails as a hang (the process then stays in the kernel until its outer timeout); else its
+    outputs the two launches' bit for bit."""
+    tiles, wy = _tiles(1, 65, 1, torch.bfloat16, seed=1)
+    t0 = time.perf_counter()
+    get_kernel(launch.SPEC, launch._params("bfloat16", (128, 128), dv16=True, dk16=True))
+    print(f"\nkda_bwd_fused key loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+    want = _two_launches(tiles, wy, dv16=True, dk16=True)
+    torch.cuda.synchronize()
+    got = _fused(tiles, wy, dv16=True, dk16=True)
+    done = torch.cuda.Event()
+    done.record()
+    t0 = time.perf_counter()
+    while not done.query():
+        if time.perf_counter() - t0 > HANG_S:
+            pytest.fail(f"the fused launch has not finished in {HANG_S:.0f} s: a hang")
+        time.sleep(0.01)
+    _same(got, want)
 
 
 @pytest.mark.parametrize("flags", range(len(FLAGS)))

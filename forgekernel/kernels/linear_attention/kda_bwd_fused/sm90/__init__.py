@@ -23,16 +23,21 @@ def _compile(params: Params, extra_options: str = ""):
 def _standard_params() -> list[Params]:
     # the device pass's forms (built by `build --only kda_bwd_fused_sm90` for the switch's A/B;
     # no run takes them with FUSED off): 16-bit dv (a 16-bit v), with it dk16 (no l2norm at
-    # HV = H: the bench's); FINAL_QK's dq16 compiles on first use
+    # HV = H: the bench's)
     flags = ({"dv16": True}, {"dv16": True, "dk16": True})
     return [params_for(dtype, **f) for f in flags for dtype in DTYPES]
 
 
 def _candidate_params() -> list[Params]:
     # the varlen slot layout's gradients at their token rows (both kernels' `token_rows`,
-    # ops/_linattn_varlen.py NATIVE_STORES)
-    flags = ({"dv16": True}, {"dv16": True, "dk16": True})
-    return [params_for(dtype, **f, token_rows=True) for f in flags for dtype in DTYPES]
+    # ops/_linattn_varlen.py NATIVE_STORES); the op's other forms, which the GPU tests load too
+    # (tests/gpu/test_kda_bwd_fused_gpu.py FLAGS): fp32 dv (an fp32 v) and FINAL_QK's dq16
+    # (`build --candidates`: no first call of the tests compiles, ~15 s a key on a CPU core)
+    rows = ({"dv16": True}, {"dv16": True, "dk16": True})
+    other = ({}, {"dq16": True, "dv16": True, "dk16": True})
+    return [params_for(dtype, **f, token_rows=True) for f in rows for dtype in DTYPES] + [
+        params_for(dtype, **f) for f in other for dtype in DTYPES
+    ]
 
 
 SPEC = KernelSpec(
