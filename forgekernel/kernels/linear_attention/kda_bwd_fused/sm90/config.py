@@ -28,6 +28,15 @@ HDH_WARPS = chunk.HDH_WARPS
 BULK_ALIGN = wy.BULK_ALIGN
 
 
+def group_bytes(groups, sizes: dict[str, int], token: int, on_chip=()) -> tuple[int, ...]:
+    """The bytes each load group's mbarrier is armed with: its tiles' boxes' (`sizes`: a
+    tile's bytes by name, `token` a (C, 128) token tile's, the others), a tile in `on_chip`
+    none (no box). Phase A's groups take it without `on_chip`: k is a box there and on chip in
+    phase B only (one table for both armed phase A's q + k group with 16 of its 32 KB,
+    next/kda-fuse-hang)."""
+    return tuple(sum(0 if n in on_chip else sizes.get(n, token) for n in g) for g in groups)
+
+
 def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2) -> int:
     """Shared memory of one CTA: kernel 2's (its tiles, states, dP^T, G, tables), the WY
     kernel's row-dot partials after the tables, dw (C, K) in the tiles' dtype (phase A's

@@ -70,6 +70,7 @@ from forgekernel.kernels.linear_attention.kda_bwd_fused.sm90.config import (
     HDH_WARPS,
     ON_CHIP,
     THREADS,
+    group_bytes,
 )
 from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.config import DOTS
 from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.wy_grads import BAR_DOTS, KdaBwdWySm90
@@ -152,16 +153,12 @@ class KdaBwdFusedSm90(KdaBwdWySm90):
         for m in (mH, mDH):
             tmas.append(cpasync.make_tiled_tma_atom(g2s, _kvchb(m), sH_tile, (self.k, self.v)))
         tmas.append(cpasync.make_tiled_tma_atom(g2s, _tdhb(mTt), sTt_tile, (CHUNK, CHUNK)))
-        # the bytes each load group's mbarrier expects (`_load_groups`): its boxes', phase B's
-        # on-chip tiles none. Per phase: k is a box in phase A and on chip in phase B (one table
-        # for both armed phase A's q + k group with 16 KB for its 32 KB of boxes; next/kda-fuse-
-        # hang)
+        # the bytes each load group's mbarrier expects (`_load_groups`), per phase
         t_bytes, h_bytes, tt_bytes = (cute.size_in_bytes(self.dtype, t)
                                       for t in (sT_tile, sH_tile, sTt_tile))  # fmt: skip
-        boxes = {n: h_bytes for n in STATE_TILES} | {"tt": tt_bytes}  # others: t_bytes
-        self.bytes_a = tuple(sum(boxes.get(n, t_bytes) for n in g) for g in A_GROUPS)
-        self.bytes_b = tuple(sum(0 if n in ON_CHIP else boxes.get(n, t_bytes) for n in g)
-                             for g in B_GROUPS)  # fmt: skip
+        sizes = {n: h_bytes for n in STATE_TILES} | {"tt": tt_bytes}
+        self.bytes_a = group_bytes(A_GROUPS, sizes, t_bytes)
+        self.bytes_b = group_bytes(B_GROUPS, sizes, t_bytes, ON_CHIP)
         t_elems = cute.cosize(self.sT_layout)
         h_elems = cute.cosize(self.sH_layout)
         p_elems = cute.cosize(self.sP_layout)
