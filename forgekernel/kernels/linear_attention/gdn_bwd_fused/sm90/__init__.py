@@ -30,12 +30,24 @@ def _standard_params() -> list[Params]:
     ]
 
 
+def _candidate_params() -> list[Params]:
+    # the varlen slot layout's keys (ops/gated_delta_rule_bwd.py FUSED_SLOTS, off until its
+    # device A/B): the standard ones with `varlen`
+    return [
+        params_for(dtype, d_final_state=ds, grouped=g, varlen=True)
+        for dtype in DTYPES
+        for ds in (False, True)
+        for g in (False, True)
+    ]
+
+
 SPEC = KernelSpec(
     name="gdn_bwd_fused_sm90",
     arch="sm_90a",
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
+    candidate_params=_candidate_params,
 )
 
 __all__ = ["SPEC", "params_for"]
