@@ -12,6 +12,7 @@ recurrence (2e-2 of each gradient's max). The GPU twin: tests/gpu/test_gdn_bwd_f
 from __future__ import annotations
 
 import importlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,15 +30,22 @@ import forgekernel
 from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90 import config
 
 bwd = importlib.import_module("forgekernel.ops.gated_delta_rule_bwd")
+varlen = importlib.import_module("forgekernel.ops._linattn_varlen")
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 
 def emulated_fused_kernel(calls):
     """The fused kernel's stand-in: kernel 1's reverse emulation and kernel 2's WY emulation on
-    the factors the kernel forms from its inputs (Ke, Qe, e^(G_C) from k, q and G)."""
+    the factors the kernel forms from its inputs (Ke, Qe, e^(G_C) from k, q and G); its
+    `varlen` key (cu_seqlens, order, tables, tokens: the slot layout) by their varlen forms
+    (kernel 1's walk, kernel 2's `token_rows`), one call recorded with `tokens` appended."""
     reverse, chunk = emulated_kernel(), emulated_chunk_wy_kernel()
 
-    def run(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, scale=1.0, out=None):
+    def run(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, scale=1.0, out=None,
+            cu_seqlens=None, order=None, tables=None, tokens=None):  # fmt: skip
+        walk = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens, "order": order}
+        rows = {} if tables is None else {"tables": tables, "tokens": tokens, "fsplit": True}
+        assert (cu_seqlens is None) == (order is None) == (tables is None) == (tokens is None)
         b, t, hv, _ = do.shape
         nc = -(-t // 64)
         for x in (do, u, pt, tt, w, uw, v):  # strided views allowed (TMA)
@@ -45,7 +53,8 @@ def emulated_fused_kernel(calls):
         assert q.shape == k.shape and q.shape[:2] == (b, t) and hv % q.shape[2] == 0
         assert h.shape == (b, nc, hv, q.shape[-1], do.shape[-1]) and h.dtype == do.dtype
         assert big_g.dtype == beta.dtype == torch.float32 and big_g.shape == beta.shape
-        calls.append((tuple(do.shape), q.shape[2], dht is not None, scale))
+        calls.append((tuple(do.shape), q.shape[2], dht is not None, scale)
+                     + (() if tokens is None else (tokens,)))  # fmt: skip
         group = hv // q.shape[2]
         qh, kh = (x.double().repeat_interleave(group, dim=2) for x in (q, k))
         last = torch.clamp(torch.arange(nc) * 64 + 63, max=t - 1)
@@ -54,11 +63,10 @@ def emulated_fused_kernel(calls):
         ke = (kh * (g_c - big_g.double()).exp().unsqueeze(-1)).to(do.dtype)
         qe = (qh * big_g.double().exp().unsqueeze(-1)).to(do.dtype)
         du, dh, dh0 = reverse(do, pt, ke, qe, w, g_last.exp().float().contiguous(), dht,
-                              out16=True)  # fmt: skip
-        dq, dk, dg, dv, dbeta = chunk(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta,
-                                      dv16=True, dqk16=True, scale=scale)  # fmt: skip
-        got = (dq, dk, dg, dv, dbeta, dh0)
-        return got if out is None else tuple(written_to(o, x) for o, x in zip(out, got))
+                              out16=True, **walk)  # fmt: skip
+        got = chunk(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta, dv16=True, dqk16=True,
+                    scale=scale, out=None if out is None else out[:5], **rows)  # fmt: skip
+        return (*got, dh0 if out is None else written_to(out[5], dh0))
 
     return run
 
@@ -211,3 +219,103 @@ def test_varlen(kernel_path, monkeypatch, lens):  # noqa: F811
         assert FLAGS == [(True, True), (True, False)]  # kernel 1's two launches, varlen form
         for name, a, o in zip(NAMES, got, today):
             assert torch.equal(a, o), name
+
+
+def test_fused_slots_off_by_default():
+    assert bwd.FUSED_SLOTS is False
+
+
+@pytest.mark.parametrize(
+    ("env", "fused_env", "on", "tables", "n", "hv", "want"),
+    [(None, None, False, True, 4, 32, False), (None, None, True, True, 4, 32, True),
+     (None, None, True, True, 4, 16, False), (None, None, True, False, 4, 32, False),
+     ("0", None, True, True, 4, 32, False), ("1", None, False, True, 4, 32, True),
+     ("1", "0", False, True, 4, 32, False), ("1", "all", False, True, 1, 2, True),
+     ("1", "all", False, False, 1, 2, False), (None, None, True, True, 4, 33, True),
+     (None, None, True, True, 5, 32, False), (None, None, True, True, 16, 32, False)],
+)  # fmt: skip
+def test_fused_slots_rule(monkeypatch, env, fused_env, on, tables, n, hv, want):
+    """The slot layout's fused route: FUSED_SLOTS (FUSED_SLOTS_SWITCH overriding it), the
+    per-slot tables present (`native`: the kernel writes token rows only), then N x HV from
+    3/4 of a wave to one wave (`config.slots_fit`: 4 x 8192 hv32's 128 CTAs of 132 SMs fused,
+    hv16's 64 not, 4 x 33 = 132 fused, 5 x 32 = 160 and the suites' mix16 hv32 512 not);
+    FUSED_SWITCH "0" off, "all" every shape."""
+    for name, value in ((bwd.FUSED_SLOTS_SWITCH, env), (bwd.FUSED_SWITCH, fused_env)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    monkeypatch.setattr(bwd, "FUSED_SLOTS", on)
+    monkeypatch.setattr(bwd, "_device_sms", lambda device: 132)
+    table = torch.zeros(n + 8, dtype=torch.int32)
+    slots = SimpleNamespace(cu_seqlens=torch.zeros(n + 1, dtype=torch.int32),
+                            starts=table if tables else None, lengths=table)  # fmt: skip
+    assert bwd._fused_slots_selected(slots, hv, torch.device("cpu")) == want
+
+
+@pytest.mark.parametrize(
+    ("lens", "h", "hv", "l2norm", "capture"),
+    [
+        ([1, 0, 65, 64, 200, 0, 7], 2, 2, False, False),  # the fused kernel writes dq, dk
+        ([1, 0, 65, 64, 200, 0, 7], 2, 4, False, True),  # the epilogue on the callers' q, k
+        ([60, 70], 2, 2, True, False),
+        ([65, 65], 2, 4, True, True),  # equal lengths: the slot layout under a capture only
+        ([128, 64], 1, 2, False, True),  # no tail chunk, a zero slot each
+        ([0, 0], 2, 2, False, True),  # T = 0: no token, not the kernel path
+    ],
+)
+def test_fused_slots_are_the_slot_path(kernel_path, monkeypatch, lens, h, hv, l2norm,  # noqa: F811
+                                       capture):  # fmt: skip
+    """FUSED_SLOTS on and the rule met: the slot layout's device pass runs kernel 1's forward
+    launch (varlen) and ONE fused launch (emulated: kernel 1's varlen walk + kernel 2's
+    `token_rows`, `emulated_fused_kernel`) on the slot tiles with the tables and the callers'
+    token count, no reverse launch, no kernel 2, nothing unpacked; every gradient within 2e-2
+    of its max of the two-launch slot path's (FUSED_SLOTS off: Ke, Qe formed from k, q, G
+    instead of kernel 0's, as on the batch path); empty, one-token, tail-cut and
+    slot-aligned sequences, eager and under a capture (emulated); into NaN-filled out= in
+    place."""
+    n, t = len(lens), sum(lens)
+    q, k, v, g, beta, do, *_ = _bf16_problem(1, t, h, hv, seed=t)
+    if not l2norm:  # unit rows as the op expects them there (the recurrence stays bounded)
+        k = (k.float() / k.float().norm(dim=-1, keepdim=True).clamp_min(1e-6)).bfloat16()
+    *_, h0, dht = _bf16_problem(n, 1, h, hv, seed=n)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    kw = {"cu_seqlens": cu, "initial_state": h0, "d_final_state": dht,
+          "use_qk_l2norm_in_kernel": l2norm}  # fmt: skip
+    unpacked, calls = [], []
+    real = varlen.unpack
+    monkeypatch.setattr(varlen, "unpack", lambda *a: unpacked.append(1) or real(*a))
+    monkeypatch.setattr(bwd, "_device_sms", lambda device: n * hv)
+    monkeypatch.setattr(bwd, "_fused_bwd", emulated_fused_kernel(calls))
+
+    def call(fused, out=None):
+        monkeypatch.setattr(bwd, "FUSED_SLOTS", fused)
+        FLAGS.clear()
+        CHUNK_CALLS.clear()
+        unpacked.clear()
+        calls.clear()
+        with monkeypatch.context() as m:
+            if capture:
+                m.setattr(varlen, "capturing", lambda t: True)
+            return forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, out=out, **kw)
+
+    want = call(False)
+    assert calls == [] and unpacked == []
+    got = call(True)
+    if t == 0:
+        assert calls == []
+        for name, a, r in zip(NAMES, got, want):
+            assert torch.equal(a, r), name
+        return
+    rows = 64 * (t // 64 + n)  # the slot layout's S C
+    fold = not l2norm and h == hv
+    assert calls == [((1, rows, hv, 128), h, True, 128**-0.5 if fold else 1.0, t)]
+    assert FLAGS == [(True, True)] and CHUNK_CALLS == [] and unpacked == []
+    for name, a, r in zip(NAMES, got, want):
+        assert a.shape == r.shape and a.dtype == r.dtype, name
+        err = float((a.double() - r.double()).abs().max())
+        assert err <= 2e-2 * float(r.abs().max()) + 1e-6, (name, err)
+    out = tuple(torch.full_like(x, float("nan")) for x in want)
+    again = call(True, out)
+    for name, a, o, r in zip(NAMES, again, out, got):
+        assert a.data_ptr() == o.data_ptr() and torch.equal(o, r), name
