@@ -273,7 +273,8 @@ def test_fused_slots_are_the_slot_path(kernel_path, monkeypatch, lens, h, hv, l2
     of its max of the two-launch slot path's (FUSED_SLOTS off: Ke, Qe formed from k, q, G
     instead of kernel 0's, as on the batch path); empty, one-token, tail-cut and
     slot-aligned sequences, eager and under a capture (emulated); into NaN-filled out= in
-    place."""
+    place; value heads in passes (one q head a pass: a fused launch each, joined) bit for bit
+    the one pass."""
     n, t = len(lens), sum(lens)
     q, k, v, g, beta, do, *_ = _bf16_problem(1, t, h, hv, seed=t)
     if not l2norm:  # unit rows as the op expects them there (the recurrence stays bounded)
@@ -319,3 +320,9 @@ def test_fused_slots_are_the_slot_path(kernel_path, monkeypatch, lens, h, hv, l2
     again = call(True, out)
     for name, a, o, r in zip(NAMES, again, out, got):
         assert a.data_ptr() == o.data_ptr() and torch.equal(o, r), name
+    monkeypatch.setattr(bwd, "TOKEN_HEADS_PER_PASS", t * (hv // h))  # one q head a pass
+    monkeypatch.setattr(bwd, "_device_sms", lambda device: n * (hv // h))  # a pass's CTAs
+    again = call(True)
+    assert [c[0][2] for c in calls] == [hv // h] * h and unpacked == []
+    for name, a, r in zip(NAMES, again, got):
+        assert torch.equal(a, r), name

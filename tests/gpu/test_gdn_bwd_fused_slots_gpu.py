@@ -82,7 +82,7 @@ def _call(inputs, h0, dht, cu=None, l2norm=True, out=None):
                                                  use_qk_l2norm_in_kernel=l2norm)  # fmt: skip
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("lens", LENS)
 def test_each_sequence_alone(fused, monkeypatch, lens, dtype):
     """Eager unequal lengths (the slot layout) on the fused kernel's varlen key: one launch over
@@ -120,6 +120,31 @@ def test_each_sequence_alone(fused, monkeypatch, lens, dtype):
     assert fused == []
     for name, a, r, o in zip(NAMES, got, want, today):
         _close(name, a, r)
+        _close(name + " vs the two-launch slot path", a, o.double())
+
+
+def test_in_passes_with_out(fused, monkeypatch):
+    """Value heads in passes (TOKEN_HEADS_PER_PASS cut to one q head a pass: a fused launch
+    each on strided head slices, their token-row outputs joined), empty first and last
+    sequences, HV = H without l2norm (the kernel's dq, dk the op's, times the scale): bit for
+    bit the one-pass call, within 2e-2 of the two-launch slot path; out= NaN-filled, written in
+    place."""
+    lens = [0, 130, 1, 64, 0]
+    inputs = _problem(1, sum(lens), 2, 2, torch.bfloat16, seed=5)[:6]
+    h0, dht = _states(len(lens), 2, 2, seed=6)
+    cu = _cu(lens)
+    one = _call(inputs, h0, dht, cu, l2norm=False)
+    monkeypatch.setattr(bwd, "TOKEN_HEADS_PER_PASS", 1)
+    fused.clear()
+    out = tuple(torch.full_like(x, float("nan")) for x in one)
+    got = _call(inputs, h0, dht, cu, l2norm=False, out=out)
+    assert [c[1] for c in fused] == [sum(lens)] * 2, fused
+    assert all(a.data_ptr() == o.data_ptr() for a, o in zip(got, out))
+    for name, a, r in zip(NAMES, out, one):
+        assert torch.equal(a, r), name
+    monkeypatch.setattr(bwd, "FUSED_SLOTS", False)
+    today = _call(inputs, h0, dht, cu, l2norm=False)
+    for name, a, o in zip(NAMES, out, today):
         _close(name + " vs the two-launch slot path", a, o.double())
 
 
