@@ -417,7 +417,7 @@ def _fused_selected(b: int, hv: int, device: torch.device, slots: bool = False) 
 # 2026-12-06, 4 x 8192 h16 hv32 as cu_seqlens: eager 3.92 ms on the batch path's fused kernel,
 # graph 5.52 on the two-launch slot path). The rule (`config.slots_fit`): N x HV from 3/4 of a
 # wave to one wave. A capture cannot see the lengths: a skewed mix within a wave pays the fused
-# kernel's ~15 us a slot down its longest chain (up to ~1.75x the call at 4 sequences, one
+# kernel's ~15 us a slot down its longest chain (up to ~1.7x the call at 4 sequences, one
 # holding every token; NOTES "next/fused-slots"). TEMPORARY, off until its device A/B;
 # FUSED_SLOTS_SWITCH "1" / "0" overrides (FUSED_SWITCH "all" forces every shape, as on the
 # batch path).
