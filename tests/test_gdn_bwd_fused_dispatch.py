@@ -326,3 +326,45 @@ def test_fused_slots_are_the_slot_path(kernel_path, monkeypatch, lens, h, hv, l2
     assert [c[0][2] for c in calls] == [hv // h] * h and unpacked == []
     for name, a, r in zip(NAMES, again, got):
         assert torch.equal(a, r), name
+
+
+def _launcher_inputs(t, n=None):
+    """The fused launcher's inputs (B = 1, HV 2, CPU: only the checks run), T rows; with n the
+    slot layout's (N + 1,) offsets of n sequences of t // n tokens, order and tables."""
+    bf = {"dtype": torch.bfloat16}
+    do, u, v, uw = (torch.zeros(1, t, 2, 128, **bf) for _ in range(4))
+    q, k, w = (torch.zeros(1, t, 2, 128, **bf) for _ in range(3))
+    pt, tt = (torch.zeros(1, t, 2, 64, **bf) for _ in range(2))
+    h = torch.zeros(1, -(-t // 64), 2, 128, 128, **bf)
+    big_g, beta = torch.zeros(1, t, 2), torch.zeros(1, t, 2)
+    args = [do, u, q, k, h, big_g, pt, tt, w, uw, v, beta]
+    if n is None:
+        return args, {}
+    i32 = {"dtype": torch.int32}
+    walk = {
+        "cu_seqlens": torch.arange(n + 1, **i32) * 8,
+        "order": torch.arange(n, **i32),
+        "tables": (torch.zeros(t // 64, **i32), torch.zeros(t // 64, **i32)),
+        "tokens": 8 * n,
+    }
+    return args, walk
+
+
+def test_launcher_varlen_checks():
+    """`gdn_bwd_fused`'s slot layout: cu_seqlens, order, tables, tokens all or none (kernel 1's
+    `check_varlen`, kernel 2's `check_tables`), dht at N sequences; `empty_outputs` at the
+    callers' T' rows and N states."""
+    from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90 import launch
+
+    args, walk = _launcher_inputs(64 * 5, n=3)
+    for drop in walk:
+        with pytest.raises(ValueError):
+            launch.gdn_bwd_fused(*args, None, **{k: x for k, x in walk.items() if k != drop})
+    with pytest.raises(ValueError, match="dht"):
+        launch.gdn_bwd_fused(*args, torch.zeros(1, 2, 128, 128), **walk)
+    bad = {**walk, "tables": (walk["tables"][0][:-1], walk["tables"][1])}
+    with pytest.raises(ValueError, match="tables"):
+        launch.gdn_bwd_fused(*args, None, **bad)
+    shapes = [tuple(x.shape) for x in launch.empty_outputs(args[0], 128, 24, 3)]
+    assert shapes == [(1, 24, 2, 128), (1, 24, 2, 128), (1, 24, 2), (1, 24, 2, 128), (1, 24, 2),
+                      (3, 2, 128, 128)]  # fmt: skip
