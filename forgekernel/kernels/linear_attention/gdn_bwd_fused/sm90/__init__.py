@@ -1,8 +1,9 @@
 """Gated DeltaNet backward, fused: kernel 1's reverse state recurrence and kernel 2's chunk
 gradients (WY form) in one kernel, one CTA per (sequence, value head), sm_90a. DSL-free
 declaration; the kernel is `fused_bwd.py`, the launcher `launch.py`. Behind
-ops/gated_delta_rule_bwd.py FUSED (off until a GPU A/B): it replaces kernel 1's reverse launch
-and kernel 2 on the device pass where B x HV fills about a wave (`config.fused_fits`)."""
+ops/gated_delta_rule_bwd.py FUSED: it replaces kernel 1's reverse launch and kernel 2 on the
+device pass where B x HV fills about a wave (`config.fused_fits`); its `varlen` keys (candidates)
+behind FUSED_SLOTS in the varlen slot layout (`config.slots_fit`)."""
 
 from __future__ import annotations
 

@@ -40,6 +40,12 @@ G's fp32 dk stash goes over dO, U and dw over q); G, finish -> S: sDH read (DH_F
 next chunk's dS may be written); G -> finish: dG's rows (FINISH). The stage's release is an
 mbarrier (RELEASE_ARRIVALS).
 
+Variant `varlen` (compile flag, 2026-12-06; ops/gated_delta_rule_bwd.py FUSED_SLOTS): the tiles
+in the varlen slot layout (ops/_linattn_varlen.py), one CTA a (value head, sequence) taken
+longest first, walking the slots it owns as kernel 1's varlen form does (`_slot`), the token
+outputs at their token rows through kernel 2's `token_rows` tables (`_token_rows` at each store
+group); masks, loads and intermediates at the slot as in kernel 2's slot-layout run.
+
 Constraints: K = V = 128, 16-bit tiles with unit last strides and 16-byte aligned outer strides
 (TMA); G, beta fp32 (B, T, HV) unit last stride; dq, dk, dv 16-bit, dG, dbeta, dh0 fp32.
 """
