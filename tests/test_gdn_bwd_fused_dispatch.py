@@ -352,8 +352,8 @@ def _launcher_inputs(t, n=None):
 
 def test_launcher_varlen_checks():
     """`gdn_bwd_fused`'s slot layout: cu_seqlens, order, tables, tokens all or none (kernel 1's
-    `check_varlen`, kernel 2's `check_tables`), dht at N sequences; `empty_outputs` at the
-    callers' T' rows and N states."""
+    `check_varlen`, kernel 2's `check_tables`), dht at N sequences, out= at T' rows and N
+    states; `empty_outputs` at the callers' T' rows and N states."""
     from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90 import launch
 
     args, walk = _launcher_inputs(64 * 5, n=3)
@@ -365,6 +365,9 @@ def test_launcher_varlen_checks():
     bad = {**walk, "tables": (walk["tables"][0][:-1], walk["tables"][1])}
     with pytest.raises(ValueError, match="tables"):
         launch.gdn_bwd_fused(*args, None, **bad)
-    shapes = [tuple(x.shape) for x in launch.empty_outputs(args[0], 128, 24, 3)]
+    outs = launch.empty_outputs(args[0], 128, 24, 3)
+    with pytest.raises(ValueError, match="token rows"):
+        launch.gdn_bwd_fused(*args, None, out=launch.empty_outputs(args[0], 128), **walk)
+    shapes = [tuple(x.shape) for x in outs]
     assert shapes == [(1, 24, 2, 128), (1, 24, 2, 128), (1, 24, 2), (1, 24, 2, 128), (1, 24, 2),
                       (3, 2, 128, 128)]  # fmt: skip

@@ -111,6 +111,9 @@ def gdn_bwd_fused(
     for x, want in zip(outs, empty_outputs(do[:0], q.shape[-1])):
         if not x.is_contiguous() or x.dtype != want.dtype:
             raise ValueError("out must be contiguous tensors in `empty_outputs`' dtypes")
+    rows, n = t if tokens is None else tokens, b if states is None else states
+    if any(x.shape[:2] != (b, rows) for x in outs[:5]) or outs[5].shape[0] != n:
+        raise ValueError(f"out must be {(b, rows)} token rows and {n} states")
     if b * hv * t == 0:
         return outs
     params = params_for(dtype_name(do.dtype), (q.shape[-1], do.shape[-1]),
