@@ -208,14 +208,19 @@ def test_u_from_h(compiled, dtype, dht, grouped):
     assert {int(b.barrier, 16) for b in bars if b.predicate} == {Bar.DH_FREE}
 
 
-def test_varlen_resources(compiled):
+@pytest.mark.parametrize("u_from_h", [False, True], ids=["u_read", "u_from_h"])
+def test_varlen_resources(compiled, u_from_h):
     """The `varlen` key (the slot layout: kernel 1's walk, kernel 2's token-row stores; bf16,
-    2026-12-06): 168 registers, nothing spilled, every setmaxnreg region within its count
-    (warpgroup 0 R0-R22, S R0-R221 as the standard key, G R0-R184 of 248: R179 there), the
-    same shared memory, products, TMA boxes, barriers and unaligned sites as the standard key;
-    +13 global loads (cu_seqlens x 2 and the order entry once a CTA, (start, valid) at each of
+    2026-12-06), U read or formed (`u_from_h`, FUSED_DIET; next/fused-slots-on46): 168
+    registers, nothing spilled, every setmaxnreg region within its count (warpgroup 0 R0-R22,
+    S R0-R221 as the key without varlen, G R0-R184 of 248: R179 there), the same shared
+    memory, products, TMA boxes, barriers and unaligned sites as the key without varlen; +13
+    global loads (cu_seqlens x 2 and the order entry once a CTA, (start, valid) at each of
     dq's, dv's, dk's, dbeta's and dG's store groups)."""
-    base, got = compiled(config.DTYPES[1], False), compiled(config.DTYPES[1], False, varlen=True)
+    dtype = config.DTYPES[1]
+    base, got = compiled(dtype, False, u_from_h=u_from_h), compiled(dtype, False,
+                                                                    u_from_h=u_from_h,
+                                                                    varlen=True)  # fmt: skip
     assert got.res["registers"] == 168 and got.res["spill_bytes"] == 0 and got.smem == SMEM
     assert not [op for op, _ in got.instrs if op.startswith(("LDL", "STL"))]
     regions = _regions(got.instrs)

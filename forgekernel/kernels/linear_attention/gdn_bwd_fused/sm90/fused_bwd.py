@@ -52,7 +52,9 @@ Variant `varlen` (compile flag, 2026-12-06; ops/gated_delta_rule_bwd.py FUSED_SL
 in the varlen slot layout (ops/_linattn_varlen.py), one CTA a (value head, sequence) taken
 longest first, walking the slots it owns as kernel 1's varlen form does (`_slot`), the token
 outputs at their token rows through kernel 2's `token_rows` tables (`_token_rows` at each store
-group); masks, loads and intermediates at the slot as in kernel 2's slot-layout run.
+group); masks, loads and intermediates at the slot as in kernel 2's slot-layout run. With
+`u_from_h` U is formed from the slot's W, h and WY u boxes as on the batch key (a pad slot's or
+a cut chunk's zero rows of u and W give U's zero rows, as the forward launch writes them).
 
 Constraints: K = V = 128, 16-bit tiles with unit last strides and 16-byte aligned outer strides
 (TMA); G, beta fp32 (B, T, HV) unit last stride; dq, dk, dv 16-bit, dG, dbeta, dh0 fp32.
