@@ -55,11 +55,11 @@ class Built(NamedTuple):
 def compiled():
     cache = {}
 
-    def get(dtype, dht, grouped=False, u_from_h=False) -> Built:
-        key = (dtype, dht, grouped, u_from_h)
+    def get(dtype, dht, grouped=False, u_from_h=False, varlen=False) -> Built:
+        key = (dtype, dht, grouped, u_from_h, varlen)
         if key not in cache:
             params = dict(config.params_for(dtype, d_final_state=dht, grouped=grouped,
-                                            u_from_h=u_from_h))  # fmt: skip
+                                            u_from_h=u_from_h, varlen=varlen))  # fmt: skip
             kernel = kernel_for(params)
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_gdn_bwd_fused(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
@@ -205,4 +205,35 @@ def test_u_from_h(compiled, dtype, dht, grouped):
     assert ops.count("SYNCS.EXCH.64") == len(config.U_FROM_H_LOAD_GROUPS) + 1
     assert ops.count("STSM.16.M88.4") == base_ops.count("STSM.16.M88.4") + 8  # U's tile
     bars = pin_unaligned_barriers(built.sass, built.unaligned, {Bar.DS_READY, Bar.FINISH})
+    assert {int(b.barrier, 16) for b in bars if b.predicate} == {Bar.DH_FREE}
+
+
+@pytest.mark.parametrize("u_from_h", [False, True], ids=["u_read", "u_from_h"])
+def test_varlen_resources(compiled, u_from_h):
+    """The `varlen` key (the slot layout: kernel 1's walk, kernel 2's token-row stores; bf16,
+    2026-12-06), U read or formed (`u_from_h`, FUSED_DIET; next/fused-slots-on46): 168
+    registers, nothing spilled, every setmaxnreg region within its count (warpgroup 0 R0-R22,
+    S R0-R221 as the key without varlen, G R0-R184 of 248: R179 there), the same shared
+    memory, products, TMA boxes, barriers and unaligned sites as the key without varlen; +13
+    global loads (cu_seqlens x 2 and the order entry once a CTA, (start, valid) at each of
+    dq's, dv's, dk's, dbeta's and dG's store groups)."""
+    dtype = config.DTYPES[1]
+    base, got = compiled(dtype, False, u_from_h=u_from_h), compiled(dtype, False,
+                                                                    u_from_h=u_from_h,
+                                                                    varlen=True)  # fmt: skip
+    assert got.res["registers"] == 168 and got.res["spill_bytes"] == 0 and got.smem == SMEM
+    assert not [op for op, _ in got.instrs if op.startswith(("LDL", "STL"))]
+    regions = _regions(got.instrs)
+    for regs in config.REGS:
+        assert _max_register(regions[regs]) < regs
+    s_base = _regions(base.instrs)[config.REGS[1]]
+    assert _max_register(regions[config.REGS[1]]) == _max_register(s_base)
+
+    def ops(built, prefix):
+        return sorted(op for op, _ in built.instrs if op.startswith(prefix))
+
+    for prefix in ("HGMMA", "UTMALDG", "BAR", "SYNCS", "STSM", "MUFU", "STS", "LDS"):
+        assert ops(got, prefix) == ops(base, prefix), prefix
+    assert len(ops(got, "LDG.E")) == len(ops(base, "LDG.E")) + 13
+    bars = pin_unaligned_barriers(got.sass, got.unaligned, {Bar.DS_READY, Bar.FINISH})
     assert {int(b.barrier, 16) for b in bars if b.predicate} == {Bar.DH_FREE}

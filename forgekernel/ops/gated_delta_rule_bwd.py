@@ -72,7 +72,7 @@ from forgekernel.kernels.common.sm90.constants import REGISTERS_PER_SM, THREADS_
 from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90 import launch as chunk_launch
 from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90 import launch as factors_launch
 from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90 import launch as fused_launch
-from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.config import fused_fits
+from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.config import fused_fits, slots_fit
 from forgekernel.kernels.linear_attention.gdn_bwd_norm.sm90 import launch as norm_launch
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90 import config as state_config
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90 import launch as state_launch
@@ -533,16 +533,45 @@ FUSED_SWITCH = "FORGEKERNEL_GDN_BWD_FUSED"
 # Qe, Ke (32 KB a chunk-head); kernel 1's forward launch (its `fused` key) reads k (at the H
 # heads) and G in place of Ke and writes h only (U's 16 KB not stored); the fused kernel forms
 # U = u - W h (`u_from_h`: U's 16 KB not read, its box filled by the state warpgroup). ~72 KB
-# a chunk-head less moved in all. False: the fused route as on 2026-12-06.
+# a chunk-head less moved in all. False: the fused route as on 2026-12-06. In the varlen slot
+# layout (FUSED_SLOTS) only the fused kernel's part: kernel 0's and kernel 1's `fused` keys have
+# no varlen form, so there the forward launch reads Ke and writes U, and the fused kernel's
+# `varlen, u_from_h` key saves only U's read (NOTES "next/fused-slots-on46").
 FUSED_DIET = True
 
 
-def _fused_selected(b: int, hv: int, device: torch.device) -> bool:
-    """Whether the device pass of B sequences x HV value heads runs the fused kernel."""
+def _fused_selected(b: int, hv: int, device: torch.device, slots: bool = False) -> bool:
+    """Whether the device pass of B sequences x HV value heads runs the fused kernel (`slots`:
+    N sequences in the slot layout, `slots_fit`'s rule)."""
     mode = os.environ.get(FUSED_SWITCH, "1" if FUSED else "0")
     if mode == "all":
         return QK16
-    return mode == "1" and QK16 and fused_fits(b, hv, _device_sms(device))
+    fits = slots_fit if slots else fused_fits
+    return mode == "1" and QK16 and fits(b, hv, _device_sms(device))
+
+
+# The fused kernel on the varlen slot layout (its `varlen` key: kernel 1's varlen walk, one CTA
+# a (value head, sequence), the token outputs at their token rows; `native` slots only), so that
+# a CUDA-graph capture, which runs every varlen call in slots, gets the fused route too (H100
+# 2026-12-06, 4 x 8192 h16 hv32 as cu_seqlens: eager 3.92 ms on the batch path's fused kernel,
+# graph 5.52 on the two-launch slot path). The rule (`config.slots_fit`): N x HV from 3/4 of a
+# wave to one wave. A capture cannot see the lengths: a skewed mix within a wave pays the fused
+# kernel's ~15 us a slot down its longest chain (up to ~1.7x the call at 4 sequences, one
+# holding every token; NOTES "next/fused-slots"). TEMPORARY, off until its device A/B;
+# FUSED_SLOTS_SWITCH "1" / "0" overrides (FUSED_SWITCH "all" forces every shape, as on the
+# batch path).
+FUSED_SLOTS = False
+FUSED_SLOTS_SWITCH = "FORGEKERNEL_GDN_BWD_FUSED_SLOTS"
+
+
+def _fused_slots_selected(slots, hv: int, device: torch.device) -> bool:
+    """Whether the slot layout's device pass (N sequences x HV value heads) runs the fused
+    kernel: FUSED_SLOTS, the per-slot tables present (`native`: the kernel writes token rows
+    only) and `_fused_selected`'s slot rule."""
+    mode = os.environ.get(FUSED_SLOTS_SWITCH, "1" if FUSED_SLOTS else "0")
+    if mode != "1" or not native(slots):
+        return False
+    return _fused_selected(slots.cu_seqlens.shape[0] - 1, hv, device, slots=True)
 
 
 def state_flags(slots) -> dict:
@@ -596,9 +625,10 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots
     per-slot tables (`native`) kernel 2 writes dq, dk, dv, dg, dbeta at their T token rows
     (the `token_rows` key; `into` those rows' buffers)."""
     t, device = qs.shape[1], qs.device
-    # the fused kernel walks B equal sequences; the varlen slot layout takes today's path
-    if slots is None and _fused_selected(do.shape[0], do.shape[2], device):
-        return _fused_pass(qs, ks, v, g, beta, do, h0, dht, into, q_scale)
+    # the fused kernel: B equal sequences, or the slot layout's N (`_fused_slots_selected`)
+    if (_fused_selected(do.shape[0], do.shape[2], device) if slots is None
+            else _fused_slots_selected(slots, do.shape[2], device)):  # fmt: skip
+        return _fused_pass(qs, ks, v, g, beta, do, h0, dht, into, q_scale, slots)
     varlen = state_flags(slots)
     dq_o, dk_o, dv_o, dg_o, dbeta_o, dh0_o = into or (None,) * 6
     out = _factors(qs, ks, v, g, beta)
@@ -645,38 +675,48 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots
 
 def _fused_bwd(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, **flags):
     """The fused kernel (kernel 1's reverse recurrence + kernel 2, `gdn_bwd_fused`): (dq, dk,
-    dg, dv, dbeta, dh0) (`flags`: scale, out; u None: U = uw - W h formed in the kernel). The
-    CPU tests put an emulation here."""
+    dg, dv, dbeta, dh0) (`flags`: scale, out; the slot layout's cu_seqlens, order, tables,
+    tokens; u None: U = uw - W h formed in the kernel). The CPU tests put an emulation here."""
 
     return fused_launch.gdn_bwd_fused(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, **flags)
 
 
-def _fused_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None):
+def _fused_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots=None):
     """`_device_pass` on the fused kernel (FUSED): kernel 0's tiles, kernel 1's forward
     launch (U, h), then `_fused_bwd` on kernel 0's P^T, T^T, W, u, G (its Ke, Qe, e^(G_C) not
-    read: folded in registers) with the same outputs as kernel 2 + the reverse launch. With
-    FUSED_DIET: kernel 0 without Ke, Qe, the forward launch on k and G writing h only, U
-    formed in the fused kernel."""
+    read: folded in registers) with the same outputs as kernel 2 + the reverse launch. slots
+    (`native`): the varlen slot layout, both kernels' varlen forms, the token gradients at
+    their token rows (`_device_pass`'s). With FUSED_DIET: U formed in the fused kernel; on B
+    equal sequences also kernel 0 without Ke, Qe and the forward launch on k and G writing h
+    only (their `fused` keys have no varlen form: in the slot layout the forward launch reads
+    Ke and writes U as before)."""
     t = qs.shape[1]
     dq_o, dk_o, dv_o, dg_o, dbeta_o, dh0_o = into or (None,) * 6
-    out = _factors(qs, ks, v, g, beta, fused=FUSED_DIET)
-    fw = forward_launch_tiles(out, identity=False, k=ks if FUSED_DIET else None)
-    diet = given(big_g=fw.get("big_g"))  # FUSED_DIET: kernel 1's `fused` key
+    batch_diet = FUSED_DIET and slots is None  # kernel 0's and kernel 1's `fused` keys
+    out = _factors(qs, ks, v, g, beta, fused=batch_diet)
+    fw = forward_launch_tiles(out, identity=False, k=ks if batch_diet else None)
+    diet = given(big_g=fw.get("big_g"))
     u16, h16, _ = _state_recurrence(*(fw[n] for n in ("do", "pt", "ke", "qe", "w")),
                                     fw["e_last"], h0, out16=True, forward=True,
-                                    **diet)  # fmt: skip
+                                    **diet, **state_flags(slots))  # fmt: skip
     k2 = for_kernel2(out, t)
     wide = beta.to(torch.promote_types(beta.dtype, torch.float32))
+    rows = {}  # the slot layout's walk and token rows
+    if slots is not None:
+        rows = {**state_flags(slots), "tables": (slots.starts, slots.lengths),
+                "tokens": slots.rows.shape[0]}  # fmt: skip
     bufs = None
     if into is not None:
         b, _, hv, vd = do.shape
-        dh0 = dh0_o if dh0_o is not None else do.new_empty(b, hv, qs.shape[-1], vd,
+        n = b if slots is None else slots.cu_seqlens.shape[0] - 1
+        dh0 = dh0_o if dh0_o is not None else do.new_empty(n, hv, qs.shape[-1], vd,
                                                            dtype=torch.float32)  # fmt: skip
-        bufs = (*_wy_buffers(do, qs.shape[-1], dg_o, dv_o, dbeta_o, dq_o, dk_o), dh0)
-    big_u = None if u16 is None else u16[:, :t]  # FUSED_DIET: formed in the kernel
+        bufs = (*_wy_buffers(do, qs.shape[-1], dg_o, dv_o, dbeta_o, dq_o, dk_o,
+                             rows.get("tokens")), dh0)  # fmt: skip
+    big_u = None if FUSED_DIET else u16[:, :t]  # FUSED_DIET: formed in the kernel (`u_from_h`)
     dq, dk, dg, dv, dbeta, dh0 = _fused_bwd(
         do, big_u, qs, ks, h16, k2["big_g"], out["pt"][:, :t], k2["tt"], k2["w"], k2["u"],
-        v, wide, dht, scale=1.0 if q_scale is None else q_scale, **given(out=bufs),
+        v, wide, dht, scale=1.0 if q_scale is None else q_scale, **given(out=bufs), **rows,
     )  # fmt: skip
     return dq, dk, dv, dg, dbeta, dh0
 
