@@ -80,9 +80,10 @@ def compiled():
 
 def test_standard_params():
     assert SPEC.name == "kda_bwd_chunk_sm90"
-    keys = [(dict(p)["dtype"], dict(p).get("dw16", False), dict(p).get("dq16", False))
+    keys = [tuple(dict(p).get(f, False) for f in ("dtype", "dw16", "dq16", "token_rows"))
             for p in SPEC.standard_params()]  # fmt: skip
-    flags = ((False, False), (True, False), (True, True))
+    # the token_rows form standard since NATIVE_STORES went on (integration45's 2eaea6d2)
+    flags = ((False, False, False), (True, False, False), (True, True, False), (True, False, True))
     assert keys == [(d, *f) for f in flags for d in config.DTYPES]
     assert "dw16" not in dict(config.params_for("bfloat16"))  # the old key unchanged
     assert "dq16" not in dict(config.params_for("bfloat16", dw16=True))

@@ -80,9 +80,11 @@ def compiled():
 
 def test_standard_params():
     assert SPEC.name == "kda_bwd_wy_sm90"
-    keys = [(dict(p)["dtype"], dict(p).get("dv16", False), dict(p).get("dk16", False))
+    keys = [tuple(dict(p).get(f, False) for f in ("dtype", "dv16", "dk16", "token_rows"))
             for p in SPEC.standard_params()]  # fmt: skip
-    flags = ((False, False), (True, False), (True, True))
+    # the token_rows forms standard since NATIVE_STORES went on (integration45's 2eaea6d2)
+    flags = ((False, False, False), (True, False, False), (True, True, False),
+             (True, False, True), (True, True, True))  # fmt: skip
     assert keys == [(d, *f) for f in flags for d in config.DTYPES]
     assert "dv16" not in dict(config.params_for("bfloat16"))  # the old key unchanged
     assert "dk16" not in dict(config.params_for("bfloat16", dv16=True))
