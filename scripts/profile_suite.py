@@ -94,7 +94,7 @@ def parse_args(target: Target, argv: Sequence[str] | None = None) -> argparse.Na
         default=[],
         metavar="MODULE.NAME=VALUE",
         help="set a module constant before the run (a temporary A/B switch, e.g. "
-        "forgekernel.ops.kda_bwd.CHUNK_2WG=True; VALUE a Python literal; repeatable)",
+        "forgekernel.ops.kda_bwd.FINAL_QK=True; VALUE a Python literal; repeatable)",
     )
     args = p.parse_args(argv)
     try:
@@ -252,41 +252,59 @@ def _calls(target, args, index, suite_name, case) -> dict[str, Callable[[], Any]
     return calls
 
 
-def kernel_table(kernels: Sequence[tuple[str, float]], calls: int, top: int) -> list[str]:
-    """Lines for (kernel name, GPU us) records of `calls` calls: the sum per call, then the
-    kernels by total time (count per call, us per call, share), `top` of them."""
+def per_call(kernels: Sequence[tuple[str, float]], calls: int) -> dict[str, tuple[float, float]]:
+    """(kernel name, GPU us) records of `calls` calls -> name: (launches a call, us a call)."""
     total: dict[str, float] = {}
     count: dict[str, int] = {}
     for name, us in kernels:
         total[name] = total.get(name, 0.0) + us
         count[name] = count.get(name, 0) + 1
-    whole = sum(total.values())
-    lines = [f"  kernels {sum(count.values()) / calls:.0f} a call, {whole / calls:.1f} us a call"]
-    for name in sorted(total, key=lambda n: -total[n])[:top]:
-        share = total[name] / whole if whole else 0.0
-        per_call = f"{total[name] / calls:10.1f} us {count[name] / calls:5.1f}x"
-        lines.append(f"  {per_call} {share:6.1%}  {name[:110]}")
+    return {name: (count[name] / calls, total[name] / calls) for name in total}
+
+
+def kernel_table(kernels: Sequence[tuple[str, float]], calls: int, top: int) -> list[str]:
+    """Lines for (kernel name, GPU us) records of `calls` calls: the sum per call, then the
+    kernels by total time (count per call, us per call, share), `top` of them."""
+    rows = per_call(kernels, calls)
+    whole = sum(us for _, us in rows.values())
+    launches = sum(n for n, _ in rows.values())
+    lines = [f"  kernels {launches:.0f} a call, {whole:.1f} us a call"]
+    for name in sorted(rows, key=lambda n: -rows[n][1])[:top]:
+        n, us = rows[name]
+        share = us / whole if whole else 0.0
+        lines.append(f"  {us:10.1f} us {n:5.1f}x {share:6.1%}  {name[:110]}")
     return lines
 
 
-def _timeline(torch, args, case_name: str, side: str, call: Callable[[], Any]) -> None:
-    """`args.calls` calls under torch.profiler: the kernels' table and the wall time a call."""
+def profiled_kernels(torch, work: Callable[[], Any]) -> tuple[list[tuple[str, float]], float]:
+    """`work()` under torch.profiler (CUPTI; kernels a CUDA-graph replay launches included):
+    (kernel name, GPU us) of each kernel it ran, and its wall us up to a synchronize."""
     import time
 
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
-        for _ in range(args.calls):
-            call()
+        work()
         torch.cuda.synchronize()
-        wall = (time.perf_counter() - start) * 1e6 / args.calls
+        wall = (time.perf_counter() - start) * 1e6
     kernels = [
         (e.name, e.time_range.elapsed_us())
         for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA
     ]
-    print(f"{case_name}/{side}: wall {wall:.1f} us a call (profiled)", flush=True)
+    return kernels, wall
+
+
+def _timeline(torch, args, case_name: str, side: str, call: Callable[[], Any]) -> None:
+    """`args.calls` calls under torch.profiler: the kernels' table and the wall time a call."""
+
+    def calls() -> None:
+        for _ in range(args.calls):
+            call()
+
+    kernels, wall = profiled_kernels(torch, calls)
+    print(f"{case_name}/{side}: wall {wall / args.calls:.1f} us a call (profiled)", flush=True)
     for line in kernel_table(kernels, args.calls, args.top):
         print(line, flush=True)
 

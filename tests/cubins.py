@@ -1,7 +1,8 @@
 """The CPU tests' compile of one kernel configuration to the cubin and PTX they read (SASS,
 resources), once a process; the mbarrier waits read from its SASS (`trywait_offsets`,
 `wait_pin`); the named barriers' sites (`barrier_sites`), the instructions the cubin lists
-as unaligned (`unaligned_offsets`) and the rule between them (`pin_unaligned_barriers`)."""
+as unaligned (`unaligned_offsets`) and the rule between them (`pin_unaligned_barriers`); the
+bar.syncs waited before each one (`waits_before`, racecheck's ordering)."""
 
 from __future__ import annotations
 
@@ -289,3 +290,32 @@ def pin_unaligned_barriers(
         if b.kind == "SYNC":
             assert (b.offset in unaligned) == (_barrier_id(b.barrier) in two_site), b
     return bars
+
+
+def waits_before(sass: str, indirect: dict[int, list[int]] | None = None) -> dict[int, set[int]]:
+    """Each BAR.SYNC of the listing (`barrier_sites`; bar 0's, every thread's, is not one): the
+    counts of BAR.SYNCs passed before it on the paths from the kernel's entry (a predicated one:
+    passed or not). racecheck orders one thread's shared-memory access after another thread's
+    only if the later thread has waited at more bar.syncs (a bar.arrive counts for nothing:
+    docs/attention/MLA_NOTES.md, "racecheck counts waits, not arrives"), so the warps that meet
+    at a barrier and hand data over there must have waited equally often before it: one count a
+    site. A BAR.SYNC on a cycle of the control flow: an error (not this helper's kernels).
+    `indirect`: `_successors`' (a listing with a BRX)."""
+    succ = _successors(sass, indirect)
+    syncs = {b.offset: b.predicate for b in barrier_sites(sass) if b.kind == "SYNC"}
+    first = int(_SITE.match(next(x for x in sass.splitlines() if _SITE.match(x)))[1], 16)
+    out: dict[int, set[int]] = {o: set() for o in syncs}
+    seen, todo = set(), [(first, 0)]
+    while todo:
+        offset, n = todo.pop()
+        if (offset, n) in seen:
+            continue
+        if n > len(syncs):
+            raise ValueError(f"a BAR.SYNC on a cycle (+{offset:#x} after {n} waits)")
+        seen.add((offset, n))
+        after = [n]
+        if offset in syncs:
+            out[offset].add(n)
+            after = [n, n + 1] if syncs[offset] else [n + 1]
+        todo.extend((s, m) for s in succ[offset] for m in after)
+    return out

@@ -329,7 +329,7 @@ def test_sweep_launches_waves_of_sorted_rows(monkeypatch, heads, sms, by):
     """The sweep (the fused kernel at H 64 / 128 / 192, v1 at H 16 / 32): the index rows sorted
     by slot (every row's entries, -1 and past-the-cache ones included, ascending), the tokens in
     launches of one wave (sms // CTAs a token, at least 1) on row slices; the default sweeps
-    exactly where the cache's rows and dkv rows exceed twice the L2 (lowered here around the
+    exactly where the cache's rows and dkv rows exceed the L2 (lowered here around the
     problem's size) and a wave visits a row at least SWEEP_MIN_VISITS times (set around the
     problem's); the fp64 reference's gradients."""
     calls = _fake_kernels(monkeypatch)
@@ -345,8 +345,8 @@ def test_sweep_launches_waves_of_sorted_rows(monkeypatch, heads, sms, by):
     assert step == config.sweep_tokens(sms, ctas)
     if by == "default":
         visits = step * topk / slots  # a row's visits a wave
-        half = slots * config.SWEEP_ROW_BYTES // 2
-        for l2, least in ((half, visits), (half - 1, visits + 0.01)):  # not far; too few visits
+        full = slots * config.SWEEP_ROW_BYTES
+        for l2, least in ((full, visits), (full - 1, visits + 0.01)):  # not far; too few visits
             monkeypatch.setattr(config, "SWEEP_L2_BYTES", l2)
             monkeypatch.setattr(config, "SWEEP_MIN_VISITS", least)
             assert not launch.sweeps_by_default(slots, topk, ctas, None)
@@ -366,18 +366,20 @@ def test_sweep_launches_waves_of_sorted_rows(monkeypatch, heads, sms, by):
 
 
 def test_sweeps_by_default_at_the_suite_shapes(monkeypatch):
-    """On 132 SMs (H100 SXM / H200) the default sweeps t8192-h16-kv32768, t32768-h16-kv65536 and
-    t8192-h128-kv65536 (a row visited 8.3 / 4.1 / 2.1 times a wave), not t4096-h64-kv16384 (the
-    cache 1.1x the L2), t16384-h64-kv65536-k512 (1.03 visits) or anything at kv 8192; on 114
-    (H100 PCIe) t8192-h128-kv65536 still (1.8 visits)."""
+    """On 132 SMs (H100 SXM / H200) the default sweeps every suite case over the L2:
+    t8192-h16-kv32768, t32768-h16-kv65536, t8192-h128-kv65536 (a row visited 8.3 / 4.1 / 2.1
+    times a wave), t4096-h64-kv16384 (the cache 1.1x the L2, 16.5 visits) and
+    t16384-h64-kv65536-k512 (1.03 visits); nothing at kv 8192 (under the L2); on 114 (H100
+    PCIe) t8192-h128-kv65536 still (1.8 visits), not t16384-h64-kv65536-k512 (0.89)."""
     monkeypatch.setattr(launch, "num_sms", lambda index: 132)
     shapes = {(16, 32768, 2048): True, (16, 65536, 2048): True, (128, 65536, 2048): True,
-              (64, 16384, 2048): False, (64, 65536, 512): False, (16, 8192, 2048): False,
+              (64, 16384, 2048): True, (64, 65536, 512): True, (16, 8192, 2048): False,
               (128, 8192, 2048): False}  # fmt: skip
     for (heads, slots, topk), want in shapes.items():
         assert launch.sweeps_by_default(slots, topk, launch.ctas_per_token(heads), 0) is want
     monkeypatch.setattr(launch, "num_sms", lambda index: 114)
     assert launch.sweeps_by_default(65536, 2048, 2, 0)
+    assert not launch.sweeps_by_default(65536, 512, 1, 0)
 
 
 @pytest.mark.parametrize("by", ["cap", "ws"])

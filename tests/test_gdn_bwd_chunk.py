@@ -4,13 +4,16 @@ dG finish `kernel_dg`; the kernel's 16-bit operands rounded as it rounds them) e
 reference/delta_rule_bwd.py's pass 3 (`_output_grads`, and with the WY variant `_wy_grads`;
 dG after its reverse cumsum) exactly in fp64 and within tolerance with bf16 / fp16 tiles, on
 awkward T; the launcher's torch-only checks. The op with both kernels emulated:
-tests/test_gdn_bwd_kernel_path.py; the GPU twin: tests/gpu/test_gdn_bwd_chunk_gpu.py."""
+tests/test_gdn_bwd_kernel_path.py; the GPU twin: tests/gpu/test_gdn_bwd_chunk_gpu.py. And the
+varlen-native plan's premise (next/varlen-native-plan): a tail chunk's rows past its sequence,
+finite, change no valid row under masks keyed on the chunk's valid length."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from rows_past_valid import past_valid
 
 from forgekernel.reference.delta_rule_bwd import _output_grads, _wy_grads
 from forgekernel.reference.gdn_bwd_chunk import (
@@ -20,7 +23,7 @@ from forgekernel.reference.gdn_bwd_chunk import (
     wy_grads_model,
     wy_tiles,
 )
-from forgekernel.reference.gdn_bwd_state import chunk_factors, to_chunks, to_tokens
+from forgekernel.reference.gdn_bwd_state import CHUNK, chunk_factors, to_chunks, to_tokens
 
 
 def problem(b, t, hv, dk=16, dv=8, seed=0, dtype=torch.float64):
@@ -174,3 +177,73 @@ def test_launcher_checks():
         check_wy_inputs(x16, x16, tt, x16.half(), x16, x16, big_g)
     with pytest.raises(ValueError):
         check_wy_inputs(x16, x16, tt, x16, x16, x16, big_g.bfloat16())
+
+
+def test_token_rows_checks():
+    """The `token_rows` key's tables and tokens (`check_tables`, `empty_wy_outputs`): together,
+    B = 1, int32 (NC,); the outputs at the tokens' count; the key flag with wy only."""
+    from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90 import config
+    from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.launch import (
+        check_tables,
+        empty_wy_outputs,
+    )
+
+    tab = torch.zeros(3, dtype=torch.int32)
+    check_tables(None, None, 2, 130)
+    check_tables((tab, tab), 100, 1, 130)  # NC = 3
+    with pytest.raises(ValueError, match="together"):
+        check_tables((tab, tab), None, 1, 130)
+    with pytest.raises(ValueError, match="B = 1"):
+        check_tables((tab, tab), 100, 2, 130)
+    with pytest.raises(ValueError, match="int32"):
+        check_tables((tab, tab[:2]), 100, 1, 130)
+    with pytest.raises(ValueError, match="int32"):
+        check_tables((tab.long(), tab), 100, 1, 130)
+    x16 = torch.zeros(1, 192, 3, 128, dtype=torch.bfloat16)
+    shapes = [tuple(x.shape) for x in empty_wy_outputs(x16, 128, True, True, tokens=100)]
+    assert shapes == [(1, 100, 3, 128), (1, 100, 3, 128), (1, 100, 3), (1, 100, 3, 128),
+                      (1, 100, 3)]  # fmt: skip
+    assert dict(config.params_for("bfloat16", wy=True, token_rows=True))["token_rows"]
+    with pytest.raises(ValueError, match="token_rows needs wy"):
+        config.params_for("bfloat16", token_rows=True)
+
+
+def _one_chunk_past_valid(valid, fill):
+    """Kernel 2's model (WY variant, fp64) on ONE chunk whose token tiles (dO, q, k, v) hold
+    `valid` rows of a problem and 64 - valid rows of `fill` past them (`past_valid`: zeros, the
+    slot layout; finite noise, a tail chunk's box reading the next sequence; NaN), the masks
+    keyed on `valid` (G and beta `valid` rows long), the intermediates as kernels 0 / 1 leave
+    them past valid (U, dU, W, u zero; T^T identity rows) and dG's rows stashed zero past valid
+    (`_stash_rows`) -> its valid rows of (dq, dk, dG, dv, dbeta)."""
+    f, do, _, h, dh, big_u, d_u, qs, ks, g, v, beta = problem(1, valid, 3, seed=valid)
+    tiles = [x.double() for x in chunk_grad_tiles(qs, ks, do, big_u, d_u, h, dh, g, torch.float32)]
+    do_t, u_t, du_t, q_t, k_t, h_t, dh_t, big_g = tiles
+    tt, w, uw, v_t, beta_t = (x.double() for x in wy_tiles(f, v, beta, torch.float32))
+    gen = torch.Generator().manual_seed(99)
+    do_e, q_e, k_e, v_e = (past_valid(x, fill, gen) for x in (do_t, q_t, k_t, v_t))
+    u_e, du_e, w_e, uw_e = (past_valid(x, None, gen) for x in (u_t, du_t, w, uw))
+    eye = torch.eye(CHUNK, dtype=tt.dtype)[valid:].unsqueeze(0).unsqueeze(2)
+    tt_e = torch.cat([tt, eye.expand(1, CHUNK - valid, tt.shape[2], CHUNK)], 1)
+    out = chunk_grads_model(do_e, u_e, du_e, q_e, k_e, h_t, dh_t, big_g)
+    dq, dk, dg, te, dv, dbeta = wy_grads_model(out, du_e, k_e, h_t, big_g, tt_e, w_e, uw_e, v_e,
+                                               beta_t)  # fmt: skip
+    dg, te = dg.clone(), te.clone()
+    dg[:, valid:] = 0
+    te[:, valid:] = 0
+    big_dg = kernel_dg(dg, te, h_t, dh_t, big_g)
+    return [x[:, :valid] for x in (dq, dk, big_dg, dv, dbeta)]
+
+
+@pytest.mark.parametrize("valid", [1, 37, 63])
+def test_rows_past_valid_change_no_valid_row(valid):
+    """The varlen-native plan's claim for kernel 2 (NOTES "next/varlen-native-plan" section 2,
+    GDN kernel 2: masks from the table's `valid`, no new mask): the next sequence's rows in a
+    tail chunk's token tiles (finite) leave every valid row's gradient bit for bit the
+    zero-padded chunk's; NaN there does reach dq, dk, dG, dbeta (the finite premise the forward
+    makes too: isolation would need the rows zeroed in shared memory)."""
+    want = _one_chunk_past_valid(valid, None)
+    got = _one_chunk_past_valid(valid, 1e4)
+    for name, x, y in zip(("dq", "dk", "dg", "dv", "dbeta"), got, want):
+        assert torch.equal(x, y), name
+    poisoned = _one_chunk_past_valid(valid, float("nan"))
+    assert [bool(x.isnan().any()) for x in poisoned] == [True, True, True, False, True]

@@ -65,11 +65,13 @@ class Built(NamedTuple):
 def compiled():
     cache = {}
 
-    def get(dtype, wy, grouped=False, dv16=False, dqk16=False, fsplit=False):
+    def get(dtype, wy, grouped=False, dv16=False, dqk16=False, fsplit=False, token_rows=False):
         key = (dtype, wy, grouped, dv16, dqk16) + ((True,) if fsplit else ())
+        key += ("token_rows",) if token_rows else ()
         if key not in cache:
             params = dict(config.params_for(dtype, wy=wy, grouped=grouped, dv16=dv16,
-                                            dqk16=dqk16, fsplit=fsplit))  # fmt: skip
+                                            dqk16=dqk16, fsplit=fsplit,
+                                            token_rows=token_rows))  # fmt: skip
             kernel = kernel_for(params)
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_gdn_bwd_chunk(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
@@ -286,6 +288,32 @@ def test_fsplit_resources(compiled, dtype):
         + ["0x2, 0x100"] * 4
     )  # fmt: skip
     # setmaxnreg in force: 24 (the producer), 256 (the WY warpgroup), 224 (the output one)
+    regions = _max_register_by_region(instrs)
+    assert regions["256"] < 256 and regions["224"] < 224 and regions["24"] < 24
+
+
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
+def test_token_rows_resources(compiled, dtype):
+    """`token_rows` on the fsplit key (the candidate behind ops/_linattn_varlen.py
+    NATIVE_STORES; NOTES "next/varlen-stores"): the outputs at the per-slot tables' token rows
+    cost ten global loads (two table entries at each of the five store groups: dq, dv, dk,
+    dbeta, dG's finish) and nothing else: 168 registers launched, setmaxnreg regions within
+    their caps (the WY warpgroup's R0-R250, the output one's R0-R153 on 2026-12-06), nothing
+    spilled, the same shared memory, products, TMA loads, stores, barriers, shuffles and
+    exponentials as the fsplit key. (The 256-thread dqk16 key with `token_rows` spills 16
+    bytes: no such candidate, and the op takes the native stores with FSPLIT only.)"""
+    res, instrs, smem = compiled(dtype, True, False, True, True, True, True)[:3]
+    base_res, base_instrs = compiled(dtype, True, False, True, True, True)[:2]
+    assert res["registers"] == base_res["registers"] == 168
+    assert res["spill_bytes"] == 0
+    assert not [op for op, _ in instrs if op.startswith(("LDL", "STL"))]
+    assert smem == SMEM[True]
+    ops, base_ops = [op for op, _ in instrs], [op for op, _ in base_instrs]
+    for prefix in ("HGMMA", "UTMALDG", "STSM", "STG", "STS", "LDS", "BAR", "SHFL", "MUFU",
+                   "USETMAXREG"):  # fmt: skip
+        got = sorted(op for op in ops if op.startswith(prefix))
+        assert got == sorted(op for op in base_ops if op.startswith(prefix)), prefix
+    assert ops.count("LDG.E") == base_ops.count("LDG.E") + 10
     regions = _max_register_by_region(instrs)
     assert regions["256"] < 256 and regions["224"] < 224 and regions["24"] < 24
 

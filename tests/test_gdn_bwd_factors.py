@@ -2,7 +2,8 @@
 the CPU: its tile emulation (`reference.gdn_bwd_factors.factors_model`) against the torch
 factors it replaces (`_Factors` through `factor_tiles`) in fp64 unrounded, and within the GPU
 tolerance with the kernel's 16-bit operands and outputs (and the forward's tf32 blocked
-inverse, replayed); the layouts kernel 1 and kernel 2 read; the launcher's checks."""
+inverse, replayed); the layouts kernel 1 and kernel 2 read; the launcher's checks; which outputs
+a tail chunk's rows past its sequence reach (next/varlen-native-plan's mask list)."""
 
 from __future__ import annotations
 
@@ -145,3 +146,37 @@ def test_launcher_checks():
         check_inputs(q, k, v, g, beta.double())
     with pytest.raises(ValueError, match="K, V"):
         check_inputs(q[..., :64], k[..., :64], v, g, beta)
+
+
+@pytest.mark.parametrize("valid", [0, 1, 37, 63])
+def test_rows_past_valid_reach_only_pt_ke_qe(valid):
+    """The mask list of the varlen-native plan's kernel 0 (NOTES "next/varlen-native-plan"
+    section 2, GDN kernel 0): a chunk whose TMA box reads the next sequence's rows past `valid`
+    (finite garbage, here 1e4-scale; the gate warp's g = beta = 0 there) gives bit for bit the
+    zero-padded chunk's W, u, T^T, e^(G_C) and G; only P^T (P's rows past valid), Ke and Qe
+    (their rows past valid) differ, and equal it once those are zeroed."""
+    b, t, h, hv = 1, CHUNK, 2, 4
+    q, k, v, g, beta = problem(b, t, h, hv, dk=128, dv=128, seed=3, dtype=torch.float32)
+    g, beta = g.clone(), beta.clone()
+    g[:, valid:] = 0
+    beta[:, valid:] = 0
+    gen = torch.Generator().manual_seed(4)
+    padded, garbage = [], []
+    for x in (q, k, v):
+        z, y = x.clone(), x.clone()
+        z[:, valid:] = 0
+        y[:, valid:] = 1e4 * torch.randn(y[:, valid:].shape, generator=gen, dtype=y.dtype)
+        padded.append(z)
+        garbage.append(y)
+    want = factors_model(*padded, g, beta, torch.float32)
+    got = factors_model(*garbage, g, beta, torch.float32)
+    for name in NAMES:
+        if name not in ("pt", "ke", "qe"):
+            assert torch.equal(got[name], want[name]), name
+    masked = {n: got[n].clone() for n in ("pt", "ke", "qe")}
+    masked["pt"][..., valid:] = 0  # row j of pt is column j of P
+    masked["ke"][:, valid:] = 0
+    masked["qe"][:, valid:] = 0
+    for name, x in masked.items():
+        assert torch.equal(x, want[name]), name
+        assert valid == CHUNK or not torch.equal(got[name], want[name]), name

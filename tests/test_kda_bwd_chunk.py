@@ -4,14 +4,17 @@ blocks, the kernel's on-chip 16-bit operands rounded as it rounds them) equals
 reference/kda_bwd.py's `_output_grads` (dG after its reverse cumsum within the chunk) in fp64 and
 within tolerance with bf16 / fp16 tiles, on awkward T and strong decay; the launcher's torch-only
 checks. The op with the kernels emulated: tests/test_kda_bwd_kernel_path.py; the GPU twin:
-tests/gpu/test_kda_bwd_chunk_gpu.py."""
+tests/gpu/test_kda_bwd_chunk_gpu.py. And the varlen-native plan's premise: a tail chunk's rows
+past its sequence, finite, change no valid row under masks keyed on the chunk's valid length."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from rows_past_valid import past_valid
 
+from forgekernel.reference import kda_bwd_chunk
 from forgekernel.reference.gdn_bwd_state import chunk_factors, to_chunks, to_tokens
 from forgekernel.reference.kda_bwd import _Factors, _output_grads
 from forgekernel.reference.kda_bwd_chunk import chunk_grad_tiles, chunk_grads_model
@@ -140,3 +143,69 @@ def test_launcher_dw16_and_out_checks(monkeypatch):
     with pytest.raises(ValueError, match="4 tensors"):
         launch.kda_bwd_chunk(*tiles, out=launch.empty_outputs(tiles[0], 128)[:3])
     assert len(keys) == n
+
+
+def test_launcher_token_rows(monkeypatch):
+    """`tables`, `tokens` (the varlen slot layout, NATIVE_STORES): the `token_rows` key, dq, dk,
+    dg at `tokens` rows and dw at the slots' (`empty_outputs`, `check_outputs`), the tables
+    passed after the outputs; the WY launcher likewise (dk, dv, dg, dbeta and dk16's final dk
+    at `tokens` rows); tables without tokens, or B > 1, raise before any launch."""
+    from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90 import launch
+    from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90 import launch as wy
+
+    keys, args = [], []
+
+    def kernel(spec, key):
+        keys.append(dict(key))
+        return lambda *a: args.append(a)
+
+    monkeypatch.setattr(launch, "get_kernel", kernel)
+    monkeypatch.setattr(wy, "get_kernel", kernel)
+    tiles = _launcher_tiles(t=130)  # NC = 3
+    tab = (torch.zeros(3, dtype=torch.int32), torch.zeros(3, dtype=torch.int32))
+    outs = launch.kda_bwd_chunk(*tiles, dw16=True, tables=tab, tokens=100)
+    assert [tuple(x.shape)[1] for x in outs] == [100, 100, 130, 100]
+    assert keys[-1].get("token_rows") is True
+    assert args[-1][-3] is tab[0] and args[-1][-2] is tab[1]
+    launch.kda_bwd_chunk(*tiles, dw16=True)
+    assert "token_rows" not in keys[-1] and args[-1][-3] is None and args[-1][-2] is None
+    n = len(keys)
+    with pytest.raises(ValueError, match="together"):
+        launch.kda_bwd_chunk(*tiles, tables=tab)
+    with pytest.raises(ValueError, match="out's dq must be"):
+        launch.kda_bwd_chunk(*tiles, tables=tab, tokens=100,
+                             out=launch.empty_outputs(tiles[0], 128))  # fmt: skip
+    assert len(keys) == n
+    t16 = torch.zeros(1, 130, 2, 128, dtype=torch.bfloat16)
+    wy_in = (t16, t16, torch.zeros(1, 130, 2, 64, dtype=torch.bfloat16), t16, t16, t16, t16,
+             torch.zeros(1, 130, 2), torch.zeros(1, 130, 2, 128))  # fmt: skip
+    got = wy.kda_bwd_wy(*wy_in, dv16=True, dk16=True, tables=tab, tokens=100)
+    assert [tuple(x.shape)[1] for x in got] == [100, 100, 100, 100]
+    assert keys[-1].get("token_rows") is True
+    assert args[-1][-2] is tab[0] and args[-1][-1] is tab[1]
+
+
+@pytest.mark.parametrize("valid", [1, 37, 63])
+def test_rows_past_valid_change_no_valid_row(valid, monkeypatch):
+    """The varlen-native plan's claim for KDA kernel 2 (NOTES "next/varlen-native-plan" section
+    2): one chunk whose dO, q, k tiles hold the next sequence's rows past `valid` (finite), U,
+    dU zero there (kernel 1), G zero there (the token-major first pass), the model's masks
+    keyed on `valid` (`sub_chunk_decays`: rows, references, G_C): every valid row of dq, dk,
+    dw, dG bit for bit the zero-padded chunk's; NaN there reaches dq, dk, dG (the finite
+    premise)."""
+    keyed = kda_bwd_chunk.sub_chunk_decays
+    monkeypatch.setattr(kda_bwd_chunk, "sub_chunk_decays", lambda gc, t: keyed(gc, valid))
+    f, do, h, dh, big_u, d_u, qs, ks, g = problem(1, valid, 3, seed=valid)
+    tiles = [x.double() for x in chunk_grad_tiles(qs, ks, do, big_u, d_u, h, dh, g, torch.float32)]
+    do_t, u_t, du_t, q_t, k_t, h_t, dh_t, big_g = tiles
+
+    def run(fill):
+        gen = torch.Generator().manual_seed(5)
+        do_e, q_e, k_e = (past_valid(x, fill, gen) for x in (do_t, q_t, k_t))
+        u_e, du_e, g_e = (past_valid(x, None, gen) for x in (u_t, du_t, big_g))
+        out = chunk_grads_model(do_e, u_e, du_e, q_e, k_e, h_t, dh_t, g_e)
+        return [x[:, :valid] for x in out]
+
+    for name, x, y in zip(NAMES, run(1e4), run(None)):
+        assert torch.equal(x, y), name
+    assert [bool(x.isnan().any()) for x in run(float("nan"))] == [True, True, False, True]

@@ -5,14 +5,16 @@ kernel rounds them) equals reference/kda_bwd.py's `_wy_grads` (dG after its reve
 within the chunk) in fp64 (1e-10) and fp32, and within tolerance with bf16 / fp16 tiles, on
 awkward T, grouped heads and strong decay; the launcher's torch-only checks. The op with the
 kernel emulated: tests/test_kda_bwd_kernel_path.py; the GPU twin:
-tests/gpu/test_kda_bwd_wy_gpu.py."""
+tests/gpu/test_kda_bwd_wy_gpu.py. And the varlen-native plan's premise, as kernel 2's."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from rows_past_valid import past_valid
 
+from forgekernel.reference import kda_bwd_wy
 from forgekernel.reference.gdn_bwd_state import chunk_factors, to_chunks, to_tokens
 from forgekernel.reference.kda_bwd import _Factors, _wy_grads
 from forgekernel.reference.kda_bwd_chunk import cumulative_decay
@@ -192,7 +194,8 @@ def test_launcher_checks_out(monkeypatch):
             launch.kda_bwd_wy(*tiles, out=tuple(shifted))
     assert launched == []
     launch.kda_bwd_wy(*tiles, out=launch.empty_outputs(tiles[0], 128))
-    assert launched == [14]  # 7 tiles, beta, G, 4 outputs, the final dk (dk itself without dk16)
+    # 7 tiles, beta, G, 4 outputs, the final dk (dk itself without dk16), the tables (None)
+    assert launched == [16]
 
 
 def test_launcher_accumulates_into_dk_and_dg(monkeypatch):
@@ -202,8 +205,8 @@ def test_launcher_accumulates_into_dk_and_dg(monkeypatch):
     from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90 import launch
 
     seen = []
-    # the kernel's last argument: the final dk (dk itself without dk16)
-    monkeypatch.setattr(launch, "get_kernel", lambda *a: lambda *b: seen.append(b[-5:-1]))
+    # the kernel's outputs: (dk, dv, dg, dbeta) before the final dk and the two tables (None)
+    monkeypatch.setattr(launch, "get_kernel", lambda *a: lambda *b: seen.append(b[-7:-3]))
     tiles = _tiles()
     dk, dv, dg, dbeta = launch.empty_outputs(tiles[0], 128)
     assert not dk.any() and not dg.any()
@@ -235,3 +238,31 @@ def test_launcher_dv16(monkeypatch):
     with pytest.raises(ValueError, match="out's dv must be contiguous float32"):
         launch.kda_bwd_wy(*tiles, out=launch.empty_outputs(tiles[0], 128, dv16=True))
     assert len(keys) == n
+
+
+@pytest.mark.parametrize("valid", [1, 37, 63])
+def test_rows_past_valid_change_no_valid_row(valid, monkeypatch):
+    """The varlen-native plan's claim for the WY kernel (NOTES "next/varlen-native-plan"
+    section 2): one chunk whose k, v tiles hold the next sequence's rows past `valid` (finite),
+    dw, dU zero there (kernel 2 writes dw's 64 rows, kernel 1 dU's), T^T, W, u, G zero there
+    (the token-major first pass), beta `valid` rows, the model's masks keyed on `valid`: every
+    valid row of dk, dv, dG, dbeta bit for bit the zero-padded chunk's; NaN there reaches dk,
+    dG, dbeta (the finite premise)."""
+    keyed = kda_bwd_wy.sub_chunk_decays
+    monkeypatch.setattr(kda_bwd_wy, "sub_chunk_decays", lambda gc, t: keyed(gc, valid))
+    f, dw, d_u, g = problem(1, valid, 3, seed=valid)
+    big_g = cumulative_decay(g, f.w.shape[1])
+    tiles = [x.double() for x in wy_tiles(f, dw, d_u, big_g, torch.float32)]
+    dw_t, du_t, tt, w, k, u, v, beta, g_t = tiles
+
+    def run(fill):
+        gen = torch.Generator().manual_seed(5)
+        k_e, v_e = (past_valid(x, fill, gen) for x in (k, v))
+        dw_e, du_e, tt_e, w_e, u_e, g_e = (past_valid(x, None, gen)
+                                           for x in (dw_t, du_t, tt, w, u, g_t))  # fmt: skip
+        out = wy_grads_model(dw_e, du_e, tt_e, w_e, k_e, u_e, v_e, beta, g_e)
+        return [x[:, :valid] for x in out]
+
+    for name, x, y in zip(NAMES, run(1e4), run(None)):
+        assert torch.equal(x, y), name
+    assert [bool(x.isnan().any()) for x in run(float("nan"))] == [True, False, True, True]

@@ -17,7 +17,9 @@ kernel reads (reference/kda_bwd_wy.py `wy_tiles`' tt and G), on the CPU.
   scalar 16-bit column loads in place of P's 4 row loads (its 4 stores the same count); W and
   u's stage (next/kda-wu): 16 more cp.async, 20 more mma.sync in a rolled loop of 4, 4
   transposed ldmatrix, 48 LDS.64 and 16 8-byte stores (two branches of 8); the forward keys'
-  SASS pinned (tests/test_kda_prefill_compile.py `test_first_pass_forward_sass_pinned`)."""
+  SASS pinned (tests/test_kda_prefill_compile.py `test_first_pass_forward_sass_pinned`);
+- the varlen-native backward's premise (next/varlen-native-plan): the model on token-major
+  inputs equals the backward's packed slot run chunk by chunk on the valid rows."""
 
 from __future__ import annotations
 
@@ -285,3 +287,59 @@ def test_bwd_key_compiles(dtype):
     assert ops.count("HMMA.16816.F32.BF16") == 3 * 2 * 16 + 20  # L, P; W and u (a loop step)
     assert ops.count("LDSM.16.M88.4") == 3 * 3 * 8 and ops.count("LDSM.16.MT88.4") == 4
     assert ops.count("HMMA.1688.F32.TF32") == 7 * 4
+
+
+def test_token_major_chunks_are_the_packed_slots():
+    """The premise of the varlen-native backward's KDA step (NOTES "next/varlen-native-plan"
+    section 2, KDA first pass): a chunk's first-pass outputs depend on its own valid rows only,
+    so the model on the token-major inputs (dense chunks, `chunk_tables`) gives at chunk c of
+    sequence n what the backward's slot path gets from the PACKED inputs (ops/_linattn_varlen.py
+    `pack`, one sequence of S C tokens) at slot bos_n // 64 + n + c: every output bit for bit on
+    the chunk's valid rows, decay too. Past them the token-major run writes exact zeros; the
+    packed run zeros too but T^T's identity rows and G held at its last valid value (kernel 2
+    and the WY kernel in slot form read that row as G_C: the native form must mask by the
+    table's valid, as the batch path's T-tail). The packed run's other slots (the pad slots
+    kernel 1 walks) are zero tiles, T^T = I and decay 1: what a token-major call through a
+    per-slot table must put there (the first pass leaves a length-0 chunk unwritten)."""
+    from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import first_slot
+    from forgekernel.ops import _linattn_varlen as varlen
+
+    lens = [1, 0, 63, 64, 65, 130, 0]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    q, k, g, beta, v = (x[0] for x in _inputs(1, sum(lens), 2, 4, True, seed=7, with_v=True))
+    want = operands.kda_chunk_operands(q, k, g, beta, cu, 0.1, False, bwd=True, v=v)
+    slots = varlen.slot_layout(cu, sum(lens))
+    rows = C * slots.count
+    packed = [varlen.pack(x, slots) for x in (q, k, g, beta, v)]
+    one = torch.tensor([0, rows], dtype=torch.int32)
+    got = operands.kda_chunk_operands(*packed[:4], one, 0.1, False, seq_len=rows, bwd=True,
+                                      v=packed[4])  # fmt: skip
+    names = ("q_g", "k_g", "k_d", "t_beta", "pt", "tt", "big_g", "w", "u")
+    used = set()
+    for n, (a, z) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        for c in range(-(-(z - a) // C)):
+            gc, s = int(want["first"][n]) + c, first_slot(a, n) + c
+            used.add(s)
+            assert torch.equal(got["decay"][s], want["decay"][gc]), (n, c)
+            valid = min(C, z - a - C * c)
+            for name in names:
+                x, y = got[name][C * s : C * s + C], want[name][C * gc : C * gc + C]
+                assert torch.equal(x[:valid], y[:valid]), (n, c, name)
+                assert not y[valid:].any(), (n, c, name)
+                if name == "tt":  # T's identity rows
+                    eye = torch.eye(C, dtype=x.dtype).unsqueeze(1)[valid:]
+                    assert torch.equal(x[valid:], eye.expand_as(x[valid:]))
+                elif name == "big_g":  # G flat past the sequence (g = 0 there)
+                    assert torch.equal(x[valid:], x[valid - 1 : valid].expand_as(x[valid:]))
+                else:
+                    assert not x[valid:].any(), (n, c, name)
+    pad = sorted(set(range(slots.count)) - used)
+    assert len(pad) == slots.count - sum(-(-n // C) for n in lens) > 0
+    for s in pad:
+        assert bool((got["decay"][s] == 1).all())
+        tile = slice(C * s, C * s + C)
+        for name in names:
+            want_pad = torch.zeros_like(got[name][tile])
+            if name == "tt":
+                want_pad += torch.eye(C, dtype=want_pad.dtype).unsqueeze(1)
+            assert torch.equal(got[name][tile], want_pad), (s, name)

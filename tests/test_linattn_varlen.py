@@ -155,6 +155,61 @@ def test_slot_tables(lens):
     assert [owned[i] for i in order] == sorted(owned, reverse=True)
 
 
+@pytest.mark.parametrize("lens", LENGTHS)
+def test_per_slot_tables(lens):
+    """`slot_tables` (the KDA forward's `device_tables` over the owned slots, no host read):
+    every slot's first token and token count, int32 (S,); token i at slot s, row r of the
+    layout (`packed_rows`) is starts[s] + r with r < lengths[s], the lengths sum to T (every
+    token once), a slot no token fills has length 0. With `tables` the layout carries them,
+    without it None (the landed path builds none)."""
+    edges = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    cu = torch.tensor(edges, dtype=torch.int32)
+    t = edges[-1]
+    slots = varlen.slot_layout(cu, t, tables=True)
+    assert varlen.slot_layout(cu, t).starts is None
+    starts, lengths = slots.starts, slots.lengths
+    assert starts.dtype == lengths.dtype == torch.int32
+    assert starts.shape == lengths.shape == (slots.count,)
+    s, r = slots.rows // 64, slots.rows % 64
+    assert torch.equal(starts.long()[s] + r, torch.arange(t))
+    assert bool((r < lengths.long()[s]).all()) and int(lengths.sum()) == t
+    assert bool(((lengths >= 0) & (lengths <= 64)).all())
+    filled = torch.zeros(slots.count, dtype=torch.bool)
+    filled[s] = True
+    assert torch.equal(lengths > 0, filled)
+
+
+def test_run_in_slots_takes_token_rows_as_they_are(monkeypatch):
+    """`run_in_slots` with `stores` and NATIVE_STORES: `run` gets the tables and `out=` the
+    buffers; a gradient it returns at the T token rows is taken as it is (in its buffer, or
+    copied there), one in the slot layout unpacked as before; `stores` alone or the switch
+    alone change nothing (no tables, no out=)."""
+    lens = [5, 0, 130, 64, 1, 66]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    x, y, do = torch.randn(266, 3), torch.randn(266, 2), torch.randn(266, 3)
+    seen = []
+
+    def run(x, y, do, state, slots, out=None):
+        seen.append((slots.starts is not None, out is not None))
+        if out is None:
+            return x * 2, y + 1, state
+        gx = out[0] if out[0] is not None else x.new_empty(266, 3)
+        gx[...] = varlen.unpack(x, slots) * 2  # the caller's rows, written natively
+        return gx, y + 1, state  # y's in the slot layout: unpacked
+
+    state = torch.randn(len(lens), 4)
+    for native, stores in ((False, True), (True, False), (True, True)):
+        monkeypatch.setattr(varlen, "NATIVE_STORES", native)
+        seen.clear()
+        out = (torch.empty(266, 3), torch.empty(266, 2), torch.empty(len(lens), 4))
+        gx, gy, gs = varlen.run_in_slots(run, (x, y, do), (state,), cu, out, stores)
+        assert seen == [(native and stores,) * 2]
+        assert gx is out[0] and gy is out[1] and gs is out[2]
+        assert torch.equal(gx, x * 2) and torch.equal(gy, y + 1) and torch.equal(gs, state)
+    gx, gy, _ = varlen.run_in_slots(run, (x, y, do), (state,), cu, None, True)
+    assert torch.equal(gx, x * 2) and torch.equal(gy, y + 1)
+
+
 @pytest.mark.parametrize("lens", LENGTHS[:10])
 def test_pack_round_trip(lens):
     """`pack` puts every token at its row and zero everywhere else; `unpack` brings back the
@@ -262,76 +317,3 @@ def test_pack_unpack_as_words(lens):
         buf = torch.empty(t * packed[0].numel() + 1, dtype=x.dtype)[1:].view(t, *x.shape[1:])
         assert varlen.unpack(packed, slots, buf) is buf
         assert buf.view(torch.uint8).equal(x.contiguous().view(torch.uint8))
-
-
-def _either(monkeypatch, taken):
-    """A capture as `backward_varlen` sees one with EQUAL_IN_CAPTURE, no CUDA: a graph, and
-    each conditional body run here where its pred holds (`taken`: each pred's value)."""
-    monkeypatch.setattr(varlen, "EQUAL_IN_CAPTURE", True)
-    monkeypatch.setattr(varlen, "capturing", lambda t: True)
-    monkeypatch.setattr(varlen, "capture_graph", lambda: "graph")
-
-    def captured_if(graph, pred, body):
-        assert graph == "graph" and pred.dtype == torch.bool and pred.dim() == 0
-        taken.append(bool(pred))
-        if pred:
-            body()
-
-    monkeypatch.setattr(varlen, "captured_if", captured_if)
-
-
-def test_capture_runs_either_path(monkeypatch):
-    """Under a capture with EQUAL_IN_CAPTURE: both paths behind conditional nodes, the batch
-    one where cu_seqlens holds N lengths T / N at the replay, the slot layout where not, both
-    into one set of buffers (`empty()`'s where `out` has none); N not dividing T, the switch
-    off, or no torch graph: the slot layout alone."""
-    x = torch.randn(12, 2)
-    calls, taken, made = [], [], []
-
-    def run(x, do, state, n, out=None):
-        calls.append(("batch", n))
-        assert len(out) == 2 and all(o is not None for o in out)
-        return out[0].copy_(x), out[1].fill_(n)
-
-    def in_slots(x, do, state, slots):
-        calls.append(("slots", x.shape[0]))
-        return x * 2, torch.full((slots.cu_seqlens.shape[0] - 1, 1), -1.0)
-
-    def empty():
-        made.append(1)
-        return torch.empty(12, 2), torch.empty(3, 1)
-
-    _either(monkeypatch, taken)
-    equal = torch.tensor([0, 4, 8, 12], dtype=torch.int32)
-    gx, gs = varlen.backward_varlen(run, (x, x), (None,), equal, None, in_slots, empty)
-    assert (calls, taken, made) == ([("batch", 3)], [True, False], [1])
-    assert torch.equal(gx, x) and torch.equal(gs, torch.full((3, 1), 3.0))
-    calls.clear(), taken.clear()
-    given = torch.empty(12, 2)
-    unequal = torch.tensor([0, 1, 5, 12], dtype=torch.int32)
-    gx, gs = varlen.backward_varlen(run, (x, x), (None,), unequal, (given, None), in_slots,
-                                    empty)  # fmt: skip
-    assert (calls, taken) == ([("slots", 64 * (12 // 64 + 3))], [False, True])
-    assert gx is given and torch.equal(gx, x * 2) and torch.equal(gs, torch.full((3, 1), -1.0))
-    calls.clear(), taken.clear(), made.clear()
-    uneven = torch.tensor([0, 5, 11], dtype=torch.int32)  # 11 tokens, N = 2: never equal
-    varlen.backward_varlen(run, (x[:11], x[:11]), (None,), uneven, None, in_slots, empty)
-    assert (calls, taken, made) == ([("slots", 64 * (11 // 64 + 2))], [], [])
-    calls.clear()
-    monkeypatch.setattr(varlen, "EQUAL_IN_CAPTURE", False)
-    varlen.backward_varlen(run, (x, x), (None,), equal, None, in_slots, empty)
-    monkeypatch.setattr(varlen, "EQUAL_IN_CAPTURE", True)
-    monkeypatch.setattr(varlen, "capture_graph", lambda: None)
-    varlen.backward_varlen(run, (x, x), (None,), equal, None, in_slots, empty)
-    assert calls == [("slots", 64 * (12 // 64 + 3))] * 2 and taken == [] and made == []
-
-
-def test_captured_if_closes_its_node():
-    """`captured_if`: the body between the node's begin and end, the end also after a raise."""
-    seen = []
-    graph = SimpleNamespace(begin_capture_to_if_node=lambda p: seen.append(("begin", p)),
-                            end_capture_to_conditional_node=lambda: seen.append("end"))  # fmt: skip
-    varlen.captured_if(graph, "p", lambda: seen.append("body"))
-    with pytest.raises(ZeroDivisionError):
-        varlen.captured_if(graph, "q", lambda: 1 / 0)
-    assert seen == [("begin", "p"), "body", "end", ("begin", "q"), "end"]

@@ -407,13 +407,13 @@ def test_set_parses_and_applies_a_module_switch(monkeypatch, capsys):
     import forgekernel.ops.kda_bwd as kda
 
     target = fp8.TARGET
-    args = ps.parse_args(target, ["--set", "forgekernel.ops.kda_bwd.CHUNK_2WG=True"])
-    assert args.set == [("forgekernel.ops.kda_bwd", "CHUNK_2WG", True)]
-    monkeypatch.setattr(kda, "CHUNK_2WG", False)
+    args = ps.parse_args(target, ["--set", "forgekernel.ops.kda_bwd.FINAL_QK=True"])
+    assert args.set == [("forgekernel.ops.kda_bwd", "FINAL_QK", True)]
+    monkeypatch.setattr(kda, "FINAL_QK", False)
     ps.apply_settings(args.set)
-    assert kda.CHUNK_2WG is True
-    assert "set forgekernel.ops.kda_bwd.CHUNK_2WG = True" in capsys.readouterr().out
-    for bad in ("CHUNK_2WG=True", "forgekernel.ops.kda_bwd.CHUNK_2WG", "a.b=not literal"):
+    assert kda.FINAL_QK is True
+    assert "set forgekernel.ops.kda_bwd.FINAL_QK = True" in capsys.readouterr().out
+    for bad in ("FINAL_QK=True", "forgekernel.ops.kda_bwd.FINAL_QK", "a.b=not literal"):
         with pytest.raises(SystemExit):
             ps.parse_args(target, ["--set", bad])
     with pytest.raises(SystemExit, match="has no"):

@@ -14,9 +14,9 @@ batch keys and code) with kernel 1, the state recurrences, in its `varlen` form 
 (value head, sequence) walking the slots it owns, longest first: `longest_first`), and the
 token gradients are gathered back (`unpack`; both copy the rows as the widest integer words
 they split into, `word`). Every table is made on the device from cu_seqlens: no host read, so
-a CUDA-graph capture takes this path whatever the lengths; with EQUAL_IN_CAPTURE the capture
-records the batch path beside it, each behind a conditional node, and a replay at N equal
-lengths runs the batch path (`run_either`).
+a CUDA-graph capture takes this path whatever the lengths, equal ones included (their batch path
+behind CUDA conditional nodes gained nothing on the H100: docs/linear_attention/NOTES.md
+"next/capture-drop").
 
 Eager calls read the offsets on the host once (`backward_varlen`): equal lengths stay the batch
 path (a reshape, no copy; the same kernels and code as a call without cu_seqlens), no token
@@ -34,6 +34,7 @@ from typing import NamedTuple
 import torch
 
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import first_slot, t_slots
+from forgekernel.kernels.linear_attention.kda_prefill.sm90.launch import device_tables
 from forgekernel.ops._dispatch import capturing
 
 CHUNK = 64  # the kernels' chunk (tokens)
@@ -123,6 +124,14 @@ def run_in_buckets(
     return (*grads, d_state)
 
 
+# docs/linear_attention/NOTES.md "next/varlen-stores" (its device A/B: "integration45 measured").
+# True: an op whose slot-layout run can write its token gradients at their token rows
+# (`run_in_slots`' `stores`: GDN's, kernel 2's `token_rows` key) gets the per-slot tables
+# (`Slots.starts`, `lengths`) and the callers' out buffers, and only what it returns in the slot
+# layout is unpacked. False: every token gradient unpacked (the path before).
+NATIVE_STORES = True
+
+
 class Slots(NamedTuple):
     """The slot layout of one varlen call (module docstring), all on the device."""
 
@@ -131,6 +140,10 @@ class Slots(NamedTuple):
     rows: torch.Tensor  # int64 (T,): token i's row in the layout
     pad: torch.Tensor  # int64 (C S - T,): the rows no token fills
     count: int  # S = T // C + N slots (from the shapes alone)
+    # `slot_tables` (NATIVE_STORES' runs only, else None): int32 (S,) each slot's first token and
+    # its tokens (0 on a slot no token fills)
+    starts: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
 
 
 def packed_rows(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -170,12 +183,27 @@ def longest_first(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return torch.argsort(owned_slots(cu_seqlens), descending=True, stable=True).to(torch.int32)
 
 
-def slot_layout(cu_seqlens: torch.Tensor, tokens: int) -> Slots:
-    """The layout of `tokens` tokens behind cu_seqlens (N + 1,): no host read."""
+def slot_tables(cu_seqlens: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(starts, lengths) int32 (S,) of the slot layout (S = `count`): slot s of sequence n (s -
+    first_slot(bos_n, n) = c) starts at token bos_n + C c and holds min(eos_n - that, C) tokens,
+    0 past them. The KDA forward's chunk tables (kda_prefill launch.py `device_tables`) over
+    each sequence's owned slots instead of ceil(len / C) chunks: the exclusive sum of
+    `owned_slots` is first_slot(bos_n, n) (their sum is S: the slots partition). No host read.
+    Token i at slot s, row r: packed row C s + r (`packed_rows`), i = starts[s] + r."""
+    cu = cu_seqlens.to(torch.int32).contiguous()
+    _, starts, lengths = device_tables(cu, count, owned_slots(cu).to(torch.int32))
+    return starts, lengths
+
+
+def slot_layout(cu_seqlens: torch.Tensor, tokens: int, tables: bool = False) -> Slots:
+    """The layout of `tokens` tokens behind cu_seqlens (N + 1,): no host read; `tables`: with
+    the per-slot tables (`slot_tables`)."""
     cu = cu_seqlens.to(torch.int32).contiguous()
     n = cu.shape[0] - 1
-    return Slots(cu, longest_first(cu), packed_rows(cu, tokens), pad_rows(cu, tokens),
-                 t_slots(tokens, n))  # fmt: skip
+    count = t_slots(tokens, n)
+    starts, lengths = slot_tables(cu, count) if tables else (None, None)
+    return Slots(cu, longest_first(cu), packed_rows(cu, tokens), pad_rows(cu, tokens), count,
+                 starts, lengths)  # fmt: skip
 
 
 # The integer words `pack` / `unpack` copy a row in, widest first: torch's index kernels move one
@@ -233,12 +261,20 @@ def unpack(x: torch.Tensor, slots: Slots, out: torch.Tensor | None = None) -> to
     return out
 
 
+def into(out: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """x, copied into `out` where given and not already there."""
+    if out is None or (x.data_ptr() == out.data_ptr() and x.stride() == out.stride()):
+        return x if out is None else out
+    return out.copy_(x)
+
+
 def run_in_slots(
     run: Callable[..., Grads],
     tokens: Sequence[torch.Tensor],
     states: Sequence[torch.Tensor | None],
     cu_seqlens: torch.Tensor,
     out: Sequence[torch.Tensor | None] | None = None,
+    stores: bool = False,
 ) -> Grads:
     """`run(*packed_tokens, *states, slots)` once on the slot layout (module docstring):
     `tokens` the flat (T, ...) inputs (their gradients, in the same order, are `run`'s first
@@ -246,68 +282,19 @@ def run_in_slots(
     `run` returns the token gradients (S C, ...) in the slot layout and the state gradient (N,
     ...); returned: the token gradients gathered back to the callers' rows and the state
     gradient, into `out` (the flat token gradients' buffers and the state's, each may be None)
-    where given."""
-    slots = slot_layout(cu_seqlens, tokens[0].shape[0])
-    res = run(*(pack(x, slots) for x in tokens), *states, slots)
+    where given. `stores` (with NATIVE_STORES): `run` can write token gradients at their token
+    rows: it gets `slots` with the per-slot tables and `out=` the buffers, and a gradient it
+    returns with T rows (never S C: S C > T) is taken as it is (in its buffer), only the
+    others unpacked."""
+    t = tokens[0].shape[0]
+    native = stores and NATIVE_STORES
+    slots = slot_layout(cu_seqlens, t, tables=native)
     given = list(out) if out is not None else [None] * len(tokens)
-    grads = [unpack(g, slots, o) for g, o in zip(res[:-1], given)]
-    d_state = res[-1] if given[-1] is None else given[-1].copy_(res[-1])
-    return (*grads, d_state)
-
-
-# Under a CUDA-graph capture equal lengths take the batch path too, chosen on the device: the
-# capture records both paths, each in a conditional node (CUDA 12.4+, torch's
-# `CUDAGraph.begin_capture_to_if_node`), the batch one run at a replay where cu_seqlens holds N
-# lengths T / N, the slot layout where not, both into the same gradient buffers (`run_either`):
-# the slot layout's pack / unpack (~2.7 GB at GDN 4 x 8192 hv32, ~1.1 ms as words) only for
-# unequal lengths. TEMPORARY switch, off until the device check (NOTES "Varlen slots at equal
-# lengths"): False, every capture in the slot layout.
-EQUAL_IN_CAPTURE = False
-
-
-def capture_graph():
-    """The torch CUDA graph the current stream captures into (`torch.cuda.CUDAGraph`: it takes
-    conditional nodes), None where there is none to be had (a capture torch did not begin, a
-    torch without conditional nodes)."""
-    get = getattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph", None)
-    if get is None:
-        return None
-    try:
-        return get()
-    except RuntimeError:
-        return None
-
-
-def captured_if(graph, pred: torch.Tensor, body: Callable[[], object]) -> None:
-    """body's work captured into a conditional node of `graph`: a replay runs it where `pred`
-    (a bool on the device, read there at the replay) is true, else skips it."""
-    graph.begin_capture_to_if_node(pred)
-    try:
-        body()
-    finally:
-        graph.end_capture_to_conditional_node()
-
-
-def run_either(
-    graph,
-    run: Callable[..., Grads],
-    in_slots: Callable[..., Grads],
-    tokens: Sequence[torch.Tensor],
-    states: Sequence[torch.Tensor | None],
-    cu_seqlens: torch.Tensor,
-    out: Sequence[torch.Tensor],
-) -> Grads:
-    """Both paths captured into `graph` (`backward_varlen`, EQUAL_IN_CAPTURE), each behind a
-    conditional node: `run` on N sequences of T / N tokens where cu_seqlens holds them at the
-    replay (N divides T), `run_in_slots` where not; both write every gradient into `out` (all
-    given), returned."""
-    n, t = cu_seqlens.shape[0] - 1, tokens[0].shape[0]
-    edges = torch.arange(n + 1, dtype=cu_seqlens.dtype, device=cu_seqlens.device) * (t // n)
-    equal = torch.eq(cu_seqlens, edges).all()
-    captured_if(graph, equal, lambda: run(*tokens, *states, n, out=out))
-    captured_if(graph, equal.logical_not(),
-                lambda: run_in_slots(in_slots, tokens, states, cu_seqlens, out))  # fmt: skip
-    return tuple(out)
+    kw = {"out": given} if native else {}
+    res = run(*(pack(x, slots) for x in tokens), *states, slots, **kw)
+    grads = [into(o, g) if g.shape[0] == t else unpack(g, slots, o)
+             for g, o in zip(res[:-1], given)]  # fmt: skip
+    return (*grads, into(given[-1], res[-1]))
 
 
 def backward_varlen(
@@ -317,25 +304,17 @@ def backward_varlen(
     cu_seqlens: torch.Tensor,
     out: Sequence[torch.Tensor | None] | None = None,
     in_slots: Callable[..., Grads] | None = None,
-    empty: Callable[[], Grads] | None = None,
+    stores: bool = False,
 ) -> Grads | None:
     """Both ops' varlen backward on their kernel paths. Under a CUDA-graph capture: one call of
-    `in_slots` (`run_in_slots`; the caller refuses the capture first where it has none), or
-    with EQUAL_IN_CAPTURE, N dividing T and a torch graph capturing, both `run` and `in_slots`
-    behind conditional nodes (`run_either`; `empty()`: new buffers of every gradient, those
-    `out` lacks taken from it). Eager: the offsets read on the host (one sync); equal lengths
-    one call of `run` on the tokens as they are (a reshape, no copy), unequal ones `in_slots`
-    where given, else `run` in buckets (`run_in_buckets`); None (the caller's interim path)
-    when no sequence has a token. `run`, `tokens`, `states`, `out` as `run_in_buckets`' (`run`
-    takes `out` as a keyword); `in_slots` as `run_in_slots`' `run`."""
+    `in_slots` (`run_in_slots`, whatever the lengths; the caller refuses the capture first
+    where it has none). Eager: the offsets read on the host (one sync); equal lengths one call
+    of `run` on the tokens as they are (a reshape, no copy), unequal ones `in_slots` where
+    given, else `run` in buckets (`run_in_buckets`); None (the caller's interim path) when no
+    sequence has a token. `run`, `tokens`, `states`, `out` as `run_in_buckets`' (`run` takes
+    `out` as a keyword); `in_slots`, `stores` as `run_in_slots`' `run`, `stores`."""
     if in_slots is not None and capturing(tokens[0]):
-        n = cu_seqlens.shape[0] - 1
-        graph = capture_graph() if EQUAL_IN_CAPTURE and empty is not None else None
-        if graph is None or tokens[0].shape[0] % n:
-            return run_in_slots(in_slots, tokens, states, cu_seqlens, out)
-        given = out if out is not None else [None] * len(tokens)
-        bufs = [e if o is None else o for o, e in zip(given, empty())]
-        return run_either(graph, run, in_slots, tokens, states, cu_seqlens, bufs)
+        return run_in_slots(in_slots, tokens, states, cu_seqlens, out, stores)
     edges = [int(e) for e in cu_seqlens.tolist()]
     lens = [z - a for a, z in zip(edges[:-1], edges[1:])]
     if max(lens) == 0:
@@ -343,5 +322,5 @@ def backward_varlen(
     if all(x == lens[0] for x in lens):
         return run(*tokens, *states, len(lens), out=out)
     if in_slots is not None:
-        return run_in_slots(in_slots, tokens, states, cu_seqlens, out)
+        return run_in_slots(in_slots, tokens, states, cu_seqlens, out, stores)
     return run_in_buckets(run, tokens, states, edges, out)

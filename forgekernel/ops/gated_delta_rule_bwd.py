@@ -32,7 +32,7 @@ kernel 2 (kernels/linear_attention/gdn_bwd_chunk/sm90, every chunk at once,
 `_wy_grads` in torch); the chunk factors (A, T = L^-1, W, u, P, the decays, in the 16-bit
 layouts the other two read) on kernel 0 (kernels/linear_attention/gdn_bwd_factors/sm90,
 `reference.gdn_bwd_factors` its model; FACTORS_IN_KERNEL = False, or WY_IN_KERNEL = False: the
-batched torch `_Factors` pass; FACTORS_2WG, TEMPORARY, off until its device A/B: kernel 0's
+batched torch `_Factors` pass; FACTORS_2WG (on since its device A/B): kernel 0's
 two-math-warpgroup `wg2` key, the same outputs bit for bit); with both of those on, STATES16
 and NORM_IN_KERNEL (the defaults): kernel 1 writes U, h and dU, dS in kernel 2's 16-bit forms
 (`out16`; its forward launch the `forward` variant: chunks first to last on kernel 0's u, W, Ke
@@ -281,10 +281,11 @@ def _factors(q, k, v, g, beta):
     return factors_launch.gdn_bwd_factors(q, k, v, g, beta, wg2=FACTORS_2WG)
 
 
-# TEMPORARY (until a GPU A/B; then the key becomes the default or goes): kernel 0 on two math
-# warpgroups by independent products (`wg2`, gdn_bwd_factors/sm90/factors_wg2.py; bit for bit
-# the 256-thread kernel's outputs; NOTES "GDN backward factors kernel on two math warpgroups").
-FACTORS_2WG = False
+# Kernel 0 on two math warpgroups by independent products (`wg2`, gdn_bwd_factors/sm90/
+# factors_wg2.py; bit for bit the 256-thread kernel's outputs; NOTES "GDN backward factors kernel
+# on two math warpgroups", its device A/B "integration45 measured"). TEMPORARY: the 256-thread
+# kernel goes once the benches agree.
+FACTORS_2WG = True
 
 # Kernel 0 forms the chunk factors (with kernel 2's WY variant, which reads its T^T, w, u);
 # False: the batched torch `_Factors` pass and its 16-bit conversions (the fallback).
@@ -358,17 +359,19 @@ def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots=
     return dq, dk + dk_wy, dv, dg + dg_wy, dbeta, dh0
 
 
-def _wy_buffers(do, kd, dg, dv, dbeta, dq=None, dk=None):
+def _wy_buffers(do, kd, dg, dv, dbeta, dq=None, dk=None, tokens=None):
     """Kernel 2's (WY, dv16) five outputs: dq, dk, dg, dv, dbeta the given buffers, the rest
     (and any None) new: dq, dk (B, T, HV, K) fp32 (QK16: do's dtype), dg, dbeta (B, T, HV)
-    fp32, dv do's shape and dtype."""
-    b, t, hv, _ = do.shape
+    fp32, dv do's shape (T = `tokens` where given: the token rows of the slot layout's
+    `token_rows` outputs) and dtype."""
+    b, t, hv, vd = do.shape
+    t = t if tokens is None else tokens
     f32 = {"dtype": torch.float32, "device": do.device}
     qk = {"dtype": do.dtype if QK16 else torch.float32, "device": do.device}
     return (torch.empty(b, t, hv, kd, **qk) if dq is None else dq,
             torch.empty(b, t, hv, kd, **qk) if dk is None else dk,
             torch.empty(b, t, hv, **f32) if dg is None else dg,
-            torch.empty(do.shape, dtype=do.dtype, device=do.device) if dv is None else dv,
+            torch.empty(b, t, hv, vd, dtype=do.dtype, device=do.device) if dv is None else dv,
             torch.empty(b, t, hv, **f32) if dbeta is None else dbeta)  # fmt: skip
 
 
@@ -389,9 +392,12 @@ FSPLIT = True
 # The fused backward (kernels/linear_attention/gdn_bwd_fused/sm90, `_fused_pass`: kernel 1's
 # reverse launch and kernel 2 in one kernel, one CTA per (sequence, value head), dU and dS on
 # chip) with QK16, where B x HV fills about a wave (`fused_fits`; fewer CTAs: today's path).
-# TEMPORARY switch, off until a GPU A/B (NOTES "GDN fused backward"); FUSED_SWITCH overrides it
-# for the GPU checks: "1" as FUSED = True, "all" every device pass (small shapes too), "0" off.
-FUSED = False
+# On since the H100 A/B of 2026-12-06 16:58 (4 x 8192 hv32: 4.601 -> 3.802 ms, 1.21x; synccheck 0
+# errors and racecheck 0 hazards with DS_READY / FINISH in the unaligned form, NOTES "GDN fused
+# backward" and next/fused-sync); below the rule it is slower (1 x 8192 hv32 1.319 vs 2.568 ms
+# forced). FUSED_SWITCH overrides it for the GPU checks: "1" as FUSED = True, "all" every device
+# pass (small shapes too), "0" off (today's two-launch path, kept while the rule decides).
+FUSED = True
 FUSED_SWITCH = "FORGEKERNEL_GDN_BWD_FUSED"
 
 
@@ -418,6 +424,18 @@ def side_by_side_states(slots, b: int, hv: int, device: torch.device) -> bool:
     return slots is not None or concurrent_state_launches(b, hv, _device_sms(device))
 
 
+def native(slots) -> bool:
+    """The slot layout's run writes its token gradients at their token rows: `slots` carries
+    the per-slot tables (ops/_linattn_varlen.py NATIVE_STORES, given where `stores_natively`)."""
+    return slots is not None and slots.starts is not None
+
+
+def stores_natively() -> bool:
+    """Kernel 2 has the `token_rows` form here: the device pass with QK16 and FSPLIT (the
+    256-thread dqk16 key with `token_rows` spills: 16 bytes, NOTES "next/varlen-stores")."""
+    return _slots_path() and QK16 and FSPLIT
+
+
 def pass_tokens(b: int, t: int, slots) -> int:
     """The tokens a pass of heads counts against TOKEN_HEADS_PER_PASS: B T, or in the varlen
     slot layout the callers' tokens (its zero rows, fewer than 64 N, left out: the suites'
@@ -436,7 +454,9 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots
     dg, dbeta, dh0) contiguous buffers (or None each) kernel 2 / kernel 1 write directly (dq,
     dk only with q_scale). q_scale (QK16, `_folds`): kernel 2's 16-bit dq times it, dq and dk
     the op's gradients (no epilogue). slots: the varlen slot layout (B = 1 over its S C
-    rows, h0 / dht / dh0 (N, HV, K, V)): kernel 1's varlen form, side by side."""
+    rows, h0 / dht / dh0 (N, HV, K, V)): kernel 1's varlen form, side by side; with its
+    per-slot tables (`native`) kernel 2 writes dq, dk, dv, dg, dbeta at their T token rows
+    (the `token_rows` key; `into` those rows' buffers)."""
     t, device = qs.shape[1], qs.device
     # the fused kernel walks B equal sequences; the varlen slot layout takes today's path
     if slots is None and _fused_selected(do.shape[0], do.shape[2], device):
@@ -466,11 +486,15 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots
     k2 = for_kernel2(out, t)
     wide = beta.to(torch.promote_types(beta.dtype, torch.float32))
     tiles = (do, cut(u16, 1, slice(None, t)), du16, qs, ks, h16, dh16, k2["big_g"])
+    rows = {}  # the slot layout's outputs at their token rows (`native`)
+    if native(slots):
+        rows = {"tables": (slots.starts, slots.lengths), "tokens": slots.rows.shape[0]}
     wy_out = None if into is None else _wy_buffers(do, qs.shape[-1], dg_o, dv_o, dbeta_o, dq_o,
-                                                   dk_o)  # fmt: skip
+                                                   dk_o, rows.get("tokens"))  # fmt: skip
     flags = {"dqk16": True, "scale": 1.0 if q_scale is None else q_scale} if QK16 else {}
     if QK16 and FSPLIT:
         flags["fsplit"] = True
+    flags.update(rows)
     dq, dk, dg, dv, dbeta = _chunk_grads_wy(*tiles, k2["tt"], k2["w"], k2["u"], v, wide,
                                             dv16=True, **flags, **given(out=wy_out))  # fmt: skip
     return dq, dk, dv, dg, dbeta, dh0
@@ -590,7 +614,7 @@ def _joined(parts, i, out):
 
 
 def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b, out=None,
-                     k_last=False, slots=None) -> Grads:  # fmt: skip
+                     k_last=False, slots=None, token_qk=None) -> Grads:  # fmt: skip
     """`_backward_kernel` on the device path with 16-bit kernel-1 outputs: q / k normalized,
     scaled and converted at H heads (`_normalized`), read there by kernels 0 and 2 (value head
     hv: head hv // (HV / H); no repeated copy), v and do passed as they are (strided head
@@ -601,12 +625,18 @@ def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b, out=None,
     a copy only where the dtype or layout differs (beta in 16 bits, k_last's dh0). Without
     l2norm and with HV = H (`_folds`) kernel 2 writes dq (times the scale) and dk themselves
     in 16 bits: no epilogue launch. slots: the varlen slot layout the tokens are in (b = 1;
-    `_device_pass`)."""
+    `_device_pass`); with its tables (`native`) the token gradients come back at the callers'
+    T token rows (`out` those rows' buffers), the epilogue reading `token_qk`, the callers' q,
+    k (T, H, K)."""
     h, hv, dtype = q.shape[1], v.shape[1], do.dtype
     t, group = q.shape[0] // b, hv // h
+    rows = slots.rows.shape[0] if native(slots) else t  # the gradients' tokens a sequence
 
     def seq(x):
         return x.reshape(b, t, *x.shape[1:])
+
+    def seq_out(x):
+        return x.reshape(b, rows, *x.shape[1:])
 
     qs = _normalized(seq(q), scale, l2norm, dtype)
     ks = _normalized(seq(k), 1.0, l2norm, dtype)
@@ -616,7 +646,7 @@ def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b, out=None,
     one = len(heads) == 1
     f32 = torch.float32
     fold = _folds(l2norm, group, q, k, dtype)
-    into = _pass_buffers(out, seq, (dtype, f32, f32, f32), k_last, fold) if one else None
+    into = _pass_buffers(out, seq_out, (dtype, f32, f32, f32), k_last, fold) if one else None
     parts = []
     for first in heads:  # passes over heads, not chunks
         qh, vh = slice(first, first + step), slice(first * group, (first + step) * group)
@@ -626,7 +656,7 @@ def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b, out=None,
         parts.append(_chunk_pass(cut(qs, 2, qh), cut(ks, 2, qh), *(cut(x, 2, vh) for x in v_side),
                                  *states, into=into,
                                  q_scale=scale if fold else None, slots=slots))  # fmt: skip
-    outs = (None,) * 6 if out is None else (*(None if o is None else seq(o) for o in out[:5]),
+    outs = (None,) * 6 if out is None else (*(None if o is None else seq_out(o) for o in out[:5]),
                                            None if k_last else out[5])  # fmt: skip
     if fold:  # kernel 2 wrote the op's dq, dk (16-bit, scaled): no epilogue
         dq, dk = (_joined(parts, i, outs[i]) for i in (0, 1))
@@ -636,20 +666,22 @@ def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b, out=None,
     del parts
     if not fold:
         epilogue = _qk_grads if NORM_IN_KERNEL else _normalized_backward
-        dq = epilogue(dqs, seq(q), scale, l2norm, **given(out=outs[0]))
-        dk = epilogue(dks, seq(k), 1.0, l2norm, **given(out=outs[1]))
+        xq, xk = (seq(q), seq(k)) if token_qk is None else (seq_out(x) for x in token_qk)
+        dq = epilogue(dqs, xq, scale, l2norm, **given(out=outs[0]))
+        dk = epilogue(dks, xk, 1.0, l2norm, **given(out=outs[1]))
     return (*(x.flatten(0, 1) for x in (dq, dk, dv, dg, dbeta)), dh0)
 
 
 def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, k_last, l2norm,
-                     batch, out=None, slots=None) -> Grads:  # fmt: skip
+                     batch, out=None, slots=None, token_qk=None) -> Grads:  # fmt: skip
     """The backward on kernel 1 (see the module docstring): flat tensors as
     `_backward_interim`'s holding `batch` sequences of equal length. Grouped heads: q / k
     (normalized, scaled) repeated to the value heads before the factors (kernel 1 and every
     factor are per value head), dq / dk summed over each group of HV / H value heads after;
     value heads in passes of TOKEN_HEADS_PER_PASS token-heads (two kernel launches a pass) to
     bound the fp32 temporaries. slots (with batch 1): the tokens in the varlen slot layout
-    (ops/_linattn_varlen.py), the states (N, ...): the device pass only (`_slots_path`)."""
+    (ops/_linattn_varlen.py), the states (N, ...): the device pass only (`_slots_path`);
+    token_qk: `_backward_device`'s (the slot layout's tables given)."""
     b, h, hv = batch, q.shape[1], v.shape[1]
     t, group = q.shape[0] // b, hv // h
     h0 = _to_kv(initial_state, k_last)
@@ -657,7 +689,7 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, k_last
     likes = (q, k, v, g, beta)
     if _on_device() and STATES16:
         grads = _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b, out, k_last,
-                                 slots)  # fmt: skip
+                                 slots, token_qk)  # fmt: skip
         return written(out, (*grads[:5], _to_kv(grads[5], k_last)), likes)
     if slots is not None:
         raise ValueError("the slot layout (varlen) is the device pass's")
@@ -690,11 +722,10 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, k_last
 def _backward_varlen(q, k, v, g, beta, initial_state, do, d_final, scale, k_last, l2norm,
                      cu_seqlens, out=None) -> Grads | None:  # fmt: skip
     """Varlen on the kernel path (ops/_linattn_varlen.py `backward_varlen`): on the device pass
-    (`_slots_path`) unequal lengths run once in the slot layout, no host read under a
-    CUDA-graph capture (with EQUAL_IN_CAPTURE the batch path beside it, chosen at the replay:
-    `run_either`, into `_empty_grads`' buffers); eagerly the offsets are read once (equal
-    lengths: a reshape). The fallback forms: buckets of sequences zero-padded at their ends,
-    a capture refused first. None (the interim path) when no token."""
+    (`_slots_path`) unequal lengths run once in the slot layout, and so does every call under
+    a CUDA-graph capture (no host read: equal lengths too); eagerly the offsets are read once
+    (equal lengths: a reshape). The fallback forms: buckets of sequences zero-padded at their
+    ends, a capture refused first. None (the interim path) when no token."""
     in_slots = _slots_path()
     if not in_slots:
         refuse_capture(NOT_CAPTURABLE_VARLEN, q)
@@ -702,15 +733,15 @@ def _backward_varlen(q, k, v, g, beta, initial_state, do, d_final, scale, k_last
     def run(q, k, v, g, beta, do, h0, dht, n, out=None):
         return _backward_kernel(q, k, v, g, beta, h0, do, dht, scale, k_last, l2norm, n, out)
 
-    def run_slots(q, k, v, g, beta, do, h0, dht, slots):
-        return _backward_kernel(q, k, v, g, beta, h0, do, dht, scale, k_last, l2norm, 1,
-                                slots=slots)  # fmt: skip
-
-    def empty():
-        return _empty_grads(q, k, v, g, beta, cu_seqlens, k_last)
+    def run_slots(qp, kp, v, g, beta, do, h0, dht, slots, out=None):
+        # with the tables (`native`): the gradients at the callers' rows, the epilogue on q, k
+        token_qk = (q, k) if native(slots) else None
+        return _backward_kernel(qp, kp, v, g, beta, h0, do, dht, scale, k_last, l2norm, 1, out,
+                                slots, token_qk)  # fmt: skip
 
     return backward_varlen(run, (q, k, v, g, beta, do), (initial_state, d_final), cu_seqlens,
-                           out, run_slots if in_slots else None, empty)  # fmt: skip
+                           out, run_slots if in_slots else None,
+                           in_slots and stores_natively())  # fmt: skip
 
 
 def _slots_path() -> bool:

@@ -103,6 +103,7 @@ from forgekernel.ops.gated_delta_rule_bwd import (
     check_grads_out,
     flat_out,
     given,
+    native,
     pass_tokens,
     side_by_side_states,
     state_flags,
@@ -177,24 +178,24 @@ CHUNK_IN_KERNEL = True
 # epilogue kernel (`_qk_grads`, kernels/linear_attention/gdn_bwd_norm/sm90); False: torch
 # (`_normalized_backward`, the fallback).
 NORM_IN_KERNEL = True
-# TEMPORARY (until a GPU A/B; then the key becomes the default or goes): kernel 2 on two math
-# warpgroups split by key channels (`wg2`, kda_bwd_chunk/sm90/chunk_grads_wg2.py; bit for bit
-# the 256-thread kernel's outputs; NOTES "KDA kernel 2 on two math warpgroups, built").
-CHUNK_2WG = True
 
 
 def _chunk_grads(do, u, du, q, k, h, dh, big_g, dw16=False, dg=None, dq16=False, scale=1.0,
-                 dq=None):  # fmt: skip
+                 dq=None, tables=None, tokens=None):  # fmt: skip
     """Kernel 2 (`_output_grads` on WGMMA, every chunk at once): (dq, dk, dw, dG (B, T, HV, K),
     dG reverse-cumsummed within the chunk) fp32 from `chunk_grad_tiles`' inputs, dw in do's
     16-bit dtype with dw16 (the WY kernel's operand); dg: the contiguous fp32 buffer dG is
     written into (the op's `out=` dg, the WY kernel adding its half onto it after), else the
     launcher's own. dq16: q unscaled, dq times `scale` in do's 16-bit dtype (the op's dq; into
-    `dq`, contiguous, when given). The CPU tests put the tile emulation here."""
-    flags = {"dw16": dw16, "wg2": CHUNK_2WG, **({"dq16": True, "scale": scale} if dq16 else {})}
+    `dq`, contiguous, when given). tables, tokens: the varlen slot layout's dq, dk, dG at their
+    `tokens` token rows (the launcher's; dw at the slots). The CPU tests put the tile emulation
+    here."""
+    flags = {"dw16": dw16, **({"dq16": True, "scale": scale} if dq16 else {})}
+    if tables is not None:
+        flags.update(tables=tables, tokens=tokens)
     if dg is None and dq is None:
         return chunk_launch.kda_bwd_chunk(do, u, du, q, k, h, dh, big_g, **flags)
-    own = chunk_launch.empty_outputs(do, q.shape[-1], dw16, dq16)
+    own = chunk_launch.empty_outputs(do, q.shape[-1], dw16, dq16, tokens)
     outs = (own[0] if dq is None else dq, own[1], own[2], own[3] if dg is None else dg)
     return chunk_launch.kda_bwd_chunk(do, u, du, q, k, h, dh, big_g, **flags, out=outs)
 
@@ -205,29 +206,30 @@ def _chunk_grads(do, u, du, q, k, h, dh, big_g, dw16=False, dg=None, dq16=False,
 # CHUNK_IN_KERNEL only. T = L^-1 is formed in torch for its input tile, or read from the first
 # pass with FACTORS_FROM_FIRST_PASS.
 WY_IN_KERNEL = True
-# TEMPORARY (until a GPU A/B; then the key becomes the default or goes): the WY kernel on two
-# math warpgroups split by value / key channels (`wg2`, kda_bwd_wy/sm90/wy_grads_wg2.py; bit for
-# bit the 256-thread kernel's outputs; NOTES "KDA backward WY kernel on two math warpgroups").
-WY_2WG = True
 
 
 def _wy_kernel(dw, du, tt, w, k, u, v, beta, big_g, dk, dg, dv16=False, dk16=False,
-               dk_out=None, dv=None, dbeta=None):  # fmt: skip
+               dk_out=None, dv=None, dbeta=None, tables=None, tokens=None):  # fmt: skip
     """The WY kernel (`_wy_grads` on WGMMA, every chunk at once) from `wy_tiles`' inputs: its
     dk and dG (B, T, HV, K, dG reverse-cumsummed within the chunk) ADDED in place onto dk, dg
     (kernel 2's, contiguous fp32); returns (dk, dv (B, T, HV, V), dg, dbeta (B, T, HV)) fp32,
     dv in the tiles' 16-bit dtype with dv16; dk16: the final dk in the tiles' 16-bit dtype
     (into `dk_out` when given; dk then scratch); dv, dbeta: contiguous buffers to write them
-    into (the op's `out=`), else new. The CPU tests put the tile emulation here."""
+    into (the op's `out=`), else new. tables, tokens: the varlen slot layout's outputs at their
+    `tokens` token rows (the launcher's; dk, dg kernel 2's there). The CPU tests put the tile
+    emulation here."""
     b, t, hv, _ = dw.shape
+    t = t if tokens is None else tokens
     if dv is None:
         dv = torch.empty(b, t, hv, du.shape[-1], dtype=dw.dtype if dv16 else torch.float32,
                          device=dw.device)  # fmt: skip
     if dbeta is None:
         dbeta = torch.empty(b, t, hv, dtype=torch.float32, device=dw.device)
     final = {"dk16": True, **given(dk_out=dk_out)} if dk16 else {}
+    if tables is not None:
+        final.update(tables=tables, tokens=tokens)
     return wy_launch.kda_bwd_wy(dw, du, tt, w, k, u, v, beta, big_g, dv16=dv16,
-                                out=(dk, dv, dg, dbeta), wg2=WY_2WG, **final)  # fmt: skip
+                                out=(dk, dv, dg, dbeta), **final)  # fmt: skip
 
 
 # On since 2026-12-06 (H100, with WY_IN_KERNEL; docs/linear_attention/NOTES.md "KDA backward
@@ -376,7 +378,9 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=tor
     (`_direct`), each None or of the dtype its kernel writes; dq only with q_scale, dk only
     with dk16). slots: the varlen slot layout
     (B = 1 over its S C rows, h0 / dht / dh0 (N, HV, K, V)): kernel 1's varlen form, side by
-    side (Gated DeltaNet's `side_by_side_states`)."""
+    side (Gated DeltaNet's `side_by_side_states`); with its per-slot tables (`native`) kernel
+    2 and the WY kernel write dq, dk, dv, dg, dbeta at their T token rows (`token_rows`;
+    dg_out, `into` those rows' buffers), dw at the slots."""
     t, dtype = qs.shape[1], do.dtype
     upto = slice(None, t)  # the first pass's rows (NC C) cut to T (`cut`: no view at T = NC C)
     varlen = state_flags(slots)
@@ -407,8 +411,11 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=tor
     into_dg = _direct(dg_out, torch.float32)
     # dw in the tiles' dtype from kernel 2 (the WY kernel's operand; no cast here)
     fold = {} if q_scale is None else {"dq16": True, "scale": q_scale, **given(dq=dq_o)}
+    rows = {}  # the slot layout's outputs at their token rows (`native`)
+    if native(slots):
+        rows = {"tables": (slots.starts, slots.lengths), "tokens": slots.rows.shape[0]}
     dq, dk, dw, dg = _chunk_grads(do, cut(u_c, 1, upto), du16, qs, ks, h16, dh16, big_g, dw16=True,
-                                  dg=into_dg, **fold)  # fmt: skip
+                                  dg=into_dg, **fold, **rows)  # fmt: skip
     del u_c, h16, dh16
     wy = (dw, du16, *(cut(x, 1, upto) for x in (ops["tt"], w16)), ks, cut(u16, 1, upto), v,
           beta, big_g)  # fmt: skip
@@ -417,7 +424,7 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=tor
     # rounded once, as before)
     final = {"dk16": True, **given(dk_out=dk_o)} if dk16 else {}
     dk_wy, dv, dg, dbeta = _wy_kernel(*wy, dk, dg, dv16=dv_dtype == dtype, **final,
-                                      **given(dv=dv_o, dbeta=db_o))  # fmt: skip
+                                      **given(dv=dv_o, dbeta=db_o), **rows)  # fmt: skip
     if dk16:  # the op's dk (16-bit), not kernel 2's fp32 scratch
         dk = dk_wy
     if dg_out is not None and into_dg is None:
@@ -434,8 +441,8 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=tor
 # since next/kda-bwd-regress: on the H100 (4 x 8192, H = HV = 16) it cost kernel 2 +0.65 ms
 # (3.18 -> 3.83; its SASS differs from dq16's absence only by the scale's 72 FMUL and the
 # 16-bit stores: cause open) and the WY kernel +0.4 ms (dk16's loads serialized behind its
-# stores, fixed there) for 0.52 ms of glue: 9.76 vs 9.23 ms. Re-time kernel 2 (now the wg2
-# build) with dq16: on again if its cost is gone, else remove the dq16 path. The WY kernel's
+# stores, fixed there) for 0.52 ms of glue: 9.76 vs 9.23 ms. Re-time kernel 2 (now on two math
+# warpgroups) with dq16: on again if its cost is gone, else remove the dq16 path. The WY kernel's
 # half of it (dk16, `_writes_dk`) no longer rides on this switch (next/kda-glue3).
 FINAL_QK = False
 
@@ -476,7 +483,7 @@ def _normalized32(x, scale, l2norm):
 
 
 def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm,
-                     batch, out: GradsOut = None, slots=None) -> Grads:  # fmt: skip
+                     batch, out: GradsOut = None, slots=None, token_qk=None) -> Grads:  # fmt: skip
     """The backward on kernel 1 (module docstring): flat tensors as `_backward_interim`'s
     holding `batch` sequences of equal length. Grouped heads: q / k normalized and scaled once
     at H heads in fp32 (`_normalized32`), repeated to the value heads a pass (not for HV = H)
@@ -489,12 +496,18 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
     (kernel 1) by the kernels where the buffer's dtype is theirs (`_direct`), else (several
     passes: their concatenation; another dtype: the cast) copied in. slots (with batch 1): the
     tokens in the varlen slot layout (ops/_linattn_varlen.py), the states (N, ...): the device
-    pass only (`_slots_path`)."""
+    pass only (`_slots_path`); with its tables (`native`) the token gradients come back at the
+    callers' T token rows (`out` those rows' buffers), the epilogue reading `token_qk`, the
+    callers' q, k (T, H, K) (Gated DeltaNet's `_backward_device`)."""
     b, h, hv = batch, q.shape[1], v.shape[1]
     t, group = q.shape[0] // b, hv // h
+    rows = slots.rows.shape[0] if native(slots) else t  # the gradients' tokens a sequence
 
     def seq(x):
         return x.reshape(b, t, *x.shape[1:])
+
+    def seq_out(x):
+        return x.reshape(b, rows, *x.shape[1:])
 
     fold = _folds(l2norm, group, q, k, do.dtype)
     dk16 = _writes_dk(l2norm, group, k, do.dtype)
@@ -514,7 +527,8 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
                               b, t)  # fmt: skip
     step = max(1, TOKEN_HEADS_PER_PASS // max(1, pass_tokens(b, t, slots) * group))
     heads = range(0, h, step)
-    outs = (None,) * 5 if out is None else tuple(None if o is None else seq(o) for o in out[:5])
+    outs = (None,) * 5 if out is None else tuple(None if o is None else seq_out(o)
+                                                  for o in out[:5])  # fmt: skip
     dg_out = outs[3] if len(heads) == 1 and outs[3] is not None and g.dtype == torch.float32 \
         else None  # fmt: skip
     # one pass on the device pass: dv, dbeta (the WY kernel), dh0 (kernel 1), with fold dq
@@ -550,8 +564,9 @@ def _backward_kernel(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
     dh0 = _joined(parts, 5, None if out is None else out[5])
     del parts
     epilogue = _qk_grads if NORM_IN_KERNEL else _normalized_backward
-    dq = dqs if fold else epilogue(dqs, seq(q), scale, l2norm, **given(out=outs[0]))
-    dk = dks if dk16 else epilogue(dks, seq(k), 1.0, l2norm, **given(out=outs[1]))
+    xq, xk = (seq(q), seq(k)) if token_qk is None else (seq_out(x) for x in token_qk)
+    dq = dqs if fold else epilogue(dqs, xq, scale, l2norm, **given(out=outs[0]))
+    dk = dks if dk16 else epilogue(dks, xk, 1.0, l2norm, **given(out=outs[1]))
     grads = (*(x.flatten(0, 1) for x in (dq, dk, dv, dg, dbeta)), dh0)
     return written(out, grads, (q, k, v, g, beta))
 
@@ -597,11 +612,11 @@ def _backward_varlen(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
                      cu_seqlens, out=None) -> Grads | None:  # fmt: skip
     """Varlen on the kernel path, as Gated DeltaNet's (ops/_linattn_varlen.py
     `backward_varlen`): on the device pass (`_slots_path`) unequal lengths run once in the slot
-    layout, no host read under a CUDA-graph capture (with EQUAL_IN_CAPTURE the batch path
-    beside it, chosen at the replay: `run_either`, into `_empty_grads`' buffers); eagerly the
-    offsets are read once (equal lengths, the suite's batch cases: B = 1 + cu_seqlens, a
-    reshape). The fallback forms: buckets of sequences zero-padded at their ends, a capture
-    refused first. None (the interim path) when no token."""
+    layout, and so does every call under a CUDA-graph capture (no host read: equal lengths too,
+    the suite's batch cases in its graph column); eagerly the offsets are read once (equal
+    lengths, the suite's batch cases: B = 1 + cu_seqlens, a reshape). The fallback forms:
+    buckets of sequences zero-padded at their ends, a capture refused first. None (the interim
+    path) when no token."""
     in_slots = _slots_path(do.dtype)
     if not in_slots:
         refuse_capture(NOT_CAPTURABLE_VARLEN, q)
@@ -609,14 +624,14 @@ def _backward_varlen(q, k, v, g, beta, initial_state, do, d_final, scale, l2norm
     def run(q, k, v, g, beta, do, h0, dht, n, out=None):
         return _backward_kernel(q, k, v, g, beta, h0, do, dht, scale, l2norm, n, out)
 
-    def run_slots(q, k, v, g, beta, do, h0, dht, slots):
-        return _backward_kernel(q, k, v, g, beta, h0, do, dht, scale, l2norm, 1, slots=slots)
-
-    def empty():
-        return _empty_grads(q, k, v, g, beta, cu_seqlens)
+    def run_slots(qp, kp, v, g, beta, do, h0, dht, slots, out=None):
+        # with the tables (`native`): the gradients at the callers' rows, the epilogue on q, k
+        token_qk = (q, k) if native(slots) else None
+        return _backward_kernel(qp, kp, v, g, beta, h0, do, dht, scale, l2norm, 1, out, slots,
+                                token_qk)  # fmt: skip
 
     return backward_varlen(run, (q, k, v, g, beta, do), (initial_state, d_final), cu_seqlens,
-                           out, run_slots if in_slots else None, empty)  # fmt: skip
+                           out, run_slots if in_slots else None, in_slots)  # fmt: skip
 
 
 def _slots_path(dtype: torch.dtype) -> bool:

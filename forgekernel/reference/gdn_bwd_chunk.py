@@ -92,8 +92,7 @@ def wy_tiles(f, v, beta, dtype) -> tuple[torch.Tensor, ...]:
     return (tok(inverse.transpose(-1, -2)), tok(f.w), tok(f.u), v.to(dtype).contiguous(), wide)
 
 
-def wy_grads_model(outputs, du, k, h, big_g, tt, w, uw, v, beta, dw_rounding=None,
-                   rounding=None):
+def wy_grads_model(outputs, du, k, h, big_g, tt, w, uw, v, beta, dw_rounding=None, rounding=None):
     """The WY variant's outputs from `chunk_grads_model`'s (dq, dk, dw, dg, te) and the
     extra inputs (`wy_tiles`' layouts): (dq, dk, dg, te (dk, dg with the WY half's terms), dv
     (B, T, HV, V), dbeta (B, T, HV)), as the kernel forms them: dw rounded to the tiles' dtype
@@ -103,6 +102,7 @@ def wy_grads_model(outputs, du, k, h, big_g, tt, w, uw, v, beta, dw_rounding=Non
     t, nc = du.shape[1], h.shape[1]
     k = _to_value_heads(k, du.shape[2])
     f = dw.dtype
+
     def ident(x):
         return x
 
@@ -148,6 +148,27 @@ def kernel_dg(dg, te, h, dh, big_g):
     last = to_chunks(te, nc).sum(-1) + g_last.exp() * (dh.to(f) * h.to(f)).sum((-1, -2))
     cum = d.flip(-1).cumsum(-1).flip(-1) + last.unsqueeze(-1)
     return to_tokens(cum)[:, :t]
+
+
+def token_rows_model(
+    x: torch.Tensor,
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    tokens: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The `token_rows` key's stores: x (1, S C, ...) in the slot layout -> (1, `tokens`, ...),
+    row r of slot s at token starts[s] + r for r < lengths[s] (the per-slot tables,
+    ops/_linattn_varlen.py `slot_tables`), no other row written: into `out` where given, else
+    a NaN-filled tensor (a row no slot writes stays NaN)."""
+    if out is None:
+        out = x.new_full((x.shape[0], tokens, *x.shape[2:]), float("nan"))
+    r = torch.arange(CHUNK)
+    inside = r < lengths.long().unsqueeze(1)  # (S, C)
+    src = (torch.arange(starts.shape[0]).unsqueeze(1) * CHUNK + r)[inside]
+    dst = (starts.long().unsqueeze(1) + r)[inside]
+    out[:, dst] = x[:, src].to(out.dtype)
+    return out
 
 
 def _to_value_heads(x: torch.Tensor, hv: int) -> torch.Tensor:

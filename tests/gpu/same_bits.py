@@ -1,6 +1,7 @@
 """The two-math-warpgroup (`wg2`) builds' agreement tests: every output of the build under test
 written (no NaN left in a NaN-poisoned buffer) and bit for bit the 256-thread kernel's
-(tests/gpu/test_kda_bwd_chunk_gpu.py, test_kda_bwd_wy_gpu.py, test_gdn_bwd_factors_gpu.py)."""
+(tests/gpu/test_gdn_bwd_factors_gpu.py; the KDA kernel 2 and WY kernel ones went with their
+256-thread kernels, 2026-12-06, NOTES "next/lin-losers")."""
 
 from __future__ import annotations
 

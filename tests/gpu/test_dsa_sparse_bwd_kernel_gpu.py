@@ -158,9 +158,9 @@ def test_h64f_row_slices_matches_fp64(monkeypatch, tokens, heads, topk, slots, s
     (140, 16, 2048, 40000, True, False, None),
 ])  # fmt: skip
 def test_sweep_matches_fp64(tokens, heads, topk, slots, sink, dlse, sweep):
-    """The sweep (the index rows sorted by slot, launches of one wave; the default far over the
-    L2 with a row visited >= 1.5 times a wave) and its absence, the fused kernel at H a multiple
-    of 64, v1 at H 16 / 32: `-k sweep`."""
+    """The sweep (the index rows sorted by slot, launches of one wave; the default over the L2
+    with a row visited >= SWEEP_MIN_VISITS times a wave) and its absence, the fused kernel at H a
+    multiple of 64, v1 at H 16 / 32: `-k sweep`."""
     if sweep is None:
         ctas = launch.ctas_per_token(heads)
         assert launch.sweeps_by_default(slots, topk, ctas, torch.cuda.current_device())

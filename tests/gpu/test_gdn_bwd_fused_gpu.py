@@ -113,6 +113,57 @@ def test_varlen(fused, monkeypatch, lens):
         _close(name, a, r)
 
 
+@pytest.mark.parametrize(("b", "t", "passes"), [(4, 200, 1), (8, 130, 2)])
+def test_the_default_rule_with_out_and_a_graph(monkeypatch, b, t, passes):
+    """FUSED as shipped (the rule not forced, the switch unset): h16 hv32 bf16 with B x HV (a
+    pass's) at 128 CTAs takes the fused kernel, in one pass or in two of eight heads
+    (TOKEN_HEADS_PER_PASS cut: strided head slices, the passes joined into out=); the op's
+    out= (NaN-filled) written in place and close to today's path (FUSED off) and the fp64
+    backward; the same call captured in a CUDA graph, its replay (out= NaN-filled again)
+    equal to the eager call (next/int45-review: FUSED's default route beyond the tests above)."""
+    monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
+    monkeypatch.delenv(bwd.FUSED_SWITCH, raising=False)
+    if passes > 1:
+        # step = TOKEN_HEADS_PER_PASS // (B T group) q heads a pass: 16 / passes
+        monkeypatch.setattr(bwd, "TOKEN_HEADS_PER_PASS", b * t * 2 * (16 // passes))
+    launches = []
+    real = bwd._fused_bwd
+    monkeypatch.setattr(bwd, "_fused_bwd", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    q, k, v, g, beta, do, h0, dht = _problem(b, t, 16, 32, torch.bfloat16, seed=b + t)
+    args, kw = [q, k, v, g, beta, do], {"initial_state": h0, "d_final_state": dht}
+    want = _reference(tuple(args), h0=h0, dht=dht, l2norm=False)
+    monkeypatch.setattr(bwd, "FUSED", False)
+    today = forgekernel.gated_delta_rule_backward(*args, **kw)
+    assert launches == []
+    monkeypatch.setattr(bwd, "FUSED", True)
+    out = tuple(torch.full_like(x, float("nan")) for x in today)
+
+    def call():
+        return forgekernel.gated_delta_rule_backward(*args, out=out, **kw)
+
+    got = call()
+    assert launches == [1] * passes, launches
+    assert all(a.data_ptr() == o.data_ptr() for a, o in zip(got, out))
+    for name, a, r, o in zip(NAMES, out, want, today):
+        _close(name, a, r)
+        _close(name + " vs today's path", a, o.double())
+    eager = [x.clone() for x in out]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for x in out:
+        x.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, a, e in zip(NAMES, out, eager):
+        _close(name + " graph replay", a, e.double())
+
+
 def _time(args, kw) -> float:
     return median(time_ms(lambda: forgekernel.gated_delta_rule_backward(*args, **kw), reps=10))
 

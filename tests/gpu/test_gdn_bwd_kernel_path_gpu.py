@@ -78,31 +78,34 @@ QK16_CALLS: list = []  # kernel 2's (dqk16, scale) a WY launch
 
 def _poisoned_chunk_wy_kernel(calls):
     """Kernel 2's WY variant with its outputs NaN-poisoned first; calls as ("k2wy", shape);
-    `fsplit` (the op's FSPLIT) passed on."""
+    `fsplit` (the op's FSPLIT) and the varlen slot layout's `tables`, `tokens` (the op's
+    NATIVE_STORES) passed on."""
 
     def run(do, u, du, q, k, h, dh, big_g, *wy, dv16=False, dqk16=False, scale=1.0,
-            fsplit=False):  # fmt: skip
+            fsplit=False, tables=None, tokens=None):  # fmt: skip
         out = tuple(x.fill_(float("nan"))
-                    for x in chunk_launch.empty_wy_outputs(do, q.shape[-1], dv16,
-                                                           dqk16))  # fmt: skip
+                    for x in chunk_launch.empty_wy_outputs(do, q.shape[-1], dv16, dqk16,
+                                                           tokens))  # fmt: skip
         calls.append(("k2wy", tuple(do.shape)))
         QK16_CALLS.append((dqk16, scale))
         return chunk_launch.gdn_bwd_chunk_wy(do, u, du, q, k, h, dh, big_g, *wy, out=out,
                                              dv16=dv16, dqk16=dqk16, scale=scale,
-                                             fsplit=fsplit)  # fmt: skip
+                                             fsplit=fsplit, tables=tables,
+                                             tokens=tokens)  # fmt: skip
 
     return run
 
 
 def _poisoned_factors_kernel(calls):
-    """Kernel 0 with its outputs NaN-poisoned first; calls as ("k0", v's shape)."""
+    """Kernel 0 with its outputs NaN-poisoned first; calls as ("k0", v's shape); the op's
+    FACTORS_2WG passed on."""
 
     def run(q, k, v, g, beta):
         out = factors_launch.empty_outputs(q, v)
         for x in out.values():
             x.fill_(float("nan"))
         calls.append(("k0", tuple(v.shape)))
-        return factors_launch.gdn_bwd_factors(q, k, v, g, beta, out=out)
+        return factors_launch.gdn_bwd_factors(q, k, v, g, beta, out=out, wg2=bwd.FACTORS_2WG)
 
     return run
 

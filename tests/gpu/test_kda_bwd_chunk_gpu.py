@@ -17,7 +17,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from same_bits import assert_same_bits
 from test_kda_bwd_chunk import NAMES, emulate, reference
 
 from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90 import launch
@@ -51,9 +50,9 @@ def _problem(b, t, hv, dtype, g_range=(-5.0, 0.0), seed=0):
     return f, do, h, dh, big_u, d_u, qs, ks, g
 
 
-def _launch(p, dtype, strided=False, dw16=False, dq16=False, scale=1.0, wg2=False):
+def _launch(p, dtype, strided=False, dw16=False, dq16=False, scale=1.0):
     """The kernel on `_problem` p's tiles in `dtype`, outputs NaN-poisoned first (dw in
-    `dtype` with dw16; dq16: dq times `scale` in `dtype`; wg2: the two-math-warpgroup key)."""
+    `dtype` with dw16; dq16: dq times `scale` in `dtype`)."""
     _, do, h, dh, big_u, d_u, qs, ks, g = p
     tiles = list(chunk_grad_tiles(qs, ks, do, big_u, d_u, h, dh, g, dtype))
     tiles[-1] = tiles[-1].float()
@@ -62,7 +61,7 @@ def _launch(p, dtype, strided=False, dw16=False, dq16=False, scale=1.0, wg2=Fals
     empty = launch.empty_outputs(tiles[0], 128, dw16, dq16)
     out = tuple(x.fill_(float("nan")) for x in empty)
     flags = {"dq16": True, "scale": scale} if dq16 else {}
-    return launch.kda_bwd_chunk(*tiles, dw16=dw16, wg2=wg2, out=out, **flags)
+    return launch.kda_bwd_chunk(*tiles, dw16=dw16, out=out, **flags)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -146,60 +145,4 @@ def test_time_at_bench_size(hv):
     print(
         f"\nKDA backward kernel 2, 4 x 8192 hv{hv} bf16: {ms:.3f} ms a launch, "
         f"{moved:.2f} GB moved, {moved / ms * 1e3:.0f} GB/s"
-    )
-
-
-# `wg2` (NOTES "KDA kernel 2 on two math warpgroups, built"): the key-channel split; run the
-# bit-for-bit test under racecheck and synccheck too (the note's commands)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("t", [1, 63, 64, 65, 1000])
-@pytest.mark.parametrize(("b", "hv", "flags"),
-                         [(1, 1, {}), (2, 3, {"dw16": True}),
-                          (3, 2, {"dw16": True, "dq16": True, "scale": 0.0883883})])  # fmt: skip
-def test_wg2_is_the_256_thread_kernel_bit_for_bit(dtype, t, b, hv, flags):
-    """`wg2`: every output element formed by the same operations in the same order as the
-    256-thread kernel's (the products per element as N = 64 WGMMAs, the tables, te's shuffles,
-    dG's chain unchanged), so dq, dk, dw, dg equal bit for bit, NaN-poisoned outputs all
-    written; strong decay on the middle case."""
-    g_range = (-5.0, -4.0) if hv == 3 else (-5.0, 0.0)
-    p = _problem(b, t, hv, dtype, g_range, seed=11 * t + hv)
-    want = _launch(p, dtype, **flags)
-    got = _launch(p, dtype, wg2=True, **flags)
-    for name, a, r in zip(NAMES, got, want):
-        assert_same_bits(name, a, r)
-
-
-def test_wg2_time_at_bench_size():
-    """4 x 8192 tokens, H = HV = 16, bf16, dw16 + dq16 (the op's key without l2norm): the
-    256-thread kernel and `wg2`, interleaved, each the median of 20 a round, 3 rounds (printed,
-    `-s`); the same outputs."""
-    b, t, hv, nc = 4, 8192, 16, 128
-    gen = torch.Generator(device=DEVICE).manual_seed(3)
-
-    def rnd(*shape, scale=1.0):
-        return (torch.randn(*shape, device=DEVICE, generator=gen) * scale).bfloat16()
-
-    tiles = [rnd(b, t, hv, 128) for _ in range(3)]
-    tiles += [rnd(b, t, hv, 128), rnd(b, t, hv, 128, scale=128**-0.5)]
-    tiles += [rnd(b, nc, hv, 128, 128, scale=0.1) for _ in range(2)]
-    g = -5.0 * torch.rand(b, t, hv, 128, device=DEVICE, generator=gen)
-    tiles.append(to_tokens(to_chunks(g, nc).cumsum(-2)).contiguous())
-    outs = {w: launch.empty_outputs(tiles[0], 128, True, True) for w in (False, True)}
-
-    def run(w):
-        return launch.kda_bwd_chunk(*tiles, dw16=True, dq16=True, scale=128**-0.5, wg2=w,
-                                    out=outs[w])  # fmt: skip
-
-    for w in (False, True):
-        run(w)
-    for a, r in zip(outs[True], outs[False]):
-        torch.testing.assert_close(a, r, rtol=0, atol=0, equal_nan=True)
-    times = {False: [], True: []}
-    for _ in range(3):
-        for w in (False, True):
-            times[w] += time_ms(lambda w=w: run(w), reps=20)
-    base, two = median(times[False]), median(times[True])
-    print(
-        f"\nKDA backward kernel 2 dw16 + dq16, 4 x 8192 hv16 bf16: {base:.3f} ms (256 threads), "
-        f"{two:.3f} ms (wg2, 384), {base / two:.2f}x"
     )

@@ -136,19 +136,21 @@ def _poisoned_kernel(calls):
 
 
 def _poisoned_chunk_kernel(calls):
-    """Kernel 2 with NaN-poisoned outputs (an entry it leaves unwritten reaches the gradients)."""
+    """Kernel 2 with NaN-poisoned outputs (an entry it leaves unwritten reaches the gradients);
+    the varlen slot layout's `tables`, `tokens` (the op's NATIVE_STORES) passed on."""
 
     def run(do, u, du, q, k, h, dh, big_g, dw16=False, dg=None, dq16=False, scale=1.0,
-            dq=None):  # fmt: skip
+            dq=None, tables=None, tokens=None):  # fmt: skip
         # dg / dq: the op's out= buffers, written into (as bwd._chunk_grads does)
-        empty = chunk_launch.empty_outputs(do, q.shape[-1], dw16, dq16)
+        empty = chunk_launch.empty_outputs(do, q.shape[-1], dw16, dq16, tokens)
         out = [x.fill_(float("nan")) for x in empty]
         for i, given_out in ((0, dq), (3, dg)):
             if given_out is not None:
                 out[i] = given_out.fill_(float("nan"))
         calls.append(tuple(do.shape))
         flags = {"dw16": dw16, **({"dq16": True, "scale": scale} if dq16 else {})}
-        return chunk_launch.kda_bwd_chunk(do, u, du, q, k, h, dh, big_g, **flags, out=tuple(out))
+        return chunk_launch.kda_bwd_chunk(do, u, du, q, k, h, dh, big_g, **flags, out=tuple(out),
+                                          tables=tables, tokens=tokens)  # fmt: skip
 
     return run
 

@@ -210,9 +210,10 @@ def variants(case: Case) -> dict[str, Any]:
     """Every case: v1's previous form red4s (`_run_red4s`); H a multiple of 64 (the h64 and tp1
     groups, where ours runs the fused kernel): the two-kernel h64 form, the default before
     (`_run_was`); over the L2 (kv 16384 and more), the default's kernel with the sweep where the
-    default does not sweep (`_run_swept`: t4096-h64-kv16384, t16384-h64-kv65536-k512), without
-    it where it does (`_run_unswept`: t8192-h16-kv32768, t32768-h16-kv65536,
-    t8192-h128-kv65536; the device's SM count decides, `launch.sweeps_by_default`)."""
+    default does not sweep (`_run_swept`: none of the suite's on 132 SMs since the rule's refit of
+    2026-12-06), without it where it does (`_run_unswept`: t8192-h16-kv32768,
+    t32768-h16-kv65536, t8192-h128-kv65536, t4096-h64-kv16384, t16384-h64-kv65536-k512; the
+    device's SM count decides, `launch.sweeps_by_default`)."""
     from forgekernel.kernels.attention.dsa_sparse_bwd.sm90 import config, launch
 
     p = case.params

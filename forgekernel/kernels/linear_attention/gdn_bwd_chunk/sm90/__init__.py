@@ -29,11 +29,18 @@ def _standard_params() -> list[Params]:
     # ops/gated_delta_rule_bwd.py QK16) and without (the QK16 = False A/B); on the dqk16 keys
     # also `fsplit` (two math warpgroups split by function: the op's default,
     # ops/gated_delta_rule_bwd.py FSPLIT; the 256-thread dqk16 keys its FSPLIT = False A/B)
-    return standard + [
+    standard += [
         params_for(dtype, wy=True, grouped=g, dv16=True, dqk16=q16, fsplit=fs)
         for dtype in DTYPES
         for g in (False, True)
         for q16, fs in ((False, False), (True, False), (True, True))
+    ]
+    # the varlen slot layout's outputs at their token rows (`token_rows`: ops/_linattn_varlen.py
+    # NATIVE_STORES): the op's default form (dv16, dqk16, fsplit)
+    return standard + [
+        params_for(dtype, wy=True, grouped=g, dv16=True, dqk16=True, fsplit=True, token_rows=True)
+        for dtype in DTYPES
+        for g in (False, True)
     ]
 
 

@@ -147,6 +147,14 @@ OUTPUT_STEPS = (("do", "h"), ("u",), ("q", "k"), ("dh",), ("du", *WY_TILES))
 WY_STEPS = (("du", "h"), ("tt", "uw"), ("w", "k"))
 
 
+def _token_rows(tables, c):
+    """`token_rows`: (first token, valid rows) of chunk c's outputs, read from the per-slot
+    tables (mStarts, mLens) at each store group: not held across the products (the fsplit WY
+    warpgroup runs at 256 registers, the 256-thread wy key at 254); None without tables: the
+    chunk's own rows."""
+    return None if tables is None else (tables[0][c], tables[1][c])
+
+
 def _tdhb(t: cute.Tensor) -> cute.Tensor:
     """(B, T, H, D) as (T, D, H, B): the TMA view, the chunk's tokens and columns leading."""
     return select(t, [1, 3, 2, 0])
@@ -165,15 +173,18 @@ class GdnBwdChunkSm90:
     load_groups = LOAD_GROUPS
 
     def __init__(self, k: int, v: int, *, wy: bool = False, grouped: bool = False,
-                 fsplit: bool = False):  # fmt: skip
+                 fsplit: bool = False, token_rows: bool = False):  # fmt: skip
         if (k, v) != (128, 128):
             raise ValueError(f"(K, V) must be (128, 128), got {(k, v)}")
         if fsplit and not wy:
             raise ValueError("fsplit needs wy")
+        if token_rows and not wy:
+            raise ValueError("token_rows needs wy (the op's outputs are the WY form's)")
         self.k, self.v = k, v
         self.wy = wy
         self.grouped = grouped
         self.fsplit = fsplit
+        self.token_rows = token_rows
         if fsplit:  # two math warpgroups split by function: the WY tiles first
             self.load_groups = FSPLIT_LOAD_GROUPS
 
@@ -228,6 +239,8 @@ class GdnBwdChunkSm90:
         mBeta: cute.Tensor | None,
         mDV: cute.Tensor | None,
         mDB: cute.Tensor | None,
+        mStarts: cute.Tensor | None,
+        mLens: cute.Tensor | None,
         scale: Float32,
         stream: cuda.CUstream,
     ):
@@ -238,8 +251,15 @@ class GdnBwdChunkSm90:
         fp32 (B, T, HV); outputs mDV fp32 (B, T, HV, V), mDB (B, T, HV); mDW None (dw stays on
         chip), mDK and mDG take the WY half's terms too. Without wy: all of these None.
         mDQ, mDK in the tiles' 16-bit dtype (`dqk16`, wy only): rounded once, dq times `scale`
-        (the op's q scale where no epilogue follows; else 1); fp32 outputs ignore `scale`."""
+        (the op's q scale where no epilogue follows; else 1); fp32 outputs ignore `scale`.
+        `token_rows`: mStarts, mLens int32 (NC,) the per-slot tables of the varlen slot layout
+        (ops/_linattn_varlen.py `Slots`): the output rows of chunk c (dq, dk, dg, dv, dbeta: the
+        op's token tensors, (B, T', ...) with T' their own token count) at token mStarts[c] +
+        row for row < mLens[c]; the inputs stay at the chunk's own rows (the slot layout).
+        Otherwise both None."""
         self.dtype = mDO.element_type
+        if const_expr(self.token_rows != (mStarts is not None)):
+            raise TypeError("mStarts, mLens: given with token_rows, and only then")
         self.dqk16 = mDQ.element_type != Float32
         if const_expr(self.fsplit and not self.dqk16):
             raise TypeError("fsplit needs 16-bit dq / dk (the warpgroups meet at dk's stash)")
@@ -303,7 +323,8 @@ class GdnBwdChunkSm90:
         atoms_and_views = [x for atom_view in tmas for x in atom_view]
         nc = (mDO.shape[1] + CHUNK - 1) // CHUNK
         self.kernel(
-            *atoms_and_views, mG, mDQ, mDK, mDW, mDG, mV, mBeta, mDV, mDB, scale, self.mma_w,
+            *atoms_and_views, mG, mDQ, mDK, mDW, mDG, mV, mBeta, mDV, mDB, mStarts, mLens, scale,
+            self.mma_w,
             self.mma_s, self.mma_q, self.mma_k, self.mma_da, self.sT_layout, self.sH_layout,
             self.sP_layout,
         ).launch(
@@ -345,6 +366,8 @@ class GdnBwdChunkSm90:
         mBeta: cute.Tensor | None,
         mDV: cute.Tensor | None,
         mDB: cute.Tensor | None,
+        mStarts: cute.Tensor | None,
+        mLens: cute.Tensor | None,
         scale: Float32,
         mma_w: cute.TiledMma,
         mma_s: cute.TiledMma,
@@ -397,6 +420,7 @@ class GdnBwdChunkSm90:
 
         c, hv, b = cute.arch.block_idx()
         seqlen = mDO4.shape[0]
+        tables = (mStarts, mLens) if const_expr(self.token_rows) else None
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         if const_expr(self.fsplit):
             if wg == 0:
@@ -411,13 +435,13 @@ class GdnBwdChunkSm90:
                 self._math(
                     mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sDU, sQ, sK, sH, sDH, sP,
                     wy_smem, sG, sRed, mG, mDQ, mDK, mDW, mDG, mV, mBeta, mDV, mDB, bars, c, hv,
-                    b, seqlen, scale, stash,
+                    b, seqlen, scale, stash, tables,
                 )  # fmt: skip
             else:
                 cute.arch.setmaxregister_increase(FSPLIT_REGS[2])
                 self._math_wy(mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, sH, wy_smem, sG, sRed,
                               mG, mDK, mV, mBeta, mDV, mDB, bars, c, hv, b, seqlen,
-                              stash)  # fmt: skip
+                              stash, tables)  # fmt: skip
         elif wg == 0:
             if warp_idx == PRODUCER_WARP:
                 hq = hv  # q / k head: hv // (HV / H) when grouped
@@ -433,12 +457,12 @@ class GdnBwdChunkSm90:
                                   "uw": (tma_uw, mUw4, wy_smem[2], self.v, hv)})  # fmt: skip
                 self._load_groups(tiles, bars, c, hv, b)
             elif warp_idx <= FINISH_WARPS:
-                self._finish_dg(sH, sDH, sRed, sG, mDG, bars, b, hv, c, seqlen)
+                self._finish_dg(sH, sDH, sRed, sG, mDG, bars, b, hv, c, seqlen, tables)
         else:
             self._math(
                 mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sDU, sQ, sK, sH, sDH, sP, wy_smem,
                 sG, sRed, mG, mDQ, mDK, mDW, mDG, mV, mBeta, mDV, mDB, bars, c, hv, b, seqlen,
-                scale, stash,
+                scale, stash, tables,
             )  # fmt: skip
 
     @cute.jit
@@ -461,7 +485,7 @@ class GdnBwdChunkSm90:
 
     @cute.jit
     def _math_wy(self, mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, sH, wy_smem, sG, sRed, mG,
-                 mDK, mV, mBeta, mDV, mDB, bars, c, hv, b, seqlen, stash):  # fmt: skip
+                 mDK, mV, mBeta, mDV, mDB, bars, c, hv, b, seqlen, stash, tables):  # fmt: skip
         """`fsplit`'s WY warpgroup (warpgroup 2): dw = -dU h^T into sDW, then `_wy` (its tiles'
         groups waited there), dk = the output warpgroup's stash + the WY terms (after
         BAR_HANDOVER), dG's WY rows onto the stashed rows, then `_rows_to_finish`: the output
@@ -487,7 +511,7 @@ class GdnBwdChunkSm90:
         math.arrive_and_wait()
         self._wy(mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, wy_smem, sG, sRed, mDK, mV,
                  mBeta, mDV, mDB, math, e_g, t0, row_w, first, seqlen, b, hv, c, stash,
-                 bars, waits)  # fmt: skip
+                 bars, waits, tables)  # fmt: skip
         _rows_to_finish()  # the WY rows on the stash: waits on both sides (racecheck)
 
     @cute.jit
@@ -510,10 +534,11 @@ class GdnBwdChunkSm90:
             sRed[2 * CHUNK + tid // WARP_SIZE] = part
 
     @cute.jit
-    def _dg_rows(self, sRed, sG, mDG, b, hv, first, seqlen, tid):
+    def _dg_rows(self, sRed, sG, mDG, b, hv, first, seqlen, tid, at=None):
         """dG of token `first + tid` (one a thread): the rows' dg (sRed[:CHUNK]) reverse-summed
         within the chunk, plus the last position's te sum (sRed[CHUNK:2 CHUNK]) and
-        e^(G_C) <dh, h> (`_stash_h_dh`'s two warp sums)."""
+        e^(G_C) <dh, h> (`_stash_h_dh`'s two warp sums); `at` (`_token_rows`): written at
+        token at[0] + tid, tid < at[1], instead."""
         dhh = sRed[2 * CHUNK] + sRed[2 * CHUNK + 1]
         g_last = sG[cutlass.min(first + CHUNK, seqlen) - 1 - first]
         acc = cute.math.exp(g_last, fastmath=True) * dhh
@@ -521,11 +546,15 @@ class GdnBwdChunkSm90:
             acc = acc + sRed[CHUNK + j]
             if j >= tid:
                 acc = acc + sRed[j]
-        if first + tid < seqlen:
-            mDG[b, first + tid, hv] = acc
+        if const_expr(at is None):
+            if first + tid < seqlen:
+                mDG[b, first + tid, hv] = acc
+        else:
+            if tid < at[1]:
+                mDG[b, at[0] + tid, hv] = acc
 
     @cute.jit
-    def _finish_dg_split(self, sH, sDH, sRed, sG, mDG, b, hv, c, seqlen, tid):
+    def _finish_dg_split(self, sH, sDH, sRed, sG, mDG, b, hv, c, seqlen, tid, tables=None):
         """`fsplit`: `_finish_dg` by the output warpgroup's first two warps (tid < 64, the
         same token a thread and the same sums): <dh, h>'s partials while the WY warpgroup
         ends, then `_rows_to_finish` (the WY rows added to sRed), then the reverse cumsum."""
@@ -534,7 +563,7 @@ class GdnBwdChunkSm90:
             self._stash_h_dh(self._h_dh_part(sH, sDH, tid), sRed, tid)
         _rows_to_finish()
         if tid < FINISH_THREADS:
-            self._dg_rows(sRed, sG, mDG, b, hv, first, seqlen, tid)
+            self._dg_rows(sRed, sG, mDG, b, hv, first, seqlen, tid, _token_rows(tables, c))
 
     @cute.jit
     def _load_groups(self, tiles, bars, c, hv, b):
@@ -567,7 +596,7 @@ class GdnBwdChunkSm90:
     def _math(
         self, mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sDU, sQ, sK, sH, sDH, sP, wy_smem,
         sG, sRed, mG, mDQ, mDK, mDW, mDG, mV, mBeta, mDV, mDB, bars, c, hv, b, seqlen, scale,
-        stash,
+        stash, tables=None,
     ):  # fmt: skip
         wg_w = mma_w.get_slice(0)
         wg_s = mma_s.get_slice(0)
@@ -633,7 +662,7 @@ class GdnBwdChunkSm90:
             cute.arch.mbarrier_wait(bars + waits[2][i], 0)
         gemm(mma_q, acc_q, tQrP, tQrK[None, None, None, 0], False, 0)
         dg = self._row_dots(acc_q, mma_w, sQ, tid)
-        self._store_rows(acc_q, mma_w, mDQ, tid, b, hv, c, seqlen, scale)
+        self._store_rows(acc_q, mma_w, mDQ, tid, b, hv, c, seqlen, scale, _token_rows(tables, c))
 
         acc_k = cute.make_rmem_tensor(wg_w.partition_shape_C((CHUNK, self.k)), Float32)
         for i in cutlass.range_constexpr(len(waits[3])):  # dh
@@ -651,13 +680,14 @@ class GdnBwdChunkSm90:
             for i in cutlass.range_constexpr(cute.size(acc_k)):
                 stash[i // STASH_COLS][tid, i % STASH_COLS] = acc_k[i]
         else:
-            self._store_rows(acc_k, mma_w, mDK, tid, b, hv, c, seqlen)
+            self._store_rows(acc_k, mma_w, mDK, tid, b, hv, c, seqlen,
+                             at=_token_rows(tables, c))  # fmt: skip
         for r in cutlass.range_constexpr(2):
             dg[r] = dg[r] - dk_k[r]
         self._stash_rows(dg, te, sRed, t0, row_w, tid, first, seqlen)  # frees them for the WY
         if const_expr(self.fsplit):  # dk's first half and the rows to the WY warpgroup
             unaligned_barrier(BAR_HANDOVER, 2 * THREADS_PER_WG).arrive_and_wait()
-            self._finish_dg_split(sH, sDH, sRed, sG, mDG, b, hv, c, seqlen, tid)
+            self._finish_dg_split(sH, sDH, sRed, sG, mDG, b, hv, c, seqlen, tid, tables)
         else:
             for i in cutlass.range_constexpr(len(waits[4])):  # dU (and T^T, w, u with wy)
                 cute.arch.mbarrier_wait(bars + waits[4][i], 0)
@@ -668,7 +698,7 @@ class GdnBwdChunkSm90:
                 math.arrive_and_wait()
                 self._wy(mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, wy_smem, sG, sRed, mDK, mV,
                          mBeta, mDV, mDB, math, e_g, t0, row_w, first, seqlen, b, hv, c,
-                         stash)  # fmt: skip
+                         stash, tables=tables)  # fmt: skip
             else:
                 self._store_rows(acc_k, mma_w, mDW, tid, b, hv, c, seqlen)
             # rows stashed: a wait (bar.sync), not bar.arrive. The arrive orders the stores on the
@@ -693,7 +723,7 @@ class GdnBwdChunkSm90:
                 sRed[CHUNK + i] = row_te
 
     @cute.jit
-    def _finish_dg(self, sH, sDH, sRed, sG, mDG, bars, b, hv, c, seqlen):
+    def _finish_dg(self, sH, sDH, sRed, sG, mDG, bars, b, hv, c, seqlen, tables=None):
         """Warps 1, 2 of warpgroup 0, once the math warpgroup has stashed the rows: dG of every
         token of the chunk (one a thread): the rows' dg, the last position's term sum(te) +
         e^(G_C) <dh, h> (the 16-bit state tiles, two columns a thread), and the reverse
@@ -706,12 +736,12 @@ class GdnBwdChunkSm90:
         first = c * CHUNK
         self._stash_h_dh(self._h_dh_part(sH, sDH, tid), sRed, tid)
         named_barrier(BAR_FINISH_WARPS, FINISH_THREADS).arrive_and_wait()
-        self._dg_rows(sRed, sG, mDG, b, hv, first, seqlen, tid)
+        self._dg_rows(sRed, sG, mDG, b, hv, first, seqlen, tid, _token_rows(tables, c))
 
     @cute.jit
     def _wy(self, mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, wy_smem, sG, sRed, mDK, mV,
             mBeta, mDV, mDB, math, e_g, t0, row_w, first, seqlen, b, hv, c,
-            stash=None, bars=None, waits=None):  # fmt: skip
+            stash=None, bars=None, waits=None, tables=None):  # fmt: skip
         """The WY half (reference `_wy_grads`) from dw in shared memory: [dkb dvb] = T^T [dw du],
         dv = beta dvb, dA = -(dkb w^T + dvb u^T) strictly lower, dAe = dA o D, M = beta dAe,
         dk += beta e^G dkb + M k + M^T k, dbeta = dvb.v + e^G dkb.k + rowsum(dAe o KK^T), dG +=
@@ -748,7 +778,7 @@ class GdnBwdChunkSm90:
         for r in cutlass.range_constexpr(2):
             for j in cutlass.range_constexpr(cute.size(va, mode=[1])):
                 va[r, j] = va[r, j] * beta[r]
-        self._store_rows(acc_v, mma_k, mDV, tid, b, hv, c, seqlen)
+        self._store_rows(acc_v, mma_k, mDV, tid, b, hv, c, seqlen, at=_token_rows(tables, c))
         # dkb = T^T dw: dA's other A operand, then dk's accumulator (beta e^G dkb)
         if const_expr(bars is not None):  # `fsplit`: w, k
             for i in cutlass.range_constexpr(len(waits[2])):
@@ -816,10 +846,10 @@ class GdnBwdChunkSm90:
                 t0, row_w, _ = softmax.acc_coords(mma_w, tid, (CHUNK, self.k))
             for i in cutlass.range_constexpr(cute.size(acc_b)):
                 acc_b[i] = acc_b[i] + stash[i // STASH_COLS][tid, i % STASH_COLS]
-            self._store_rows(acc_b, mma_k, mDK, tid, b, hv, c, seqlen)
+            self._store_rows(acc_b, mma_k, mDK, tid, b, hv, c, seqlen, at=_token_rows(tables, c))
         else:
-            self._add_rows(acc_b, mma_k, mDK, tid, b, hv, c, seqlen)
-        self._store_vec(dbeta, t0, row_w, tid, mDB, b, hv, first, seqlen)
+            self._add_rows(acc_b, mma_k, mDK, tid, b, hv, c, seqlen, _token_rows(tables, c))
+        self._store_vec(dbeta, t0, row_w, tid, mDB, b, hv, first, seqlen, _token_rows(tables, c))
         if tid % QUAD == 0:  # dG's WY rows onto this thread's own stash (`_stash_rows`)
             for r in cutlass.range_constexpr(2):
                 i = row_w + t0[r, 0][0]
@@ -894,29 +924,41 @@ class GdnBwdChunkSm90:
             out[r] = cute.arch.warp_reduction_sum(part, threads_in_group=QUAD)
         return out
 
+    def _out_rows(self, mOut, b, hv, c, seqlen, at):
+        """Where a (C, K) accumulator's rows go: (the (C, K) tile of out[b, :, hv, :], the
+        first row's index for the predicate, the bound): the tokens of chunk c, those inside T;
+        or `at` (`_token_rows`) the tokens from at[0], the first at[1] rows."""
+        if at is None:
+            return (cute.local_tile(mOut[b, None, hv, None], (CHUNK, self.k), (c, 0)),
+                    c * CHUNK, seqlen)  # fmt: skip
+        rows = cute.domain_offset((at[0], 0), mOut[b, None, hv, None])
+        return cute.local_tile(rows, (CHUNK, self.k), (0, 0)), 0, at[1]
+
     @cute.jit
-    def _add_rows(self, acc, mma, mOut, tid, b, hv, c, seqlen):
+    def _add_rows(self, acc, mma, mOut, tid, b, hv, c, seqlen, at=None):
         """out[b, tokens of chunk c, hv, :] += a (C, K) accumulator, the rows inside T (this
-        thread's own earlier stores: `_store_rows` with the same partition)."""
+        thread's own earlier stores: `_store_rows` with the same partition); `at`: at the
+        tokens `_out_rows` names."""
         t0, row_base, _ = softmax.acc_coords(mma, tid, (CHUNK, self.k))
-        tile = cute.local_tile(mOut[b, None, hv, None], (CHUNK, self.k), (c, 0))
+        tile, first, bound = self._out_rows(mOut, b, hv, c, seqlen, at)
         g = rows_cols(mma.get_slice(tid).partition_C(tile))
         a = rows_cols(acc)
         for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
-            if c * CHUNK + row_base + t0[r, 0][0] < seqlen:
+            if first + row_base + t0[r, 0][0] < bound:
                 for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
                     g[r, j] = g[r, j] + a[r, j]
 
     @cute.jit
-    def _store_rows(self, acc, mma, mOut, tid, b, hv, c, seqlen, scale=None):
+    def _store_rows(self, acc, mma, mOut, tid, b, hv, c, seqlen, scale=None, at=None):
         """A (C, K) accumulator to out[b, tokens of chunk c, hv, :], the rows inside T; a 16-bit
-        out rounded once (times `scale` when given: dqk16's dq)."""
+        out rounded once (times `scale` when given: dqk16's dq); `at`: at the tokens
+        `_out_rows` names."""
         t0, row_base, _ = softmax.acc_coords(mma, tid, (CHUNK, self.k))
-        tile = cute.local_tile(mOut[b, None, hv, None], (CHUNK, self.k), (c, 0))
+        tile, first, bound = self._out_rows(mOut, b, hv, c, seqlen, at)
         g = rows_cols(mma.get_slice(tid).partition_C(tile))
         a = rows_cols(acc)
         for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
-            if c * CHUNK + row_base + t0[r, 0][0] < seqlen:
+            if first + row_base + t0[r, 0][0] < bound:
                 for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
                     if const_expr(mOut.element_type != Float32 and scale is not None):
                         g[r, j] = (a[r, j] * scale).to(mOut.element_type)
@@ -926,10 +968,16 @@ class GdnBwdChunkSm90:
                         g[r, j] = a[r, j]
 
     @cute.jit
-    def _store_vec(self, vals, t0, row_w, tid, mOut, b, hv, first, seqlen):
-        """One value a row (quad-reduced) to out[b, token, hv], by the quad's first thread."""
+    def _store_vec(self, vals, t0, row_w, tid, mOut, b, hv, first, seqlen, at=None):
+        """One value a row (quad-reduced) to out[b, token, hv], by the quad's first thread;
+        `at` (`_token_rows`): row i at token at[0] + i, i < at[1]."""
         if tid % QUAD == 0:
             for r in cutlass.range_constexpr(2):
-                i = first + row_w + t0[r, 0][0]
-                if i < seqlen:
-                    mOut[b, i, hv] = vals[r]
+                if const_expr(at is None):
+                    i = first + row_w + t0[r, 0][0]
+                    if i < seqlen:
+                        mOut[b, i, hv] = vals[r]
+                else:
+                    i = row_w + t0[r, 0][0]
+                    if i < at[1]:
+                        mOut[b, at[0] + i, hv] = vals[r]

@@ -17,7 +17,8 @@ from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.chunk_grads import 
 def kernel_for(params: dict) -> GdnBwdChunkSm90:
     return GdnBwdChunkSm90(params["k"], params["v"], wy=params["wy"],
                            grouped=params.get("grouped", False),
-                           fsplit=params.get("fsplit", False))  # fmt: skip
+                           fsplit=params.get("fsplit", False),
+                           token_rows=params.get("token_rows", False))  # fmt: skip
 
 
 def compile_gdn_bwd_chunk(params: dict, arch: str = "sm_90a", extra_options: str = "", kernel=None):
@@ -31,6 +32,11 @@ def compile_gdn_bwd_chunk(params: dict, arch: str = "sm_90a", extra_options: str
     wy = params["wy"]
     # dqk16: dq, dk in the tiles' dtype (16-byte aligned rows: 8 elements)
     qk_out = (dtype, 8) if params.get("dqk16", False) else (f32, 4)
+    # token_rows: the outputs at their own token count T' (the slot layout's inputs: T = S C)
+    # and the per-slot tables (first token, valid rows), int32 (NC,)
+    token_rows = params.get("token_rows", False)
+    t_out = cute.sym_int32() if token_rows else t
+    tables = (fake.rowmajor(cutlass.Int32, (nc,), divisibility=1, align=4),) * 2
 
     def tok(d):
         return fake.rowmajor(dtype, (b, t, hv, d))
@@ -41,8 +47,8 @@ def compile_gdn_bwd_chunk(params: dict, arch: str = "sm_90a", extra_options: str
     def qk():
         return fake.rowmajor(dtype, (b, t, h, kd))
 
-    def vec():
-        return fake.rowmajor(f32, (b, t, hv), divisibility=1, align=4)
+    def vec(rows=t):
+        return fake.rowmajor(f32, (b, rows, hv), divisibility=1, align=4)
 
     return cute.compile(
         kernel,
@@ -50,13 +56,14 @@ def compile_gdn_bwd_chunk(params: dict, arch: str = "sm_90a", extra_options: str
         fake.rowmajor(dtype, (b, nc, hv, kd, vd)),
         fake.rowmajor(dtype, (b, nc, hv, kd, vd)),
         vec(),
-        fake.rowmajor(qk_out[0], (b, t, hv, kd), divisibility=qk_out[1]),
-        fake.rowmajor(qk_out[0], (b, t, hv, kd), divisibility=qk_out[1]),
+        fake.rowmajor(qk_out[0], (b, t_out, hv, kd), divisibility=qk_out[1]),
+        fake.rowmajor(qk_out[0], (b, t_out, hv, kd), divisibility=qk_out[1]),
         None if wy else fake.rowmajor(f32, (b, t, hv, kd), divisibility=4),
-        vec(),
+        vec(t_out),
         *((tok(64), tok(kd), tok(vd), tok(vd), vec(),
-           fake.rowmajor(dtype if params.get("dv16", False) else f32, (b, t, hv, vd),
-                         divisibility=4), vec()) if wy else (None,) * 7),
+           fake.rowmajor(dtype if params.get("dv16", False) else f32, (b, t_out, hv, vd),
+                         divisibility=4), vec(t_out)) if wy else (None,) * 7),
+        *(tables if token_rows else (None, None)),
         f32(1.0),  # scale: dqk16's dq
         fake.stream(),
         options=fake.options(arch, extra_options),

@@ -51,6 +51,7 @@ def params_for(
     dv16: bool = False,
     dqk16: bool = False,
     fsplit: bool = False,
+    token_rows: bool = False,
 ) -> tuple:
     """Compile key: the 16-bit dtype of the tiles, (K, V) and `wy`: the WY half (`_wy_grads`)
     in the kernel too (dw stays on chip; dv, dbeta out) or `_output_grads` only (dw out);
@@ -61,11 +62,15 @@ def params_for(
     once from the fp32 accumulators (dk's first half kept in fp32 in shared memory for the WY
     half's terms), dq times the kernel's runtime `scale` argument; `fsplit` (dqk16 only, in the
     key only when set): two math warpgroups split by function (FSPLIT_*), same outputs bit for
-    bit."""
+    bit; `token_rows` (wy only, in the key only when set): the varlen slot layout's outputs at
+    their token rows (the per-slot tables' first token + row, rows below the slot's valid
+    count: ops/_linattn_varlen.py `NATIVE_STORES`), the inputs at the slots."""
     if dv16 and not wy:
         raise ValueError("dv16 needs wy (dv is the WY half's output)")
     if dqk16 and not wy:
         raise ValueError("dqk16 needs wy (without it dk takes torch's WY terms in fp32)")
+    if token_rows and not wy:
+        raise ValueError("token_rows needs wy (the op's outputs are the WY form's)")
     if fsplit and not dqk16:
         raise ValueError("fsplit needs dqk16 (the warpgroups meet at dk's fp32 stash)")
     if dtype not in DTYPES:
@@ -82,4 +87,6 @@ def params_for(
         key["dqk16"] = True
     if fsplit:
         key["fsplit"] = True
+    if token_rows:
+        key["token_rows"] = True
     return tuple(sorted(key.items()))

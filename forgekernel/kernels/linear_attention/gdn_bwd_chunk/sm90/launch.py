@@ -81,11 +81,27 @@ def gdn_bwd_chunk(
                                   grouped=grouped))  # fmt: skip
     tiles = [as_tma_ready(x) for x in (do, u, du, q, k, h, dh)]
     with on_device(do.device):
-        fn(*tiles, big_g.contiguous(), *outs, *(None,) * 7, 1.0)
+        fn(*tiles, big_g.contiguous(), *outs, *(None,) * 9, 1.0)
     return outs
 
 
 WyOutputs = tuple[torch.Tensor, ...]
+
+
+def check_tables(tables, tokens: int | None, b: int, t: int) -> None:
+    """`gdn_bwd_chunk_wy`'s tables and tokens: both or neither; B = 1, (starts, lengths) int32
+    (NC,) contiguous on the tiles' device, NC = ceil(T / C) (T the slot layout's rows)."""
+    if (tables is None) != (tokens is None):
+        raise ValueError("tables and tokens come together (the varlen slot layout's outputs)")
+    if tables is None:
+        return
+    nc = -(-t // CHUNK)
+    if b != 1:
+        raise ValueError(f"tables take the slot layout: B = 1, got {b}")
+    for x in tables:
+        if x.dtype != torch.int32 or tuple(x.shape) != (nc,) or not x.is_contiguous():
+            raise ValueError(f"tables must be contiguous int32 ({nc},), got {x.dtype} "
+                             f"{tuple(x.shape)}")  # fmt: skip
 
 
 def check_wy_inputs(do, q, tt, w, uw, v, beta) -> None:
@@ -115,11 +131,12 @@ def wy_dtypes(do: torch.Tensor, dv16: bool = False, dqk16: bool = False) -> list
     return want
 
 
-def empty_wy_outputs(do: torch.Tensor, k: int, dv16: bool = False,
-                     dqk16: bool = False) -> WyOutputs:  # fmt: skip
+def empty_wy_outputs(do: torch.Tensor, k: int, dv16: bool = False, dqk16: bool = False,
+                     tokens: int | None = None) -> WyOutputs:  # fmt: skip
     """(dq, dk (B, T, HV, K), dg (B, T, HV), dv (B, T, HV, V), dbeta (B, T, HV)) in
-    `wy_dtypes`."""
+    `wy_dtypes`; T = `tokens` where given (`gdn_bwd_chunk_wy`'s tables), else do's."""
     b, t, hv, v = do.shape
+    t = t if tokens is None else tokens
     shapes = ((b, t, hv, k), (b, t, hv, k), (b, t, hv), (b, t, hv, v), (b, t, hv))
     return tuple(torch.empty(s, dtype=dt, device=do.device)
                  for s, dt in zip(shapes, wy_dtypes(do, dv16, dqk16)))  # fmt: skip
@@ -145,6 +162,8 @@ def gdn_bwd_chunk_wy(
     dqk16: bool = False,
     scale: float = 1.0,
     fsplit: bool = False,
+    tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+    tokens: int | None = None,
 ) -> WyOutputs:
     """All of pass 3 per chunk: `gdn_bwd_chunk`'s products, then the WY half from dw on chip
     ([dkb dvb] = T^T [dw du], dv = beta dvb, dA, M = beta (dA o D), dk += beta e^G dkb + M k +
@@ -154,26 +173,32 @@ def gdn_bwd_chunk_wy(
     within the chunk done), dv, dbeta) fp32 (`dv16`: dv in do's dtype; `dqk16`: dq, dk in do's
     dtype, rounded once, dq times `scale`), into `out` (contiguous) when given. `fsplit`
     (dqk16 only): the two-math-warpgroup form of the same kernel (config.FSPLIT_*), the same
-    outputs bit for bit."""
+    outputs bit for bit. `tables` (B = 1, the inputs in the varlen slot layout,
+    ops/_linattn_varlen.py `Slots`): (starts, lengths) int32 (NC,), the outputs (1, `tokens`,
+    ...) token-major: chunk c's row r at token starts[c] + r for r < lengths[c] (the
+    `token_rows` key), no other row written."""
     b, t, hv, _ = check_inputs(do, u, du, q, k, h, dh, big_g)
     check_wy_inputs(do, q, tt, w, uw, v, beta)
     if scale != 1.0 and not dqk16:
         raise ValueError("scale multiplies dqk16's 16-bit dq only")
-    outs = empty_wy_outputs(do, q.shape[-1], dv16, dqk16) if out is None else out
+    check_tables(tables, tokens, b, t)
+    outs = empty_wy_outputs(do, q.shape[-1], dv16, dqk16, tokens) if out is None else out
     want = wy_dtypes(do, dv16, dqk16)
+    rows = t if tokens is None else tokens
     for x, dt in zip(outs, want):
-        if not x.is_contiguous() or x.dtype != dt:
-            raise ValueError(f"out must be contiguous tensors of dtypes {want}")
+        if not x.is_contiguous() or x.dtype != dt or x.shape[:2] != (b, rows):
+            raise ValueError(f"out must be contiguous (B, T, ...) {(b, rows)} tensors of dtypes "
+                             f"{want}")  # fmt: skip
     if b * hv * t == 0:
         return outs
     params = _params(dtype_name(do.dtype), (q.shape[-1], do.shape[-1]), wy=True,
                      grouped=q.shape[2] != hv, dv16=dv16, dqk16=dqk16,
-                     fsplit=fsplit)  # fmt: skip
+                     fsplit=fsplit, token_rows=tables is not None)  # fmt: skip
     fn = get_kernel(SPEC, params)
     tiles = [as_tma_ready(x) for x in (do, u, du, q, k, h, dh)]
     extra = [as_tma_ready(x) for x in (tt, w, uw)]
     dq, dk, dg, dv, dbeta = outs
     with on_device(do.device):
         fn(*tiles, big_g.contiguous(), dq, dk, None, dg, *extra, v.contiguous(),
-           beta.contiguous(), dv, dbeta, float(scale))  # fmt: skip
+           beta.contiguous(), dv, dbeta, *(tables or (None, None)), float(scale))  # fmt: skip
     return outs

@@ -24,13 +24,9 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    return [params_for(dtype) for dtype in DTYPES]
-
-
-def _candidate_params() -> list[Params]:
-    # the same on two math warpgroups (`wg2`, ops.gated_delta_rule_bwd.FACTORS_2WG: off until
-    # its device A/B)
-    return [params_for(dtype, wg2=True) for dtype in DTYPES]
+    # one math warpgroup (the A/B's baseline: ops.gated_delta_rule_bwd.FACTORS_2WG = False) and two
+    # (`wg2`, the op's default)
+    return [params_for(dtype, wg2=wg2) for wg2 in (False, True) for dtype in DTYPES]
 
 
 SPEC = KernelSpec(
@@ -39,7 +35,6 @@ SPEC = KernelSpec(
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
-    candidate_params=_candidate_params,
 )
 
 __all__ = ["SPEC", "params_for"]

@@ -19,11 +19,12 @@ TMA stores (bulk groups are the issuing thread's: warpgroup 1's first thread T^T
 warpgroup 2's P^T, Ke, Qe, then W) and waiting its own groups' shared-memory reads before
 the exit.
 
-Named barriers: BAR_GATES (256: warpgroup 1's warp 0 arrives once the gates are in shared
-memory, the other seven math warps wait at one instruction), BAR_T (256: warpgroup 1 arrives,
-warpgroup 2 waits), BAR_INVERSE (warpgroup 1's merges, as before), BAR_MATH / BAR_MATH2 (128,
-each warpgroup's own: its tiles written before its stores). Every phase is waited at one
-instruction (no unaligned-barrier case)."""
+Named barriers: BAR_GATES (256: the gates in shared memory, every math warp waits at one
+instruction, warpgroup 1's warp 0 after writing them: so warpgroup 1's four warps reach the
+inverse's barriers having waited equally often, which racecheck needs), BAR_T (256: warpgroup 1
+arrives, warpgroup 2 waits), BAR_INVERSE (warpgroup 1's merges, as before), BAR_MATH /
+BAR_MATH2 (128, each warpgroup's own: its tiles written before its stores). Every phase is
+waited at one instruction (no unaligned-barrier case)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse import invert
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse_mma import invert_merge_mma
 
 BAR_T = BAR_INVERSE + 1  # T final in sW: warpgroup 1 arrives, warpgroup 2 waits (256)
-BAR_GATES = BAR_INVERSE + 2  # the gates in shared memory: warp 4 arrives, warps 5..11 wait
+BAR_GATES = BAR_INVERSE + 2  # the gates in shared memory: warps 4..11 wait, 4 after writing
 BAR_MATH2 = BAR_INVERSE + 3  # warpgroup 2's own (128): its tiles written before its stores
 MATH_PAIR = 2 * THREADS_PER_WG
 LEADER = (THREADS_PER_WG, 2 * THREADS_PER_WG)  # each math warpgroup's storing thread
@@ -63,13 +64,12 @@ class GdnBwdFactorsWg2Sm90(GdnBwdFactorsSm90):
     @cute.jit
     def _math_roles(self, mma_aux, mma_rs, sQ, sK, sV, outs, sPt, sTt, gates, sW, sX, mG,
                     mBeta, mElast, mBigG, bars, tiles, c, hv, b):  # fmt: skip
-        ready = named_barrier(BAR_GATES, MATH_PAIR)
         if opaque_tid_x() < THREADS_PER_WG + WARP_SIZE:
             self._gates(gates, mG, mBeta, mElast, mBigG, c, hv, b)
-            cute.arch.sync_warp()  # the warp's own rows of the gates, read across its lanes
-            ready.arrive()
-        else:
-            ready.arrive_and_wait()
+        # every math warp waits, the gates' warp too: racecheck orders two threads' accesses by
+        # the bar.syncs each has waited at (an arrive counts for nothing), and warpgroup 1's
+        # warps hand blocks to each other at BAR_INVERSE (NOTES "next/fac-race")
+        named_barrier(BAR_GATES, MATH_PAIR).arrive_and_wait()
         wg = cute.arch.make_warp_uniform(opaque_tid_x() // THREADS_PER_WG)
         if wg == 1:
             self._t_and_u(mma_aux, mma_rs, sK, sV, outs[1], sTt, gates, sW, sX, bars, tiles,

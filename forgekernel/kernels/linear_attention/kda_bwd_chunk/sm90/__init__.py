@@ -24,12 +24,12 @@ def _compile(params: Params, extra_options: str = ""):
 
 def _standard_params() -> list[Params]:
     # fp32 dw (kernel 2 alone, the torch WY fallback) and 16-bit dw (the device pass's); with
-    # it dq16 (the device pass without l2norm at HV = H: the op's dq, no epilogue)
-    # each in the two-math-warpgroup build (`wg2`, ops.kda_bwd.CHUNK_2WG: the default since
-    # 2026-12-06) and the 256-thread one (the switch off)
-    flags = ({"dw16": False}, {"dw16": True}, {"dw16": True, "dq16": True})
-    return [params_for(dtype, **f, wg2=wg2) for wg2 in (True, False) for f in flags
-            for dtype in DTYPES]  # fmt: skip
+    # it dq16 (the device pass without l2norm at HV = H: the op's dq, no epilogue); dw16 with
+    # `token_rows` (the varlen slot layout's dq, dk, dG at their token rows: ops/_linattn_varlen.py
+    # NATIVE_STORES)
+    flags = ({"dw16": False}, {"dw16": True}, {"dw16": True, "dq16": True},
+             {"dw16": True, "token_rows": True})  # fmt: skip
+    return [params_for(dtype, **f) for f in flags for dtype in DTYPES]
 
 
 SPEC = KernelSpec(

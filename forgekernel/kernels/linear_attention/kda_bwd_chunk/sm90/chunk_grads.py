@@ -4,7 +4,7 @@ WGMMA, one CTA per (chunk, value head, sequence), every chunk at once (reference
 `reference.kda_bwd_chunk`, whose docstring has the math).
 
 Per chunk of C = 64 tokens (q scaled; G (C, K) the within-chunk cumulative log decay per key
-channel; four sub-chunks of 16 rows, warp w of the math warpgroup holds sub-chunk w's rows, with
+channel; four sub-chunks of 16 rows, warp w of a math warpgroup holds sub-chunk w's rows, with
 reference points r_I = G at row 16 I + 8 clamped inside T; h the state at the chunk's start, dh
 the state gradient at its end):
 
@@ -15,11 +15,11 @@ the state gradient at its end):
     (k er), (q el)                     bf16 (C, K) B operands formed on chip, over dU's and
                                        dO's bytes (their products done)
     dq  = el o (e^(r_w) o dqe + sum_(J <= w) E_(w,J) o (dP[:, J] (k er)[J]))  + dP_ii k_i
-                                       four 64 x 128 x 16 WGMMAs (A = dP's k-block J), each
-                                       scaled per column by E_(w,J) = e^(r_w - r_J) <= 1
+                                       four 64 x 64 x 16 WGMMAs a warpgroup (A = dP's k-block J),
+                                       each scaled per column by E_(w,J) = e^(r_w - r_J) <= 1
     dke = U dh^T                       (C x K x V)  SS, tile dtype
     dk  = er o (e^(G_C - r_w) o dke + sum_(I >= w) E_(I,w) o (dP^T[:, I] (q el)[I])) + dP_jj q_j
-                                       four 64 x 128 x 16 WGMMAs (A = dP^T's k-block I)
+                                       four 64 x 64 x 16 WGMMAs a warpgroup (A = dP^T's k-block I)
     dG rows = q o dq - k o dk          without the diagonal's terms (they cancel exactly; in
                                        16-bit operands they would not: reference docstring)
     te  = sum_rows k o dke o e^(G_C - G)   quad shuffles, four warps' partials in a table
@@ -29,14 +29,31 @@ el = e^(G - r_w), er = e^(r_w - G) <= e^(8 max|g|) (zero past T); no factor is e
 block products run in bf16 for either tile dtype (er overflows fp16 at g = -5 a step, as in the
 forward's first pass).
 
-Warp roles (2 warpgroups, 256 threads): warpgroup 0, warp 0: the chunk's 7 TMA tiles, all
-issued at once on five mbarriers armed once (no ring: one chunk a CTA), one a load group in the
-order the math consumes them (config.LOAD_GROUPS: dU + h, dO, U, q + k, dh; Gated DeltaNet's
-`_load_groups`); warps 1, 2: rowsum(h o dh) per key channel from the 16-bit state tiles (named
-barrier BAR_HDH hands it, and h's bytes for dG's rows, to the math warpgroup); warpgroup 1:
-everything else, 64 token rows, each load group waited just before its first product. G (C, K)
-fp32 is read by the math warpgroup from global into shared memory (swizzled rows, `_gi`) while
-the boxes land.
+Two math warpgroups split by key channels (2026-12-06: 2.24x the one-math-warpgroup kernel of
+256 threads it replaced, 3.584 -> 1.597 ms at 4 x 8192 HV16 on the H100, bit for bit its outputs;
+docs/linear_attention/NOTES.md "KDA kernel 2 on two math warpgroups, built", "next/lin-losers"):
+math warpgroup kh (warpgroups 1, 2 -> kh = 0, 1) owns key channels [64 kh, 64 kh + 64) of dw,
+dqe, dq, dke, dk and dG: every product is (C, 64) (B the rows [64 kh, +64) of h / dh, the columns
+[64 kh, +64) of (k er) / (q el): whole 8 KB SW128 atom columns, 1,024-byte aligned), and the
+per-channel SIMT (tables, block operands, te, the dG rows and their reverse cumsum) is done on
+its own 64 channels, 2 threads a channel where it is per channel. S = dO U^T (C x C, reduced
+over V) is computed by both (8 m64n64k16 each, no exchange); warpgroup 1 alone writes dP^T and
+dP's diagonal.
+
+Warp roles (3 warpgroups, 384 threads, no setmaxnreg: 137-139 registers a thread, under the
+launch's 168): warpgroup 0, warp 0: the chunk's 7 TMA tiles, all issued at once on five
+mbarriers armed once (no ring: one chunk a CTA), one a load group in the order the math consumes
+them (config.LOAD_GROUPS: dU + h, dO, U, q + k, dh; Gated DeltaNet's `_load_groups`); warps 1,
+2: rowsum(h o dh) per key channel from the 16-bit state tiles (named barrier BAR_HDH hands it,
+and h's bytes for dG's rows, to the math warpgroups); warpgroups 1, 2: everything else, 64 token
+rows, each load group waited just before its first product. G (C, K) fp32 is read by the math
+warpgroups from global into shared memory (padded rows, `_gi`) while the boxes land.
+
+Named barriers: BAR_HDH (320: both math warpgroups and the <h, dh> warps; every dq block of both
+retired before dG's rows overwrite (k er)'s and h's bytes), BAR_BOTH (256: both math warpgroups'
+dO / dU products retired and dP^T / dP_ii stored before (k er) / (q el) overwrite dU / dO),
+BAR_WG + kh (128: warpgroup-local: G's rows, the tables, the block operands, dG's rows and te's
+partials).
 
 Constraints: K = V = 128, 16-bit tiles with unit last strides and 16-byte aligned outer strides
 (TMA); G and the fp32 outputs (B, T, HV, K) unit last strides.
@@ -64,6 +81,7 @@ from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.chunk_grads import 
     GdnBwdChunkSm90,
     _kvchb,
     _tdhb,
+    _token_rows,
 )
 from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.config import STATE_TILES
 from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90.config import (
@@ -77,11 +95,23 @@ from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90.config import (
 
 PRODUCER_WARP = 0
 QUAD = 4
-BAR_MATH = FIRST_FREE  # the math warpgroup: G and the tables, dP^T, (k er), (q el), dG's rows
-BAR_HDH = FIRST_FREE + 1  # the <h, dh> warps (arrive) -> math warpgroup: rowsum(h o dh) done
+# Ids from FIRST_FREE + 1: FIRST_FREE was the 256-thread kernel's math barrier (deleted
+# 2026-12-06); these are the ids the H100's A/B and sanitizers ran (and the WY kernel's follow).
+BAR_HDH = FIRST_FREE + 1  # the <h, dh> warps (arrive) -> both math warpgroups: rowsum(h o dh)
+BAR_BOTH = BAR_HDH + 1  # both math warpgroups (256)
+BAR_WG = BAR_HDH + 2  # + kh: one math warpgroup (128)
 HDH_THREADS = HDH_WARPS * WARP_SIZE
+MATH_THREADS = 2 * THREADS_PER_WG
 PAIRS = NS * (NS - 1) // 2  # E_(I, J) of I > J
 G_STRIDE = 128 + 8  # the fp32 (C, K) tiles' padded rows (`_gi`)
+
+
+def _tiled_mma(dtype, b_major: OperandMajorMode, n: int, rmem: bool = False) -> cute.TiledMma:
+    """One math warpgroup's (C, n) WGMMA: `dtype` operands, fp32 accumulator, A K-major from
+    shared memory (from registers with `rmem`)."""
+    source = warpgroup.OperandSource.RMEM if rmem else warpgroup.OperandSource.SMEM
+    return sm90_utils.make_trivial_tiled_mma(dtype, dtype, OperandMajorMode.K, b_major, Float32,
+                                             (1, 1, 1), (CHUNK, n), a_source=source)  # fmt: skip
 
 
 class _GroupWaits:
@@ -101,42 +131,40 @@ class _GroupWaits:
 
 class KdaBwdChunkSm90(GdnBwdChunkSm90):
     """One CTA per (chunk, value head, sequence): `_output_grads` of the chunk with KDA's
-    per-channel decays; see the module docstring. Gated DeltaNet's kernel 2's row store
-    (`_store_rows`) and grouped TMA loads (`_load_groups`) are used as they are."""
+    per-channel decays on two math warpgroups split by key channels; see the module docstring.
+    Gated DeltaNet's kernel 2's grouped TMA loads (`_load_groups`) are used as they are."""
 
     load_groups = LOAD_GROUPS
     threads = THREADS
-    math_threads = THREADS_PER_WG  # BAR_HDH's math side (`wg2`: both math warpgroups)
 
-    def __init__(self, k: int, v: int):
+    def __init__(self, k: int, v: int, token_rows: bool = False):
         super().__init__(k, v, wy=False)
+        self.token_rows = token_rows  # dq, dk, dG at the per-slot tables' rows (`_token_rows`)
         # the per-channel fp32 tables, (rows of K floats): r_I, e^(r_I), e^(G_C - r_J), E_(I, J)
         # (I > J), te's warp partials, rowsum(h o dh); then dP's diagonal (C floats)
         self.t_r, self.t_er, self.t_gr = 0, NS, 2 * NS
         self.t_e, self.t_te = 3 * NS, 3 * NS + PAIRS
         self.t_hdh = 4 * NS + PAIRS
         self.table = (4 * NS + PAIRS + 1) * k + CHUNK
+        self.half = k // 2  # a math warpgroup's key channels
 
     def _setup(self):
+        """The tiled MMAs and shared layouts, the tiles' dtype known. mma_s, mma_q, mma_k and
+        the token, P and block-operand layouts are the WY kernel's too (its dA, dx's and dy's
+        blocks have their shapes); mma_w and the states' layout are kernel 2's own."""
         dt, bf = self.dtype, BFloat16
         k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
-        rmem = warpgroup.OperandSource.RMEM
-        # dqe, dke, dw: (C, K) reduced over V, both operands K-major in shared memory
-        self.mma_w = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, k_major, k_major, Float32, (1, 1, 1), (CHUNK, self.k)
-        )
-        # S = dO U^T: (C, C) reduced over V
-        self.mma_s = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, k_major, k_major, Float32, (1, 1, 1), (CHUNK, CHUNK)
-        )
-        # dq's blocks: A = dP (registers, bf16), B = (k er)'s transposed (MN-major) view
-        self.mma_q = sm90_utils.make_trivial_tiled_mma(
-            bf, bf, k_major, mn_major, Float32, (1, 1, 1), (CHUNK, self.k), a_source=rmem
-        )
-        # dk's blocks: A = dP^T from shared memory (K-major), B = (q el)'s transposed view
-        self.mma_k = sm90_utils.make_trivial_tiled_mma(
-            bf, bf, k_major, mn_major, Float32, (1, 1, 1), (CHUNK, self.k)
-        )
+        # dqe, dke, dw: (C, 64) reduced over V, both operands K-major in shared memory
+        self.mma_w = _tiled_mma(dt, k_major, self.half)
+        # S = dO U^T (WY: dA = dvb u^T + dkb w^T): (C, C) reduced over V (WY: V + K), both
+        # operands K-major in shared memory, whole in each math warpgroup
+        self.mma_s = _tiled_mma(dt, k_major, CHUNK)
+        # dq's blocks (WY: dx's): A = dP (dA) from registers, bf16, B = (k er)'s transposed
+        # (MN-major) view's half
+        self.mma_q = _tiled_mma(bf, mn_major, self.half, rmem=True)
+        # dk's blocks (WY: dy's): A = dP^T ((beta dA)^T) from shared memory (K-major), B = (q el)'s
+        # ((k el)'s) transposed view's half
+        self.mma_k = _tiled_mma(bf, mn_major, self.half)
         row = LayoutEnum.ROW_MAJOR
         self.sT_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, CHUNK, self.v), dt, 1)
         self.sH_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, self.k, self.v), dt, 1)
@@ -158,6 +186,8 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         mDK: cute.Tensor,
         mDW: cute.Tensor,
         mDG: cute.Tensor,
+        mStarts: cute.Tensor | None,
+        mLens: cute.Tensor | None,
         scale: Float32,
         stream: cuda.CUstream,
     ):
@@ -168,7 +198,11 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         mDQ in the tiles' 16-bit dtype (`dq16`): q read unscaled, `scale` (the op's q scale)
         applied in registers to every product of q ((q el), dP_jj q_j, q o dq) and to dq
         before its one rounding: dq = scale dL/d(q scale), the op's dq itself; fp32 dq
-        ignores `scale` (q comes scaled)."""
+        ignores `scale` (q comes scaled). `token_rows`: mStarts, mLens int32 (NC,) the per-slot
+        tables: dq, dk, dG (B, T', ...) written at token mStarts[c] + row for row < mLens[c]
+        (Gated DeltaNet kernel 2's `token_rows`), dw and the inputs at the slots; else None."""
+        if const_expr(self.token_rows != (mStarts is not None)):
+            raise TypeError("mStarts, mLens: given with token_rows, and only then")
         if const_expr(mDW.element_type != Float32 and mDW.element_type != mDO.element_type):
             raise TypeError(f"dw must be fp32 or the tiles' dtype, got {mDW.element_type}")
         if const_expr(mDQ.element_type != Float32 and mDQ.element_type != mDO.element_type):
@@ -214,7 +248,9 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         nc = (mDO.shape[1] + CHUNK - 1) // CHUNK
         mmas = (self.mma_w, self.mma_s, self.mma_q, self.mma_k)
         layouts = (self.sT_layout, self.sH_layout, self.sP_layout, self.sB_layout)
-        self.kernel(*atoms_and_views, mG, mDQ, mDK, mDW, mDG, scale, *mmas, *layouts).launch(
+        self.kernel(
+            *atoms_and_views, mG, mDQ, mDK, mDW, mDG, mStarts, mLens, scale, *mmas, *layouts
+        ).launch(
             grid=(nc, mDO.shape[2], mDO.shape[0]),
             block=[self.threads, 1, 1],
             min_blocks_per_mp=1,
@@ -243,6 +279,8 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         mDK: cute.Tensor,
         mDW: cute.Tensor,
         mDG: cute.Tensor,
+        mStarts: cute.Tensor | None,
+        mLens: cute.Tensor | None,
         scale: Float32,
         mma_w: cute.TiledMma,
         mma_s: cute.TiledMma,
@@ -291,6 +329,7 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
 
         c, hv, b = cute.arch.block_idx()
         seqlen = mDO4.shape[0]
+        tables = (mStarts, mLens) if const_expr(self.token_rows) else None
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         if wg == 0:
             if warp_idx == PRODUCER_WARP:
@@ -305,6 +344,7 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
             self._math(
                 mma_w, mma_s, mma_q, mma_k, sDO, sU, sDU, sQ, sK, sH, sDH, sP, sKr, sQl, sG,
                 sRows, sTab, mG, mDQ, mDK, mDW, mDG, bars, c, hv, b, seqlen, scale, wg - 1,
+                tables,
             )  # fmt: skip
 
     @cute.jit
@@ -321,15 +361,24 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
             for col in cutlass.range(self.v, unroll=8):
                 part = part + Float32(hh[row, col]) * Float32(dd[row, col])
             sTab[self.t_hdh * self.k + row] = part
-        named_barrier(BAR_HDH, self.math_threads + HDH_THREADS).arrive()
+        named_barrier(BAR_HDH, MATH_THREADS + HDH_THREADS).arrive()
+
+    @staticmethod
+    def _kh():
+        """This math warpgroup's key-channel half (warpgroups 1, 2 -> 0, 1), from the opaque
+        thread index (its helpers' coordinates are re-derived per phase, as `_coords`')."""
+        return opaque_tid_x() // THREADS_PER_WG - 1
 
     @cute.jit
     def _coords(self, mma):
-        """This thread's accumulator coordinates (`softmax.acc_coords`) from a fresh, opaque
-        thread index: the shared-memory reads of G, q and k in each phase then have addresses of
-        their own, so the compiler reloads them instead of keeping the 64 values of an earlier
-        phase live (it did: 30 of them spilled)."""
-        return softmax.acc_coords(mma, opaque_tid_x() % THREADS_PER_WG, (CHUNK, self.k))
+        """This thread's coordinates (`softmax.acc_coords`) in its warpgroup's (C, 64)
+        accumulator, columns moved to the warpgroup's key channels, from a fresh, opaque thread
+        index: the shared-memory reads of G, q and k in each phase then have addresses of their
+        own, so the compiler reloads them instead of keeping the values of an earlier phase live
+        (it did in the one-warpgroup kernel: 30 of 64 spilled)."""
+        t0, row_w, col_w = softmax.acc_coords(mma, opaque_tid_x() % THREADS_PER_WG,
+                                              (CHUNK, self.half))  # fmt: skip
+        return t0, row_w, col_w + self.half * self._kh()
 
     def _gi(self, row, col):
         """Index of (row, col) in a flat fp32 (C, K) tile with rows padded to G_STRIDE: an
@@ -338,39 +387,93 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         columns none, and every address is a thread base plus an immediate."""
         return row * G_STRIDE + col
 
+    def _half(self, s_tile, kh):
+        """Columns [64 kh, +64) of a staged (C, 128) shared tile, staged: (C, 64, 1)."""
+        return cute.local_tile(s_tile, (CHUNK, self.half, 1), (0, kh, 0))
+
+    def _half_t(self, s_tile, kh):
+        """The transposed view's rows [64 kh, +64) of a staged (C, 128) shared tile: a B
+        operand's half (MN-major), unstaged."""
+        return cute.local_tile(transposed(s_tile)[None, None, 0], (self.half, CHUNK), (kh, 0))
+
+    def _half_rows(self, mma, mX, tid, b, hv, c, kh, at=None):
+        """This thread's (rows, columns) partition of x[b, tokens of chunk c, hv, channels
+        [64 kh, +64)] (B, T, HV, K) global: a math warpgroup's (C, 64) accumulator's place;
+        `at` (`_token_rows`): the tokens from at[0] instead."""
+        if const_expr(at is None):
+            tile = cute.local_tile(mX[b, None, hv, None], (CHUNK, self.half), (c, kh))
+        else:
+            rows = cute.domain_offset((at[0], 0), mX[b, None, hv, None])
+            tile = cute.local_tile(rows, (CHUNK, self.half), (0, kh))
+        return rows_cols(mma.get_slice(tid).partition_C(tile))
+
     @cute.jit
-    def _tables(self, mG, sG, sTab, first, seqlen, b, hv):
-        """Math thread = key channel c: G's column c into shared memory (zero past T), r_I
-        (G at row 16 I + 8 clamped to the last row inside T), e^(r_I), e^(G_C - r_J), E_(I, J) =
-        e^(r_I - r_J) (I > J)."""
-        col = opaque_tid_x() % THREADS_PER_WG
-        for i in cutlass.range(CHUNK, unroll=8):
+    def _store_rows(self, acc, mma, mOut, tid, b, hv, c, seqlen, scale=None, at=None):
+        """Gated DeltaNet's `_store_rows` for this warpgroup's (C, 64) columns of out: the
+        rows inside T, a 16-bit out rounded once; `at` (`_token_rows`): the first at[1] rows at
+        the tokens from at[0]."""
+        t0, row_base, _ = softmax.acc_coords(mma, tid, (CHUNK, self.half))
+        g = self._half_rows(mma, mOut, tid, b, hv, c, self._kh(), at)
+        first, bound = c * CHUNK, seqlen
+        if const_expr(at is not None):
+            first, bound = 0, at[1]
+        a = rows_cols(acc)
+        for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
+            if first + row_base + t0[r, 0][0] < bound:
+                for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
+                    if const_expr(mOut.element_type != Float32):
+                        g[r, j] = a[r, j].to(mOut.element_type)
+                    else:
+                        g[r, j] = a[r, j]
+
+    @cute.jit
+    def _tables(self, mG, sG, sTab, first, seqlen, b, hv, kh):
+        """G's columns of this warpgroup's key channels into shared memory (zero past T) and
+        the per-channel tables, 2 threads a channel: thread t, channel 64 kh + t % 64, loads
+        G's rows [32 (t // 64), +32); after a warpgroup barrier the first of the pair writes r_I
+        (G at row 16 I + 8 clamped to the last row inside T), e^(r_I), e^(G_C - r_J), the
+        second the six E_(I, J) = e^(r_I - r_J) (I > J) (8 / 6 exps)."""
+        tid = opaque_tid_x() % THREADS_PER_WG
+        col = tid % self.half + self.half * kh
+        part = tid // self.half
+        rows = CHUNK // 2
+        for n in cutlass.range(rows, unroll=8):
+            i = n + rows * part
             g_t = Float32(0.0)
             if first + i < seqlen:
                 g_t = mG[b, first + i, hv, col]
             sG[self._gi(i, col)] = g_t
+        named_barrier(BAR_WG + kh, THREADS_PER_WG).arrive_and_wait()
         last = cutlass.min(first + CHUNK, seqlen) - 1 - first
-        g_last = sG[self._gi(last, col)]
         r = [Float32(0.0)] * NS
         for j in cutlass.range_constexpr(NS):
             r[j] = sG[self._gi(cutlass.min(j * SUB + SUB // 2, last), col)]
-            sTab[(self.t_r + j) * self.k + col] = r[j]
-            sTab[(self.t_er + j) * self.k + col] = cute.math.exp(r[j], fastmath=True)
-            sTab[(self.t_gr + j) * self.k + col] = cute.math.exp(g_last - r[j], fastmath=True)
-        for i in cutlass.range_constexpr(1, NS):
-            for j in cutlass.range_constexpr(i):
-                pair = i * (i - 1) // 2 + j
-                sTab[(self.t_e + pair) * self.k + col] = cute.math.exp(r[i] - r[j], fastmath=True)
+        if part == 0:
+            g_last = sG[self._gi(last, col)]
+            for j in cutlass.range_constexpr(NS):
+                sTab[(self.t_r + j) * self.k + col] = r[j]
+                sTab[(self.t_er + j) * self.k + col] = cute.math.exp(r[j], fastmath=True)
+                sTab[(self.t_gr + j) * self.k + col] = cute.math.exp(g_last - r[j], fastmath=True)
+        else:
+            for i in cutlass.range_constexpr(1, NS):
+                for j in cutlass.range_constexpr(i):
+                    pair = i * (i - 1) // 2 + j
+                    e = cute.math.exp(r[i] - r[j], fastmath=True)
+                    sTab[(self.t_e + pair) * self.k + col] = e
 
     @cute.jit
-    def _block_operands(self, sQ, sK, sKr, sQl, sG, sTab, first, seqlen, scale=None):
-        """Math thread = key channel c: (k er) and (q el) (C, K) bf16 into their tiles, zero past
-        T (er = e^(r_w - G), el = e^(G - r_w), w the row's sub-chunk); q el times `scale` when
-        given (dq16: q read unscaled)."""
-        col = opaque_tid_x() % THREADS_PER_WG
+    def _block_operands(self, sQ, sK, sKr, sQl, sG, sTab, first, seqlen, kh, scale=None):
+        """(k er) and (q el) (C, K) bf16 into their tiles on this warpgroup's key channels, zero
+        past T (er = e^(r_w - G), el = e^(G - r_w), w the row's sub-chunk); q el times `scale`
+        when given (dq16: q read unscaled); 2 threads a channel (rows [32 (t // 64), +32) each)."""
+        tid = opaque_tid_x() % THREADS_PER_WG
+        col = tid % self.half + self.half * kh
+        rows = CHUNK // 2
+        base = rows * (tid // self.half)
         qq, kk = sQ[None, None, 0], sK[None, None, 0]
         kr, ql = sKr[None, None, 0], sQl[None, None, 0]
-        for i in cutlass.range(CHUNK, unroll=4):
+        for n in cutlass.range(rows, unroll=4):
+            i = n + base
             a = sG[self._gi(i, col)] - sTab[(self.t_r + i // SUB) * self.k + col]
             el, er = Float32(0.0), Float32(0.0)
             if first + i < seqlen:
@@ -394,101 +497,110 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
     @cute.jit
     def _math(
         self, mma_w, mma_s, mma_q, mma_k, sDO, sU, sDU, sQ, sK, sH, sDH, sP, sKr, sQl, sG, sRows,
-        sTab, mG, mDQ, mDK, mDW, mDG, bars, c, hv, b, seqlen, scale, kh,
+        sTab, mG, mDQ, mDK, mDW, mDG, bars, c, hv, b, seqlen, scale, kh, tables=None,
     ):  # fmt: skip
-        # kh: the math warpgroup's index (0 here; `wg2`'s key-channel half)
-        # dq16: q unscaled, the scale on every product of q in registers (None: q scaled)
+        """Math warpgroup kh's products and per-channel work on key channels [64 kh, +64) (kh
+        warp-uniform); S whole in both."""
         qs = scale if const_expr(mDQ.element_type != Float32) else None
+        hk = self.half
         wg_w = mma_w.get_slice(0)
         wg_s = mma_s.get_slice(0)
         wg_q = mma_q.get_slice(0)
         wg_k = mma_k.get_slice(0)
+        # this warpgroup's B operands: h's / dh's rows, (k er)'s / (q el)'s columns [64 kh, +64)
+        # (their transposed views' rows: `_half_t`)
+        sHh = cute.local_tile(sH[None, None, 0], (hk, self.v), (kh, 0))
+        sDHh = cute.local_tile(sDH[None, None, 0], (hk, self.v), (kh, 0))
         tArDO = wg_w.make_fragment_A(wg_w.partition_A(sDO))
         tArU = wg_w.make_fragment_A(wg_w.partition_A(sU))
         tArDU = wg_w.make_fragment_A(wg_w.partition_A(sDU))
-        tBrH = wg_w.make_fragment_B(wg_w.partition_B(sH))
-        tBrDH = wg_w.make_fragment_B(wg_w.partition_B(sDH))
+        tBrH = wg_w.make_fragment_B(wg_w.partition_B(sHh))
+        tBrDH = wg_w.make_fragment_B(wg_w.partition_B(sDHh))
         tSrDO = wg_s.make_fragment_A(wg_s.partition_A(sDO))
         tSrU = wg_s.make_fragment_B(wg_s.partition_B(sU))
         tQrP = wg_q.make_fragment_A(wg_q.partition_shape_A((CHUNK, CHUNK)))
-        tQrKr = wg_q.make_fragment_B(wg_q.partition_B(transposed(sKr)))
+        tQrKr = wg_q.make_fragment_B(wg_q.partition_B(self._half_t(sKr, kh)))
         tKrP = wg_k.make_fragment_A(wg_k.partition_A(sP))
-        tKrQl = wg_k.make_fragment_B(wg_k.partition_B(transposed(sQl)))
-        math = named_barrier(BAR_MATH, THREADS_PER_WG)
+        tKrQl = wg_k.make_fragment_B(wg_k.partition_B(self._half_t(sQl, kh)))
+        mine = named_barrier(BAR_WG + kh, THREADS_PER_WG)
+        both = named_barrier(BAR_BOTH, MATH_THREADS)
         first = c * CHUNK
         tid = opaque_tid_x() % THREADS_PER_WG
         w = tid // WARP_SIZE  # the warp's sub-chunk
-        self._tables(mG, sG, sTab, first, seqlen, b, hv)
-        math.arrive_and_wait()
+        self._tables(mG, sG, sTab, first, seqlen, b, hv, kh)
+        mine.arrive_and_wait()
 
-        # each load group's mbarrier waited once, just before the first product that reads it
         wait = _GroupWaits(bars, LOAD_GROUPS)
         # dw = -dU h^T, out at once
-        acc = cute.make_rmem_tensor(wg_w.partition_shape_C((CHUNK, self.k)), Float32)
+        acc = cute.make_rmem_tensor(wg_w.partition_shape_C((CHUNK, hk)), Float32)
         wait("du", "h")
-        gemm(mma_w, acc, tArDU[None, None, None, 0], tBrH[None, None, None, 0], True, 0)
+        gemm(mma_w, acc, tArDU[None, None, None, 0], tBrH, True, 0)
         acc.store(-acc.load())
         self._store_rows(acc, mma_w, mDW, tid, b, hv, c, seqlen)
-        # dqe = dO h^T, S = dO U^T
+        # dqe = dO h^T, S = dO U^T (S whole in both warpgroups)
         wait("do")
-        gemm(mma_w, acc, tArDO[None, None, None, 0], tBrH[None, None, None, 0], True, -1)
+        gemm(mma_w, acc, tArDO[None, None, None, 0], tBrH, True, -1)
         acc_s = cute.make_rmem_tensor(wg_s.partition_shape_C((CHUNK, CHUNK)), Float32)
-        wait("u")  # (dqe in flight where U has a group of its own)
+        wait("u")
         gemm(mma_s, acc_s, tSrDO[None, None, None, 0], tSrU[None, None, None, 0], True, 0)
         t0s, row_s, col_s = softmax.acc_coords(mma_s, tid, (CHUNK, CHUNK))
-        t0, row_w, col_w = softmax.acc_coords(mma_w, tid, (CHUNK, self.k))
-        diag = self.table - CHUNK  # dP's diagonal in the table
+        t0, row_w, col_w = softmax.acc_coords(mma_w, tid, (CHUNK, hk))
+        col_w = col_w + hk * kh
+        diag = self.table - CHUNK
         s = rows_cols(acc_s)
         for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
             i = row_s + t0s[r, 0][0]
             for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
                 col = col_s + t0s[0, j][1]
-                if col == i:
+                if col == i and kh == 0:
                     sTab[diag + i] = s[r, j]
                 if col >= i or first + i >= seqlen:
                     s[r, j] = Float32(0.0)
-        self._store_bf16(acc_s, mma_s, sP, True)  # dP^T for dk's blocks
+        if kh == 0:
+            self._store_bf16(acc_s, mma_s, sP, True)  # dP^T for both warpgroups' dk blocks
         acc_to_operand_a(acc_s, tQrP)
-        math.arrive_and_wait()  # every thread's dO / dU products retired, dP^T stored
+        both.arrive_and_wait()  # both warpgroups' dO / dU products retired, dP^T stored
         wait("q", "k")
-        self._block_operands(sQ, sK, sKr, sQl, sG, sTab, first, seqlen, qs)
+        self._block_operands(sQ, sK, sKr, sQl, sG, sTab, first, seqlen, kh, qs)
         cute.arch.fence_view_async_shared()
-        math.arrive_and_wait()
+        mine.arrive_and_wait()
 
         # dq = el o (e^(r_w) o dqe + sum_(J <= w) E_(w,J) o blocks) + dP_ii k_i
         qa = rows_cols(acc)
         self._scale_cols(qa, sTab, self.t_er + w, t0, col_w)
-        acc_b = cute.make_rmem_tensor(wg_w.partition_shape_C((CHUNK, self.k)), Float32)
+        acc_b = cute.make_rmem_tensor(wg_w.partition_shape_C((CHUNK, hk)), Float32)
         ba = rows_cols(acc_b)
         for j in cutlass.range_constexpr(NS):
-            self._gemm_block(mma_q, acc_b, tQrP[None, None, j], tQrKr[None, None, j, 0])
+            self._gemm_block(mma_q, acc_b, tQrP[None, None, j], tQrKr[None, None, j])
             if w == j:
                 qa.store(qa.load() + ba.load())
             elif w > j:
                 self._add_scaled_cols(qa, ba, sTab, w, j, t0, col_w)
         self._scale_rows_g(qa, mma_w, sG, sTab, w, first, seqlen, True)
-        # every math thread's dq blocks retired and the <h, dh> warps done: (k er)'s and h's
-        # bytes free for dG's rows
-        named_barrier(BAR_HDH, THREADS_PER_WG + HDH_THREADS).arrive_and_wait()
+        # both warpgroups' dq blocks retired and the <h, dh> warps done: (k er)'s and h's bytes
+        # free for dG's rows
+        named_barrier(BAR_HDH, MATH_THREADS + HDH_THREADS).arrive_and_wait()
         self._rows_out(qa, mma_w, sQ, sK, sRows, sTab, diag, True, qs)
-        self._store_rows(acc, mma_w, mDQ, tid, b, hv, c, seqlen)
+        self._store_rows(acc, mma_w, mDQ, tid, b, hv, c, seqlen, at=_token_rows(tables, c))
 
         # dk = er o (e^(G_C - r_w) o dke + sum_(I >= w) E_(I,w) o blocks) + dP_jj q_j
         wait("dh")
-        gemm(mma_w, acc, tArU[None, None, None, 0], tBrDH[None, None, None, 0], True, 0)
+        gemm(mma_w, acc, tArU[None, None, None, 0], tBrDH, True, 0)
         self._te(qa, mma_w, sK, sG, sTab, w, first, seqlen)
         self._scale_cols(qa, sTab, self.t_gr + w, t0, col_w)
         for i in cutlass.range_constexpr(NS):
-            self._gemm_block(mma_k, acc_b, tKrP[None, None, i, 0], tKrQl[None, None, i, 0])
+            self._gemm_block(mma_k, acc_b, tKrP[None, None, i, 0], tKrQl[None, None, i])
             if w == i:
                 qa.store(qa.load() + ba.load())
             elif w < i:
                 self._add_scaled_cols(qa, ba, sTab, i, w, t0, col_w)
         self._scale_rows_g(qa, mma_w, sG, sTab, w, first, seqlen, False)
         self._rows_out(qa, mma_w, sK, sQ, sRows, sTab, diag, False, qs)
-        self._store_rows(acc, mma_w, mDK, tid, b, hv, c, seqlen)
-        math.arrive_and_wait()  # dG's rows and te's partials in shared memory
-        self._finish_dg(sG, sRows, sTab, mDG, first, seqlen, b, hv, tid)
+        self._store_rows(acc, mma_w, mDK, tid, b, hv, c, seqlen, at=_token_rows(tables, c))
+        mine.arrive_and_wait()  # this warpgroup's dG rows and te's partials in shared memory
+        if tid < hk:  # one channel a thread (the chain of the one-warpgroup kernel it replaced)
+            self._finish_dg(sG, sRows, sTab, mDG, first, seqlen, b, hv, tid + hk * kh,
+                            _token_rows(tables, c))  # fmt: skip
 
     @cute.jit
     def _scale_cols(self, a, sTab, t_row, t0, col_w):
@@ -573,9 +685,10 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
                 a[r, j] = a[r, j] + d * Float32(yy[i, col])
 
     @cute.jit
-    def _finish_dg(self, sG, sRows, sTab, mDG, first, seqlen, b, hv, tid):
+    def _finish_dg(self, sG, sRows, sTab, mDG, first, seqlen, b, hv, tid, at=None):
         """Math thread = key channel c: dG of every token of the chunk, the reverse cumulative
-        sum of the rows from the last plus te + e^(G_C) rowsum(h o dh)."""
+        sum of the rows from the last plus te + e^(G_C) rowsum(h o dh); `at` (`_token_rows`):
+        row i at token at[0] + i, i < at[1]."""
         col = tid
         last = cutlass.min(first + CHUNK, seqlen) - 1 - first
         hdh = sTab[self.t_hdh * self.k + col]
@@ -585,8 +698,12 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         for n in cutlass.range(CHUNK, unroll=8):
             i = CHUNK - 1 - n
             acc = acc + sRows[self._gi(i, col)]
-            if first + i < seqlen:
-                mDG[b, first + i, hv, col] = acc
+            if const_expr(at is None):
+                if first + i < seqlen:
+                    mDG[b, first + i, hv, col] = acc
+            else:
+                if i < at[1]:
+                    mDG[b, at[0] + i, hv, col] = acc
 
     @cute.jit
     def _store_bf16(self, acc, mma, s_tile, transpose: cutlass.Constexpr[bool]):

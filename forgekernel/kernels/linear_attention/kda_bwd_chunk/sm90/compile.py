@@ -14,13 +14,7 @@ from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90.chunk_grads import 
 
 
 def kernel_for(params: dict) -> KdaBwdChunkSm90:
-    if params.get("wg2"):
-        from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90.chunk_grads_wg2 import (
-            KdaBwdChunkWg2Sm90,
-        )
-
-        return KdaBwdChunkWg2Sm90(params["k"], params["v"])
-    return KdaBwdChunkSm90(params["k"], params["v"])
+    return KdaBwdChunkSm90(params["k"], params["v"], token_rows=params.get("token_rows", False))
 
 
 def compile_kda_bwd_chunk(params: dict, arch: str = "sm_90a", extra_options: str = "",
@@ -36,8 +30,13 @@ def compile_kda_bwd_chunk(params: dict, arch: str = "sm_90a", extra_options: str
     def tok(d):
         return fake.rowmajor(dtype, (b, t, hv, d))
 
-    def out(d):
-        return fake.rowmajor(f32, (b, t, hv, d), divisibility=4)
+    # token_rows: dq, dk, dG at their own token count T' and the per-slot tables int32 (NC,)
+    token_rows = params.get("token_rows", False)
+    t_out = cute.sym_int32() if token_rows else t
+    tables = (fake.rowmajor(cutlass.Int32, (nc,), divisibility=1, align=4),) * 2
+
+    def out(d, rows=t):
+        return fake.rowmajor(f32, (b, rows, hv, d), divisibility=4)
 
     return cute.compile(
         kernel,
@@ -45,8 +44,10 @@ def compile_kda_bwd_chunk(params: dict, arch: str = "sm_90a", extra_options: str
         fake.rowmajor(dtype, (b, nc, hv, kd, vd)),
         fake.rowmajor(dtype, (b, nc, hv, kd, vd)),
         out(kd),  # G
-        tok(kd) if params.get("dq16") else out(kd), out(kd),
-        tok(kd) if params.get("dw16") else out(kd), out(kd),
+        fake.rowmajor(dtype, (b, t_out, hv, kd)) if params.get("dq16") else out(kd, t_out),
+        out(kd, t_out),
+        tok(kd) if params.get("dw16") else out(kd), out(kd, t_out),
+        *(tables if token_rows else (None, None)),
         f32(1.0),  # scale: dq16's (q unscaled)
         fake.stream(),
         options=fake.options(arch, extra_options),

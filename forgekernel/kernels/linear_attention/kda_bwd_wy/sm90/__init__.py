@@ -21,15 +21,13 @@ def _compile(params: Params, extra_options: str = ""):
 
 def _standard_params() -> list[Params]:
     # fp32 dv (an fp32 v) and 16-bit dv (the device pass with a 16-bit v); with it dk16 (the
-    # device pass without l2norm at HV = H: the op's dk, no epilogue)
-    flags = ({"dv16": False}, {"dv16": True}, {"dv16": True, "dk16": True})
+    # device pass without l2norm at HV = H: the op's dk, no epilogue); the 16-bit-dv forms with
+    # `token_rows` (the varlen slot layout's gradients at their token rows:
+    # ops/_linattn_varlen.py NATIVE_STORES)
+    flags = ({"dv16": False}, {"dv16": True}, {"dv16": True, "dk16": True},
+             {"dv16": True, "token_rows": True},
+             {"dv16": True, "dk16": True, "token_rows": True})  # fmt: skip
     return [params_for(dtype, **f) for f in flags for dtype in DTYPES]
-
-
-def _candidate_params() -> list[Params]:
-    # the same on two math warpgroups (`wg2`, ops.kda_bwd.WY_2WG: off until its device A/B)
-    flags = ({"dv16": False}, {"dv16": True}, {"dv16": True, "dk16": True})
-    return [params_for(dtype, **f, wg2=True) for f in flags for dtype in DTYPES]
 
 
 SPEC = KernelSpec(
@@ -38,7 +36,6 @@ SPEC = KernelSpec(
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
-    candidate_params=_candidate_params,
 )
 
 __all__ = ["SPEC", "params_for"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.launch import check_tables
 from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90 import SPEC
 from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.config import (
     BULK_ALIGN,
@@ -42,11 +43,13 @@ def check_inputs(dw, du, tt, w, k, u, v, beta, big_g) -> tuple[int, int, int]:
     return b, t, hv
 
 
-def empty_outputs(dw: torch.Tensor, v: int, dv16: bool = False) -> Outputs:
+def empty_outputs(dw: torch.Tensor, v: int, dv16: bool = False,
+                  tokens: int | None = None) -> Outputs:  # fmt: skip
     """(dk (B, T, HV, K), dv (B, T, HV, V), dg (B, T, HV, K), dbeta (B, T, HV)) fp32 (dv in
     dw's 16-bit dtype with dv16): dk and dg zero (the kernel adds onto them: alone, the WY
-    half's dk and dG), dv and dbeta uninitialized."""
+    half's dk and dG), dv and dbeta uninitialized; T = `tokens` where given (`token_rows`)."""
     b, t, hv, kd = dw.shape
+    t = t if tokens is None else tokens
 
     def empty(*shape, dtype=torch.float32):
         return torch.empty(*shape, dtype=dtype, device=dw.device)
@@ -58,11 +61,13 @@ def empty_outputs(dw: torch.Tensor, v: int, dv16: bool = False) -> Outputs:
     return zeros(b, t, hv, kd), dv, zeros(b, t, hv, kd), empty(b, t, hv)
 
 
-def check_outputs(outs, dw: torch.Tensor, v: int, dv16: bool = False) -> None:
-    """`out` as `empty_outputs(dw, v, dv16)` would make it (the kernel reads and writes every
-    entry of dk and dg and writes every entry of dv and dbeta: a smaller tensor would be
+def check_outputs(outs, dw: torch.Tensor, v: int, dv16: bool = False,
+                  tokens: int | None = None) -> None:  # fmt: skip
+    """`out` as `empty_outputs(dw, v, dv16, tokens)` would make it (the kernel reads and writes
+    every entry of dk and dg and writes every entry of dv and dbeta: a smaller tensor would be
     accessed past its end; dk and dg 16-byte aligned), else ValueError."""
     b, t, hv, kd = dw.shape
+    t = t if tokens is None else tokens
     shapes = {"dk": (b, t, hv, kd), "dv": (b, t, hv, v), "dg": (b, t, hv, kd), "dbeta": (b, t, hv)}
     if len(outs) != len(shapes):
         raise ValueError(f"out must be 4 tensors (dk, dv, dg, dbeta), got {len(outs)}")
@@ -98,7 +103,8 @@ def kda_bwd_wy(
     dk16: bool = False,
     out: Outputs | None = None,
     dk_out: torch.Tensor | None = None,
-    wg2: bool = False,
+    tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+    tokens: int | None = None,
 ) -> Outputs:
     """Per chunk of 64 tokens (every chunk at once), reference/kda_bwd.py's `_wy_grads`: the
     WY half's dk, dv, dg (its per-channel dG after the reverse cumsum within the chunk) and
@@ -113,31 +119,34 @@ def kda_bwd_wy(
     final dk (out's fp32 dk + the WY half) in dw's 16-bit dtype, rounded once, into `dk_out`
     (contiguous (B, T, HV, K); a new tensor when None) and returned in dk's place; out's fp32
     dk is then scratch (it ends holding kernel 2's dk plus two of the WY half's three terms).
-    `wg2`: the two-math-warpgroup build (split by value / key channels; the same outputs bit
-    for bit)."""
+    `tables`, `tokens` (B = 1, the varlen slot layout; Gated DeltaNet kernel 2's
+    `check_tables`): dk, dv, dg, dbeta (and dk_out) (1, tokens, ...) at their token rows (kernel
+    2's `token_rows` dk, dG there), the inputs at the slots."""
     b, t, hv = check_inputs(dw, du, tt, w, k, u, v, beta, big_g)
     if dk_out is not None and not dk16:
         raise ValueError("dk_out is dk16's 16-bit final dk (pass dk16=True)")
-    outs = empty_outputs(dw, du.shape[-1], dv16) if out is None else out
-    check_outputs(outs, dw, du.shape[-1], dv16)
+    check_tables(tables, tokens, b, t)
+    outs = empty_outputs(dw, du.shape[-1], dv16, tokens) if out is None else out
+    check_outputs(outs, dw, du.shape[-1], dv16, tokens)
     dk_final = outs[0]
     if dk16:
-        dk_final = torch.empty_like(dw, memory_format=torch.contiguous_format) \
-            if dk_out is None else dk_out  # fmt: skip
-        ok = (dk_final.shape == dw.shape and dk_final.dtype == dw.dtype
+        rows = (b, t if tokens is None else tokens, *dw.shape[2:])
+        dk_final = dw.new_empty(rows) if dk_out is None else dk_out
+        ok = (dk_final.shape == rows and dk_final.dtype == dw.dtype
               and dk_final.device == dw.device and dk_final.is_contiguous())  # fmt: skip
         if not ok:
             raise ValueError(f"dk_out must be contiguous {str(dw.dtype)[6:]} "
-                             f"{tuple(dw.shape)} on {dw.device} (dk16: dk in dw's dtype), got "
+                             f"{rows} on {dw.device} (dk16: dk in dw's dtype), got "
                              f"{dk_final.dtype} {tuple(dk_final.shape)} on "
                              f"{dk_final.device}")  # fmt: skip
     result = (dk_final, *outs[1:])
     if b * hv * t == 0:
         return result
     key = _params(dtype_name(dw.dtype), (dw.shape[-1], du.shape[-1]), dv16=dv16, dk16=dk16,
-                  wg2=wg2)  # fmt: skip
+                  token_rows=tables is not None)  # fmt: skip
     fn = get_kernel(SPEC, key)
     tiles = [as_tma_ready(x) for x in (dw, du, tt, w, k, u, v)]
     with on_device(dw.device):
-        fn(*tiles, beta.contiguous(), big_g.contiguous(), *outs, dk_final)
+        fn(*tiles, beta.contiguous(), big_g.contiguous(), *outs, dk_final,
+           *(tables or (None, None)))  # fmt: skip
     return result

@@ -96,14 +96,18 @@ def equal_offsets(device: torch.device, sequences: int, seq_len: int) -> torch.T
     return cu
 
 
-def device_tables(cu_seqlens: torch.Tensor, bound: int):
+def device_tables(cu_seqlens: torch.Tensor, bound: int, chunks: torch.Tensor | None = None):
     """`operands.chunk_tables` (its model and yardstick: equal bitwise, tests/test_kda_op.py)
     in 14 launching torch ops instead of 21, no value read on the host: int32 throughout (the
     offsets' own type) save the sequence index, and each chunk's start as a per-sequence base
-    plus 64 x its global index (cu[s] + 64 (gc - first[s]) = (cu[s] - 64 first[s]) + 64 gc)."""
+    plus 64 x its global index (cu[s] + 64 (gc - first[s]) = (cu[s] - 64 first[s]) + 64 gc).
+    chunks: (N,) in the offsets' dtype, the chunks each sequence takes (default ceil(len /
+    64)); the varlen backward's slot layout passes its owned slots (ceil(len / 64) or one
+    more: a chunk past the tokens gets length 0; ops/_linattn_varlen.py `slot_tables`)."""
     cu = cu_seqlens
     lo, hi = cu[:-1], cu[1:]
-    chunks = (hi - lo).add_(CHUNK - 1).div_(CHUNK, rounding_mode="floor")
+    if chunks is None:
+        chunks = (hi - lo).add_(CHUNK - 1).div_(CHUNK, rounding_mode="floor")
     ends = chunks.cumsum(0, dtype=cu.dtype)
     first = ends - chunks
     gc = torch.arange(bound, dtype=cu.dtype, device=cu.device)
