@@ -421,7 +421,7 @@ class GdnBwdFactorsSm90(AuxWy):
 
     @cute.jit
     def _gates(self, gates, mG, mBeta, mElast, mBigG, c, hv, b):
-        """Warp 0 of the math warpgroup, lane l tokens 2 l, 2 l + 1 (0 past T): G by a warp
+        """Warp 0 of warpgroup 1, lane l tokens 2 l, 2 l + 1 (0 past T): G by a warp
         scan; sG2 = log2(e) G, sBeta, sBetaEg = beta e^G; G and e^(G_C) to global."""
         sG2, sBeta, sBetaEg = gates
         lane = cute.arch.lane_idx()
