@@ -32,9 +32,8 @@ kernel 2 (kernels/linear_attention/gdn_bwd_chunk/sm90, every chunk at once,
 `_wy_grads` in torch); the chunk factors (A, T = L^-1, W, u, P, the decays, in the 16-bit
 layouts the other two read) on kernel 0 (kernels/linear_attention/gdn_bwd_factors/sm90,
 `reference.gdn_bwd_factors` its model; FACTORS_IN_KERNEL = False, or WY_IN_KERNEL = False: the
-batched torch `_Factors` pass; FACTORS_2WG (on since its device A/B): kernel 0's
-two-math-warpgroup `wg2` key, the same outputs bit for bit); with both of those on, STATES16
-and NORM_IN_KERNEL (the defaults): kernel 1 writes U, h and dU, dS in kernel 2's 16-bit forms
+batched torch `_Factors` pass); with both of those on, STATES16 and NORM_IN_KERNEL (the
+defaults): kernel 1 writes U, h and dU, dS in kernel 2's 16-bit forms
 (`out16`; its forward launch the `forward` variant: chunks first to last on kernel 0's u, W, Ke
 as written, P^T = I, Qe = 0 and the signs built in, outputs in chunk order), kernel 2 reads
 q, k at their H heads (`grouped`), and the q / k epilogue kernel (kernels/linear_attention/
@@ -406,14 +405,8 @@ def _factors(q, k, v, g, beta, fused=False):
     `fused` (the fused route's key): no Ke, Qe in the dict. The CPU tests put the tile emulation
     here."""
 
-    return factors_launch.gdn_bwd_factors(q, k, v, g, beta, wg2=FACTORS_2WG, fused=fused)
+    return factors_launch.gdn_bwd_factors(q, k, v, g, beta, fused=fused)
 
-
-# Kernel 0 on two math warpgroups by independent products (`wg2`, gdn_bwd_factors/sm90/
-# factors_wg2.py; bit for bit the 256-thread kernel's outputs; NOTES "GDN backward factors kernel
-# on two math warpgroups", its device A/B "integration45 measured"). TEMPORARY: the 256-thread
-# kernel goes once the benches agree.
-FACTORS_2WG = True
 
 # Kernel 0 forms the chunk factors (with kernel 2's WY variant, which reads its T^T, w, u);
 # False: the batched torch `_Factors` pass and its 16-bit conversions (the fallback).

@@ -99,16 +99,14 @@ def _poisoned_chunk_wy_kernel(calls):
 
 
 def _poisoned_factors_kernel(calls):
-    """Kernel 0 with its outputs NaN-poisoned first; calls as ("k0", v's shape); the op's
-    FACTORS_2WG passed on."""
+    """Kernel 0 with its outputs NaN-poisoned first; calls as ("k0", v's shape)."""
 
     def run(q, k, v, g, beta, fused=False):
         out = factors_launch.empty_outputs(q, v, fused)
         for x in out.values():
             x.fill_(float("nan"))
         calls.append(("k0", tuple(v.shape)))
-        return factors_launch.gdn_bwd_factors(q, k, v, g, beta, out=out, wg2=bwd.FACTORS_2WG,
-                                              fused=fused)  # fmt: skip
+        return factors_launch.gdn_bwd_factors(q, k, v, g, beta, out=out, fused=fused)
 
     return run
 

@@ -19,12 +19,6 @@ from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90.factors import Gd
 
 
 def kernel_for(params: dict) -> GdnBwdFactorsSm90:
-    if params.get("wg2"):
-        from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90.factors_wg2 import (
-            GdnBwdFactorsWg2Sm90,
-        )
-
-        return GdnBwdFactorsWg2Sm90(params["k"], params["v"], params.get("fused", False))
     return GdnBwdFactorsSm90(params["k"], params["v"], params.get("fused", False))
 
 

@@ -69,7 +69,6 @@ def gdn_bwd_factors(
     beta: torch.Tensor,
     *,
     out: dict[str, torch.Tensor] | None = None,
-    wg2: bool = False,
     fused: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Per chunk of 64 tokens and value head (every chunk at once): A = beta_i k_i.k_j
@@ -79,7 +78,6 @@ def gdn_bwd_factors(
     K), v (B, T, HV, V) in one 16-bit dtype (value head hv reads q / k head hv // (HV / H));
     g, beta (B, T, HV) fp32 or that dtype. Returns `reference.gdn_bwd_factors.NAMES`' dict
     (`empty_outputs`' shapes), written into `out` (contiguous, those shapes) when given.
-    `wg2`: the two-math-warpgroup build (factors_wg2.py; the same outputs bit for bit).
     `fused`: the op's fused route's key, no Ke, Qe (not in the dict; the others bit for bit)."""
     b, t, h, hv = check_inputs(q, k, v, g, beta)
     outs = empty_outputs(q, v, fused)
@@ -92,7 +90,7 @@ def gdn_bwd_factors(
         outs = {n: out[n] for n in outs}
     if b * hv * t == 0:
         return outs
-    key = _params(dtype_name(q.dtype), (q.shape[-1], v.shape[-1]), wg2=wg2, fused=fused)
+    key = _params(dtype_name(q.dtype), (q.shape[-1], v.shape[-1]), fused=fused)
     fn = get_kernel(SPEC, key)
     tiles = [as_tma_ready(x) for x in (q, k, v)]
     gates = [x.float().contiguous() for x in (g, beta)]
