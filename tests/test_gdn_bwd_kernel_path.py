@@ -770,6 +770,27 @@ def test_varlen_passes_count_the_tokens(kernel_path, monkeypatch):
     assert len(kernel_path) == 8  # two passes
 
 
+def native_switch(monkeypatch, backward, args, kw, capture, token_rows):
+    """`call(native, out=None)`: `backward(*args, out=out, **kw)` with ops/_linattn_varlen.py
+    NATIVE_STORES = native (`token_rows`, the test's record of the token_rows launches, and the
+    unpack count cleared first; `capture`: as under a CUDA-graph capture, the slot layout at any
+    lengths), and the list each `unpack` of the op appends to (both ops' native-stores tests)."""
+    unpacked = []
+    real = varlen.unpack
+    monkeypatch.setattr(varlen, "unpack", lambda *a: unpacked.append(1) or real(*a))
+
+    def call(native, out=None):
+        monkeypatch.setattr(varlen, "NATIVE_STORES", native)
+        token_rows.clear()
+        unpacked.clear()
+        with monkeypatch.context() as m:
+            if capture:
+                m.setattr(varlen, "capturing", lambda t: True)
+            return backward(*args, out=out, **kw)
+
+    return call, unpacked
+
+
 @pytest.mark.parametrize(
     ("lens", "h", "hv", "l2norm", "capture"),
     [
@@ -796,19 +817,8 @@ def test_native_stores_are_the_slot_path(kernel_path, monkeypatch, lens, h, hv, 
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     kw = {"cu_seqlens": cu, "initial_state": h0, "d_final_state": dht,
           "use_qk_l2norm_in_kernel": l2norm}  # fmt: skip
-    unpacked = []
-    real = varlen.unpack
-    monkeypatch.setattr(varlen, "unpack", lambda *a: unpacked.append(1) or real(*a))
-
-    def call(native, out=None):
-        monkeypatch.setattr(varlen, "NATIVE_STORES", native)
-        TOKEN_ROWS.clear()
-        unpacked.clear()
-        with monkeypatch.context() as m:
-            if capture:
-                m.setattr(varlen, "capturing", lambda t: True)
-            return forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, out=out, **kw)
-
+    call, unpacked = native_switch(monkeypatch, forgekernel.gated_delta_rule_backward,
+                                   (q, k, v, g, beta, do), kw, capture, TOKEN_ROWS)  # fmt: skip
     want = call(False)
     assert TOKEN_ROWS == [] and len(unpacked) == 5
     names = ("dq", "dk", "dv", "dg", "dbeta", "dh0")

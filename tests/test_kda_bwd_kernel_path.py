@@ -28,7 +28,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from slots_alone import CPU_CASES, assert_sequence_alone
-from test_gdn_bwd_kernel_path import emulated_norm_kernel, forward_inputs_as_reverse, written_to
+from test_gdn_bwd_kernel_path import (
+    emulated_norm_kernel,
+    forward_inputs_as_reverse,
+    native_switch,
+    written_to,
+)
 from test_gdn_bwd_state import tile_model
 from test_kda_bwd_op import (
     _fp64_grads,
@@ -661,19 +666,8 @@ def test_native_stores_are_the_slot_path(kernel_path, monkeypatch, lens, h, hv, 
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     kw = {"cu_seqlens": cu, "initial_state": h0, "d_final_state": dht,
           "use_qk_l2norm_in_kernel": l2norm}  # fmt: skip
-    unpacked = []
-    real = varlen.unpack
-    monkeypatch.setattr(varlen, "unpack", lambda *a: unpacked.append(1) or real(*a))
-
-    def call(native, out=None):
-        monkeypatch.setattr(varlen, "NATIVE_STORES", native)
-        TOKEN_ROWS.clear()
-        unpacked.clear()
-        with monkeypatch.context() as m:
-            if capture:
-                m.setattr(varlen, "capturing", lambda t: True)
-            return bwd.kimi_delta_attention_backward(q, k, v, g, beta, do, out=out, **kw)
-
+    call, unpacked = native_switch(monkeypatch, bwd.kimi_delta_attention_backward,
+                                   (q, k, v, g, beta, do), kw, capture, TOKEN_ROWS)  # fmt: skip
     want = call(False)
     assert TOKEN_ROWS == [] and len(unpacked) == 5
     got = call(True)

@@ -24,6 +24,7 @@ import inspect
 
 import pytest
 import torch
+from graphs import captured
 from test_gdn_bwd_kernel_path_gpu import NAMES, _close, _problem, _reference
 
 import forgekernel
@@ -155,14 +156,7 @@ def test_the_default_rule_with_out_and_a_graph(monkeypatch, b, t, passes):
         _close(name, a, r)
         _close(name + " vs today's path", a, o.double())
     eager = [x.clone() for x in out]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    graph = captured(call)
     for x in out:
         x.fill_(float("nan"))
     graph.replay()

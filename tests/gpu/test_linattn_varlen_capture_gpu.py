@@ -14,6 +14,7 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
+from linattn_varlen import captured_outputs, problem
 
 import forgekernel
 from forgekernel.runtime.timing import median, time_eager_flushed, time_ms
@@ -29,37 +30,6 @@ OPS = {
 }  # fmt: skip
 
 
-def _problem(op, t, h, hv, n, seed=0):
-    """One row of t tokens (B = 1, the suites' cu_seqlens form) and n sequences' states."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-
-    def rnd(*shape):
-        return torch.randn(*shape, device="cuda", generator=gen)
-
-    q = rnd(1, t, h, 128).bfloat16()
-    k = (rnd(1, t, h, 128) * 2.0).bfloat16()
-    v = rnd(1, t, hv, 128).bfloat16()
-    if op == "gdn":
-        g = F.logsigmoid(rnd(1, t, hv) + 2.0)
-    else:
-        g = -torch.rand(1, t, hv, 128, device="cuda", generator=gen)
-    beta = torch.sigmoid(rnd(1, t, hv))
-    do = rnd(1, t, hv, 128).bfloat16()
-    return [q, k, v, g, beta, do], rnd(n, hv, 128, 128) * 0.1, rnd(n, hv, 128, 128) * 0.1
-
-
-def _captured(call):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()  # compile and warm the allocator outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
-    return graph, out
-
-
 def _close(name, got, want):
     assert torch.isfinite(got).all(), f"{name}: NaN / inf"
     err = float((got.double() - want.double()).abs().max())
@@ -70,7 +40,7 @@ def _close(name, got, want):
 def test_one_graph_replays_equal_and_unequal_lengths(monkeypatch, op):
     bwd, backward = OPS[op]
     monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
-    args, h0, dht = _problem(op, 400, 2, 4, 2, seed=31)
+    args, h0, dht = problem(op, 400, 2, 4, 2, seed=31)
     cu = torch.tensor([0, 200, 400], dtype=torch.int32, device="cuda")
     kw = {"initial_state": h0, "d_final_state": dht, "cu_seqlens": cu,
           "use_qk_l2norm_in_kernel": True}  # fmt: skip
@@ -78,7 +48,7 @@ def test_one_graph_replays_equal_and_unequal_lengths(monkeypatch, op):
     def call():
         return backward(*args, **kw)
 
-    graph, captured = _captured(call)
+    graph, captured = captured_outputs(call)
     for edges in ([0, 200, 400], [0, 137, 400], [0, 64, 400], [0, 200, 400]):
         cu.copy_(torch.tensor(edges))
         graph.replay()
@@ -100,7 +70,7 @@ def test_time_at_bench_size(op, hv):
     6.33); the bench's own columns at 17:00-17:16 (l2norm off): graph 5.94 / 3.16 / 6.11,
     eager 4.79 / 2.50 / 5.17."""
     backward = OPS[op][1]
-    args, h0, dht = _problem(op, 4 * 8192, 16, hv, 4, seed=13)
+    args, h0, dht = problem(op, 4 * 8192, 16, hv, 4, seed=13)
     args[1] = F.normalize(args[1].float(), dim=-1).bfloat16()  # unit-norm k, as the suites'
     cu = torch.arange(5, dtype=torch.int32, device="cuda") * 8192
     kw = {"initial_state": h0, "d_final_state": dht, "cu_seqlens": cu}

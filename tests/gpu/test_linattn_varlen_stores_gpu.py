@@ -14,7 +14,7 @@ import importlib
 
 import pytest
 import torch
-import torch.nn.functional as F
+from linattn_varlen import captured_outputs, problem
 
 import forgekernel
 from forgekernel.runtime.timing import median, time_ms
@@ -29,27 +29,6 @@ OPS = {
 }  # fmt: skip
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 MIXES = ([1, 0, 65, 64, 200, 0, 7, 1000], [300, 301, 295, 2], [8192, 5, 130])
-
-
-def _problem(op, t, h, hv, n, l2norm, seed=0):
-    """The op's inputs as one row of t tokens (the suites' cu_seqlens form), n states; k unit
-    rows where the op does not normalize them (the suites' form)."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-
-    def rnd(*shape):
-        return torch.randn(*shape, device="cuda", generator=gen)
-
-    q = rnd(1, t, h, 128).bfloat16()
-    k = rnd(1, t, h, 128) * 2.0
-    k = (k if l2norm else F.normalize(k, dim=-1)).bfloat16()
-    v = rnd(1, t, hv, 128).bfloat16()
-    if op == "gdn":
-        g = F.logsigmoid(rnd(1, t, hv) + 2.0)
-    else:
-        g = -torch.rand(1, t, hv, 128, device="cuda", generator=gen)
-    beta = torch.sigmoid(rnd(1, t, hv))
-    do = rnd(1, t, hv, 128).bfloat16()
-    return [q, k, v, g, beta, do], rnd(n, hv, 128, 128) * 0.1, rnd(n, hv, 128, 128) * 0.1
 
 
 def _cu(lens):
@@ -74,7 +53,7 @@ def test_native_stores_are_the_slot_path(monkeypatch, op, lens, h, hv, l2norm):
     place."""
     bwd, backward = OPS[op]
     monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
-    args, h0, dht = _problem(op, sum(lens), h, hv, len(lens), l2norm, seed=len(lens))
+    args, h0, dht = problem(op, sum(lens), h, hv, len(lens), seed=len(lens), unit_k=not l2norm)
     kw = {"initial_state": h0, "d_final_state": dht, "cu_seqlens": _cu(lens),
           "use_qk_l2norm_in_kernel": l2norm}  # fmt: skip
     monkeypatch.setattr(varlen, "NATIVE_STORES", False)
@@ -104,7 +83,7 @@ def test_native_stores_in_passes_and_fp16(monkeypatch, op, dtype):
     monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
     monkeypatch.setattr(bwd, "TOKEN_HEADS_PER_PASS", 1)
     lens = [0, 130, 1, 64, 0]
-    args, h0, dht = _problem(op, sum(lens), 2, 4, len(lens), False, seed=5)
+    args, h0, dht = problem(op, sum(lens), 2, 4, len(lens), seed=5, unit_k=True)
     args = [x.to(dtype) if x.dtype == torch.bfloat16 else x for x in args]
     kw = {"initial_state": h0, "d_final_state": dht, "cu_seqlens": _cu(lens)}
     monkeypatch.setattr(varlen, "NATIVE_STORES", False)
@@ -122,18 +101,6 @@ def test_native_stores_in_passes_and_fp16(monkeypatch, op, dtype):
     _equal(out, want, (op, dtype, "out="))
 
 
-def _captured(call):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()  # compile and warm the allocator outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
-    return graph, out
-
-
 @pytest.mark.parametrize(("h", "hv", "l2norm"), [(2, 4, True), (4, 4, False)])
 @pytest.mark.parametrize("op", sorted(OPS))
 def test_one_graph_with_native_stores(monkeypatch, op, h, hv, l2norm):
@@ -142,7 +109,7 @@ def test_one_graph_with_native_stores(monkeypatch, op, h, hv, l2norm):
     for bit between the two graphs (both the slot layout; equal lengths reach it only so)."""
     bwd, backward = OPS[op]
     monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
-    args, h0, dht = _problem(op, 400, h, hv, 2, l2norm, seed=31)
+    args, h0, dht = problem(op, 400, h, hv, 2, seed=31, unit_k=not l2norm)
     cu = torch.tensor([0, 200, 400], dtype=torch.int32, device="cuda")
     kw = {"initial_state": h0, "d_final_state": dht, "cu_seqlens": cu,
           "use_qk_l2norm_in_kernel": l2norm}  # fmt: skip
@@ -153,7 +120,7 @@ def test_one_graph_with_native_stores(monkeypatch, op, h, hv, l2norm):
     graphs = {}
     for native in (False, True):
         monkeypatch.setattr(varlen, "NATIVE_STORES", native)
-        graphs[native] = _captured(call)
+        graphs[native] = captured_outputs(call)
     for edges in ([0, 200, 400], [0, 137, 400], [0, 64, 400], [0, 200, 400]):
         cu.copy_(torch.tensor(edges))
         for graph, _ in graphs.values():
@@ -170,7 +137,7 @@ def test_time_native_stores(monkeypatch, op, hv):
     hv16), ~0.45 (KDA hv16) (the 2026-12-06 bench's graph: 5.94 / 3.16 / 6.11 ms)."""
     bwd, backward = OPS[op]
     monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
-    args, h0, dht = _problem(op, 4 * 8192, 16, hv, 4, False, seed=13)
+    args, h0, dht = problem(op, 4 * 8192, 16, hv, 4, seed=13, unit_k=True)
     cu = torch.arange(5, dtype=torch.int32, device="cuda") * 8192
     kw = {"initial_state": h0, "d_final_state": dht, "cu_seqlens": cu}
     times, grads = {}, {}
