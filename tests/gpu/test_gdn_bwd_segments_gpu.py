@@ -18,6 +18,7 @@ import importlib
 
 import pytest
 import torch
+from graphs import captured
 from test_gdn_bwd_kernel_path_gpu import NAMES, _close, _poisoned_kernel, _problem, _reference
 
 import forgekernel
@@ -99,14 +100,7 @@ def test_in_a_cuda_graph(monkeypatch):
     inputs = (q, k, v, g, beta, do)
     eager = _call(inputs, h0, dht, True)
     out = tuple(torch.full_like(x, float("nan")) for x in eager)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        _call(inputs, h0, dht, True, out=out)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        _call(inputs, h0, dht, True, out=out)
+    graph = captured(lambda: _call(inputs, h0, dht, True, out=out))
     for x in out:
         x.fill_(float("nan"))
     graph.replay()
@@ -118,14 +112,7 @@ def test_in_a_cuda_graph(monkeypatch):
 def _times(fn) -> tuple[float, float]:
     """(eager, graph replay) median ms of fn()."""
     eager = median(time_ms(fn, reps=10))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = captured(fn)
     return eager, median(time_ms(graph.replay, reps=10))
 
 
