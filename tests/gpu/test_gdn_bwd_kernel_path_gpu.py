@@ -79,15 +79,15 @@ QK16_CALLS: list = []  # kernel 2's (dqk16, scale) a WY launch
 
 
 def _poisoned_chunk_wy_kernel(calls):
-    """Kernel 2's WY variant with its outputs NaN-poisoned first; calls as ("k2wy", shape);
-    `fsplit` (the op's FSPLIT) and the varlen slot layout's `tables`, `tokens` (the op's
-    NATIVE_STORES) passed on."""
+    """Kernel 2's WY variant with its outputs NaN-poisoned first (the op's own `out` buffers
+    where it passes them, else fresh ones); calls as ("k2wy", shape); `fsplit` (the op's
+    FSPLIT) and the varlen slot layout's `tables`, `tokens` (the op's NATIVE_STORES) passed on."""
 
     def run(do, u, du, q, k, h, dh, big_g, *wy, dv16=False, dqk16=False, scale=1.0,
-            fsplit=False, tables=None, tokens=None):  # fmt: skip
-        out = tuple(x.fill_(float("nan"))
-                    for x in chunk_launch.empty_wy_outputs(do, q.shape[-1], dv16, dqk16,
-                                                           tokens))  # fmt: skip
+            fsplit=False, tables=None, tokens=None, out=None):  # fmt: skip
+        if out is None:
+            out = chunk_launch.empty_wy_outputs(do, q.shape[-1], dv16, dqk16, tokens)
+        out = tuple(x.fill_(float("nan")) for x in out)
         calls.append(("k2wy", tuple(do.shape)))
         QK16_CALLS.append((dqk16, scale))
         return chunk_launch.gdn_bwd_chunk_wy(do, u, du, q, k, h, dh, big_g, *wy, out=out,
