@@ -11,7 +11,9 @@ its variants, the comparators), each in its own process with blocking launches
 (scripts/diag_bench_cases.py: the options and verdicts are there).
 
 Each line: PASS / FAIL(err > bound) / HANG (no exit in the timeout) / ERROR (an exception), the
-kernel's compile key as the launcher chose it. The ladder, control first: GDN unsplit (the
+kernel's compile key as the launcher chose it (GDN: the t_pre form, after the T precompute, but
+on unsplit launches over ungrouped heads, `launch.t_pre_for`: the unsplit control stays the
+standard form). The ladder, control first: GDN unsplit (the
 kernel checked on the H200), then V-split CTAs with 1, 2, 3, 4 and 8 chunks (the two aux
 warpgroups: one with no chunk, alternating, odd counts, the 3-deep q / k ring wrapped) and a
 varlen mix (empty, 1-token, 63 / 64 / 65, l2norm, k-last state); KDA (the first-pass kernel,
@@ -93,13 +95,21 @@ def _force_split(op: str, split) -> list:
 
 
 def _keys(op: str) -> tuple[list, list]:
-    """Record the compile keys the launcher asks for; returns (keys, what to restore)."""
+    """Record the compile keys the launcher asks for of the op's main kernel (GDN's chunked
+    kernel, not its T precompute; KDA's recurrence, not its first pass); returns (keys, what to
+    restore)."""
     if op == "gdn":
         from forgekernel.kernels.linear_attention.gdn_prefill.sm90 import launch
     else:
         from forgekernel.kernels.linear_attention.kda_prefill.sm90 import launch
     keys, real = [], launch.get_kernel
-    launch.get_kernel = lambda spec, p: keys.append(dict(p)) or real(spec, p)
+
+    def record(spec, params):
+        if spec is launch.SPEC:
+            keys.append(dict(params))
+        return real(spec, params)
+
+    launch.get_kernel = record
     return keys, [(launch, "get_kernel", real)]
 
 

@@ -14,11 +14,13 @@ A sixth argument `flashinfer` runs FlashInfer's `chunk_gated_delta_rule` on the 
 instead (state 0 only: its -nostate comparator; KERNELS=FullyFusedDeltaRuleSm90; its first call
 JITs). Its roles in ncu's source page: load / store warps up to USETMAXREG.DEALLOC 0x18, aux
 from USETMAXREG.DEALLOC 0x68, state from USETMAXREG.TRY_ALLOC 0xc0 (docs/linear_attention/
-NOTES.md, "FlashInfer's sm90 GDN prefill, read"). A sixth argument `t_pre` runs the launcher's
-t_pre path instead (the T precompute, KERNELS=GdnTPre, then the chunked kernel's t_pre form,
+NOTES.md, "FlashInfer's sm90 GDN prefill, read"). The op's own route is the t_pre path but on
+unsplit launches over ungrouped heads (`launch.t_pre_for`). A sixth argument `t_pre` forces the
+t_pre path (the T precompute, KERNELS=GdnTPre, then the chunked kernel's t_pre form,
 KERNELS=GdnChunked: its aux from USETMAXREG.DEALLOC 0x68 is Q K^T, P and the tables only; its
-O warp inside warpgroup 0's 0x18 region); `t_pre_state_lds` the same form with next/gdn-tpre's
-state chain (the bench's A/B variant)."""
+O warp inside warpgroup 0's 0x18 region); `standard` forces the standard form (the bench's
+variant `standard`); `t_pre_state_lds` the t_pre form with next/gdn-tpre's state chain (the
+bench's A/B variant)."""
 
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ def main() -> None:
     cu = torch.arange(0, (n + 1) * t, t, dtype=torch.int32, device="cuda")
     flashinfer = len(sys.argv) > 6 and sys.argv[6] == "flashinfer"
     mode = sys.argv[6] if len(sys.argv) > 6 else "ours"
-    t_pre = mode in ("t_pre", "t_pre_state_lds")
+    forced = mode in ("t_pre", "t_pre_state_lds", "standard")
     if flashinfer and state:
         raise SystemExit("flashinfer: state 0 only (its -nostate comparator)")
     for _ in range(3):
@@ -56,13 +58,13 @@ def main() -> None:
 
             chunk_gated_delta_rule(q[0], k[0], v[0], g=g[0].exp(), beta=beta[0],
                                    cu_seqlens=cu.long())  # fmt: skip
-        elif t_pre:  # the bench's variant `t_pre`
+        elif forced:  # the bench's variants `t_pre`, `standard`, `t_pre_state_lds`
             from forgekernel.kernels.linear_attention.gdn_prefill.sm90 import launch
 
             out = torch.empty_like(v[0])
             final = torch.empty(n, hv, 128, 128, device="cuda")
             launch.gdn_prefill(q[0], k[0], v[0], g[0], beta[0], init, cu, out, final, 128**-0.5,
-                               k_last=False, l2norm=False, t_pre=True,
+                               k_last=False, l2norm=False, t_pre=mode != "standard",
                                state_lds=mode == "t_pre_state_lds")  # fmt: skip
         else:
             op.gated_delta_rule(q, k, v, g, beta, initial_state=init, output_final_state=True,

@@ -26,7 +26,12 @@ def replays(monkeypatch):
             return kda_prefill_replay.intra_kernel(dict(params))
         return kda_prefill_replay.kernel(dict(params))
 
-    monkeypatch.setattr(gdn_launch, "get_kernel", lambda s, p: gdn_prefill_replay.kernel(dict(p)))
+    def gdn_kernel(spec, params):
+        if spec is gdn_launch.T_PRE_SPEC:
+            return gdn_prefill_replay.t_pre_kernel(dict(params))
+        return gdn_prefill_replay.kernel(dict(params))
+
+    monkeypatch.setattr(gdn_launch, "get_kernel", gdn_kernel)
     monkeypatch.setattr(kda_launch, "get_kernel", kda_kernel)
     for op in (gdn_op, kda_op):
         monkeypatch.setattr(op, "check_cuda", lambda name, t: None)

@@ -1,15 +1,17 @@
 """The Gated DeltaNet backward's kernel 0 (the chunk factors) compiled for sm_90a on the CPU (the
-DSL compiles, ptxas assembles, cuobjdump reads the cubin), 256 threads, nothing spilled: 239 / 240
-registers (bf16 / fp16; 241 / 253 before 2026-12-06, 239 / 239 on one load barrier) with cu13's
-ptxas (CI's cu12 toolchain: not measured here, only the ceiling and no spill are pinned); 155,648
-bytes of shared memory (within config's bound); per CTA the WGMMAs K K^T and Q K^T (8 x 64x64x16
-each, both operands in shared memory) and u = [T diag(beta)] V, W = [T diag(beta e^G)] K (4 x
-64x128x16 each, A from registers, B transposed), four commit groups; the forward's tf32 inverse
-merges (28 HMMA.1688 tf32); three TMA loads (six 64-column halves) and six TMA stores (ten halves:
-four 128-wide tiles, P^T and T^T; no reversed u, -W, -Ke since kernel 1's forward launch reads the
-tiles in chunk order, 2026-12-06); P^T and T^T by four transposed stmatrix a thread, W and u by
-eight each; the gates' warp scan (five SHFL.UP); the three loads on one mbarrier each (k, q, v: the
-math's order; 2026-12-06, was one barrier pair)."""
+DSL compiles, ptxas assembles, cuobjdump reads the cubin): 384 threads (the TMA warpgroup and two
+math warpgroups split by products) within the launch's 168 registers, no setmaxnreg, nothing
+spilled: 167 / 168 registers (bf16 / fp16) with cu13's ptxas (CI's cu12 toolchain: not measured
+here, only the ceiling and no spill are pinned); 155,648 bytes of shared memory (within
+config's bound); per CTA the WGMMAs K K^T and Q K^T (8 x 64x64x16 each, both operands in shared
+memory) and u = [T diag(beta)] V, W = [T diag(beta e^G)] K (4 x 64x128x16 each, A from
+registers, B transposed), four commit groups; the forward's tf32 inverse merges (28 HMMA.1688
+tf32); three TMA loads (six 64-column halves) and six TMA stores (ten halves: four 128-wide
+tiles, P^T and T^T; no reversed u, -W, -Ke since kernel 1's forward launch reads the tiles in
+chunk order, 2026-12-06); P^T and T^T by four transposed stmatrix a thread, W and u by eight
+each; the gates' warp scan (five SHFL.UP); the three loads on one mbarrier each (k, q, v).
+The 256-thread (one math warpgroup) kernel these pins once covered too is gone (next/fac-losers,
+2026-12-06: 239 / 240 registers, the same shared memory and instruction counts)."""
 
 from __future__ import annotations
 
@@ -42,19 +44,21 @@ from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_instruc
 if find_tool("cuobjdump") is None:
     pytest.skip("cuobjdump not found", allow_module_level=True)
 
-# cu13, 2026-12-06 (241 / 253 while it wrote -W, -Ke; fp16 239 on one load barrier); a rise:
-# look at it
-REGISTERS = {"bfloat16": 239, "float16": 240}
+# cu13 (fp16: 168 with the GPU host's cu13 libs before and after next/fac-race, as `forgekernel
+# build` reported; the pin's 167 failed there); a rise: look at it
+REGISTERS = {"bfloat16": 167, "float16": 168}
 SMEM = 155648  # 188,416 with the reversed u, -W, -Ke tiles (before 2026-12-06)
 
 
 @pytest.fixture(scope="module")
 def compiled():
+    """(resources, SASS instructions, shared memory, (listing, unaligned offsets, nvdisasm's
+    indirect targets)) of a key, once a module."""
     cache = {}
 
-    def get(dtype, wg2=False):
-        if (dtype, wg2) not in cache:
-            params = dict(config.params_for(dtype, wg2=wg2))
+    def get(dtype, fused=False):
+        if (dtype, fused) not in cache:
+            params = dict(config.params_for(dtype, fused=fused))
             kernel = kernel_for(params)
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_gdn_bwd_factors(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
@@ -65,11 +69,11 @@ def compiled():
                     cubin = Path(d, "k.cubin")
                 res = inspect_cubin(cubin)
                 sass = sass_text(cubin)
-                # the barrier pins' inputs (`wg2` only: its listing has ptxas's jump tables)
-                flow = (sass, unaligned_offsets(cubin), indirect_targets(cubin)) if wg2 else None
-            cache[dtype, wg2] = (res, sass_instructions(sass),
-                                 kernel.shared_storage.size_in_bytes(), flow)  # fmt: skip
-        return cache[dtype, wg2][:3] if not wg2 else cache[dtype, wg2]
+                # the barrier pins' inputs (the listing has ptxas's jump tables)
+                flow = (sass, unaligned_offsets(cubin), indirect_targets(cubin))
+            cache[dtype, fused] = (res, sass_instructions(sass),
+                                   kernel.shared_storage.size_in_bytes(), flow)  # fmt: skip
+        return cache[dtype, fused]
 
     return get
 
@@ -81,24 +85,28 @@ DTYPES = slow_past(config.DTYPES)
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_registers_and_no_spills(compiled, dtype):
-    res, instrs, _ = compiled(dtype)
-    ceiling = 65536 // config.THREADS
-    want = REGISTERS[dtype] if dsl_toolchain() == "cu13" else ceiling
-    assert res["registers"] <= min(want, ceiling)
+    """384 threads within the launch's 168 registers (no setmaxnreg), nothing spilled."""
+    res, instrs, _, _ = compiled(dtype)
+    assert config.REGISTERS == 168 and config.THREADS == 384
+    want = REGISTERS[dtype] if dsl_toolchain() == "cu13" else config.REGISTERS
+    assert res["registers"] <= min(want, config.REGISTERS)
+    assert res["registers"] * config.THREADS <= 65536
     assert res["spill_bytes"] == 0
-    assert not [op for op, _ in instrs if op.startswith(("LDL", "STL"))]
+    assert not [op for op, _ in instrs if op.startswith(("LDL", "STL", "USETMAXREG"))]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_shared_memory_fits(compiled, dtype):
-    res, _, smem = compiled(dtype)
+    res, _, smem, _ = compiled(dtype)
     assert smem == SMEM <= config.smem_bytes() <= SMEM_CAPACITY
     assert smem + res["smem_bytes"] <= SMEM_CAPACITY
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_wgmmas_inverse_and_tma(compiled, dtype):
-    _, instrs, _ = compiled(dtype)
+    """Every product, mask and scaling once (the split is by product, nothing computed twice):
+    warpgroup 1 K K^T (8) and u (4), warpgroup 2 Q K^T (8) and W (4), four commit groups."""
+    _, instrs, _, _ = compiled(dtype)
     ops = [op for op, _ in instrs]
     shapes = [(op, a) for op, a in instrs if op.startswith("HGMMA")]
     assert sum(op.startswith("HGMMA.64x64x16") for op, _ in shapes) == 2 * 8
@@ -113,96 +121,67 @@ def test_wgmmas_inverse_and_tma(compiled, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_load_barriers_split(compiled, dtype):
-    """q, k, v on one mbarrier a load group (config.LOAD_GROUPS: k, q, v, the order the math
-    warpgroup first reads them; 2026-12-06, was one barrier pair of a one-stage ring): 3 inits,
-    3 arms (arrive.expect_tx, no consumer release), the math warpgroup's one wait a group, in
-    group order; K K^T's 8 HGMMAs after k's wait and before q's, Q K^T's 8 after q's (issued
-    under the merges: before their named barriers), u's and W's 4 + 4 only after v's."""
-    _, instrs, _ = compiled(dtype)
+    """q, k, v on one mbarrier a load group (config.LOAD_GROUPS): 3 inits, 3 arms
+    (arrive.expect_tx, no consumer release); warpgroup 1 waits on k, then K K^T's 8 HGMMAs, the
+    merges, its BAR_T arrive, v's wait, u's 4; warpgroup 2 waits on k, q, then Q K^T's 8, BAR_T,
+    W's 4 (ptxas repeats each wait in its retry loop at the end: the offsets twice)."""
+    _, instrs, _, _ = compiled(dtype)
     ops = [op for op, _ in instrs]
     n = len(config.LOAD_GROUPS)
     assert config.LOAD_GROUPS == (("k",), ("q",), ("v",))
     assert ops.count("SYNCS.EXCH.64") == n
     assert ops.count("SYNCS.ARRIVE.TRANS64") == n
     assert not [op for op in ops if op.startswith("SYNCS.ARRIVE.TRANS64.")]
-    assert trywait_offsets(instrs) == [8 * g for g in range(n)]
+    assert trywait_offsets(instrs) == [0, 16, 0, 8] * 2
     kinds = []
     for op, a in instrs:
+        bar = a.strip().split(",")[0]
         if op == "SYNCS.PHASECHK.TRANS64.TRYWAIT":
             kinds.append(f"wait{trywait_offsets([(op, a)])[0] // 8}")
         elif op.startswith("HGMMA"):
             kinds.append(op.split(".")[1])
-        elif op.startswith("BAR.SYNC") and "0x2," in a:  # the inverse's merges (BAR_INVERSE)
+        elif op.startswith("BAR.SYNC") and bar == "0x2":  # the inverse's merges (BAR_INVERSE)
             kinds.append("merge")
+        elif op.startswith(("BAR.SYNC", "BAR.ARV")) and bar == "0x3":  # BAR_T
+            kinds.append("T" + op.split(".")[1])
     kinds = [k for i, k in enumerate(kinds) if k != "merge" or kinds[i - 1] != "merge"]
     small, wide = "64x64x16", "64x128x16"
-    assert kinds == ["wait0", *[small] * 8, "wait1", *[small] * 8, "merge", "wait2", *[wide] * 8]
+    assert kinds == ["wait0", *[small] * 8, "merge", "TARV", "wait2", *[wide] * 4,
+                     "wait0", "wait1", *[small] * 8, "TSYNC", *[wide] * 4,
+                     "wait0", "wait2", "wait0", "wait1"]  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_stores_in_three_groups(compiled, dtype):
-    """The TMA stores leave as their tiles are final (2026-12-06, were all six after the last
-    product): P^T, T^T (2 boxes) before v's wait and u's, W's HGMMAs; W, u (4) after them; Ke,
-    Qe (4) last; each group a bulk commit after a BAR_MATH (bar 1); one wait on the groups'
-    shared-memory reads (DEPBAR SB0), after the last commit, none between."""
-    _, instrs, _ = compiled(dtype)
+def test_stores_in_groups(compiled, dtype):
+    """Each math warpgroup's TMA stores leave as its tiles are final, one bulk commit a group
+    after its own store barrier (BAR_MATH 1 / BAR_MATH2 5), one wait on its groups'
+    shared-memory reads (DEPBAR SB0) after its last commit: warpgroup 1 T^T, then (after u's
+    HGMMAs) u; warpgroup 2 P^T, Ke, Qe, then (after W's) W."""
+    _, instrs, _, _ = compiled(dtype)
     seq = []
     for op, a in instrs:
+        bar = a.strip().split(",")[0]
         if op in ("UTMASTG.4D", "UTMACMDFLUSH") or op.startswith("HGMMA.64x128x16"):
             seq.append(op.split(".")[0] if op.startswith("HGMMA") else op)
-        elif op == "SYNCS.PHASECHK.TRANS64.TRYWAIT" and "+0x10]" in a:
-            seq.append("wait2")
-        elif op.startswith("BAR.SYNC") and a.strip().startswith("0x1,"):
-            seq.append("bar")
+        elif op.startswith("BAR.SYNC") and bar in ("0x1", "0x5"):
+            seq.append("bar" + bar[-1])
         elif op == "DEPBAR.LE" and "SB0" in a:
             seq.append("depbar")
-    store = "UTMASTG.4D"
-    assert seq == ["bar", "bar", *[store] * 2, "UTMACMDFLUSH", "wait2", *["HGMMA"] * 8,
-                   "bar", *[store] * 4, "UTMACMDFLUSH",
-                   "bar", *[store] * 4, "UTMACMDFLUSH", "depbar"]  # fmt: skip
-
-
-# `wg2` (factors_wg2.py; NOTES "GDN backward factors kernel on two math warpgroups"): compiled
-# figures under cu13 (fp16: 168 with the GPU host's cu13 libs before and after next/fac-race,
-# as `forgekernel build` reported; the pin's 167 failed there)
-WG2_REGISTERS = {"bfloat16": 167, "float16": 168}
+    store, flush = "UTMASTG.4D", "UTMACMDFLUSH"
+    assert seq == ["bar1", store, flush, *["HGMMA"] * 4, "bar1", *[store] * 2, flush, "depbar",
+                   "bar5", *[store] * 5, flush, *["HGMMA"] * 4, "bar5", *[store] * 2, flush,
+                   "depbar"]  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_wg2_resources(compiled, dtype):
-    """`wg2`: 384 threads within the launch's 168 registers (no setmaxnreg), nothing spilled,
-    the same shared memory; the 256-thread kernel's products, split: warpgroup 1 K K^T (8) and
-    u (4), warpgroup 2 Q K^T (8) and W (4), four commit groups; the same merges, TMA boxes,
-    stmatrix, gates' scan and MUFU count (every product, mask and scaling once: the split is by
-    product, nothing computed twice)."""
-    res, instrs, smem, _ = compiled(dtype, wg2=True)
-    _, base, base_smem = compiled(dtype)
-    assert config.WG2_REGISTERS == 168 and config.WG2_THREADS == 384
-    assert res["registers"] <= config.WG2_REGISTERS
-    assert res["registers"] * config.WG2_THREADS <= 65536
-    if dsl_toolchain() == "cu13":
-        assert res["registers"] == WG2_REGISTERS[dtype]
-    assert res["spill_bytes"] == 0
-    assert not [op for op, _ in instrs if op.startswith(("LDL", "STL", "USETMAXREG"))]
-    assert smem == base_smem == SMEM
-    ops = [op for op, _ in instrs]
-    ops0 = [op for op, _ in base]
-    same = ("HGMMA.64x64x16", "HGMMA.64x128x16", "HMMA.1688.F32.TF32", "UTMALDG.4D",
-            "UTMASTG.4D", "STSM.16.MT88.4", "STSM.16.M88.4", "SHFL.UP", "MUFU.EX2")  # fmt: skip
-    for op in same:
-        assert sum(o.startswith(op) for o in ops) == sum(o.startswith(op) for o in ops0), op
-    assert sum("gsb0" in a for op, a in instrs if op.startswith("HGMMA")) == 4
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_wg2_barriers(compiled, dtype):
-    """`wg2`'s named barriers (factors_wg2.py): bar 0 once; BAR_GATES (4, 256): every math warp's
+def test_barriers(compiled, dtype):
+    """The named barriers (factors.py): bar 0 once; BAR_GATES (4, 256): every math warp's
     one wait (warp 4's arrive before 2026-12-06 next/fac-race); BAR_T (3, 256): warpgroup 1's
     arrive after the merges' last BAR_INVERSE (2, 128, four waits), warpgroup 2's one wait
     before W's HGMMAs; each warpgroup's own store barrier (1 / 5, 128) twice. No phase is waited
     at two instructions (two_site_barriers, through ptxas's jump tables: nvdisasm's targets), so
     no barrier is in the unaligned form (pin_unaligned_barriers)."""
-    _, instrs, _, (sass, unaligned, indirect) = compiled(dtype, wg2=True)
+    _, instrs, _, (sass, unaligned, indirect) = compiled(dtype)
     bars = pin_unaligned_barriers(sass, unaligned, set(), indirect)
     seen = sorted((b.kind, int(b.barrier, 16), int(b.threads or "0", 16)) for b in bars)
     assert seen == sorted([("SYNC", 4, 256), ("ARV", 3, 256), ("SYNC", 3, 256)]
@@ -218,9 +197,9 @@ def test_wg2_barriers(compiled, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_wg2_waits_balanced(compiled, dtype):
+def test_waits_balanced(compiled, dtype):
     """racecheck orders a thread's access after another thread's only by the bar.syncs each has
-    waited at (`waits_before`): each barrier site of `wg2` is reached after one count of them,
+    waited at (`waits_before`): each barrier site is reached after one count of them,
     so the warps that hand data over there have waited equally often. The H100's racecheck of
     2026-12-06 16:58 (256 hazards, write +0x5640 / read +0x56f0 of the cu13 bf16 build: phase
     2a's X_a0 store into the inverse's sX by warps 6, 7, phase 2b's load of it by warp 4 after
@@ -228,7 +207,7 @@ def test_wg2_waits_balanced(compiled, dtype):
     merges' sites at counts {0, 1}. The counts: BAR_GATES first (0), warpgroup 1's four
     BAR_INVERSE (1..4) and two BAR_MATH (5, 6), warpgroup 2's two BAR_MATH2 (1, 3) around its
     BAR_T wait (2)."""
-    _, _, _, (sass, _, indirect) = compiled(dtype, wg2=True)
+    _, _, _, (sass, _, indirect) = compiled(dtype)
     counts = waits_before(sass, indirect)
     sites = {b.offset: int(b.barrier, 16) for b in barrier_sites(sass)}
     assert all(len(n) == 1 for n in counts.values()), counts
@@ -236,3 +215,28 @@ def test_wg2_waits_balanced(compiled, dtype):
     for offset in sorted(counts):
         by_bar.setdefault(sites[offset], []).extend(counts[offset])
     assert by_bar == {4: [0], 2: [1, 2, 3, 4], 1: [5, 6], 5: [1, 3], 3: [2]}
+
+
+# `fused` (the op's fused route, next/gdn-fused-diet): no Ke, Qe
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_key_writes_no_ke_qe(compiled, dtype):
+    """`fused`: the standard key less Ke and Qe: 32 KB less shared memory (122,880), four TMA
+    store boxes fewer (6: P^T, T^T, W, u), the four exponentials a thread of their row decays
+    gone, the same bulk commits (Ke, Qe rode warpgroup 2's P^T group); every product, merge,
+    load, stmatrix and the gates' scan as the key without it; nothing spilled, registers no more
+    than the standard key's (106 under cu13, 2026-12-06)."""
+    res, instrs, smem, _ = compiled(dtype, True)
+    base, base_instrs, base_smem, _ = compiled(dtype)
+    assert res["spill_bytes"] == 0 and res["registers"] <= base["registers"]
+    assert smem == base_smem - 2 * 64 * 128 * 2 == SMEM - 32768
+    ops = [op for op, _ in instrs]
+    ops0 = [op for op, _ in base_instrs]
+    assert ops.count("UTMASTG.4D") == ops0.count("UTMASTG.4D") - 4 == 6
+    assert ops.count("MUFU.EX2") == ops0.count("MUFU.EX2") - 4
+    assert ops.count("UTMACMDFLUSH") == ops0.count("UTMACMDFLUSH")
+    same = ("HGMMA.64x64x16", "HGMMA.64x128x16", "HMMA.1688.F32.TF32", "UTMALDG.4D",
+            "STSM.16.MT88.4", "STSM.16.M88.4", "SHFL.UP")  # fmt: skip
+    for op in same:
+        assert sum(o.startswith(op) for o in ops) == sum(o.startswith(op) for o in ops0), op

@@ -55,10 +55,11 @@ class Built(NamedTuple):
 def compiled():
     cache = {}
 
-    def get(dtype, dht, grouped=False) -> Built:
-        key = (dtype, dht, grouped)
+    def get(dtype, dht, grouped=False, u_from_h=False, varlen=False) -> Built:
+        key = (dtype, dht, grouped, u_from_h, varlen)
         if key not in cache:
-            params = dict(config.params_for(dtype, d_final_state=dht, grouped=grouped))
+            params = dict(config.params_for(dtype, d_final_state=dht, grouped=grouped,
+                                            u_from_h=u_from_h, varlen=varlen))  # fmt: skip
             kernel = kernel_for(params)
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_gdn_bwd_fused(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
@@ -166,3 +167,73 @@ def test_barriers_waited_from_two_roles_are_unaligned(compiled, dtype, dht):
     want = sorted((int(i), r) for i in (Bar.DS_READY, Bar.FINISH)
                   for r in (config.REGS[0], config.REGS[2]))  # fmt: skip
     assert waits == want
+
+
+# ---- `u_from_h` (next/gdn-fused-diet: U = u - W h formed by S, not read)
+
+U_FROM_H = [(config.DTYPES[1], True, False), pytest.param(config.DTYPES[0], False, True,
+                                                          marks=pytest.mark.slow)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("dtype", "dht", "grouped"), U_FROM_H)
+def test_u_from_h(compiled, dtype, dht, grouped):
+    """`u_from_h`: U's TMA box gone (12 + 2 boxes a chunk) on the same five load groups and
+    barriers; S forms U = u - W h: 8 more HGMMA.64x128x16 (C x V x K) in its 224-register
+    region, G's products unchanged; the same setmaxnreg split and shared memory, every region
+    under its count (cu13, 2026-12-06: S R0-R221 as without it, G R0-R181 or R179 grouped),
+    nothing spilled; the unaligned-barrier pins of the key without it hold."""
+    built = compiled(dtype, dht, grouped, True)
+    base = compiled(dtype, dht, grouped)
+    assert built.res["registers"] == 168 and built.res["spill_bytes"] == 0
+    assert not [op for op, _ in built.instrs if op.startswith(("LDL", "STL"))]
+    assert built.smem == base.smem == SMEM
+    regions, base_regions = _regions(built.instrs), _regions(base.instrs)
+    assert sorted(regions) == sorted(base_regions)
+    for regs in config.REGS:
+        assert _max_register(regions[regs]) < regs
+
+    def count(r, op):
+        return sum(o.startswith(op) for o, _ in r)
+
+    s_regs, g_regs = config.REGS[1], config.REGS[2]
+    for shape, extra in (("HGMMA.64x64x16", 0), ("HGMMA.64x128x16", 8)):
+        assert count(regions[s_regs], shape) == count(base_regions[s_regs], shape) + extra
+        assert count(regions[g_regs], shape) == count(base_regions[g_regs], shape)
+    ops, base_ops = ([op for op, _ in x] for x in (built.instrs, base.instrs))
+    assert ops.count("UTMALDG.4D") == base_ops.count("UTMALDG.4D") - 2 == 12
+    assert ops.count("UTMALDG.5D") == 2
+    assert ops.count("SYNCS.EXCH.64") == len(config.U_FROM_H_LOAD_GROUPS) + 1
+    assert ops.count("STSM.16.M88.4") == base_ops.count("STSM.16.M88.4") + 8  # U's tile
+    bars = pin_unaligned_barriers(built.sass, built.unaligned, {Bar.DS_READY, Bar.FINISH})
+    assert {int(b.barrier, 16) for b in bars if b.predicate} == {Bar.DH_FREE}
+
+
+@pytest.mark.parametrize("u_from_h", [False, True], ids=["u_read", "u_from_h"])
+def test_varlen_resources(compiled, u_from_h):
+    """The `varlen` key (the slot layout: kernel 1's walk, kernel 2's token-row stores; bf16,
+    2026-12-06), U read or formed (`u_from_h`, FUSED_DIET; next/fused-slots-on46): 168
+    registers, nothing spilled, every setmaxnreg region within its count (warpgroup 0 R0-R22,
+    S R0-R221 as the key without varlen, G R0-R184 of 248: R179 there), the same shared
+    memory, products, TMA boxes, barriers and unaligned sites as the key without varlen; +13
+    global loads (cu_seqlens x 2 and the order entry once a CTA, (start, valid) at each of
+    dq's, dv's, dk's, dbeta's and dG's store groups)."""
+    dtype = config.DTYPES[1]
+    base, got = compiled(dtype, False, u_from_h=u_from_h), compiled(dtype, False,
+                                                                    u_from_h=u_from_h,
+                                                                    varlen=True)  # fmt: skip
+    assert got.res["registers"] == 168 and got.res["spill_bytes"] == 0 and got.smem == SMEM
+    assert not [op for op, _ in got.instrs if op.startswith(("LDL", "STL"))]
+    regions = _regions(got.instrs)
+    for regs in config.REGS:
+        assert _max_register(regions[regs]) < regs
+    s_base = _regions(base.instrs)[config.REGS[1]]
+    assert _max_register(regions[config.REGS[1]]) == _max_register(s_base)
+
+    def ops(built, prefix):
+        return sorted(op for op, _ in built.instrs if op.startswith(prefix))
+
+    for prefix in ("HGMMA", "UTMALDG", "BAR", "SYNCS", "STSM", "MUFU", "STS", "LDS"):
+        assert ops(got, prefix) == ops(base, prefix), prefix
+    assert len(ops(got, "LDG.E")) == len(ops(base, "LDG.E")) + 13
+    bars = pin_unaligned_barriers(got.sass, got.unaligned, {Bar.DS_READY, Bar.FINISH})
+    assert {int(b.barrier, 16) for b in bars if b.predicate} == {Bar.DH_FREE}

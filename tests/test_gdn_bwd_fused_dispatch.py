@@ -4,7 +4,8 @@ least three quarters of a wave, `config.fused_fits`), the switch off by default,
 with the switch on, the fused kernel replaced by an emulation built from the two kernels it
 fuses (tests/test_gdn_bwd_kernel_path.py's tile emulations of kernel 1's reverse launch and
 kernel 2's WY variant, fed Ke = k e^(G_C - G), Qe = q e^G and e^(G_C) formed from the fused
-kernel's own inputs: what the kernel folds in registers). Checked: the inputs it is handed
+kernel's own inputs: what the kernel folds in registers; with FUSED_DIET, U = u - W h as its
+`u_from_h` key forms it, `reference.gdn_bwd_state.u_from_states`). Checked: the inputs it is handed
 (shapes, dtypes, strided views as TMA reads them), one launch in place of the reverse launch
 and kernel 2, and the gradients against today's path and autograd through the fp64
 recurrence (2e-2 of each gradient's max). The GPU twin: tests/gpu/test_gdn_bwd_fused_gpu.py."""
@@ -12,6 +13,7 @@ recurrence (2e-2 of each gradient's max). The GPU twin: tests/gpu/test_gdn_bwd_f
 from __future__ import annotations
 
 import importlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,25 +29,38 @@ from test_gdn_bwd_kernel_path import (  # noqa: F401  (kernel_path: a fixture)
 
 import forgekernel
 from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90 import config
+from forgekernel.reference.gdn_bwd_state import u_from_states
 
 bwd = importlib.import_module("forgekernel.ops.gated_delta_rule_bwd")
+varlen = importlib.import_module("forgekernel.ops._linattn_varlen")
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 
 def emulated_fused_kernel(calls):
     """The fused kernel's stand-in: kernel 1's reverse emulation and kernel 2's WY emulation on
-    the factors the kernel forms from its inputs (Ke, Qe, e^(G_C) from k, q and G)."""
+    the factors the kernel forms from its inputs (Ke, Qe, e^(G_C) from k, q and G; u None:
+    U = uw - W h, the `u_from_h` key); its `varlen` key (cu_seqlens, order, tables, tokens: the
+    slot layout) by their varlen forms (kernel 1's walk, kernel 2's `token_rows`). Calls
+    recorded as (do's shape, q's heads, dht given, scale, U formed in the kernel), `tokens`
+    appended with varlen."""
     reverse, chunk = emulated_kernel(), emulated_chunk_wy_kernel()
 
-    def run(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, scale=1.0, out=None):
+    def run(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, scale=1.0, out=None,
+            cu_seqlens=None, order=None, tables=None, tokens=None):  # fmt: skip
+        walk = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens, "order": order}
+        rows = {} if tables is None else {"tables": tables, "tokens": tokens, "fsplit": True}
+        assert (cu_seqlens is None) == (order is None) == (tables is None) == (tokens is None)
         b, t, hv, _ = do.shape
         nc = -(-t // 64)
-        for x in (do, u, pt, tt, w, uw, v):  # strided views allowed (TMA)
+        for x in (do, pt, tt, w, uw, v) if u is None else (do, u, pt, tt, w, uw, v):
             assert x.stride(-1) == 1 and x.dtype == do.dtype and x.shape[:3] == (b, t, hv)
         assert q.shape == k.shape and q.shape[:2] == (b, t) and hv % q.shape[2] == 0
         assert h.shape == (b, nc, hv, q.shape[-1], do.shape[-1]) and h.dtype == do.dtype
         assert big_g.dtype == beta.dtype == torch.float32 and big_g.shape == beta.shape
-        calls.append((tuple(do.shape), q.shape[2], dht is not None, scale))
+        calls.append((tuple(do.shape), q.shape[2], dht is not None, scale, u is None)
+                     + (() if tokens is None else (tokens,)))  # fmt: skip
+        if u is None:  # `u_from_h`
+            u = u_from_states(uw, w, h)
         group = hv // q.shape[2]
         qh, kh = (x.double().repeat_interleave(group, dim=2) for x in (q, k))
         last = torch.clamp(torch.arange(nc) * 64 + 63, max=t - 1)
@@ -54,11 +69,10 @@ def emulated_fused_kernel(calls):
         ke = (kh * (g_c - big_g.double()).exp().unsqueeze(-1)).to(do.dtype)
         qe = (qh * big_g.double().exp().unsqueeze(-1)).to(do.dtype)
         du, dh, dh0 = reverse(do, pt, ke, qe, w, g_last.exp().float().contiguous(), dht,
-                              out16=True)  # fmt: skip
-        dq, dk, dg, dv, dbeta = chunk(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta,
-                                      dv16=True, dqk16=True, scale=scale)  # fmt: skip
-        got = (dq, dk, dg, dv, dbeta, dh0)
-        return got if out is None else tuple(written_to(o, x) for o, x in zip(out, got))
+                              out16=True, **walk)  # fmt: skip
+        got = chunk(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta, dv16=True, dqk16=True,
+                    scale=scale, out=None if out is None else out[:5], **rows)  # fmt: skip
+        return (*got, dh0 if out is None else written_to(out[5], dh0))
 
     return run
 
@@ -75,7 +89,7 @@ def test_the_rule(b, hv, sms, fused):
 
 
 def test_on_by_default():
-    assert bwd.FUSED is True
+    assert bwd.FUSED is True and bwd.FUSED_DIET is True
 
 
 @pytest.mark.parametrize(("b", "t", "h", "hv", "l2norm"), [(1, 130, 2, 2, False),
@@ -104,7 +118,7 @@ def test_fused_path_equals_todays(kernel_path, monkeypatch, b, t, h, hv, l2norm)
     CHUNK_CALLS.clear()
     got = run()
     fold = not l2norm and h == hv
-    assert calls == [((b, t, hv, 128), h, True, 128**-0.5 if fold else 1.0)]
+    assert calls == [((b, t, hv, 128), h, True, 128**-0.5 if fold else 1.0, True)]
     assert FLAGS == [(True, True)] and CHUNK_CALLS == []  # the forward launch only
     want = _fp64_grads([q, k, v, g, beta, h0], None, do, dht, l2norm=l2norm, with_state=True)
     for name, a, r, o in zip(NAMES, got, want, today):
@@ -202,7 +216,7 @@ def test_varlen(kernel_path, monkeypatch, lens):  # noqa: F811
     CHUNK_CALLS.clear()
     got = run()
     if len(set(lens)) == 1:
-        assert calls == [((n, lens[0], 4, 128), 2, True, 1.0)] and CHUNK_CALLS == []
+        assert calls == [((n, lens[0], 4, 128), 2, True, 1.0, True)] and CHUNK_CALLS == []
         for name, a, o in zip(NAMES, got, today):
             scale = float(o.abs().max())
             assert float((a.double() - o.double()).abs().max()) <= 2e-2 * scale, name
@@ -211,3 +225,242 @@ def test_varlen(kernel_path, monkeypatch, lens):  # noqa: F811
         assert FLAGS == [(True, True), (True, False)]  # kernel 1's two launches, varlen form
         for name, a, o in zip(NAMES, got, today):
             assert torch.equal(a, o), name
+
+
+@pytest.mark.parametrize(("t", "dtype"), [(1, torch.bfloat16), (65, torch.float16),
+                                          (130, torch.bfloat16)])  # fmt: skip
+def test_the_diet_keys_models(t, dtype):
+    """FUSED_DIET's kernel models on one problem (grouped: H = 2, HV = 4): kernel 0's `fused`
+    tiles are the standard ones less Ke, Qe; kernel 1's `fused` forward launch (k and G in place
+    of Ke, `reference.gdn_bwd_state.decayed_keys`; no U) gives the `forward` key's h within the
+    16-bit rounding of Ke; the fused kernel's `u_from_h` U (`u_from_states`: u - W h, rounded
+    once) is the U the `forward` launch writes up to one rounding of the 16-bit result."""
+    from test_gdn_bwd_kernel_path import emulated_factors_kernel
+
+    from forgekernel.reference.gdn_bwd_factors import forward_launch_tiles
+
+    q, k, v, g, beta, *_ = _bf16_problem(2, t, 2, 4, seed=t)
+    k = (k.float() / k.float().norm(dim=-1, keepdim=True)).bfloat16()
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    tiles = {f: emulated_factors_kernel()(q, k, v, g, beta, fused=f) for f in (False, True)}
+    assert set(tiles[True]) == set(tiles[False]) - {"ke", "qe"}
+    for name, x in tiles[True].items():
+        assert torch.equal(x, tiles[False][name]), name
+    h0 = torch.randn(2, 4, 128, 128, generator=torch.Generator().manual_seed(t)) * 0.1
+    run = emulated_kernel()
+    fw = forward_launch_tiles(tiles[False], identity=False)
+    u16, h16, s16 = run(*(fw[n] for n in ("do", "pt", "ke", "qe", "w")), fw["e_last"], h0,
+                        out16=True, forward=True)  # fmt: skip
+    fw = forward_launch_tiles(tiles[True], identity=False, k=k)
+    assert fw["w"] is k and fw["big_g"] is tiles[True]["big_g"]
+    none, h_fused, s_fused = run(*(fw[n] for n in ("do", "pt", "ke", "qe", "w")), fw["e_last"],
+                                 h0, out16=True, forward=True, big_g=fw["big_g"])  # fmt: skip
+    assert none is None
+    for a, r in ((h_fused, h16), (s_fused, s16)):
+        err = float((a.double() - r.double()).abs().max())
+        assert err <= 1e-2 * float(r.double().abs().max()), err
+    got = u_from_states(tiles[False]["u"][:, :t], tiles[False]["w"][:, :t], h16)
+    u16 = u16[:, :t]  # the launch's rows: every chunk's (the tiles as kernel 0 wrote them)
+    assert got.dtype == dtype and got.shape == u16.shape
+    ulp = torch.finfo(dtype).eps * u16.double().abs() + 1e-6
+    assert bool(((got.double() - u16.double()).abs() <= ulp).all())
+
+
+def test_diet_off_is_the_fused_route_of_before(kernel_path, monkeypatch):  # noqa: F811
+    """FUSED_DIET (the default) against it off: on, kernel 0's `fused` key (no Ke, Qe), the
+    forward launch's `fused` key (k and G in place of Ke, no U) and the fused kernel handed no
+    U; off, kernel 0's standard key, Ke read, U written and read. The gradients within 1e-2 of
+    each other's max (they differ by the 16-bit roundings of Ke and U only)."""
+    b, t, h, hv = 2, 130, 2, 4
+    q, k, v, g, beta, do, h0, dht = _bf16_problem(b, t, h, hv, seed=5)
+    k = (k.float() / k.float().norm(dim=-1, keepdim=True)).bfloat16()
+    monkeypatch.setattr(bwd, "FUSED", True)
+    monkeypatch.setattr(bwd, "_device_sms", lambda device: b * hv)
+    real = bwd._factors
+    keys = []
+    monkeypatch.setattr(
+        bwd, "_factors", lambda *a, **kw: keys.append(kw.get("fused", False)) or real(*a, **kw)
+    )
+    state = bwd._state_recurrence
+    forward = []  # the forward launch on k and G (its `fused` key): w is k (B, T, H, K)
+    monkeypatch.setattr(bwd, "_state_recurrence",
+                        lambda *a, **kw: forward.append(("big_g" in kw, a[4].shape == k.shape))
+                        or state(*a, **kw))  # fmt: skip
+    grads = {}
+    for diet in (True, False):
+        calls = []
+        monkeypatch.setattr(bwd, "FUSED_DIET", diet)
+        monkeypatch.setattr(bwd, "_fused_bwd", emulated_fused_kernel(calls))
+        grads[diet] = forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do,
+                                                            initial_state=h0,
+                                                            d_final_state=dht)  # fmt: skip
+        assert [c[-1] for c in calls] == [diet]
+    assert keys == [True, False] and forward == [(True, True), (False, False)]
+    for name, a, o in zip(NAMES, grads[True], grads[False]):
+        err = float((a.double() - o.double()).abs().max())
+        assert err <= 1e-2 * float(o.abs().max()), (name, err)
+
+
+def test_fused_slots_off_by_default():
+    assert bwd.FUSED_SLOTS is False
+
+
+@pytest.mark.parametrize(
+    ("env", "fused_env", "on", "tables", "n", "hv", "want"),
+    [(None, None, False, True, 4, 32, False), (None, None, True, True, 4, 32, True),
+     (None, None, True, True, 4, 16, False), (None, None, True, False, 4, 32, False),
+     ("0", None, True, True, 4, 32, False), ("1", None, False, True, 4, 32, True),
+     ("1", "0", False, True, 4, 32, False), ("1", "all", False, True, 1, 2, True),
+     ("1", "all", False, False, 1, 2, False), (None, None, True, True, 4, 33, True),
+     (None, None, True, True, 5, 32, False), (None, None, True, True, 16, 32, False)],
+)  # fmt: skip
+def test_fused_slots_rule(monkeypatch, env, fused_env, on, tables, n, hv, want):
+    """The slot layout's fused route: FUSED_SLOTS (FUSED_SLOTS_SWITCH overriding it), the
+    per-slot tables present (`native`: the kernel writes token rows only), then N x HV from
+    3/4 of a wave to one wave (`config.slots_fit`: 4 x 8192 hv32's 128 CTAs of 132 SMs fused,
+    hv16's 64 not, 4 x 33 = 132 fused, 5 x 32 = 160 and the suites' mix16 hv32 512 not);
+    FUSED_SWITCH "0" off, "all" every shape."""
+    for name, value in ((bwd.FUSED_SLOTS_SWITCH, env), (bwd.FUSED_SWITCH, fused_env)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    monkeypatch.setattr(bwd, "FUSED_SLOTS", on)
+    monkeypatch.setattr(bwd, "_device_sms", lambda device: 132)
+    table = torch.zeros(n + 8, dtype=torch.int32)
+    slots = SimpleNamespace(cu_seqlens=torch.zeros(n + 1, dtype=torch.int32),
+                            starts=table if tables else None, lengths=table)  # fmt: skip
+    assert bwd._fused_slots_selected(slots, hv, torch.device("cpu")) == want
+
+
+@pytest.mark.parametrize(
+    ("lens", "h", "hv", "l2norm", "capture"),
+    [
+        ([1, 0, 65, 64, 200, 0, 7], 2, 2, False, False),  # the fused kernel writes dq, dk
+        ([1, 0, 65, 64, 200, 0, 7], 2, 4, False, True),  # the epilogue on the callers' q, k
+        ([60, 70], 2, 2, True, False),
+        ([65, 65], 2, 4, True, True),  # equal lengths: the slot layout under a capture only
+        ([128, 64], 1, 2, False, True),  # no tail chunk, a zero slot each
+        ([0, 0], 2, 2, False, True),  # T = 0: no token, not the kernel path
+    ],
+)
+@pytest.mark.parametrize("diet", [True, False])
+def test_fused_slots_are_the_slot_path(kernel_path, monkeypatch, lens, h, hv, l2norm,  # noqa: F811
+                                       capture, diet):  # fmt: skip
+    """FUSED_SLOTS on and the rule met: the slot layout's device pass runs kernel 1's forward
+    launch (varlen) and ONE fused launch (emulated: kernel 1's varlen walk + kernel 2's
+    `token_rows`, `emulated_fused_kernel`) on the slot tiles with the tables and the callers'
+    token count, no reverse launch, no kernel 2, nothing unpacked. FUSED_DIET on or off, kernel
+    0's and the forward launch's standard keys (their `fused` keys are batch-only: Ke read, U
+    written); on, the fused kernel handed no U (`varlen, u_from_h`). Every gradient within 2e-2
+    of its max of the two-launch slot path's (FUSED_SLOTS off: Ke, Qe formed from k, q, G
+    instead of kernel 0's, as on the batch path); empty, one-token, tail-cut and
+    slot-aligned sequences, eager and under a capture (emulated); into NaN-filled out= in
+    place; value heads in passes (one q head a pass: a fused launch each, joined) bit for bit
+    the one pass."""
+    n, t = len(lens), sum(lens)
+    q, k, v, g, beta, do, *_ = _bf16_problem(1, t, h, hv, seed=t)
+    if not l2norm:  # unit rows as the op expects them there (the recurrence stays bounded)
+        k = (k.float() / k.float().norm(dim=-1, keepdim=True).clamp_min(1e-6)).bfloat16()
+    *_, h0, dht = _bf16_problem(n, 1, h, hv, seed=n)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    kw = {"cu_seqlens": cu, "initial_state": h0, "d_final_state": dht,
+          "use_qk_l2norm_in_kernel": l2norm}  # fmt: skip
+    unpacked, calls = [], []
+    real = varlen.unpack
+    monkeypatch.setattr(varlen, "unpack", lambda *a: unpacked.append(1) or real(*a))
+    monkeypatch.setattr(bwd, "_device_sms", lambda device: n * hv)
+    monkeypatch.setattr(bwd, "_fused_bwd", emulated_fused_kernel(calls))
+    monkeypatch.setattr(bwd, "FUSED_DIET", diet)
+    keys = []  # kernel 0's `fused` asked for, the forward launch handed G (its `fused` key)
+    factors, state = bwd._factors, bwd._state_recurrence
+    monkeypatch.setattr(
+        bwd, "_factors", lambda *a, **kw: keys.append(kw.get("fused")) or factors(*a, **kw)
+    )
+    monkeypatch.setattr(bwd, "_state_recurrence",
+                        lambda *a, **kw: keys.append("big_g" in kw) or state(*a, **kw))  # fmt: skip
+
+    def call(fused, out=None):
+        monkeypatch.setattr(bwd, "FUSED_SLOTS", fused)
+        keys.clear()
+        FLAGS.clear()
+        CHUNK_CALLS.clear()
+        unpacked.clear()
+        calls.clear()
+        with monkeypatch.context() as m:
+            if capture:
+                m.setattr(varlen, "capturing", lambda t: True)
+            return forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, out=out, **kw)
+
+    want = call(False)
+    assert calls == [] and unpacked == []
+    got = call(True)
+    if t == 0:
+        assert calls == []
+        for name, a, r in zip(NAMES, got, want):
+            assert torch.equal(a, r), name
+        return
+    rows = 64 * (t // 64 + n)  # the slot layout's S C
+    fold = not l2norm and h == hv
+    assert calls == [((1, rows, hv, 128), h, True, 128**-0.5 if fold else 1.0, diet, t)]
+    assert FLAGS == [(True, True)] and CHUNK_CALLS == [] and unpacked == []
+    assert keys == [False, False]
+    for name, a, r in zip(NAMES, got, want):
+        assert a.shape == r.shape and a.dtype == r.dtype, name
+        err = float((a.double() - r.double()).abs().max())
+        assert err <= 2e-2 * float(r.abs().max()) + 1e-6, (name, err)
+    out = tuple(torch.full_like(x, float("nan")) for x in want)
+    again = call(True, out)
+    for name, a, o, r in zip(NAMES, again, out, got):
+        assert a.data_ptr() == o.data_ptr() and torch.equal(o, r), name
+    monkeypatch.setattr(bwd, "TOKEN_HEADS_PER_PASS", t * (hv // h))  # one q head a pass
+    monkeypatch.setattr(bwd, "_device_sms", lambda device: n * (hv // h))  # a pass's CTAs
+    again = call(True)
+    assert [c[0][2] for c in calls] == [hv // h] * h and unpacked == []
+    for name, a, r in zip(NAMES, again, got):
+        assert torch.equal(a, r), name
+
+
+def _launcher_inputs(t, n=None):
+    """The fused launcher's inputs (B = 1, HV 2, CPU: only the checks run), T rows; with n the
+    slot layout's (N + 1,) offsets of n sequences of t // n tokens, order and tables."""
+    bf = {"dtype": torch.bfloat16}
+    do, u, v, uw = (torch.zeros(1, t, 2, 128, **bf) for _ in range(4))
+    q, k, w = (torch.zeros(1, t, 2, 128, **bf) for _ in range(3))
+    pt, tt = (torch.zeros(1, t, 2, 64, **bf) for _ in range(2))
+    h = torch.zeros(1, -(-t // 64), 2, 128, 128, **bf)
+    big_g, beta = torch.zeros(1, t, 2), torch.zeros(1, t, 2)
+    args = [do, u, q, k, h, big_g, pt, tt, w, uw, v, beta]
+    if n is None:
+        return args, {}
+    i32 = {"dtype": torch.int32}
+    walk = {
+        "cu_seqlens": torch.arange(n + 1, **i32) * 8,
+        "order": torch.arange(n, **i32),
+        "tables": (torch.zeros(t // 64, **i32), torch.zeros(t // 64, **i32)),
+        "tokens": 8 * n,
+    }
+    return args, walk
+
+
+def test_launcher_varlen_checks():
+    """`gdn_bwd_fused`'s slot layout: cu_seqlens, order, tables, tokens all or none (kernel 1's
+    `check_varlen`, kernel 2's `check_tables`), dht at N sequences, out= at T' rows and N
+    states; `empty_outputs` at the callers' T' rows and N states."""
+    from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90 import launch
+
+    args, walk = _launcher_inputs(64 * 5, n=3)
+    for drop in walk:
+        with pytest.raises(ValueError):
+            launch.gdn_bwd_fused(*args, None, **{k: x for k, x in walk.items() if k != drop})
+    with pytest.raises(ValueError, match="dht"):
+        launch.gdn_bwd_fused(*args, torch.zeros(1, 2, 128, 128), **walk)
+    bad = {**walk, "tables": (walk["tables"][0][:-1], walk["tables"][1])}
+    with pytest.raises(ValueError, match="tables"):
+        launch.gdn_bwd_fused(*args, None, **bad)
+    outs = launch.empty_outputs(args[0], 128, 24, 3)
+    with pytest.raises(ValueError, match="token rows"):
+        launch.gdn_bwd_fused(*args, None, out=launch.empty_outputs(args[0], 128), **walk)
+    shapes = [tuple(x.shape) for x in outs]
+    assert shapes == [(1, 24, 2, 128), (1, 24, 2, 128), (1, 24, 2), (1, 24, 2, 128), (1, 24, 2),
+                      (3, 2, 128, 128)]  # fmt: skip

@@ -40,6 +40,7 @@ from forgekernel.reference.gdn_bwd_state import (
     batched_state_pass_factors,
     chunk_factors,
     corrected_values,
+    decayed_keys,
     forward_launch_as_reverse,
     forward_state_tiles,
     forward_states,
@@ -84,9 +85,9 @@ def emulated_kernel(calls=None):
     batch, quiet = _batch_kernel(calls), _batch_kernel()
 
     def run(do, pt, ke, qe, w, e_last, dht, dh0=None, out16=False, forward=False,
-            cu_seqlens=None, order=None):  # fmt: skip
+            cu_seqlens=None, order=None, big_g=None, out=None):  # fmt: skip
         if cu_seqlens is None:
-            return batch(do, pt, ke, qe, w, e_last, dht, dh0, out16, forward)
+            return batch(do, pt, ke, qe, w, e_last, dht, dh0, out16, forward, big_g, out)
         assert out16 and dht is None or dht.shape[0] == cu_seqlens.shape[0] - 1
         assert cu_seqlens.dtype == order.dtype == torch.int32
         if calls is not None:
@@ -102,8 +103,14 @@ def emulated_kernel(calls=None):
 def _batch_kernel(calls=None):
     """`emulated_kernel`'s batch form (B sequences of T tokens)."""
 
-    def run(do, pt, ke, qe, w, e_last, dht, dh0=None, out16=False, forward=False):
+    def run(do, pt, ke, qe, w, e_last, dht, dh0=None, out16=False, forward=False, big_g=None,
+            out=None):  # fmt: skip
         assert out16 or not forward
+        fused = big_g is not None  # the `fused` forward launch: w = k, Ke's decays from G, no U
+        assert forward or not fused
+        if fused:
+            assert w.dtype == do.dtype and big_g.shape == do.shape[:3] and w.shape[1] <= do.shape[1]
+            w = decayed_keys(w, big_g).to(do.dtype)
         assert (pt is None and qe is None) == forward  # the forward variant builds I and 0 in
         rows = do.shape[1]
         if forward:  # chunks first to last on u, W, Ke as written: the reverse model's
@@ -129,7 +136,11 @@ def _batch_kernel(calls=None):
         du, dh, dh0 = (x.float() for x in tile_model(factors, do.double(), dst, rounding))
         if out16:  # the kernel's 16-bit forms (fp32 where the test runs fp32 tiles)
             du, dh = out16_forms(du, dh, do.dtype, forward)
-        return du[:, :rows], dh, written_to(out_dh0, dh0)
+        du = None if fused else du[:, :rows]
+        if out is not None:  # the launcher's out=: all written (views of larger buffers)
+            return tuple(None if x is None else written_to(o, x)
+                         for o, x in zip(out, (du, dh, dh0)))  # fmt: skip
+        return du, dh, written_to(out_dh0, dh0)
 
     return run
 
@@ -222,7 +233,7 @@ def emulated_factors_kernel(calls=None):
     inputs, T diag(.) rounded to the tiles' dtype where it is 16-bit, the outputs in the
     launcher's dtypes (tiles in q's dtype, e_last and G fp32)."""
 
-    def run(q, k, v, g, beta):
+    def run(q, k, v, g, beta, fused=False):
         assert q.dtype == k.dtype == v.dtype and q.shape == k.shape and q.shape[:2] == v.shape[:2]
         assert g.shape == beta.shape == v.shape[:3]
         if calls is not None:
@@ -231,6 +242,8 @@ def emulated_factors_kernel(calls=None):
         wide = [x.double() for x in (q, k, v, g, beta)]
         out = factors_model(*wide, q.dtype, rounding_to(q.dtype) if low else None)
         out["e_last"], out["big_g"] = out["e_last"].float(), out["big_g"].float()
+        if fused:  # the fused route's key: no Ke, Qe
+            del out["ke"], out["qe"]
         return out
 
     return run
@@ -659,8 +672,8 @@ def scanned_factors_kernel():
     cumsum: the same G on every row past a chunk's last gate)."""
     exact = emulated_factors_kernel()
 
-    def run(q, k, v, g, beta):
-        out = exact(q, k, v, g, beta)
+    def run(q, k, v, g, beta, fused=False):
+        out = exact(q, k, v, g, beta, fused)
         out["big_g"] = scan_model(g)
         return out
 

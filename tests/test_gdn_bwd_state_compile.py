@@ -153,11 +153,13 @@ def compiled16():
 
     def get(name):
         if name not in cache:
-            base = name.removesuffix("_varlen")  # the varlen form of an OUT16 key
+            # the varlen / fused form of an OUT16 key
+            base = name.removesuffix("_varlen").removesuffix("_fused")
             dtype, dht, forward = OUT16[base]
             params = dict(config.params_for(dtype, d_final_state=dht, out16=True,
                                             forward=forward, channel_decay=_channel(base),
-                                            varlen=base != name))  # fmt: skip
+                                            varlen=name.endswith("_varlen"),
+                                            fused=name.endswith("_fused")))  # fmt: skip
             kernel = kernel_for(params)
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_gdn_bwd_state(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
@@ -248,3 +250,32 @@ def test_varlen_is_only_in_its_keys():
     2026-12-06, docs/linear_attention/NOTES.md "Varlen backward, one launch")."""
     assert "varlen" not in dict(config.params_for("bfloat16", out16=True, forward=True))
     assert dict(config.params_for("bfloat16", out16=True, varlen=True))["varlen"] is True
+
+
+# ---- fused (the fused route's forward launch, next/gdn-fused-diet: k and G for Ke, no U)
+
+
+@pytest.mark.parametrize("name", ["bf16_dht_fwd", pytest.param("fp16_fwd", marks=pytest.mark.slow)])
+def test_fused_forward_launch(compiled16, name):
+    """`fused`: the forward key less U's 32 two-byte stores a thread and chunk, plus the token
+    decays e^(G_C - G) of its U^T columns: 17 fp32 loads of G (16 columns and G_C) and 16
+    exponentials a thread and chunk; the same registers at launch, setmaxnreg split, shared
+    memory, WGMMAs, TMA loads (k's box in Ke's) and h / final-state stores, no spill (cu13,
+    2026-12-06: the state region R0-R215 of 232, was R187)."""
+    res, instrs, smem = compiled16(name + "_fused")
+    base_res, base_instrs, base_smem = compiled16(name)
+    assert res["spill_bytes"] == 0 and res["registers"] == base_res["registers"]
+    assert smem == base_smem
+    ops, base_ops = ([op for op, _ in x] for x in (instrs, base_instrs))
+    assert ops.count("STG.E.U16") == base_ops.count("STG.E.U16") - 32
+    assert ops.count("MUFU.EX2") == base_ops.count("MUFU.EX2") + 16
+    for prefix in ("HGMMA", "UTMALDG", "STG.E.64", "USETMAXREG", "LDL", "STL"):
+        assert sum(op.startswith(prefix) for op in ops) == sum(
+            op.startswith(prefix) for op in base_ops
+        ), prefix
+    assert ops.count("STG.E") == base_ops.count("STG.E")  # dh0 (fp32)
+    loads = sum(op.startswith("LDG") for op in ops) - sum(op.startswith("LDG") for op in base_ops)
+    assert loads == 17
+    for bad in ({"forward": False}, {"forward": True, "varlen": True}):
+        with pytest.raises(ValueError, match="fused needs forward, not varlen"):
+            config.params_for("bfloat16", out16=True, fused=True, **bad)

@@ -40,9 +40,7 @@ def cpu_kernel(monkeypatch, request):
 
     def get(spec, params):
         calls.append(dict(params))
-        if spec is prefill_launch.T_PRE_SPEC:  # the T precompute (the bench's t_pre variant)
-            return replay.t_pre_kernel(dict(params))
-        return replay.kernel(dict(params))
+        return replay_kernel(spec, params)
 
     monkeypatch.setattr(prefill_launch, "get_kernel", get)
     monkeypatch.setattr(prefill_launch, "_sms", lambda device: SPLIT_SMS[request.param])
@@ -52,6 +50,28 @@ def cpu_kernel(monkeypatch, request):
 
 class CallLog(list):
     v_split = 1
+
+
+def replay_kernel(spec, params):
+    """The replay's stand-in for `spec`: the T precompute or the chunked kernel (either form)."""
+    if spec is prefill_launch.T_PRE_SPEC:
+        return replay.t_pre_kernel(dict(params))
+    return replay.kernel(dict(params))
+
+
+def chunked_keys(calls):
+    """The chunked kernel's keys among a log's (the precompute's key has no "v")."""
+    return [c for c in calls if "v" in c]
+
+
+def expected_keys(dtype, h, hv, split, *, k_last, l2norm, init):
+    """The keys the launcher asks for on a direct launch: the chunked kernel's in the form
+    `t_pre_for` picks, then the precompute's where that is the t_pre form."""
+    t_pre = prefill_launch.t_pre_for(h, hv, split, 1)
+    key = prefill_launch.params_for(dtype, k_last=k_last, l2norm=l2norm, initial_state=init,
+                                    v_split=split, t_pre=t_pre)  # fmt: skip
+    pre = [dict(prefill_launch.t_pre_params_for(dtype, l2norm=l2norm))] if t_pre else []
+    return [dict(key), *pre]
 
 
 def _inputs(b, t, h, hv, *, n=None, seed=0, beta_dtype=torch.float32, dtype=torch.bfloat16):
@@ -96,9 +116,8 @@ def test_varlen_matches_the_recurrence(cpu_kernel, lens, h, hv, l2norm, with_sta
     assert o.shape == v.shape and o.dtype == q.dtype
     _close(o, want_o, 2e-2)
     _close(final.transpose(-1, -2) if k_last else final, want_s, STATE_TOL[torch.bfloat16])
-    assert cpu_kernel == [dict(op.prefill_sm90.params_for(
-        "bfloat16", k_last=k_last, l2norm=l2norm, initial_state=with_state,
-        v_split=cpu_kernel.v_split))]  # fmt: skip
+    assert cpu_kernel == expected_keys("bfloat16", h, hv, cpu_kernel.v_split, k_last=k_last,
+                                       l2norm=l2norm, init=with_state)  # fmt: skip
 
 
 def test_use_qk_l2norm_is_issue_20s_name_of_the_fla_keyword(cpu_kernel):
@@ -333,7 +352,7 @@ def test_v_split_is_exact(monkeypatch):
     got = {}
     for split, sms in SPLIT_SMS.items():
         monkeypatch.setattr(prefill_launch, "_sms", lambda device, sms=sms: sms)
-        monkeypatch.setattr(prefill_launch, "get_kernel", lambda spec, p: replay.kernel(dict(p)))
+        monkeypatch.setattr(prefill_launch, "get_kernel", replay_kernel)
         got[split] = op.gated_delta_rule(q, k, v, g, beta, initial_state=state,
                                          output_final_state=True, cu_seqlens=cu)  # fmt: skip
     assert torch.equal(got[1][0], got[2][0]) and torch.equal(got[1][1], got[2][1])
@@ -385,8 +404,11 @@ def test_segments_match_the_recurrence(cpu_kernel, lens, parts, with_state, k_la
                                    segments=p)  # fmt: skip
         got[p] = (o, final.transpose(-1, -2) if k_last else final)
     passes = 3 if n * parts > 2 else 2  # A, B, C; B only where some M is needed
-    assert len(cpu_kernel) == 1 + passes  # the direct launch first
-    assert [c["initial_state"] for c in cpu_kernel[1:]] == [True] * passes
+    chunked = chunked_keys(cpu_kernel)
+    assert len(chunked) == 1 + passes  # the direct launch first
+    assert [c["initial_state"] for c in chunked[1:]] == [True] * passes
+    # h 2, hv 4: both launches in the t_pre form (launch.t_pre_for), T once for the passes
+    assert all(c["t_pre"] for c in chunked) and len(cpu_kernel) == len(chunked) + 2
     want_o, want_s = gated_delta_rule_recurrent(q, k, v, g, beta, initial_state=init,
                                                 output_final_state=True,
                                                 cu_seqlens=cu.long())  # fmt: skip
@@ -427,6 +449,6 @@ def test_the_launcher_segments_on_its_own(cpu_kernel, monkeypatch):
     o, final = op.gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True)
     want_o, want_s = gated_delta_rule_recurrent(q, k, v, g, beta, initial_state=state,
                                                 output_final_state=True)  # fmt: skip
-    assert len(cpu_kernel) == 3
+    assert len(chunked_keys(cpu_kernel)) == 3 and len(cpu_kernel) == 4  # T once, 3 passes
     _close(o, want_o, 2e-2)
     _close(final, want_s, STATE_TOL[torch.bfloat16])

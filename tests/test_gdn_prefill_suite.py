@@ -40,41 +40,58 @@ def test_registered_since_its_first_gpu_check():
 
 
 @pytest.mark.parametrize("cpu_kernel", [1], indirect=True)  # the test forces each split itself
-def test_variants_force_the_other_v_split(cpu_kernel):  # noqa: F811
-    """The bench times the other V split beside the launcher's choice (at most two waves of
-    split CTAs), and the direct launch beside the segmented one (or 4 segments where the
-    launcher might have segmented); each variant is the kernel so forced, as the check sees it."""
+def test_variants_force_the_other_form_and_v_split(cpu_kernel):  # noqa: F811
+    """The bench times the form the launcher does not take on every case (`standard` beside the
+    t_pre form, `t_pre` beside the standard one), the other V split beside the launcher's
+    choice (at most two waves of split CTAs), and the direct launch beside the segmented one
+    (or the segments where the launcher might have segmented), those in the case's form; each
+    variant is the kernel so forced, as the check sees it."""
     by_name = {c.name: c for c in gdn_prefill.BENCH_CASES}
-    t_pre = "t_pre"  # on every case
+    std = "standard"  # where the launcher takes the t_pre form: all but 8x32768-h16-hv16
     assert set(gdn_prefill.variants(by_name["1x65536-h16-hv32"])) == {"v_split_1", "segments_5",
-                                                                       t_pre}  # fmt: skip
-    assert set(gdn_prefill.variants(by_name["1x131072-h16-hv16"])) == {"segments_1", t_pre}
+                                                                       std}  # fmt: skip
+    assert set(gdn_prefill.variants(by_name["1x131072-h16-hv16"])) == {"segments_1", std}
     ab = "t_pre_state_lds"  # STATE_CHAIN_AB
-    assert set(gdn_prefill.variants(by_name["4x8192-h16-hv32"])) == {"v_split_2", t_pre, ab}
-    assert set(gdn_prefill.variants(by_name["1x4096-h16-hv32"])) == {"v_split_1", t_pre, ab}
-    assert set(gdn_prefill.variants(by_name["mix64-t32768-h16-hv32"])) == {t_pre}
+    turns = "t_pre_state_order"  # the t_pre form's direct unsplit launches
+    assert set(gdn_prefill.variants(by_name["4x8192-h16-hv32"])) == {"v_split_2", std, ab,
+                                                                      turns}  # fmt: skip
+    assert set(gdn_prefill.variants(by_name["1x4096-h16-hv32"])) == {"v_split_1", std, ab}
+    assert set(gdn_prefill.variants(by_name["mix64-t32768-h16-hv32"])) == {std, turns}
+    assert set(gdn_prefill.variants(by_name["8x32768-h16-hv16"])) == {"v_split_2", "t_pre"}
+    assert [c.name for c in gdn_prefill.BENCH_CASES if not gdn_prefill.uses_t_pre(c)] == [
+        "8x32768-h16-hv16"
+    ]
+    # the check covers both forms (the last case the standard one), the sanitizers the t_pre one
+    assert [gdn_prefill.uses_t_pre(c) for c in gdn_prefill.CHECK_CASES] == [True] * 4 + [False]
+    assert all(gdn_prefill.uses_t_pre(c) for c in gdn_prefill.SANITIZE_CASES)
     suite = gdn_prefill.suite()
-    case = gdn_prefill.CHECK_CASES[0]
+    case = gdn_prefill.CHECK_CASES[0]  # h 2, hv 4: the launcher's form is t_pre
     inputs = suite.make_inputs(case, torch.bfloat16, torch.device("cpu"),
                                torch.Generator().manual_seed(1))  # fmt: skip
     want = suite.reference(inputs)
     for split in (1, 2):
         out = gdn_prefill.alloc_out(inputs)
-        got = gdn_prefill._run_forced(v_split=split)(inputs, out)
+        got = gdn_prefill._run_forced(v_split=split, t_pre=True)(inputs, out)
         assert got is out and float((got.float() - want).abs().max()) < 2e-2
-        assert cpu_kernel[-1]["v_split"] == split
+        assert cpu_kernel[-2]["v_split"] == split and cpu_kernel[-2]["t_pre"]
     calls = len(cpu_kernel)
     out = gdn_prefill.alloc_out(inputs)
-    got = gdn_prefill._run_forced(segments=4)(inputs, out)
+    got = gdn_prefill._run_forced(segments=4, t_pre=True)(inputs, out)
     assert got is out and float((got.float() - want).abs().max()) < 2e-2
-    assert len(cpu_kernel) == calls + 3  # passes A, B, C
-    standard = gdn_prefill._run_forced()(inputs, gdn_prefill.alloc_out(inputs))
+    assert len(cpu_kernel) == calls + 4  # T once, passes A, B, C
+    standard = gdn_prefill._run_forced(t_pre=False)(inputs, gdn_prefill.alloc_out(inputs))
+    assert "t_pre" not in cpu_kernel[-1]
     got = gdn_prefill._run_forced(t_pre=True)(inputs, gdn_prefill.alloc_out(inputs))
     assert torch.equal(got, standard)  # the replay's T is the aux's, bit for bit
     assert cpu_kernel[-2]["t_pre"] and set(cpu_kernel[-1]) == {"dtype", "k", "l2norm"}
     assert "state_lds" not in cpu_kernel[-2]
     got = gdn_prefill._run_forced(t_pre=True, state_lds=True)(inputs, gdn_prefill.alloc_out(inputs))
     assert torch.equal(got, standard) and cpu_kernel[-2]["state_lds"]
+    assert "state_order" not in cpu_kernel[-2]
+    got = gdn_prefill._run_forced(t_pre=True, state_order=True)(
+        inputs, gdn_prefill.alloc_out(inputs)
+    )
+    assert torch.equal(got, standard) and cpu_kernel[-2]["state_order"]  # same products
 
 
 @pytest.mark.parametrize("module", ["gdn_prefill", "kda_prefill"])

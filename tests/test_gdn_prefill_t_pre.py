@@ -14,6 +14,8 @@ import gdn_prefill_replay as replay
 import pytest
 import torch
 
+from forgekernel.bench.suites import gdn_prefill as gdn_prefill_suite
+from forgekernel.bench.suites.gdn_prefill import BENCH_CASES
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90 import SPEC, T_PRE_SPEC
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90 import launch as prefill_launch
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
@@ -22,6 +24,7 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
     params_for,
     t_pre_params_for,
     t_slots,
+    v_split_for,
 )
 from forgekernel.reference.delta_rule import gated_delta_rule_recurrent
 
@@ -76,7 +79,7 @@ def _inputs(lens, h, hv, *, seed=0, dtype=torch.bfloat16, scale_k=1.0):
     return q, k, v, g, beta, state, cu
 
 
-def _run(inputs, *, t_pre, init, k_last=False, l2norm=False, v_split=1):
+def _run(inputs, *, t_pre, init, k_last=False, l2norm=False, v_split=1, segments=1):
     q, k, v, g, beta, state, cu = inputs
     n, hv = cu.shape[0] - 1, v.shape[1]
     start = None
@@ -85,7 +88,7 @@ def _run(inputs, *, t_pre, init, k_last=False, l2norm=False, v_split=1):
     out = torch.empty_like(v)
     final = torch.empty(n, hv, 128, 128)
     prefill_launch.gdn_prefill(q, k, v, g, beta, start, cu, out, final, 128**-0.5,
-                               k_last=k_last, l2norm=l2norm, v_split=v_split, segments=1,
+                               k_last=k_last, l2norm=l2norm, v_split=v_split, segments=segments,
                                t_pre=t_pre)  # fmt: skip
     return out, (final.transpose(-1, -2) if k_last else final)
 
@@ -263,3 +266,104 @@ def test_t_pre_through_segments(cpu_kernels, lens, parts):
     assert sum(name == T_PRE_SPEC.name for name, _ in cpu_kernels) == 1
     (buf,) = cpu_kernels.buffers
     assert buf.shape[0] == t_slots(sum(lens), len(lens) * parts) * CHUNK
+
+
+# ------------------------------------------------------------------------ the default route
+
+# The suite's cases on the H100, 2026-12-06 19:40-19:51 (benchmarks/reports/sm_90a/
+# gdn_prefill.md): ours (then always the standard form) and its `t_pre` variant, ms, graph
+# replays and eager launches.
+MEASURED = {
+    "1x2048-h16-hv32": (0.0869, 0.0598, 0.0932, 0.0684),
+    "1x4096-h16-hv32": (0.1720, 0.1132, 0.1759, 0.1224),
+    "1x16384-h16-hv32": (0.6697, 0.4185, 0.6730, 0.4281),
+    "1x65536-h16-hv32": (2.6775, 1.7177, 2.6571, 1.7186),
+    "1x131072-h16-hv16": (2.9738, 2.6542, 3.0353, 2.7312),
+    "8x32768-h16-hv16": (2.2279, 2.4420, 2.1049, 2.4310),
+    "4x8192-h16-hv32": (0.5715, 0.5060, 0.5430, 0.5062),
+    "4x8192-h16-hv16": (0.3734, 0.3193, 0.3820, 0.3279),
+    "4x8192-h16-hv32-nostate": (0.5692, 0.4984, 0.5562, 0.5016),
+    "8x2048-h4-hv8": (0.1022, 0.0786, 0.1076, 0.0865),
+    "mix16-t16384-h16-hv32": (0.4933, 0.3462, 0.4989, 0.3563),
+    "mix64-t32768-h16-hv32": (1.0372, 0.7722, 1.0558, 0.7911),
+    "mix64-t65536-h4-hv8": (1.6992, 0.8969, 1.6890, 0.9003),
+    "1x16384-h16-hv32-nostate": (0.7159, 0.4160, 0.7195, 0.4270),
+    "16x2048-h16-hv32-nostate": (0.5755, 0.5232, 0.5552, 0.5233),
+    "mix64-t32768-h16-hv32-nostate": (1.0063, 0.6967, 1.0252, 0.7139),
+}
+H100_SMS = 132
+
+
+@pytest.mark.parametrize("case", BENCH_CASES, ids=lambda c: c.name)
+def test_the_rule_picks_the_faster_form_of_the_measured_table(case):
+    """On each suite case the launcher takes the form that was faster in both of the H100's
+    columns (the standard form only on 8x32768-h16-hv16: direct, unsplit, HV = H), and the
+    suite's `uses_t_pre` (which names the variant) agrees."""
+    lens, h, hv = case.params["lens"], case.params["h"], case.params["hv"]
+    n = len(lens)
+    parts = prefill_launch.segments_for(n, hv, sum(lens), H100_SMS)
+    split = v_split_for(n, hv, H100_SMS)
+    std_graph, t_pre_graph, std_eager, t_pre_eager = MEASURED[case.name]
+    pick = prefill_launch.t_pre_for(h, hv, split, parts)
+    assert pick == (t_pre_graph < std_graph) == (t_pre_eager < std_eager)
+    assert gdn_prefill_suite.uses_t_pre(case) == pick
+    assert set(MEASURED) == {c.name for c in BENCH_CASES}
+
+
+@pytest.mark.parametrize(("heads", "value_heads", "v_split", "segments", "t_pre"), [
+    (16, 16, 1, 1, False),  # direct, unsplit, ungrouped: 8x32768-h16-hv16
+    (16, 32, 1, 1, True),  # grouped: q, k read once a group
+    (16, 16, 2, 1, True),  # split: 4x8192-h16-hv16
+    (16, 16, 1, 9, True),  # segments: 1x131072-h16-hv16 (T once for three passes)
+    (4, 8, 1, 1, True),
+])  # fmt: skip
+def test_t_pre_everywhere_but_unsplit_ungrouped_direct(heads, value_heads, v_split, segments,
+                                                       t_pre):  # fmt: skip
+    assert prefill_launch.t_pre_for(heads, value_heads, v_split, segments) is t_pre
+
+
+@pytest.mark.parametrize(
+    ("lens", "h", "hv", "sms", "init", "l2norm", "k_last", "dtype", "t_pre"),
+    [
+        (LENS, 2, 4, 1, True, False, False, torch.bfloat16, True),  # varlen, grouped, unsplit
+        ([3, 129, 7], 1, 2, 1, False, True, False, torch.float16, True),  # no state, l2norm
+        ([200], 4, 8, 1, True, True, True, torch.bfloat16, True),  # FlashInfer's layout
+        ([200, 0, 70], 2, 2, 10**6, True, False, False, torch.bfloat16, True),  # HV = H, split
+        ([200, 0, 70], 2, 2, 1, True, False, False, torch.bfloat16, False),  # HV = H, unsplit
+        ([130, 64], 2, 2, 1, False, False, True, torch.float16, False),  # the same, no state
+    ],
+)
+def test_default_route_is_the_forced_form_bit_for_bit(
+    cpu_kernels, monkeypatch, lens, h, hv, sms, init, l2norm, k_last, dtype, t_pre
+):  # fmt: skip
+    """The launcher's own choice (t_pre=None) is the form `t_pre_for` names, forced: the same
+    keys asked for, o and the final state bit for bit."""
+    monkeypatch.setattr(prefill_launch, "_sms", lambda device: sms)
+    inputs = _inputs(lens, h, hv, seed=sum(lens) + h, dtype=dtype,
+                     scale_k=16.0 if l2norm else 1.0)  # fmt: skip
+    kw = dict(init=init, k_last=k_last, l2norm=l2norm, v_split=None)
+    o_default, s_default = _run(inputs, t_pre=None, **kw)
+    keys = list(cpu_kernels)
+    o_forced, s_forced = _run(inputs, t_pre=t_pre, **kw)
+    assert torch.equal(o_default, o_forced) and torch.equal(s_default, s_forced)
+    assert keys == cpu_kernels[len(keys) :] and len(keys) == (2 if t_pre else 1)
+    assert keys[0][1].get("t_pre", False) is t_pre
+    assert keys[0][1]["v_split"] == (2 if sms > 1 else 1)
+
+
+def test_default_route_segments_in_the_t_pre_form(cpu_kernels, monkeypatch):
+    """Where the launcher segments by itself (HV = H here: the segments, not the heads, pick
+    the form) it takes the t_pre form, T once for the three passes: bit for bit the segments
+    forced with t_pre."""
+    monkeypatch.setattr(prefill_launch, "SEGMENT_MIN_TOKENS", 64)
+    monkeypatch.setattr(prefill_launch, "_sms", lambda device: 16)
+    inputs = _inputs([300], 2, 2, seed=31)
+    parts = prefill_launch.segments_for(1, 2, 300, 16)
+    assert parts > 1
+    o_default, s_default = _run(inputs, t_pre=None, init=True, v_split=None, segments=None)
+    keys = list(cpu_kernels)
+    o_forced, s_forced = _run(inputs, t_pre=True, init=True, v_split=None, segments=parts)
+    assert torch.equal(o_default, o_forced) and torch.equal(s_default, s_forced)
+    assert keys == cpu_kernels[len(keys) :]
+    assert [name for name, _ in keys] == [T_PRE_SPEC.name] + [SPEC.name] * 3
+    assert all(p["t_pre"] for name, p in keys if name == SPEC.name)

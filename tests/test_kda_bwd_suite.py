@@ -68,7 +68,9 @@ def test_cases_are_well_formed():
     sources = kda_bwd.kernel_sources()
     assert all(p.is_file() for p in sources)
     names = {p.as_posix() for p in sources}
-    for tail in ("kda_bwd_wy/sm90/wy_grads.py", "reference/kda_bwd_wy.py"):  # WY_IN_KERNEL's
+    wy = ("kda_bwd_wy/sm90/wy_grads.py", "reference/kda_bwd_wy.py")  # WY_IN_KERNEL's
+    fused = ("kda_bwd_fused/sm90/fused_grads.py", "reference/kda_bwd_fused.py")  # FUSED's
+    for tail in (*wy, *fused):
         assert any(n.endswith(tail) for n in names), tail
 
 

@@ -11,12 +11,13 @@ chunks and at most one more: the slots partition [0, S). The token inputs are co
 state nor a real gradient, and a zero chunk passes the state unchanged, e^0 = 1), the op's
 kernel path runs on them as ONE sequence of S C tokens (the chunk-parallel kernels, under their
 batch keys and code) with kernel 1, the state recurrences, in its `varlen` form (one CTA per
-(value head, sequence) walking the slots it owns, longest first: `longest_first`), and the
-token gradients are gathered back (`unpack`; both copy the rows as the widest integer words
-they split into, `word`). Every table is made on the device from cu_seqlens: no host read, so
-a CUDA-graph capture takes this path whatever the lengths, equal ones included (their batch path
-behind CUDA conditional nodes gained nothing on the H100: docs/linear_attention/NOTES.md
-"next/capture-drop").
+(value head, sequence) walking the slots it owns, longest first: `longest_first`); the token
+gradients the kernels write at their token rows (NATIVE_STORES: the per-slot tables, the
+`token_rows` keys) go straight to the caller's buffers, the rest are gathered back (`unpack`;
+pack and unpack copy the rows as the widest integer words they split into, `word`). Every
+table is made on the device from cu_seqlens: no host read, so a CUDA-graph capture takes this
+path whatever the lengths, equal ones included (their batch path behind CUDA conditional nodes
+gained nothing on the H100: docs/linear_attention/NOTES.md "next/capture-drop").
 
 Eager calls read the offsets on the host once (`backward_varlen`): equal lengths stay the batch
 path (a reshape, no copy; the same kernels and code as a call without cu_seqlens), no token

@@ -32,9 +32,8 @@ kernel 2 (kernels/linear_attention/gdn_bwd_chunk/sm90, every chunk at once,
 `_wy_grads` in torch); the chunk factors (A, T = L^-1, W, u, P, the decays, in the 16-bit
 layouts the other two read) on kernel 0 (kernels/linear_attention/gdn_bwd_factors/sm90,
 `reference.gdn_bwd_factors` its model; FACTORS_IN_KERNEL = False, or WY_IN_KERNEL = False: the
-batched torch `_Factors` pass; FACTORS_2WG (on since its device A/B): kernel 0's
-two-math-warpgroup `wg2` key, the same outputs bit for bit); with both of those on, STATES16
-and NORM_IN_KERNEL (the defaults): kernel 1 writes U, h and dU, dS in kernel 2's 16-bit forms
+batched torch `_Factors` pass); with both of those on, STATES16 and NORM_IN_KERNEL (the
+defaults): kernel 1 writes U, h and dU, dS in kernel 2's 16-bit forms
 (`out16`; its forward launch the `forward` variant: chunks first to last on kernel 0's u, W, Ke
 as written, P^T = I, Qe = 0 and the signs built in, outputs in chunk order), kernel 2 reads
 q, k at their H heads (`grouped`), and the q / k epilogue kernel (kernels/linear_attention/
@@ -72,10 +71,11 @@ from forgekernel.kernels.common.sm90.constants import REGISTERS_PER_SM, THREADS_
 from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90 import launch as chunk_launch
 from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90 import launch as factors_launch
 from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90 import launch as fused_launch
-from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.config import fused_fits
+from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.config import fused_fits, slots_fit
 from forgekernel.kernels.linear_attention.gdn_bwd_norm.sm90 import launch as norm_launch
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90 import config as state_config
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90 import launch as state_launch
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.launch import SEGMENT_SCALE
 from forgekernel.ops import gated_delta_rule_chunked as fwd
 from forgekernel.ops._dispatch import KernelSwitch, refuse_capture
 from forgekernel.ops._dispatch import traced as _traced
@@ -102,6 +102,9 @@ from forgekernel.reference.gdn_bwd_state import (
     cut,
     forward_state_tiles,
     forward_states,
+    segment_ends,
+    segment_starts,
+    segment_transitions,
     to_chunks,
     to_tokens,
 )
@@ -190,13 +193,13 @@ TOKEN_HEADS_PER_PASS = 2**20
 TILE_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _state_recurrence(do, pt, ke, qe, w, e_last, d_final_state, dh0=None, **flags):
+def _state_recurrence(do, pt, ke, qe, w, e_last, d_final_state, dh0=None, out=None, **flags):
     """Kernel 1 (dh variant): (dU (B, T, HV, V), dh = dS^T per chunk end (B, NC, HV, V, K),
     dS at the start (B, HV, K, V)), fp32; `flags` out16 / forward: dU and dS (B, NC, HV, K, V)
     in 16 bits, kernel 2's forms (`reference.gdn_bwd_state.out16_forms`; forward: pt, qe None,
     I and 0 built in, outputs in chunk order); dh0: the caller's contiguous buffer for dS at
-    the start (the kernel writes it there). The CPU tests put the tile emulation here."""
-    out = None
+    the start (the kernel writes it there); out: all three buffers (the segmented pass's views,
+    `_segmented_states`). The CPU tests put the tile emulation here."""
     if dh0 is not None:
         du, side, _ = state_launch.empty_outputs(do, ke.shape[-1], out16=flags.get("out16", False))
         out = (du, side, dh0)
@@ -229,6 +232,129 @@ def _device_sms(device: torch.device) -> int:
     """The SMs `concurrent_state_launches` counts on: the CUDA device's, none off CUDA (the CPU
     tests run the launches one after the other unless they ask otherwise)."""
     return num_sms(device.index) if device.type == "cuda" else 0
+
+
+# Kernel 1 over segments (stage 2 of docs/linear_attention/segment_parallel_plan_2026-12-06.md,
+# launcher only, `_segmented_states`): each sequence cut into S segments of whole chunks, the
+# (B, NC C, ...) tiles seen as (B S, NC C / S, ...) rows, the boundary states exact by
+# linearity as in the gdn_prefill launcher's `_segmented`: a summary phase (forward runs from
+# the initial state or zero and from SEGMENT_SCALE x I, a reverse run from the final state's
+# gradient or zero), two scans of S - 2 batched products, then both launches over the segments
+# from their true states. Depth 2 NC / S chunk steps instead of NC for 3.5x (S = 4) the chunk
+# steps of work: it pays only where the summary phase, (3 B S - 4) HV CTAs at one an SM, fits
+# one wave: B HV <= 16 on 132 SMs (1 x 8192 hv16, predicted ~460 -> ~350 us); at B HV = 32 (1 x
+# 8192 hv32) each phase takes two waves and it loses (~460 -> ~620 us predicted; NOTES.md
+# "next/gdn-bwd-segments"). OFF until a device A/B. SEGMENTS_SWITCH overrides SEGMENTS: "0"
+# off, "1" on (the rule, `_segments_for_bwd`), an integer S >= 2 forces S segments wherever S
+# divides NC (the A/Bs; the fused route and the varlen slot layout never segment).
+SEGMENTS = False
+SEGMENTS_SWITCH = "FORGEKERNEL_GDN_BWD_SEGMENTS"
+MIN_SEGMENT_CHUNKS = 32  # a segment's chunks: shorter, the scans' ~20 small launches eat the gain
+
+
+def _segments_for_bwd(b: int, hv: int, nc: int, sms: int) -> int:
+    """Segments a sequence for kernel 1 (1: none): the largest power of two S >= 4 dividing NC
+    with NC / S >= MIN_SEGMENT_CHUNKS whose summary phase, (3 B S - 4) HV CTAs (forward runs
+    over rows [0, B S - 1) and [1, B S - 1), the reverse run over [1, B S)), fits one wave of
+    `sms` SMs (0, off CUDA: none)."""
+    parts, s = 1, 4
+    while (nc % s == 0 and nc // s >= MIN_SEGMENT_CHUNKS
+           and (3 * b * s - 4) * hv <= sms * STATE_CTAS_PER_SM):  # fmt: skip
+        parts, s = s, 2 * s
+    return parts
+
+
+def _segments_selected(b: int, hv: int, nc: int, device: torch.device) -> int:
+    """Segments a sequence for the device pass of B sequences x HV value heads of NC chunks:
+    SEGMENTS_SWITCH's (or SEGMENTS') choice (the comment above)."""
+    mode = os.environ.get(SEGMENTS_SWITCH, "1" if SEGMENTS else "0")
+    if mode == "0":
+        return 1
+    if mode == "1":
+        return _segments_for_bwd(b, hv, nc, _device_sms(device))
+    if not mode.isdigit():
+        raise ValueError(f"{SEGMENTS_SWITCH} must be 0, 1 or a segment count, got {mode!r}")
+    parts = int(mode)
+    return parts if nc % parts == 0 else 1
+
+
+def _segmented_states(fw, tiles, do, h0, dht, parts, dh0=None):
+    """Kernel 1's two launches over `parts` segments of each of B sequences (the comment
+    above; rows n P + p in flat order, each launch over a contiguous run of rows, every row
+    given its own state): (U, h), (dU, dS, the initial state's gradient) as the unsegmented
+    launches give them, U and dU at NC C rows. fw: the forward launch's tiles
+    (`forward_launch_tiles`, the variant's own), tiles: kernel 0's (pt, ke, qe, w at NC C rows,
+    zero past T; e_last), do (B, T, HV, V), h0, dht (B, HV, K, V) fp32 or None, dh0: the
+    caller's buffer for the initial state's gradient or None. Summary phase at once (three
+    streams): forward over rows [0, R - 1) from h0 at each sequence's segment 0 and zero
+    elsewhere (segment 0's U, h final), forward over [1, R - 1) from SEGMENT_SCALE x I (outputs
+    discarded), reverse over [1, R) from dht at each last segment and zero elsewhere (the last
+    segment's dU, dS final); the scans (reference/gdn_bwd_state.py `segment_starts`,
+    `segment_ends`); then forward over [1, R) and reverse over [0, R - 1) from the true states,
+    side by side. With B > 1 the runs take a few rows they need not (a sequence's last segment
+    in the first forward run, ...): their results unread or rewritten bit for bit. No host
+    read: CUDA-graph capturable."""
+    b, t, hv, vd = do.shape
+    kd, nc = fw["ke"].shape[-1], fw["e_last"].shape[1]
+    rows, chunks = b * parts, nc // parts
+    low = {"dtype": do.dtype, "device": do.device}
+    f32 = {"dtype": torch.float32, "device": do.device}
+    # a tail chunk: do's rows past T zero, as kernel 0's tiles there (a copy also where B > 1
+    # sequences' rows are not one stride apart: no (B S) view)
+    if t < nc * CHUNK or (b > 1 and do.stride(0) != t * do.stride(1)):
+        padded = do.new_zeros(b, nc * CHUNK, hv, vd)
+        padded[:, :t] = do
+        do = padded
+
+    def seg(x):  # (B, N, ...) -> (B S, N / S, ...), a view (strided head slices stay views)
+        return x.view(rows, x.shape[1] // parts, *x.shape[2:])
+
+    fwd_tiles = [seg(fw[n]) for n in ("do", "ke", "w", "e_last")]
+    rev_tiles = [seg(x) for x in (do, *(tiles[n] for n in ("pt", "ke", "qe", "w", "e_last")))]
+
+    def forward(run, start, outs):
+        u, ke, w, e_last = (x[run] for x in fwd_tiles)
+        return _state_recurrence(u, None, ke, None, w, e_last, start, out=outs, out16=True,
+                                 forward=True)  # fmt: skip
+
+    def reverse(run, end, outs):
+        return _state_recurrence(*(x[run] for x in rev_tiles), end, out=outs, out16=True)
+
+    u16, du16 = (torch.empty(b, nc * CHUNK, hv, vd, **low) for _ in range(2))
+    h16, dh16 = (torch.empty(b, nc, hv, kd, vd, **low) for _ in range(2))
+    su, sh, sdu, sdh = (seg(x) for x in (u16, h16, du16, dh16))
+    head, tail, middle = slice(0, rows - 1), slice(1, rows), slice(1, rows - 1)
+    by_seq = (b, parts, hv, kd, vd)
+    first, last = (torch.zeros(rows, hv, kd, vd, **f32) for _ in range(2))
+    if h0 is not None:
+        first.view(by_seq)[:, 0] = h0
+    if dht is not None:
+        last.view(by_seq)[:, -1] = dht
+    local, shifted, rlocal = (torch.empty(rows, hv, kd, vd, **f32) for _ in range(3))
+    summary = [
+        lambda: forward(head, None if h0 is None else first[head],
+                        (su[head], sh[head], local[head])),
+        lambda: reverse(tail, None if dht is None else last[tail],
+                        (sdu[tail], sdh[tail], rlocal[tail])),
+    ]  # fmt: skip
+    if parts > 2:  # the middle segments' transitions (K = V: M a state; from c I: c M + L)
+        init = (torch.eye(kd, **f32) * SEGMENT_SCALE).expand(rows - 2, hv, kd, vd).contiguous()
+        scratch = (torch.empty(rows - 2, chunks * CHUNK, hv, vd, **low),
+                   torch.empty(rows - 2, chunks, hv, kd, vd, **low))  # fmt: skip
+        summary.insert(1, lambda: forward(middle, init, (*scratch, shifted[middle])))
+    side_by_side(do.device, *summary)
+    trans = segment_transitions(local, shifted, parts, SEGMENT_SCALE)
+    starts = segment_starts(trans, local, first)
+    ends = segment_ends(trans, rlocal, last)
+    # local and rlocal take the full runs' end states (the scans read them first, in stream
+    # order); the forward's final state is not the device pass's output
+    side_by_side(
+        do.device,
+        lambda: forward(tail, starts[tail], (su[tail], sh[tail], local[tail])),
+        lambda: reverse(head, ends[head], (sdu[head], sdh[head], rlocal[head])),
+    )
+    grad0 = rlocal.view(by_seq)[:, 0]
+    return (u16, h16), (du16, dh16, grad0 if dh0 is None else dh0.copy_(grad0))
 
 
 # Kernel 1 writes U, h (forward launch, `forward`: I and 0 built in, chunk order) and dU, dS
@@ -272,20 +398,15 @@ def _kernel_path(q, v) -> bool:
             and q.dtype in TILE_DTYPES and v.shape[1] > 0)  # fmt: skip
 
 
-def _factors(q, k, v, g, beta):
+def _factors(q, k, v, g, beta, fused=False):
     """Kernel 0: the chunk factors of every (chunk, value head) at once (`reference.
     gdn_bwd_factors.NAMES`' dict: the tiles kernel 1's two launches and kernel 2 read) from q
-    (scaled, normalized), k (B, T, H, K), v (B, T, HV, V) 16-bit, g, beta (B, T, HV) fp32. The
-    CPU tests put the tile emulation here."""
+    (scaled, normalized), k (B, T, H, K), v (B, T, HV, V) 16-bit, g, beta (B, T, HV) fp32;
+    `fused` (the fused route's key): no Ke, Qe in the dict. The CPU tests put the tile emulation
+    here."""
 
-    return factors_launch.gdn_bwd_factors(q, k, v, g, beta, wg2=FACTORS_2WG)
+    return factors_launch.gdn_bwd_factors(q, k, v, g, beta, fused=fused)
 
-
-# Kernel 0 on two math warpgroups by independent products (`wg2`, gdn_bwd_factors/sm90/
-# factors_wg2.py; bit for bit the 256-thread kernel's outputs; NOTES "GDN backward factors kernel
-# on two math warpgroups", its device A/B "integration45 measured"). TEMPORARY: the 256-thread
-# kernel goes once the benches agree.
-FACTORS_2WG = True
 
 # Kernel 0 forms the chunk factors (with kernel 2's WY variant, which reads its T^T, w, u);
 # False: the batched torch `_Factors` pass and its 16-bit conversions (the fallback).
@@ -400,13 +521,50 @@ FSPLIT = True
 FUSED = True
 FUSED_SWITCH = "FORGEKERNEL_GDN_BWD_FUSED"
 
+# TEMPORARY (until the device session's A/B, NOTES "next/gdn-fused-diet"; then the keys stay or
+# go): the fused route without the tiles nobody needs there. Kernel 0's `fused` key writes no
+# Qe, Ke (32 KB a chunk-head); kernel 1's forward launch (its `fused` key) reads k (at the H
+# heads) and G in place of Ke and writes h only (U's 16 KB not stored); the fused kernel forms
+# U = u - W h (`u_from_h`: U's 16 KB not read, its box filled by the state warpgroup). ~72 KB
+# a chunk-head less moved in all. False: the fused route as on 2026-12-06. In the varlen slot
+# layout (FUSED_SLOTS) only the fused kernel's part: kernel 0's and kernel 1's `fused` keys have
+# no varlen form, so there the forward launch reads Ke and writes U, and the fused kernel's
+# `varlen, u_from_h` key saves only U's read (NOTES "next/fused-slots-on46").
+FUSED_DIET = True
 
-def _fused_selected(b: int, hv: int, device: torch.device) -> bool:
-    """Whether the device pass of B sequences x HV value heads runs the fused kernel."""
+
+def _fused_selected(b: int, hv: int, device: torch.device, slots: bool = False) -> bool:
+    """Whether the device pass of B sequences x HV value heads runs the fused kernel (`slots`:
+    N sequences in the slot layout, `slots_fit`'s rule)."""
     mode = os.environ.get(FUSED_SWITCH, "1" if FUSED else "0")
     if mode == "all":
         return QK16
-    return mode == "1" and QK16 and fused_fits(b, hv, _device_sms(device))
+    fits = slots_fit if slots else fused_fits
+    return mode == "1" and QK16 and fits(b, hv, _device_sms(device))
+
+
+# The fused kernel on the varlen slot layout (its `varlen` key: kernel 1's varlen walk, one CTA
+# a (value head, sequence), the token outputs at their token rows; `native` slots only), so that
+# a CUDA-graph capture, which runs every varlen call in slots, gets the fused route too (H100
+# 2026-12-06, 4 x 8192 h16 hv32 as cu_seqlens: eager 3.92 ms on the batch path's fused kernel,
+# graph 5.52 on the two-launch slot path). The rule (`config.slots_fit`): N x HV from 3/4 of a
+# wave to one wave. A capture cannot see the lengths: a skewed mix within a wave pays the fused
+# kernel's ~15 us a slot down its longest chain (up to ~1.7x the call at 4 sequences, one
+# holding every token; NOTES "next/fused-slots"). TEMPORARY, off until its device A/B;
+# FUSED_SLOTS_SWITCH "1" / "0" overrides (FUSED_SWITCH "all" forces every shape, as on the
+# batch path).
+FUSED_SLOTS = False
+FUSED_SLOTS_SWITCH = "FORGEKERNEL_GDN_BWD_FUSED_SLOTS"
+
+
+def _fused_slots_selected(slots, hv: int, device: torch.device) -> bool:
+    """Whether the slot layout's device pass (N sequences x HV value heads) runs the fused
+    kernel: FUSED_SLOTS, the per-slot tables present (`native`: the kernel writes token rows
+    only) and `_fused_selected`'s slot rule."""
+    mode = os.environ.get(FUSED_SLOTS_SWITCH, "1" if FUSED_SLOTS else "0")
+    if mode != "1" or not native(slots):
+        return False
+    return _fused_selected(slots.cu_seqlens.shape[0] - 1, hv, device, slots=True)
 
 
 def state_flags(slots) -> dict:
@@ -449,8 +607,10 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots
     0's tiles, kernel 1's forward launch (`forward`: chunks first to last on kernel 0's u, W,
     Ke as written, the signs in registers) -> U, h (16-bit, chunk order), its reverse launch on
     kernel 0's tiles cut to T -> dU, dS (16-bit), kernel 2 on those; the two launches side by
-    side where both fit one wave (`concurrent_state_launches`). No torch op between the
-    kernels (views only; the forward launch builds its I and 0 tiles in). into: (dq, dk, dv,
+    side where both fit one wave (`concurrent_state_launches`), or over segments of each
+    sequence where SEGMENTS_SWITCH / SEGMENTS picks them (`_segmented_states`: a summary phase
+    and two scans in torch before them). No torch op between the kernels otherwise (views
+    only; the forward launch builds its I and 0 tiles in). into: (dq, dk, dv,
     dg, dbeta, dh0) contiguous buffers (or None each) kernel 2 / kernel 1 write directly (dq,
     dk only with q_scale). q_scale (QK16, `_folds`): kernel 2's 16-bit dq times it, dq and dk
     the op's gradients (no epilogue). slots: the varlen slot layout (B = 1 over its S C
@@ -458,9 +618,10 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots
     per-slot tables (`native`) kernel 2 writes dq, dk, dv, dg, dbeta at their T token rows
     (the `token_rows` key; `into` those rows' buffers)."""
     t, device = qs.shape[1], qs.device
-    # the fused kernel walks B equal sequences; the varlen slot layout takes today's path
-    if slots is None and _fused_selected(do.shape[0], do.shape[2], device):
-        return _fused_pass(qs, ks, v, g, beta, do, h0, dht, into, q_scale)
+    # the fused kernel: B equal sequences, or the slot layout's N (`_fused_slots_selected`)
+    if (_fused_selected(do.shape[0], do.shape[2], device) if slots is None
+            else _fused_slots_selected(slots, do.shape[2], device)):  # fmt: skip
+        return _fused_pass(qs, ks, v, g, beta, do, h0, dht, into, q_scale, slots)
     varlen = state_flags(slots)
     dq_o, dk_o, dv_o, dg_o, dbeta_o, dh0_o = into or (None,) * 6
     out = _factors(qs, ks, v, g, beta)
@@ -476,7 +637,11 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots
         return _state_recurrence(do, *rev, out["e_last"], dht, out16=True, **given(dh0=dh0_o),
                                  **varlen)  # fmt: skip
 
-    if side_by_side_states(slots, do.shape[0], do.shape[2], device):
+    nc = out["e_last"].shape[1]
+    parts = 1 if slots is not None else _segments_selected(do.shape[0], do.shape[2], nc, device)
+    if parts > 1:
+        (u16, h16), (du16, dh16, dh0) = _segmented_states(fw, out, do, h0, dht, parts, dh0_o)
+    elif side_by_side_states(slots, do.shape[0], do.shape[2], device):
         (u16, h16, _), (du16, dh16, dh0) = side_by_side(device, forward_launch, reverse_launch)
     else:
         u16, h16, _ = forward_launch()
@@ -485,7 +650,8 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots
         del out[name]
     k2 = for_kernel2(out, t)
     wide = beta.to(torch.promote_types(beta.dtype, torch.float32))
-    tiles = (do, cut(u16, 1, slice(None, t)), du16, qs, ks, h16, dh16, k2["big_g"])
+    u16, du16 = (cut(x, 1, slice(None, t)) for x in (u16, du16))  # segments: NC C rows
+    tiles = (do, u16, du16, qs, ks, h16, dh16, k2["big_g"])
     rows = {}  # the slot layout's outputs at their token rows (`native`)
     if native(slots):
         rows = {"tables": (slots.starts, slots.lengths), "tokens": slots.rows.shape[0]}
@@ -502,32 +668,48 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots
 
 def _fused_bwd(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, **flags):
     """The fused kernel (kernel 1's reverse recurrence + kernel 2, `gdn_bwd_fused`): (dq, dk,
-    dg, dv, dbeta, dh0) (`flags`: scale, out). The CPU tests put an emulation here."""
+    dg, dv, dbeta, dh0) (`flags`: scale, out; the slot layout's cu_seqlens, order, tables,
+    tokens; u None: U = uw - W h formed in the kernel). The CPU tests put an emulation here."""
 
     return fused_launch.gdn_bwd_fused(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, **flags)
 
 
-def _fused_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None):
+def _fused_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots=None):
     """`_device_pass` on the fused kernel (FUSED): kernel 0's tiles, kernel 1's forward
     launch (U, h), then `_fused_bwd` on kernel 0's P^T, T^T, W, u, G (its Ke, Qe, e^(G_C) not
-    read: folded in registers) with the same outputs as kernel 2 + the reverse launch."""
+    read: folded in registers) with the same outputs as kernel 2 + the reverse launch. slots
+    (`native`): the varlen slot layout, both kernels' varlen forms, the token gradients at
+    their token rows (`_device_pass`'s). With FUSED_DIET: U formed in the fused kernel; on B
+    equal sequences also kernel 0 without Ke, Qe and the forward launch on k and G writing h
+    only (their `fused` keys have no varlen form: in the slot layout the forward launch reads
+    Ke and writes U as before)."""
     t = qs.shape[1]
     dq_o, dk_o, dv_o, dg_o, dbeta_o, dh0_o = into or (None,) * 6
-    out = _factors(qs, ks, v, g, beta)
-    fw = forward_launch_tiles(out, identity=False)
+    batch_diet = FUSED_DIET and slots is None  # kernel 0's and kernel 1's `fused` keys
+    out = _factors(qs, ks, v, g, beta, fused=batch_diet)
+    fw = forward_launch_tiles(out, identity=False, k=ks if batch_diet else None)
+    diet = given(big_g=fw.get("big_g"))
     u16, h16, _ = _state_recurrence(*(fw[n] for n in ("do", "pt", "ke", "qe", "w")),
-                                    fw["e_last"], h0, out16=True, forward=True)  # fmt: skip
+                                    fw["e_last"], h0, out16=True, forward=True,
+                                    **diet, **state_flags(slots))  # fmt: skip
     k2 = for_kernel2(out, t)
     wide = beta.to(torch.promote_types(beta.dtype, torch.float32))
+    rows = {}  # the slot layout's walk and token rows
+    if slots is not None:
+        rows = {**state_flags(slots), "tables": (slots.starts, slots.lengths),
+                "tokens": slots.rows.shape[0]}  # fmt: skip
     bufs = None
     if into is not None:
         b, _, hv, vd = do.shape
-        dh0 = dh0_o if dh0_o is not None else do.new_empty(b, hv, qs.shape[-1], vd,
+        n = b if slots is None else slots.cu_seqlens.shape[0] - 1
+        dh0 = dh0_o if dh0_o is not None else do.new_empty(n, hv, qs.shape[-1], vd,
                                                            dtype=torch.float32)  # fmt: skip
-        bufs = (*_wy_buffers(do, qs.shape[-1], dg_o, dv_o, dbeta_o, dq_o, dk_o), dh0)
+        bufs = (*_wy_buffers(do, qs.shape[-1], dg_o, dv_o, dbeta_o, dq_o, dk_o,
+                             rows.get("tokens")), dh0)  # fmt: skip
+    big_u = None if FUSED_DIET else u16[:, :t]  # FUSED_DIET: formed in the kernel (`u_from_h`)
     dq, dk, dg, dv, dbeta, dh0 = _fused_bwd(
-        do, u16[:, :t], qs, ks, h16, k2["big_g"], out["pt"][:, :t], k2["tt"], k2["w"], k2["u"],
-        v, wide, dht, scale=1.0 if q_scale is None else q_scale, **given(out=bufs),
+        do, big_u, qs, ks, h16, k2["big_g"], out["pt"][:, :t], k2["tt"], k2["w"], k2["u"],
+        v, wide, dht, scale=1.0 if q_scale is None else q_scale, **given(out=bufs), **rows,
     )  # fmt: skip
     return dq, dk, dv, dg, dbeta, dh0
 

@@ -141,17 +141,22 @@ def for_kernel2(tiles: dict[str, torch.Tensor], t: int) -> dict[str, torch.Tenso
 
 
 def forward_launch_tiles(
-    tiles: dict[str, torch.Tensor], identity: bool = True
+    tiles: dict[str, torch.Tensor], identity: bool = True, k: torch.Tensor | None = None
 ) -> dict[str, torch.Tensor]:
     """Kernel 1's forward launch's inputs from the outputs. `identity` False (kernel 1's
     `forward` variant: chunks first to last, I and 0 built in, the signs in registers): the
-    tiles as written, do = u, ke = w, w = ke, pt and qe None, e_last (fp32), no copy. `identity`
-    True (the reverse variant run as the forward recurrence, the fp32-out path): torch makes
+    tiles as written, do = u, ke = w, w = ke, pt and qe None, e_last (fp32), no copy; with `k`
+    (B, T, H, K) (its `fused` variant, on kernel 0's `fused` tiles: no Ke) w = k and big_g,
+    kernel 0's G of every row, from which it forms Ke's decays. `identity` True (the reverse
+    variant run as the forward recurrence, the fp32-out path): torch makes
     `forward_state_tiles`' dict, do = u, pt = I, ke = -W, qe = 0, w = -Ke with the chunks
     reversed and e_last reversed (`reference.gdn_bwd_state.forward_launch_as_reverse`)."""
     if not identity:
-        out = {"do": tiles["u"], "pt": None, "ke": tiles["w"], "qe": None, "w": tiles["ke"]}
+        w = tiles["ke"] if k is None else k
+        out = {"do": tiles["u"], "pt": None, "ke": tiles["w"], "qe": None, "w": w}
         out["e_last"] = tiles["e_last"].float()
+        if k is not None:
+            out["big_g"] = tiles["big_g"]
         return out
     return forward_launch_as_reverse(tiles["u"], tiles["w"], tiles["ke"], tiles["e_last"])
 

@@ -231,6 +231,31 @@ def forward_states(du: torch.Tensor, dh: torch.Tensor) -> tuple[torch.Tensor, to
     return dh.flip(1).transpose(-1, -2), u
 
 
+def decayed_keys(k: torch.Tensor, big_g: torch.Tensor) -> torch.Tensor:
+    """Ke = k e^(G_C - G) of every row from k (B, T', H, K) at its own heads (value head hv
+    reads hv // (HV / H); rows past T' zero) and G (B, NC C, HV) of every row (kernel 0's,
+    G_C each chunk's last row's): (B, NC C, HV, K) in fp64, the decays kernel 1's `fused`
+    forward launch forms on U^T's columns in place of reading Ke."""
+    b, rows, hv = big_g.shape
+    kk = k.new_zeros(b, rows, *k.shape[2:])
+    kk[:, : k.shape[1]] = k
+    kk = kk.double().repeat_interleave(hv // k.shape[2], dim=2)
+    g = big_g.double().unflatten(1, (rows // CHUNK, CHUNK))  # (B, NC, C, HV)
+    decay = (g[:, :, -1:] - g).exp().flatten(1, 2)  # (B, NC C, HV)
+    return kk * decay.unsqueeze(-1)
+
+
+def u_from_states(uw: torch.Tensor, w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """U = u - W h per chunk, as the fused backward's `u_from_h` key forms it from the forward
+    launch's h (its `fused` key): uw (B, T, HV, V), w (B, T, HV, K) and h (B, NC, HV, K, V)
+    in one 16-bit dtype -> U (B, T, HV, V) in that dtype, the difference formed in fp64 and
+    rounded once (the kernel's fp32 accumulator, up to its order of sums)."""
+    t, nc = uw.shape[1], h.shape[1]
+    wc, uc = to_chunks(w.double(), nc), to_chunks(uw.double(), nc)  # (B, NC, HV, C, .)
+    big_u = uc - wc @ h.double()
+    return to_tokens(big_u)[:, :t].to(uw.dtype)
+
+
 def out16_forms(
     du: torch.Tensor, dh: torch.Tensor, dtype: torch.dtype, forward: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,3 +294,52 @@ def over_slots(launch, cu_seqlens, order, do, pt, ke, qe, w, e_last, state, **fl
         parts.append(launch(*tiles, e_last[:, lo:hi], st, **flags))
     du, side, s0 = (torch.cat(x, dim=0 if j == 2 else 1) for j, x in enumerate(zip(*parts)))
     return du, side, s0
+
+
+# ---- segments (ops/gated_delta_rule_bwd.py `_segmented_states`): boundary states by linearity
+
+
+def segment_transitions(local: torch.Tensor, shifted: torch.Tensor, parts: int,
+                        scale: float) -> torch.Tensor:  # fmt: skip
+    """M_p (N, P - 2, HV, K, K), the middle segments' transitions S_end = M_p S_start + L_p of the
+    forward recurrence (K = V: M is a state), from kernel 1's forward runs over N P segments of
+    whole chunks in flat order n P + p: `local` (N P, HV, K, V) holding at row n P + p (p < P -
+    1) the segment's end state from its run's start (zero but at p = 0) and `shifted` at row
+    n P + p (0 < p < P - 1) the end state from scale x I (scale M_p + L_p); fp32. The reverse
+    recurrence's transition over the same segment is M_p^T (dS_start = M_p^T dS_end + L^d_p)."""
+    shape = (-1, parts, *local.shape[1:])
+    middle = slice(1, parts - 1)
+    return (shifted.view(shape)[:, middle] - local.view(shape)[:, middle]) * (1.0 / scale)
+
+
+def segment_starts(trans: torch.Tensor, local: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """The forward's state at every segment's start (N P, HV, K, V): row n P the sequence's
+    initial state (`first`'s row n P: the state its segment 0 ran from, the other rows are not
+    read), row n P + 1 segment 0's end (`local`), then S_(p+1) = M_p S_p + L_p (`trans`:
+    `segment_transitions`'); fp32, P - 2 batched products."""
+    parts = trans.shape[1] + 2
+    shape = (-1, parts, *local.shape[1:])
+    lo, starts = local.view(shape), first.clone().view(shape)
+    state = lo[:, 0]
+    for p in range(1, parts):
+        starts[:, p] = state
+        if p + 1 < parts:
+            state = trans[:, p - 1] @ state + lo[:, p]
+    return starts.view(local.shape)
+
+
+def segment_ends(trans: torch.Tensor, rlocal: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """The reverse recurrence's state gradient at every segment's end (N P, HV, K, V): row
+    n P + P - 1 the final state's gradient (`last`'s row; the other rows are not read), row
+    n P + P - 2 the last segment's start gradient (`rlocal`: at row n P + p (p > 0) the start
+    gradient of kernel 1's reverse run over the segment from `last`'s row, zero but at p =
+    P - 1), then dS_end(p - 1) = M_p^T dS_end(p) + L^d_p; fp32, P - 2 batched products."""
+    parts = trans.shape[1] + 2
+    shape = (-1, parts, *rlocal.shape[1:])
+    rl, ends = rlocal.view(shape), last.clone().view(shape)
+    grad = rl[:, parts - 1]
+    for p in range(parts - 2, -1, -1):
+        ends[:, p] = grad
+        if p > 0:
+            grad = trans[:, p - 1].transpose(-1, -2) @ grad + rl[:, p]
+    return ends.view(rlocal.shape)

@@ -1,19 +1,16 @@
 """What every host launcher needs of the device and of its tensors, torch only (no DSL): the
 SM count (persistent grids), the dtype names compile keys use, the one TMA-ready path
-(inputs TMA can read in place, outputs it can write in place, else compact copies) and the one
-side stream (`side_by_side`: two independent launches at once)."""
+(inputs TMA can read in place, outputs it can write in place, else compact copies) and the
+side streams (`side_by_side`: independent launches at once)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any
 
 import torch
-
-A = TypeVar("A")
-B = TypeVar("B")
 
 
 @functools.cache
@@ -105,36 +102,37 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager:
 
 
 @functools.cache
-def _side_stream(device_index: int) -> torch.cuda.Stream:
-    """The process's side stream on a device (one: creating a stream a call costs microseconds
-    and would leave one per captured graph)."""
+def _side_stream(device_index: int, which: int = 0) -> torch.cuda.Stream:
+    """The process's side stream `which` on a device (a fixed few: creating a stream a call
+    costs microseconds and would leave one per captured graph)."""
     return torch.cuda.Stream(device_index)
 
 
-def side_by_side(
-    device: torch.device, first: Callable[[], A], second: Callable[[], B]
-) -> tuple[A, B]:
-    """(first(), second()): `first`'s launches on the side stream, `second`'s on the current
-    one, at once; off CUDA one after the other. The fork and the join are stream waits (events),
-    so a CUDA-graph capture records both branches (the side stream joins the capture at the
-    fork and leaves it at the join) and a custom op may run it under torch.compile. The side
-    stream starts after everything queued on the current one and the current one goes on after
-    the side stream's work: tensors made before the call are read on the side stream and freed
-    after it in stream order; `first`'s tensors, made on the side stream, are marked as used on
-    the current one (`record_stream`), so that the allocator never hands their memory to the
-    side stream while the current one still reads them. The two must not write what the other
-    reads."""
+def side_by_side(device: torch.device, *launches: Callable[[], Any]) -> tuple:
+    """(launches[0](), ..., launches[-1]()): each but the last on a side stream of its own, the
+    last on the current one, all at once; off CUDA one after the other. The forks and the joins
+    are stream waits (events), so a CUDA-graph capture records every branch (a side stream joins
+    the capture at its fork and leaves it at its join) and a custom op may run it under
+    torch.compile. The side streams start after everything queued on the current one and the
+    current one goes on after all of their work: tensors made before the call are read on the
+    side streams and freed after them in stream order; a side launch's tensors, made on its
+    stream, are marked as used on the current one (`record_stream`), so that the allocator never
+    hands their memory to that stream while the current one still reads them. No launch may
+    write what another reads."""
     if device.type != "cuda":
-        return first(), second()
+        return tuple(launch() for launch in launches)
     index = torch.cuda.current_device() if device.index is None else device.index
     main = torch.cuda.current_stream(index)
-    side = _side_stream(index)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        a = first()
-    b = second()
-    main.wait_stream(side)
-    for t in a if isinstance(a, (tuple, list)) else (a,):
-        if isinstance(t, torch.Tensor) and t.is_cuda:
-            t.record_stream(main)
-    return a, b
+    sides = [_side_stream(index, i) for i in range(len(launches) - 1)]
+    results = []
+    for side, launch in zip(sides, launches):
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            results.append(launch())
+    results.append(launches[-1]())
+    for side, got in zip(sides, results):
+        main.wait_stream(side)
+        for t in got if isinstance(got, (tuple, list)) else (got,):
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                t.record_stream(main)
+    return tuple(results)

@@ -10,7 +10,10 @@ k epilogue after the fused kernel); varlen (equal lengths on the fused kernel, u
 the slot layout on today's path). The times printed (`-s`) at 4 x 8192 h16 hv32 (the rule's own
 choice: 128 CTAs, fused) and, rule forced, at 1 x 2048 and 1 x 8192 hv32 (32 CTAs: the rule
 keeps today's path there), each next to today's path. Tolerance: 2e-2 of each gradient's max
-(the suite's rule, tests/gpu/test_gdn_bwd_kernel_path_gpu.py's). CPU twins:
+(the suite's rule, tests/gpu/test_gdn_bwd_kernel_path_gpu.py's). FUSED_DIET (next/gdn-fused-diet,
+the default: kernel 0's `fused` key, the forward launch's `fused`, the fused kernel's
+`u_from_h`) is what the tests above run; `test_diet_*` set it against the route of before,
+kernel by kernel and through the op, and time the two. CPU twins:
 tests/test_gdn_bwd_fused_dispatch.py (the path on an emulation), tests/
 test_gdn_bwd_fused_compile.py (the build)."""
 
@@ -25,7 +28,11 @@ from graphs import captured
 from test_gdn_bwd_kernel_path_gpu import NAMES, _close, _problem, _reference
 
 import forgekernel
+from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90 import launch as factors_launch
 from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90 import launch as fused_launch
+from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.launch import gdn_bwd_state
+from forgekernel.reference.gdn_bwd_factors import for_kernel2, forward_launch_tiles
+from forgekernel.reference.gdn_bwd_state import u_from_states
 from forgekernel.runtime.timing import median, time_ms
 
 pytestmark = pytest.mark.gpu
@@ -191,4 +198,146 @@ def test_time_next_to_todays_path(monkeypatch, b, t, forced):
     print(
         f"\nGDN backward {b} x {t} h16 hv32 bf16: today's path {today:.3f} ms, FUSED "
         f"{ours:.3f} ms (the fused kernel {kernel:.3f} ms)"
+    )
+
+
+# ---- FUSED_DIET (next/gdn-fused-diet): the fused route's keys against the route of before
+
+
+def _route(b, t, h, hv, dtype, seed):
+    """`_problem`'s inputs and the fused route's first two kernels on them as `_fused_pass` runs
+    them, both ways: kernel 0's standard and `fused` dicts; the forward launch's `forward` key on
+    the standard dict (Ke) and its `fused` key on the `fused` dict (k and G); each launch's
+    arguments (q taken as scaled, k unit rows)."""
+    problem = _problem(b, t, h, hv, dtype, seed=seed)
+    q, k, v, g, beta, do, h0, dht = problem
+    tiles = {f: factors_launch.gdn_bwd_factors(q, k, v, g, beta, fused=f) for f in (False, True)}
+    launch, states = {}, {}
+    for f in (False, True):
+        fw = forward_launch_tiles(tiles[f], identity=False, k=k if f else None)
+        args = (*(fw[n] for n in ("do", "pt", "ke", "qe", "w")), fw["e_last"], h0)
+        launch[f] = (
+            args,
+            {"out16": True, "forward": True, **({"big_g": fw["big_g"]} if f else {})},
+        )
+        states[f] = gdn_bwd_state(*launch[f][0], **launch[f][1])
+    return problem, tiles, states, launch
+
+
+def _fused_kernel_args(problem, tiles, h16):
+    """The fused kernel's arguments after U (`gdn_bwd_fused(do, U, *these)`)."""
+    q, k, v, g, beta, do, h0, dht = problem
+    t = q.shape[1]
+    k2 = for_kernel2(tiles[False], t)
+    return (q, k, h16, k2["big_g"], tiles[False]["pt"][:, :t], k2["tt"], k2["w"], k2["u"], v,
+            beta.float().contiguous(), dht)  # fmt: skip
+
+
+DIET_CASES = [(1, 1, 2, 2), (2, 63, 2, 4), (1, 65, 1, 2), (3, 1000, 2, 2), (2, 130, 4, 4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("b", "t", "h", "hv"), DIET_CASES)
+def test_diet_keys_against_the_standard_ones(dtype, b, t, h, hv):
+    """Kernel 0's `fused` key: every tile but Ke, Qe bit for bit the standard key's, Ke and Qe
+    not written. The forward launch's `fused` key (k at its H heads and G in place of Ke): no
+    U; h and the final state within 1e-2 of the `forward` key's max (the 16-bit rounding of
+    U^T e^(G_C - G) in place of Ke's). The fused kernel's `u_from_h` (U = u - W h formed in the
+    kernel) against the same kernel reading the `forward` launch's U, on the same inputs
+    (NaN-poisoned outputs): every gradient within 1e-2 of its max (U's 16-bit rounding in
+    another order of sums is all that differs), and u_from_states (fp64, rounded once) within
+    two 16-bit ulps of that U."""
+    problem, tiles, states, _ = _route(b, t, h, hv, dtype, seed=t + 7 * hv)
+    do = problem[5]
+    assert set(tiles[True]) == set(tiles[False]) - {"ke", "qe"}
+    for name, x in tiles[True].items():
+        assert torch.equal(x, tiles[False][name]), name
+    (u16, h16, s16), (none, h_fused, s_fused) = states[False], states[True]
+    assert none is None
+    for name, a, r in (("h", h_fused, h16), ("final state", s_fused, s16)):
+        assert torch.isfinite(a).all(), name
+        err = float((a.double() - r.double()).abs().max())
+        assert err <= 1e-2 * float(r.double().abs().max()) + 1e-5, (name, err)
+    rest = _fused_kernel_args(problem, tiles, h16)
+    big_u = u16[:, :t]
+    # two ulps (+ slack where U cancels): fp32 sums in two orders, each rounded once
+    ulp = 2 * torch.finfo(dtype).eps * big_u.double().abs() + 1e-5
+    model = u_from_states(rest[7], rest[6], h16)  # the WY u, W
+    assert bool(((model.double() - big_u.double()).abs() <= ulp).all())
+    got = {}
+    for u in (big_u, None):
+        out = fused_launch.empty_outputs(do, rest[0].shape[-1])
+        for x in out:
+            x.fill_(float("nan"))
+        got[u is None] = fused_launch.gdn_bwd_fused(do, u, *rest, out=out)
+    for name, a, o in zip(("dq", "dk", "dg", "dv", "dbeta", "dh0"), got[True], got[False]):
+        assert torch.isfinite(a).all(), name
+        err = float((a.double() - o.double()).abs().max())
+        assert err <= 1e-2 * float(o.double().abs().max()) + 1e-5, (name, err)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("b", "t", "h", "hv", "l2norm"), [(2, 65, 2, 4, True),
+                                                           (1, 1000, 2, 2, False)])  # fmt: skip
+def test_diet_through_the_op(fused, monkeypatch, dtype, b, t, h, hv, l2norm):
+    """The op on the fused route with FUSED_DIET on (kernel 0 asked for `fused`, the forward
+    launch handed k and G, the fused kernel no U) and off (none of them): both within the
+    suite's tolerance of the fp64 backward, and of each other within 1e-2 of each max."""
+    q, k, v, g, beta, do, h0, dht = _problem(b, t, h, hv, dtype, seed=t + b, l2norm=l2norm)
+    inputs = (q, k, v, g, beta, do)
+    want = _reference(inputs, h0=h0, dht=dht, l2norm=l2norm)
+    seen = []
+    factors, state = bwd._factors, bwd._state_recurrence
+    monkeypatch.setattr(
+        bwd, "_factors", lambda *a, **kw: seen.append(("k0", kw)) or factors(*a, **kw)
+    )
+    monkeypatch.setattr(bwd, "_state_recurrence",
+                        lambda *a, **kw: seen.append(("k1", kw)) or state(*a, **kw))  # fmt: skip
+    grads = {}
+    for diet in (True, False):
+        monkeypatch.setattr(bwd, "FUSED_DIET", diet)
+        seen.clear()
+        fused.clear()
+        grads[diet] = _run(inputs, h0=h0, dht=dht, l2norm=l2norm)
+        assert fused == [(b, t, hv, 128)]
+        on = [(n, kw.get("fused", "big_g" in kw)) for n, kw in seen]
+        assert on == [("k0", diet), ("k1", diet)], on
+        for name, a, r in zip(NAMES, grads[diet], want):
+            _close(f"{name} (diet {diet})", a, r)
+    for name, a, o in zip(NAMES, grads[True], grads[False]):
+        err = float((a.double() - o.double()).abs().max())
+        assert err <= 1e-2 * float(o.double().abs().max()) + 1e-5, (name, err)
+
+
+def test_diet_time(monkeypatch):
+    """4 x 8192 h16 hv32 bf16 (the rule's own choice: fused): the call with FUSED_DIET off and
+    on, and each changed kernel alone, both keys (kernel 0 standard / `fused`, the forward
+    launch `forward` / `fused`, the fused kernel U read / `u_from_h`), printed. Predictions:
+    NOTES.md "next/gdn-fused-diet"."""
+    problem, tiles, states, launch = _route(4, 8192, 16, 32, torch.bfloat16, seed=13)
+    q, k, v, g, beta, do, h0, dht = problem
+    args, kw = [q, k, v, g, beta, do], {"initial_state": h0, "d_final_state": dht}
+    monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
+    monkeypatch.delenv(bwd.FUSED_SWITCH, raising=False)
+    call = {}
+    for diet in (False, True):
+        monkeypatch.setattr(bwd, "FUSED_DIET", diet)
+        call[diet] = _time(args, kw)
+
+    def timed(fn):
+        return median(time_ms(fn, reps=10))
+
+    k0 = {f: timed(lambda f=f: factors_launch.gdn_bwd_factors(q, k, v, g, beta, fused=f))
+          for f in (False, True)}  # fmt: skip
+    k1 = {x: timed(lambda x=x: gdn_bwd_state(*launch[x][0], **launch[x][1]))
+          for x in (False, True)}  # fmt: skip
+    u16, h16, _ = states[False]
+    rest = _fused_kernel_args(problem, tiles, h16)
+    u_in = {False: u16[:, : q.shape[1]], True: None}
+    kf = {x: timed(lambda x=x: fused_launch.gdn_bwd_fused(do, u_in[x], *rest))
+          for x in (False, True)}  # fmt: skip
+    print(
+        f"\nGDN backward 4 x 8192 h16 hv32 bf16, FUSED_DIET off / on: call {call[False]:.3f} / "
+        f"{call[True]:.3f} ms; kernel 0 {k0[False]:.3f} / {k0[True]:.3f}, forward launch "
+        f"{k1[False]:.3f} / {k1[True]:.3f}, fused kernel {kf[False]:.3f} / {kf[True]:.3f}"
     )

@@ -49,12 +49,14 @@ FLAGS: list = []  # kernel 1's (out16, forward) a launch
 def _poisoned_kernel(calls):
     """Kernel 1 with its outputs (fp32, or 16-bit with out16) NaN-poisoned first."""
 
-    def run(do, pt, ke, qe, w, e_last, dht, **flags):
+    def run(do, pt, ke, qe, w, e_last, dht, out=None, **flags):
         out16 = flags.get("out16", False)
         cu = flags.get("cu_seqlens")  # varlen: the states (N, ...)
-        empty = empty_outputs(do, ke.shape[-1], out16=out16,
-                              states=None if cu is None else cu.shape[0] - 1)  # fmt: skip
-        out = tuple(x.fill_(float("nan")) for x in empty)
+        if out is None:  # the segmented pass gives its views (`_segmented_states`)
+            out = empty_outputs(do, ke.shape[-1], out16=out16,
+                                states=None if cu is None else cu.shape[0] - 1,
+                                fused="big_g" in flags)  # fmt: skip
+        out = tuple(None if x is None else x.fill_(float("nan")) for x in out)
         calls.append(tuple(do.shape))
         FLAGS.append((out16, flags.get("forward", False)))
         return gdn_bwd_state(do, pt, ke, qe, w, e_last, dht, out=out, **flags)
@@ -77,15 +79,15 @@ QK16_CALLS: list = []  # kernel 2's (dqk16, scale) a WY launch
 
 
 def _poisoned_chunk_wy_kernel(calls):
-    """Kernel 2's WY variant with its outputs NaN-poisoned first; calls as ("k2wy", shape);
-    `fsplit` (the op's FSPLIT) and the varlen slot layout's `tables`, `tokens` (the op's
-    NATIVE_STORES) passed on."""
+    """Kernel 2's WY variant with its outputs NaN-poisoned first (the op's own `out` buffers
+    where it passes them, else fresh ones); calls as ("k2wy", shape); `fsplit` (the op's
+    FSPLIT) and the varlen slot layout's `tables`, `tokens` (the op's NATIVE_STORES) passed on."""
 
     def run(do, u, du, q, k, h, dh, big_g, *wy, dv16=False, dqk16=False, scale=1.0,
-            fsplit=False, tables=None, tokens=None):  # fmt: skip
-        out = tuple(x.fill_(float("nan"))
-                    for x in chunk_launch.empty_wy_outputs(do, q.shape[-1], dv16, dqk16,
-                                                           tokens))  # fmt: skip
+            fsplit=False, tables=None, tokens=None, out=None):  # fmt: skip
+        if out is None:
+            out = chunk_launch.empty_wy_outputs(do, q.shape[-1], dv16, dqk16, tokens)
+        out = tuple(x.fill_(float("nan")) for x in out)
         calls.append(("k2wy", tuple(do.shape)))
         QK16_CALLS.append((dqk16, scale))
         return chunk_launch.gdn_bwd_chunk_wy(do, u, du, q, k, h, dh, big_g, *wy, out=out,
@@ -97,15 +99,14 @@ def _poisoned_chunk_wy_kernel(calls):
 
 
 def _poisoned_factors_kernel(calls):
-    """Kernel 0 with its outputs NaN-poisoned first; calls as ("k0", v's shape); the op's
-    FACTORS_2WG passed on."""
+    """Kernel 0 with its outputs NaN-poisoned first; calls as ("k0", v's shape)."""
 
-    def run(q, k, v, g, beta):
-        out = factors_launch.empty_outputs(q, v)
+    def run(q, k, v, g, beta, fused=False):
+        out = factors_launch.empty_outputs(q, v, fused)
         for x in out.values():
             x.fill_(float("nan"))
         calls.append(("k0", tuple(v.shape)))
-        return factors_launch.gdn_bwd_factors(q, k, v, g, beta, out=out, wg2=bwd.FACTORS_2WG)
+        return factors_launch.gdn_bwd_factors(q, k, v, g, beta, out=out, fused=fused)
 
     return run
 
@@ -388,7 +389,9 @@ def test_time_at_bench_size(kernel_path, monkeypatch, varlen):
     kn = norm_launch.gdn_bwd_norm
     monkeypatch.setattr(bwd, "_qk_grads", lambda *a: norm_args.append(a) or kn(*a))
     k0 = factors_launch.gdn_bwd_factors
-    monkeypatch.setattr(bwd, "_factors", lambda *a: factor_args.append(a) or k0(*a))
+    monkeypatch.setattr(
+        bwd, "_factors", lambda *a, **kw: factor_args.append((a, kw)) or k0(*a, **kw)
+    )
 
     def k1(*a, **kw):
         kernel_args.append((a, kw))
@@ -403,7 +406,7 @@ def test_time_at_bench_size(kernel_path, monkeypatch, varlen):
                 for a, kw in kernel_args]  # fmt: skip
     chunk = [median(time_ms(lambda a=a, kw=kw: k2(*a, **kw), reps=10))
              for a, kw in chunk_args]  # fmt: skip
-    factors = [median(time_ms(lambda a=a: k0(*a), reps=10)) for a in factor_args]
+    factors = [median(time_ms(lambda a=a, kw=kw: k0(*a, **kw), reps=10)) for a, kw in factor_args]
     norms = [median(time_ms(lambda a=a: kn(*a), reps=10)) for a in norm_args]
     form = "varlen" if varlen else "B = 4"
     print(f"\nGDN backward on kernels 0-2, 4 x 8192 h16 hv32 bf16 ({form}): {ms:.2f} ms a "

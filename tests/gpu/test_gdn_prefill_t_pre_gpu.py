@@ -10,7 +10,9 @@ without an initial state, V split 1 and 2, fp16 and bf16; many sequences (the pr
 binary search over cu_seqlens); the O ring's whole and tail chunks; segments (T once for the
 three passes); the suite's shapes with the times printed (-s); a CUDA graph; the H100's
 intermittent failures (2026-12-05) repeated and localized per form and V split
-(`test_t_pre_repeated_is_the_standard`, `test_t_pre_segments_repeated`, -s for the report).
+(`test_t_pre_repeated_is_the_standard`, `test_t_pre_segments_repeated`, -s for the report);
+the op's default route (`launch.t_pre_for`: the t_pre form but on direct unsplit launches over
+ungrouped heads) bit for bit the form it names, forced (`test_default_route_is_the_forced_form`).
 CPU counterparts: tests/test_gdn_prefill_t_pre.py (replay), test_gdn_prefill_t_pre_compile.py."""
 
 from __future__ import annotations
@@ -348,3 +350,53 @@ def test_t_pre_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want_o) and torch.equal(final, want_s)
+
+
+# lens, h, hv, with_state, dtype, l2norm, k_last: the op's default route on the GPU's own SM count
+ROUTE_CASES = [
+    ([2048] * 8, 4, 8, True, torch.bfloat16, False, False),  # the suite's 8x2048-h4-hv8: split
+    ([300, 301], 16, 16, True, torch.bfloat16, False, False),  # HV = H, split (N HV <= SMs / 2)
+    ([200] * 5, 16, 32, False, torch.bfloat16, False, False),  # grouped, unsplit (160 CTAs)
+    ([300] * 9, 8, 8, True, torch.bfloat16, False, False),  # HV = H, unsplit: the standard form
+    ([1, 63, 0, 640, 65] * 12, 2, 4, True, torch.float16, True, True),  # varlen, l2norm, k-last
+    ([130, 7] * 40, 2, 2, False, torch.float16, False, False),  # HV = H unsplit, no state
+]
+
+
+@pytest.mark.parametrize(("lens", "h", "hv", "with_state", "dtype", "l2norm", "k_last"),
+                         ROUTE_CASES)  # fmt: skip
+def test_default_route_is_the_forced_form(monkeypatch, lens, h, hv, with_state, dtype, l2norm,
+                                          k_last):  # fmt: skip
+    """The op with the launcher's own choices asks for the keys of the form `t_pre_for` names
+    (the t_pre form and the precompute, or the standard form alone) and gives that form's
+    result, forced, bit for bit (o NaN-poisoned in the forced run: every row written)."""
+    from forgekernel.ops.gated_delta_rule_chunked import gated_delta_rule
+    from forgekernel.runtime.device import num_sms
+
+    inputs = _inputs(lens, h, hv, dtype, seed=12, knorm=4.0 if l2norm else 1.0)
+    q, k, v, g, beta, state, cu = inputs
+    n, sms = len(lens), num_sms(torch.cuda.current_device())
+    split = prefill_launch.v_split_for(n, hv, sms)
+    t_pre = prefill_launch.t_pre_for(h, hv, split, prefill_launch.segments_for(n, hv, sum(lens),
+                                                                                sms))  # fmt: skip
+    keys = []
+    real = prefill_launch.get_kernel
+
+    def spy(spec, params):
+        keys.append(dict(params))
+        return real(spec, params)
+
+    monkeypatch.setattr(prefill_launch, "get_kernel", spy)
+    init = None
+    if with_state:
+        init = state.transpose(-1, -2).contiguous() if k_last else state
+    o, final = gated_delta_rule(q[None], k[None], v[None], g[None], beta[None],
+                                initial_state=init, output_final_state=True, cu_seqlens=cu,
+                                use_qk_l2norm_in_kernel=l2norm, k_last=k_last)  # fmt: skip
+    assert len(keys) == (2 if t_pre else 1)
+    assert keys[0].get("t_pre", False) is t_pre and keys[0]["v_split"] == split
+    want_o, want_s = _run(inputs, t_pre=t_pre, k_last=k_last, l2norm=l2norm,
+                          with_state=with_state)  # fmt: skip
+    assert not want_o.isnan().any()
+    assert torch.equal(o[0], want_o)
+    assert torch.equal(final.transpose(-1, -2) if k_last else final, want_s)

@@ -115,6 +115,9 @@ CHECK_CASES = (
     _case([257], 4, 8, state=False),
     _case([100, 0, 37], 16, 32),
     _case([300, 301], 16, 16),
+    # HV = H over 2 N HV > SMs CTAs: the launcher's one standard-form route (launch.t_pre_for);
+    # the cases above take the t_pre form
+    _case([40] * 9, 8, 8),
 )
 SANITIZE_CASES = CHECK_CASES[:3]  # the third has an empty sequence
 
@@ -177,8 +180,9 @@ STATE_CHAIN_AB = ("4x8192-h16-hv32", "1x4096-h16-hv32")
 def _run_forced(**forced):
     """Ours through the launcher with a choice forced: `v_split` (1: one CTA per sequence and
     head; 2: two, each with 64 value rows of the state and two aux warpgroups), `segments`
-    (1: the direct launch; P: each sequence cut into P segments, three passes) or `t_pre` (T
-    diag(beta) by the precompute kernel, read by the chunked kernel's t_pre form)."""
+    (1: the direct launch; P: each sequence cut into P segments, three passes) or `t_pre` (True:
+    T diag(beta) by the precompute kernel, read by the chunked kernel's t_pre form, with
+    `state_order` its state warpgroups in turns; False: the standard form, its aux forming T)."""
 
     def run(inputs: Inputs, out):
         launch = importlib.import_module(
@@ -195,34 +199,56 @@ def _run_forced(**forced):
     return run
 
 
+def uses_t_pre(case: Case) -> bool:
+    """Whether the launcher takes the t_pre form on the case (`launch.t_pre_for`)."""
+    from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import v_split_for
+    from forgekernel.kernels.linear_attention.gdn_prefill.sm90.launch import (
+        segments_for,
+        t_pre_for,
+    )
+
+    lens, h, hv = case.params["lens"], case.params["h"], case.params["hv"]
+    n = len(lens)
+    parts = segments_for(n, hv, sum(lens), H200_SMS)
+    return t_pre_for(h, hv, v_split_for(n, hv, H200_SMS), parts)
+
+
 def variants(case: Case) -> dict[str, Any]:
-    """The other V split beside the launcher's choice, where the problem has at most two waves
-    of split CTAs: whether a split CTA's chunk costs under half an unsplit one's (its two aux
-    warpgroups) decides where the split pays (config.v_split_for). Few long sequences: the
+    """The form the launcher does not take on the case, on every case: `standard` (the aux
+    forms T) where it takes the t_pre form, `t_pre` where it does not (launch.t_pre_for; its
+    other choices its own). The other V split beside the launcher's choice, where the problem
+    has at most two waves of split CTAs: whether a split CTA's chunk costs under half an
+    unsplit one's decides where the split pays (config.v_split_for). Few long sequences: the
     direct launch beside the segmented one where the launcher segments (`segments_1`), and the
     segments that would fill one wave where it does not but might (N HV <= SMs / 4: 5 at
-    1 x hv32, the model's break-even, launch.segments_for). `t_pre` (T precomputed, the
-    launcher's other choices its own) on every case (segmented: T precomputed once for all
-    three passes, each reading its own view). `t_pre_state_lds` on STATE_CHAIN_AB: the t_pre
-    form with next/gdn-tpre's state chain, the A/B of its O warp and ldmatrix V^T."""
+    1 x hv32, the model's break-even, launch.segments_for). The split and segment variants keep
+    the case's form (t_pre forced as ours takes it), so each compares one choice.
+    `t_pre_state_lds` on STATE_CHAIN_AB: the t_pre form with next/gdn-tpre's state chain, the
+    A/B of its O warp and ldmatrix V^T. `t_pre_state_order` where ours is the t_pre form's
+    direct unsplit launch: its two state warpgroups issuing in turns (launch.state_order_for),
+    against ours (lockstep) on the same case."""
     from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import v_split_for
     from forgekernel.kernels.linear_attention.gdn_prefill.sm90.launch import segments_for
 
     lens, hv = case.params["lens"], case.params["hv"]
     n = len(lens)
+    t_pre = uses_t_pre(case)
     out: dict[str, Any] = {}
-    out["t_pre"] = _run_forced(t_pre=True)
+    out["standard" if t_pre else "t_pre"] = _run_forced(t_pre=not t_pre)
     if case.name in STATE_CHAIN_AB:
         out["t_pre_state_lds"] = _run_forced(t_pre=True, state_lds=True)
-    if segments_for(n, hv, sum(lens), H200_SMS) > 1:
-        return {**out, "segments_1": _run_forced(segments=1)}
+    direct = segments_for(n, hv, sum(lens), H200_SMS) == 1
+    if t_pre and direct and v_split_for(n, hv, H200_SMS) == 1:
+        out["t_pre_state_order"] = _run_forced(t_pre=True, state_order=True, v_split=1)
+    if not direct:
+        return {**out, "segments_1": _run_forced(segments=1, t_pre=t_pre)}
     if 4 * n * hv <= H200_SMS and sum(lens) >= 16384 * n:
         parts = (H200_SMS // hv + 1) // n
-        out[f"segments_{parts}"] = _run_forced(segments=parts)
+        out[f"segments_{parts}"] = _run_forced(segments=parts, t_pre=t_pre)
     if v_split_for(n, hv, H200_SMS) == 2:
-        out["v_split_1"] = _run_forced(v_split=1)
+        out["v_split_1"] = _run_forced(v_split=1, t_pre=t_pre)
     elif 2 * n * hv <= 2 * H200_SMS:
-        out["v_split_2"] = _run_forced(v_split=2)
+        out["v_split_2"] = _run_forced(v_split=2, t_pre=t_pre)
     return out
 
 

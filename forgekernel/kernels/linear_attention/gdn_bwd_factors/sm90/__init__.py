@@ -24,9 +24,9 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    # one math warpgroup (the A/B's baseline: ops.gated_delta_rule_bwd.FACTORS_2WG = False) and two
-    # (`wg2`, the op's default)
-    return [params_for(dtype, wg2=wg2) for wg2 in (False, True) for dtype in DTYPES]
+    # today's path and the fused route's (`fused`: no Ke, Qe; ops.gated_delta_rule_bwd
+    # `_fused_pass`)
+    return [params_for(dtype, fused=f) for f in (False, True) for dtype in DTYPES]
 
 
 SPEC = KernelSpec(

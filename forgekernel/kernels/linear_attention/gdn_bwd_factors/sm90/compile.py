@@ -10,18 +10,16 @@ import cutlass
 import cutlass.cute as cute
 
 from forgekernel.kernels.common.sm90 import fake
-from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90.config import CHUNK, OUT_TILES
+from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90.config import (
+    CHUNK,
+    OUT_TILES,
+    out_tiles,
+)
 from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90.factors import GdnBwdFactorsSm90
 
 
 def kernel_for(params: dict) -> GdnBwdFactorsSm90:
-    if params.get("wg2"):
-        from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90.factors_wg2 import (
-            GdnBwdFactorsWg2Sm90,
-        )
-
-        return GdnBwdFactorsWg2Sm90(params["k"], params["v"])
-    return GdnBwdFactorsSm90(params["k"], params["v"])
+    return GdnBwdFactorsSm90(params["k"], params["v"], params.get("fused", False))
 
 
 def compile_gdn_bwd_factors(params: dict, arch: str = "sm_90a", extra_options: str = "",
@@ -34,7 +32,9 @@ def compile_gdn_bwd_factors(params: dict, arch: str = "sm_90a", extra_options: s
     f32 = cutlass.Float32
     kernel = kernel_for(params) if kernel is None else kernel
     width = {"w": kd, "u": vd, "pt": CHUNK, "ke": kd, "qe": kd, "tt": CHUNK}
-    outs = [fake.rowmajor(dtype, (b, rows, hv, width[n])) for n in OUT_TILES]
+    written = out_tiles(params.get("fused", False))  # fused: Ke, Qe None
+    outs = [fake.rowmajor(dtype, (b, rows, hv, width[n])) if n in written else None
+            for n in OUT_TILES]  # fmt: skip
     return cute.compile(
         kernel,
         fake.rowmajor(dtype, (b, t, h, kd)),

@@ -8,17 +8,19 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import BLOCK, 
 
 DTYPES = ("float16", "bfloat16")
 HEAD_DIMS = ((128, 128),)  # (K, V)
-CHUNK = 64  # tokens per chunk (one CTA), the M of every product: one math warpgroup
-THREADS = 2 * THREADS_PER_WG  # warpgroup 0: the TMA warp; warpgroup 1: gates, every product
-# `wg2` (factors_wg2.py): two math warpgroups by independent products (warpgroup 1: gates, A,
+CHUNK = 64  # tokens per chunk (one CTA), the M of every product: one math warpgroup each
+# warpgroup 0: the TMA warp; two math warpgroups by independent products (warpgroup 1: gates, A,
 # T, T^T, u; warpgroup 2: P^T, Ke, Qe, W from T); no setmaxnreg (under 384 threads' 168)
-WG2_THREADS = 3 * THREADS_PER_WG
-WG2_REGISTERS = REGISTERS_PER_SM // WG2_THREADS // 8 * 8  # 168: the launch's cap a thread
+THREADS = 3 * THREADS_PER_WG
+REGISTERS = REGISTERS_PER_SM // THREADS // 8 * 8  # 168: the launch's cap a thread
 # the 16-bit token tiles out, in the launcher's and `reference.gdn_bwd_factors.NAMES`' order
 OUT_TILES = ("w", "u", "pt", "ke", "qe", "tt")
-# The TMA boxes' mbarriers, one a group, in the order the math warpgroup first reads them (it
-# waits on each just before that product; all boxes issued at once, TMA order = group order):
-# k (A = K K^T, then the inverse), q (P = Q K^T, under the merges), v (u = [T diag(beta)] V)
+# the `fused` key's (the op's fused route): no Ke, Qe, which neither the fused kernel nor kernel
+# 1's forward launch (its `fused` key: k and G in place of Ke) reads
+FUSED_OUT_TILES = tuple(n for n in OUT_TILES if n not in ("ke", "qe"))
+# The TMA boxes' mbarriers, one a group (all boxes issued at once, TMA order = group order); a
+# math warpgroup waits on each just before its first product on it: k (A = K K^T, then the
+# inverse; warpgroup 2's Q K^T), q (P = Q K^T, beside the inverse), v (u = [T diag(beta)] V)
 LOAD_GROUPS = (("k",), ("q",), ("v",))
 
 
@@ -32,16 +34,21 @@ def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2) -> int:
     return tiles * elem_bytes + scratch + head + 1024
 
 
-def params_for(dtype: str, head_dims: tuple[int, int] = (128, 128), wg2: bool = False) -> tuple:
-    """Compile key: the 16-bit dtype of q, k, v and the tiles, (K, V); `wg2` (in the key only
-    when set): two math warpgroups by independent products (factors_wg2.py), the same outputs
-    bit for bit."""
+def out_tiles(fused: bool = False) -> tuple[str, ...]:
+    """The token tiles a key writes, in the kernel's argument order (`fused`: no Ke, Qe)."""
+    return FUSED_OUT_TILES if fused else OUT_TILES
+
+
+def params_for(dtype: str, head_dims: tuple[int, int] = (128, 128), fused: bool = False) -> tuple:
+    """Compile key: the 16-bit dtype of q, k, v and the tiles, (K, V); `fused` (in the key only
+    when set): the op's fused route's tiles, no Ke, Qe (`FUSED_OUT_TILES`), the others bit for
+    bit."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
     if tuple(head_dims) not in HEAD_DIMS:
         raise ValueError(f"(K, V) must be one of {HEAD_DIMS}, got {tuple(head_dims)}")
     k, v = head_dims
     key = {"dtype": dtype, "k": k, "v": v}
-    if wg2:
-        key["wg2"] = True
+    if fused:
+        key["fused"] = True
     return tuple(sorted(key.items()))

@@ -9,7 +9,7 @@ head hv // (HV / H); G = cumsum g within the chunk, G2 = log2(e) G for the forwa
     K K^T -> A = beta_i d_ij (K K^T), j < i       SS, 8 x 64x64x16   (AuxWy._decay_mask)
     T = (I + A)^-1                                fp32 diagonal blocks, tf32 mma.sync merges
                                                   (the forward's inverse.py, inverse_mma.py)
-    Q K^T -> P = d_ij (Q K^T), j <= i             SS, 8 x 64x64x16, issued under the merges
+    Q K^T -> P = d_ij (Q K^T), j <= i             SS, 8 x 64x64x16, warpgroup 2 (beside T)
     u = [T diag(beta)] V                          A = 16-bit registers, B = v MN-major,
     W = [T diag(beta e^G)] K                      4 x 64x128x16 each (AuxWy._scale_by_beta)
     Ke = K e^(G_C - G), Qe = Q e^G                the tiles' own rows, in shared memory
@@ -19,14 +19,37 @@ zero as the zero-filled loads make them): W, u, P^T, Ke, Qe, T^T at chunk c (ker
 forward launch reads u, W, Ke as they are, in chunk order, its signs in registers); e^(G_C) and
 G fp32 by plain stores.
 
-Warp roles (2 warpgroups, 256 threads): warpgroup 0, warp 0: the three TMA loads, all issued at
-once, each on its own mbarrier armed once (config.LOAD_GROUPS: k, q, v, the order the math first
-reads them; Gated DeltaNet's chunk kernel's `_load_groups`; no ring, no empty barrier: one chunk
-a CTA); warpgroup 1, waiting on each group just before its first product (K K^T on k; Q K^T,
-under the merges, on q; u on v): the gates (its warp 0: two tokens a lane, a warp scan
-as the forward's gate warp), every product, the stores (its thread 0 issues the TMA stores in
-three bulk groups as the tiles are final: P^T, T^T after the inverse, W, u after their products,
-Ke, Qe last; one wait, on the shared-memory reads, before the exit).
+Variant `fused` (compile flag; the op's fused route, ops/gated_delta_rule_bwd.py `_fused_pass`,
+FUSED_DIET): no Qe and no Ke tile (mQe, mKe None: no shared-memory boxes, no scaling, no
+stores): the fused kernel folds both decays in registers, Qe into its state warpgroup's A
+operand, and kernel 1's forward launch (its `fused` key) reads k and G in place of Ke (32 KB a
+chunk-head not written; warpgroup 2's first store group holds P^T alone). Every other output
+bit for bit the standard key's.
+
+Warp roles (3 warpgroups, 384 threads, no setmaxnreg: under the launch's 168 registers a
+thread; NOTES "GDN backward factors kernel on two math warpgroups": 1.06x the one-math-warpgroup
+kernel it replaced, bit for bit its outputs, next/fac-losers deleted that one): warpgroup 0,
+warp 0: the three TMA loads, all issued at once, each on its own mbarrier armed once
+(config.LOAD_GROUPS: k, q, v; Gated DeltaNet's chunk kernel's `_load_groups`; no ring, no empty
+barrier: one chunk a CTA). Two math warpgroups split by independent products, each waiting on a
+load group just before its first product on it:
+
+    warpgroup 1: the gates (its warp 0: two tokens a lane, a warp scan as the forward's gate
+                 warp), K K^T -> A -> T (the inverse), T^T, u = [T diag(beta)] V
+    warpgroup 2: Q K^T -> P^T, Ke, Qe (under Q K^T), then W = [T diag(beta e^G)] K from T
+
+T reaches warpgroup 2 through the inverse's fp32 scratch (sW, final after the merges' last
+barrier; nothing writes it after): warpgroup 1 arrives at BAR_T, warpgroup 2 waits there and
+reads T from sW as warpgroup 1 does. Each math warpgroup issues its own TMA stores (bulk groups
+are the issuing thread's: warpgroup 1's first thread T^T, then u; warpgroup 2's P^T, Ke, Qe,
+then W) and waits its own groups' shared-memory reads before the exit.
+
+Named barriers: BAR_GATES (256: the gates in shared memory, every math warp waits at one
+instruction, warpgroup 1's warp 0 after writing them: so warpgroup 1's four warps reach the
+inverse's barriers having waited equally often, which racecheck needs; NOTES "next/fac-race"),
+BAR_T (256: warpgroup 1 arrives, warpgroup 2 waits), BAR_INVERSE (warpgroup 1's merges),
+BAR_MATH / BAR_MATH2 (128, each warpgroup's own: its tiles written before its stores). Every
+phase is waited at one instruction (no unaligned-barrier case).
 
 Constraints: K = V = 128, 16-bit q, k, v with unit last strides and 16-byte aligned outer
 strides (TMA), likewise the output tiles; g, beta fp32 (B, T, HV) unit last stride.
@@ -66,8 +89,13 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse import invert
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.inverse_mma import invert_merge_mma
 
 PRODUCER_WARP = 0
-BAR_MATH = FIRST_FREE  # the math warpgroup: gates in shared memory, tiles written
-BAR_INVERSE = FIRST_FREE + 1  # the math warpgroup inside the inverse (its phases)
+BAR_MATH = FIRST_FREE  # warpgroup 1's own (128): its tiles written before its stores
+BAR_INVERSE = FIRST_FREE + 1  # warpgroup 1 inside the inverse (its phases)
+BAR_T = BAR_INVERSE + 1  # T final in sW: warpgroup 1 arrives, warpgroup 2 waits (256)
+BAR_GATES = BAR_INVERSE + 2  # the gates in shared memory: warps 4..11 wait, 4 after writing
+BAR_MATH2 = BAR_INVERSE + 3  # warpgroup 2's own (128): its tiles written before its stores
+MATH_PAIR = 2 * THREADS_PER_WG
+LEADER = (THREADS_PER_WG, 2 * THREADS_PER_WG)  # each math warpgroup's storing thread
 
 
 def _tdhb(t: cute.Tensor) -> cute.Tensor:
@@ -86,10 +114,11 @@ class GdnBwdFactorsSm90(AuxWy):
     load_groups = LOAD_GROUPS  # the TMA tiles' load groups, one mbarrier each
     threads = THREADS
 
-    def __init__(self, k: int, v: int):
+    def __init__(self, k: int, v: int, fused: bool = False):
         if (k, v) != (128, 128):
             raise ValueError(f"(K, V) must be (128, 128), got {(k, v)}")
         self.k, self.v = k, v
+        self.fused = fused  # no Qe, no Ke (the module docstring)
         self.l2norm = False  # q, k arrive normalized (AuxWy's masks read this)
 
     def _setup(self):
@@ -119,8 +148,8 @@ class GdnBwdFactorsSm90(AuxWy):
         mW: cute.Tensor,
         mU: cute.Tensor,
         mPt: cute.Tensor,
-        mKe: cute.Tensor,
-        mQe: cute.Tensor,
+        mKe: cute.Tensor | None,
+        mQe: cute.Tensor | None,
         mTt: cute.Tensor,
         mElast: cute.Tensor,
         mBigG: cute.Tensor,
@@ -128,9 +157,11 @@ class GdnBwdFactorsSm90(AuxWy):
     ):
         """mQ (scaled, normalized), mK (B, T, H, K), mV (B, T, HV, V) 16-bit; mG, mBeta fp32
         (B, T, HV). Outputs in mQ's dtype, (B, NC C, HV, D): mW, mU, mPt (D = C), mKe, mQe,
-        mTt (D = C) at chunk c; fp32 mElast (B, NC, HV) = e^(G_C), mBigG (B, NC C, HV) = G."""
+        mTt (D = C) at chunk c (`fused`: mKe, mQe None, not written); fp32 mElast (B, NC, HV) =
+        e^(G_C), mBigG (B, NC C, HV) = G."""
         self.dtype = mQ.element_type
-        for t in (mK, mV, mW, mU, mPt, mKe, mQe, mTt):
+        outs = (mW, mU, mPt, mTt) if const_expr(self.fused) else (mW, mU, mPt, mKe, mQe, mTt)
+        for t in (mK, mV, *outs):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"the 16-bit tiles must share one dtype, got {t.element_type}")
         self._setup()
@@ -143,7 +174,10 @@ class GdnBwdFactorsSm90(AuxWy):
             loads.append(cpasync.make_tiled_tma_atom(g2s, _tdhb(m), sT_tile, (CHUNK, d)))
         stores = []
         for m in (mW, mU, mKe, mQe):
-            stores.append(cpasync.make_tiled_tma_atom(s2g, _tdhb(m), sT_tile, (CHUNK, self.k)))
+            if const_expr(m is None):  # fused: no Ke, Qe
+                stores.append((None, None))
+            else:
+                stores.append(cpasync.make_tiled_tma_atom(s2g, _tdhb(m), sT_tile, (CHUNK, self.k)))
         for m in (mPt, mTt):
             stores.append(cpasync.make_tiled_tma_atom(s2g, _tdhb(m), sP_tile, (CHUNK, CHUNK)))
         # the bytes each load group's mbarrier expects (`_load_groups`): (C, 128) 16-bit tiles
@@ -151,6 +185,7 @@ class GdnBwdFactorsSm90(AuxWy):
         self.group_bytes = tuple(t_bytes * len(group) for group in LOAD_GROUPS)
         t_elems = cute.cosize(self.sT_layout)
         p_elems = cute.cosize(self.sP_layout)
+        e_elems = 0 if const_expr(self.fused) else t_elems  # Ke, Qe
 
         @cute.struct
         class SharedStorage:
@@ -165,8 +200,8 @@ class GdnBwdFactorsSm90(AuxWy):
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
             sOw: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
             sOu: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
-            sOke: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
-            sOqe: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sOke: cute.struct.Align[cute.struct.MemRange[self.dtype, e_elems], 1024]
+            sOqe: cute.struct.Align[cute.struct.MemRange[self.dtype, e_elems], 1024]
             sOpt: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
             sOtt: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
 
@@ -194,10 +229,10 @@ class GdnBwdFactorsSm90(AuxWy):
         mW4: cute.Tensor,
         tma_u: cute.CopyAtom,
         mU4: cute.Tensor,
-        tma_ke: cute.CopyAtom,
-        mKe4: cute.Tensor,
-        tma_qe: cute.CopyAtom,
-        mQe4: cute.Tensor,
+        tma_ke: cute.CopyAtom | None,
+        mKe4: cute.Tensor | None,
+        tma_qe: cute.CopyAtom | None,
+        mQe4: cute.Tensor | None,
         tma_pt: cute.CopyAtom,
         mPt4: cute.Tensor,
         tma_tt: cute.CopyAtom,
@@ -226,8 +261,9 @@ class GdnBwdFactorsSm90(AuxWy):
         sQ = smem_tensor(storage.sQ, sT_layout)
         sK = smem_tensor(storage.sK, sT_layout)
         sV = smem_tensor(storage.sV, sT_layout)
-        outs = [smem_tensor(f, sT_layout)
-                for f in (storage.sOw, storage.sOu, storage.sOke, storage.sOqe)]  # fmt: skip
+        outs = [smem_tensor(f, sT_layout) for f in (storage.sOw, storage.sOu)]
+        for f in (storage.sOke, storage.sOqe):  # fused: neither
+            outs.append(None if const_expr(self.fused) else smem_tensor(f, sT_layout))
         sPt = smem_tensor(storage.sOpt, sP_layout)
         sTt = smem_tensor(storage.sOtt, sP_layout)
         gates = [f.get_tensor(cute.make_layout((CHUNK, 1)))
@@ -250,28 +286,121 @@ class GdnBwdFactorsSm90(AuxWy):
             tiles = {"w": (tma_w, mW4, outs[0], kd), "u": (tma_u, mU4, outs[1], vd),
                      "ke": (tma_ke, mKe4, outs[2], kd), "qe": (tma_qe, mQe4, outs[3], kd),
                      "pt": (tma_pt, mPt4, sPt, c_), "tt": (tma_tt, mTt4, sTt, c_)}  # fmt: skip
+            if const_expr(self.fused):
+                del tiles["ke"], tiles["qe"]
             self._math_roles(mma_aux, mma_rs, sQ, sK, sV, outs, sPt, sTt, gates, sW, sX, mG,
                              mBeta, mElast, mBigG, bars, tiles, c, hv, b)  # fmt: skip
 
     @cute.jit
     def _math_roles(self, mma_aux, mma_rs, sQ, sK, sV, outs, sPt, sTt, gates, sW, sX, mG,
                     mBeta, mElast, mBigG, bars, tiles, c, hv, b):  # fmt: skip
-        """Warpgroup 1, the one math warpgroup: every product. The TMA stores in three groups
-        as their tiles are final (P^T, T^T after the inverse; W, u after their products; Ke, Qe
-        last), one thread issuing all three (bulk groups are the thread's), its one wait (smem
-        read) just before the exit."""
-        stores = ((tiles["pt"], tiles["tt"]), (tiles["w"], tiles["u"]),
-                  (tiles["ke"], tiles["qe"]))  # fmt: skip
-        self._math(mma_aux, mma_rs, sQ, sK, sV, outs, sPt, sTt, gates, sW, sX, mG, mBeta,
-                   mElast, mBigG, bars, stores, c, hv, b)  # fmt: skip
-        self._store_group(stores[2], c, hv, b)
-        tidx, _, _ = cute.arch.thread_idx()
-        if tidx == THREADS_PER_WG:
+        """Warpgroups 1 and 2 (the module docstring): the gates, then each its products."""
+        if opaque_tid_x() < THREADS_PER_WG + WARP_SIZE:
+            self._gates(gates, mG, mBeta, mElast, mBigG, c, hv, b)
+        # every math warp waits, the gates' warp too: racecheck orders two threads' accesses by
+        # the bar.syncs each has waited at (an arrive counts for nothing), and warpgroup 1's
+        # warps hand blocks to each other at BAR_INVERSE (NOTES "next/fac-race")
+        named_barrier(BAR_GATES, MATH_PAIR).arrive_and_wait()
+        wg = cute.arch.make_warp_uniform(opaque_tid_x() // THREADS_PER_WG)
+        if wg == 1:
+            self._t_and_u(mma_aux, mma_rs, sK, sV, outs[1], sTt, gates, sW, sX, bars, tiles,
+                          c, hv, b)  # fmt: skip
+        else:
+            self._p_and_w(mma_aux, mma_rs, sQ, sK, outs, sPt, gates, sW, bars, tiles, c, hv, b)
+
+    @cute.jit
+    def _t_and_u(self, mma_aux, mma_rs, sK, sV, s_u, sTt, gates, sW, sX, bars, tiles, c, hv,
+                 b):  # fmt: skip
+        """Warpgroup 1: A = beta_i d_ij (K K^T) -> T in sW (BAR_T after the merges), T^T out,
+        u = [T diag(beta)] V out."""
+        sG2, sBeta, _ = gates
+        cute.arch.mbarrier_wait(bars + 0, 0)  # k
+        wg_a = mma_aux.get_slice(0)
+        tSrKa = wg_a.make_fragment_A(wg_a.partition_A(sK))
+        tSrKb = wg_a.make_fragment_B(wg_a.partition_B(sK))
+        acc_shape = wg_a.partition_shape_C((CHUNK, CHUNK))
+        acc = cute.make_rmem_tensor(acc_shape, Float32)
+        gemm(mma_aux, acc, tSrKa[None, None, None, 0], tSrKb[None, None, None, 0], True, 0)
+        atid = opaque_tid_x() - THREADS_PER_WG
+        coords = softmax.acc_coords(mma_aux, atid, (CHUNK, CHUNK))
+        self._decay_mask(acc, coords, sG2, sBeta, sG2, 0, Float32(1.0), True)
+        tWsW = mma_aux.get_slice(atid).partition_C(sW)
+        tWsW.store(acc.load())
+        cute.arch.sync_warp()
+        invert_diagonal(sW, atid)
+        invert_merge_mma(sW, sX, atid, named_barrier(BAR_INVERSE, THREADS_PER_WG))
+        named_barrier(BAR_T, MATH_PAIR).arrive()  # T final in sW (the merges' last barrier)
+        acc.store(tWsW.load())
+        self._store_tile(acc, mma_aux, sTt, True)  # T^T
+        self._store_group((tiles["tt"],), c, hv, b, BAR_MATH, LEADER[0])
+        wg_r = mma_rs.get_slice(0)
+        self._scale_by_beta(acc, coords, sBeta, 0)
+        tUrA = wg_r.make_fragment_A(wg_r.partition_shape_A((CHUNK, CHUNK)))
+        acc_to_operand_a(acc, tUrA)
+        acc_u = cute.make_rmem_tensor(wg_r.partition_shape_C((CHUNK, self.v)), Float32)
+        tBrV = wg_r.make_fragment_B(wg_r.partition_B(transposed(sV)))
+        cute.arch.mbarrier_wait(bars + 2, 0)  # v
+        gemm(mma_rs, acc_u, tUrA, tBrV[None, None, None, 0], True, 0)
+        self._store_tile(acc_u, mma_rs, s_u, False)
+        self._store_group((tiles["u"],), c, hv, b, BAR_MATH, LEADER[0])
+        if opaque_tid_x() == LEADER[0]:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def _store_group(self, tiles, c, hv, b, bar: cutlass.Constexpr[int] = BAR_MATH,
-                     leader: cutlass.Constexpr[int] = THREADS_PER_WG):  # fmt: skip
+    def _p_and_w(self, mma_aux, mma_rs, sQ, sK, outs, sPt, gates, sW, bars, tiles, c, hv, b):
+        """Warpgroup 2: P = d_ij (Q K^T) with Ke, Qe under its WGMMAs, P^T, Ke, Qe out; after
+        BAR_T, W = [T diag(beta e^G)] K (T from sW) out."""
+        sG2, sBeta, sBetaEg = gates
+        s_w, _, s_ke, s_qe = outs
+        cute.arch.mbarrier_wait(bars + 0, 0)  # k
+        cute.arch.mbarrier_wait(bars + 1, 0)  # q
+        wg_a = mma_aux.get_slice(0)
+        tSrQ = wg_a.make_fragment_A(wg_a.partition_A(sQ))
+        tSrKb = wg_a.make_fragment_B(wg_a.partition_B(sK))
+        acc_shape = wg_a.partition_shape_C((CHUNK, CHUNK))
+        acc_p = cute.make_rmem_tensor(acc_shape, Float32)
+        gemm(mma_aux, acc_p, tSrQ[None, None, None, 0], tSrKb[None, None, None, 0], True, -1)
+        atid = opaque_tid_x() - 2 * THREADS_PER_WG
+        out_shape = mma_rs.get_slice(0).partition_shape_C((CHUNK, self.k))
+        if const_expr(not self.fused):  # Ke, Qe: the loaded rows times their decays
+            t0, row_base, _ = softmax.acc_coords(mma_rs, atid, (CHUNK, self.k))
+            g_last = sG2[CHUNK - 1, 0]
+            e_end, e_g = [], []
+            for r in cutlass.range_constexpr(2):
+                g_i = sG2[row_base + t0[r, 0][0], 0]
+                e_end.append(cute.math.exp2(g_last - g_i, fastmath=True))
+                e_g.append(cute.math.exp2(g_i, fastmath=True))
+            self._scaled_rows(mma_rs, atid, sK, s_ke, e_end, out_shape)
+            self._scaled_rows(mma_rs, atid, sQ, s_qe, e_g, out_shape)
+            cute.arch.fence_view_async_shared()
+        warpgroup.wait_group(0)
+        coords = softmax.acc_coords(mma_aux, atid, (CHUNK, CHUNK))
+        self._decay_mask(acc_p, coords, sG2, sBeta, sG2, 0, Float32(1.0), False)
+        self._store_tile(acc_p, mma_aux, sPt, True)  # P^T
+        self._store_group((tiles["pt"], *self._last_stores(tiles)), c, hv, b, BAR_MATH2,
+                          LEADER[1])  # fmt: skip
+        named_barrier(BAR_T, MATH_PAIR).arrive_and_wait()  # T final in sW
+        acc = cute.make_rmem_tensor(acc_shape, Float32)
+        acc.store(mma_aux.get_slice(atid).partition_C(sW).load())
+        self._scale_by_beta(acc, coords, sBetaEg, 0)
+        wg_r = mma_rs.get_slice(0)
+        tWrA = wg_r.make_fragment_A(wg_r.partition_shape_A((CHUNK, CHUNK)))
+        acc_to_operand_a(acc, tWrA)
+        acc_w = cute.make_rmem_tensor(out_shape, Float32)
+        tBrK = wg_r.make_fragment_B(wg_r.partition_B(transposed(sK)))
+        gemm(mma_rs, acc_w, tWrA, tBrK[None, None, None, 0], True, 0)
+        self._store_tile(acc_w, mma_rs, s_w, False)
+        self._store_group((tiles["w"],), c, hv, b, BAR_MATH2, LEADER[1])
+        if opaque_tid_x() == LEADER[1]:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    def _last_stores(self, tiles) -> tuple:
+        """The last store group's tiles: Ke, Qe (`fused`: none)."""
+        return () if self.fused else (tiles["ke"], tiles["qe"])
+
+    @cute.jit
+    def _store_group(self, tiles, c, hv, b, bar: cutlass.Constexpr[int],
+                     leader: cutlass.Constexpr[int]):  # fmt: skip
         """A math warpgroup, whole: once every thread's (fenced) writes of `tiles` are done
         (`bar`, the warpgroup's own), its thread `leader` issues their TMA stores ((C, width)
         each) as one bulk group."""
@@ -292,7 +421,7 @@ class GdnBwdFactorsSm90(AuxWy):
 
     @cute.jit
     def _gates(self, gates, mG, mBeta, mElast, mBigG, c, hv, b):
-        """Warp 0 of the math warpgroup, lane l tokens 2 l, 2 l + 1 (0 past T): G by a warp
+        """Warp 0 of warpgroup 1, lane l tokens 2 l, 2 l + 1 (0 past T): G by a warp
         scan; sG2 = log2(e) G, sBeta, sBetaEg = beta e^G; G and e^(G_C) to global."""
         sG2, sBeta, sBetaEg = gates
         lane = cute.arch.lane_idx()
@@ -318,76 +447,6 @@ class GdnBwdFactorsSm90(AuxWy):
             mBigG[b, t0 + e, hv] = big[e]
         if lane == WARP_SIZE - 1:
             mElast[b, c, hv] = cute.math.exp(incl, fastmath=True)
-
-    @cute.jit
-    def _math(self, mma_aux, mma_rs, sQ, sK, sV, outs, sPt, sTt, gates, sW, sX, mG, mBeta,
-              mElast, mBigG, bars, stores, c, hv, b):  # fmt: skip
-        sG2, sBeta, sBetaEg = gates
-        math = named_barrier(BAR_MATH, THREADS_PER_WG)
-        inv = named_barrier(BAR_INVERSE, THREADS_PER_WG)
-        if opaque_tid_x() < THREADS_PER_WG + WARP_SIZE:
-            self._gates(gates, mG, mBeta, mElast, mBigG, c, hv, b)
-        math.arrive_and_wait()
-        # each load group's mbarrier waited just before its first product (LOAD_GROUPS)
-        cute.arch.mbarrier_wait(bars + 0, 0)  # k
-        wg_a = mma_aux.get_slice(0)
-        tSrQ = wg_a.make_fragment_A(wg_a.partition_A(sQ))
-        tSrKa = wg_a.make_fragment_A(wg_a.partition_A(sK))
-        tSrKb = wg_a.make_fragment_B(wg_a.partition_B(sK))
-        acc_shape = wg_a.partition_shape_C((CHUNK, CHUNK))
-        # A = beta_i d_ij (K K^T), j < i -> the fp32 scratch -> T in place (the forward's order)
-        acc = cute.make_rmem_tensor(acc_shape, Float32)
-        gemm(mma_aux, acc, tSrKa[None, None, None, 0], tSrKb[None, None, None, 0], True, 0)
-        atid = opaque_tid_x() - THREADS_PER_WG
-        coords = softmax.acc_coords(mma_aux, atid, (CHUNK, CHUNK))
-        self._decay_mask(acc, coords, sG2, sBeta, sG2, 0, Float32(1.0), True)
-        tWsW = mma_aux.get_slice(atid).partition_C(sW)
-        tWsW.store(acc.load())
-        cute.arch.sync_warp()
-        invert_diagonal(sW, atid)
-        acc_p = cute.make_rmem_tensor(acc_shape, Float32)
-        cute.arch.mbarrier_wait(bars + 1, 0)  # q
-        gemm(mma_aux, acc_p, tSrQ[None, None, None, 0], tSrKb[None, None, None, 0], True, -1)
-        invert_merge_mma(sW, sX, atid, inv)
-        warpgroup.wait_group(0)
-        self._decay_mask(acc_p, coords, sG2, sBeta, sG2, 0, Float32(1.0), False)
-        self._store_tile(acc_p, mma_aux, sPt, True)  # P^T
-        acc.store(tWsW.load())  # T, every block final after the merges' last barrier
-        self._store_tile(acc, mma_aux, sTt, True)  # T^T
-        self._store_group(stores[0], c, hv, b)  # P^T, T^T out under u, W
-        # u = [T diag(beta)] V, W = [T diag(beta e^G)] K: 16-bit register A operands
-        wg_r = mma_rs.get_slice(0)
-        tb = cute.make_rmem_tensor(acc_shape, Float32)
-        tb.store(acc.load())
-        self._scale_by_beta(tb, coords, sBeta, 0)
-        tUrA = wg_r.make_fragment_A(wg_r.partition_shape_A((CHUNK, CHUNK)))
-        acc_to_operand_a(tb, tUrA)
-        out_shape = wg_r.partition_shape_C((CHUNK, self.v))
-        acc_u = cute.make_rmem_tensor(out_shape, Float32)
-        tBrV = wg_r.make_fragment_B(wg_r.partition_B(transposed(sV)))
-        cute.arch.mbarrier_wait(bars + 2, 0)  # v
-        gemm(mma_rs, acc_u, tUrA, tBrV[None, None, None, 0], True, -1)
-        self._scale_by_beta(acc, coords, sBetaEg, 0)
-        tWrA = wg_r.make_fragment_A(wg_r.partition_shape_A((CHUNK, CHUNK)))
-        acc_to_operand_a(acc, tWrA)
-        acc_w = cute.make_rmem_tensor(out_shape, Float32)
-        tBrK = wg_r.make_fragment_B(wg_r.partition_B(transposed(sK)))
-        gemm(mma_rs, acc_w, tWrA, tBrK[None, None, None, 0], True, 0)
-        s_w, s_u, s_ke, s_qe = outs
-        self._store_tile(acc_u, mma_rs, s_u, False)
-        self._store_tile(acc_w, mma_rs, s_w, False)
-        self._store_group(stores[1], c, hv, b)  # W, u out under Ke, Qe
-        # Ke, Qe: the loaded rows times their decays
-        t0, row_base, _ = softmax.acc_coords(mma_rs, atid, (CHUNK, self.k))
-        g_last = sG2[CHUNK - 1, 0]
-        e_end, e_g = [], []
-        for r in cutlass.range_constexpr(2):
-            g_i = sG2[row_base + t0[r, 0][0], 0]
-            e_end.append(cute.math.exp2(g_last - g_i, fastmath=True))
-            e_g.append(cute.math.exp2(g_i, fastmath=True))
-        self._scaled_rows(mma_rs, atid, sK, s_ke, e_end, out_shape)
-        self._scaled_rows(mma_rs, atid, sQ, s_qe, e_g, out_shape)
-        cute.arch.fence_view_async_shared()
 
     @cute.jit
     def _scaled_rows(self, mma, tid, src, dst, scales, shape):

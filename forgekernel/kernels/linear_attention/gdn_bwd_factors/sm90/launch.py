@@ -10,6 +10,7 @@ from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90 import SPEC
 from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90.config import (
     CHUNK,
     OUT_TILES,
+    out_tiles,
     params_for,
 )
 from forgekernel.runtime.cache import cached_params, get_kernel
@@ -45,15 +46,15 @@ def check_inputs(q, k, v, g, beta) -> tuple[int, int, int, int]:
     return b, t, h, hv
 
 
-def empty_outputs(q: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The outputs, uninitialized: token tiles (B, NC C, HV, D) in q's dtype, e_last (B, NC,
-    HV) and big_g (B, NC C, HV) fp32."""
+def empty_outputs(q: torch.Tensor, v: torch.Tensor, fused: bool = False) -> dict[str, torch.Tensor]:
+    """The outputs, uninitialized: token tiles (B, NC C, HV, D) in q's dtype (`fused`: no Ke, Qe),
+    e_last (B, NC, HV) and big_g (B, NC C, HV) fp32."""
     b, t, _, kd = q.shape
     hv, vd = v.shape[2], v.shape[3]
     nc = -(-t // CHUNK)
     width = {"w": kd, "u": vd, "pt": CHUNK, "ke": kd, "qe": kd, "tt": CHUNK}
     like = {"dtype": q.dtype, "device": q.device}
-    out = {n: torch.empty(b, nc * CHUNK, hv, width[n], **like) for n in OUT_TILES}
+    out = {n: torch.empty(b, nc * CHUNK, hv, width[n], **like) for n in out_tiles(fused)}
     f32 = {"dtype": torch.float32, "device": q.device}
     out["e_last"] = torch.empty(b, nc, hv, **f32)
     out["big_g"] = torch.empty(b, nc * CHUNK, hv, **f32)
@@ -68,7 +69,7 @@ def gdn_bwd_factors(
     beta: torch.Tensor,
     *,
     out: dict[str, torch.Tensor] | None = None,
-    wg2: bool = False,
+    fused: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Per chunk of 64 tokens and value head (every chunk at once): A = beta_i k_i.k_j
     e^(G_i - G_j) (j < i), T = (I + A)^-1 (the forward's tf32 blocked inverse), W = T diag(beta
@@ -77,9 +78,9 @@ def gdn_bwd_factors(
     K), v (B, T, HV, V) in one 16-bit dtype (value head hv reads q / k head hv // (HV / H));
     g, beta (B, T, HV) fp32 or that dtype. Returns `reference.gdn_bwd_factors.NAMES`' dict
     (`empty_outputs`' shapes), written into `out` (contiguous, those shapes) when given.
-    `wg2`: the two-math-warpgroup build (factors_wg2.py; the same outputs bit for bit)."""
+    `fused`: the op's fused route's key, no Ke, Qe (not in the dict; the others bit for bit)."""
     b, t, h, hv = check_inputs(q, k, v, g, beta)
-    outs = empty_outputs(q, v)
+    outs = empty_outputs(q, v, fused)
     if out is not None:
         for name, x in outs.items():
             y = out[name]
@@ -89,9 +90,10 @@ def gdn_bwd_factors(
         outs = {n: out[n] for n in outs}
     if b * hv * t == 0:
         return outs
-    fn = get_kernel(SPEC, _params(dtype_name(q.dtype), (q.shape[-1], v.shape[-1]), wg2=wg2))
+    key = _params(dtype_name(q.dtype), (q.shape[-1], v.shape[-1]), fused=fused)
+    fn = get_kernel(SPEC, key)
     tiles = [as_tma_ready(x) for x in (q, k, v)]
     gates = [x.float().contiguous() for x in (g, beta)]
     with on_device(q.device):
-        fn(*tiles, *gates, *(outs[n] for n in OUT_TILES), outs["e_last"], outs["big_g"])
+        fn(*tiles, *gates, *(outs.get(n) for n in OUT_TILES), outs["e_last"], outs["big_g"])
     return outs

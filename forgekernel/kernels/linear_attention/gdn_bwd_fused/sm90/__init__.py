@@ -1,8 +1,9 @@
 """Gated DeltaNet backward, fused: kernel 1's reverse state recurrence and kernel 2's chunk
 gradients (WY form) in one kernel, one CTA per (sequence, value head), sm_90a. DSL-free
 declaration; the kernel is `fused_bwd.py`, the launcher `launch.py`. Behind
-ops/gated_delta_rule_bwd.py FUSED (off until a GPU A/B): it replaces kernel 1's reverse launch
-and kernel 2 on the device pass where B x HV fills about a wave (`config.fused_fits`)."""
+ops/gated_delta_rule_bwd.py FUSED: it replaces kernel 1's reverse launch and kernel 2 on the
+device pass where B x HV fills about a wave (`config.fused_fits`); its `varlen` keys (candidates)
+behind FUSED_SLOTS in the varlen slot layout (`config.slots_fit`)."""
 
 from __future__ import annotations
 
@@ -21,12 +22,27 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    # the op's keys: with / without a final-state gradient, q / k at their own H heads or not
+    # the op's keys: with / without a final-state gradient, q / k at their own H heads or not;
+    # U read (kernel 1's forward launch's) or formed in the kernel (`u_from_h`,
+    # ops.gated_delta_rule_bwd.FUSED_DIET)
     return [
-        params_for(dtype, d_final_state=ds, grouped=g)
+        params_for(dtype, d_final_state=ds, grouped=g, u_from_h=u)
         for dtype in DTYPES
         for ds in (False, True)
         for g in (False, True)
+        for u in (False, True)
+    ]
+
+
+def _candidate_params() -> list[Params]:
+    # the varlen slot layout's keys (ops/gated_delta_rule_bwd.py FUSED_SLOTS, off until its
+    # device A/B): the standard ones with `varlen` (U read or formed: FUSED_DIET)
+    return [
+        params_for(dtype, d_final_state=ds, grouped=g, u_from_h=u, varlen=True)
+        for dtype in DTYPES
+        for ds in (False, True)
+        for g in (False, True)
+        for u in (False, True)
     ]
 
 
@@ -36,6 +52,7 @@ SPEC = KernelSpec(
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
+    candidate_params=_candidate_params,
 )
 
 __all__ = ["SPEC", "params_for"]

@@ -17,7 +17,9 @@ from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.fused_bwd import Gd
 
 def kernel_for(params: dict) -> GdnBwdFusedSm90:
     return GdnBwdFusedSm90(params["k"], params["v"], d_final_state=params["d_final_state"],
-                           grouped=params.get("grouped", False))  # fmt: skip
+                           grouped=params.get("grouped", False),
+                           u_from_h=params.get("u_from_h", False),
+                           varlen=params.get("varlen", False))  # fmt: skip
 
 
 def compile_gdn_bwd_fused(params: dict, arch: str = "sm_90a", extra_options: str = "",
@@ -30,23 +32,34 @@ def compile_gdn_bwd_fused(params: dict, arch: str = "sm_90a", extra_options: str
     f32 = cutlass.Float32
     kernel = kernel_for(params) if kernel is None else kernel
     h = cute.sym_int32() if params.get("grouped", False) else hv
+    # varlen: the states' N sequences, the token outputs' own T' rows, the slot tables (S,)
+    varlen = params.get("varlen", False)
+    n = cute.sym_int32() if varlen else b
+    t_out = cute.sym_int32() if varlen else t
 
-    def tok(d, heads=hv):
-        return fake.rowmajor(dtype, (b, t, heads, d))
+    def tok(d, heads=hv, rows=t):
+        return fake.rowmajor(dtype, (b, rows, heads, d))
 
-    def vec():
-        return fake.rowmajor(f32, (b, t, hv), divisibility=1, align=4)
+    def vec(rows=t):
+        return fake.rowmajor(f32, (b, rows, hv), divisibility=1, align=4)
 
     def state():
-        return fake.rowmajor(f32, (b, hv, kd, vd), divisibility=4)
+        return fake.rowmajor(f32, (n, hv, kd, vd), divisibility=4)
+
+    def table(size):
+        return fake.rowmajor(cutlass.Int32, (size,), divisibility=1, align=4)
+
+    tables = (fake.offsets(), table(n), table(nc), table(nc)) if varlen else (None,) * 4
 
     return cute.compile(
         kernel,
-        tok(vd), tok(vd), tok(kd, h), tok(kd, h),
+        tok(vd), None if params.get("u_from_h", False) else tok(vd), tok(kd, h), tok(kd, h),
         fake.rowmajor(dtype, (b, nc, hv, kd, vd)),
         vec(), tok(CHUNK), tok(CHUNK), tok(kd), tok(vd), tok(vd), vec(),
         state() if params["d_final_state"] else None,
-        tok(kd), tok(kd), vec(), tok(vd), vec(), state(),
+        tok(kd, rows=t_out), tok(kd, rows=t_out), vec(t_out), tok(vd, rows=t_out), vec(t_out),
+        state(),
+        *tables,
         f32(1.0),
         fake.stream(),
         options=fake.options(arch, extra_options),

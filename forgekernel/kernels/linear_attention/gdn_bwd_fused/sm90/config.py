@@ -33,8 +33,12 @@ assert sum(REGS) * THREADS_PER_WG <= LAUNCH_REGS * THREADS
 # first two only: dO, then q and W): dU (k, P^T, dO); q + W (S's update, dq's B, dw's slot);
 # h (dqe = dO h^T, the finish's <dh, h>); U (S = dO U^T, dke); the WY tiles T^T, u.
 LOAD_GROUPS = (("k", "pt", "do"), ("q", "w"), ("h",), ("u",), ("tt", "uw"))
+# `u_from_h` (U = u - W h formed by the state warpgroup into the U box): the WY u in U's slot,
+# where S waits for it (with h) before dPD; G's later wait on the slot finds it landed
+U_FROM_H_LOAD_GROUPS = (("k", "pt", "do"), ("q", "w"), ("h",), ("uw",), ("tt",))
 S_GROUPS = (0, 1)  # the groups the state warpgroup reads (dO; q, W)
 H_GROUP = 2  # the finish warps' <dh, h>
+U_GROUP = 3  # U (`u_from_h`: the WY u, U's operand)
 TOKEN_TILES = ("do", "u", "q", "k", "w", "uw")  # (C, 128) 16-bit
 # One stage (no double buffering: 2 x 144 KB do not fit): the next chunk's boxes are issued
 # once every reader has released this one (S after its update, G after the WY half, the finish
@@ -75,24 +79,42 @@ def fused_fits(b: int, hv: int, sms: int = NUM_SMS_H100_H200) -> bool:
     return sms > 0 and b * hv * den >= sms * num
 
 
+def slots_fit(n: int, hv: int, sms: int = NUM_SMS_H100_H200) -> bool:
+    """The rule in the varlen slot layout (N sequences x HV value heads; a CUDA-graph capture
+    cannot see the lengths): `fused_fits` and at most one wave. Within a wave every CTA is
+    resident at once: the fused kernel takes its longest chain (~15 us a slot on the H100),
+    the two-launch path kernel 1's (~5.6-7.8 us a slot) plus kernel 2's work, so at equal
+    lengths the batch path's 1.21x holds (4 x 8192 hv32: 128 CTAs). Beyond a wave the time
+    follows the length mix, which the rule cannot see (the suites' mixes, two sequences with
+    3/4 of the tokens: modelled about even or worse; NOTES "next/fused-slots")."""
+    return fused_fits(n, hv, sms) and n * hv <= sms
+
+
 def params_for(
     dtype: str,
     head_dims: tuple[int, int] = (128, 128),
     *,
     d_final_state: bool = False,
     grouped: bool = False,
+    u_from_h: bool = False,
+    varlen: bool = False,
 ) -> tuple:
     """Compile key: the 16-bit dtype of the tiles, (K, V), whether a final-state gradient is
     read (without one, dS starts from zero) and `grouped` (q, k at H < HV heads, value head hv
-    reading head hv // (HV / H); in the key only when set). The outputs are the op's device
-    path's: dq, dk, dv in the tiles' dtype (dq times the runtime scale), dG, dbeta and dS at
-    the start fp32."""
+    reading head hv // (HV / H); in the key only when set). `u_from_h` (likewise): U not read,
+    the state warpgroup forms U = u - W h (fp32, rounded once) from the WY u, W and h it loads
+    anyway (kernel 1's forward launch then writes h only, its `fused` key). `varlen`
+    (likewise): the varlen slot layout (ops/_linattn_varlen.py), one CTA a (value head,
+    sequence) walking the slots it owns (kernel 1's varlen walk), the token outputs at their
+    token rows (kernel 2's `token_rows`). The outputs are the op's device path's: dq, dk, dv in
+    the tiles' dtype (dq times the runtime scale), dG, dbeta and dS at the start fp32."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
     if tuple(head_dims) not in HEAD_DIMS:
         raise ValueError(f"(K, V) must be one of {HEAD_DIMS}, got {tuple(head_dims)}")
     k, v = head_dims
     key = {"dtype": dtype, "k": k, "v": v, "d_final_state": d_final_state}
-    if grouped:
-        key["grouped"] = True
+    for name, on in (("grouped", grouped), ("u_from_h", u_from_h), ("varlen", varlen)):
+        if on:
+            key[name] = True
     return tuple(sorted(key.items()))

@@ -20,6 +20,14 @@ chunk's start, U its corrected values, both from kernel 1's forward launch):
 Ke = k e^(G_C - G) and Qe = q e^G are not read: the first scales dU's rows after the product,
 the second scales the state warpgroup's dO^T A operand (built in registers anyway) by column.
 
+Variant `u_from_h` (compile flag; ops/gated_delta_rule_bwd.py FUSED_DIET): U is not read. The
+state warpgroup forms it in the U box, once its q half of the update is issued and h and the
+WY u have landed: U = u - W h (C x V x K, one (C, V) fp32 accumulator, the WY u subtracted from
+shared memory, rounded once to 16 bits: kernel 1's forward launch's U^T = u^T - S^T W^T on the
+same 16-bit u, W and h, up to the order of the tensor core's sums), then dPD as before; G reads
+it after S_DONE as it read the loaded U. 16 KB a chunk-head less read here and written by the
+forward launch (its `fused` key).
+
 Warp roles (3 warpgroups, 384 threads, setmaxnreg config.REGS):
 - warpgroup 0: warp 0 the TMA producer (per chunk, last first, config.LOAD_GROUPS on one
   mbarrier each, after the stage's release: one stage, see config.STAGES); warps 1, 2 dG's
@@ -39,6 +47,14 @@ P^T read (DU_READY); S -> G: K K^T, dPD, dPD^T written and the stage's dO, q, U 
 G's fp32 dk stash goes over dO, U and dw over q); G, finish -> S: sDH read (DH_FREE: the
 next chunk's dS may be written); G -> finish: dG's rows (FINISH). The stage's release is an
 mbarrier (RELEASE_ARRIVALS).
+
+Variant `varlen` (compile flag, 2026-12-06; ops/gated_delta_rule_bwd.py FUSED_SLOTS): the tiles
+in the varlen slot layout (ops/_linattn_varlen.py), one CTA a (value head, sequence) taken
+longest first, walking the slots it owns as kernel 1's varlen form does (`_slot`), the token
+outputs at their token rows through kernel 2's `token_rows` tables (`_token_rows` at each store
+group); masks, loads and intermediates at the slot as in kernel 2's slot-layout run. With
+`u_from_h` U is formed from the slot's W, h and WY u boxes as on the batch key (a pad slot's or
+a cut chunk's zero rows of u and W give U's zero rows, as the forward launch writes them).
 
 Constraints: K = V = 128, 16-bit tiles with unit last strides and 16-byte aligned outer strides
 (TMA); G, beta fp32 (B, T, HV) unit last stride; dq, dk, dv 16-bit, dG, dbeta, dh0 fp32.
@@ -70,6 +86,7 @@ from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.chunk_grads import 
     GdnBwdChunkSm90,
     _kvchb,
     _tdhb,
+    _token_rows,
 )
 from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.config import (
     CHUNK,
@@ -79,6 +96,8 @@ from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.config import (
     RELEASE_ARRIVALS,
     S_GROUPS,
     THREADS,
+    U_FROM_H_LOAD_GROUPS,
+    U_GROUP,
 )
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.reverse_state import (
     GdnBwdStateSm90,
@@ -113,10 +132,15 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
 
     load_groups = LOAD_GROUPS
 
-    def __init__(self, k: int, v: int, *, d_final_state: bool, grouped: bool = False):
+    def __init__(self, k: int, v: int, *, d_final_state: bool, grouped: bool = False,
+                 u_from_h: bool = False, varlen: bool = False):  # fmt: skip
         super().__init__(k, v, wy=True, grouped=grouped)
         self.d_final_state = d_final_state
         self.dqk16 = True
+        self.u_from_h = u_from_h  # U = u - W h formed by S (the module docstring)
+        if u_from_h:
+            self.load_groups = U_FROM_H_LOAD_GROUPS
+        self.varlen = varlen
 
     def _setup(self):
         super()._setup()
@@ -136,7 +160,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
     def __call__(
         self,
         mDO: cute.Tensor,
-        mU: cute.Tensor,
+        mU: cute.Tensor | None,
         mQ: cute.Tensor,
         mK: cute.Tensor,
         mH: cute.Tensor,
@@ -154,6 +178,10 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         mDV: cute.Tensor,
         mDB: cute.Tensor,
         mDh0: cute.Tensor,
+        mCu: cute.Tensor | None,
+        mOrder: cute.Tensor | None,
+        mStarts: cute.Tensor | None,
+        mLens: cute.Tensor | None,
         scale: Float32,
         stream: cuda.CUstream,
     ):
@@ -161,20 +189,29 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         (B, T, HV, C), mW (B, T, HV, K), mUw, mV (B, T, HV, V) 16-bit; mG, mBeta fp32 (B, T,
         HV); mDht (or None) fp32 (B, HV, K, V). Outputs: mDQ (times `scale`), mDK (B, T, HV, K)
         and mDV (B, T, HV, V) in the tiles' dtype, mDG, mDB fp32 (B, T, HV), mDh0 fp32 (B, HV,
-        K, V)."""
+        K, V). `u_from_h`: mU None (U formed in the kernel). `varlen`: the tiles (1, S C, ...)
+        in the varlen slot layout (ops/_linattn_varlen.py: S = T // C + N slots, chunk c of
+        sequence n at slot bos_n // C + n + c; mH (1, S, ...)), mCu int32 (N + 1,), mOrder int32
+        (N,) (the sequences, longest first): one CTA a (value head, sequence) walks the slots the
+        sequence owns, kernel 1's varlen walk; mDht, mDh0 (N, HV, K, V); the token outputs (1,
+        T', ...) at their token rows, slot s's first mLens[s] rows from token mStarts[s] (int32
+        (S,): kernel 2's `token_rows`). Else the four None."""
         self.dtype = mDO.element_type
-        for t in (mU, mQ, mK, mH, mPT, mTt, mW, mUw, mV, mDQ, mDK, mDV):
+        for t in (mQ, mK, mH, mPT, mTt, mW, mUw, mV, mDQ, mDK, mDV):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"the 16-bit tiles must share one dtype, got {t.element_type}")
+        if const_expr(self.varlen != (mCu is not None)):
+            raise TypeError("mCu, mOrder, mStarts, mLens: given with varlen, and only then")
         self._setup()
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         sT_tile = cute.slice_(self.sT_layout, (None, None, 0))
         sH_tile = cute.slice_(self.sH_layout, (None, None, 0))
         sP_tile = cute.slice_(self.sP_layout, (None, None, 0))
-        tma = {}
+        tma = {"u": (None, None)}  # u_from_h: U not loaded
         for name, m, d in (("do", mDO, self.v), ("u", mU, self.v), ("q", mQ, self.k),
                            ("k", mK, self.k), ("w", mW, self.k), ("uw", mUw, self.v)):  # fmt: skip
-            tma[name] = cpasync.make_tiled_tma_atom(g2s, _tdhb(m), sT_tile, (CHUNK, d))
+            if const_expr(m is not None):
+                tma[name] = cpasync.make_tiled_tma_atom(g2s, _tdhb(m), sT_tile, (CHUNK, d))
         for name, m in (("pt", mPT), ("tt", mTt)):
             tma[name] = cpasync.make_tiled_tma_atom(g2s, _tdhb(m), sP_tile, (CHUNK, CHUNK))
         tma["h"] = cpasync.make_tiled_tma_atom(g2s, _kvchb(mH), sH_tile, (self.k, self.v))
@@ -182,7 +219,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         tile_bytes = {n: t_bytes for n in ("do", "u", "q", "k", "w", "uw")}
         tile_bytes.update({n: cute.size_in_bytes(self.dtype, sP_tile) for n in ("pt", "tt")})
         tile_bytes["h"] = cute.size_in_bytes(self.dtype, sH_tile)
-        self.group_bytes = tuple(sum(tile_bytes[n] for n in g) for g in LOAD_GROUPS)
+        self.group_bytes = tuple(sum(tile_bytes[n] for n in g) for g in self.load_groups)
         t_elems = cute.cosize(self.sT_layout)
         h_elems = cute.cosize(self.sH_layout)
         p_elems = cute.cosize(self.sP_layout)
@@ -226,6 +263,10 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             mDV,
             mDB,
             mDh0,
+            mCu,
+            mOrder,
+            mStarts,
+            mLens,
             nchunks,
             scale,
             self.mma_w,
@@ -239,7 +280,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             self.sH_layout,
             self.sP_layout,
         ).launch(  # fmt: skip
-            grid=(mDO.shape[2], mDO.shape[0], 1),
+            grid=(mDO.shape[2], mDh0.shape[0] if const_expr(self.varlen) else mDO.shape[0], 1),
             block=[THREADS, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
@@ -250,8 +291,8 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         self,
         tma_do: cute.CopyAtom,
         mDO4: cute.Tensor,
-        tma_u: cute.CopyAtom,
-        mU4: cute.Tensor,
+        tma_u: cute.CopyAtom | None,
+        mU4: cute.Tensor | None,
         tma_q: cute.CopyAtom,
         mQ4: cute.Tensor,
         tma_k: cute.CopyAtom,
@@ -276,6 +317,10 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         mDV: cute.Tensor,
         mDB: cute.Tensor,
         mDh0: cute.Tensor,
+        mCu: cute.Tensor | None,
+        mOrder: cute.Tensor | None,
+        mStarts: cute.Tensor | None,
+        mLens: cute.Tensor | None,
         nchunks: cutlass.Int32,
         scale: Float32,
         mma_w: cute.TiledMma,
@@ -293,7 +338,8 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == PRODUCER_WARP:
             for atom in (tma_do, tma_u, tma_q, tma_k, tma_w, tma_uw, tma_pt, tma_tt, tma_h):
-                cpasync.prefetch_descriptor(atom)
+                if const_expr(atom is not None):
+                    cpasync.prefetch_descriptor(atom)
         storage = SmemAllocator().allocate(self.shared_storage)
         full = storage.full.data_ptr()  # one mbarrier a load group, a phase a chunk
         empty = storage.empty.data_ptr()  # the stage released by all its readers
@@ -333,6 +379,15 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
 
         hv, b, _ = cute.arch.block_idx()
         seqlen = mDO4.shape[0]
+        # varlen: the tiles' batch index 0, the states' n, the walk's first slot and length
+        n, first, tables = b, None, None
+        if const_expr(self.varlen):
+            n = mOrder[b]
+            bos, eos = mCu[n], mCu[n + 1]
+            first = bos // CHUNK + n
+            nchunks = eos // CHUNK + n + 1 - first
+            b = 0
+            tables = (mStarts, mLens)
         wg = cute.arch.make_warp_uniform(tidx // WG)
         if wg == 0:
             cute.arch.setmaxregister_decrease(REGS[0])
@@ -345,36 +400,48 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
                          "w": (tma_w, mW4, sW, self.k, hv), "uw": (tma_uw, mUw4, sUw, self.v, hv),
                          "pt": (tma_pt, mPT4, sPT, CHUNK, hv), "tt": (tma_tt, mTt4, sTt, CHUNK, hv),
                          "h": (tma_h, mH5, sH)}  # fmt: skip
-                self._produce(tiles, full, empty, hv, b, nchunks)
+                if const_expr(self.u_from_h):
+                    del tiles["u"]
+                self._produce(tiles, full, empty, hv, b, nchunks, first)
             elif warp_idx <= FINISH_WARPS:
-                self._finish(sH, sDH, sRed2, sG2, mDG, full, empty, b, hv, seqlen, nchunks)
+                self._finish(sH, sDH, sRed2, sG2, mDG, full, empty, b, hv, seqlen, nchunks,
+                             first, tables)  # fmt: skip
         elif wg == 1:
             cute.arch.setmaxregister_increase(REGS[1])
-            self._state(mma_ks, mma_st, mma_s, sDO, sU, sQ, sK, sW, sPT, sPD, sDU, sDH, sE2,
-                        sGs2, sKK, mG, mDht, mDh0, full, empty, hv, b, seqlen,
-                        nchunks)  # fmt: skip
+            self._state(mma_ks, mma_st, mma_s, mma_k, sDO, sU, sQ, sK, sW, sUw, sH, sPT, sPD,
+                        sDU, sDH, sE2, sGs2, sKK, mG, mDht, mDh0, full, empty, hv, b, seqlen,
+                        nchunks, n, first)  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(REGS[2])
             self._grads(mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sQ, sK, sW, sUw, sPT, sTt,
                         sH, sDH, sDU, sG2, sRed2, mG, mV, mBeta, mDQ, mDK, mDG, mDV, mDB, full,
-                        empty, hv, b, seqlen, nchunks, scale, stash, sKK, sPD)  # fmt: skip
+                        empty, hv, b, seqlen, nchunks, scale, stash, sKK, sPD, first,
+                        tables)  # fmt: skip
+
+    @staticmethod
+    def _slot(c, slot0):
+        """Chunk c of the walk as the tiles' chunk index: c, or (varlen, slot0 the sequence's
+        first slot) slot slot0 + c."""
+        return c if slot0 is None else slot0 + c
 
     @cute.jit
-    def _produce(self, tiles, full, empty, hv, b, nchunks):
+    def _produce(self, tiles, full, empty, hv, b, nchunks, slot0=None):
         """The TMA warp: per chunk, last first, once the stage is released (the previous
         chunk's readers all arrived on `empty`), kernel 2's `_load_groups` of the chunk."""
         for i in cutlass.range(nchunks, unroll=1):
             if i > 0:
                 cute.arch.mbarrier_wait(empty, (i - 1) % 2)
-            self._load_groups(tiles, full, nchunks - 1 - i, hv, b)
+            self._load_groups(tiles, full, self._slot(nchunks - 1 - i, slot0), hv, b)
 
     @cute.jit
-    def _state(self, mma_ks, mma_st, mma_s, sDO, sU, sQ, sK, sW, sPT, sPD, sDU, sDH, sE2, sGs2,
-               sKK, mG, mDht, mDh0, full, empty, hv, b, seqlen, nchunks):  # fmt: skip
+    def _state(self, mma_ks, mma_st, mma_s, mma_k, sDO, sU, sQ, sK, sW, sUw, sH, sPT, sPD, sDU,
+               sDH, sE2, sGs2, sKK, mG, mDht, mDh0, full, empty, hv, b, seqlen, nchunks, n,
+               slot0):  # fmt: skip
         """Warpgroup 1: dS^T (V, K) fp32 in two 64-row accumulators for the whole sequence;
         per chunk: dS (16-bit) into sDH for G and the finish warps, then dS^T <- e^(G_C) dS^T
         + (e^G o dO)^T q - dU^T W (kernel 1's update with Qe = q e^G folded into the A
-        operand's columns)."""
+        operand's columns); `u_from_h`: U = u - W h into the U box before dPD. n: the states'
+        sequence (b but with varlen); slot0: `_slot`'s."""
         stid = opaque_tid_x() % WG
         thr_st = mma_st.get_slice(stid)
         acc_shape_st = thr_st.partition_shape_C((ROWS, self.k))
@@ -383,7 +450,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         accs = (acc0, acc1)
         for w in cutlass.range_constexpr(2):
             if const_expr(self.d_final_state):
-                GdnBwdStateSm90._state_io(self, mDht[b, hv, None, None], accs[w], thr_st, w,
+                GdnBwdStateSm90._state_io(self, mDht[n, hv, None, None], accs[w], thr_st, w,
                                           True, True)  # fmt: skip
             else:
                 accs[w].fill(0.0)
@@ -399,7 +466,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         s_done = named_barrier(Bar.S_DONE, 2 * WG)
         own = named_barrier(Bar.STATE, WG)
         for i in cutlass.range(nchunks, unroll=1):
-            c = nchunks - 1 - i
+            c = self._slot(nchunks - 1 - i, slot0)
             par = i % 2
             first = c * CHUNK
             sE = sE2[None, par]
@@ -449,7 +516,11 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
                 gemm(mma_st, accs[w], tA, tBrQ[None, None, None, 0], False, 0)
             # dPD = (dO U^T) o D for G's dq and dk (kernel 2's first products), its transpose
             # over the spent P^T box once G's dU (which reads P^T) is done
-            cute.arch.mbarrier_wait(full + 3, par)  # U
+            cute.arch.mbarrier_wait(full + U_GROUP, par)  # U (u_from_h: the WY u)
+            if const_expr(self.u_from_h):
+                cute.arch.mbarrier_wait(full + H_GROUP, par)
+                self._u_from_h(mma_k, sW, sH, sUw, sU)
+                own.arrive_and_wait()  # every thread's U in sU (fenced) before dPD reads it
             acc_p = cute.make_rmem_tensor(wg_s.partition_shape_C((CHUNK, CHUNK)), Float32)
             gemm(
                 mma_s,
@@ -472,8 +543,29 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
                 gemm(mma_st, accs[w], tA, tBrW[None, None, None, 0], False, 0)
             cute.arch.mbarrier_arrive(empty)
         for w in cutlass.range_constexpr(2):
-            GdnBwdStateSm90._state_io(self, mDh0[b, hv, None, None], accs[w], thr_st, w, False,
+            GdnBwdStateSm90._state_io(self, mDh0[n, hv, None, None], accs[w], thr_st, w, False,
                                       True)  # fmt: skip
+
+    @cute.jit
+    def _u_from_h(self, mma_k, sW, sH, sUw, sU):
+        """`u_from_h`: U = u - W h (C, V) into the U box, 16-bit, fenced: the product on W and
+        h's transposed (MN-major) view in fp32, the WY u read from shared memory in the
+        accumulator's order and the difference rounded once (G's dU on k and dS likewise)."""
+        wg_k = mma_k.get_slice(0)
+        acc = cute.make_rmem_tensor(wg_k.partition_shape_C((CHUNK, self.v)), Float32)
+        gemm(
+            mma_k,
+            acc,
+            wg_k.make_fragment_A(wg_k.partition_A(sW))[None, None, None, 0],
+            wg_k.make_fragment_B(wg_k.partition_B(transposed(sH)))[None, None, None, 0],
+            True,
+            0,
+        )
+        tid = opaque_tid_x() % WG
+        u = mma_k.get_slice(tid).partition_C(sUw[None, None, 0])
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            acc[e] = u[e].to(Float32) - acc[e]
+        self._store_tile(acc, mma_k, sU, False)
 
     @cute.jit
     def _decay_pd(self, acc_p, mma_s, sG, first, seqlen):
@@ -496,11 +588,12 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
     def _grads(
         self, mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sQ, sK, sW, sUw, sPT, sTt, sH, sDH,
         sDU, sG2, sRed2, mG, mV, mBeta, mDQ, mDK, mDG, mDV, mDB, full, empty, hv, b, seqlen,
-        nchunks, scale, stash, sKK, sPD,
+        nchunks, scale, stash, sKK, sPD, slot0=None, tables=None,
     ):  # fmt: skip
         """Warpgroup 2, per chunk: dU = (k dS) o e^(G_C - G) + P^T dO into sDU (S's, and the
         chunk's), then kernel 2's `_math` (WY, dqk16) on the stage: dPD^T in the spent P^T
-        box, dw in the spent q box (after S_DONE), M^T in the P^T box again (`_wy`)."""
+        box, dw in the spent q box (after S_DONE), M^T in the P^T box again (`_wy`). slot0,
+        tables (varlen): `_slot`'s, kernel 2's `token_rows` tables."""
         math = named_barrier(Bar.MATH, WG)
         ready = unaligned_barrier(Bar.DS_READY, 2 * WG + FINISH_THREADS)
         du_ready = named_barrier(Bar.DU_READY, 2 * WG)
@@ -514,6 +607,9 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             i = nchunks - 1 - c
             hv, b, _ = cute.arch.block_idx()  # re-read each chunk: not live across `_wy`
             hv, b = opaque_i32(hv), opaque_i32(b)
+            if const_expr(slot0 is not None):  # varlen: the tiles' slot, batch index 0
+                c = opaque_i32(slot0 + cc)
+                b = 0
             par = i % 2
             first = c * CHUNK
             sG = sG2[None, par]
@@ -550,7 +646,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             self._chunk_grads(mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sQ, sK, sH, sDH,
                               sPT, sDU, wy_smem, sG, sRed, mG, mV, mBeta, mDQ, mDK, mDV, mDB,
                               full, math, dh_free, s_done, i, c, hv, b, seqlen,
-                              nchunks, scale, stash, sKK, sPD)  # fmt: skip
+                              nchunks, scale, stash, sKK, sPD, tables)  # fmt: skip
             # G wrote into spent boxes (dk's stash, dPD^T, dw, M^T): ordered before the next
             # chunk's TMA writes there (async proxy)
             cute.arch.fence_view_async_shared()
@@ -561,12 +657,13 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
     def _chunk_grads(
         self, mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sQ, sK, sH, sDH, sP, sDU, wy_smem,
         sG, sRed, mG, mV, mBeta, mDQ, mDK, mDV, mDB, full, math, dh_free, s_done, i, c, hv, b,
-        seqlen, nchunks, scale, stash, sKK, sPD,
+        seqlen, nchunks, scale, stash, sKK, sPD, tables=None,
     ):  # fmt: skip
         """Kernel 2's `_math` (WY, dqk16, one math warpgroup) on this chunk's stage, its load
         groups waited at this chunk's phase, dPD and dPD^T the state warpgroup's (S_DONE: in
         shared memory, and dO, q, U read by S, so that dk's stash and dw may go over them),
-        DH_FREE arrived once sDH is read (dke)."""
+        DH_FREE arrived once sDH is read (dke) but at the walk's last chunk (i = nchunks - 1; c
+        the tiles' chunk, a slot with varlen). tables: the outputs' token rows (varlen)."""
         par = i % 2
         first = c * CHUNK
         wg_w = mma_w.get_slice(0)
@@ -596,12 +693,15 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         cute.arch.mbarrier_wait(full + 1, par)  # q, W
         gemm(mma_k, acc_q, tQrP[None, None, None, 0], tQrK[None, None, None, 0], False, 0)
         dg = self._row_dots(acc_q, mma_w, sQ, tid)
-        self._store_rows(acc_q, mma_w, mDQ, tid, b, hv, c, seqlen, scale)
+        self._store_rows(acc_q, mma_w, mDQ, tid, b, hv, c, seqlen, scale, _token_rows(tables, c))
 
         acc_k = cute.make_rmem_tensor(wg_w.partition_shape_C((CHUNK, self.k)), Float32)
-        cute.arch.mbarrier_wait(full + 3, par)  # U
+        cute.arch.mbarrier_wait(full + U_GROUP, par)  # U (u_from_h: the WY u; U is S's, S_DONE)
         gemm(mma_w, acc_k, tArU[None, None, None, 0], tBrDH[None, None, None, 0], True, 0)
-        if c > 0:
+        more = c > 0  # not the walk's last chunk: S writes another dS
+        if const_expr(tables is not None):
+            more = i < nchunks - 1
+        if more:
             dh_free.arrive()  # sDH read: S may write the next chunk's dS
         ka = rows_cols(acc_k)
         for r in cutlass.range_constexpr(cute.size(ka, mode=[0])):
@@ -621,18 +721,20 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         self._store_tile(acc_k, mma_w, wy_smem[3], False)  # dw, 16-bit, over q
         math.arrive_and_wait()
         self._wy(mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, wy_smem, sG, sRed, mDK, mV, mBeta,
-                 mDV, mDB, math, e_g, t0, row_w, first, seqlen, b, hv, c, stash, sKK)  # fmt: skip
+                 mDV, mDB, math, e_g, t0, row_w, first, seqlen, b, hv, c, stash, sKK,
+                 tables)  # fmt: skip
 
     @cute.jit
     def _wy(self, mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, wy_smem, sG, sRed, mDK, mV,
             mBeta, mDV, mDB, math, e_g, t0, row_w, first, seqlen, b, hv, c, stash,
-            sKK):  # fmt: skip
+            sKK, tables=None):  # fmt: skip
         """Kernel 2's `_wy` (dqk16, one math warpgroup) with K K^T read from shared memory
         (`sKK`: the state warpgroup's fp32 accumulator, stored in the same thread order)
         instead of a product held in 32 registers across dA's masking: at kernel 2's 254 registers
         plus this loop's own values, that peak spilled (368 bytes). The same sums in the same
-        order otherwise. TODO(merge): a K K^T hook in `GdnBwdChunkSm90._wy` instead of this
-        copy, once the fsplit edits there have landed."""
+        order otherwise; `tables`: dv, dk, dbeta at their token rows (varlen). TODO(merge): a
+        K K^T hook in `GdnBwdChunkSm90._wy` instead of this copy, once the fsplit edits there
+        have landed."""
         sTt, sW, sUw, sDW, sM = wy_smem
         sDB = cute.make_tensor(sRed.iterator + 2 * CHUNK + 4, cute.make_layout(CHUNK))
         tid = opaque_tid_x() % WG
@@ -660,7 +762,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         for r in cutlass.range_constexpr(2):
             for j in cutlass.range_constexpr(cute.size(va, mode=[1])):
                 va[r, j] = va[r, j] * beta[r]
-        self._store_rows(acc_v, mma_k, mDV, tid, b, hv, c, seqlen)
+        self._store_rows(acc_v, mma_k, mDV, tid, b, hv, c, seqlen, at=_token_rows(tables, c))
         tBrW = wg_da.make_fragment_B(wg_da.partition_B(sW))
         tBrUw = wg_da.make_fragment_B(wg_da.partition_B(sUw))
         acc_a = cute.make_rmem_tensor(wg_s.partition_shape_C((CHUNK, CHUNK)), Float32)
@@ -729,12 +831,16 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         c = opaque_i32(c)  # dk's row addresses afresh: dq's (same rows) were held across
         for e in cutlass.range_constexpr(cute.size(acc_b)):
             acc_b[e] = acc_b[e] + stash[e // STASH_COLS][tid, e % STASH_COLS]
-        self._store_rows(acc_b, mma_k, mDK, tid, b, hv, c, seqlen)
+        self._store_rows(acc_b, mma_k, mDK, tid, b, hv, c, seqlen, at=_token_rows(tables, c))
         if tid % 4 == 0:  # dbeta from its rows' sums
+            at = _token_rows(tables, c)
             for r in cutlass.range_constexpr(2):
                 i = row_w + t0[r, 0][0]
-                if first + i < seqlen:
-                    mDB[b, first + i, hv] = sDB[i]
+                if const_expr(at is None):
+                    if first + i < seqlen:
+                        mDB[b, first + i, hv] = sDB[i]
+                elif i < at[1]:
+                    mDB[b, at[0] + i, hv] = sDB[i]
 
     @cute.jit
     def _add_rows(self, dst, vals, e, x, t0, row_base, tid, first, seqlen,
@@ -751,17 +857,19 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
                         dst[i] = dst[i] + vals[r]
 
     @cute.jit
-    def _finish(self, sH, sDH, sRed2, sG2, mDG, full, empty, b, hv, seqlen, nchunks):
+    def _finish(self, sH, sDH, sRed2, sG2, mDG, full, empty, b, hv, seqlen, nchunks, slot0=None,
+                tables=None):  # fmt: skip
         """Warps 1, 2 of warpgroup 0, per chunk: <dS, h> as soon as both are on chip (then
         sDH and the stage's h released), then, once G has stashed the rows, dG of every token
         (one a thread): the rows' dg, the last position's te sum + e^(G_C) <dS, h>, and the
-        reverse cumulative sum within the chunk (kernel 2's `_finish_dg`)."""
+        reverse cumulative sum within the chunk (kernel 2's `_finish_dg`). slot0, tables:
+        `_grads`'."""
         ready = unaligned_barrier(Bar.DS_READY, 2 * WG + FINISH_THREADS)
         dh_free = named_barrier(Bar.DH_FREE, 2 * WG + FINISH_THREADS)
         finish = unaligned_barrier(Bar.FINISH, WG + FINISH_THREADS)
         own = named_barrier(Bar.FINISH_WARPS, FINISH_THREADS)
         for i in cutlass.range(nchunks, unroll=1):
-            c = nchunks - 1 - i
+            c = self._slot(nchunks - 1 - i, slot0)
             par = i % 2
             first = c * CHUNK
             sRed = sRed2[None, par]
@@ -776,4 +884,4 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             own.arrive_and_wait()
             finish.arrive_and_wait()
             sG = sG2[None, par]
-            self._dg_rows(sRed, sG, mDG, b, hv, first, seqlen, tid)
+            self._dg_rows(sRed, sG, mDG, b, hv, first, seqlen, tid, _token_rows(tables, c))

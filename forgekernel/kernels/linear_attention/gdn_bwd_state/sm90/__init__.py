@@ -64,7 +64,14 @@ def _standard_params() -> list[Params]:
         for d in (False, True)
         for fw in (False, True)
     ]
-    return gdn + kda + out16 + kda16 + varlen
+    # the fused route's forward launch (ops/gated_delta_rule_bwd.py `_fused_pass`, FUSED_DIET):
+    # h only, on k and G in place of Ke
+    fused = [
+        params_for(dtype, d_final_state=d, out16=True, forward=True, fused=True)
+        for dtype in DTYPES
+        for d in (False, True)
+    ]
+    return gdn + kda + out16 + kda16 + varlen + fused
 
 
 SPEC = KernelSpec(

@@ -22,6 +22,7 @@ def kernel_for(params: dict) -> GdnBwdStateSm90:
         params["k"], params["v"], d_final_state=params["d_final_state"], dke=params["dke"],
         channel_decay=params.get("channel_decay", False), out16=params.get("out16", False),
         forward=params.get("forward", False), varlen=params.get("varlen", False),
+        fused=params.get("fused", False),
     )  # fmt: skip
 
 
@@ -58,22 +59,27 @@ def compile_gdn_bwd_state(params: dict, arch: str = "sm_90a", extra_options: str
             f32, (b, nc, hv), stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4
         )
     fw = params.get("forward", False)  # P^T and Qe not passed (I and 0 built in)
+    fused = params.get("fused", False)  # the W slot: k (its own rows, H heads); G; no dU
+    w_tile = fake.rowmajor(dtype, (b, t, hv, kd))
+    if fused:
+        w_tile = fake.rowmajor(dtype, (b, cute.sym_int32(), cute.sym_int32(), kd))
     return cute.compile(
         kernel,
         fake.rowmajor(dtype, (b, t, hv, vd)),
         None if fw else fake.rowmajor(dtype, (b, t, hv, CHUNK)),
         fake.rowmajor(dtype, (b, t, hv, kd)),
         None if fw else fake.rowmajor(dtype, (b, t, hv, kd)),
-        fake.rowmajor(dtype, (b, t, hv, kd)),
+        w_tile,
         fake.rowmajor(dtype, (b, t, hv, vd)) if dke else None,
         e_last,
         state() if params["d_final_state"] else None,
-        fake.rowmajor(out, (b, t, hv, vd), divisibility=4),
+        None if fused else fake.rowmajor(out, (b, t, hv, vd), divisibility=4),
         None if dke else side(),
         fake.rowmajor(f32, (b, t, hv, kd), divisibility=4) if dke else None,
         state(),
         fake.offsets() if varlen else None,
         make_fake_tensor(cutlass.Int32, (n,), stride=(1,), assumed_align=4) if varlen else None,
+        fake.rowmajor(f32, (b, t, hv), divisibility=1, align=4) if fused else None,
         fake.stream(),
         options=fake.options(arch, extra_options),
     )

@@ -65,6 +65,7 @@ def params_for(
     out16: bool = False,
     forward: bool = False,
     varlen: bool = False,
+    fused: bool = False,
 ) -> tuple:
     """Compile key: the 16-bit dtype of the tiles, (K, V), whether a final-state gradient is
     read (without one, dS starts from zero), and the state-side output: dke = U dS^T per token
@@ -76,7 +77,9 @@ def params_for(
     dke) and `forward` (the forward launch: P^T = I and Qe = 0 compile-time forms, not read; the
     outputs at chunk NC - 1 - c, the forward's chunk order; needs out16) likewise only when
     set. `varlen` (N sequences in the forward's chunk slots, one CTA per (value head,
-    sequence) walking its own slots: reverse_state.py's docstring) likewise."""
+    sequence) walking its own slots: reverse_state.py's docstring) likewise. `fused` (with
+    forward, not varlen: the fused route's forward launch, U not stored, k at its H heads and
+    G read in place of Ke) likewise."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
     if tuple(head_dims) not in HEAD_DIMS:
@@ -85,10 +88,12 @@ def params_for(
         raise ValueError("out16 writes dh in 16 bits: not with dke")
     if forward and not out16:
         raise ValueError("forward needs out16")
+    if fused and (not forward or varlen):
+        raise ValueError("fused needs forward, not varlen")
     k, v = head_dims
     key = {"dtype": dtype, "k": k, "v": v, "d_final_state": d_final_state, "dke": dke}
     for name, on in (("channel_decay", channel_decay), ("out16", out16),
-                     ("forward", forward), ("varlen", varlen)):  # fmt: skip
+                     ("forward", forward), ("varlen", varlen), ("fused", fused)):  # fmt: skip
         if on:
             key[name] = True
     return tuple(sorted(key.items()))

@@ -31,7 +31,7 @@ def check_inputs(do, pt, ke, qe, w, e_last, d_final_state, u=None,
     want = {"pt": (b, t, hv, CHUNK), "ke": (b, t, hv, k), "qe": (b, t, hv, k), "w": (b, t, hv, k),
             "u": (b, t, hv, v)}  # fmt: skip
     for name, x in zip(want, (pt, ke, qe, w, do if u is None else u)):
-        if x is None and name in ("pt", "qe"):  # the forward launch: I and 0 built in
+        if x is None and name in ("pt", "qe", "w"):  # forward: I and 0 built in; w: see below
             continue
         if tuple(x.shape) != want[name]:
             raise ValueError(f"{name} must be {want[name]}, got {tuple(x.shape)}")
@@ -51,19 +51,39 @@ def check_inputs(do, pt, ke, qe, w, e_last, d_final_state, u=None,
     return b, t, hv, nc
 
 
+def check_k_and_g(k: torch.Tensor, big_g: torch.Tensor, do: torch.Tensor) -> None:
+    """The `fused` form's W-slot k (B, T', H, K) (T' <= T, the rows past it zero; H
+    dividing HV) and G (B, T, HV) fp32, else ValueError / TypeError."""
+    b, t, hv, _ = do.shape
+    if (
+        k.dim() != 4
+        or k.shape[0] != b
+        or k.shape[1] > t
+        or not 0 < k.shape[2] <= hv
+        or hv % k.shape[2]
+    ):
+        raise ValueError(f"k must be (B, T' <= {t}, H, K) with H dividing {hv}, got "
+                         f"{tuple(k.shape)}")  # fmt: skip
+    if k.dtype != do.dtype:
+        raise TypeError(f"k must be {do.dtype} (do's dtype), got {k.dtype}")
+    if tuple(big_g.shape) != (b, t, hv) or big_g.dtype != torch.float32:
+        raise ValueError(f"big_g must be float32 {(b, t, hv)}, got {big_g.dtype} "
+                         f"{tuple(big_g.shape)}")  # fmt: skip
+
+
 def empty_outputs(do: torch.Tensor, k: int, dke: bool = False, out16: bool = False,
-                  states: int | None = None) -> Outputs:  # fmt: skip
+                  states: int | None = None, fused: bool = False) -> Outputs:  # fmt: skip
     """(dU (B, T, HV, V), dh (B, NC, HV, V, K) or with `dke` dke (B, T, HV, K), dh0 (B, HV, K,
     V)), fp32, uninitialized; `out16`: dU and dh (B, NC, HV, K, V) in do's dtype; `states`:
-    dh0's leading size where it is not B (varlen: N)."""
+    dh0's leading size where it is not B (varlen: N); `fused`: dU None (not written)."""
     b, t, hv, v = do.shape
     n = b if states is None else states
     nc = -(-t // CHUNK)
     f32 = {"dtype": torch.float32, "device": do.device}
     if out16:
         low = {"dtype": do.dtype, "device": do.device}
-        return (torch.empty(b, t, hv, v, **low), torch.empty(b, nc, hv, k, v, **low),
-                torch.empty(n, hv, k, v, **f32))  # fmt: skip
+        du = None if fused else torch.empty(b, t, hv, v, **low)
+        return du, torch.empty(b, nc, hv, k, v, **low), torch.empty(n, hv, k, v, **f32)
     side = torch.empty(b, t, hv, k, **f32) if dke else torch.empty(b, nc, hv, v, k, **f32)
     return torch.empty(b, t, hv, v, **f32), side, torch.empty(n, hv, k, v, **f32)
 
@@ -102,6 +122,7 @@ def gdn_bwd_state(
     forward: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     order: torch.Tensor | None = None,
+    big_g: torch.Tensor | None = None,
 ) -> Outputs:
     """The reverse recurrence dU = P^T dO + Ke dS, dS <- e^(G_C) dS + Qe^T dO - W^T dU over the
     chunks of each (sequence, value head), last first, dS from d_final_state (or zero).
@@ -124,23 +145,35 @@ def gdn_bwd_state(
     ops/_linattn_varlen.py `longest_first`): the `varlen` form, N sequences in the forward's
     chunk slots: the tiles (1, S C, HV, ...), e_last (1, S, HV[, K]), the per-chunk outputs
     at the same S slots, d_final_state and dh0 (N, HV, K, V) (reverse_state.py's docstring;
-    out16 only, the op's device passes). Nothing is read on the host."""
+    out16 only, the op's device passes). `big_g` (with forward; the op's fused route, the
+    `fused` key): U not written, None in its place (`out`'s first entry ignored); w is k
+    itself, (B, T' <= T, H, K) at its own heads (value head hv reads hv // (HV / H)), and big_g
+    (B, T, HV) fp32 kernel 0's G of every row (`check_k_and_g`): the kernel forms Ke's decays
+    on U^T. Nothing is read on the host."""
     varlen = cu_seqlens is not None
     if varlen != (order is not None):
         raise ValueError("cu_seqlens and order come together (the varlen form)")
     if varlen and not out16:
         raise ValueError("the varlen form is out16's (the device passes)")
     states = check_varlen(do, cu_seqlens, order) if varlen else None
-    b, t, hv, nc = check_inputs(do, pt, ke, qe, w, e_last, d_final_state, u, states)
+    fused = big_g is not None
+    if fused:
+        if not forward or varlen:
+            raise ValueError("big_g (the fused form) is the batch forward launch's")
+        check_k_and_g(w, big_g, do)
+    b, t, hv, nc = check_inputs(do, pt, ke, qe, None if fused else w, e_last,
+                                d_final_state, u, states)  # fmt: skip
     dke = u is not None
     if (out16 and dke) or (forward and not out16):
         raise ValueError("out16 excludes u (dke); forward needs out16")
     if (pt is None or qe is None) != forward:
         raise ValueError("pt and qe are None exactly when forward (I and 0 built in)")
-    du, side, dh0 = empty_outputs(do, ke.shape[-1], dke, out16, states) if out is None else out
+    if out is None:
+        out = empty_outputs(do, ke.shape[-1], dke, out16, states, fused)
+    du, side, dh0 = (None, *out[1:]) if fused else out
     want = (do.dtype, do.dtype, torch.float32) if out16 else (torch.float32,) * 3
     for x, dt in zip((du, side, dh0), want):
-        if not x.is_contiguous() or x.dtype != dt:
+        if x is not None and (not x.is_contiguous() or x.dtype != dt):
             raise ValueError(f"out must be contiguous tensors of dtypes {want}")
     if b * hv == 0:
         return du, side, dh0
@@ -151,7 +184,7 @@ def gdn_bwd_state(
     params = _params(dtype_name(do.dtype), (ke.shape[-1], do.shape[-1]),
                      d_final_state=d_final_state is not None, dke=dke,
                      channel_decay=channel_decay, out16=out16,
-                     forward=forward, varlen=varlen)  # fmt: skip
+                     forward=forward, varlen=varlen, fused=fused)  # fmt: skip
     fn = get_kernel(SPEC, params)
     tiles = [None if x is None else as_tma_ready(x) for x in (do, pt, ke, qe, w)]
     tiles.append(as_tma_ready(u) if dke else None)
@@ -159,5 +192,6 @@ def gdn_bwd_state(
     dh, dke_out = (None, side) if dke else (side, None)
     with on_device(do.device):
         el = as_tma_ready(e_last) if channel_decay else e_last.contiguous()
-        fn(*tiles, el, dht, du, dh, dke_out, dh0, cu_seqlens, order)
+        g = big_g.contiguous() if fused else None
+        fn(*tiles, el, dht, du, dh, dke_out, dh0, cu_seqlens, order, g)
     return du, side, dh0

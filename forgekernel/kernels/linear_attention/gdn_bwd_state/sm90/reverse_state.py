@@ -55,7 +55,15 @@ dU^T = dO^T - dS^T Ke^T (the product's fp32 accumulator subtracted from the dO^T
 U^T = u^T - S^T W^T), dS^T <- e^(G_C) dS^T + dU^T W (dU^T fed unnegated: S^T += U^T Ke). Bit
 for bit the recurrence the reverse variant ran on u, -W, -Ke in reversed chunk order (a sign
 flip is exact in the product, the 16-bit rounding and x - y = x + (-y)). U and h land in chunk
-order. Neither flag is in Gated DeltaNet's or KDA's standard keys unless set.
+order. Neither flag is in Gated DeltaNet's or KDA's standard keys unless set. Variant `fused`
+(compile flag, with forward, not varlen; the op's fused route, ops/gated_delta_rule_bwd.py
+`_fused_pass`, FUSED_DIET): U not stored (mDU None; the fused kernel forms U = u - W h from the
+h written here); the W-slot tile is k at its own H heads (value head hv reads hv // (HV / H))
+instead of Ke = k e^(G_C - G), and mG (B, NC C, HV) fp32, kernel 0's G of every row, scales
+U^T's token columns by e^(G_C - G) before they become the update's A operand (S^T += (U^T
+diag(e^(G_C - G))) k). Kernel 0 then writes no Ke and this launch no U (32 KB a chunk-head) and
+it reads k, shared by a group's value heads in L2, in place of Ke. h differs from the forward
+key's by the 16-bit rounding of the scaled U^T in place of Ke's.
 
 Variant `varlen` (compile flag, 2026-12-06; ops/_linattn_varlen.py): the tiles hold N sequences
 in the forward's chunk slots (`gdn_prefill/sm90/config.py` `first_slot`): (1, S C, HV, D) with
@@ -146,6 +154,7 @@ class GdnBwdStateSm90:
         out16: bool = False,
         forward: bool = False,
         varlen: bool = False,
+        fused: bool = False,
     ):
         if (k, v) != (128, 128):
             raise ValueError(f"(K, V) must be (128, 128), got {(k, v)}")
@@ -153,6 +162,8 @@ class GdnBwdStateSm90:
             raise ValueError("out16 writes dh: not with dke")
         if forward and not out16:
             raise ValueError("forward needs out16")
+        if fused and (not forward or varlen):
+            raise ValueError("fused is the batch forward launch's")
         self.k, self.v = k, v
         self.d_final_state = d_final_state
         self.dke = dke
@@ -160,6 +171,7 @@ class GdnBwdStateSm90:
         self.out16 = out16
         self.forward = forward
         self.varlen = varlen
+        self.fused = fused  # forward: U not stored, k and G in place of Ke
 
     def _setup(self):
         dt = self.dtype
@@ -196,12 +208,13 @@ class GdnBwdStateSm90:
         mU: cute.Tensor | None,
         mEl: cute.Tensor,
         mDht: cute.Tensor | None,
-        mDU: cute.Tensor,
+        mDU: cute.Tensor | None,
         mDh: cute.Tensor | None,
         mDke: cute.Tensor | None,
         mDh0: cute.Tensor,
         mCu: cute.Tensor | None,
         mOrder: cute.Tensor | None,
+        mG: cute.Tensor | None,
         stream: cuda.CUstream,
     ):
         """mDO (B, T, HV, V), mPT (B, T, HV, C), mKe, mQe, mW (B, T, HV, K) 16-bit; mEl fp32
@@ -210,14 +223,16 @@ class GdnBwdStateSm90:
         mDke fp32 (B, T, HV, K), mDh None; else mU and mDke None, mDh fp32 (B, NC, HV, V, K)
         (out16: 16-bit (B, NC, HV, K, V)). With forward: mPT and mQe None (I and 0). With varlen:
         B = 1 and NC = S slots for the tiles and per-chunk outputs, mDht and mDh0 (N, HV, K, V),
-        mCu int32 (N + 1,), mOrder int32 (N,) (the sequences longest first); else both None."""
+        mCu int32 (N + 1,), mOrder int32 (N,) (the sequences longest first); else both None.
+        With fused: mDU None (U not stored), mW k (B, T', H, K) and mG fp32 (B, NC C, HV);
+        else mG None."""
         self.dtype = mDO.element_type
         inputs = (mKe, mW) if const_expr(self.forward) else (mPT, mKe, mQe, mW)
         for t in inputs + ((mU,) if const_expr(self.dke) else ()):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"the 16-bit tiles must share one dtype, got {t.element_type}")
         if const_expr(self.out16):
-            for t in (mDU, mDh):
+            for t in (mDh,) if const_expr(self.fused) else (mDU, mDh):
                 if const_expr(t.element_type != self.dtype):
                     raise TypeError(f"out16: dU, dh in the tiles' dtype, got {t.element_type}")
         self._setup()
@@ -286,6 +301,7 @@ class GdnBwdStateSm90:
             mDh0,
             mCu,
             mOrder,
+            mG,
             self.mma_ks,
             self.mma_st,
             self.mma_dke,
@@ -319,12 +335,13 @@ class GdnBwdStateSm90:
         mE4: cute.Tensor | None,
         mEl: cute.Tensor | None,
         mDht: cute.Tensor | None,
-        mDU: cute.Tensor,
+        mDU: cute.Tensor | None,
         mDh: cute.Tensor | None,
         mDke: cute.Tensor | None,
         mDh0: cute.Tensor,
         mCu: cute.Tensor | None,
         mOrder: cute.Tensor | None,
+        mG: cute.Tensor | None,
         mma_ks: cute.TiledMma,
         mma_st: cute.TiledMma,
         mma_dke: cute.TiledMma,
@@ -389,24 +406,30 @@ class GdnBwdStateSm90:
                     srcs = srcs + ((mU4, sU, (CHUNK, self.v)),)
                 if const_expr(self.channel_decay):
                     srcs = srcs + ((mE4, sE, (1, self.k)),)  # row c: chunk c's e^(G_C)
-                self._produce(atoms, srcs, ring, hv, b, nchunks, first)
+                heads = None  # every tile at head hv
+                if const_expr(self.fused):  # k at its own head
+                    heads = (hv, hv, hv // (mDO4.shape[2] // mW4.shape[2]))
+                self._produce(atoms, srcs, ring, hv, b, nchunks, first, heads)
         else:
             cute.arch.setmaxregister_increase(STATE_REGS)
             self._state(
                 wg - 1, tidx - wg * THREADS_PER_WG, mma_ks, mma_st, mma_dke, sDO, sPT, sKe, sQe,
                 sW, sU, sS, sE, mEl, mDht, mDU, mDh, mDke, mDh0, ring, hv, b, seqlen, nchunks, n,
-                first,
+                first, mG,
             )  # fmt: skip
 
     @cute.jit
-    def _produce(self, atoms, srcs, ring, hv, b, nchunks, first):
+    def _produce(self, atoms, srcs, ring, hv, b, nchunks, first, heads=None):
         """TMA: per chunk, last first (forward: first first), one (C, D) box of each tile
-        (head hv, sequence b) into the ring (and the (1, K) box of e^(G_C) with
-        channel_decay); boxes past T are zero-filled. varlen: chunk c at slot first + c."""
+        (head hv, or heads[i] for tile i where given, sequence b) into the ring (and the (1, K)
+        box of e^(G_C) with channel_decay); boxes past T are zero-filled. varlen: chunk c at
+        slot first + c."""
         one = cute.make_layout(1)
         loads = []
-        for atom, (m, s, box) in zip(atoms, srcs):
-            g = cute.local_tile(m[None, None, hv, b], box, (None, 0))
+        for i in cutlass.range_constexpr(len(srcs)):
+            atom, (m, s, box) = atoms[i], srcs[i]
+            head = hv if const_expr(heads is None) else heads[i]
+            g = cute.local_tile(m[None, None, head, b], box, (None, 0))
             ts, tg = cpasync.tma_partition(
                 atom, 0, one, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
             )
@@ -425,7 +448,7 @@ class GdnBwdStateSm90:
     @cute.jit
     def _state(
         self, w, stid, mma_ks, mma_st, mma_dke, sDO, sPT, sKe, sQe, sW, sU, sS, sE, mEl, mDht,
-        mDU, mDh, mDke, mDh0, ring, hv, b, seqlen, nchunks, n, first,
+        mDU, mDh, mDke, mDh0, ring, hv, b, seqlen, nchunks, n, first, mG,
     ):  # fmt: skip
         """b: the tiles' batch index; n: the states' (both the sequence but with varlen, where
         b = 0 and chunk i of the walk is slot first + i)."""
@@ -460,6 +483,9 @@ class GdnBwdStateSm90:
             if const_expr(self.varlen):
                 c = first + c
             acc_du = cute.make_rmem_tensor(acc_shape, Float32)
+            g_tok = None
+            if const_expr(self.fused):  # loaded here, used after the first product
+                g_tok = self._token_gates(acc_du, mma_ks, mG, b, c, hv)
             ring.consumer_wait(st)
             acc_to_operand_a(acc_ds, tDSrDS)
             if const_expr(self.out16):  # dS, 16-bit: the A operand's registers, no 2nd copy
@@ -491,6 +517,13 @@ class GdnBwdStateSm90:
                 acc_ds.store(acc_ds.load() * mEl[b, c, hv])
             if const_expr(not self.forward):  # forward: Qe = 0
                 gemm(mma_st, acc_ds, tDOrDO, tBrQe[None, None, None, st.index], False, -1)
+            if const_expr(self.fused):  # W = k: S^T += (U^T diag(e^(G_C - G))) k
+                g_c, g_j = g_tok
+                a = rows_cols(acc_du)
+                for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
+                    e = cute.math.exp(g_c - g_j[j], fastmath=True)
+                    for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
+                        a[r, j] = a[r, j] * e
             if const_expr(self.forward):  # W = Ke: S^T += U^T Ke, U^T fed as it is
                 acc_to_operand_a(acc_du, tDUrDU)
             else:
@@ -498,13 +531,28 @@ class GdnBwdStateSm90:
                 r_neg.store(-acc_du.load())
                 acc_to_operand_a(r_neg, tDUrDU)
             gemm(mma_st, acc_ds, tDUrDU, tBrW[None, None, None, st.index], False, -1)
-            self._store_du(acc_du, mma_ks, mDU, tid, w, hv, b, c, seqlen)
+            if const_expr(not self.fused):
+                self._store_du(acc_du, mma_ks, mDU, tid, w, hv, b, c, seqlen)
             if const_expr(self.dke):
                 self._store_dke(acc_dke, mma_dke, mDke, tid, w, hv, b, c, seqlen)
             warpgroup.wait_group(0)
             ring.consumer_release(st)
             st.advance()
         self._state_io(mDh0[n, hv, None, None], acc_ds, thr_st, w, False, True)
+
+    @cute.jit
+    def _token_gates(self, acc_du, mma_ks, mG, b, c, hv) -> tuple:
+        """fused: (G_C, [G_j]) for the token columns j of this thread's U^T fragment
+        (`acc_du`'s), from kernel 0's G rows of chunk c (G_C its last row's: past T, G stays
+        the last token's, as kernel 0's scan leaves it); e^(G_C - G_j) is formed where U^T is
+        scaled, after the first product (the loads' latency under it)."""
+        tid = opaque_tid_x() % THREADS_PER_WG
+        t0, _, col_base = softmax.acc_coords(mma_ks, tid, (ROWS, CHUNK))
+        first = c * CHUNK
+        g_j = []
+        for j in cutlass.range_constexpr(cute.size(rows_cols(acc_du), mode=[1])):
+            g_j.append(mG[b, first + col_base + t0[0, j][1], hv])
+        return mG[b, first + CHUNK - 1, hv], g_j
 
     @cute.jit
     def _decay_columns(self, acc_ds, mma_st, sE, s):

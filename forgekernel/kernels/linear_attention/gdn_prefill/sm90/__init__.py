@@ -25,8 +25,12 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
+    """Both forms of every configuration: the launcher takes the t_pre form (T precomputed)
+    except on direct unsplit launches over ungrouped heads (`launch.t_pre_for`), where the
+    standard one runs; the other form stays the bench's variant."""
     return [
-        params_for(dtype, dims, k_last=kl, l2norm=l2, initial_state=init, v_split=split)
+        params_for(dtype, dims, k_last=kl, l2norm=l2, initial_state=init, v_split=split, t_pre=tp)
+        for tp in (False, True)
         for dtype in DTYPES
         for dims in HEAD_DIMS
         for kl in (False, True)
@@ -43,16 +47,18 @@ def _compile_t_pre(params: Params, extra_options: str = ""):
 
 
 def _t_pre_candidates() -> list[Params]:
-    """The chunked kernel's `t_pre` form (bench variant `t_pre`, not yet the launcher's
-    default): the suite's configurations (bf16, fla's state layout, no l2norm), state or not,
-    unsplit and split; and the same with next/gdn-tpre's state chain (`state_lds`, the bench's
-    A/B variant `t_pre_state_lds`)."""
+    """The t_pre form with next/gdn-tpre's state chain (`state_lds`, the bench's A/B variant
+    `t_pre_state_lds`) in the suite's configurations (bf16, fla's state layout, no l2norm),
+    state or not, unsplit and split; unsplit, the state warpgroups in turns (`state_order`, the
+    bench's `t_pre_state_order`)."""
     suite = dict(k_last=False, l2norm=False, t_pre=True)
     return [
-        params_for("bfloat16", initial_state=init, v_split=split, state_lds=lds, **suite)
-        for lds in (False, True)
+        params_for("bfloat16", initial_state=init, v_split=split, state_lds=True, **suite)
         for init in (False, True)
         for split in V_SPLITS
+    ] + [
+        params_for("bfloat16", initial_state=init, state_order=True, **suite)
+        for init in (False, True)
     ]
 
 

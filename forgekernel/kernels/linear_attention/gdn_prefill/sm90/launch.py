@@ -3,6 +3,8 @@ first (`forgekernel.ops.gated_delta_rule_chunked.gated_delta_rule`)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90 import SPEC, T_PRE_SPEC
@@ -41,6 +43,24 @@ SEGMENT_MIN_TOKENS = 16384  # ... and sequences average >= 256 chunks (launches,
 MAX_SEGMENTS = 16  # the scan's serial batched products (P - 2), a few us each
 
 
+# The t_pre form's two state warpgroups issuing their WGMMA batches in turns (compile key
+# state_order; docs/linear_attention/NOTES.md, "next/gdn-prefill-gap ... turns"): off until the
+# bench's `t_pre_state_order` / `t_pre` is read. STATE_ORDER_SWITCH overrides it for the GPU
+# checks ("1" on, "0" off): with "1" every unsplit t_pre launch takes the key, so the t_pre GPU
+# tests run on it unchanged.
+STATE_ORDER = False
+STATE_ORDER_SWITCH = "FORGEKERNEL_GDN_PREFILL_STATE_ORDER"
+
+
+def state_order_for(split: int, t_pre: bool, state_lds: bool) -> bool:
+    """Whether a launch takes the state_order key by default: STATE_ORDER (or its switch) on,
+    and the launch the unsplit t_pre form with its O warp (turns need two state warpgroups)."""
+    mode = os.environ.get(STATE_ORDER_SWITCH, "1" if STATE_ORDER else "0")
+    if mode not in ("0", "1"):
+        raise ValueError(f"{STATE_ORDER_SWITCH} must be '0' or '1', got {mode!r}")
+    return mode == "1" and t_pre and not state_lds and split == 1
+
+
 def segments_for(sequences: int, value_heads: int, tokens: int, sms: int) -> int:
     """Segments per sequence: 1 (the direct launch) unless N HV <= SMs / 8 and the sequences
     are long; then the most, at most MAX_SEGMENTS, whose passes fill one wave: a pass runs
@@ -50,6 +70,19 @@ def segments_for(sequences: int, value_heads: int, tokens: int, sms: int) -> int
     if heads * SEGMENT_HEADS_DIV > sms or tokens < SEGMENT_MIN_TOKENS * sequences:
         return 1
     return max(1, min(MAX_SEGMENTS, (sms // value_heads + 1) // sequences))
+
+
+def t_pre_for(heads: int, value_heads: int, v_split: int, segments: int) -> bool:
+    """Whether T diag(beta) is precomputed (`t_diag_beta`, then the chunked kernel's t_pre
+    form): everywhere but the direct unsplit launch over ungrouped heads (HV = H). The t_pre
+    path moves ~1.5x the standard's HBM bytes (T written and read back, k read again by the
+    precompute) for a shorter chunk. Unsplit with HV = H each CTA streams its own q and k
+    (64 KB a chunk): the standard form already draws ~1.9 TB/s there and the t_pre form's
+    ~6.5 GB at 8 x 32768 h16 hv16 sit at the H100's HBM (2.44 vs 2.23 ms, 1.096x; eager
+    1.155x). Grouped heads (HV > H: q, k shared through L2), split CTAs (a chunk half the
+    rows) and segments (T once for three passes) win: 0.53-0.93x on the other 15 suite cases
+    (H100 2026-12-06, docs/linear_attention/NOTES.md "next/gdn-tpre-rule")."""
+    return segments > 1 or v_split > 1 or value_heads > heads
 
 
 def _sms(device: torch.device) -> int:
@@ -73,8 +106,9 @@ def gdn_prefill(
     l2norm: bool,
     v_split: int | None = None,
     segments: int | None = None,
-    t_pre: bool = False,
+    t_pre: bool | None = None,
     state_lds: bool = False,
+    state_order: bool | None = None,
 ) -> None:
     """Varlen form: q, k (T, H, K), v (T, HV, V) 16-bit, g (log decay) and beta fp32 (T, HV),
     cu_seqlens int32 (N + 1,); initial_state (N, HV, K, V) fp32, or (N, HV, V, K) with k_last,
@@ -84,23 +118,30 @@ def gdn_prefill(
     as `v_split` says: the bench's variants time both on a case). Problems of N x HV <= SMs / 8
     long sequences cut each sequence into `segments_for` pieces run in parallel
     (`_segmented`; `segments` forces a count, 1 the direct launch). t_pre: T diag(beta) of
-    every chunk by the precompute kernel first, read by the chunked kernel's `t_pre` form (the
-    bench's variant `t_pre`; not the default until measured); state_lds (with t_pre): that form
-    with next/gdn-tpre's state chain (the bench's A/B `t_pre_state_lds`)."""
+    every chunk by the precompute kernel first, read by the chunked kernel's `t_pre` form; None:
+    as `t_pre_for` says (True / False forced: the bench's variants `t_pre` / `standard`);
+    state_lds (with t_pre=True): that form with next/gdn-tpre's state chain (the bench's A/B
+    `t_pre_state_lds`). state_order (with t_pre, unsplit): the state warpgroups in turns (the
+    bench's `t_pre_state_order`); None: `state_order_for`'s default."""
     if final_state.shape[0] == 0:
         return
     if q.shape[0] == 0:  # every sequence empty: no TMA descriptor over zero tokens
         final_state.copy_(initial_state) if initial_state is not None else final_state.zero_()
         return
     n, hv = final_state.shape[0], v.shape[1]
-    parts = segments or segments_for(n, hv, q.shape[0], _sms(q.device))
+    sms = _sms(q.device)
+    parts = segments or segments_for(n, hv, q.shape[0], sms)
+    split = v_split or v_split_for(n, hv, sms)  # the direct launch's (segments: each pass's own)
+    if t_pre is None:
+        t_pre = t_pre_for(q.shape[1], hv, split, parts)
     if parts > 1:
         _segmented(q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale, parts,
-                   k_last=k_last, l2norm=l2norm, t_pre=t_pre, state_lds=state_lds)  # fmt: skip
+                   k_last=k_last, l2norm=l2norm, t_pre=t_pre, state_lds=state_lds,
+                   state_order=state_order)  # fmt: skip
         return
     _direct(q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale,
-            k_last=k_last, l2norm=l2norm, v_split=v_split, t_pre=t_pre,
-            state_lds=state_lds)  # fmt: skip
+            k_last=k_last, l2norm=l2norm, v_split=split, t_pre=t_pre,
+            state_lds=state_lds, state_order=state_order)  # fmt: skip
 
 
 def t_diag_beta(
@@ -128,15 +169,17 @@ def t_diag_beta(
 
 def _direct(
     q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale, *, k_last, l2norm,
-    v_split, t_pre=False, t_buf=None, state_lds=False,
+    v_split, t_pre=False, t_buf=None, state_lds=False, state_order=None,
 ):  # fmt: skip
     """One launch: a CTA (or a V split's CTAs) per sequence and value head (t_pre: after the
     T precompute's, or on t_buf, T of these sequences at their `first_slot`s)."""
     split = v_split or v_split_for(final_state.shape[0], v.shape[1], _sms(q.device))
+    if state_order is None:
+        state_order = state_order_for(split, t_pre, state_lds)
     params = params_for(
         dtype_name(q.dtype), (q.shape[-1], v.shape[-1]), k_last=k_last, l2norm=l2norm,
         initial_state=initial_state is not None, v_split=split, t_pre=t_pre,
-        state_lds=state_lds,
+        state_lds=state_lds, state_order=state_order,
     )  # fmt: skip
     fn = get_kernel(SPEC, params)
     q, k, v = (_aligned(x) for x in (q, k, v))
@@ -165,7 +208,7 @@ def _segment_offsets(cu_seqlens: torch.Tensor, parts: int) -> torch.Tensor:
 
 def _segmented(
     q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale, parts, *, k_last, l2norm,
-    t_pre=False, state_lds=False,
+    t_pre=False, state_lds=False, state_order=None,
 ):  # fmt: skip
     """Each sequence cut into `parts` segments run in parallel (up to N P HV CTAs instead of
     N HV): the recurrence is affine in the state, S_end = M S_start + L per segment (M the
@@ -191,7 +234,8 @@ def _segmented(
     runs = [cu[:-1], cu[1:-1].clone(), cu[1:].clone()]  # A, B, C; own bases (aligned like cu)
     total = n * parts
     flat = (total, *final_state.shape[1:])
-    run = dict(k_last=k_last, l2norm=l2norm, v_split=None, t_pre=t_pre, state_lds=state_lds)
+    run = dict(k_last=k_last, l2norm=l2norm, v_split=None, t_pre=t_pre, state_lds=state_lds,
+               state_order=state_order)  # fmt: skip
     t_all = t_diag_beta(k, g, beta, cu, l2norm=l2norm) if t_pre else None
 
     def from_segment(r):  # T as a pass starting at segment r indexes it
