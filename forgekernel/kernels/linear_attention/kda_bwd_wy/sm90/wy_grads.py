@@ -504,20 +504,6 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         return [o0, o1]
 
     @cute.jit
-    def _add_rows(self, acc, mma, mOut, tid, b, hv, c, seqlen, at=None):
-        """GDN's `_add_rows` on this warpgroup's (C, 64) columns of out (`at` as there)."""
-        t0, row_base, _ = softmax.acc_coords(mma, tid, (CHUNK, self.half))
-        g = self._half_rows(mma, mOut, tid, b, hv, c, self._kh(), at)
-        first, bound = c * CHUNK, seqlen
-        if const_expr(at is not None):
-            first, bound = 0, at[1]
-        a = rows_cols(acc)
-        for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
-            if first + row_base + t0[r, 0][0] < bound:
-                for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
-                    g[r, j] = g[r, j] + a[r, j]
-
-    @cute.jit
     def _add_rows_to(self, acc, mma, mIn, mOut, tid, b, hv, c, seqlen, at=None):
         """out[b, tokens of chunk c, hv, this warpgroup's 64 columns] = in[...] + a (C, 64)
         accumulator in out's 16-bit dtype, rounded once; the rows inside T (`_add_rows`'
