@@ -132,7 +132,8 @@ class _GroupWaits:
 class KdaBwdChunkSm90(GdnBwdChunkSm90):
     """One CTA per (chunk, value head, sequence): `_output_grads` of the chunk with KDA's
     per-channel decays on two math warpgroups split by key channels; see the module docstring.
-    Gated DeltaNet's kernel 2's grouped TMA loads (`_load_groups`) are used as they are."""
+    Gated DeltaNet's kernel 2's grouped TMA loads (`_load_groups`) and its bounded row stores
+    and adds (`_store_rows`, `_add_rows`, on this class's `_out_rows`) are used as they are."""
 
     load_groups = LOAD_GROUPS
     threads = THREADS

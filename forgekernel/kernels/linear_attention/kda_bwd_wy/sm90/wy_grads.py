@@ -36,9 +36,10 @@ integration41").
 el = e^(G - r_w), er = e^(r_w - G) <= e^(8 max|g|) (zero past T); no factor is e^(-G). The
 score-gradient blocks run in bf16 for either tile dtype (kernel 2's reason). The per-channel
 tables, (k er) / (k el), the block products and their column scalings, the tiled MMAs and
-layouts but T^T's, the half tiles and the half-row stores are kernel 2's
+layouts but T^T's, the half tiles and the half-row places (`_out_rows`) are kernel 2's
 (kernels/linear_attention/kda_bwd_chunk/sm90, `KdaBwdChunkSm90`, inherited); Gated DeltaNet's
-kernel 2 brings the grouped loads, the tile stores (stmatrix) and dbeta's store.
+kernel 2 brings the grouped loads, the tile stores (stmatrix), the bounded row stores and adds
+(`_store_rows`, `_add_rows`) and dbeta's store.
 
 Two math warpgroups split by value / key channels (2026-12-06: 1.20x the one-math-warpgroup
 kernel of 256 threads it replaced, 2.043 -> 1.706 ms at 4 x 8192 HV16 on the H100, bit for bit
