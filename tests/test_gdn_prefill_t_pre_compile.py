@@ -69,24 +69,12 @@ FORMS = {
 }
 
 STATE_LDS = {"bf16_state_lds": {"dtype": "bfloat16", "state_lds": True}}  # the bench's A/B
-# the state warpgroups in turns (the bench's `t_pre_state_order`; unsplit only)
-STATE_ORDER = {
-    "bf16_state_order": {"dtype": "bfloat16", "state_order": True},
-    "fp16_l2norm_klast_state_order": {
-        "dtype": "float16",
-        "l2norm": True,
-        "k_last": True,
-        "initial_state": True,
-        "state_order": True,
-    },  # fmt: skip
-}
 
 # The chunked kernel's `t_pre` forms are standard keys (the launcher's default form): CI
 # compiles the first (bf16), the others and the `state_lds` key are slow (~6 s of CI's CPU, idle
 # machine, 2026-12-06); the precompute (gdn_t_pre_sm90, standard) keeps both its builds in CI
 FORM_NAMES = slow_past(FORMS)
 FORM_AND_STATE_LDS_NAMES = slow_past([*FORMS, *STATE_LDS])
-STATE_ORDER_NAMES = slow_past(STATE_ORDER)
 
 
 def _build(compile_fn, params, kernel):
@@ -114,7 +102,7 @@ def built():
                 kernel = GdnTPreSm90(128, l2norm=l2)
                 cache[kind, name] = _build(compile_gdn_t_pre, params, kernel)
             else:
-                kw = dict({**FORMS, **STATE_LDS, **STATE_ORDER}[name])
+                kw = dict(FORMS[name] if name in FORMS else STATE_LDS[name])
                 params = dict(config.params_for(kw.pop("dtype"), **kw, t_pre=True))
                 cache[kind, name] = _build(compile_gdn_prefill, params, kernel_for(params))
         return cache[kind, name]
@@ -310,71 +298,3 @@ def test_state_lds_form_keeps_the_previous_chain(built, name):
     assert ops.count("LDS.U16") == 32 and "LDSM.16.MT88.4" not in ops
     assert "UTMASTG.3D" not in ops and ops.count("STG.E.128") == 4
     assert O_FULL_ARRIVALS not in _mbarrier_init_counts(ptx)[-4:]
-
-
-# ------------------------------------------------------------------------ state_order
-
-
-TURN_SYNC = "BAR.SYNC.DEFER_BLOCKING"
-TURN_THREADS = f"{2 * THREADS_PER_WG:#x}"  # both state warpgroups: 0x100
-
-
-def _turns(instrs, op):
-    """The indices of the turn barriers' instructions `op` (over 256 threads, a register id)."""
-    return [
-        i
-        for i, (o, a) in enumerate(instrs)
-        if o == op and a.strip().startswith("R") and a.strip().endswith(TURN_THREADS)
-    ]
-
-
-@pytest.mark.parametrize("name", STATE_ORDER_NAMES)
-def test_state_order_resources_as_the_t_pre_form(built, name):
-    """The turns cost no shared memory or registers: the same SharedStorage as the lockstep
-    t_pre form, the setmaxnreg split, no spills (cu13), the same WGMMAs and the same waits
-    (none serialized: one WARPGROUP.DEPBAR a group that was waited before)."""
-    res, instrs, smem, ptx = built("form", name)
-    lockstep = {k: v for k, v in STATE_ORDER[name].items() if k != "state_order"}
-    kw = dict(lockstep)
-    params = dict(config.params_for(kw.pop("dtype"), **kw, t_pre=True))
-    _, base, base_smem, base_ptx = _build(compile_gdn_prefill, params, kernel_for(params))
-    if dsl_toolchain() == "cu13":  # the GPU host's build (cu12's ptxas spills the t_pre form)
-        assert res["spill_bytes"] == 0
-    maxreg = sorted(int(a.split(",")[-1], 16) for op, a in instrs if op.startswith("USETMAXREG"))
-    assert maxreg == sorted([config.PRODUCER_REGS, config.AUX_REGS, config.STATE_REGS])
-    assert smem == base_smem
-    for prefix in ("HGMMA", "WARPGROUP.DEPBAR", "WARPGROUP.ARRIVE", "UTMA", "SYNCS.ARRIVE"):
-        assert sum(op.startswith(prefix) for op in _ops(instrs)) == sum(
-            op.startswith(prefix) for op in _ops(base)
-        ), prefix
-    assert _mbarrier_init_counts(ptx) == _mbarrier_init_counts(base_ptx)
-    assert not _turns(base, TURN_SYNC) and not _turns(base, "BAR.ARV")
-
-
-@pytest.mark.parametrize("name", STATE_ORDER_NAMES)
-def test_state_order_turns_around_each_batch(built, name):
-    """Four turns a chunk (X^T | O^T, U^T, U^T P^T, the update): each bar.sync on the turn
-    barrier (256 threads, the warpgroup's own id in a register) directly before its batch's
-    first WGMMA (nothing but the operands' setup between: no wait, no other barrier), each
-    hand-over (bar.arrive) right after the batch's last HGMMA and before its wait; one more
-    arrival ahead of the loop (warpgroup 0 opens) and the last hand-over predicated (warpgroup
-    1 skips it after its last batch)."""
-    _, instrs, _, _ = built("form", name)
-    syncs, arrives = _turns(instrs, TURN_SYNC), _turns(instrs, "BAR.ARV")
-    assert len(syncs) == 4 and len(arrives) == 5
-    hgmma = [i for i, (op, _) in enumerate(instrs) if op.startswith("HGMMA")]
-    for i in syncs:
-        nxt = min(j for j in hgmma if j > i)
-        between = [op for op, _ in instrs[i + 1 : nxt]]
-        assert "WARPGROUP.ARRIVE" in between
-        assert not [op for op in between
-                    if op.startswith(("SYNCS", "BAR", "WARPGROUP.DEPBAR"))], between  # fmt: skip
-    opening, *handovers = arrives
-    assert opening < syncs[0]
-    for i, j, nxt in zip(syncs, handovers, [*syncs[1:], len(instrs)], strict=True):
-        assert i < j < nxt
-        last = max(k for k in hgmma if k < j)  # the batch's last HGMMA: it commits the group
-        assert last > i and "gsb0" in instrs[last][1]
-        between = [op for op, _ in instrs[last + 1 : j]]
-        assert not [op for op in between
-                    if op.startswith(("SYNCS", "BAR", "WARPGROUP"))], between  # fmt: skip

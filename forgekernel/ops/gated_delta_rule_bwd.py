@@ -521,15 +521,19 @@ FSPLIT = True
 FUSED = True
 FUSED_SWITCH = "FORGEKERNEL_GDN_BWD_FUSED"
 
-# TEMPORARY (until the device session's A/B, NOTES "next/gdn-fused-diet"; then the keys stay or
-# go): the fused route without the tiles nobody needs there. Kernel 0's `fused` key writes no
-# Qe, Ke (32 KB a chunk-head); kernel 1's forward launch (its `fused` key) reads k (at the H
-# heads) and G in place of Ke and writes h only (U's 16 KB not stored); the fused kernel forms
-# U = u - W h (`u_from_h`: U's 16 KB not read, its box filled by the state warpgroup). ~72 KB
-# a chunk-head less moved in all. False: the fused route as on 2026-12-06. In the varlen slot
-# layout (FUSED_SLOTS) only the fused kernel's part: kernel 0's and kernel 1's `fused` keys have
-# no varlen form, so there the forward launch reads Ke and writes U, and the fused kernel's
-# `varlen, u_from_h` key saves only U's read (NOTES "next/fused-slots-on46").
+# The fused route without the tiles nobody needs there (NOTES "next/gdn-fused-diet"). Kernel 0's
+# `fused` key writes no Qe, Ke (32 KB a chunk-head); kernel 1's forward launch (its `fused` key)
+# reads k (at the H heads) and G in place of Ke and writes h only (U's 16 KB not stored); the
+# fused kernel forms U = u - W h (`u_from_h`: U's 16 KB not read, its box filled by the state
+# warpgroup). ~72 KB a chunk-head less moved in all. Measured on the H100 (2026-12-06 22:05, the
+# gdn_bwd bench): 4 x 8192 hv32 bf16 eager 3.834 -> 3.615 ms; graph replay 5.59 -> 5.54 ms,
+# unchanged as expected (a capture runs the varlen slot layout, which takes the fused route only
+# with FUSED_SLOTS, and there only the fused kernel's part applies); the diet_keys GPU tests 10
+# passed, racecheck 0 hazards (2-63-2-4-dtype0). False: the fused route of before (U read), kept
+# as the baseline of FUSED_SLOTS' pending device A/B (`varlen` against `varlen, u_from_h`). In the
+# varlen slot layout (FUSED_SLOTS) only the fused kernel's part: kernel 0's and kernel 1's `fused`
+# keys have no varlen form, so there the forward launch reads Ke and writes U, and the fused
+# kernel's `varlen, u_from_h` key saves only U's read (NOTES "next/fused-slots-on46").
 FUSED_DIET = True
 
 

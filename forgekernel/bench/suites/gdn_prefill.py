@@ -181,8 +181,8 @@ def _run_forced(**forced):
     """Ours through the launcher with a choice forced: `v_split` (1: one CTA per sequence and
     head; 2: two, each with 64 value rows of the state and two aux warpgroups), `segments`
     (1: the direct launch; P: each sequence cut into P segments, three passes) or `t_pre` (True:
-    T diag(beta) by the precompute kernel, read by the chunked kernel's t_pre form, with
-    `state_order` its state warpgroups in turns; False: the standard form, its aux forming T)."""
+    T diag(beta) by the precompute kernel, read by the chunked kernel's t_pre form; False: the
+    standard form, its aux forming T)."""
 
     def run(inputs: Inputs, out):
         launch = importlib.import_module(
@@ -224,9 +224,7 @@ def variants(case: Case) -> dict[str, Any]:
     1 x hv32, the model's break-even, launch.segments_for). The split and segment variants keep
     the case's form (t_pre forced as ours takes it), so each compares one choice.
     `t_pre_state_lds` on STATE_CHAIN_AB: the t_pre form with next/gdn-tpre's state chain, the
-    A/B of its O warp and ldmatrix V^T. `t_pre_state_order` where ours is the t_pre form's
-    direct unsplit launch: its two state warpgroups issuing in turns (launch.state_order_for),
-    against ours (lockstep) on the same case."""
+    A/B of its O warp and ldmatrix V^T."""
     from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import v_split_for
     from forgekernel.kernels.linear_attention.gdn_prefill.sm90.launch import segments_for
 
@@ -238,8 +236,6 @@ def variants(case: Case) -> dict[str, Any]:
     if case.name in STATE_CHAIN_AB:
         out["t_pre_state_lds"] = _run_forced(t_pre=True, state_lds=True)
     direct = segments_for(n, hv, sum(lens), H200_SMS) == 1
-    if t_pre and direct and v_split_for(n, hv, H200_SMS) == 1:
-        out["t_pre_state_order"] = _run_forced(t_pre=True, state_order=True, v_split=1)
     if not direct:
         return {**out, "segments_1": _run_forced(segments=1, t_pre=t_pre)}
     if 4 * n * hv <= H200_SMS and sum(lens) >= 16384 * n:

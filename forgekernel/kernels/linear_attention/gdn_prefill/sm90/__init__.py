@@ -49,16 +49,12 @@ def _compile_t_pre(params: Params, extra_options: str = ""):
 def _t_pre_candidates() -> list[Params]:
     """The t_pre form with next/gdn-tpre's state chain (`state_lds`, the bench's A/B variant
     `t_pre_state_lds`) in the suite's configurations (bf16, fla's state layout, no l2norm),
-    state or not, unsplit and split; unsplit, the state warpgroups in turns (`state_order`, the
-    bench's `t_pre_state_order`)."""
+    state or not, unsplit and split."""
     suite = dict(k_last=False, l2norm=False, t_pre=True)
     return [
         params_for("bfloat16", initial_state=init, v_split=split, state_lds=True, **suite)
         for init in (False, True)
         for split in V_SPLITS
-    ] + [
-        params_for("bfloat16", initial_state=init, state_order=True, **suite)
-        for init in (False, True)
     ]
 
 

@@ -59,11 +59,7 @@ the thread-dependent views hoisted, and O handed by an mbarrier ring (full: the 
 warpgroup's 128 threads after stmatrix and a proxy fence; empty: the O warp's 32 lanes once
 read) to warpgroup 0's warp 3 (`roles.O_WARP`), which stores whole chunks by one TMA box and
 the tail chunk's rows by 16-byte copies. Key field state_lds keeps next/gdn-tpre's state chain
-(the bench's A/B, `t_pre_state_lds`). Key field state_order (unsplit t_pre form): the two state
-warpgroups issue their four WGMMA batches a chunk (X^T | O^T, U^T, U^T P^T, the update) in
-turns, each waiting on its barrier `Bar.TURN + w` and handing over to the other right after its
-issue (FlashInfer's ordered issue; the attention forward's ping-pong), so one's CUDA-core work
-runs under the other's batch instead of both at once with the tensor pipe idle.
+(the bench's A/B, `t_pre_state_lds`).
 
 Ragged edges: a chunk that runs past its sequence loads the next sequence's rows (or TMA's
 zero fill past T): their g and beta are 0 (so G2 is flat and those rows of L, T - I and U
@@ -86,7 +82,6 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from forgekernel.kernels.common.sm90.barriers import named_barrier
 from forgekernel.kernels.common.sm90.constants import LOG2E, THREADS_PER_WG, WARP_SIZE
 from forgekernel.kernels.common.sm90.layout import packed_as_sdhb
 from forgekernel.kernels.common.sm90.pipeline import (
@@ -126,7 +121,6 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import (
     O_WARP,
     PRODUCER_WARP,
     T_WARP,
-    Bar,
     gate_warp_witnesses_qk,
     qk_consumer_warps,
     v_consumer_warps,
@@ -155,7 +149,7 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
 
     def __init__(
         self, k: int, v: int, *, k_last: bool, l2norm: bool, initial_state: bool, v_split: int = 1,
-        t_pre: bool = False, state_lds: bool = False, state_order: bool = False,
+        t_pre: bool = False, state_lds: bool = False,
     ):  # fmt: skip
         if (k, v) != (128, 128):
             raise ValueError(f"(K, V) must be (128, 128), got {(k, v)}")
@@ -166,7 +160,6 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
         self.v_split = v_split
         self.t_pre = t_pre
         self.o_warp = t_pre and not state_lds  # O by warp O_WARP's TMA stores, V^T by ldmatrix
-        self.state_order = state_order  # the state warpgroups' WGMMA issue in turns (Bar.TURN)
         self.state_wgs = state_wgs(v, v_split)
         self.aux_wgs = aux_wgs(v_split)
         self.v_cols = self.state_wgs * ROWS_PER_STATE_WG  # value columns of one CTA
@@ -440,15 +433,10 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
         else:
             cute.arch.setmaxregister_increase(STATE_REGS)
             first = 1 + self.aux_wgs  # the first state warpgroup
-            turns = None
-            if const_expr(self.state_order):  # (mine, theirs): two state warpgroups
-                w = wg - first
-                turns = tuple(named_barrier(int(Bar.TURN) + x, 2 * THREADS_PER_WG)
-                              for x in (w, 1 - w))  # fmt: skip
             self._state(
                 wg - first, tidx - (wg * THREADS_PER_WG), mma_ks, mma_st, sQ, sK, sV, sP, sT,
                 sTab, sO, mInit, mFinal, mO, qk_pipe, v_pipe, aux_pipe, hv, part, n, bos,
-                seqlen, nchunks, t_pipe, o_ring, turns,
+                seqlen, nchunks, t_pipe, o_ring,
             )  # fmt: skip
 
     # ---------------------------------------------------------------- producer warps

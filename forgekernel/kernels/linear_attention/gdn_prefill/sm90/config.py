@@ -133,7 +133,6 @@ def params_for(
     v_split: int = 1,
     t_pre: bool = False,
     state_lds: bool = False,
-    state_order: bool = False,
 ) -> tuple:
     """Compile key: the q / k / v dtype, (K, V), the state's layout (k_last: (N, HV, V, K),
     FlashInfer's; else (N, HV, K, V), fla's), the q / k l2norm in the kernel, whether an
@@ -144,18 +143,11 @@ def params_for(
     of forming it in the aux warpgroup; named in the key only when on (the standard keys, and
     so their cache entries, unchanged). state_lds (t_pre only): the state chain of next/gdn-tpre
     (V^T by 16-bit loads, O stored by the state warps), kept as the bench's A/B of the t_pre
-    form's O warp and ldmatrix V^T; named only when on. state_order (t_pre with its O warp,
-    unsplit only): the two state warpgroups issue their WGMMA batches in turns (`Bar.TURN`),
-    not in lockstep; named only when on."""
+    form's O warp and ldmatrix V^T; named only when on."""
     if v_split not in V_SPLITS:
         raise ValueError(f"v_split must be one of {V_SPLITS}, got {v_split}")
     if state_lds and not t_pre:
         raise ValueError("state_lds is a form of t_pre (the standard form has no O warp)")
-    if state_order and (not t_pre or state_lds or state_wgs(head_dims[1], v_split) != 2):
-        raise ValueError(
-            "state_order takes turns between two state warpgroups: the t_pre form "
-            "with its O warp (not state_lds), unsplit"
-        )
     k, v = head_dims
     key = {"dtype": dtype, "k": k, "v": v, "k_last": k_last, "l2norm": l2norm,
            "initial_state": initial_state, "v_split": v_split}  # fmt: skip
@@ -163,6 +155,4 @@ def params_for(
         key["t_pre"] = True
         if state_lds:
             key["state_lds"] = True
-        if state_order:
-            key["state_order"] = True
     return tuple(sorted(key.items()))

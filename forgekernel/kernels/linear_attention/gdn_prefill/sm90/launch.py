@@ -3,8 +3,6 @@ first (`forgekernel.ops.gated_delta_rule_chunked.gated_delta_rule`)."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90 import SPEC, T_PRE_SPEC
@@ -41,24 +39,6 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
 SEGMENT_HEADS_DIV = 8  # segment when N HV <= SMs / 8 (16 on 132 SMs) ...
 SEGMENT_MIN_TOKENS = 16384  # ... and sequences average >= 256 chunks (launches, scan amortized)
 MAX_SEGMENTS = 16  # the scan's serial batched products (P - 2), a few us each
-
-
-# The t_pre form's two state warpgroups issuing their WGMMA batches in turns (compile key
-# state_order; docs/linear_attention/NOTES.md, "next/gdn-prefill-gap ... turns"): off until the
-# bench's `t_pre_state_order` / `t_pre` is read. STATE_ORDER_SWITCH overrides it for the GPU
-# checks ("1" on, "0" off): with "1" every unsplit t_pre launch takes the key, so the t_pre GPU
-# tests run on it unchanged.
-STATE_ORDER = False
-STATE_ORDER_SWITCH = "FORGEKERNEL_GDN_PREFILL_STATE_ORDER"
-
-
-def state_order_for(split: int, t_pre: bool, state_lds: bool) -> bool:
-    """Whether a launch takes the state_order key by default: STATE_ORDER (or its switch) on,
-    and the launch the unsplit t_pre form with its O warp (turns need two state warpgroups)."""
-    mode = os.environ.get(STATE_ORDER_SWITCH, "1" if STATE_ORDER else "0")
-    if mode not in ("0", "1"):
-        raise ValueError(f"{STATE_ORDER_SWITCH} must be '0' or '1', got {mode!r}")
-    return mode == "1" and t_pre and not state_lds and split == 1
 
 
 def segments_for(sequences: int, value_heads: int, tokens: int, sms: int) -> int:
@@ -108,7 +88,6 @@ def gdn_prefill(
     segments: int | None = None,
     t_pre: bool | None = None,
     state_lds: bool = False,
-    state_order: bool | None = None,
 ) -> None:
     """Varlen form: q, k (T, H, K), v (T, HV, V) 16-bit, g (log decay) and beta fp32 (T, HV),
     cu_seqlens int32 (N + 1,); initial_state (N, HV, K, V) fp32, or (N, HV, V, K) with k_last,
@@ -121,8 +100,7 @@ def gdn_prefill(
     every chunk by the precompute kernel first, read by the chunked kernel's `t_pre` form; None:
     as `t_pre_for` says (True / False forced: the bench's variants `t_pre` / `standard`);
     state_lds (with t_pre=True): that form with next/gdn-tpre's state chain (the bench's A/B
-    `t_pre_state_lds`). state_order (with t_pre, unsplit): the state warpgroups in turns (the
-    bench's `t_pre_state_order`); None: `state_order_for`'s default."""
+    `t_pre_state_lds`)."""
     if final_state.shape[0] == 0:
         return
     if q.shape[0] == 0:  # every sequence empty: no TMA descriptor over zero tokens
@@ -136,12 +114,11 @@ def gdn_prefill(
         t_pre = t_pre_for(q.shape[1], hv, split, parts)
     if parts > 1:
         _segmented(q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale, parts,
-                   k_last=k_last, l2norm=l2norm, t_pre=t_pre, state_lds=state_lds,
-                   state_order=state_order)  # fmt: skip
+                   k_last=k_last, l2norm=l2norm, t_pre=t_pre, state_lds=state_lds)  # fmt: skip
         return
     _direct(q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale,
             k_last=k_last, l2norm=l2norm, v_split=split, t_pre=t_pre,
-            state_lds=state_lds, state_order=state_order)  # fmt: skip
+            state_lds=state_lds)  # fmt: skip
 
 
 def t_diag_beta(
@@ -169,17 +146,15 @@ def t_diag_beta(
 
 def _direct(
     q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale, *, k_last, l2norm,
-    v_split, t_pre=False, t_buf=None, state_lds=False, state_order=None,
+    v_split, t_pre=False, t_buf=None, state_lds=False,
 ):  # fmt: skip
     """One launch: a CTA (or a V split's CTAs) per sequence and value head (t_pre: after the
     T precompute's, or on t_buf, T of these sequences at their `first_slot`s)."""
     split = v_split or v_split_for(final_state.shape[0], v.shape[1], _sms(q.device))
-    if state_order is None:
-        state_order = state_order_for(split, t_pre, state_lds)
     params = params_for(
         dtype_name(q.dtype), (q.shape[-1], v.shape[-1]), k_last=k_last, l2norm=l2norm,
         initial_state=initial_state is not None, v_split=split, t_pre=t_pre,
-        state_lds=state_lds, state_order=state_order,
+        state_lds=state_lds,
     )  # fmt: skip
     fn = get_kernel(SPEC, params)
     q, k, v = (_aligned(x) for x in (q, k, v))
@@ -208,7 +183,7 @@ def _segment_offsets(cu_seqlens: torch.Tensor, parts: int) -> torch.Tensor:
 
 def _segmented(
     q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale, parts, *, k_last, l2norm,
-    t_pre=False, state_lds=False, state_order=None,
+    t_pre=False, state_lds=False,
 ):  # fmt: skip
     """Each sequence cut into `parts` segments run in parallel (up to N P HV CTAs instead of
     N HV): the recurrence is affine in the state, S_end = M S_start + L per segment (M the
@@ -234,8 +209,7 @@ def _segmented(
     runs = [cu[:-1], cu[1:-1].clone(), cu[1:].clone()]  # A, B, C; own bases (aligned like cu)
     total = n * parts
     flat = (total, *final_state.shape[1:])
-    run = dict(k_last=k_last, l2norm=l2norm, v_split=None, t_pre=t_pre, state_lds=state_lds,
-               state_order=state_order)  # fmt: skip
+    run = dict(k_last=k_last, l2norm=l2norm, v_split=None, t_pre=t_pre, state_lds=state_lds)
     t_all = t_diag_beta(k, g, beta, cu, l2norm=l2norm) if t_pre else None
 
     def from_segment(r):  # T as a pass starting at segment r indexes it

@@ -14,9 +14,6 @@ class Bar(IntEnum):
     AUX = FIRST_FREE  # the aux warpgroup's 128 threads (inverse phases, scratch reuse)
     OUT = FIRST_FREE + 1  # OUT + w: the CTA's state warpgroup w's 128 threads (its O tile)
     AUX2 = FIRST_FREE + 3  # the second aux warpgroup's (a split CTA's: config.aux_wgs)
-    # TURN + w: state warpgroup w's turn to issue its WGMMAs (the `state_order` key's), over
-    # both state warpgroups' 256 threads: w waits there, the other arrives after its issue
-    TURN = FIRST_FREE + 4
 
 
 def aux_barrier_id(a):

@@ -18,9 +18,7 @@ The `t_pre` form (`o_warp`: its key without state_lds) reads V^T by transposed l
 hands the O tile to warpgroup 0's O warp through an mbarrier pair a tile (`_hand_o`,
 `_drain_o`: a TMA store a whole chunk), its thread-dependent views hoisted out of the loop.
 Both t_pre forms (the T ring's) release the v stage after U^T, once every V^T load has been
-read, not after the corrections (NOTES, "t_pre failed on the H100"). The `state_order` key
-(unsplit t_pre form) issues the four batches a chunk in turns with the other state warpgroup
-(`_take_turn`, `_pass_turn`: named barriers `Bar.TURN + w`) instead of in lockstep.
+read, not after the corrections (NOTES, "t_pre failed on the H100").
 """
 
 from __future__ import annotations
@@ -58,13 +56,11 @@ class StateWg:
     def _state(
         self, w, stid, mma_ks, mma_st, sQ, sK, sV, sP, sT, sTab, sO, mInit, mFinal, mO,
         qk_pipe, v_pipe, aux_pipe, hv, part, n, bos, seqlen, nchunks, t_pipe=None, o_ring=None,
-        turns=None,
     ):  # fmt: skip
         """t_pipe: the T ring of the `t_pre` form (T diag(beta) loaded by TMA: waited for just
         before U^T, released once U^T is complete), or None (T from the aux ring's stage).
         o_ring: the `t_pre` form's O hand-off, (full, empty) mbarrier pointers (`_hand_o`), or
-        None (the rows stored by this warpgroup, `_store_o`). turns: the `state_order` key's
-        (mine, theirs) named barriers (`_take_turn`, `_pass_turn`), or None (lockstep)."""
+        None (the rows stored by this warpgroup, `_store_o`)."""
         blk = value_row_block(part, w, self.state_wgs)  # this warpgroup's 64 rows of S^T
         thr_st = mma_st.get_slice(stid)
         acc_st = cute.make_rmem_tensor(thr_st.partition_shape_C((ROWS, self.k)), Float32)
@@ -96,21 +92,14 @@ class StateWg:
         vs = consumer_state(V_STAGES)
         ax = consumer_state(STAGES)
         ts = consumer_state(STAGES) if const_expr(t_pipe is not None) else None
-        ordered = const_expr(turns is not None)
-        wait_in_turn = -1 if ordered else 0  # in turns the wait follows the hand-over
-        if const_expr(ordered):
-            if w == 0 and nchunks > 0:
-                turns[0].arrive()  # warpgroup 0 takes the first turn
         for c in cutlass.range(nchunks, unroll=1):
             acc_x = cute.make_rmem_tensor(acc_shape, Float32)
             acc_o = cute.make_rmem_tensor(acc_shape, Float32)
             acc_u = cute.make_rmem_tensor(acc_shape, Float32)
             qk_pipe.consumer_wait(ld)
             acc_to_operand_a(acc_st, tSrS)
-            self._take_turn(turns)
             gemm(mma_ks, acc_x, tSrS, tBrK[None, None, None, ld.index], True, -1)
             gemm(mma_ks, acc_o, tSrS, tBrQ[None, None, None, ld.index], True, -1)
-            self._pass_turn(turns, w, c, nchunks, False)
             aux_pipe.consumer_wait(ax)
             v_pipe.consumer_wait(vs)
             cute.nvgpu.warpgroup.wait_group(0)
@@ -128,11 +117,7 @@ class StateWg:
                 gemm(mma_ks, acc_u, tXrX, tBrT[None, None, None, ax.index], True, 0)
             else:
                 t_pipe.consumer_wait(ts)
-                self._take_turn(turns)
-                gemm(mma_ks, acc_u, tXrX, tBrT[None, None, None, ts.index], True, wait_in_turn)
-                self._pass_turn(turns, w, c, nchunks, False)
-                if const_expr(ordered):
-                    cute.nvgpu.warpgroup.wait_group(0)
+                gemm(mma_ks, acc_u, tXrX, tBrT[None, None, None, ts.index], True, 0)
                 t_pipe.consumer_release(ts)
                 # v released once U^T, built from V^T, has completed: released after _correct,
                 # ptxas hoisted the arrive over the T ring's wait to right behind the V^T loads
@@ -142,17 +127,11 @@ class StateWg:
                 # first). The stage is needed again two chunks on.
                 v_pipe.consumer_release(vs)
             acc_to_operand_a(acc_u, tUrU)
-            self._take_turn(turns)
             gemm(mma_ks, acc_o, tUrU, tBrP[None, None, None, ax.index], False, -1)
-            self._pass_turn(turns, w, c, nchunks, False)
             self._scale_by_table(acc_u, coords, sTab, 2, ax.index)
             acc_to_operand_a(acc_u, tUrUd)
             acc_st.store(acc_st.load() * sTab[0, 3, ax.index])
-            self._take_turn(turns)
-            gemm(mma_st, acc_st, tUrUd, tBrKt[None, None, None, ld.index], False, wait_in_turn)
-            self._pass_turn(turns, w, c, nchunks, True)
-            if const_expr(ordered):
-                cute.nvgpu.warpgroup.wait_group(0)
+            gemm(mma_st, acc_st, tUrUd, tBrKt[None, None, None, ld.index], False, 0)
             qk_pipe.consumer_release(ld)
             aux_pipe.consumer_release(ax)
             if const_expr(o_ring is None):
@@ -165,28 +144,6 @@ class StateWg:
             if const_expr(t_pipe is not None):
                 ts.advance()
         self._state_io(mFinal, acc_st, thr_st, n, hv, blk, False)
-
-    @cute.jit
-    def _take_turn(self, turns):
-        """state_order: wait until the other state warpgroup has issued its last batch (its
-        hand-over and this warpgroup's 128 threads complete the barrier's phase); nothing
-        without turns."""
-        if const_expr(turns is not None):
-            turns[0].arrive_and_wait()
-
-    @cute.jit
-    def _pass_turn(self, turns, w, c, nchunks, last_of_chunk: cutlass.Constexpr[bool]):
-        """state_order: hand the turn over right after a batch's issue (before its wait:
-        FlashInfer's ordered WGMMA issue, the attention forward's ping-pong), so that one
-        warpgroup's CUDA-core work runs under the other's batch. Warpgroup 1 does not hand over
-        after its last batch (warpgroup 0 would wait no more): every barrier phase completes
-        (each warpgroup waits 4 a chunk; warpgroup 0's first is its own opening arrival)."""
-        if const_expr(turns is not None):
-            if const_expr(last_of_chunk):
-                if w == 0 or c + 1 < nchunks:
-                    turns[1].arrive()
-            else:
-                turns[1].arrive()
 
     @cute.jit
     def _load_vt(self, mma_ks, vt, tid, acc_shape, ldsm: cutlass.Constexpr[bool]):

@@ -132,7 +132,8 @@ class _GroupWaits:
 class KdaBwdChunkSm90(GdnBwdChunkSm90):
     """One CTA per (chunk, value head, sequence): `_output_grads` of the chunk with KDA's
     per-channel decays on two math warpgroups split by key channels; see the module docstring.
-    Gated DeltaNet's kernel 2's grouped TMA loads (`_load_groups`) are used as they are."""
+    Gated DeltaNet's kernel 2's grouped TMA loads (`_load_groups`) and its bounded row stores
+    and adds (`_store_rows`, `_add_rows`, on this class's `_out_rows`) are used as they are."""
 
     load_groups = LOAD_GROUPS
     threads = THREADS
@@ -408,24 +409,17 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
             tile = cute.local_tile(rows, (CHUNK, self.half), (0, kh))
         return rows_cols(mma.get_slice(tid).partition_C(tile))
 
-    @cute.jit
-    def _store_rows(self, acc, mma, mOut, tid, b, hv, c, seqlen, scale=None, at=None):
-        """Gated DeltaNet's `_store_rows` for this warpgroup's (C, 64) columns of out: the
-        rows inside T, a 16-bit out rounded once; `at` (`_token_rows`): the first at[1] rows at
-        the tokens from at[0]."""
+    def _out_rows(self, mma, mOut, tid, b, hv, c, seqlen, at):
+        """Gated DeltaNet's `_out_rows` on this warpgroup's (C, 64) columns of out: its
+        `_store_rows` (here) and `_add_rows` (the WY kernel's) store or add this warpgroup's
+        (C, 64) accumulator there, the rows inside T; `at` (`_token_rows`): the first at[1]
+        rows at the tokens from at[0]."""
         t0, row_base, _ = softmax.acc_coords(mma, tid, (CHUNK, self.half))
         g = self._half_rows(mma, mOut, tid, b, hv, c, self._kh(), at)
         first, bound = c * CHUNK, seqlen
         if const_expr(at is not None):
             first, bound = 0, at[1]
-        a = rows_cols(acc)
-        for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
-            if first + row_base + t0[r, 0][0] < bound:
-                for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
-                    if const_expr(mOut.element_type != Float32):
-                        g[r, j] = a[r, j].to(mOut.element_type)
-                    else:
-                        g[r, j] = a[r, j]
+        return g, t0, row_base, first, bound
 
     @cute.jit
     def _tables(self, mG, sG, sTab, first, seqlen, b, hv, kh):

@@ -36,9 +36,10 @@ integration41").
 el = e^(G - r_w), er = e^(r_w - G) <= e^(8 max|g|) (zero past T); no factor is e^(-G). The
 score-gradient blocks run in bf16 for either tile dtype (kernel 2's reason). The per-channel
 tables, (k er) / (k el), the block products and their column scalings, the tiled MMAs and
-layouts but T^T's, the half tiles and the half-row stores are kernel 2's
+layouts but T^T's, the half tiles and the half-row places (`_out_rows`) are kernel 2's
 (kernels/linear_attention/kda_bwd_chunk/sm90, `KdaBwdChunkSm90`, inherited); Gated DeltaNet's
-kernel 2 brings the grouped loads, the tile stores (stmatrix) and dbeta's store.
+kernel 2 brings the grouped loads, the tile stores (stmatrix), the bounded row stores and adds
+(`_store_rows`, `_add_rows`) and dbeta's store.
 
 Two math warpgroups split by value / key channels (2026-12-06: 1.20x the one-math-warpgroup
 kernel of 256 threads it replaced, 2.043 -> 1.706 ms at 4 x 8192 HV16 on the H100, bit for bit
@@ -502,20 +503,6 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
             o0 = cute.arch.warp_reduction_sum(parts[0], threads_in_group=QUAD)
             o1 = cute.arch.warp_reduction_sum(parts[1], threads_in_group=QUAD)
         return [o0, o1]
-
-    @cute.jit
-    def _add_rows(self, acc, mma, mOut, tid, b, hv, c, seqlen, at=None):
-        """GDN's `_add_rows` on this warpgroup's (C, 64) columns of out (`at` as there)."""
-        t0, row_base, _ = softmax.acc_coords(mma, tid, (CHUNK, self.half))
-        g = self._half_rows(mma, mOut, tid, b, hv, c, self._kh(), at)
-        first, bound = c * CHUNK, seqlen
-        if const_expr(at is not None):
-            first, bound = 0, at[1]
-        a = rows_cols(acc)
-        for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
-            if first + row_base + t0[r, 0][0] < bound:
-                for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
-                    g[r, j] = g[r, j] + a[r, j]
 
     @cute.jit
     def _add_rows_to(self, acc, mma, mIn, mOut, tid, b, hv, c, seqlen, at=None):
