@@ -53,11 +53,13 @@ def test_variants_force_the_other_form_and_v_split(cpu_kernel):  # noqa: F811
     assert set(gdn_prefill.variants(by_name["1x131072-h16-hv16"])) == {"segments_1", std}
     ab = "t_pre_state_lds"  # STATE_CHAIN_AB
     turns = "t_pre_state_order"  # the t_pre form's direct unsplit launches
+    chain = "standard_o_warp"  # STANDARD_CHAIN_AB
     assert set(gdn_prefill.variants(by_name["4x8192-h16-hv32"])) == {"v_split_2", std, ab,
-                                                                      turns}  # fmt: skip
+                                                                      turns, chain}  # fmt: skip
     assert set(gdn_prefill.variants(by_name["1x4096-h16-hv32"])) == {"v_split_1", std, ab}
     assert set(gdn_prefill.variants(by_name["mix64-t32768-h16-hv32"])) == {std, turns}
-    assert set(gdn_prefill.variants(by_name["8x32768-h16-hv16"])) == {"v_split_2", "t_pre"}
+    assert set(gdn_prefill.variants(by_name["8x32768-h16-hv16"])) == {"v_split_2", "t_pre",
+                                                                       chain}  # fmt: skip
     assert [c.name for c in gdn_prefill.BENCH_CASES if not gdn_prefill.uses_t_pre(c)] == [
         "8x32768-h16-hv16"
     ]
@@ -92,6 +94,8 @@ def test_variants_force_the_other_form_and_v_split(cpu_kernel):  # noqa: F811
         inputs, gdn_prefill.alloc_out(inputs)
     )
     assert torch.equal(got, standard) and cpu_kernel[-2]["state_order"]  # same products
+    got = gdn_prefill._run_forced(t_pre=False, o_warp=True)(inputs, gdn_prefill.alloc_out(inputs))
+    assert torch.equal(got, standard) and cpu_kernel[-1]["o_warp"]  # same products
 
 
 @pytest.mark.parametrize("module", ["gdn_prefill", "kda_prefill"])

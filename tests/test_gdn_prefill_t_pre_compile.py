@@ -81,12 +81,19 @@ STATE_ORDER = {
     },  # fmt: skip
 }
 
+# the standard form with the t_pre form's state chain (the bench's `standard_o_warp`)
+STANDARD_O_WARP = {
+    "bf16_std_o_warp_state": {"dtype": "bfloat16", "initial_state": True, "o_warp": True},
+    "bf16_std_o_warp_vsplit": {"dtype": "bfloat16", "v_split": 2, "o_warp": True},
+}
+
 # The chunked kernel's `t_pre` forms are standard keys (the launcher's default form): CI
 # compiles the first (bf16), the others and the `state_lds` key are slow (~6 s of CI's CPU, idle
 # machine, 2026-12-06); the precompute (gdn_t_pre_sm90, standard) keeps both its builds in CI
 FORM_NAMES = slow_past(FORMS)
 FORM_AND_STATE_LDS_NAMES = slow_past([*FORMS, *STATE_LDS])
 STATE_ORDER_NAMES = slow_past(STATE_ORDER)
+STANDARD_O_WARP_NAMES = slow_past(STANDARD_O_WARP)
 
 
 def _build(compile_fn, params, kernel):
@@ -114,8 +121,12 @@ def built():
                 kernel = GdnTPreSm90(128, l2norm=l2)
                 cache[kind, name] = _build(compile_gdn_t_pre, params, kernel)
             else:
-                kw = dict({**FORMS, **STATE_LDS, **STATE_ORDER}[name])
-                params = dict(config.params_for(kw.pop("dtype"), **kw, t_pre=True))
+                if kind == "std_o":
+                    kw = dict(STANDARD_O_WARP[name])
+                    params = dict(config.params_for(kw.pop("dtype"), **kw))
+                else:
+                    kw = dict({**FORMS, **STATE_LDS, **STATE_ORDER}[name])
+                    params = dict(config.params_for(kw.pop("dtype"), **kw, t_pre=True))
                 cache[kind, name] = _build(compile_gdn_prefill, params, kernel_for(params))
         return cache[kind, name]
 
@@ -378,3 +389,72 @@ def test_state_order_turns_around_each_batch(built, name):
         between = [op for op, _ in instrs[last + 1 : j]]
         assert not [op for op in between
                     if op.startswith(("SYNCS", "BAR", "WARPGROUP"))], between  # fmt: skip
+
+
+# ------------------------------------------------------------------------ the standard o_warp
+
+
+def _std_o_wgs(name):
+    return config.state_wgs(128, STANDARD_O_WARP[name].get("v_split", 1))
+
+
+def _state_region(instrs):
+    """The state warpgroups' code: from their setmaxnreg increase to the next decrease (the
+    aux's, unsplit) or the end (split: the aux's code comes first)."""
+    ops = _ops(instrs)
+    start = next(i for i, op in enumerate(ops) if op.startswith("USETMAXREG.TRY_ALLOC"))
+    stop = next((i for i in range(start, len(ops)) if ops[i].startswith("USETMAXREG.DEALLOC")),
+                len(ops))  # fmt: skip
+    return instrs[start:stop]
+
+
+@pytest.mark.parametrize("name", STANDARD_O_WARP_NAMES)
+def test_standard_o_warp_resources(built, name):
+    """The standard form's split and shared memory (its O ring's barriers inside the budget);
+    no spills on the GPU host's toolchain (cu12's ptxas spills 8 bytes in warpgroup 0's 24
+    registers, the gate warp's loop, as it does on the t_pre forms)."""
+    res, instrs, smem, _ = built("std_o", name)
+    split = STANDARD_O_WARP[name].get("v_split", 1)
+    if dsl_toolchain() == "cu13":
+        assert res["spill_bytes"] == 0
+        assert not [op for op in _ops(instrs) if op[:3] in ("LDL", "STL")]
+    assert not [op for op, _ in _state_region(instrs) if op[:3] in ("LDL", "STL")]
+    maxreg = sorted(int(a.split(",")[-1], 16) for op, a in instrs if op.startswith("USETMAXREG"))
+    assert maxreg == sorted([config.PRODUCER_REGS, config.AUX_REGS, config.STATE_REGS])
+    assert smem <= config.smem_bytes(v_split=split, o_warp=True)
+    assert smem + res["smem_bytes"] <= SMEM_CAPACITY
+
+
+@pytest.mark.parametrize("name", STANDARD_O_WARP_NAMES)
+def test_standard_o_warp_state_chain(built, name):
+    """The t_pre form's state chain (4 LDSM.MT V^T, no LDS.U16; O by the O warp's one TMA box a
+    chunk and state warpgroup, its tail rows by 16-byte copies; the O ring's init counts after
+    the standard rings'), the standard aux unchanged (K K^T and Q K^T, the tf32 inverse)."""
+    _, instrs, _, ptx = built("std_o", name)
+    ops, wgs = _ops(instrs), _std_o_wgs(name)
+    assert ops.count("LDSM.16.MT88.4") == 4
+    assert not [op for op in ops if op.startswith("LDS.U16")]
+    assert ops.count("UTMASTG.3D") == wgs and ops.count("STG.E.128") == wgs
+    assert sum(op.startswith("HGMMA") for op in ops) == 16 + 28  # the aux's, the state's
+    assert ops.count("HMMA.1688.F32.TF32") == 28
+    counts = _mbarrier_init_counts(ptx)
+    assert counts[-4 * wgs :] == [O_FULL_ARRIVALS] * 2 * wgs + [O_EMPTY_ARRIVALS] * 2 * wgs
+
+
+@pytest.mark.parametrize("name", STANDARD_O_WARP_NAMES)
+def test_standard_o_warp_v_released_after_u(built, name):
+    """As the t_pre forms (test_form_v_released_after_u): the state warps' one arrive on a v
+    empty barrier comes after the last V^T ldmatrix with U^T's HGMMA and its WARPGROUP.DEPBAR
+    between (the standard form without the key releases v right after the corrections: its
+    32 LDS.U16 are all read by then). Read in the state region, either toolchain's arrive."""
+    _, instrs, _, _ = built("std_o", name)
+    state = _state_region(instrs)
+    last = max(i for i, (op, _) in enumerate(state) if op == "LDSM.16.MT88.4")
+    releases = [
+        i for i, (op, a) in enumerate(state)
+        if op.startswith("SYNCS.ARRIVE.TRANS64") and f"+{V_EMPTY:#x}]" in a
+    ]  # fmt: skip
+    assert len(releases) == 1 and releases[0] > last
+    between = [op for op, _ in state[last : releases[0]]]
+    assert "WARPGROUP.DEPBAR.LE" in between and any(op.startswith("HGMMA") for op in between)
+    assert _arrives_behind_loads(instrs) == []

@@ -63,7 +63,11 @@ the tail chunk's rows by 16-byte copies. Key field state_lds keeps next/gdn-tpre
 warpgroups issue their four WGMMA batches a chunk (X^T | O^T, U^T, U^T P^T, the update) in
 turns, each waiting on its barrier `Bar.TURN + w` and handing over to the other right after its
 issue (FlashInfer's ordered issue; the attention forward's ping-pong), so one's CUDA-core work
-runs under the other's batch instead of both at once with the tensor pipe idle.
+runs under the other's batch instead of both at once with the tensor pipe idle. Key field
+o_warp (standard form, opt-in, the bench's `standard_o_warp`): the standard form with the t_pre
+form's state chain (V^T by ldmatrix, the views hoisted, O through the O warp), T still formed
+by its aux: the chain's share of the standard form's chunk, where the t_pre path's extra bytes
+lose (HV = H: next/tpre-batch-gap in docs/linear_attention/NOTES.md).
 
 Ragged edges: a chunk that runs past its sequence loads the next sequence's rows (or TMA's
 zero fill past T): their g and beta are 0 (so G2 is flat and those rows of L, T - I and U
@@ -156,6 +160,7 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
     def __init__(
         self, k: int, v: int, *, k_last: bool, l2norm: bool, initial_state: bool, v_split: int = 1,
         t_pre: bool = False, state_lds: bool = False, state_order: bool = False,
+        o_warp: bool = False,
     ):  # fmt: skip
         if (k, v) != (128, 128):
             raise ValueError(f"(K, V) must be (128, 128), got {(k, v)}")
@@ -165,7 +170,9 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
         self.initial_state = initial_state
         self.v_split = v_split
         self.t_pre = t_pre
-        self.o_warp = t_pre and not state_lds  # O by warp O_WARP's TMA stores, V^T by ldmatrix
+        # O by warp O_WARP's TMA stores, V^T by ldmatrix: the t_pre form's, or the standard
+        # form's with its o_warp key
+        self.o_warp = (t_pre and not state_lds) or o_warp
         self.state_order = state_order  # the state warpgroups' WGMMA issue in turns (Bar.TURN)
         self.state_wgs = state_wgs(v, v_split)
         self.aux_wgs = aux_wgs(v_split)

@@ -109,6 +109,7 @@ def gdn_prefill(
     t_pre: bool | None = None,
     state_lds: bool = False,
     state_order: bool | None = None,
+    o_warp: bool = False,
 ) -> None:
     """Varlen form: q, k (T, H, K), v (T, HV, V) 16-bit, g (log decay) and beta fp32 (T, HV),
     cu_seqlens int32 (N + 1,); initial_state (N, HV, K, V) fp32, or (N, HV, V, K) with k_last,
@@ -122,7 +123,8 @@ def gdn_prefill(
     as `t_pre_for` says (True / False forced: the bench's variants `t_pre` / `standard`);
     state_lds (with t_pre=True): that form with next/gdn-tpre's state chain (the bench's A/B
     `t_pre_state_lds`). state_order (with t_pre, unsplit): the state warpgroups in turns (the
-    bench's `t_pre_state_order`); None: `state_order_for`'s default."""
+    bench's `t_pre_state_order`); None: `state_order_for`'s default. o_warp (with t_pre=False):
+    the standard form with the t_pre form's state chain (the bench's `standard_o_warp`)."""
     if final_state.shape[0] == 0:
         return
     if q.shape[0] == 0:  # every sequence empty: no TMA descriptor over zero tokens
@@ -137,11 +139,11 @@ def gdn_prefill(
     if parts > 1:
         _segmented(q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale, parts,
                    k_last=k_last, l2norm=l2norm, t_pre=t_pre, state_lds=state_lds,
-                   state_order=state_order)  # fmt: skip
+                   state_order=state_order, o_warp=o_warp)  # fmt: skip
         return
     _direct(q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale,
             k_last=k_last, l2norm=l2norm, v_split=split, t_pre=t_pre,
-            state_lds=state_lds, state_order=state_order)  # fmt: skip
+            state_lds=state_lds, state_order=state_order, o_warp=o_warp)  # fmt: skip
 
 
 def t_diag_beta(
@@ -169,7 +171,7 @@ def t_diag_beta(
 
 def _direct(
     q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale, *, k_last, l2norm,
-    v_split, t_pre=False, t_buf=None, state_lds=False, state_order=None,
+    v_split, t_pre=False, t_buf=None, state_lds=False, state_order=None, o_warp=False,
 ):  # fmt: skip
     """One launch: a CTA (or a V split's CTAs) per sequence and value head (t_pre: after the
     T precompute's, or on t_buf, T of these sequences at their `first_slot`s)."""
@@ -179,7 +181,7 @@ def _direct(
     params = params_for(
         dtype_name(q.dtype), (q.shape[-1], v.shape[-1]), k_last=k_last, l2norm=l2norm,
         initial_state=initial_state is not None, v_split=split, t_pre=t_pre,
-        state_lds=state_lds, state_order=state_order,
+        state_lds=state_lds, state_order=state_order, o_warp=o_warp,
     )  # fmt: skip
     fn = get_kernel(SPEC, params)
     q, k, v = (_aligned(x) for x in (q, k, v))
@@ -208,7 +210,7 @@ def _segment_offsets(cu_seqlens: torch.Tensor, parts: int) -> torch.Tensor:
 
 def _segmented(
     q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale, parts, *, k_last, l2norm,
-    t_pre=False, state_lds=False, state_order=None,
+    t_pre=False, state_lds=False, state_order=None, o_warp=False,
 ):  # fmt: skip
     """Each sequence cut into `parts` segments run in parallel (up to N P HV CTAs instead of
     N HV): the recurrence is affine in the state, S_end = M S_start + L per segment (M the
@@ -235,7 +237,7 @@ def _segmented(
     total = n * parts
     flat = (total, *final_state.shape[1:])
     run = dict(k_last=k_last, l2norm=l2norm, v_split=None, t_pre=t_pre, state_lds=state_lds,
-               state_order=state_order)  # fmt: skip
+               state_order=state_order, o_warp=o_warp)  # fmt: skip
     t_all = t_diag_beta(k, g, beta, cu, l2norm=l2norm) if t_pre else None
 
     def from_segment(r):  # T as a pass starting at segment r indexes it

@@ -14,13 +14,14 @@ accumulator for the whole sequence, b = `config.value_row_block(part, w, state w
 
 then O^T -> 16 bits -> transposed stmatrix into this warpgroup's O tile (token-major, two
 alternating) -> the rows inside the sequence to global memory, 16 bytes a thread and copy.
-The `t_pre` form (`o_warp`: its key without state_lds) reads V^T by transposed ldmatrix and
-hands the O tile to warpgroup 0's O warp through an mbarrier pair a tile (`_hand_o`,
-`_drain_o`: a TMA store a whole chunk), its thread-dependent views hoisted out of the loop.
-Both t_pre forms (the T ring's) release the v stage after U^T, once every V^T load has been
-read, not after the corrections (NOTES, "t_pre failed on the H100"). The `state_order` key
-(unsplit t_pre form) issues the four batches a chunk in turns with the other state warpgroup
-(`_take_turn`, `_pass_turn`: named barriers `Bar.TURN + w`) instead of in lockstep.
+The `t_pre` form (`o_warp`: its key without state_lds; the standard form's `o_warp` key
+likewise) reads V^T by transposed ldmatrix and hands the O tile to warpgroup 0's O warp through
+an mbarrier pair a tile (`_hand_o`, `_drain_o`: a TMA store a whole chunk), its
+thread-dependent views hoisted out of the loop. Both t_pre forms (the T ring's) and the `o_warp`
+standard form release the v stage after U^T, once every V^T load has been read, not after the
+corrections (NOTES, "t_pre failed on the H100"). The `state_order` key (unsplit t_pre form)
+issues the four batches a chunk in turns with the other state warpgroup (`_take_turn`,
+`_pass_turn`: named barriers `Bar.TURN + w`) instead of in lockstep.
 """
 
 from __future__ import annotations
@@ -121,11 +122,13 @@ class StateWg:
             vt = cute.local_tile(sVt[None, None, vs.index], (ROWS, CHUNK), (w, 0))
             r_v = self._load_vt(mma_ks, vt, tid, acc_shape, self.o_warp)
             self._correct(acc_x, acc_o, r_v, coords, sTab, ax.index)
-            if const_expr(t_pipe is None):
+            if const_expr(t_pipe is None and not self.o_warp):
                 v_pipe.consumer_release(vs)  # v consumed: its stage may load chunk c + 2
             acc_to_operand_a(acc_x, tXrX)
             if const_expr(t_pipe is None):
                 gemm(mma_ks, acc_u, tXrX, tBrT[None, None, None, ax.index], True, 0)
+                if const_expr(self.o_warp):  # the LDSM V^T: released as the t_pre forms do
+                    v_pipe.consumer_release(vs)
             else:
                 t_pipe.consumer_wait(ts)
                 self._take_turn(turns)
