@@ -10,6 +10,7 @@
 # Knobs: KERNELS (ncu -k regex; an absolute path there, as device_setup.sh exports KERNELS,
 # means unset: Bwd|Backward), SKIP / COUNT (-s / -c), SOURCE=1 (source counters, and the per-SASS
 # page gzipped; SUMMARY=1 summarises it, TOP lines), PROFILE_NAME (files $OUT/NAME*),
+# SECTIONS (ncu section names, word-split, replacing the default eight: a short capture),
 # NCU_EXTRA (more ncu options, word-split), PROFILE_TIMEOUT (s, default 400), KEEP_REP=1 (keep
 # the .ncu-rep and the raw page), KEEP_RAW=1 (keep the raw page), DRY_RUN=1 (print the ncu
 # command and stop).
@@ -36,6 +37,10 @@ P=$OUT/${PROFILE_NAME:-profile}
 sections=(--section SpeedOfLight --section ComputeWorkloadAnalysis
   --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats
   --section LaunchStats --section Occupancy --section InstructionStats)
+if [ -n "${SECTIONS:-}" ]; then
+  sections=()
+  for s in $SECTIONS; do sections+=(--section "$s"); done
+fi
 [ -n "${SOURCE:-}" ] && sections+=(--section SourceCounters --import-source no)
 # shellcheck disable=SC2206  # NCU_EXTRA is a list of options, split on purpose
 cmd=("${NCU:-ncu}" --clock-control none ${NCU_EXTRA:-} -k "regex:$regex" -s "${SKIP:-6}"
