@@ -295,7 +295,7 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
                 cute.struct.MemRange[self.dtype, cute.cosize(self.sO_layout)], 1024
             ]
             t_ring: cute.struct.MemRange[cutlass.Int64, t_barriers]  # t_pre: the T ring's
-            o_ring: cute.struct.MemRange[cutlass.Int64, o_barriers]  # t_pre: O full, empty
+            o_ring: cute.struct.MemRange[cutlass.Int64, o_barriers]  # o_warp: O full, empty
 
         self.shared_storage = SharedStorage
         self.kernel(

@@ -63,7 +63,7 @@ class StateWg:
     ):  # fmt: skip
         """t_pipe: the T ring of the `t_pre` form (T diag(beta) loaded by TMA: waited for just
         before U^T, released once U^T is complete), or None (T from the aux ring's stage).
-        o_ring: the `t_pre` form's O hand-off, (full, empty) mbarrier pointers (`_hand_o`), or
+        o_ring: the O warp's hand-off (`o_warp`), (full, empty) mbarrier pointers (`_hand_o`), or
         None (the rows stored by this warpgroup, `_store_o`). turns: the `state_order` key's
         (mine, theirs) named barriers (`_take_turn`, `_pass_turn`), or None (lockstep)."""
         blk = value_row_block(part, w, self.state_wgs)  # this warpgroup's 64 rows of S^T
