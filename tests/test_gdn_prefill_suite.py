@@ -50,7 +50,8 @@ def test_variants_force_the_other_form_and_v_split(cpu_kernel):  # noqa: F811
     std = "standard"  # where the launcher takes the t_pre form: all but 8x32768-h16-hv16
     assert set(gdn_prefill.variants(by_name["1x65536-h16-hv32"])) == {"v_split_1", "segments_5",
                                                                        std}  # fmt: skip
-    assert set(gdn_prefill.variants(by_name["1x131072-h16-hv16"])) == {"segments_1", std}
+    lean = "segments_b_no_o"  # pass B without o, where the launcher segments (t_pre)
+    assert set(gdn_prefill.variants(by_name["1x131072-h16-hv16"])) == {"segments_1", std, lean}
     ab = "t_pre_state_lds"  # STATE_CHAIN_AB
     turns = "t_pre_state_order"  # the t_pre form's direct unsplit launches
     chain = "standard_o_warp"  # STANDARD_CHAIN_AB

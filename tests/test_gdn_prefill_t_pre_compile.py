@@ -86,6 +86,17 @@ STANDARD_O_WARP = {
     "bf16_std_o_warp_state": {"dtype": "bfloat16", "initial_state": True, "o_warp": True},
     "bf16_std_o_warp_vsplit": {"dtype": "bfloat16", "v_split": 2, "o_warp": True},
 }
+# the t_pre form without o (the segmented path's pass B, the bench's `segments_b_no_o`)
+NO_O = {
+    "bf16_no_o_state": {"dtype": "bfloat16", "initial_state": True, "no_o": True},
+    "fp16_l2norm_no_o_vsplit": {
+        "dtype": "float16",
+        "l2norm": True,
+        "initial_state": True,
+        "v_split": 2,
+        "no_o": True,
+    },  # fmt: skip
+}
 
 # The chunked kernel's `t_pre` forms are standard keys (the launcher's default form): CI
 # compiles the first (bf16), the others and the `state_lds` key are slow (~6 s of CI's CPU, idle
@@ -94,6 +105,7 @@ FORM_NAMES = slow_past(FORMS)
 FORM_AND_STATE_LDS_NAMES = slow_past([*FORMS, *STATE_LDS])
 STATE_ORDER_NAMES = slow_past(STATE_ORDER)
 STANDARD_O_WARP_NAMES = slow_past(STANDARD_O_WARP)
+NO_O_NAMES = slow_past(NO_O)
 
 
 def _build(compile_fn, params, kernel):
@@ -125,7 +137,7 @@ def built():
                     kw = dict(STANDARD_O_WARP[name])
                     params = dict(config.params_for(kw.pop("dtype"), **kw))
                 else:
-                    kw = dict({**FORMS, **STATE_LDS, **STATE_ORDER}[name])
+                    kw = dict({**FORMS, **STATE_LDS, **STATE_ORDER, **NO_O}[name])
                     params = dict(config.params_for(kw.pop("dtype"), **kw, t_pre=True))
                 cache[kind, name] = _build(compile_gdn_prefill, params, kernel_for(params))
         return cache[kind, name]
@@ -457,4 +469,56 @@ def test_standard_o_warp_v_released_after_u(built, name):
     assert len(releases) == 1 and releases[0] > last
     between = [op for op, _ in state[last : releases[0]]]
     assert "WARPGROUP.DEPBAR.LE" in between and any(op.startswith("HGMMA") for op in between)
+    assert _arrives_behind_loads(instrs) == []
+
+
+# ------------------------------------------------------------------------ no_o
+
+
+def _no_o_wgs(name):
+    return config.state_wgs(128, NO_O[name].get("v_split", 1))
+
+
+@pytest.mark.parametrize("name", NO_O_NAMES)
+def test_no_o_resources(built, name):
+    res, instrs, smem, _ = built("form", name)
+    if dsl_toolchain() == "cu13":
+        assert res["spill_bytes"] == 0
+    assert not [op for op, _ in _state_region(instrs) if op[:3] in ("LDL", "STL")]
+    maxreg = sorted(int(a.split(",")[-1], 16) for op, a in instrs if op.startswith("USETMAXREG"))
+    assert maxreg == sorted([config.PRODUCER_REGS, config.AUX_REGS, config.STATE_REGS])
+    assert smem <= config.smem_bytes(v_split=NO_O[name].get("v_split", 1), t_pre=True)
+
+
+@pytest.mark.parametrize("name", NO_O_NAMES)
+def test_no_o_forms_no_o(built, name):
+    """X^T (8), U^T (4) and the update (4 x 64x128) only: no Q K^T, O^T or U^T P^T; no P or O
+    stmatrix, no O store (the final state's STG.E only), no O ring; q's boxes only for
+    l2norm's row norms (k's two halves, v, T otherwise); the v stage released after U^T as in
+    the t_pre form."""
+    _, instrs, _, ptx = built("form", name)
+    ops, wgs = _ops(instrs), _no_o_wgs(name)
+    shapes = [op for op in ops if op.startswith("HGMMA")]
+    assert sum(s.startswith("HGMMA.64x64x16") for s in shapes) == 8 + 4
+    assert sum(s.startswith("HGMMA.64x128x16") for s in shapes) == 4
+    assert not [op for op in ops if op.startswith(("STSM", "UTMASTG", "STG.E.128"))]
+    q_boxes = 2 if NO_O[name].get("l2norm") else 0
+    assert ops.count("UTMALDG.3D") == q_boxes + 2 + wgs + 1
+    stages = config.STAGES
+    want = (
+        [1] * config.QK_STAGES + [qk_consumer_warps(wgs)] * config.QK_STAGES
+        + [1] * config.V_STAGES + [v_consumer_warps(wgs)] * config.V_STAGES
+        + [32] * stages + [THREADS_PER_WG] * stages
+        + [THREADS_PER_WG] * stages + [wgs * THREADS_PER_WG] * stages
+        + [1] * stages + [v_consumer_warps(wgs)] * stages
+    )  # fmt: skip
+    assert _mbarrier_init_counts(ptx) == want
+    state = _state_region(instrs)
+    last = max(i for i, (op, _) in enumerate(state) if op == "LDSM.16.MT88.4")
+    releases = [
+        i for i, (op, a) in enumerate(state)
+        if op.startswith("SYNCS.ARRIVE.TRANS64") and f"+{V_EMPTY:#x}]" in a
+    ]  # fmt: skip
+    assert len(releases) == 1 and releases[0] > last
+    assert "WARPGROUP.DEPBAR.LE" in [op for op, _ in state[last : releases[0]]]
     assert _arrives_behind_loads(instrs) == []

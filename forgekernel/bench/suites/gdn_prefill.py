@@ -232,7 +232,8 @@ def variants(case: Case) -> dict[str, Any]:
     direct unsplit launch: its two state warpgroups issuing in turns (launch.state_order_for),
     against ours (lockstep) on the same case. `standard_o_warp` on STANDARD_CHAIN_AB: the
     standard form with the t_pre form's state chain (O warp, ldmatrix V^T), against ours
-    (8x32768-h16-hv16) and against `standard` (4x8192-h16-hv32)."""
+    (8x32768-h16-hv16) and against `standard` (4x8192-h16-hv32). `segments_b_no_o` where the
+    launcher segments in the t_pre form: pass B on the `no_o` key (no q, P, O^T or o)."""
     from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import v_split_for
     from forgekernel.kernels.linear_attention.gdn_prefill.sm90.launch import segments_for
 
@@ -249,6 +250,8 @@ def variants(case: Case) -> dict[str, Any]:
     if t_pre and direct and v_split_for(n, hv, H200_SMS) == 1:
         out["t_pre_state_order"] = _run_forced(t_pre=True, state_order=True, v_split=1)
     if not direct:
+        if t_pre:
+            out["segments_b_no_o"] = _run_forced(t_pre=True, b_no_o=True)
         return {**out, "segments_1": _run_forced(segments=1, t_pre=t_pre)}
     if 4 * n * hv <= H200_SMS and sum(lens) >= 16384 * n:
         parts = (H200_SMS // hv + 1) // n

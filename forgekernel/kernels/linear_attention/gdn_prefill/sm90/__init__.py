@@ -51,7 +51,8 @@ def _candidates() -> list[Params]:
     `t_pre_state_lds`) in the suite's configurations (bf16, fla's state layout, no l2norm),
     state or not, unsplit and split; unsplit, the state warpgroups in turns (`state_order`, the
     bench's `t_pre_state_order`); the standard form with the t_pre form's state chain (`o_warp`,
-    the bench's `standard_o_warp`), unsplit."""
+    the bench's `standard_o_warp`), unsplit; pass B's `no_o` form (unsplit, from its c I start:
+    the bench's `segments_b_no_o`)."""
     suite = dict(k_last=False, l2norm=False, t_pre=True)
     return (
         [
@@ -67,6 +68,7 @@ def _candidates() -> list[Params]:
             params_for("bfloat16", initial_state=init, k_last=False, l2norm=False, o_warp=True)
             for init in (False, True)
         ]
+        + [params_for("bfloat16", initial_state=True, no_o=True, **suite)]
     )
 
 

@@ -64,6 +64,8 @@ warpgroups issue their four WGMMA batches a chunk (X^T | O^T, U^T, U^T P^T, the 
 turns, each waiting on its barrier `Bar.TURN + w` and handing over to the other right after its
 issue (FlashInfer's ordered issue; the attention forward's ping-pong), so one's CUDA-core work
 runs under the other's batch instead of both at once with the tensor pipe idle. Key field
+no_o (t_pre form, lockstep): no o (no q boxes unless l2norm, no Q K^T or P, no O^T, U^T P^T or
+O tiles; the O warp idle): the segmented path's pass B, whose o pass C overwrites. Key field
 o_warp (standard form, opt-in, the bench's `standard_o_warp`): the standard form with the t_pre
 form's state chain (V^T by ldmatrix, the views hoisted, O through the O warp), T still formed
 by its aux: the chain's share of the standard form's chunk, where the t_pre path's extra bytes
@@ -160,7 +162,7 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
     def __init__(
         self, k: int, v: int, *, k_last: bool, l2norm: bool, initial_state: bool, v_split: int = 1,
         t_pre: bool = False, state_lds: bool = False, state_order: bool = False,
-        o_warp: bool = False,
+        o_warp: bool = False, no_o: bool = False,
     ):  # fmt: skip
         if (k, v) != (128, 128):
             raise ValueError(f"(K, V) must be (128, 128), got {(k, v)}")
@@ -173,6 +175,9 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
         # O by warp O_WARP's TMA stores, V^T by ldmatrix: the t_pre form's, or the standard
         # form's with its o_warp key
         self.o_warp = (t_pre and not state_lds) or o_warp
+        self.no_o = no_o  # no o: the state chain without O^T, U^T P^T and the O hand-off
+        self.o_drain = self.o_warp and not no_o  # the O warp stores O tiles (its ring built)
+        self.q_load = not no_o or l2norm  # q only for its products (or l2norm's row norms)
         self.state_order = state_order  # the state warpgroups' WGMMA issue in turns (Bar.TURN)
         self.state_wgs = state_wgs(v, v_split)
         self.aux_wgs = aux_wgs(v_split)
@@ -243,7 +248,7 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ4, sQK_tile, (CHUNK, self.k))
         tma_k, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK4, sQK_tile, (CHUNK, self.k))
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV4, sV_tile, (CHUNK, self.v_cols))
-        self.qk_bytes = 2 * cute.size_in_bytes(self.dtype, sQK_tile)
+        self.qk_bytes = (2 if self.q_load else 1) * cute.size_in_bytes(self.dtype, sQK_tile)
         self.v_bytes = cute.size_in_bytes(self.dtype, sV_tile)
         tma_t, tma_mT, tma_o, mO4 = None, None, None, None
         w_words = self.aux_wgs * CHUNK * W_STRIDE
@@ -257,7 +262,7 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
             self.t_bytes = cute.size_in_bytes(self.dtype, sT_tile)
             w_words = x_words = SCRATCH_STUB  # no inverse here
             t_barriers = 2 * STAGES
-        if const_expr(self.o_warp):
+        if const_expr(self.o_drain):
             sO_tile = cute.slice_(self.sO_layout, (None, None, 0))
             tma_o, mO4 = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(),
                                                      packed_as_sdhb(mO), sO_tile,
@@ -366,7 +371,7 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
                 cpasync.prefetch_descriptor(atom)
             if const_expr(self.t_pre):
                 cpasync.prefetch_descriptor(tma_t)
-            if const_expr(self.o_warp):
+            if const_expr(self.o_drain):
                 cpasync.prefetch_descriptor(tma_o)
         storage = SmemAllocator().allocate(self.shared_storage)
         wgs = self.state_wgs
@@ -379,7 +384,7 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
         t_pipe, o_ring = None, None
         if const_expr(self.t_pre):
             t_pipe = tma_pipeline(storage.t_ring, STAGES, self.t_bytes, v_consumer_warps(wgs))
-        if const_expr(self.o_warp):
+        if const_expr(self.o_drain):
             o_full = storage.o_ring.data_ptr()
             o_ring = (o_full, o_full + 2 * wgs)  # full[2 w + c % 2], empty[..]
             if warp_idx == 0:
@@ -423,7 +428,7 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
             if const_expr(self.t_pre):
                 if warp_idx == T_WARP:
                     self._produce_t(tma_t, mT4, sT, t_pipe, hv, first_slot(bos, n), nchunks)
-            if const_expr(self.o_warp):
+            if const_expr(self.o_drain):
                 if warp_idx == O_WARP:
                     self._drain_o(tma_o, mO4, mO, sO, o_ring, hv, part, bos, seqlen, nchunks)
         elif wg == 1 if const_expr(self.aux_wgs == 1) else wg <= self.aux_wgs:
@@ -484,7 +489,7 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
         for c in cutlass.range(nchunks, unroll=1):
             qk_pipe.producer_acquire(qk)
             bar = qk_pipe.producer_get_barrier(qk)
-            for atom, ts, tg in loads[:2]:
+            for atom, ts, tg in loads[0 if self.q_load else 1 : 2]:
                 cute.copy(atom, tg[(None, c)], ts[(None, qk.index)], tma_bar_ptr=bar)
             qk.advance()
             v_pipe.producer_acquire(vs)

@@ -141,6 +141,7 @@ def params_for(
     state_lds: bool = False,
     state_order: bool = False,
     o_warp: bool = False,
+    no_o: bool = False,
 ) -> tuple:
     """Compile key: the q / k / v dtype, (K, V), the state's layout (k_last: (N, HV, V, K),
     FlashInfer's; else (N, HV, K, V), fla's), the q / k l2norm in the kernel, whether an
@@ -155,7 +156,10 @@ def params_for(
     unsplit only): the two state warpgroups issue their WGMMA batches in turns (`Bar.TURN`),
     not in lockstep; named only when on. o_warp (the standard form only; the t_pre form has it
     unless state_lds): the standard form with the t_pre form's state chain (V^T by transposed
-    ldmatrix, O handed to warpgroup 0's O warp for a TMA store); named only when on."""
+    ldmatrix, O handed to warpgroup 0's O warp for a TMA store); named only when on. no_o (the
+    t_pre form with its O warp, lockstep): no o at all (no q loads unless l2norm, no Q K^T, P,
+    O^T or O stores): the segmented path's pass B, whose o pass C overwrites; named only when
+    on."""
     if v_split not in V_SPLITS:
         raise ValueError(f"v_split must be one of {V_SPLITS}, got {v_split}")
     if state_lds and not t_pre:
@@ -167,6 +171,8 @@ def params_for(
         )
     if o_warp and t_pre:
         raise ValueError("o_warp names the O warp on the standard form; the t_pre form has it")
+    if no_o and (not t_pre or state_lds or state_order):
+        raise ValueError("no_o is a form of t_pre with its O warp, lockstep")
     k, v = head_dims
     key = {"dtype": dtype, "k": k, "v": v, "k_last": k_last, "l2norm": l2norm,
            "initial_state": initial_state, "v_split": v_split}  # fmt: skip
@@ -178,4 +184,6 @@ def params_for(
             key["state_order"] = True
     if o_warp:
         key["o_warp"] = True
+    if no_o:
+        key["no_o"] = True
     return tuple(sorted(key.items()))

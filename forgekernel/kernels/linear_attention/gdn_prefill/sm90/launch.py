@@ -110,6 +110,7 @@ def gdn_prefill(
     state_lds: bool = False,
     state_order: bool | None = None,
     o_warp: bool = False,
+    b_no_o: bool = False,
 ) -> None:
     """Varlen form: q, k (T, H, K), v (T, HV, V) 16-bit, g (log decay) and beta fp32 (T, HV),
     cu_seqlens int32 (N + 1,); initial_state (N, HV, K, V) fp32, or (N, HV, V, K) with k_last,
@@ -124,7 +125,8 @@ def gdn_prefill(
     state_lds (with t_pre=True): that form with next/gdn-tpre's state chain (the bench's A/B
     `t_pre_state_lds`). state_order (with t_pre, unsplit): the state warpgroups in turns (the
     bench's `t_pre_state_order`); None: `state_order_for`'s default. o_warp (with t_pre=False):
-    the standard form with the t_pre form's state chain (the bench's `standard_o_warp`)."""
+    the standard form with the t_pre form's state chain (the bench's `standard_o_warp`). b_no_o
+    (segments, the t_pre form): pass B on the `no_o` key (the bench's `segments_b_no_o`)."""
     if final_state.shape[0] == 0:
         return
     if q.shape[0] == 0:  # every sequence empty: no TMA descriptor over zero tokens
@@ -139,7 +141,7 @@ def gdn_prefill(
     if parts > 1:
         _segmented(q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale, parts,
                    k_last=k_last, l2norm=l2norm, t_pre=t_pre, state_lds=state_lds,
-                   state_order=state_order, o_warp=o_warp)  # fmt: skip
+                   state_order=state_order, o_warp=o_warp, b_no_o=b_no_o)  # fmt: skip
         return
     _direct(q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale,
             k_last=k_last, l2norm=l2norm, v_split=split, t_pre=t_pre,
@@ -172,6 +174,7 @@ def t_diag_beta(
 def _direct(
     q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale, *, k_last, l2norm,
     v_split, t_pre=False, t_buf=None, state_lds=False, state_order=None, o_warp=False,
+    no_o=False,
 ):  # fmt: skip
     """One launch: a CTA (or a V split's CTAs) per sequence and value head (t_pre: after the
     T precompute's, or on t_buf, T of these sequences at their `first_slot`s)."""
@@ -181,7 +184,7 @@ def _direct(
     params = params_for(
         dtype_name(q.dtype), (q.shape[-1], v.shape[-1]), k_last=k_last, l2norm=l2norm,
         initial_state=initial_state is not None, v_split=split, t_pre=t_pre,
-        state_lds=state_lds, state_order=state_order, o_warp=o_warp,
+        state_lds=state_lds, state_order=state_order, o_warp=o_warp, no_o=no_o,
     )  # fmt: skip
     fn = get_kernel(SPEC, params)
     q, k, v = (_aligned(x) for x in (q, k, v))
@@ -210,7 +213,7 @@ def _segment_offsets(cu_seqlens: torch.Tensor, parts: int) -> torch.Tensor:
 
 def _segmented(
     q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale, parts, *, k_last, l2norm,
-    t_pre=False, state_lds=False, state_order=None, o_warp=False,
+    t_pre=False, state_lds=False, state_order=None, o_warp=False, b_no_o=False,
 ):  # fmt: skip
     """Each sequence cut into `parts` segments run in parallel (up to N P HV CTAs instead of
     N HV): the recurrence is affine in the state, S_end = M S_start + L per segment (M the
@@ -224,7 +227,9 @@ def _segmented(
     the direct launch leaves most SMs idle (`segments_for`; docs/linear_attention/NOTES.md).
     t_pre: T once, over all N P segments (whole chunks of the sequences: the same tiles); a
     pass whose run starts at segment r reads it from slot r on (its run-local index j = i - r
-    puts segment i's chunk c at slot first_slot(bos_i, i) - r + c)."""
+    puts segment i's chunk c at slot first_slot(bos_i, i) - r + c). b_no_o: pass B on the
+    t_pre form's `no_o` key (lockstep): its o, which C overwrites, neither formed nor stored,
+    and no q read (without l2norm): ~40 of the 72 KB a chunk and head at HV = H."""
     n, hv = final_state.shape[:2]
     dk, dv = q.shape[-1], v.shape[-1]
     if dk != dv:
@@ -253,7 +258,8 @@ def _segmented(
     if total > 2:
         eye = torch.eye(dk, dtype=torch.float32, device=q.device) * SEGMENT_SCALE
         init = eye.expand(total - 2, *final_state.shape[1:]).contiguous()
-        _direct(q, k, v, g, beta, init, runs[1], dst, shifted[1:-1], scale, **run,
+        lean = dict(no_o=True, state_order=False) if b_no_o else {}
+        _direct(q, k, v, g, beta, init, runs[1], dst, shifted[1:-1], scale, **{**run, **lean},
                 t_buf=from_segment(1))  # fmt: skip
     shape = (n, parts, *final_state.shape[1:])
     local, shifted, by_seq = local.view(shape), shifted.view(shape), starts.view(shape)

@@ -110,7 +110,8 @@ class StateWg:
             acc_to_operand_a(acc_st, tSrS)
             self._take_turn(turns)
             gemm(mma_ks, acc_x, tSrS, tBrK[None, None, None, ld.index], True, -1)
-            gemm(mma_ks, acc_o, tSrS, tBrQ[None, None, None, ld.index], True, -1)
+            if const_expr(not self.no_o):
+                gemm(mma_ks, acc_o, tSrS, tBrQ[None, None, None, ld.index], True, -1)
             self._pass_turn(turns, w, c, nchunks, False)
             aux_pipe.consumer_wait(ax)
             v_pipe.consumer_wait(vs)
@@ -121,7 +122,8 @@ class StateWg:
             coords = softmax.acc_coords(mma_ks, tid, (ROWS, CHUNK))
             vt = cute.local_tile(sVt[None, None, vs.index], (ROWS, CHUNK), (w, 0))
             r_v = self._load_vt(mma_ks, vt, tid, acc_shape, self.o_warp)
-            self._correct(acc_x, acc_o, r_v, coords, sTab, ax.index)
+            self._correct(acc_x, None if const_expr(self.no_o) else acc_o, r_v, coords, sTab,
+                          ax.index)  # fmt: skip
             if const_expr(t_pipe is None and not self.o_warp):
                 v_pipe.consumer_release(vs)  # v consumed: its stage may load chunk c + 2
             acc_to_operand_a(acc_x, tXrX)
@@ -144,10 +146,11 @@ class StateWg:
                 # hardware (NOTES, "t_pre failed on the H100"; the standard form reads them all
                 # first). The stage is needed again two chunks on.
                 v_pipe.consumer_release(vs)
-            acc_to_operand_a(acc_u, tUrU)
-            self._take_turn(turns)
-            gemm(mma_ks, acc_o, tUrU, tBrP[None, None, None, ax.index], False, -1)
-            self._pass_turn(turns, w, c, nchunks, False)
+            if const_expr(not self.no_o):
+                acc_to_operand_a(acc_u, tUrU)
+                self._take_turn(turns)
+                gemm(mma_ks, acc_o, tUrU, tBrP[None, None, None, ax.index], False, -1)
+                self._pass_turn(turns, w, c, nchunks, False)
             self._scale_by_table(acc_u, coords, sTab, 2, ax.index)
             acc_to_operand_a(acc_u, tUrUd)
             acc_st.store(acc_st.load() * sTab[0, 3, ax.index])
@@ -158,7 +161,9 @@ class StateWg:
                 cute.nvgpu.warpgroup.wait_group(0)
             qk_pipe.consumer_release(ld)
             aux_pipe.consumer_release(ax)
-            if const_expr(o_ring is None):
+            if const_expr(self.no_o):
+                pass  # no o (the `no_o` key)
+            elif const_expr(o_ring is None):
                 self._store_o(acc_o, mma_ks, sO, mO, out_bar, w, blk, tid, hv, bos, c, seqlen)
             else:
                 self._hand_o(acc_o, mma_ks, sO, o_ring, w, tid, c)
@@ -214,18 +219,24 @@ class StateWg:
 
     @cute.jit
     def _correct(self, acc_x, acc_o, r_v, coords, sTab, s):
-        """X^T <- V^T - X^T diag(fK), O^T <- O^T diag(fQ)."""
+        """X^T <- V^T - X^T diag(fK), O^T <- O^T diag(fQ) (acc_o None: X^T only)."""
         t0, _, col_base = coords
         x = rows_cols(acc_x)
-        o = rows_cols(acc_o)
         v = rows_cols(r_v)
-        for c in cutlass.range_constexpr(cute.size(x, mode=[1])):
-            j = col_base + t0[0, c][1]
-            fk = sTab[j, 0, s]
-            fq = sTab[j, 1, s]
-            for r in cutlass.range_constexpr(cute.size(x, mode=[0])):
-                x[r, c] = v[r, c] - x[r, c] * fk
-                o[r, c] = o[r, c] * fq
+        if const_expr(acc_o is None):
+            for c in cutlass.range_constexpr(cute.size(x, mode=[1])):
+                fk = sTab[col_base + t0[0, c][1], 0, s]
+                for r in cutlass.range_constexpr(cute.size(x, mode=[0])):
+                    x[r, c] = v[r, c] - x[r, c] * fk
+        else:
+            o = rows_cols(acc_o)
+            for c in cutlass.range_constexpr(cute.size(x, mode=[1])):
+                j = col_base + t0[0, c][1]
+                fk = sTab[j, 0, s]
+                fq = sTab[j, 1, s]
+                for r in cutlass.range_constexpr(cute.size(x, mode=[0])):
+                    x[r, c] = v[r, c] - x[r, c] * fk
+                    o[r, c] = o[r, c] * fq
 
     @cute.jit
     def _scale_by_table(self, acc, coords, sTab, table: cutlass.Constexpr[int], s):
