@@ -16,7 +16,9 @@ ungrouped heads) bit for bit the form it names, forced (`test_default_route_is_t
 the standard form's `o_warp` key (the t_pre form's state chain, T by the aux) bit for bit the
 standard form, repeated (`test_standard_o_warp_is_the_standard`, `..._repeated`); the t_pre
 path's two kernels timed apart in CUDA graphs beside the path and the standard form, with their
-bytes' rates (`test_split_times`, -s: next/tpre-batch-gap in docs/linear_attention/NOTES.md).
+bytes' rates (`test_split_times`, -s: next/tpre-batch-gap in docs/linear_attention/NOTES.md);
+the t_pre form's `no_o` key (the final state bit for bit, o untouched) and the segmented path's
+pass B on it (`b_no_o`: bit for bit the segmented path; timed at 1 x 131072 h16).
 CPU counterparts: tests/test_gdn_prefill_t_pre.py (replay), test_gdn_prefill_t_pre_compile.py."""
 
 from __future__ import annotations
@@ -551,3 +553,57 @@ def test_split_times(lens, h, hv, with_state):
               f"  {t * 1e3 / (chunks * waves):.2f} us a chunk step")  # fmt: skip
     print(f"  main + precompute / path {(ms['main'] + ms['precompute']) / ms['path']:.3f}; "
           f"o_warp / standard {ms['o_warp'] / ms['standard']:.3f}")  # fmt: skip
+
+
+@pytest.mark.parametrize(("lens", "h", "hv", "l2norm", "with_state", "dtype", "v_split"), [
+    ([1, 63, 0, 64, 65, 130], 2, 4, False, True, torch.bfloat16, 1),
+    ([200, 7], 2, 2, True, False, torch.float16, 2),
+    ([4096], 2, 2, False, True, torch.bfloat16, 1),
+])  # fmt: skip
+def test_no_o_writes_the_state_only(lens, h, hv, l2norm, with_state, dtype, v_split):
+    """The `no_o` key (pass B's): the final state bit for bit the t_pre form's (the same X^T,
+    U^T and update on the same operands), not one element of o written (NaN-poisoned)."""
+    inputs = _inputs(lens, h, hv, dtype, seed=16, knorm=4.0 if l2norm else 1.0)
+    q, k, v, g, beta, state, cu = inputs
+    start = state if with_state else None
+    got = {}
+    for no_o in (False, True):
+        out = torch.full_like(v, float("nan"))
+        final = torch.full((len(lens), hv, 128, 128), float("nan"), device="cuda")
+        prefill_launch._direct(q, k, v, g, beta, start, cu, out, final, SCALE, k_last=False,
+                               l2norm=l2norm, v_split=v_split, t_pre=True, no_o=no_o)  # fmt: skip
+        got[no_o] = (out, final)
+    torch.cuda.synchronize()
+    assert got[True][0].isnan().all()
+    assert torch.equal(got[True][1], got[False][1])
+
+
+@pytest.mark.parametrize(("lens", "h", "hv", "parts"), [
+    ([4096], 2, 2, 4),
+    ([2000, 70, 3000], 2, 4, 3),
+    ([131072], 16, 16, None),  # the suite's 1x131072-h16-hv16 (the launcher's P = 9): timed
+])  # fmt: skip
+def test_segments_b_no_o(lens, h, hv, parts):
+    """The segmented t_pre path with pass B on the `no_o` key: o and the final states bit for
+    bit the path's without it (B's o is C's to overwrite); at the suite's 1 x 131072 both timed
+    (graph replays; -s prints them: the bench's `segments_b_no_o` / ours)."""
+    q, k, v, g, beta, state, cu = _inputs(lens, h, hv, torch.bfloat16, seed=17)
+    out, final = torch.empty_like(v), torch.empty(len(lens), hv, 128, 128, device="cuda")
+
+    def run(b_no_o):
+        prefill_launch.gdn_prefill(q, k, v, g, beta, state, cu, out, final, SCALE, k_last=False,
+                                   l2norm=False, segments=parts, t_pre=True,
+                                   b_no_o=b_no_o)  # fmt: skip
+
+    got = {}
+    for b_no_o in (False, True):
+        out.fill_(float("nan"))
+        run(b_no_o)
+        torch.cuda.synchronize()
+        got[b_no_o] = (out.clone(), final.clone())
+    assert not got[True][0].isnan().any()
+    assert torch.equal(got[True][0], got[False][0]) and torch.equal(got[True][1], got[False][1])
+    if parts is None:
+        ms = {b: _graph_ms(lambda b=b: run(b)) for b in (False, True)}
+        print(f"\nsegments {lens} h{h} hv{hv}: path {ms[False]:.4f} ms, B without o "
+              f"{ms[True]:.4f} ms ({ms[True] / ms[False]:.3f}x)")  # fmt: skip
