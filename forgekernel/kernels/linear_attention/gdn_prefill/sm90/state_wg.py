@@ -21,7 +21,8 @@ thread-dependent views hoisted out of the loop. Both t_pre forms (the T ring's) 
 standard form release the v stage after U^T, once every V^T load has been read, not after the
 corrections (NOTES, "t_pre failed on the H100"). The `state_order` key (unsplit t_pre form)
 issues the four batches a chunk in turns with the other state warpgroup (`_take_turn`,
-`_pass_turn`: named barriers `Bar.TURN + w`) instead of in lockstep.
+`_pass_turn`: named barriers `Bar.TURN + w`) instead of in lockstep. The `no_o` key (t_pre form,
+the segmented path's pass B) forms no O: X^T, U^T and the update only.
 """
 
 from __future__ import annotations
