@@ -90,9 +90,17 @@ def test_b_no_o_needs_the_t_pre_form(cpu_kernels):  # noqa: F811
                                    t_pre=False, b_no_o=True)  # fmt: skip
 
 
-def test_bench_variant_where_the_launcher_segments():
+def test_bench_variants_where_segments_run():
+    """`segments_b_no_o` where the launcher segments (t_pre), `segments_<P>_b_no_o` beside the
+    `segments_<P>` variant (the single hv32 cases the launcher leaves direct)."""
     from forgekernel.bench.suites import gdn_prefill
 
-    with_it = [c.name for c in gdn_prefill.BENCH_CASES
-               if "segments_b_no_o" in gdn_prefill.variants(c)]  # fmt: skip
-    assert with_it == ["1x131072-h16-hv16"]
+    found = {c.name: sorted(v for v in gdn_prefill.variants(c) if v.endswith("_b_no_o"))
+             for c in gdn_prefill.BENCH_CASES}  # fmt: skip
+    found = {name: v for name, v in found.items() if v}
+    assert found == {
+        "1x131072-h16-hv16": ["segments_b_no_o"],
+        "1x16384-h16-hv32": ["segments_5_b_no_o"],
+        "1x65536-h16-hv32": ["segments_5_b_no_o"],
+        "1x16384-h16-hv32-nostate": ["segments_5_b_no_o"],
+    }

@@ -48,8 +48,9 @@ def test_variants_force_the_other_form_and_v_split(cpu_kernel):  # noqa: F811
     variant is the kernel so forced, as the check sees it."""
     by_name = {c.name: c for c in gdn_prefill.BENCH_CASES}
     std = "standard"  # where the launcher takes the t_pre form: all but 8x32768-h16-hv16
-    assert set(gdn_prefill.variants(by_name["1x65536-h16-hv32"])) == {"v_split_1", "segments_5",
-                                                                       std}  # fmt: skip
+    assert set(gdn_prefill.variants(by_name["1x65536-h16-hv32"])) == {
+        "v_split_1", "segments_5", std, "segments_5_b_no_o"
+    }  # fmt: skip
     lean = "segments_b_no_o"  # pass B without o, where the launcher segments (t_pre)
     assert set(gdn_prefill.variants(by_name["1x131072-h16-hv16"])) == {"segments_1", std, lean}
     ab = "t_pre_state_lds"  # STATE_CHAIN_AB

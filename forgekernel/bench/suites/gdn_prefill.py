@@ -233,7 +233,8 @@ def variants(case: Case) -> dict[str, Any]:
     against ours (lockstep) on the same case. `standard_o_warp` on STANDARD_CHAIN_AB: the
     standard form with the t_pre form's state chain (O warp, ldmatrix V^T), against ours
     (8x32768-h16-hv16) and against `standard` (4x8192-h16-hv32). `segments_b_no_o` where the
-    launcher segments in the t_pre form: pass B on the `no_o` key (no q, P, O^T or o)."""
+    launcher segments in the t_pre form: pass B on the `no_o` key (no q, P, O^T or o); likewise
+    `segments_<P>_b_no_o` beside `segments_<P>`."""
     from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import v_split_for
     from forgekernel.kernels.linear_attention.gdn_prefill.sm90.launch import segments_for
 
@@ -256,6 +257,8 @@ def variants(case: Case) -> dict[str, Any]:
     if 4 * n * hv <= H200_SMS and sum(lens) >= 16384 * n:
         parts = (H200_SMS // hv + 1) // n
         out[f"segments_{parts}"] = _run_forced(segments=parts, t_pre=t_pre)
+        if t_pre:
+            out[f"segments_{parts}_b_no_o"] = _run_forced(segments=parts, t_pre=True, b_no_o=True)
     if v_split_for(n, hv, H200_SMS) == 2:
         out["v_split_1"] = _run_forced(v_split=1, t_pre=t_pre)
     elif 2 * n * hv <= 2 * H200_SMS:
