@@ -48,14 +48,18 @@ def test_variants_force_the_other_form_and_v_split(cpu_kernel):  # noqa: F811
     variant is the kernel so forced, as the check sees it."""
     by_name = {c.name: c for c in gdn_prefill.BENCH_CASES}
     std = "standard"  # where the launcher takes the t_pre form: all but 8x32768-h16-hv16
-    assert set(gdn_prefill.variants(by_name["1x65536-h16-hv32"])) == {"v_split_1", "segments_5",
-                                                                       std}  # fmt: skip
-    assert set(gdn_prefill.variants(by_name["1x131072-h16-hv16"])) == {"segments_1", std}
+    assert set(gdn_prefill.variants(by_name["1x65536-h16-hv32"])) == {
+        "v_split_1", "segments_5", std, "segments_5_b_no_o"
+    }  # fmt: skip
+    lean = "segments_b_no_o"  # pass B without o, where the launcher segments (t_pre)
+    assert set(gdn_prefill.variants(by_name["1x131072-h16-hv16"])) == {"segments_1", std, lean}
     ab = "t_pre_state_lds"  # STATE_CHAIN_AB
-    assert set(gdn_prefill.variants(by_name["4x8192-h16-hv32"])) == {"v_split_2", std, ab}
+    chain = "standard_o_warp"  # STANDARD_CHAIN_AB
+    assert set(gdn_prefill.variants(by_name["4x8192-h16-hv32"])) == {"v_split_2", std, ab, chain}
     assert set(gdn_prefill.variants(by_name["1x4096-h16-hv32"])) == {"v_split_1", std, ab}
     assert set(gdn_prefill.variants(by_name["mix64-t32768-h16-hv32"])) == {std}
-    assert set(gdn_prefill.variants(by_name["8x32768-h16-hv16"])) == {"v_split_2", "t_pre"}
+    assert set(gdn_prefill.variants(by_name["8x32768-h16-hv16"])) == {"v_split_2", "t_pre",
+                                                                       chain}  # fmt: skip
     assert [c.name for c in gdn_prefill.BENCH_CASES if not gdn_prefill.uses_t_pre(c)] == [
         "8x32768-h16-hv16"
     ]
@@ -85,6 +89,8 @@ def test_variants_force_the_other_form_and_v_split(cpu_kernel):  # noqa: F811
     assert "state_lds" not in cpu_kernel[-2]
     got = gdn_prefill._run_forced(t_pre=True, state_lds=True)(inputs, gdn_prefill.alloc_out(inputs))
     assert torch.equal(got, standard) and cpu_kernel[-2]["state_lds"]
+    got = gdn_prefill._run_forced(t_pre=False, o_warp=True)(inputs, gdn_prefill.alloc_out(inputs))
+    assert torch.equal(got, standard) and cpu_kernel[-1]["o_warp"]  # same products
 
 
 @pytest.mark.parametrize("module", ["gdn_prefill", "kda_prefill"])

@@ -46,16 +46,25 @@ def _compile_t_pre(params: Params, extra_options: str = ""):
     return compile_gdn_t_pre(dict(params), "sm_90a", extra_options)
 
 
-def _t_pre_candidates() -> list[Params]:
+def _candidates() -> list[Params]:
     """The t_pre form with next/gdn-tpre's state chain (`state_lds`, the bench's A/B variant
     `t_pre_state_lds`) in the suite's configurations (bf16, fla's state layout, no l2norm),
-    state or not, unsplit and split."""
+    state or not, unsplit and split; the standard form with the t_pre form's state chain
+    (`o_warp`, the bench's `standard_o_warp`), unsplit; pass B's `no_o` form (unsplit, from its
+    c I start: the bench's `segments_b_no_o`)."""
     suite = dict(k_last=False, l2norm=False, t_pre=True)
-    return [
-        params_for("bfloat16", initial_state=init, v_split=split, state_lds=True, **suite)
-        for init in (False, True)
-        for split in V_SPLITS
-    ]
+    return (
+        [
+            params_for("bfloat16", initial_state=init, v_split=split, state_lds=True, **suite)
+            for init in (False, True)
+            for split in V_SPLITS
+        ]
+        + [
+            params_for("bfloat16", initial_state=init, k_last=False, l2norm=False, o_warp=True)
+            for init in (False, True)
+        ]
+        + [params_for("bfloat16", initial_state=True, no_o=True, **suite)]
+    )
 
 
 SPEC = KernelSpec(
@@ -64,7 +73,7 @@ SPEC = KernelSpec(
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
-    candidate_params=_t_pre_candidates,
+    candidate_params=_candidates,
 )
 
 # T diag(beta) of every (chunk, value head) at once (`t_pre.py`), read by the t_pre form above.

@@ -88,6 +88,8 @@ def gdn_prefill(
     segments: int | None = None,
     t_pre: bool | None = None,
     state_lds: bool = False,
+    o_warp: bool = False,
+    b_no_o: bool = False,
 ) -> None:
     """Varlen form: q, k (T, H, K), v (T, HV, V) 16-bit, g (log decay) and beta fp32 (T, HV),
     cu_seqlens int32 (N + 1,); initial_state (N, HV, K, V) fp32, or (N, HV, V, K) with k_last,
@@ -100,7 +102,9 @@ def gdn_prefill(
     every chunk by the precompute kernel first, read by the chunked kernel's `t_pre` form; None:
     as `t_pre_for` says (True / False forced: the bench's variants `t_pre` / `standard`);
     state_lds (with t_pre=True): that form with next/gdn-tpre's state chain (the bench's A/B
-    `t_pre_state_lds`)."""
+    `t_pre_state_lds`). o_warp (with t_pre=False): the standard form with the t_pre form's
+    state chain (the bench's `standard_o_warp`). b_no_o (segments, the t_pre form): pass B on
+    the `no_o` key (the bench's `segments_b_no_o`)."""
     if final_state.shape[0] == 0:
         return
     if q.shape[0] == 0:  # every sequence empty: no TMA descriptor over zero tokens
@@ -114,11 +118,12 @@ def gdn_prefill(
         t_pre = t_pre_for(q.shape[1], hv, split, parts)
     if parts > 1:
         _segmented(q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale, parts,
-                   k_last=k_last, l2norm=l2norm, t_pre=t_pre, state_lds=state_lds)  # fmt: skip
+                   k_last=k_last, l2norm=l2norm, t_pre=t_pre, state_lds=state_lds,
+                   o_warp=o_warp, b_no_o=b_no_o)  # fmt: skip
         return
     _direct(q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale,
             k_last=k_last, l2norm=l2norm, v_split=split, t_pre=t_pre,
-            state_lds=state_lds)  # fmt: skip
+            state_lds=state_lds, o_warp=o_warp)  # fmt: skip
 
 
 def t_diag_beta(
@@ -146,7 +151,7 @@ def t_diag_beta(
 
 def _direct(
     q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale, *, k_last, l2norm,
-    v_split, t_pre=False, t_buf=None, state_lds=False,
+    v_split, t_pre=False, t_buf=None, state_lds=False, o_warp=False, no_o=False,
 ):  # fmt: skip
     """One launch: a CTA (or a V split's CTAs) per sequence and value head (t_pre: after the
     T precompute's, or on t_buf, T of these sequences at their `first_slot`s)."""
@@ -154,7 +159,7 @@ def _direct(
     params = params_for(
         dtype_name(q.dtype), (q.shape[-1], v.shape[-1]), k_last=k_last, l2norm=l2norm,
         initial_state=initial_state is not None, v_split=split, t_pre=t_pre,
-        state_lds=state_lds,
+        state_lds=state_lds, o_warp=o_warp, no_o=no_o,
     )  # fmt: skip
     fn = get_kernel(SPEC, params)
     q, k, v = (_aligned(x) for x in (q, k, v))
@@ -183,7 +188,7 @@ def _segment_offsets(cu_seqlens: torch.Tensor, parts: int) -> torch.Tensor:
 
 def _segmented(
     q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale, parts, *, k_last, l2norm,
-    t_pre=False, state_lds=False,
+    t_pre=False, state_lds=False, o_warp=False, b_no_o=False,
 ):  # fmt: skip
     """Each sequence cut into `parts` segments run in parallel (up to N P HV CTAs instead of
     N HV): the recurrence is affine in the state, S_end = M S_start + L per segment (M the
@@ -197,7 +202,9 @@ def _segmented(
     the direct launch leaves most SMs idle (`segments_for`; docs/linear_attention/NOTES.md).
     t_pre: T once, over all N P segments (whole chunks of the sequences: the same tiles); a
     pass whose run starts at segment r reads it from slot r on (its run-local index j = i - r
-    puts segment i's chunk c at slot first_slot(bos_i, i) - r + c)."""
+    puts segment i's chunk c at slot first_slot(bos_i, i) - r + c). b_no_o: pass B on the
+    t_pre form's `no_o` key: its o, which C overwrites, neither formed nor stored, and no q
+    read (without l2norm): ~40 of the 72 KB a chunk and head at HV = H."""
     n, hv = final_state.shape[:2]
     dk, dv = q.shape[-1], v.shape[-1]
     if dk != dv:
@@ -209,7 +216,8 @@ def _segmented(
     runs = [cu[:-1], cu[1:-1].clone(), cu[1:].clone()]  # A, B, C; own bases (aligned like cu)
     total = n * parts
     flat = (total, *final_state.shape[1:])
-    run = dict(k_last=k_last, l2norm=l2norm, v_split=None, t_pre=t_pre, state_lds=state_lds)
+    run = dict(k_last=k_last, l2norm=l2norm, v_split=None, t_pre=t_pre, state_lds=state_lds,
+               o_warp=o_warp)  # fmt: skip
     t_all = t_diag_beta(k, g, beta, cu, l2norm=l2norm) if t_pre else None
 
     def from_segment(r):  # T as a pass starting at segment r indexes it
@@ -226,7 +234,7 @@ def _segmented(
         eye = torch.eye(dk, dtype=torch.float32, device=q.device) * SEGMENT_SCALE
         init = eye.expand(total - 2, *final_state.shape[1:]).contiguous()
         _direct(q, k, v, g, beta, init, runs[1], dst, shifted[1:-1], scale, **run,
-                t_buf=from_segment(1))  # fmt: skip
+                no_o=b_no_o, t_buf=from_segment(1))  # fmt: skip
     shape = (n, parts, *final_state.shape[1:])
     local, shifted, by_seq = local.view(shape), shifted.view(shape), starts.view(shape)
     s = local[:, 0]

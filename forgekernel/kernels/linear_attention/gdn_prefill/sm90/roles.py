@@ -24,7 +24,7 @@ def aux_barrier_id(a):
 PRODUCER_WARP = 0  # warpgroup 0: TMA loads
 GATE_WARP = 1  # warpgroup 0: g, beta and the chunk's cumulative decay
 T_WARP = 2  # warpgroup 0, the `t_pre` form only: TMA loads of the precomputed T diag(beta)
-O_WARP = 3  # warpgroup 0, the `t_pre` form only: the O tiles to global memory (TMA store)
+O_WARP = 3  # warpgroup 0, with `o_warp` (the t_pre form, or the standard form's key): O tiles out
 O_FULL_ARRIVALS = THREADS_PER_WG  # every state thread, after its stmatrix and proxy fence
 O_EMPTY_ARRIVALS = WARP_SIZE  # every lane of the O warp, once the tile has been read
 
