@@ -91,8 +91,8 @@ for t in "${targets[@]}"; do
   rc=$?
   if [ -n "$dry" ]; then
     cat "$WORK/$t.log"
-    # shellcheck disable=SC2086
-    python3 "$script" $args --list
+    # shellcheck disable=SC2086  # the cases the ncu command above profiles (GAPS_ARGS' too)
+    python3 "$script" $args --list ${GAPS_ARGS:-}
     continue
   fi
   tail -15 "$WORK/$t.log"

@@ -465,3 +465,11 @@ def test_gaps_dry_run_names_the_gdn_bwd_targets(tmp_path):
     assert all("--section SpeedOfLight --section WarpStateStats -o" in ln for ln in ncu)
     assert all("--case gdn_bwd:4x8192-h16-hv32" in ln for ln in ncu)
     assert "--which ours" in ncu[0] and "--comparator flashqla --sidecar-here" in ncu[1]
+    # GAPS_ARGS' cases in the dry run's listing as in its ncu command
+    env["GAPS_ARGS"] = "--case gdn_bwd:1x8192-h16-hv32"
+    run = subprocess.run(
+        ["bash", "scripts/device_profile_gaps.sh", "--dry-run", "gdn_bwd"],
+        cwd=ROOT, env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    listed = [ln.split()[0] for ln in run.stdout.splitlines() if ln.startswith("gdn_bwd:")]
+    assert listed == ["gdn_bwd:4x8192-h16-hv32", "gdn_bwd:1x8192-h16-hv32"]
