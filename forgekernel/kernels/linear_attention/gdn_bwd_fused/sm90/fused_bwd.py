@@ -102,6 +102,7 @@ from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.config import (
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.reverse_state import (
     GdnBwdStateSm90,
 )
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import first_slot
 
 ROWS = 64  # value rows of one dS^T accumulator (the state warpgroup holds two)
 PRODUCER_WARP = 0
@@ -384,8 +385,8 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         if const_expr(self.varlen):
             n = mOrder[b]
             bos, eos = mCu[n], mCu[n + 1]
-            first = bos // CHUNK + n
-            nchunks = eos // CHUNK + n + 1 - first
+            first = first_slot(bos, n)
+            nchunks = first_slot(eos, n + 1) - first
             b = 0
             tables = (mStarts, mLens)
         wg = cute.arch.make_warp_uniform(tidx // WG)

@@ -123,6 +123,7 @@ from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.config import (
     STATE_WGS,
     THREADS,
 )
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import first_slot
 
 ROWS = ROWS_PER_STATE_WG
 PRODUCER_WARP = 0
@@ -390,8 +391,8 @@ class GdnBwdStateSm90:
         if const_expr(self.varlen):
             n = mOrder[b]
             bos, eos = mCu[n], mCu[n + 1]
-            first = bos // CHUNK + n
-            nchunks = eos // CHUNK + n + 1 - first
+            first = first_slot(bos, n)
+            nchunks = first_slot(eos, n + 1) - first
             b = 0
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         if wg == 0:
