@@ -244,10 +244,14 @@ def _device_sms(device: torch.device) -> int:
 # steps of work: it pays only where the summary phase, (3 B S - 4) HV CTAs at one an SM, fits
 # one wave: B HV <= 16 on 132 SMs (1 x 8192 hv16, predicted ~460 -> ~350 us); at B HV = 32 (1 x
 # 8192 hv32) each phase takes two waves and it loses (~460 -> ~620 us predicted; NOTES.md
-# "next/gdn-bwd-segments"). OFF until a device A/B. SEGMENTS_SWITCH overrides SEGMENTS: "0"
-# off, "1" on (the rule, `_segments_for_bwd`), an integer S >= 2 forces S segments wherever S
-# divides NC (the A/Bs; the fused route and the varlen slot layout never segment).
-SEGMENTS = False
+# "next/gdn-bwd-segments"). On since the H100 A/B of 2026-12-07 00:12 (graph replays, the rule's
+# S = 4: 1 x 8192 h16 hv16 0.860 -> 0.807 ms, 1 x 32768 h16 hv16 3.383 -> 2.942; memcheck 0
+# errors; at hv32 the rule keeps S = 1, where forced S = 2 / 4 lost: 1.304 -> 1.329 / 1.567 ms
+# at 1 x 8192; log benchmarks/logs/sm_90a/2026-12-07T0006-integration47-device-run.log).
+# SEGMENTS_SWITCH overrides SEGMENTS: "0" off (the A/B baseline), "1" on (the rule,
+# `_segments_for_bwd`), an integer S >= 2 forces S segments wherever S divides NC (the A/Bs;
+# the fused route and the varlen slot layout never segment).
+SEGMENTS = True
 SEGMENTS_SWITCH = "FORGEKERNEL_GDN_BWD_SEGMENTS"
 MIN_SEGMENT_CHUNKS = 32  # a segment's chunks: shorter, the scans' ~20 small launches eat the gain
 
