@@ -12,7 +12,7 @@ SKINNY, the decode boxes that fit, their stream-K twins), then the tiled 128-row
 scales read the other way (M-major, `_mn`: from the suite's K-major scales, so through the
 launcher's transpose) (`configs_for`); and the chosen tile's M-major twin given M-major scales
 made outside the timing, as DeepGEMM's are (`+sa_mn`, `given_mn_major`); last the pick's twins
-that move fewer bytes (`twins`: a narrow pick with A or B multicast, a tiled pick walked in bands),
+that move fewer bytes (`twins`: a narrow pick with A or B multicast, LARGE walked in bands),
 compiled at first use.
 A config that fails gets a row with its error. The JSON is rewritten after every shape.
 
@@ -38,6 +38,7 @@ from forgekernel.bench.suites import gemm_fp8 as fp8_suite
 from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
 from forgekernel.kernels.gemm.fp8.sm90 import launch
 from forgekernel.kernels.gemm.fp8.sm90.config import (
+    LARGE_MCAST_A,
     NARROW_CONFIGS,
     STANDARD_CONFIGS,
     choose_config,
@@ -52,8 +53,9 @@ EXTRA = ((2048, 7168, 4096), (8192, 4608, 7168), (4096, 1536, 7168))
 STRIDE = ((8192, 8192, 7680),)
 SMALL_TILES_UP_TO = 512  # M up to which the 64-row configurations are timed too
 # The tiled pick's band: 8 clusters across N (16 n-tiles of a 1x2 cluster: 2048 columns, the
-# columns DeepGEMM's 256x128 schedule groups), walked down M; the grouped GEMM's standard walk.
-BAND = 8
+# columns DeepGEMM's 256x128 schedule groups), walked down M; the standard walk of
+# LARGE_MCAST_A (since 2026-12-07) and of the grouped GEMM, so a twin of LARGE's only.
+BAND = LARGE_MCAST_A.swizzle
 
 
 def cases(groups: tuple[str, ...]) -> list[Case]:
@@ -92,8 +94,10 @@ def twins(pick: GemmConfig, m: int, n: int) -> list[GemmConfig]:
     """The pick with fewer bytes a FLOP from the L2 or HBM (docs/gemm/NOTES.md "next/fp8-gap"):
     a narrow full-K pick (one CTA a tile, no cluster) with A multicast over a 1x2 cluster where
     it has two n-tiles or more, and B over 2x1 where it has two whole 64-row tile rows or more
-    (not a short A box); a tiled 128-row pick walked in bands of BAND clusters (`swizzle`)
-    instead of M first. Stream K has none."""
+    (not a short A box); a tiled 128-row pick walking M first (LARGE) walked in bands of BAND
+    clusters (`swizzle`) instead. Stream K and a banded pick (LARGE_MCAST_A) have none. Timed on
+    the H100 2026-12-07: the band adopted on LARGE_MCAST_A, the narrow clusters not
+    (docs/gemm/NOTES.md "next/fp8-band8")."""
     if pick in NARROW_CONFIGS:
         found = []
         if -(-n // pick.tile_n) >= 2:

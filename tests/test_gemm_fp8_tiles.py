@@ -80,7 +80,9 @@ def test_tiled_128_row_tiles_take_six_stages_beside_a_3_deep_epilogue():
     # the grouped layout takes the dense tile's ring (18:47), walked in bands of 8 (12-03 06:21)
     # (its scales K-major as measured; LARGE_MCAST_A reads them M-major since 2026-12-05)
     assert GROUPED == dataclasses.replace(LARGE_MCAST_A, swizzle=8, scale_mn_major=False)
-    assert LARGE_MCAST_A.swizzle == 1  # the dense tiles still walk M first
+    # the dense A-multicast tile walks the same bands (2026-12-07), LARGE still M first
+    assert LARGE_MCAST_A.swizzle == 8 and LARGE.swizzle == 1
+    assert LARGE_MCAST_A.raster_along_m and LARGE.raster_along_m
 
 
 def test_chooser_takes_the_a_multicast_from_large_m():
@@ -142,9 +144,9 @@ def test_script_configs(script, m, n, k):
         # one 64-row tile row, or a short A box: A multicast only
         (64, 4096, 7168, ("64x32_c1x2_s0_e4x32_w1m",)),
         (1, 10240, 5120, ("64x80_c1x2_s0_e4x16_w1m_a8",)),
-        # the tiled picks walked in bands of 8 clusters
-        (16384, 7168, 18432, ("128x128_c1x2_s0_e3x32_w8m_f2_mn",)),
+        # LARGE walked in bands of 8 clusters; LARGE_MCAST_A walks them already (2026-12-07)
         (4096, 36864, 7168, ("128x128_c2x1_s0_e3x32_w8m_f2",)),
+        (16384, 7168, 18432, ()),
         # a pick already clustered (SKINNY) or streaming K: none
         (64, 36864, 7168, ()),
         (1, 576, 7168, ()),
@@ -234,7 +236,7 @@ def test_script_rows_on_cpu(script, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("m", "n", "k"), [(128, 1536, 7168), (512, 576, 7168), (128, 7168, 16384), (8192, 8192, 8192)]
+    ("m", "n", "k"), [(128, 1536, 7168), (512, 576, 7168), (128, 7168, 16384), (4096, 7168, 2048)]
 )
 def test_script_twins_compile_without_spills(script, m, n, k, tmp_path):
     """Every twin of these picks compiles for sm_90a (bf16 out) as its pick does: 0 spill bytes,
