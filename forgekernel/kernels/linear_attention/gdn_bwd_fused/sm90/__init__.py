@@ -3,7 +3,8 @@ gradients (WY form) in one kernel, one CTA per (sequence, value head), sm_90a. D
 declaration; the kernel is `fused_bwd.py`, the launcher `launch.py`. Behind
 ops/gated_delta_rule_bwd.py FUSED: it replaces kernel 1's reverse launch and kernel 2 on the
 device pass where B x HV fills about a wave (`config.fused_fits`); its `varlen` keys (candidates)
-behind FUSED_SLOTS in the varlen slot layout (`config.slots_fit`)."""
+behind FUSED_SLOTS in the varlen slot layout (`config.slots_fit`); its `group_sum` keys
+(candidates) behind FUSED_GROUPSUM at HV = 2 H."""
 
 from __future__ import annotations
 
@@ -36,14 +37,23 @@ def _standard_params() -> list[Params]:
 
 def _candidate_params() -> list[Params]:
     # the varlen slot layout's keys (ops/gated_delta_rule_bwd.py FUSED_SLOTS, off until its
-    # device A/B): the standard ones with `varlen` (U read or formed: FUSED_DIET)
-    return [
+    # device A/B): the standard ones with `varlen` (U read or formed: FUSED_DIET); the grouped
+    # ones with `group_sum` (FUSED_GROUPSUM, off until its device A/B: dq, dk summed over a
+    # cluster's two value heads)
+    varlen = [
         params_for(dtype, d_final_state=ds, grouped=g, u_from_h=u, varlen=True)
         for dtype in DTYPES
         for ds in (False, True)
         for g in (False, True)
         for u in (False, True)
     ]
+    pairs = [
+        params_for(dtype, d_final_state=ds, grouped=True, u_from_h=u, group_sum=True)
+        for dtype in DTYPES
+        for ds in (False, True)
+        for u in (False, True)
+    ]
+    return varlen + pairs
 
 
 SPEC = KernelSpec(
