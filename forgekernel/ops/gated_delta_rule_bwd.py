@@ -849,10 +849,12 @@ def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b, out=None,
     kernel 2's dv, dg, dbeta and kernel 1's dh0 in one pass, their concatenation in several),
     a copy only where the dtype or layout differs (beta in 16 bits, k_last's dh0). Without
     l2norm and with HV = H (`_folds`) kernel 2 writes dq (times the scale) and dk themselves
-    in 16 bits: no epilogue launch. slots: the varlen slot layout the tokens are in (b = 1;
-    `_device_pass`); with its tables (`native`) the token gradients come back at the callers'
-    T token rows (`out` those rows' buffers), the epilogue reading `token_qk`, the callers' q,
-    k (T, H, K)."""
+    in 16 bits: no epilogue launch; with FUSED_GROUPSUM at HV = 2 H on the fused route
+    (`_pair_sums`) the fused kernel writes them summed at the H heads (without l2norm the
+    op's: no epilogue launch; with it the epilogue on those). slots: the varlen slot layout the
+    tokens are in (b = 1; `_device_pass`); with its tables (`native`) the token gradients come
+    back at the callers' T token rows (`out` those rows' buffers), the epilogue reading
+    `token_qk`, the callers' q, k (T, H, K)."""
     h, hv, dtype = q.shape[1], v.shape[1], do.dtype
     t, group = q.shape[0] // b, hv // h
     rows = slots.rows.shape[0] if native(slots) else t  # the gradients' tokens a sequence
