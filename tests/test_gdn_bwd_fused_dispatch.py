@@ -1,6 +1,6 @@
 """The fused backward's dispatch on the op's device pass (ops/gated_delta_rule_bwd.py FUSED,
 `_fused_pass`; kernels/linear_attention/gdn_bwd_fused/sm90) on the CPU: the rule (B x HV at
-least three quarters of a wave, `config.fused_fits`), the switch off by default, and the path
+least three quarters of a wave, `config.fused_fits`), the switches on by default, and the path
 with the switch on, the fused kernel replaced by an emulation built from the two kernels it
 fuses (tests/test_gdn_bwd_kernel_path.py's tile emulations of kernel 1's reverse launch and
 kernel 2's WY variant, fed Ke = k e^(G_C - G), Qe = q e^G and e^(G_C) formed from the fused
@@ -9,7 +9,7 @@ kernel's own inputs: what the kernel folds in registers; with FUSED_DIET, U = u 
 (shapes, dtypes, strided views as TMA reads them), one launch in place of the reverse launch
 and kernel 2, and the gradients against today's path and autograd through the fp64
 recurrence (2e-2 of each gradient's max). FUSED_GROUPSUM (next/gdn-bwd-groupsum, the `group_sum`
-key: dq, dk summed over the two value heads of a head in the kernel): off by default, its rule,
+key: dq, dk summed over the two value heads of a head in the kernel): on by default, its rule,
 its route (no norm epilogue without l2norm; the epilogue on the H-head sums with it) and the
 launcher's checks. The GPU twins: tests/gpu/test_gdn_bwd_fused_gpu.py,
 tests/gpu/test_gdn_bwd_groupsum_gpu.py."""
@@ -105,15 +105,19 @@ def test_the_rule(b, hv, sms, fused):
 
 
 def test_on_by_default():
+    """FUSED, FUSED_DIET; FUSED_SLOTS and FUSED_GROUPSUM since the H100 A/Bs of 2026-12-07
+    (NOTES "next/gdn-bwd-adopt")."""
     assert bwd.FUSED is True and bwd.FUSED_DIET is True
+    assert bwd.FUSED_SLOTS is True and bwd.FUSED_GROUPSUM is True
 
 
 @pytest.mark.parametrize(("b", "t", "h", "hv", "l2norm"), [(1, 130, 2, 2, False),
                                                             (2, 65, 1, 2, True)])  # fmt: skip
 def test_fused_path_equals_todays(kernel_path, monkeypatch, b, t, h, hv, l2norm):  # noqa: F811
     """FUSED on and the rule met (the SM count patched to B x HV): one fused launch after
-    kernel 1's forward launch, no reverse launch, no kernel 2; the gradients those of today's
-    path (FUSED off) and of autograd through the fp64 recurrence within 2e-2 of their max."""
+    kernel 1's forward launch, no reverse launch, no kernel 2 (at HV = 2 H its `group_sum` key:
+    FUSED_GROUPSUM, the default); the gradients those of today's path (FUSED off) and of
+    autograd through the fp64 recurrence within 2e-2 of their max."""
     from test_gdn_bwd_op import _fp64_grads
 
     q, k, v, g, beta, do, h0, dht = _bf16_problem(b, t, h, hv, seed=t + hv)
@@ -134,7 +138,8 @@ def test_fused_path_equals_todays(kernel_path, monkeypatch, b, t, h, hv, l2norm)
     CHUNK_CALLS.clear()
     got = run()
     fold = not l2norm and h == hv
-    assert calls == [((b, t, hv, 128), h, True, 128**-0.5 if fold else 1.0, True)]
+    pair = ("group_sum",) if hv == config.PAIR * h else ()
+    assert calls == [((b, t, hv, 128), h, True, 128**-0.5 if fold else 1.0, True, *pair)]
     assert FLAGS == [(True, True)] and CHUNK_CALLS == []  # the forward launch only
     want = _fp64_grads([q, k, v, g, beta, h0], None, do, dht, l2norm=l2norm, with_state=True)
     for name, a, r, o in zip(NAMES, got, want, today):
@@ -209,10 +214,11 @@ def test_the_switch(monkeypatch, env, fused, b, hv, sms, want):
 @pytest.mark.parametrize("lens", [[1, 63, 0, 64, 65, 130], [65, 65]])
 def test_varlen(kernel_path, monkeypatch, lens):  # noqa: F811
     """FUSED on and the rule met, cu_seqlens (ops/_linattn_varlen.py `backward_varlen`): equal
-    lengths are B sequences (a reshape) on the fused kernel; unequal ones run once in the slot
-    layout (the default), today's reverse launch and kernel 2 (`_device_pass` takes the fused
-    kernel only without slots): no fused launch and the gradients FUSED off's bit for bit. The
-    GPU twin's test_varlen."""
+    lengths are B sequences (a reshape) on the fused kernel (HV = 2 H: its `group_sum` key);
+    unequal ones run once in the slot layout (the default), today's reverse launch and kernel 2
+    (the slot layout's fused route, FUSED_SLOTS, takes `config.slots_fit`: at most one wave, N x
+    HV > 1 SM here): no fused launch and the gradients FUSED off's bit for bit. The GPU twin's
+    test_varlen."""
     n, total = len(lens), sum(lens)
     q, k, v, g, beta, do, h0, dht = _bf16_problem(1, total, 2, 4, seed=n)
     h0, dht = (x.expand(n, -1, -1, -1).contiguous() for x in (h0, dht))
@@ -232,7 +238,8 @@ def test_varlen(kernel_path, monkeypatch, lens):  # noqa: F811
     CHUNK_CALLS.clear()
     got = run()
     if len(set(lens)) == 1:
-        assert calls == [((n, lens[0], 4, 128), 2, True, 1.0, True)] and CHUNK_CALLS == []
+        assert calls == [((n, lens[0], 4, 128), 2, True, 1.0, True, "group_sum")]
+        assert CHUNK_CALLS == []
         for name, a, o in zip(NAMES, got, today):
             scale = float(o.abs().max())
             assert float((a.double() - o.double()).abs().max()) <= 2e-2 * scale, name
@@ -310,15 +317,11 @@ def test_diet_off_is_the_fused_route_of_before(kernel_path, monkeypatch):  # noq
         grads[diet] = forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do,
                                                             initial_state=h0,
                                                             d_final_state=dht)  # fmt: skip
-        assert [c[-1] for c in calls] == [diet]
+        assert [c[4] for c in calls] == [diet]  # U formed in the kernel
     assert keys == [True, False] and forward == [(True, True), (False, False)]
     for name, a, o in zip(NAMES, grads[True], grads[False]):
         err = float((a.double() - o.double()).abs().max())
         assert err <= 1e-2 * float(o.abs().max()), (name, err)
-
-
-def test_fused_slots_off_by_default():
-    assert bwd.FUSED_SLOTS is False
 
 
 @pytest.mark.parametrize(
@@ -485,10 +488,6 @@ def test_launcher_varlen_checks():
 # ---- FUSED_GROUPSUM (next/gdn-bwd-groupsum): dq, dk summed over a cluster's two value heads
 
 
-def test_groupsum_off_by_default():
-    assert bwd.FUSED_GROUPSUM is False
-
-
 @pytest.mark.parametrize(
     ("on", "h", "hv", "one", "slots", "sms", "want"),
     [(True, 16, 32, True, None, 128, True), (False, 16, 32, True, None, 128, False),
@@ -545,6 +544,7 @@ def test_groupsum_route(kernel_path, monkeypatch, b, t, h, l2norm, with_out):  #
             assert all(a.data_ptr() == o.data_ptr() for a, o in zip(got, out))
         return got
 
+    monkeypatch.setattr(bwd, "FUSED_GROUPSUM", False)
     today = run()
     assert epilogue == [(hv, h), (hv, h)]
     calls.clear()

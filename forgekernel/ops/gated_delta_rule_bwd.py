@@ -540,7 +540,8 @@ FUSED_SWITCH = "FORGEKERNEL_GDN_BWD_FUSED"
 # unchanged as expected (a capture runs the varlen slot layout, which takes the fused route only
 # with FUSED_SLOTS, and there only the fused kernel's part applies); the diet_keys GPU tests 10
 # passed, racecheck 0 hazards (2-63-2-4-dtype0). False: the fused route of before (U read), kept
-# as the baseline of FUSED_SLOTS' pending device A/B (`varlen` against `varlen, u_from_h`). In the
+# as the baseline of the diet GPU tests and of the slot route's `forced diet off` column
+# (tests/gpu/test_gdn_bwd_fused_slots_gpu.py test_time: `varlen` against `varlen, u_from_h`). In the
 # varlen slot layout (FUSED_SLOTS) only the fused kernel's part: kernel 0's and kernel 1's `fused`
 # keys have no varlen form, so there the forward launch reads Ke and writes U, and the fused
 # kernel's `varlen, u_from_h` key saves only U's read (NOTES "next/fused-slots-on46").
@@ -552,9 +553,14 @@ FUSED_DIET = True
 # (dq times the scale): no norm epilogue launch (two of them at 4 x 8192 h16 hv32, est. 0.20-0.27
 # ms of the 3.615 ms call); with l2norm the epilogue stays, on the summed H-head gradients (its
 # group sum a copy: half its reads). B equal sequences in one pass of heads on the fused route
-# only (`_pair_sums`). Predicted (NOTES "next/gdn-bwd-groupsum"): 4 x 8192 h16 hv32 bf16 eager
-# 3.615 -> ~3.35-3.45 ms. TEMPORARY, off until its device A/B (tests, sanitizers, the timing).
-FUSED_GROUPSUM = False
+# only (`_pair_sums`). Measured on the H100 (2026-12-07 00:11-00:23, 4 x 8192 h16 hv32 bf16):
+# the call 3.530 -> 3.307 ms eager (-0.223), the two GdnBwdNorm launches (280 us) gone from the
+# batch form's graph; the fused kernel alone 1.988 -> 2.117 ms (+0.129: the pair's pacing, over
+# the rule's 0.1 ms guard, which was there to catch pacing costing more than the launches save:
+# the net decides, NOTES "next/gdn-bwd-adopt"); GPU tests 69 passed, racecheck 0 hazards,
+# synccheck and memcheck 0 errors. The bench's graph column (cu_seqlens: the slot layout, no
+# `group_sum` form) does not take it. False: the epilogue's group sum, the GPU tests' A/B.
+FUSED_GROUPSUM = True
 
 
 def _pair_sums(b: int, h: int, hv: int, device: torch.device, one_pass: bool, slots) -> bool:
@@ -583,10 +589,14 @@ def _fused_selected(b: int, hv: int, device: torch.device, slots: bool = False) 
 # graph 5.52 on the two-launch slot path). The rule (`config.slots_fit`): N x HV from 3/4 of a
 # wave to one wave. A capture cannot see the lengths: a skewed mix within a wave pays the fused
 # kernel's ~15 us a slot down its longest chain (up to ~1.7x the call at 4 sequences, one
-# holding every token; NOTES "next/fused-slots"). TEMPORARY, off until its device A/B;
-# FUSED_SLOTS_SWITCH "1" / "0" overrides (FUSED_SWITCH "all" forces every shape, as on the
-# batch path).
-FUSED_SLOTS = False
+# holding every token; NOTES "next/fused-slots"). Measured on the H100 (2026-12-07 00:11-00:23,
+# graph_vs_eager_probe gdn_bwd:4x8192-h16-hv32, varlen form): graph 5.543 -> 4.676 ms (-0.867;
+# GdnBwdChunk + two GdnBwdState, 4199 us, replaced by GdnBwdFused + one state launch, 2675 us),
+# eager unchanged (the batch path); GPU tests 22 + 2 passed, racecheck 0 hazards, synccheck and
+# memcheck 0 errors (NOTES "next/gdn-bwd-adopt"). FUSED_SLOTS_SWITCH "1" / "0" overrides
+# (FUSED_SWITCH "all" forces every shape, as on the batch path); False: the two-launch slot path
+# (what the rule takes outside its wave), the GPU tests' A/B.
+FUSED_SLOTS = True
 FUSED_SLOTS_SWITCH = "FORGEKERNEL_GDN_BWD_FUSED_SLOTS"
 
 
