@@ -555,11 +555,12 @@ FUSED_DIET = True
 # group sum a copy: half its reads). B equal sequences in one pass of heads on the fused route
 # only (`_pair_sums`). Measured on the H100 (2026-12-07 00:11-00:23, 4 x 8192 h16 hv32 bf16):
 # the call 3.530 -> 3.307 ms eager (-0.223), the two GdnBwdNorm launches (280 us) gone from the
-# batch form's graph; the fused kernel alone 1.988 -> 2.117 ms (+0.129: the pair's pacing, over
-# the rule's 0.1 ms guard, which was there to catch pacing costing more than the launches save:
-# the net decides, NOTES "next/gdn-bwd-adopt"); GPU tests 69 passed, racecheck 0 hazards,
-# synccheck and memcheck 0 errors. The bench's graph column (cu_seqlens: the slot layout, no
-# `group_sum` form) does not take it. False: the epilogue's group sum, the GPU tests' A/B.
+# batch form's graph; the fused kernel alone 1.988 -> 2.117 ms (+0.129: the two exchanges a
+# chunk, over the rule's 0.1 ms guard, which was there to catch them costing more than the
+# launches save: the net decides, NOTES "next/gdn-bwd-adopt"); GPU tests 69 passed, racecheck
+# 0 hazards, synccheck and memcheck 0 errors. The bench's graph column (cu_seqlens: the slot
+# layout, no `group_sum` form) does not take it. False: the epilogue's group sum, the GPU
+# tests' A/B.
 FUSED_GROUPSUM = True
 
 
