@@ -9,9 +9,9 @@ shared memory (within config's bound and the 227 KB opt-in); the products split 
 release; every named barrier of `Bar` with its thread count.
 
 Registers by setmaxnreg region (bf16, 2026-12-06): warpgroup 0 R0-R24, S R0-R221, G R0-R179
-of 248 (kernel 2's WY body at 254 there: here K K^T and dPD are S's, and the WY half's row sums
-go to shared memory as they are formed); nothing spilled (was 400 bytes in G before those
-moves)."""
+(`group_sum`: R0-R216) of 248 (kernel 2's WY body at 254 there: here K K^T and dPD are S's,
+and the WY half's row sums go to shared memory as they are formed); nothing spilled (was 400
+bytes in G before those moves)."""
 
 from __future__ import annotations
 
@@ -55,11 +55,12 @@ class Built(NamedTuple):
 def compiled():
     cache = {}
 
-    def get(dtype, dht, grouped=False, u_from_h=False, varlen=False) -> Built:
-        key = (dtype, dht, grouped, u_from_h, varlen)
+    def get(dtype, dht, grouped=False, u_from_h=False, varlen=False, group_sum=False) -> Built:
+        key = (dtype, dht, grouped, u_from_h, varlen, group_sum)
         if key not in cache:
             params = dict(config.params_for(dtype, d_final_state=dht, grouped=grouped,
-                                            u_from_h=u_from_h, varlen=varlen))  # fmt: skip
+                                            u_from_h=u_from_h, varlen=varlen,
+                                            group_sum=group_sum))  # fmt: skip
             kernel = kernel_for(params)
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_gdn_bwd_fused(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
@@ -237,3 +238,59 @@ def test_varlen_resources(compiled, u_from_h):
     assert len(ops(got, "LDG.E")) == len(ops(base, "LDG.E")) + 13
     bars = pin_unaligned_barriers(got.sass, got.unaligned, {Bar.DS_READY, Bar.FINISH})
     assert {int(b.barrier, 16) for b in bars if b.predicate} == {Bar.DH_FREE}
+
+
+# ---- `group_sum` (next/gdn-bwd-groupsum: dq, dk summed over a 2-CTA cluster through DSMEM)
+
+GROUP_SUM = [(config.DTYPES[1], True, True),
+             pytest.param(config.DTYPES[0], False, True, marks=pytest.mark.slow),
+             pytest.param(config.DTYPES[1], False, False, marks=pytest.mark.slow)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("dtype", "dht", "u_from_h"), GROUP_SUM)
+def test_group_sum(compiled, dtype, dht, u_from_h):
+    """`group_sum` against the grouped key without it: 168 registers, nothing spilled, every
+    setmaxnreg region under its count, S's the same (R0-R221; G R0-R216 of 248 here, R179
+    without: the peer's 16 store addresses and the owners' 64 sums, cu13 2026-12-07); the same
+    shared memory (the four mbarriers fit the padding: 225,280 bytes), products and TMA boxes;
+    per chunk two exchanges of 16 STAS.128 (st.async, 16 bytes) and 16 LDS.128 (the owners'
+    reads) each in G's region, two remote arrivals (the "free" signals), one more bar.sync of
+    G alone (MATH: the owners' reads before dk's stash over dO), four more mbarrier inits and
+    the inits' cluster barrier once (UCGABAR_ARV / WAIT); no MEMBAR.ALL.GPU (a cluster-scope
+    release would put one before each remote arrival); the unaligned-barrier pins hold."""
+    built = compiled(dtype, dht, True, u_from_h, group_sum=True)
+    base = compiled(dtype, dht, True, u_from_h)
+    assert built.res["registers"] == 168 and built.res["spill_bytes"] == 0
+    assert not [op for op, _ in built.instrs if op.startswith(("LDL", "STL"))]
+    assert built.smem == base.smem == SMEM <= config.smem_bytes(group_sum=True) <= SMEM_CAPACITY
+    regions, base_regions = _regions(built.instrs), _regions(base.instrs)
+    assert sorted(regions) == sorted(base_regions)
+    for regs in config.REGS:
+        assert _max_register(regions[regs]) < regs
+    s_regs, g_regs = config.REGS[1], config.REGS[2]
+    assert _max_register(regions[s_regs]) == _max_register(base_regions[s_regs])
+
+    def count(instrs, prefix):
+        return sum(op.startswith(prefix) for op, _ in instrs)
+
+    for prefix in ("HGMMA", "UTMALDG", "STSM", "MUFU"):
+        assert count(built.instrs, prefix) == count(base.instrs, prefix), prefix
+    per_exchange = 128 * 64 // (4 * config.THREADS_PER_WG)  # 16-byte groups a sending thread
+    assert count(regions[g_regs], "STAS.128") == 2 * per_exchange == count(built.instrs, "STAS")
+    assert (count(regions[g_regs], "LDS.128") - count(base_regions[g_regs], "LDS.128")
+            == 2 * per_exchange)  # fmt: skip
+    assert count(built.instrs, "SYNCS.ARRIVE.TRANS64.RED") == 2
+    assert count(built.instrs, "SYNCS.EXCH.64") == (count(base.instrs, "SYNCS.EXCH.64")
+                                                    + config.PAIR_BARRIERS)  # fmt: skip
+    assert count(built.instrs, "UCGABAR_ARV") == count(built.instrs, "UCGABAR_WAIT") == 1
+    assert count(base.instrs, "UCGABAR") == 0 and count(built.instrs, "MEMBAR.ALL.GPU") == 0
+
+    def bars(instrs):
+        return sorted(a.strip() for op, a in instrs if op.startswith("BAR"))
+
+    extra = bars(built.instrs)
+    for a in bars(base.instrs):
+        extra.remove(a)
+    assert [b.replace(" ", "") for b in extra] == [f"{int(Bar.MATH):#x},0x80"]
+    pins = pin_unaligned_barriers(built.sass, built.unaligned, {Bar.DS_READY, Bar.FINISH})
+    assert {int(b.barrier, 16) for b in pins if b.predicate} == {Bar.DH_FREE}

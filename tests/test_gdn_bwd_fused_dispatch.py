@@ -1,6 +1,6 @@
 """The fused backward's dispatch on the op's device pass (ops/gated_delta_rule_bwd.py FUSED,
 `_fused_pass`; kernels/linear_attention/gdn_bwd_fused/sm90) on the CPU: the rule (B x HV at
-least three quarters of a wave, `config.fused_fits`), the switch off by default, and the path
+least three quarters of a wave, `config.fused_fits`), the switches on by default, and the path
 with the switch on, the fused kernel replaced by an emulation built from the two kernels it
 fuses (tests/test_gdn_bwd_kernel_path.py's tile emulations of kernel 1's reverse launch and
 kernel 2's WY variant, fed Ke = k e^(G_C - G), Qe = q e^G and e^(G_C) formed from the fused
@@ -8,7 +8,11 @@ kernel's own inputs: what the kernel folds in registers; with FUSED_DIET, U = u 
 `u_from_h` key forms it, `reference.gdn_bwd_state.u_from_states`). Checked: the inputs it is handed
 (shapes, dtypes, strided views as TMA reads them), one launch in place of the reverse launch
 and kernel 2, and the gradients against today's path and autograd through the fp64
-recurrence (2e-2 of each gradient's max). The GPU twin: tests/gpu/test_gdn_bwd_fused_gpu.py."""
+recurrence (2e-2 of each gradient's max). FUSED_GROUPSUM (next/gdn-bwd-groupsum, the `group_sum`
+key: dq, dk summed over the two value heads of a head in the kernel): on by default, its rule,
+its route (no norm epilogue without l2norm; the epilogue on the H-head sums with it) and the
+launcher's checks. The GPU twins: tests/gpu/test_gdn_bwd_fused_gpu.py,
+tests/gpu/test_gdn_bwd_groupsum_gpu.py."""
 
 from __future__ import annotations
 
@@ -40,13 +44,15 @@ def emulated_fused_kernel(calls):
     """The fused kernel's stand-in: kernel 1's reverse emulation and kernel 2's WY emulation on
     the factors the kernel forms from its inputs (Ke, Qe, e^(G_C) from k, q and G; u None:
     U = uw - W h, the `u_from_h` key); its `varlen` key (cu_seqlens, order, tables, tokens: the
-    slot layout) by their varlen forms (kernel 1's walk, kernel 2's `token_rows`). Calls
-    recorded as (do's shape, q's heads, dht given, scale, U formed in the kernel), `tokens`
-    appended with varlen."""
+    slot layout) by their varlen forms (kernel 1's walk, kernel 2's `token_rows`); its
+    `group_sum` key by kernel 2's fp32 dq, dk summed over each q / k head's two value heads in
+    fp32, dq times the scale, rounded once at the H heads. Calls recorded as (do's shape, q's
+    heads, dht given, scale, U formed in the kernel), `tokens` appended with varlen,
+    "group_sum" with that key."""
     reverse, chunk = emulated_kernel(), emulated_chunk_wy_kernel()
 
     def run(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, scale=1.0, out=None,
-            cu_seqlens=None, order=None, tables=None, tokens=None):  # fmt: skip
+            cu_seqlens=None, order=None, tables=None, tokens=None, group_sum=False):  # fmt: skip
         walk = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens, "order": order}
         rows = {} if tables is None else {"tables": tables, "tokens": tokens, "fsplit": True}
         assert (cu_seqlens is None) == (order is None) == (tables is None) == (tokens is None)
@@ -58,7 +64,8 @@ def emulated_fused_kernel(calls):
         assert h.shape == (b, nc, hv, q.shape[-1], do.shape[-1]) and h.dtype == do.dtype
         assert big_g.dtype == beta.dtype == torch.float32 and big_g.shape == beta.shape
         calls.append((tuple(do.shape), q.shape[2], dht is not None, scale, u is None)
-                     + (() if tokens is None else (tokens,)))  # fmt: skip
+                     + (() if tokens is None else (tokens,))
+                     + (("group_sum",) if group_sum else ()))  # fmt: skip
         if u is None:  # `u_from_h`
             u = u_from_states(uw, w, h)
         group = hv // q.shape[2]
@@ -70,8 +77,17 @@ def emulated_fused_kernel(calls):
         qe = (qh * big_g.double().exp().unsqueeze(-1)).to(do.dtype)
         du, dh, dh0 = reverse(do, pt, ke, qe, w, g_last.exp().float().contiguous(), dht,
                               out16=True, **walk)  # fmt: skip
-        got = chunk(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta, dv16=True, dqk16=True,
-                    scale=scale, out=None if out is None else out[:5], **rows)  # fmt: skip
+        if group_sum:  # fp32 dq, dk at the value heads, summed in pairs, rounded once
+            assert hv == config.PAIR * q.shape[2] and not rows
+            got = chunk(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta, dv16=True)
+            dq, dk = (x.unflatten(2, (q.shape[2], config.PAIR)).sum(3) for x in got[:2])
+            got = ((dq * scale).to(do.dtype), dk.to(do.dtype), *got[2:])
+            if out is not None:
+                got = tuple(written_to(o, x) for o, x in zip(out[:5], got))
+        else:
+            got = chunk(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta, dv16=True,
+                        dqk16=True, scale=scale, out=None if out is None else out[:5],
+                        **rows)  # fmt: skip
         return (*got, dh0 if out is None else written_to(out[5], dh0))
 
     return run
@@ -89,15 +105,19 @@ def test_the_rule(b, hv, sms, fused):
 
 
 def test_on_by_default():
+    """FUSED, FUSED_DIET; FUSED_SLOTS and FUSED_GROUPSUM since the H100 A/Bs of 2026-12-07
+    (NOTES "next/gdn-bwd-adopt")."""
     assert bwd.FUSED is True and bwd.FUSED_DIET is True
+    assert bwd.FUSED_SLOTS is True and bwd.FUSED_GROUPSUM is True
 
 
 @pytest.mark.parametrize(("b", "t", "h", "hv", "l2norm"), [(1, 130, 2, 2, False),
                                                             (2, 65, 1, 2, True)])  # fmt: skip
 def test_fused_path_equals_todays(kernel_path, monkeypatch, b, t, h, hv, l2norm):  # noqa: F811
     """FUSED on and the rule met (the SM count patched to B x HV): one fused launch after
-    kernel 1's forward launch, no reverse launch, no kernel 2; the gradients those of today's
-    path (FUSED off) and of autograd through the fp64 recurrence within 2e-2 of their max."""
+    kernel 1's forward launch, no reverse launch, no kernel 2 (at HV = 2 H its `group_sum` key:
+    FUSED_GROUPSUM, the default); the gradients those of today's path (FUSED off) and of
+    autograd through the fp64 recurrence within 2e-2 of their max."""
     from test_gdn_bwd_op import _fp64_grads
 
     q, k, v, g, beta, do, h0, dht = _bf16_problem(b, t, h, hv, seed=t + hv)
@@ -118,7 +138,8 @@ def test_fused_path_equals_todays(kernel_path, monkeypatch, b, t, h, hv, l2norm)
     CHUNK_CALLS.clear()
     got = run()
     fold = not l2norm and h == hv
-    assert calls == [((b, t, hv, 128), h, True, 128**-0.5 if fold else 1.0, True)]
+    pair = ("group_sum",) if hv == config.PAIR * h else ()
+    assert calls == [((b, t, hv, 128), h, True, 128**-0.5 if fold else 1.0, True, *pair)]
     assert FLAGS == [(True, True)] and CHUNK_CALLS == []  # the forward launch only
     want = _fp64_grads([q, k, v, g, beta, h0], None, do, dht, l2norm=l2norm, with_state=True)
     for name, a, r, o in zip(NAMES, got, want, today):
@@ -193,10 +214,11 @@ def test_the_switch(monkeypatch, env, fused, b, hv, sms, want):
 @pytest.mark.parametrize("lens", [[1, 63, 0, 64, 65, 130], [65, 65]])
 def test_varlen(kernel_path, monkeypatch, lens):  # noqa: F811
     """FUSED on and the rule met, cu_seqlens (ops/_linattn_varlen.py `backward_varlen`): equal
-    lengths are B sequences (a reshape) on the fused kernel; unequal ones run once in the slot
-    layout (the default), today's reverse launch and kernel 2 (`_device_pass` takes the fused
-    kernel only without slots): no fused launch and the gradients FUSED off's bit for bit. The
-    GPU twin's test_varlen."""
+    lengths are B sequences (a reshape) on the fused kernel (HV = 2 H: its `group_sum` key);
+    unequal ones run once in the slot layout (the default), today's reverse launch and kernel 2
+    (the slot layout's fused route, FUSED_SLOTS, takes `config.slots_fit`: at most one wave, N x
+    HV > 1 SM here): no fused launch and the gradients FUSED off's bit for bit. The GPU twin's
+    test_varlen."""
     n, total = len(lens), sum(lens)
     q, k, v, g, beta, do, h0, dht = _bf16_problem(1, total, 2, 4, seed=n)
     h0, dht = (x.expand(n, -1, -1, -1).contiguous() for x in (h0, dht))
@@ -216,7 +238,8 @@ def test_varlen(kernel_path, monkeypatch, lens):  # noqa: F811
     CHUNK_CALLS.clear()
     got = run()
     if len(set(lens)) == 1:
-        assert calls == [((n, lens[0], 4, 128), 2, True, 1.0, True)] and CHUNK_CALLS == []
+        assert calls == [((n, lens[0], 4, 128), 2, True, 1.0, True, "group_sum")]
+        assert CHUNK_CALLS == []
         for name, a, o in zip(NAMES, got, today):
             scale = float(o.abs().max())
             assert float((a.double() - o.double()).abs().max()) <= 2e-2 * scale, name
@@ -294,15 +317,11 @@ def test_diet_off_is_the_fused_route_of_before(kernel_path, monkeypatch):  # noq
         grads[diet] = forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do,
                                                             initial_state=h0,
                                                             d_final_state=dht)  # fmt: skip
-        assert [c[-1] for c in calls] == [diet]
+        assert [c[4] for c in calls] == [diet]  # U formed in the kernel
     assert keys == [True, False] and forward == [(True, True), (False, False)]
     for name, a, o in zip(NAMES, grads[True], grads[False]):
         err = float((a.double() - o.double()).abs().max())
         assert err <= 1e-2 * float(o.abs().max()), (name, err)
-
-
-def test_fused_slots_off_by_default():
-    assert bwd.FUSED_SLOTS is False
 
 
 @pytest.mark.parametrize(
@@ -464,3 +483,104 @@ def test_launcher_varlen_checks():
     shapes = [tuple(x.shape) for x in outs]
     assert shapes == [(1, 24, 2, 128), (1, 24, 2, 128), (1, 24, 2), (1, 24, 2, 128), (1, 24, 2),
                       (3, 2, 128, 128)]  # fmt: skip
+
+
+# ---- FUSED_GROUPSUM (next/gdn-bwd-groupsum): dq, dk summed over a cluster's two value heads
+
+
+@pytest.mark.parametrize(
+    ("on", "h", "hv", "one", "slots", "sms", "want"),
+    [(True, 16, 32, True, None, 128, True), (False, 16, 32, True, None, 128, False),
+     (True, 16, 16, True, None, 64, False), (True, 8, 32, True, None, 128, False),
+     (True, 16, 32, False, None, 128, False), (True, 16, 32, True, "slots", 128, False),
+     (True, 16, 32, True, None, 1000, False)],
+)  # fmt: skip
+def test_groupsum_rule(monkeypatch, on, h, hv, one, slots, sms, want):
+    """`_pair_sums`: FUSED_GROUPSUM, HV = 2 H (hv16 and hv = 4 H keep the epilogue), one pass of
+    heads, no slot layout, and the fused route's own rule (B x HV against the SM count: 4 x
+    32 fills 3/4 of 128 SMs, not of 1000)."""
+    monkeypatch.delenv(bwd.FUSED_SWITCH, raising=False)
+    monkeypatch.setattr(bwd, "FUSED", True)
+    monkeypatch.setattr(bwd, "FUSED_GROUPSUM", on)
+    monkeypatch.setattr(bwd, "_device_sms", lambda device: sms)
+    assert bwd._pair_sums(4, h, hv, torch.device("cpu"), one, slots) == want
+
+
+@pytest.mark.parametrize(("b", "t", "h", "l2norm", "with_out"),
+                         [(1, 130, 2, False, False), (2, 65, 1, True, False),
+                          (2, 63, 2, False, True), (1, 1, 1, True, True)])  # fmt: skip
+def test_groupsum_route(kernel_path, monkeypatch, b, t, h, l2norm, with_out):  # noqa: F811
+    """FUSED_GROUPSUM on, HV = 2 H and the fused rule met: one fused launch with `group_sum`,
+    dq / dk handed back at the H heads; without l2norm with the op's scale and no epilogue
+    launch (the op's out= buffers written by the kernel itself), with l2norm at scale 1 and the
+    epilogue once each for dq and dk on the H-head sums (group 1); the gradients within 2e-2
+    of today's path (FUSED_GROUPSUM off: the epilogue's group sum) and of autograd through the
+    fp64 recurrence."""
+    from test_gdn_bwd_op import _fp64_grads
+
+    hv = config.PAIR * h
+    q, k, v, g, beta, do, h0, dht = _bf16_problem(b, t, h, hv, seed=t + 3 * h)
+    if not l2norm:
+        k = (k.float() / k.float().norm(dim=-1, keepdim=True)).bfloat16()
+    monkeypatch.setattr(bwd, "FUSED", True)
+    monkeypatch.setattr(bwd, "_device_sms", lambda device: b * hv)
+    calls = []
+    monkeypatch.setattr(bwd, "_fused_bwd", emulated_fused_kernel(calls))
+    epilogue = []
+    real_qk = bwd._qk_grads
+    monkeypatch.setattr(bwd, "_qk_grads", lambda dxs, x, *a, **kw: epilogue.append(
+        (dxs.shape[2], x.shape[2])) or real_qk(dxs, x, *a, **kw))  # fmt: skip
+
+    def run():
+        out = None
+        if with_out:
+            likes = (q, k, v, g, beta)
+            out = (*(torch.full_like(x, float("nan")) for x in likes),
+                   torch.full_like(h0, float("nan")))  # fmt: skip
+        got = forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, initial_state=h0,
+                                                    d_final_state=dht, out=out,
+                                                    use_qk_l2norm_in_kernel=l2norm)  # fmt: skip
+        if with_out:
+            assert all(a.data_ptr() == o.data_ptr() for a, o in zip(got, out))
+        return got
+
+    monkeypatch.setattr(bwd, "FUSED_GROUPSUM", False)
+    today = run()
+    assert epilogue == [(hv, h), (hv, h)]
+    calls.clear()
+    epilogue.clear()
+    monkeypatch.setattr(bwd, "FUSED_GROUPSUM", True)
+    got = run()
+    scale = 1.0 if l2norm else 128**-0.5
+    assert calls == [((b, t, hv, 128), h, True, scale, True, "group_sum")]
+    assert epilogue == ([(h, h), (h, h)] if l2norm else [])
+    want = _fp64_grads([q, k, v, g, beta, h0], None, do, dht, l2norm=l2norm, with_state=True)
+    for name, a, r, o in zip(NAMES, got, want, today):
+        assert a.dtype == o.dtype and a.shape == o.shape and torch.isfinite(a).all(), name
+        bound = 2e-2 * float(r.abs().max())
+        assert float((a.double() - r).abs().max()) <= bound, name
+        assert float((a.double() - o.double()).abs().max()) <= bound, name
+
+
+def test_launcher_groupsum_checks():
+    """`gdn_bwd_fused(..., group_sum=True)`: HV = 2 H only, not with the slot layout, out='s dq,
+    dk at the H heads (an HV-head buffer refused); `empty_outputs` with `heads`."""
+    from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90 import launch
+
+    args, walk = _launcher_inputs(64 * 5, n=3)
+    with pytest.raises(ValueError, match="group_sum"):  # H = HV there
+        launch.gdn_bwd_fused(*args, None, group_sum=True)
+    do, q = args[0], args[2]
+    b, t, hv, _ = do.shape
+    half = [x[:, :, : hv // 2] if x is q or x is args[3] else x for x in args]
+    with pytest.raises(ValueError, match="group_sum"):
+        launch.gdn_bwd_fused(*half, None, group_sum=True, **walk)
+    outs = launch.empty_outputs(do, 128)  # dq, dk at HV heads
+    with pytest.raises(ValueError, match="heads"):
+        launch.gdn_bwd_fused(*half, None, group_sum=True, out=outs)
+    shapes = [tuple(x.shape) for x in launch.empty_outputs(do, 128, heads=hv // 2)[:2]]
+    assert shapes == [(b, t, hv // 2, 128)] * 2
+    with pytest.raises(ValueError, match="group_sum"):
+        config.params_for("bfloat16", group_sum=True)  # not grouped
+    with pytest.raises(ValueError, match="group_sum"):
+        config.params_for("bfloat16", grouped=True, varlen=True, group_sum=True)

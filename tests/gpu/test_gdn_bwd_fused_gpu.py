@@ -42,17 +42,20 @@ bwd = importlib.import_module("forgekernel.ops.gated_delta_rule_bwd")
 @pytest.fixture
 def fused(monkeypatch):
     """FUSED on, the rule forced, the fused kernel's outputs NaN-poisoned before each launch;
-    its launches recorded (do's shape)."""
+    its launches recorded (do's shape). The op's flags passed on: at HV = 2 H its `group_sum`
+    key (FUSED_GROUPSUM, the default since 2026-12-07: dq, dk at the H heads)."""
     calls = []
 
-    def run(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, out=None, scale=1.0):
+    def run(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, out=None, scale=1.0,
+            group_sum=False):  # fmt: skip
         if out is None:
-            out = fused_launch.empty_outputs(do, q.shape[-1])
+            out = fused_launch.empty_outputs(do, q.shape[-1],
+                                             heads=q.shape[2] if group_sum else None)  # fmt: skip
         for x in out:
             x.fill_(float("nan"))
         calls.append(tuple(do.shape))
         return fused_launch.gdn_bwd_fused(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht,
-                                          scale=scale, out=out)  # fmt: skip
+                                          scale=scale, out=out, group_sum=group_sum)  # fmt: skip
 
     monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
     monkeypatch.setattr(bwd, "FUSED", True)
@@ -94,9 +97,10 @@ def test_matches_the_fp64_backward_and_todays_path(fused, monkeypatch, dtype, t,
 def test_varlen(fused, monkeypatch, lens):
     """cu_seqlens (ops/_linattn_varlen.py `backward_varlen`): equal lengths are B sequences (a
     reshape), on the fused kernel; unequal ones run once in the varlen slot layout
-    (`_slots_path`, the default), whose device pass is today's path by design (`_device_pass`
-    takes the fused kernel only without slots; the buckets fallback, STATES16 off, never reaches
-    the device pass): the fused kernel not launched. Both against the fp64 varlen backward."""
+    (`_slots_path`, the default), whose device pass takes the fused kernel only within
+    `config.slots_fit`'s wave (FUSED_SLOTS; not patched here: N x HV = 24 or 8 CTAs, the
+    two-launch slot path; tests/gpu/test_gdn_bwd_fused_slots_gpu.py forces it): the fused kernel
+    not launched. Both against the fp64 varlen backward."""
     total = sum(lens)
     q, k, v, g, beta, do, h0, dht = _problem(1, total, 2, 4, torch.bfloat16, seed=len(lens))
     n = len(lens)

@@ -2,8 +2,9 @@
 gradients (WY form) in one kernel, one CTA per (sequence, value head), sm_90a. DSL-free
 declaration; the kernel is `fused_bwd.py`, the launcher `launch.py`. Behind
 ops/gated_delta_rule_bwd.py FUSED: it replaces kernel 1's reverse launch and kernel 2 on the
-device pass where B x HV fills about a wave (`config.fused_fits`); its `varlen` keys (candidates)
-behind FUSED_SLOTS in the varlen slot layout (`config.slots_fit`)."""
+device pass where B x HV fills about a wave (`config.fused_fits`); its `varlen` keys behind
+FUSED_SLOTS in the varlen slot layout (`config.slots_fit`); its `group_sum` keys behind
+FUSED_GROUPSUM at HV = 2 H (both on since the H100 A/Bs of 2026-12-07)."""
 
 from __future__ import annotations
 
@@ -24,26 +25,25 @@ def _compile(params: Params, extra_options: str = ""):
 def _standard_params() -> list[Params]:
     # the op's keys: with / without a final-state gradient, q / k at their own H heads or not;
     # U read (kernel 1's forward launch's) or formed in the kernel (`u_from_h`,
-    # ops.gated_delta_rule_bwd.FUSED_DIET)
-    return [
-        params_for(dtype, d_final_state=ds, grouped=g, u_from_h=u)
+    # ops.gated_delta_rule_bwd.FUSED_DIET; U read: the diet's A/B baseline), B equal sequences
+    # and the varlen slot layout (`varlen`, FUSED_SLOTS)
+    keys = [
+        params_for(dtype, d_final_state=ds, grouped=g, u_from_h=u, varlen=vl)
+        for vl in (False, True)
         for dtype in DTYPES
         for ds in (False, True)
         for g in (False, True)
         for u in (False, True)
     ]
-
-
-def _candidate_params() -> list[Params]:
-    # the varlen slot layout's keys (ops/gated_delta_rule_bwd.py FUSED_SLOTS, off until its
-    # device A/B): the standard ones with `varlen` (U read or formed: FUSED_DIET)
-    return [
-        params_for(dtype, d_final_state=ds, grouped=g, u_from_h=u, varlen=True)
+    # the grouped ones with `group_sum` (FUSED_GROUPSUM: dq, dk summed over a cluster's two
+    # value heads; no varlen form)
+    pairs = [
+        params_for(dtype, d_final_state=ds, grouped=True, u_from_h=u, group_sum=True)
         for dtype in DTYPES
         for ds in (False, True)
-        for g in (False, True)
         for u in (False, True)
     ]
+    return keys + pairs
 
 
 SPEC = KernelSpec(
@@ -52,7 +52,6 @@ SPEC = KernelSpec(
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
-    candidate_params=_candidate_params,
 )
 
 __all__ = ["SPEC", "params_for"]

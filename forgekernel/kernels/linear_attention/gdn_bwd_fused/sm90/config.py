@@ -51,15 +51,37 @@ STAGES = 1
 RELEASE_ARRIVALS = 2 * THREADS_PER_WG + 64
 
 
-def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2) -> int:
+# `group_sum` (next/gdn-bwd-groupsum): the PAIR value heads of one q / k head (HV = 2 H) as one
+# cluster of PAIR CTAs along grid x (value heads 2 h, 2 h + 1: ranks 0, 1), dq and dk summed in
+# fp32 through distributed shared memory and stored once at the H head (16-bit). Each CTA owns
+# the rows of two of G's four warps (a (C, K) accumulator: warp w holds rows 16 w .. 16 w + 15,
+# rank r rows 32 r .. 32 r + 31); the other two warps push their rows, fp32, into the peer's
+# receive buffer (st.async, 16 bytes a store, completing on the peer's mbarrier), a thread to
+# the thread of the same index there (the same accumulator coordinates). Receive buffers (no
+# shared memory is free: 225,280 of 232,448 bytes in use): dq's over the spent dO box (after
+# S_DONE; dk's fp32 stash goes there after the rows are read), dk's over K K^T (after `_wy`'s
+# masking read it; S writes the next chunk's only after the stage's release).
+PAIR = 2
+PAIR_THREADS = THREADS_PER_WG // PAIR  # G's threads owning this CTA's rows (two warps)
+EXCHANGE_BYTES = CHUNK // PAIR * 128 * 4  # the peer's (C / 2, K) fp32 rows: 16 KB
+# mbarriers after the load groups' (in `full`): per exchange (dq, dk), "the peer's buffer is
+# free" (the peer's arrival, by `arrive_peer`) and "the peer's rows landed" (armed here with
+# EXCHANGE_BYTES, completed by the peer's stores); one phase each a chunk
+EXCHANGES = ("dq", "dk")
+PAIR_BARRIERS = 2 * len(EXCHANGES)
+
+
+def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2, group_sum: bool = False) -> int:
     """Shared memory of one CTA (the kernel's SharedStorage, alignment padding included): the
     stage (dO, U, u (C, V); q, k, W (C, K); P^T, T^T (C, C); h (K, V)), dS (K, V) and dU (C, V)
     on chip, K K^T (C, C) fp32 and dPD (C, C) 16-bit (the state warpgroup's products for G),
-    the mbarriers, G (G's and S's) and e^G (fp32, two chunks' worth: the finish warps read one
-    while G stages the next) and the dG rows (two chunks' worth); 2 KB of alignment padding."""
+    the mbarriers (`group_sum`: PAIR_BARRIERS more), G (G's and S's) and e^G (fp32, two chunks'
+    worth: the finish warps read one while G stages the next) and the dG rows (two chunks'
+    worth); 2 KB of alignment padding."""
     stage = CHUNK * (3 * v + 3 * k + 2 * CHUNK) * elem_bytes + k * v * elem_bytes
     on_chip = (k * v + CHUNK * v + CHUNK * CHUNK) * elem_bytes + CHUNK * CHUNK * 4
-    head = 8 * (len(LOAD_GROUPS) + 1) + 3 * 2 * CHUNK * 4 + 2 * (2 * CHUNK + 4) * 4
+    bars = len(LOAD_GROUPS) + 1 + (PAIR_BARRIERS if group_sum else 0)
+    head = 8 * bars + 3 * 2 * CHUNK * 4 + 2 * (2 * CHUNK + 4) * 4
     return STAGES * stage + on_chip + head + 2048
 
 
@@ -98,6 +120,7 @@ def params_for(
     grouped: bool = False,
     u_from_h: bool = False,
     varlen: bool = False,
+    group_sum: bool = False,
 ) -> tuple:
     """Compile key: the 16-bit dtype of the tiles, (K, V), whether a final-state gradient is
     read (without one, dS starts from zero) and `grouped` (q, k at H < HV heads, value head hv
@@ -107,14 +130,21 @@ def params_for(
     (likewise): the varlen slot layout (ops/_linattn_varlen.py), one CTA a (value head,
     sequence) walking the slots it owns (kernel 1's varlen walk), the token outputs at their
     token rows (kernel 2's `token_rows`). The outputs are the op's device path's: dq, dk, dv in
-    the tiles' dtype (dq times the runtime scale), dG, dbeta and dS at the start fp32."""
+    the tiles' dtype (dq times the runtime scale), dG, dbeta and dS at the start fp32.
+    `group_sum` (likewise; needs `grouped`, HV = PAIR H at the launch; not with `varlen`): dq,
+    dk summed over each q / k head's PAIR value heads in fp32 inside the kernel (a cluster of
+    PAIR CTAs, DSMEM) and written at the H heads."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
     if tuple(head_dims) not in HEAD_DIMS:
         raise ValueError(f"(K, V) must be one of {HEAD_DIMS}, got {tuple(head_dims)}")
+    if group_sum and (not grouped or varlen):
+        raise ValueError("group_sum needs grouped (HV = 2 H) and is not built with varlen")
     k, v = head_dims
     key = {"dtype": dtype, "k": k, "v": v, "d_final_state": d_final_state}
-    for name, on in (("grouped", grouped), ("u_from_h", u_from_h), ("varlen", varlen)):
+    flags = (("grouped", grouped), ("u_from_h", u_from_h), ("varlen", varlen),
+             ("group_sum", group_sum))  # fmt: skip
+    for name, on in flags:
         if on:
             key[name] = True
     return tuple(sorted(key.items()))

@@ -56,6 +56,17 @@ group); masks, loads and intermediates at the slot as in kernel 2's slot-layout 
 `u_from_h` U is formed from the slot's W, h and WY u boxes as on the batch key (a pad slot's or
 a cut chunk's zero rows of u and W give U's zero rows, as the forward launch writes them).
 
+Variant `group_sum` (compile flag, next/gdn-bwd-groupsum; ops/gated_delta_rule_bwd.py
+FUSED_GROUPSUM): HV = 2 H, the two value heads of a q / k head as one cluster of config.PAIR
+CTAs (grid x, ranks 0, 1), dq and dk summed in fp32 through distributed shared memory and
+written once in 16 bits at the H head (the norm epilogue's group sum gone; more precise than
+rounding each value head's first). Per chunk and exchange (dq, then dk) G's rows are split by
+warp: rank r's warps 2 r, 2 r + 1 own rows 32 r .. 32 r + 31; the other two warps push their
+rows to the peer (`_pair_store`). Receive buffers: dq's the spent dO box (free after S_DONE:
+`_pair_free`), dk's the K K^T buffer (free after `_wy`'s masking); each a "free" mbarrier (the
+peer's arrival) and a "landed" one (this CTA's expect_tx, the peer's st.async bytes). Every
+remote operation is waited on by its target before that CTA goes on (no exit barrier needed).
+
 Constraints: K = V = 128, 16-bit tiles with unit last strides and 16-byte aligned outer strides
 (TMA); G, beta fp32 (B, T, HV) unit last stride; dq, dk, dv 16-bit, dG, dbeta, dh0 fp32.
 """
@@ -74,6 +85,7 @@ from cutlass.memory import SmemAllocator
 
 from forgekernel.kernels.common.sm90 import softmax
 from forgekernel.kernels.common.sm90.barriers import FIRST_FREE, named_barrier
+from forgekernel.kernels.common.sm90.cluster import peer_address, store_peer_f32x4
 from forgekernel.kernels.common.sm90.constants import THREADS_PER_WG, WARP_SIZE
 from forgekernel.kernels.common.sm90.layout import acc_to_operand_a, rows_cols, transposed
 from forgekernel.kernels.common.sm90.mma import gemm
@@ -90,8 +102,13 @@ from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.chunk_grads import 
 )
 from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.config import (
     CHUNK,
+    EXCHANGE_BYTES,
+    EXCHANGES,
     H_GROUP,
     LOAD_GROUPS,
+    PAIR,
+    PAIR_BARRIERS,
+    PAIR_THREADS,
     REGS,
     RELEASE_ARRIVALS,
     S_GROUPS,
@@ -110,6 +127,12 @@ FINISH_WARPS = 2
 FINISH_THREADS = FINISH_WARPS * WARP_SIZE
 WG = THREADS_PER_WG
 KK_REGS = CHUNK * CHUNK // THREADS_PER_WG  # a (C, C) fp32 accumulator's values a thread
+# `group_sum`'s receive buffer (fp32, EXCHANGE_BYTES): value e of owner thread t (t < PAIR_THREADS,
+# 64 values a thread) at float 4 t + e % 4 + (e // 4) 4 PAIR_THREADS: each 16-byte store and load
+# of a warp covers 512 contiguous bytes (no bank conflict)
+RECV_SHAPE = (PAIR_THREADS, (4, CHUNK * 128 // THREADS_PER_WG // 4))
+RECV_STRIDE = (4, (1, 4 * PAIR_THREADS))
+FREE, LANDED = 0, len(EXCHANGES)  # `group_sum`'s mbarriers: FREE + x, LANDED + x (x: EXCHANGES)
 
 
 class Bar(IntEnum):
@@ -134,8 +157,12 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
     load_groups = LOAD_GROUPS
 
     def __init__(self, k: int, v: int, *, d_final_state: bool, grouped: bool = False,
-                 u_from_h: bool = False, varlen: bool = False):  # fmt: skip
+                 u_from_h: bool = False, varlen: bool = False,
+                 group_sum: bool = False):  # fmt: skip
+        if group_sum and (not grouped or varlen):
+            raise ValueError("group_sum needs grouped and is not built with varlen")
         super().__init__(k, v, wy=True, grouped=grouped)
+        self.group_sum = group_sum  # dq, dk summed over the cluster's value heads (docstring)
         self.d_final_state = d_final_state
         self.dqk16 = True
         self.u_from_h = u_from_h  # U = u - W h formed by S (the module docstring)
@@ -196,7 +223,8 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         (N,) (the sequences, longest first): one CTA a (value head, sequence) walks the slots the
         sequence owns, kernel 1's varlen walk; mDht, mDh0 (N, HV, K, V); the token outputs (1,
         T', ...) at their token rows, slot s's first mLens[s] rows from token mStarts[s] (int32
-        (S,): kernel 2's `token_rows`). Else the four None."""
+        (S,): kernel 2's `token_rows`). Else the four None. `group_sum`: mDQ, mDK (B, T, H, K)
+        with HV = PAIR H (the caller's check), the launch a cluster of PAIR CTAs."""
         self.dtype = mDO.element_type
         for t in (mQ, mK, mH, mPT, mTt, mW, mUw, mV, mDQ, mDK, mDV):
             if const_expr(t.element_type != self.dtype):
@@ -227,7 +255,8 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
 
         @cute.struct
         class SharedStorage:
-            full: cute.struct.MemRange[cutlass.Int64, len(LOAD_GROUPS)]
+            # `group_sum`: its PAIR_BARRIERS after the load groups'
+            full: cute.struct.MemRange[cutlass.Int64, len(LOAD_GROUPS) + self._pair_barriers()]
             empty: cute.struct.MemRange[cutlass.Int64, 1]
             sG: cute.struct.Align[cute.struct.MemRange[Float32, 2 * CHUNK], 16]
             sE: cute.struct.Align[cute.struct.MemRange[Float32, 2 * CHUNK], 16]
@@ -285,7 +314,15 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             block=[THREADS, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
+            **({"cluster": [PAIR, 1, 1]} if self.group_sum else {}),
         )
+
+    def _pair_barriers(self) -> int:
+        return PAIR_BARRIERS if self.group_sum else 0
+
+    def _cluster_mn(self) -> tuple[int, int]:
+        """The cluster's shape for the barrier inits' visibility (init_arrive / init_wait)."""
+        return (PAIR, 1) if self.group_sum else (1, 1)
 
     @cute.kernel
     def kernel(
@@ -346,10 +383,10 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         empty = storage.empty.data_ptr()  # the stage released by all its readers
         if warp_idx == PRODUCER_WARP:
             with cute.arch.elect_one():
-                for i in cutlass.range_constexpr(len(LOAD_GROUPS)):
-                    cute.arch.mbarrier_init(full + i, 1)
+                for i in cutlass.range_constexpr(len(LOAD_GROUPS) + self._pair_barriers()):
+                    cute.arch.mbarrier_init(full + i, 1)  # `group_sum`'s: one arrival each
                 cute.arch.mbarrier_init(empty, RELEASE_ARRIVALS)
-        init_arrive()
+        init_arrive(self._cluster_mn())
         sDO = smem_tensor(storage.sDO, sT_layout)
         sU = smem_tensor(storage.sU, sT_layout)
         sQ = smem_tensor(storage.sQ, sT_layout)
@@ -376,7 +413,14 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         )  # fmt: skip
         # K K^T (C, C) fp32 in the accumulator's thread order: S computes it, G's `_wy` reads
         sKK = storage.sKK.get_tensor(cute.make_layout((WG, KK_REGS), stride=(1, WG)))
-        init_wait()
+        # `group_sum`: the exchanges' barriers and receive buffers (dq's over dO, dk's over K K^T)
+        pair = None
+        if const_expr(self.group_sum):
+            recv = tuple(cute.make_tensor(cute.recast_ptr(x.data_ptr(), dtype=Float32),
+                                          cute.make_layout(RECV_SHAPE, stride=RECV_STRIDE))
+                         for x in (storage.sDO, storage.sKK))  # fmt: skip
+            pair = (full + len(LOAD_GROUPS), recv)
+        init_wait(self._cluster_mn())
 
         hv, b, _ = cute.arch.block_idx()
         seqlen = mDO4.shape[0]
@@ -417,7 +461,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             self._grads(mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sQ, sK, sW, sUw, sPT, sTt,
                         sH, sDH, sDU, sG2, sRed2, mG, mV, mBeta, mDQ, mDK, mDG, mDV, mDB, full,
                         empty, hv, b, seqlen, nchunks, scale, stash, sKK, sPD, first,
-                        tables)  # fmt: skip
+                        tables, pair)  # fmt: skip
 
     @staticmethod
     def _slot(c, slot0):
@@ -589,12 +633,13 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
     def _grads(
         self, mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sQ, sK, sW, sUw, sPT, sTt, sH, sDH,
         sDU, sG2, sRed2, mG, mV, mBeta, mDQ, mDK, mDG, mDV, mDB, full, empty, hv, b, seqlen,
-        nchunks, scale, stash, sKK, sPD, slot0=None, tables=None,
+        nchunks, scale, stash, sKK, sPD, slot0=None, tables=None, pair=None,
     ):  # fmt: skip
         """Warpgroup 2, per chunk: dU = (k dS) o e^(G_C - G) + P^T dO into sDU (S's, and the
         chunk's), then kernel 2's `_math` (WY, dqk16) on the stage: dPD^T in the spent P^T
         box, dw in the spent q box (after S_DONE), M^T in the P^T box again (`_wy`). slot0,
-        tables (varlen): `_slot`'s, kernel 2's `token_rows` tables."""
+        tables (varlen): `_slot`'s, kernel 2's `token_rows` tables; pair (`group_sum`): the
+        exchanges' mbarriers and receive buffers."""
         math = named_barrier(Bar.MATH, WG)
         ready = unaligned_barrier(Bar.DS_READY, 2 * WG + FINISH_THREADS)
         du_ready = named_barrier(Bar.DU_READY, 2 * WG)
@@ -647,7 +692,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             self._chunk_grads(mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sQ, sK, sH, sDH,
                               sPT, sDU, wy_smem, sG, sRed, mG, mV, mBeta, mDQ, mDK, mDV, mDB,
                               full, math, dh_free, s_done, i, c, hv, b, seqlen,
-                              nchunks, scale, stash, sKK, sPD, tables)  # fmt: skip
+                              nchunks, scale, stash, sKK, sPD, tables, pair)  # fmt: skip
             # G wrote into spent boxes (dk's stash, dPD^T, dw, M^T): ordered before the next
             # chunk's TMA writes there (async proxy)
             cute.arch.fence_view_async_shared()
@@ -658,13 +703,14 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
     def _chunk_grads(
         self, mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sQ, sK, sH, sDH, sP, sDU, wy_smem,
         sG, sRed, mG, mV, mBeta, mDQ, mDK, mDV, mDB, full, math, dh_free, s_done, i, c, hv, b,
-        seqlen, nchunks, scale, stash, sKK, sPD, tables=None,
+        seqlen, nchunks, scale, stash, sKK, sPD, tables=None, pair=None,
     ):  # fmt: skip
         """Kernel 2's `_math` (WY, dqk16, one math warpgroup) on this chunk's stage, its load
         groups waited at this chunk's phase, dPD and dPD^T the state warpgroup's (S_DONE: in
         shared memory, and dO, q, U read by S, so that dk's stash and dw may go over them),
         DH_FREE arrived once sDH is read (dke) but at the walk's last chunk (i = nchunks - 1; c
-        the tiles' chunk, a slot with varlen). tables: the outputs' token rows (varlen)."""
+        the tiles' chunk, a slot with varlen). tables: the outputs' token rows (varlen); pair
+        (`group_sum`): dq's exchange here (dO's box free at S_DONE), dk's in `_wy`."""
         par = i % 2
         first = c * CHUNK
         wg_w = mma_w.get_slice(0)
@@ -691,10 +737,16 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
                 qa[r, j] = qa[r, j] * e_g[r]
         # S's dPD, dPD^T in shared memory; S has read dO, q, U: dk's stash and dw may go there
         s_done.arrive_and_wait()
+        if const_expr(pair is not None):  # dO read by S and G (dqe waited): the peer may write
+            self._pair_free(pair[0], 0)
         cute.arch.mbarrier_wait(full + 1, par)  # q, W
         gemm(mma_k, acc_q, tQrP[None, None, None, 0], tQrK[None, None, None, 0], False, 0)
         dg = self._row_dots(acc_q, mma_w, sQ, tid)
-        self._store_rows(acc_q, mma_w, mDQ, tid, b, hv, c, seqlen, scale, _token_rows(tables, c))
+        if const_expr(pair is not None):
+            self._pair_store(acc_q, mma_w, mDQ, pair, 0, par, b, c, seqlen, scale)
+        else:
+            self._store_rows(acc_q, mma_w, mDQ, tid, b, hv, c, seqlen, scale,
+                             _token_rows(tables, c))  # fmt: skip
 
         acc_k = cute.make_rmem_tensor(wg_w.partition_shape_C((CHUNK, self.k)), Float32)
         cute.arch.mbarrier_wait(full + U_GROUP, par)  # U (u_from_h: the WY u; U is S's, S_DONE)
@@ -711,6 +763,8 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         te = self._row_dots(acc_k, mma_w, sK, tid)
         gemm(mma_k, acc_k, tKrP[None, None, None, 0], tKrQ[None, None, None, 0], False, 0)
         dk_k = self._row_dots(acc_k, mma_w, sK, tid)
+        if const_expr(pair is not None):
+            math.arrive_and_wait()  # the owners' reads of the peer's dq rows (over dO) first
         for e in cutlass.range_constexpr(cute.size(acc_k)):
             stash[e // STASH_COLS][tid, e % STASH_COLS] = acc_k[e]
         for r in cutlass.range_constexpr(2):
@@ -723,17 +777,18 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         math.arrive_and_wait()
         self._wy(mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, wy_smem, sG, sRed, mDK, mV, mBeta,
                  mDV, mDB, math, e_g, t0, row_w, first, seqlen, b, hv, c, stash, sKK,
-                 tables)  # fmt: skip
+                 tables, pair, par)  # fmt: skip
 
     @cute.jit
     def _wy(self, mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, wy_smem, sG, sRed, mDK, mV,
             mBeta, mDV, mDB, math, e_g, t0, row_w, first, seqlen, b, hv, c, stash,
-            sKK, tables=None):  # fmt: skip
+            sKK, tables=None, pair=None, par=None):  # fmt: skip
         """Kernel 2's `_wy` (dqk16, one math warpgroup) with K K^T read from shared memory
         (`sKK`: the state warpgroup's fp32 accumulator, stored in the same thread order)
         instead of a product held in 32 registers across dA's masking: at kernel 2's 254 registers
         plus this loop's own values, that peak spilled (368 bytes). The same sums in the same
-        order otherwise; `tables`: dv, dk, dbeta at their token rows (varlen). TODO(merge): a
+        order otherwise; `tables`: dv, dk, dbeta at their token rows (varlen); `pair`, `par`
+        (`group_sum`): dk's exchange (K K^T's buffer free after the masking). TODO(merge): a
         K K^T hook in `GdnBwdChunkSm90._wy` instead of this copy, once the fsplit edits there
         have landed."""
         sTt, sW, sUw, sDW, sM = wy_smem
@@ -823,6 +878,8 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         before = self._row_dots(acc_b, mma_k, sK, tid)
         self._add_rows(sRed, before, None, None, t0, row_w, tid, first, seqlen)
         math.arrive_and_wait()  # every thread's M^T in shared memory
+        if const_expr(pair is not None):  # K K^T read: the peer may write its dk rows there
+            self._pair_free(pair[0], 1)
         tKrM = wg_k.make_fragment_A(wg_k.partition_A(sM))
         tKrK = wg_k.make_fragment_B(wg_k.partition_B(transposed(sK)))
         gemm(mma_k, acc_b, tKrM[None, None, None, 0], tKrK[None, None, None, 0], False, 0)
@@ -832,7 +889,11 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         c = opaque_i32(c)  # dk's row addresses afresh: dq's (same rows) were held across
         for e in cutlass.range_constexpr(cute.size(acc_b)):
             acc_b[e] = acc_b[e] + stash[e // STASH_COLS][tid, e % STASH_COLS]
-        self._store_rows(acc_b, mma_k, mDK, tid, b, hv, c, seqlen, at=_token_rows(tables, c))
+        if const_expr(pair is not None):
+            self._pair_store(acc_b, mma_k, mDK, pair, 1, par, b, c, seqlen)
+        else:
+            self._store_rows(acc_b, mma_k, mDK, tid, b, hv, c, seqlen,
+                             at=_token_rows(tables, c))  # fmt: skip
         if tid % 4 == 0:  # dbeta from its rows' sums
             at = _token_rows(tables, c)
             for r in cutlass.range_constexpr(2):
@@ -842,6 +903,46 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
                         mDB[b, first + i, hv] = sDB[i]
                 elif i < at[1]:
                     mDB[b, at[0] + i, hv] = sDB[i]
+
+    @cute.jit
+    def _pair_free(self, bars, x):
+        """`group_sum`, exchange x (EXCHANGES' index), once every reader of its receive buffer
+        has passed a barrier: one thread arms the buffer's "landed" mbarrier with the peer's
+        bytes (EXCHANGE_BYTES) and arrives on the peer's "free" one. CTA scope, as CUTLASS's
+        consumer release of a multicast stage: every read of the buffer has returned (its
+        values consumed, WGMMAs waited) before that barrier; the release at cluster scope
+        compiled to a MEMBAR.ALL.GPU in front of the arrive (2026-12-07)."""
+        if opaque_tid_x() % WG == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(bars + LANDED + x, EXCHANGE_BYTES)
+            peer = cute.arch.block_idx_in_cluster() ^ 1
+            cute.arch.mbarrier_arrive(bars + FREE + x, peer_cta_rank_in_cluster=peer)
+
+    @cute.jit
+    def _pair_store(self, acc, mma, mOut, pair, x, par, b, c, seqlen, scale=None):
+        """`group_sum`, exchange x at this chunk's phase `par`: G's (C, K) fp32 accumulator of
+        this value head summed with the peer's and stored (16-bit, times `scale` when given) at
+        the q / k head, out[b, tokens of chunk c, hv // PAIR, :]: the warps owning this rank's
+        rows wait for the peer's rows (RECV_SHAPE, the same thread index) and add them to
+        their own (own + peer: the same sum on both ranks), the other two push theirs to the
+        peer once its buffer is free (16 stores of 16 bytes a thread)."""
+        bars, recv = pair[0], pair[1][x]
+        tid = opaque_tid_x() % WG
+        rank = cute.arch.block_idx_in_cluster()
+        owner = tid % PAIR_THREADS
+        if cute.arch.make_warp_uniform(tid // PAIR_THREADS) == rank:
+            cute.arch.mbarrier_wait(bars + LANDED + x, par)
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                acc[e] = acc[e] + recv[owner, e]
+            hv, _, _ = cute.arch.block_idx()
+            self._store_rows(acc, mma, mOut, tid, b, hv // PAIR, c, seqlen, scale)
+        else:
+            cute.arch.mbarrier_wait(bars + FREE + x, par)
+            peer = rank ^ 1
+            dst = peer_address(recv.iterator + 4 * owner, peer)
+            landed = peer_address(bars + LANDED + x, peer)
+            step = 4 * 4 * PAIR_THREADS  # bytes between a thread's 16-byte groups
+            for v in cutlass.range_constexpr(cute.size(acc) // 4):
+                store_peer_f32x4(dst + v * step, [acc[4 * v + j] for j in range(4)], landed)
 
     @cute.jit
     def _add_rows(self, dst, vals, e, x, t0, row_base, tid, first, seqlen,

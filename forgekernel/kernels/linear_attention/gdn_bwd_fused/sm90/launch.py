@@ -11,7 +11,11 @@ import torch
 
 from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.launch import check_tables
 from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90 import SPEC
-from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.config import CHUNK, params_for
+from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.config import (
+    CHUNK,
+    PAIR,
+    params_for,
+)
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.launch import check_varlen
 from forgekernel.runtime.cache import get_kernel
 from forgekernel.runtime.device import as_tma_ready, dtype_name, on_device
@@ -55,16 +59,18 @@ def check_inputs(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht,
 
 
 def empty_outputs(do: torch.Tensor, k: int, tokens: int | None = None,
-                  states: int | None = None) -> Outputs:  # fmt: skip
+                  states: int | None = None, heads: int | None = None) -> Outputs:  # fmt: skip
     """(dq, dk (B, T, HV, K), dg (B, T, HV), dv (B, T, HV, V), dbeta (B, T, HV), dh0 (B, HV,
     K, V)): dq, dk, dv in do's dtype, the rest fp32, uninitialized; T = `tokens` and dh0's B =
-    `states` where given (varlen: the token rows, N)."""
+    `states` where given (varlen: the token rows, N); dq, dk at `heads` heads where given
+    (`group_sum`: H)."""
     b, t, hv, v = do.shape
     t = t if tokens is None else tokens
     n = b if states is None else states
+    hq = hv if heads is None else heads
     f32 = {"dtype": torch.float32, "device": do.device}
     low = {"dtype": do.dtype, "device": do.device}
-    return (torch.empty(b, t, hv, k, **low), torch.empty(b, t, hv, k, **low),
+    return (torch.empty(b, t, hq, k, **low), torch.empty(b, t, hq, k, **low),
             torch.empty(b, t, hv, **f32), torch.empty(b, t, hv, v, **low),
             torch.empty(b, t, hv, **f32), torch.empty(n, hv, k, v, **f32))  # fmt: skip
 
@@ -90,6 +96,7 @@ def gdn_bwd_fused(
     order: torch.Tensor | None = None,
     tables: tuple[torch.Tensor, torch.Tensor] | None = None,
     tokens: int | None = None,
+    group_sum: bool = False,
 ) -> Outputs:
     """The reverse state recurrence and every chunk gradient, one CTA per (sequence, value
     head), chunks last first (kernels/linear_attention/gdn_bwd_fused/sm90/fused_bwd.py). do
@@ -103,25 +110,32 @@ def gdn_bwd_fused(
     given. The varlen slot layout (ops/_linattn_varlen.py `Slots`; all four or none): the
     tiles (1, S C, ...) over S slots, `cu_seqlens` int32 (N + 1,), `order` int32 (N,) (the
     sequences longest first), dht and dh0 (N, HV, K, V), `tables` (starts, lengths) int32
-    (S,) and the token outputs (1, `tokens`, ...) at their token rows (the `varlen` key)."""
+    (S,) and the token outputs (1, `tokens`, ...) at their token rows (the `varlen` key).
+    `group_sum` (HV = 2 H, not varlen): dq, dk (B, T, H, K) summed over each q / k head's two
+    value heads in fp32 in the kernel (a cluster of two CTAs), the 16-bit sum written once."""
     varlen = cu_seqlens is not None
     if varlen != (order is not None) or varlen != (tables is not None):
         raise ValueError("cu_seqlens, order, tables and tokens come together (varlen)")
     states = check_varlen(do, cu_seqlens, order) if varlen else None
     b, t, hv = check_inputs(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, states)
     check_tables(tables, tokens, b, t)
-    outs = empty_outputs(do, q.shape[-1], tokens, states) if out is None else out
+    heads = q.shape[2] if group_sum else hv  # dq, dk's
+    if group_sum and (varlen or hv != PAIR * heads):
+        raise ValueError(f"group_sum needs HV = {PAIR} H (got HV {hv}, H {heads}), not varlen")
+    outs = empty_outputs(do, q.shape[-1], tokens, states, heads) if out is None else out
     for x, want in zip(outs, empty_outputs(do[:0], q.shape[-1])):
         if not x.is_contiguous() or x.dtype != want.dtype:
             raise ValueError("out must be contiguous tensors in `empty_outputs`' dtypes")
     rows, n = t if tokens is None else tokens, b if states is None else states
     if any(x.shape[:2] != (b, rows) for x in outs[:5]) or outs[5].shape[0] != n:
         raise ValueError(f"out must be {(b, rows)} token rows and {n} states")
+    if any(x.shape[2] != heads for x in outs[:2]):
+        raise ValueError(f"out's dq, dk must have {heads} heads")
     if b * hv * t == 0:
         return outs
     params = params_for(dtype_name(do.dtype), (q.shape[-1], do.shape[-1]),
                         d_final_state=dht is not None, grouped=q.shape[2] != hv,
-                        u_from_h=u is None, varlen=varlen)  # fmt: skip
+                        u_from_h=u is None, varlen=varlen, group_sum=group_sum)  # fmt: skip
     fn = get_kernel(SPEC, params)
     tiles = [None if x is None else as_tma_ready(x) for x in (do, u, q, k, h)]
     wy = [as_tma_ready(x) for x in (pt, tt, w, uw)]
