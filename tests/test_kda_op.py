@@ -193,11 +193,8 @@ def test_bad_arguments_are_named(change, message):
         ({"scale": [0.1]}, TypeError, "scale must be a float or None"),
         ({"output_final_state": "no"}, TypeError, "output_final_state must be a bool"),
         ({"use_qk_l2norm": 1}, TypeError, "use_qk_l2norm_in_kernel must be a bool"),
-        (
-            {"out": torch.empty(1, 8, 2, 128, device="meta", dtype=torch.bfloat16)},
-            ValueError,
-            "out is on meta but q is on cpu",
-        ),
+        ({"out": torch.empty(1, 8, 2, 128, device="meta", dtype=torch.bfloat16)}, ValueError,
+         "out is on meta but q is on cpu"),
     ],
 )
 def test_bad_scalars_are_named(cpu_kernel, kwargs, err, message):
@@ -522,14 +519,13 @@ def test_equal_offsets_are_cached_per_shape(monkeypatch):
 
 
 def _launch(x, cu, segments, state=True):
-    """launch.kda_prefill on the varlen form (batch axis dropped), segments forced, no pieces
-    (1: the direct launch)."""
+    """launch.kda_prefill on the varlen form (batch axis dropped), segments forced."""
     n, hv = cu.numel() - 1, x["v"].shape[2]
     out = torch.empty_like(x["v"][0])
     final = torch.empty(n, hv, D, D)
     init = x["state"] if state else None
     launch.kda_prefill(x["q"][0], x["k"][0], x["v"][0], x["g"][0], x["beta"][0], init, cu, out,
-                       final, D**-0.5, l2norm=False, segments=segments, pieces=1)  # fmt: skip
+                       final, D**-0.5, l2norm=False, segments=segments)  # fmt: skip
     return out, final
 
 
@@ -596,41 +592,6 @@ def test_pieces_after_warm_up_chunks(cpu_kernel, pieces, state):
     want = {"dtype": "bfloat16", "k": 128, "v": 128, "initial_state": state,
             "value_split": True, "warmup": True}  # fmt: skip
     assert want in cpu_kernel
-
-
-def test_pieces_rule():
-    """`launch.pieces_for`: SMs // (N HV) pieces where N HV <= SMs / 8 and the sequences average
-    >= 32768 tokens, else 1 (the direct launch): the H100 bench's 1 x 32768 and 1 x 131072 hv16
-    take 8 (0.70x / 0.62x of the direct launch measured), 1 x 8192 (1.004x), 4 x 8192 hv16
-    (pieces_2 1.04x), 8 x 32768 and N HV = 32 (unmeasured) none."""
-    rule = launch.pieces_for
-    assert rule(1, 16, 32768, 132) == rule(1, 16, 131072, 132) == 8
-    assert rule(1, 16, 32767, 132) == rule(1, 16, 8192, 132) == 1
-    assert rule(4, 16, 4 * 8192, 132) == rule(8, 16, 8 * 32768, 132) == 1
-    assert rule(1, 32, 65536, 132) == rule(1, 17, 65536, 132) == 1
-    assert rule(2, 8, 2 * 32768, 132) == 8 and rule(2, 8, 2 * 32768 - 1, 132) == 1  # the mean
-    assert rule(1, 2, 32768, 132) == 66
-    assert rule(1, 16, 32768, 114) == 1  # 114 SMs: P would be 7, below the measured 8
-
-
-@pytest.mark.parametrize("state", [True, False])
-def test_the_op_takes_pieces_by_the_rule(cpu_kernel, monkeypatch, state):
-    """The op's default (`pieces=None`) is `pieces_for`'s count: with the length threshold
-    lowered for the replay, one 700-token sequence at hv 2 runs 66 pieces (most past its 11
-    chunks: empty) on the unsplit `warmup` key, within the pieces' 2e-2 of the fp64
-    recurrence (decays to -1: every warm-up one chunk); with the threshold above it, the direct
-    launch (split, no warm-up)."""
-    x = make(t=700, h=1, hv=2, seed=7, decay=(-1.0, 0.0))
-    want = reference(x, state=state)
-    key = {"dtype": "bfloat16", "k": 128, "v": 128, "initial_state": state}
-    for threshold, form in ((512, {"value_split": False, "warmup": True}),
-                            (701, {"value_split": True})):  # fmt: skip
-        monkeypatch.setattr(launch, "PIECES_MIN_TOKENS", threshold)
-        cpu_kernel.clear()
-        got = run_op(x, state=state)
-        close(got[0], want[0], 2e-2)
-        close(got[1], want[1], 2e-2)
-        assert {**key, **form} in cpu_kernel
 
 
 def test_warm_up_chunks_from_the_decays():

@@ -44,22 +44,15 @@ CONFIGS = {
     "fp16_state": {"dtype": "float16", "initial_state": True},
     "bf16_state_split": {"dtype": "bfloat16", "initial_state": True, "value_split": True},
     "fp16_split": {"dtype": "float16", "value_split": True},
-    # launch._pieces (the default for few long sequences: launch.pieces_for, unsplit): the
-    # warm-up chunks' o stores skipped, the same resources; split only where pieces are forced
-    "bf16_state_warmup": {"dtype": "bfloat16", "initial_state": True, "warmup": True},
-    "bf16_state_split_warmup": {
-        "dtype": "bfloat16",
-        "initial_state": True,
-        "value_split": True,
-        "warmup": True,
-    },
+    # opt-in (launch._pieces): the warm-up chunks' o stores skipped, the same resources
+    "bf16_state_split_warmup": {"dtype": "bfloat16", "initial_state": True, "value_split": True,
+                                "warmup": True},
 }
 
 
-# CI: the bf16 configurations (plain, state, state + value split, the pieces' warm-up form); the
-# fp16 ones, second dtypes of the bf16 code paths, are slow (4-9 s of CI's CPU, idle / loaded
-# machine), and the split warm-up form (no standard key: forced pieces only; ~2 s, idle
-# machine, 2026-12-06)
+# CI: the bf16 configurations (plain, state, state + value split); the fp16 ones, second dtypes
+# of the bf16 code paths, are slow (4-9 s of CI's CPU, idle / loaded machine), and the opt-in
+# warm-up form (no standard key; ~2 s, idle machine, 2026-12-06)
 SLOW_CONFIGS = ("fp16_state", "fp16_split", "bf16_state_split_warmup")
 NAMES = [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CONFIGS else n for n in CONFIGS]
 

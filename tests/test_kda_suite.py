@@ -62,22 +62,16 @@ def test_no_comparators_without_a_gpu():
 
 
 def test_segments_and_pieces_variants(on_cpu):
-    """`segments_<P>` (GDN's rule: 9 at 1 x hv16) on the long single sequences only; the pieces
-    form the launcher does not take beside the one it does (`launch.pieces_for`): `pieces_1`
-    (the direct launch) on the long singles, which ours runs in 8 pieces, `pieces_8` on the
-    shorter singles, nothing where N HV > SMs / 8; each variant is the launcher so forced and
-    matches the reference as the check sees it (3 segments or pieces)."""
+    """`segments_<P>` (GDN's rule: 9 at 1 x hv16) on the long single sequences only, `pieces_<P>`
+    (one wave of unsplit CTAs) where the recurrence has few CTAs; each variant is the launcher
+    so forced and matches the reference as the check sees it (3 segments or pieces)."""
     by_name = {c.name: c for c in kda_prefill.BENCH_CASES}
     segmented = {n for n, c in by_name.items() if "segments_9" in kda_prefill.variants(c)}
-    long_singles = {"1x32768-h16-hv16", "1x131072-h16-hv16", "1x32768-h16-hv16-nostate"}
-    assert segmented == long_singles
-    direct = {n for n, c in by_name.items() if "pieces_1" in kda_prefill.variants(c)}
-    assert direct == long_singles
-    assert set(kda_prefill.variants(by_name["1x32768-h16-hv16"])) == {"segments_9", "pieces_1"}
+    assert segmented == {"1x32768-h16-hv16", "1x131072-h16-hv16", "1x32768-h16-hv16-nostate"}
+    assert set(kda_prefill.variants(by_name["1x32768-h16-hv16"])) == {"segments_9", "pieces_8"}
     assert set(kda_prefill.variants(by_name["1x2048-h16-hv16"])) == {"pieces_8"}
-    assert set(kda_prefill.variants(by_name["1x8192-h16-hv16"])) == {"pieces_8"}
     suite = kda_prefill.suite()
-    assert suite.variants_for(by_name["4x8192-h16-hv16"]) == {}
+    assert set(suite.variants_for(by_name["4x8192-h16-hv16"])) == {"pieces_2"}
     assert suite.variants_for(by_name["4x8192-h16-hv32"]) == {}
     for case in kda_prefill.CHECK_CASES[:2]:
         inputs = suite.make_inputs(case, torch.bfloat16, torch.device("cpu"),

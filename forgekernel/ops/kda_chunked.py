@@ -15,17 +15,12 @@ fla split the work: the token-parallel first pass (every chunk's state-independe
 the per-channel decays folded into bf16 tiles around sub-chunk reference points so that no
 factor overflows: `reference/kda_chunked.py`) on its own kernel (`intra.py`: one warpgroup per
 chunk and value head; `operands.py` is its torch model, the tests' yardstick); the
-recurrence runs on the tensor cores (`recurrence.py`: TMA + WGMMA, the state on chip); few long
-sequences (N HV <= SMs / 8, >= 32768 tokens a sequence: `launch.pieces_for`) in pieces run at
-once, each after warm-up chunks from a zero state (cuDNN's sequence parallelism, an
-approximation: the dropped state decayed below 2^-20 by a heuristic on unit keys;
-docs/linear_attention/NOTES.md "next/kda-adopt"). The offsets are never read on the host (no
-sync; the call can be captured in a CUDA graph): the first pass lays its chunks out on the
-device over an upper bound of chunks known from T and N (exact for a batch or one sequence);
-the pieces' warm-up is chosen on the device. Differentiable: ops/kda_bwd.py registers the
-backward of `forgekernel::kda_chunked` (`torch.library.register_autograd`; its kernel path by
-default since 2026-12-06, `FORGEKERNEL_KDA_BWD_KERNEL=0` and CPU tensors the interim torch
-path).
+recurrence runs on the tensor cores (`recurrence.py`: TMA + WGMMA, the state on chip). The
+offsets are never read on the host (no sync; the call can be captured in a CUDA graph): the
+first pass lays its chunks out on the device over an upper bound of chunks known from T and N
+(exact for a batch or one sequence). Differentiable: ops/kda_bwd.py registers the backward
+of `forgekernel::kda_chunked` (`torch.library.register_autograd`; its kernel path by default
+since 2026-12-06, `FORGEKERNEL_KDA_BWD_KERNEL=0` and CPU tensors the interim torch path).
 """
 
 from __future__ import annotations

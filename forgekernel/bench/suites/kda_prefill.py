@@ -32,10 +32,8 @@ Comparators, each on the same inputs:
 
 Ours: `forgekernel.ops.kda_chunked.kimi_delta_attention`: the first pass (the chunks'
 state-independent operands) on its kernel (`intra.py`), the recurrence on the WGMMA kernel
-(kernels/linear_attention/kda_prefill/sm90), over pieces of each sequence after warm-up chunks
-where few long sequences leave SMs idle (`launch.pieces_for`: N HV <= SMs / 8 and >= 32768
-tokens a sequence, since 2026-12-07); its time includes the chunk tables (torch ops on the
-device, no host sync). The torch first pass (`operands.py`), ours until 2026-12-02, is no
+(kernels/linear_attention/kda_prefill/sm90); its time includes the chunk tables (torch ops on
+the device, no host sync). The torch first pass (`operands.py`), ours until 2026-12-02, is no
 variant: it ran 3.9-4.7x slower than the kernel on every bench case (H200, 2026-12-02 06:40).
 Nor is the first pass's WGMMA kernel of 2026-12-02: its re-laid-out form ("rows8", variant
 `rows8` until adopted 2026-12-03) ran the op in 0.455-0.680x of its time on every case (graph;
@@ -168,18 +166,11 @@ def _segments(case: Case) -> int:
     return segments_for(len(lens), case.params["hv"], sum(lens), H200_SMS)
 
 
-def _pieces(case: Case) -> tuple[int, int]:
-    """(the pieces the launcher takes on the case, `launch.pieces_for`; the pieces that would
-    fill one wave of unsplit CTAs, SMs // (N HV), where its heads condition holds, else 1)."""
-    from forgekernel.kernels.linear_attention.kda_prefill.sm90.launch import (
-        PIECES_HEADS_DIV,
-        pieces_for,
-    )
-
-    lens, hv = case.params["lens"], case.params["hv"]
-    heads = len(lens) * hv
-    wave = H200_SMS // heads if heads * PIECES_HEADS_DIV <= H200_SMS else 1
-    return pieces_for(len(lens), hv, sum(lens), H200_SMS), wave
+def _pieces(case: Case) -> int:
+    """Pieces a sequence for one wave of unsplit recurrence CTAs (SMs // (N HV)), where the
+    launcher's recurrence has few CTAs (the V split's 2 N HV <= SMs); else 1."""
+    n, hv = len(case.params["lens"]), case.params["hv"]
+    return H200_SMS // (n * hv) if 2 * n * hv <= H200_SMS else 1
 
 
 def _run_segments(parts: int, kind: str = "segments"):
@@ -204,21 +195,16 @@ def _run_segments(parts: int, kind: str = "segments"):
 
 def variants(case: Case) -> dict[str, Any]:
     """Few long sequences (1 x 32768, 1 x 131072 at hv16): the recurrence over exact segments
-    (`segments_<P>`). Pieces after warm-up chunks (cuDNN's sequence parallelism), the form the
-    launcher does not take beside the one it does (`launch.pieces_for`: ours takes pieces on
-    few long sequences since 2026-12-07): `pieces_1` (the direct launch) where ours takes
-    pieces, `pieces_<P>` where only the length keeps it from them (the singles below 32768
-    tokens). docs/linear_attention/NOTES.md "cuDNN's kda_hopper_cuda forward, read against
-    ours", "next/kda-adopt"."""
+    (`segments_<P>`); few sequences (N HV <= SMs / 2: the singles, 4 x 8192 hv16): pieces after
+    warm-up chunks (`pieces_<P>`, cuDNN's sequence parallelism). Ours is the direct launch
+    (docs/linear_attention/NOTES.md, "cuDNN's kda_hopper_cuda forward, read against ours")."""
     out: dict[str, Any] = {}
     parts = _segments(case)
     if parts > 1:
         out[f"segments_{parts}"] = _run_segments(parts)
-    taken, wave = _pieces(case)
-    if taken > 1:
-        out["pieces_1"] = _run_segments(1, "pieces")
-    elif wave > 1:
-        out[f"pieces_{wave}"] = _run_segments(wave, "pieces")
+    parts = _pieces(case)
+    if parts > 1:
+        out[f"pieces_{parts}"] = _run_segments(parts, "pieces")
     return out
 
 

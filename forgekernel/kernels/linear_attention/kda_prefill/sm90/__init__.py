@@ -40,23 +40,13 @@ def intra_params_for(dtype: str, k: int = 128, *, bwd: bool = False) -> Params:
 
 
 def _standard_params() -> list[Params]:
-    """The direct launch's keys (split or not), then the pieces' (`launch.pieces_for`, the
-    default for few long sequences since 2026-12-07: the `warmup` key, unsplit: N P HV CTAs
-    fill a wave)."""
-    direct = [
+    return [
         params_for(dtype, dims, initial_state=init, value_split=split)
         for dtype in DTYPES
         for dims in HEAD_DIMS
         for init in (False, True)
         for split in (False, True)
     ]
-    pieces = [
-        params_for(dtype, dims, initial_state=init, warmup=True)
-        for dtype in DTYPES
-        for dims in HEAD_DIMS
-        for init in (False, True)
-    ]
-    return direct + pieces
 
 
 def _intra_standard_params() -> list[Params]:

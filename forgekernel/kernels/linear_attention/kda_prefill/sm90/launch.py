@@ -38,45 +38,13 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _sms(device: torch.device) -> int:
-    """The device's SM count (132 for a CPU tensor: the tests' stand-in for the H100 / H200)."""
-    return _sm_count(device.index or 0) if device.type == "cuda" else 132
-
-
 def value_split(sequences: int, heads: int, device: torch.device) -> bool:
     """Two CTAs per (sequence, head) (one state warpgroup each) where the split grid still fits
     one wave: the recurrence is one CTA's sequential walk, so CTAs are its parallelism; past one
     wave two warpgroups sharing a CTA's loads and tensor cores (filling each other's bubbles)
     are the better use of an SM."""
-    return 2 * sequences * heads <= _sms(device)
-
-
-# Pieces by default (`pieces_for`, `_pieces`) where they measured faster: the direct launch's
-# recurrence is N HV split CTA pairs, each walking its whole sequence, so few long sequences
-# leave most SMs idle behind one serial chain (1 x 32768 hv16: 32 CTAs, 512 chunks of ~1.6 us).
-# Pieces cut each sequence into P = SMs // (N HV) pieces, one unsplit CTA each (~N HV P = SMs
-# CTAs), each walking its piece's chunks after one or a few warm-up chunks: the chain shrinks P
-# times while an unsplit chunk among ~SMs CTAs costs about two split ones (HBM-bound), so the
-# gain is about (1 - 2 / P) of the chain, less ~57 small torch ops (tables, warm-up, states;
-# ~0.1 ms in a graph). H100, 2026-12-07 (benchmarks/reports/sm_90a/kda_prefill.md): pieces_8 /
-# direct 0.710x at 1 x 32768 hv16, 0.696x without a state, 0.623x at 1 x 131072, 1.004x at 1 x
-# 8192 (the torch ops eat the chain's gain), 1.821x at 1 x 2048; pieces_2 at 4 x 8192 hv16
-# 1.036x / 1.015x (P = 2: no gain by the model). Hence P >= 8 (N HV <= SMs / 8, 16 on 132 SMs)
-# and sequences averaging >= 32768 tokens, both where measured; P = 4 (N HV 17-33) and 16384
-# tokens are modelled gains, unmeasured. The warm-up is cuDNN's heuristic, not a bound (see
-# WARMUP_LOG2): `pieces=1` forces the exact direct launch.
-PIECES_HEADS_DIV = 8
-PIECES_MIN_TOKENS = 32768
-
-
-def pieces_for(sequences: int, value_heads: int, tokens: int, sms: int) -> int:
-    """Pieces a sequence: 1 (the direct launch) unless N HV <= SMs / PIECES_HEADS_DIV and the
-    sequences average >= PIECES_MIN_TOKENS tokens; then SMs // (N HV), one wave of unsplit
-    CTAs (N P HV > SMs / 2: `value_split` keeps them unsplit)."""
-    heads = sequences * value_heads
-    if heads * PIECES_HEADS_DIV > sms or tokens < PIECES_MIN_TOKENS * sequences:
-        return 1
-    return sms // heads
+    sms = _sm_count(device.index or 0) if device.type == "cuda" else 132
+    return 2 * sequences * heads <= sms
 
 
 # Compile keys per (dtype, dims, ...): built once (a dict and a sort per call otherwise).
@@ -239,7 +207,7 @@ def kda_prefill(
     l2norm: bool,
     seq_len: int | None = None,
     segments: int = 1,
-    pieces: int | None = None,
+    pieces: int = 1,
 ) -> None:
     """Varlen form: q, k (T, H, K), v (T, HV, V) 16-bit, g (T, HV, K) and beta (T, HV),
     cu_seqlens int32 (N + 1,) rising from 0 to T; initial_state fp32 (N, HV, K, V) or None
@@ -250,15 +218,13 @@ def kda_prefill(
     offsets): exact tables. The first pass on its kernel (`first_pass_kernel`): the kernel of
     2026-12-02 ran 3.9-4.7x the speed of the torch pass, its "rows8" re-layout (the only one
     since 2026-12-03) takes the op to 0.455-0.680x of that time (H200, every kda_prefill bench
-    case). segments > 1 (opt-in, the bench's `segments` variant; 1.10x / 0.99x of the direct
-    launch's time at 1 x 32768 / 1 x 131072 hv16, H100 2026-12-07): the recurrence over each
-    sequence cut into that many segments (`_segmented`), the first pass unchanged. pieces: each
+    case). segments > 1 (opt-in, the bench's `segments` variant; not measured yet): the
+    recurrence over each sequence cut into that many segments (`_segmented`), the first pass
+    unchanged. pieces > 1 (opt-in, the bench's `pieces` variant; not measured yet): each
     sequence cut into that many pieces run at once, each after warm-up chunks from a zero state
-    (`_pieces`: an approximation for unit keys, cuDNN's warm-up heuristic, not a bound); None
-    (default) `pieces_for`'s count, few long sequences only (1 x 32768 hv16: 8); 1 the direct
-    launch (exact)."""
+    (`_pieces`: an approximation for unit keys, cuDNN's warm-up heuristic, not a bound)."""
     n = final_state.shape[0]
-    if segments > 1 and (pieces or 1) > 1:
+    if segments > 1 and pieces > 1:
         raise ValueError(f"segments ({segments}) and pieces ({pieces}): one or the other")
     if n == 0:
         return
@@ -267,8 +233,6 @@ def kda_prefill(
         return
     if n == 1:  # the offsets are (0, T)
         seq_len = q.shape[0]
-    if pieces is None:
-        pieces = 1 if segments > 1 else pieces_for(n, v.shape[1], q.shape[0], _sms(q.device))
     ops = first_pass_kernel(q, k, g, beta, cu_seqlens, scale, l2norm, seq_len)
     v = _aligned(v)
     dst = out if out.data_ptr() % ALIGN == 0 else torch.empty_like(out)
@@ -356,10 +320,8 @@ def _segmented(ops: dict, v, initial_state, cu_seqlens, dst, final_state, parts:
 # that decay: the projections I - beta k k^T move state between key channels, so keys that turn
 # a slow channel into a decayed one can carry most of it through (a two-channel construction
 # keeps 0.93 |S| where the heuristic takes one warm-up chunk; review of 2026-12-05). Random
-# gates and keys (the tests, the bench) never do. The default for few long sequences since
-# 2026-12-07 (`pieces_for`) on the bench's times and random inputs alone: real KDA activations
-# are still unchecked (docs/linear_attention/NOTES.md "next/kda-adopt"). It also assumes
-# beta |k|^2 <= 2 (unit keys, beta in [0, 1]).
+# gates and keys (the tests, the bench) never do; real activations must be checked before
+# `pieces` is ever a default. It also assumes beta |k|^2 <= 2 (unit keys, beta in [0, 1]).
 WARMUP_LOG2 = -20.0
 WARMUP_MIX_LOG2 = 3.5
 WARMUP_MAX = 4  # warm-up chunks tried before a piece falls back to its sequence's start
