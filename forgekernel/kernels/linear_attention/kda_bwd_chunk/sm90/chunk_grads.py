@@ -493,13 +493,9 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
     def _math(
         self, mma_w, mma_s, mma_q, mma_k, sDO, sU, sDU, sQ, sK, sH, sDH, sP, sKr, sQl, sG, sRows,
         sTab, mG, mDQ, mDK, mDW, mDG, bars, c, hv, b, seqlen, scale, kh, tables=None,
-        sDWo=None, done_u_dh=None,
     ):  # fmt: skip
         """Math warpgroup kh's products and per-channel work on key channels [64 kh, +64) (kh
-        warp-uniform); S whole in both. For the fused kernel (kda_bwd_fused), else None: sDWo a
-        (C, K) shared tile in the tiles' dtype that dw goes into (this warpgroup's half,
-        stmatrix: dw16's rounding) instead of mDW; done_u_dh a named barrier arrived at once
-        dke = U dh^T has retired (the last read of U's and dh's bytes)."""
+        warp-uniform); S whole in both."""
         qs = scale if const_expr(mDQ.element_type != Float32) else None
         hk = self.half
         wg_w = mma_w.get_slice(0)
@@ -535,10 +531,7 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         wait("du", "h")
         gemm(mma_w, acc, tArDU[None, None, None, 0], tBrH, True, 0)
         acc.store(-acc.load())
-        if const_expr(sDWo is None):
-            self._store_rows(acc, mma_w, mDW, tid, b, hv, c, seqlen)
-        else:
-            self._store_tile(acc, mma_w, self._half(sDWo, kh), False)
+        self._store_rows(acc, mma_w, mDW, tid, b, hv, c, seqlen)
         # dqe = dO h^T, S = dO U^T (S whole in both warpgroups)
         wait("do")
         gemm(mma_w, acc, tArDO[None, None, None, 0], tBrH, True, -1)
@@ -588,8 +581,6 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         # dk = er o (e^(G_C - r_w) o dke + sum_(I >= w) E_(I,w) o blocks) + dP_jj q_j
         wait("dh")
         gemm(mma_w, acc, tArU[None, None, None, 0], tBrDH, True, 0)
-        if const_expr(done_u_dh is not None):  # U's and dh's bytes free (the fused kernel)
-            done_u_dh.arrive()
         self._te(qa, mma_w, sK, sG, sTab, w, first, seqlen)
         self._scale_cols(qa, sTab, self.t_gr + w, t0, col_w)
         for i in cutlass.range_constexpr(NS):
