@@ -2,10 +2,11 @@
 transposed ldmatrix, O handed to warpgroup 0's O warp for a TMA store; T still formed by the
 aux) on the CPU, through the launcher and the replay: the key only where it is defined (the
 standard form; the t_pre form has the O warp already), named only when on, its shared memory
-inside the budget, its two candidates (the bench's `standard_o_warp`), the forced path bit for
-bit the standard path's (the same products on the same 16-bit operands: only how V^T is loaded
-and how O reaches global memory move) and the fp64 recurrence's to the op's tolerances,
-segments included, and the bench's variant on its two cases. The SASS in
+inside the budget, standard keys in every configuration of the standard form; the launcher's
+standard form takes it unless forced off, forcing it with the t_pre form raises; the path bit
+for bit the standard path's without it (the same products on the same 16-bit operands: only
+how V^T is loaded and how O reaches global memory move) and the fp64 recurrence's to the op's
+tolerances, segments included, and the bench's A/B `no_o_warp` on its two cases. The SASS in
 tests/test_gdn_prefill_t_pre_compile.py; the GPU in tests/gpu/test_gdn_prefill_t_pre_gpu.py."""
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ def test_key_only_where_defined():
     assert "o_warp" not in dict(params_for("bfloat16", t_pre=True))
     with pytest.raises(ValueError, match="o_warp"):
         params_for("bfloat16", t_pre=True, o_warp=True)
-    with pytest.raises(ValueError, match="o_warp"):  # through the launcher, as forced
-        _run(_inputs([70], 1, 2), t_pre=True, o_warp=True)
+    for forced in (True, False):  # through the launcher: forced only with the standard form
+        with pytest.raises(ValueError, match="o_warp"):
+            _run(_inputs([70], 1, 2), t_pre=True, o_warp=forced)
 
 
 @pytest.mark.parametrize("v_split", config.V_SPLITS)
@@ -60,14 +62,15 @@ def test_shared_memory_budget(v_split):
     assert with_o <= SMEM_CAPACITY
 
 
-def test_candidates_are_the_bench_keys():
-    """`forgekernel build --candidates` builds the variant's keys (bf16, fla's layout, no
-    l2norm, unsplit, state or not); no standard key names o_warp."""
-    ours = [dict(p) for p in SPEC.candidate_params() if dict(p).get("o_warp")]
-    assert sorted(p["initial_state"] for p in ours) == [False, True]
-    assert all(p["v_split"] == 1 and not p["l2norm"] and not p["k_last"] for p in ours)
-    assert all(p["dtype"] == "bfloat16" and "t_pre" not in p for p in ours)
-    assert not [p for p in SPEC.standard_params() if dict(p).get("o_warp")]
+def test_standard_keys_in_every_configuration():
+    """`forgekernel build` builds the key wherever the standard form is (every dtype, state
+    layout, l2norm, initial state and V split: the launcher's route and the bench's forced
+    `standard`), beside the standard keys without it (the A/B `no_o_warp`); no candidate."""
+    standard = [dict(p) for p in SPEC.standard_params()]
+    plain = [p for p in standard if "t_pre" not in p and "o_warp" not in p]
+    ours = [p for p in standard if p.get("o_warp")]
+    assert len(plain) == 32 and ours == [p | {"o_warp": True} for p in plain]
+    assert not [p for p in SPEC.candidate_params() if dict(p).get("o_warp")]
 
 
 @pytest.mark.parametrize(
@@ -84,8 +87,8 @@ def test_forced_is_the_standard_bit_for_bit(
 ):  # fmt: skip
     inputs = _inputs(lens, h, hv, seed=len(lens), dtype=dtype, scale_k=16.0 if l2norm else 1.0)
     kw = dict(init=init, k_last=k_last, l2norm=l2norm, v_split=v_split, t_pre=False)
-    o_std, s_std = _run(inputs, **kw)
-    o_ow, s_ow = _run(inputs, o_warp=True, **kw)
+    o_std, s_std = _run(inputs, o_warp=False, **kw)
+    o_ow, s_ow = _run(inputs, **kw)  # the launcher's standard form
     assert torch.equal(o_ow, o_std) and torch.equal(s_ow, s_std)
     if sum(lens) == 0:  # no launch
         return
@@ -100,12 +103,23 @@ def test_forced_is_the_standard_bit_for_bit(
     _close(s_ow, want_s, STATE_TOL[dtype])
 
 
+def test_route_takes_the_key(cpu_kernels):  # noqa: F811
+    """The op's own route at HV = H unsplit (`launch.t_pre_for`: the standard form) asks for
+    the o_warp key; the t_pre route names none."""
+    for hv, t_pre in ((2, False), (4, True)):
+        calls = len(cpu_kernels)
+        _run(_inputs([130, 7] * 20, 2, hv, seed=4), v_split=None, segments=None)
+        keys = [p for name, p in cpu_kernels[calls:] if name == SPEC.name]
+        assert len(keys) == 1 and keys[0]["v_split"] == 1
+        assert keys[0].get("t_pre", False) is t_pre and keys[0].get("o_warp", False) is not t_pre
+
+
 def test_segments_carry_the_key(cpu_kernels):  # noqa: F811
     """The segmented path's passes (forced standard) take the key, bit for bit the same."""
     inputs = _inputs([700, 190], 2, 2, seed=3)
-    o_std, s_std = _run(inputs, segments=3, t_pre=False)
+    o_std, s_std = _run(inputs, segments=3, t_pre=False, o_warp=False)
     calls = len(cpu_kernels)
-    o_ow, s_ow = _run(inputs, segments=3, t_pre=False, o_warp=True)
+    o_ow, s_ow = _run(inputs, segments=3, t_pre=False)
     passes = [p for name, p in cpu_kernels[calls:] if name == SPEC.name]
     assert len(passes) == 3 and all(p["o_warp"] for p in passes)
     assert torch.equal(o_ow, o_std) and torch.equal(s_ow, s_std)
@@ -117,5 +131,5 @@ def test_bench_variant_on_its_cases():
     by_name = {c.name: c for c in gdn_prefill.BENCH_CASES}
     assert set(gdn_prefill.STANDARD_CHAIN_AB) <= set(by_name)
     for case in gdn_prefill.BENCH_CASES:
-        has = "standard_o_warp" in gdn_prefill.variants(case)
+        has = "no_o_warp" in gdn_prefill.variants(case)
         assert has == (case.name in gdn_prefill.STANDARD_CHAIN_AB), case.name

@@ -13,12 +13,14 @@ intermittent failures (2026-12-05) repeated and localized per form and V split
 (`test_t_pre_repeated_is_the_standard`, `test_t_pre_segments_repeated`, -s for the report);
 the op's default route (`launch.t_pre_for`: the t_pre form but on direct unsplit launches over
 ungrouped heads) bit for bit the form it names, forced (`test_default_route_is_the_forced_form`);
-the standard form's `o_warp` key (the t_pre form's state chain, T by the aux) bit for bit the
-standard form, repeated (`test_standard_o_warp_is_the_standard`, `..._repeated`); the t_pre
-path's two kernels timed apart in CUDA graphs beside the path and the standard form, with their
+the standard form's `o_warp` key (the t_pre form's state chain, T by the aux; the launcher's
+standard form) bit for bit the standard form without it, repeated
+(`test_standard_o_warp_is_the_standard`, `..._repeated`); the t_pre path's two kernels timed
+apart in CUDA graphs beside the path and the standard form with and without o_warp, with their
 bytes' rates (`test_split_times`, -s: next/tpre-batch-gap in docs/linear_attention/NOTES.md);
 the t_pre form's `no_o` key (the final state bit for bit, o untouched) and the segmented path's
-pass B on it (`b_no_o`: bit for bit the segmented path; timed at 1 x 131072 h16).
+pass B on it (`b_no_o`, the launcher's default: bit for bit the segmented path with B keeping
+o; timed at 1 x 131072 h16).
 CPU counterparts: tests/test_gdn_prefill_t_pre.py (replay), test_gdn_prefill_t_pre_compile.py."""
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def _close(got, want, rel):
 
 
 def _run(inputs, *, t_pre, k_last=False, l2norm=False, with_state=True, v_split=None,
-         o_warp=False):  # fmt: skip
+         o_warp=None):  # fmt: skip
     q, k, v, g, beta, state, cu = inputs
     n, hv = cu.shape[0] - 1, v.shape[1]
     start = None
@@ -404,6 +406,7 @@ def test_default_route_is_the_forced_form(monkeypatch, lens, h, hv, with_state, 
                                 use_qk_l2norm_in_kernel=l2norm, k_last=k_last)  # fmt: skip
     assert len(keys) == (2 if t_pre else 1)
     assert keys[0].get("t_pre", False) is t_pre and keys[0]["v_split"] == split
+    assert keys[0].get("o_warp", False) is not t_pre  # the standard form with its O warp
     want_o, want_s = _run(inputs, t_pre=t_pre, k_last=k_last, l2norm=l2norm,
                           with_state=with_state)  # fmt: skip
     assert not want_o.isnan().any()
@@ -428,11 +431,11 @@ def test_standard_o_warp_is_the_standard(lens, h, hv, with_state, dtype, l2norm,
                                          v_split):  # fmt: skip
     """The standard form's `o_warp` key: V^T by ldmatrix (the same 16-bit values), O by the O
     warp's TMA box a whole chunk and its 16-byte copies of a tail chunk's rows (the same
-    stmatrix image), so o and the final state bit for bit the standard form's (o NaN-poisoned:
-    every row written), and the recurrence's to the standard tolerances."""
+    stmatrix image), so o and the final state bit for bit the standard form's without it (o
+    NaN-poisoned: every row written), and the recurrence's to the standard tolerances."""
     inputs = _inputs(lens, h, hv, dtype, seed=13, knorm=4.0 if l2norm else 1.0)
     kw = dict(k_last=k_last, l2norm=l2norm, with_state=with_state, v_split=v_split)
-    o_std, s_std = _run(inputs, t_pre=False, **kw)
+    o_std, s_std = _run(inputs, t_pre=False, o_warp=False, **kw)
     o_ow, s_ow = _run(inputs, t_pre=False, o_warp=True, **kw)
     assert not o_ow.isnan().any()
     assert torch.equal(o_ow, o_std) and torch.equal(s_ow, s_std)
@@ -457,7 +460,8 @@ def test_standard_o_warp_repeated(lens, h, hv, with_state, v_split):
     says where (`_where`)."""
     reps = int(os.environ.get("O_WARP_REPS", "6"))
     inputs = _inputs(lens, h, hv, torch.bfloat16, seed=14)
-    o_std, s_std = _run(inputs, t_pre=False, with_state=with_state, v_split=v_split)
+    o_std, s_std = _run(inputs, t_pre=False, with_state=with_state, v_split=v_split,
+                        o_warp=False)  # fmt: skip
     report = []
     for rep in range(reps):
         o_ow, s_ow = _run(inputs, t_pre=False, with_state=with_state, v_split=v_split,
@@ -495,7 +499,8 @@ def _graph_ms(step, reps=20):
 ])  # fmt: skip
 def test_split_times(lens, h, hv, with_state):
     """The t_pre path's two kernels apart (graph replays): the precompute alone, the chunked
-    kernel alone on T already made, the path; the standard form and its `o_warp` key beside.
+    kernel alone on T already made, the path; the standard form without and with its `o_warp`
+    key beside.
     Each with its HBM bytes (q / k once a head, v, o, g, beta, the states; T 8 KB a chunk slot
     and value head) and their rate: where the path's time goes (NOTES, next/tpre-batch-gap).
     Checked: the chunked kernel alone writes the path's o and state bit for bit, the o_warp key
@@ -520,7 +525,7 @@ def test_split_times(lens, h, hv, with_state):
 
     results = {}
     for name, fn in (("path", lambda: path(t_pre=True)), ("main", main),
-                     ("standard", lambda: path(t_pre=False)),
+                     ("standard", lambda: path(t_pre=False, o_warp=False)),
                      ("o_warp", lambda: path(t_pre=False, o_warp=True))):  # fmt: skip
         out.fill_(float("nan"))
         fn()
@@ -532,7 +537,7 @@ def test_split_times(lens, h, hv, with_state):
     assert torch.equal(results["o_warp"][1], results["standard"][1])
     ms = {name: _graph_ms(fn) for name, fn in (
         ("precompute", pre), ("main", main), ("path", lambda: path(t_pre=True)),
-        ("standard", lambda: path(t_pre=False)),
+        ("standard", lambda: path(t_pre=False, o_warp=False)),
         ("o_warp", lambda: path(t_pre=False, o_warp=True)))}  # fmt: skip
     mb = 1e-6
     qk = 2 * total * h * 128 * 2 * mb
@@ -578,32 +583,34 @@ def test_no_o_writes_the_state_only(lens, h, hv, l2norm, with_state, dtype, v_sp
     assert torch.equal(got[True][1], got[False][1])
 
 
-@pytest.mark.parametrize(("lens", "h", "hv", "parts"), [
-    ([4096], 2, 2, 4),
-    ([2000, 70, 3000], 2, 4, 3),
-    ([131072], 16, 16, None),  # the suite's 1x131072-h16-hv16 (the launcher's P = 9): timed
+@pytest.mark.parametrize(("lens", "h", "hv", "parts", "l2norm"), [
+    ([4096], 2, 2, 4, False),
+    ([2000, 70, 3000], 2, 4, 3, True),  # l2norm: the key loads no q, forms no q norm
+    ([131072], 16, 16, None, False),  # the suite's 1x131072-h16-hv16 (the launcher's P = 9): timed
 ])  # fmt: skip
-def test_segments_b_no_o(lens, h, hv, parts):
-    """The segmented t_pre path with pass B on the `no_o` key: o and the final states bit for
-    bit the path's without it (B's o is C's to overwrite); at the suite's 1 x 131072 both timed
-    (graph replays; -s prints them: the bench's `segments_b_no_o` / ours)."""
-    q, k, v, g, beta, state, cu = _inputs(lens, h, hv, torch.bfloat16, seed=17)
+def test_segments_b_no_o(lens, h, hv, parts, l2norm):
+    """The segmented t_pre path with pass B on the `no_o` key (the launcher's default): o and
+    the final states bit for bit the path's with B keeping o (B's o is C's to overwrite); at
+    the suite's 1 x 131072 both timed (graph replays; -s prints them: ours / the bench's
+    `b_with_o`)."""
+    q, k, v, g, beta, state, cu = _inputs(lens, h, hv, torch.bfloat16, seed=17,
+                                          knorm=4.0 if l2norm else 1.0)  # fmt: skip
     out, final = torch.empty_like(v), torch.empty(len(lens), hv, 128, 128, device="cuda")
 
-    def run(b_no_o):
+    def run(b_no_o):  # None: the launcher's choice (B on the key)
         prefill_launch.gdn_prefill(q, k, v, g, beta, state, cu, out, final, SCALE, k_last=False,
-                                   l2norm=False, segments=parts, t_pre=True,
+                                   l2norm=l2norm, segments=parts, t_pre=True,
                                    b_no_o=b_no_o)  # fmt: skip
 
     got = {}
-    for b_no_o in (False, True):
+    for b_no_o in (False, None):
         out.fill_(float("nan"))
         run(b_no_o)
         torch.cuda.synchronize()
         got[b_no_o] = (out.clone(), final.clone())
-    assert not got[True][0].isnan().any()
-    assert torch.equal(got[True][0], got[False][0]) and torch.equal(got[True][1], got[False][1])
+    assert not got[None][0].isnan().any()
+    assert torch.equal(got[None][0], got[False][0]) and torch.equal(got[None][1], got[False][1])
     if parts is None:
-        ms = {b: _graph_ms(lambda b=b: run(b)) for b in (False, True)}
-        print(f"\nsegments {lens} h{h} hv{hv}: path {ms[False]:.4f} ms, B without o "
-              f"{ms[True]:.4f} ms ({ms[True] / ms[False]:.3f}x)")  # fmt: skip
+        ms = {b: _graph_ms(lambda b=b: run(b)) for b in (False, None)}
+        print(f"\nsegments {lens} h{h} hv{hv}: B with o {ms[False]:.4f} ms, ours (B without o) "
+              f"{ms[None]:.4f} ms ({ms[None] / ms[False]:.3f}x)")  # fmt: skip

@@ -2,7 +2,7 @@
 diag(beta) comes from the precompute (`t_pre.py`) through the T ring (producer warp -> state
 warpgroups), so per chunk only what needs q: Q K^T, its mask and decays, the row norms
 (l2norm) and the state warpgroups' per-token tables (`AuxWy`'s, called as they are). With the
-`no_o` key the tables only (no Q K^T, no P)."""
+`no_o` key the tables only (no Q K^T, no P; with l2norm k's row norms alone: no q)."""
 
 from __future__ import annotations
 

@@ -59,12 +59,13 @@ the thread-dependent views hoisted, and O handed by an mbarrier ring (full: the 
 warpgroup's 128 threads after stmatrix and a proxy fence; empty: the O warp's 32 lanes once
 read) to warpgroup 0's warp 3 (`roles.O_WARP`), which stores whole chunks by one TMA box and
 the tail chunk's rows by 16-byte copies. Key field state_lds keeps next/gdn-tpre's state chain
-(the bench's A/B, `t_pre_state_lds`). Key field no_o (t_pre form): no o (no q boxes unless
-l2norm, no Q K^T or P, no O^T, U^T P^T or O tiles; the O warp idle): the segmented path's pass
-B, whose o pass C overwrites. Key field o_warp (standard form, opt-in, the bench's
-`standard_o_warp`): the standard form with the t_pre form's state chain (V^T by ldmatrix, the
-views hoisted, O through the O warp), T still formed by its aux: the chain's share of the
-standard form's chunk, where the t_pre path's extra bytes lose (HV = H: next/tpre-batch-gap in
+(the bench's A/B, `t_pre_state_lds`). Key field no_o (t_pre form): no o (no q boxes nor q norms,
+no Q K^T or P, no O^T, U^T P^T or O tiles; the O warp idle): the segmented path's pass
+B, whose o pass C overwrites (the launcher's default there: 0.885x at 1 x 131072 h16 hv16,
+H100). Key field o_warp (standard form; the launcher's default form of it, the bench's A/B
+`no_o_warp` without): the standard form with the t_pre form's state chain (V^T by ldmatrix,
+the views hoisted, O through the O warp), T still formed by its aux: 0.943-0.986x of the
+standard form without it on the H100 (next/tpre-batch-gap, next/gdn-prefill-adopt in
 docs/linear_attention/NOTES.md).
 
 Ragged edges: a chunk that runs past its sequence loads the next sequence's rows (or TMA's
@@ -170,7 +171,9 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
         self.o_warp = (t_pre and not state_lds) or o_warp
         self.no_o = no_o  # no o: the state chain without O^T, U^T P^T and the O hand-off
         self.o_drain = self.o_warp and not no_o  # the O warp stores O tiles (its ring built)
-        self.q_load = not no_o or l2norm  # q only for its products (or l2norm's row norms)
+        # q only for its products: the no_o key forms no q norm either (l2norm: O's factor
+        # rq, the tables' column 1, is unread there)
+        self.q_load = not no_o
         self.state_wgs = state_wgs(v, v_split)
         self.aux_wgs = aux_wgs(v_split)
         self.v_cols = self.state_wgs * ROWS_PER_STATE_WG  # value columns of one CTA

@@ -154,7 +154,7 @@ def params_for(
     form's O warp and ldmatrix V^T; named only when on. o_warp (the standard form only; the
     t_pre form has it unless state_lds): the standard form with the t_pre form's state chain
     (V^T by transposed ldmatrix, O handed to warpgroup 0's O warp for a TMA store); named only
-    when on. no_o (the t_pre form with its O warp): no o at all (no q loads unless l2norm, no
+    when on. no_o (the t_pre form with its O warp): no o at all (no q loads or q norms, no
     Q K^T, P, O^T or O stores): the segmented path's pass B, whose o pass C overwrites; named
     only when on."""
     if v_split not in V_SPLITS:

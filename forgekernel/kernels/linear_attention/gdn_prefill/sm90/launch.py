@@ -65,6 +65,15 @@ def t_pre_for(heads: int, value_heads: int, v_split: int, segments: int) -> bool
     return segments > 1 or v_split > 1 or value_heads > heads
 
 
+def b_no_o_for(sequences: int, segments: int, t_pre: bool, state_lds: bool) -> bool:
+    """Whether the segmented path's pass B runs on the `no_o` key (no q, no
+    P, O^T or o: its o is pass C's to overwrite): wherever there is a pass B (segments, N P > 2:
+    `_segmented`) in the t_pre form with its O warp (the key is that form's). H100
+    2026-12-07: 1 x 131072 h16 hv16 (P = 9) 2.6932 -> 2.3830 ms (0.885x), bit for bit,
+    racecheck clean (docs/linear_attention/NOTES.md "next/gdn-prefill-adopt")."""
+    return segments > 1 and sequences * segments > 2 and t_pre and not state_lds
+
+
 def _sms(device: torch.device) -> int:
     """The device's SM count (132 for a CPU tensor: the tests' stand-in for the H200)."""
     return num_sms(device.index) if device.type == "cuda" else 132
@@ -88,8 +97,8 @@ def gdn_prefill(
     segments: int | None = None,
     t_pre: bool | None = None,
     state_lds: bool = False,
-    o_warp: bool = False,
-    b_no_o: bool = False,
+    o_warp: bool | None = None,
+    b_no_o: bool | None = None,
 ) -> None:
     """Varlen form: q, k (T, H, K), v (T, HV, V) 16-bit, g (log decay) and beta fp32 (T, HV),
     cu_seqlens int32 (N + 1,); initial_state (N, HV, K, V) fp32, or (N, HV, V, K) with k_last,
@@ -102,9 +111,13 @@ def gdn_prefill(
     every chunk by the precompute kernel first, read by the chunked kernel's `t_pre` form; None:
     as `t_pre_for` says (True / False forced: the bench's variants `t_pre` / `standard`);
     state_lds (with t_pre=True): that form with next/gdn-tpre's state chain (the bench's A/B
-    `t_pre_state_lds`). o_warp (with t_pre=False): the standard form with the t_pre form's
-    state chain (the bench's `standard_o_warp`). b_no_o (segments, the t_pre form): pass B on
-    the `no_o` key (the bench's `segments_b_no_o`)."""
+    `t_pre_state_lds`). o_warp: the standard form's O warp (the t_pre form's state chain:
+    V^T by ldmatrix, O stored by warpgroup 0's O warp); None: on wherever the standard form
+    runs; True / False forced, with the standard form only (False: the bench's
+    A/B `no_o_warp`). b_no_o: the segmented path's pass B on the t_pre form's `no_o` key (its
+    o, which pass C overwrites, neither formed nor stored); None: wherever that pass runs in
+    the t_pre form (`b_no_o_for`); True forced only there, False: pass B with o (the bench's
+    A/B `b_with_o`)."""
     if final_state.shape[0] == 0:
         return
     if q.shape[0] == 0:  # every sequence empty: no TMA descriptor over zero tokens
@@ -116,6 +129,17 @@ def gdn_prefill(
     split = v_split or v_split_for(n, hv, sms)  # the direct launch's (segments: each pass's own)
     if t_pre is None:
         t_pre = t_pre_for(q.shape[1], hv, split, parts)
+    if o_warp is None:  # H100 2026-12-07: 0.943-0.986x the standard form without it
+        o_warp = not t_pre  # (NOTES "next/gdn-prefill-adopt"); the t_pre form has it already
+    elif t_pre:
+        raise ValueError("o_warp is forced with the standard form only (t_pre=False); the t_pre "
+                         "form has its O warp")  # fmt: skip
+    if b_no_o is None:
+        b_no_o = b_no_o_for(n, parts, t_pre, state_lds)
+    elif b_no_o and not b_no_o_for(n, parts, t_pre, state_lds):
+        raise ValueError("b_no_o names pass B of the segmented t_pre path (N x segments > 2, "
+                         f"t_pre without state_lds); got N {n}, segments {parts}, t_pre {t_pre}, "
+                         f"state_lds {state_lds}")  # fmt: skip
     if parts > 1:
         _segmented(q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale, parts,
                    k_last=k_last, l2norm=l2norm, t_pre=t_pre, state_lds=state_lds,
@@ -204,7 +228,7 @@ def _segmented(
     pass whose run starts at segment r reads it from slot r on (its run-local index j = i - r
     puts segment i's chunk c at slot first_slot(bos_i, i) - r + c). b_no_o: pass B on the
     t_pre form's `no_o` key: its o, which C overwrites, neither formed nor stored, and no q
-    read (without l2norm): ~40 of the 72 KB a chunk and head at HV = H."""
+    read: ~40 of the 72 KB a chunk and head at HV = H."""
     n, hv = final_state.shape[:2]
     dk, dv = q.shape[-1], v.shape[-1]
     if dk != dv:
