@@ -12,8 +12,8 @@ SKINNY, the decode boxes that fit, their stream-K twins), then the tiled 128-row
 scales read the other way (M-major, `_mn`: from the suite's K-major scales, so through the
 launcher's transpose) (`configs_for`); and the chosen tile's M-major twin given M-major scales
 made outside the timing, as DeepGEMM's are (`+sa_mn`, `given_mn_major`); last the pick's twins
-that move fewer bytes (`twins`: a narrow pick with A or B multicast, LARGE walked in bands),
-compiled at first use.
+(`twins`: a narrow pick with its scales two ahead and / or loaded by a warp of their own, LARGE
+walked in bands), compiled at first use.
 A config that fails gets a row with its error. The JSON is rewritten after every shape.
 
     PYTHONPATH=$PWD:$PYTHONPATH python3 scripts/fp8_tiles.py OUT.json [--twins] [GROUP ...]
@@ -91,20 +91,17 @@ def configs_for(m: int, n: int, k: int, only_twins: bool = False) -> list[GemmCo
 
 
 def twins(pick: GemmConfig, m: int, n: int) -> list[GemmConfig]:
-    """The pick with fewer bytes a FLOP from the L2 or HBM (docs/gemm/NOTES.md "next/fp8-gap"):
-    a narrow full-K pick (one CTA a tile, no cluster) with A multicast over a 1x2 cluster where
-    it has two n-tiles or more, and B over 2x1 where it has two whole 64-row tile rows or more
-    (not a short A box); a tiled 128-row pick walking M first (LARGE) walked in bands of BAND
-    clusters (`swizzle`) instead. Stream K and a banded pick (LARGE_MCAST_A) have none. Timed on
-    the H100 2026-12-07: the band adopted on LARGE_MCAST_A, the narrow clusters not
-    (docs/gemm/NOTES.md "next/fp8-band8")."""
+    """The pick's candidates: a narrow full-K pick (one CTA a tile, no cluster) with its scales
+    loaded two k-tiles ahead (`_f2`), by a warp of their own (`scale_warp`, `_sw`: no k-tile's
+    TMA waits on a scale load) and both (`_f2_sw`) (docs/gemm/NOTES.md "next/fp8-narrow-scales");
+    a tiled 128-row pick walking M first (LARGE) walked in bands of BAND clusters (`swizzle`)
+    instead. Stream K and a banded pick (LARGE_MCAST_A) have none. (The narrow picks' A / B
+    multicast twins were timed on the H100 2026-12-07 and dropped: "next/fp8-band8"; the band
+    was adopted on LARGE_MCAST_A.)"""
     if pick in NARROW_CONFIGS:
-        found = []
-        if -(-n // pick.tile_n) >= 2:
-            found.append(dataclasses.replace(pick, cluster_n=2))
-        if not pick.a_rows and -(-m // pick.tile_m) >= 2:
-            found.append(dataclasses.replace(pick, cluster_m=2))
-        return found
+        ahead = dataclasses.replace(pick, scale_ahead=2)
+        return [ahead, dataclasses.replace(pick, scale_warp=True),
+                dataclasses.replace(ahead, scale_warp=True)]  # fmt: skip
     if pick.tile_m == 128 and not pick.stream_k and pick.swizzle == 1:
         return [dataclasses.replace(pick, swizzle=BAND)]
     return []

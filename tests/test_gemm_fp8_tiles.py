@@ -35,6 +35,8 @@ from forgekernel.kernels.gemm.fp8.sm90.config import (
 from forgekernel.reference.gemm import gemm_fp8_ref
 
 PREFILL_CANDIDATES = (LARGE_MCAST_A, STREAM)
+# a narrow pick's twins' tag suffixes (scripts/fp8_tiles.py `twins`)
+SCALE_TWINS = ("_f2", "_sw", "_f2_sw")
 
 
 @pytest.fixture(scope="module")
@@ -137,13 +139,12 @@ def test_script_configs(script, m, n, k):
 @pytest.mark.parametrize(
     ("m", "n", "k", "tags"),
     [
-        # the narrow mid picks (one CTA a tile): A multicast over 1x2, B over 2x1
-        (128, 1536, 7168, ("64x32_c1x2_s0_e4x32_w1m", "64x32_c2x1_s0_e4x32_w1m")),
-        (512, 576, 7168, ("64x48_c1x2_s0_e4x16_w1m", "64x48_c2x1_s0_e4x16_w1m")),
-        (128, 7168, 16384, ("64x112_c1x2_s0_e4x16_w1m", "64x112_c2x1_s0_e4x16_w1m")),
-        # one 64-row tile row, or a short A box: A multicast only
-        (64, 4096, 7168, ("64x32_c1x2_s0_e4x32_w1m",)),
-        (1, 10240, 5120, ("64x80_c1x2_s0_e4x16_w1m_a8",)),
+        # the narrow picks (one CTA a tile): the scales two ahead, by their own warp, both
+        (128, 1536, 7168, tuple("64x32_c1x1_s0_e4x32_w1m" + t for t in SCALE_TWINS)),
+        (512, 576, 7168, tuple("64x48_c1x1_s0_e4x16_w1m" + t for t in SCALE_TWINS)),
+        (128, 7168, 16384, tuple("64x112_c1x1_s0_e4x16_w1m" + t for t in SCALE_TWINS)),
+        (64, 4096, 7168, tuple("64x32_c1x1_s0_e4x32_w1m" + t for t in SCALE_TWINS)),
+        (1, 10240, 5120, tuple("64x80_c1x1_s0_e4x16_w1m_a8" + t for t in SCALE_TWINS)),
         # LARGE walked in bands of 8 clusters; LARGE_MCAST_A walks them already (2026-12-07)
         (4096, 36864, 7168, ("128x128_c2x1_s0_e3x32_w8m_f2",)),
         (16384, 7168, 18432, ()),
@@ -154,18 +155,31 @@ def test_script_configs(script, m, n, k):
 )
 def test_script_twins(script, m, n, k, tags):
     """The pick's twins (scripts/fp8_tiles.py `twins`): timed after every other row, or alone
-    beside the pick with --twins; each the pick with one field changed, and none a standard
-    build (compiled at first use)."""
+    beside the pick with --twins; each the pick with its scale loading (`scale_ahead`,
+    `scale_warp`) or its walk changed, and none a standard build (compiled at first use)."""
     pick = choose_config(m, n, k)
     twins = script.twins(pick, m, n)
     assert tuple(t.tag() for t in twins) == tags
     for twin in twins:
         changed = {f for f, v in dataclasses.asdict(twin).items() if v != getattr(pick, f)}
-        assert len(changed) == 1 and changed <= {"cluster_m", "cluster_n", "swizzle"}
+        assert changed and changed <= {"scale_ahead", "scale_warp", "swizzle"}
         assert twin not in STANDARD_CONFIGS and twin not in NARROW_CONFIGS
     full = script.configs_for(m, n, k)
     assert full[0] == pick and full[len(full) - len(twins) :] == twins
     assert script.configs_for(m, n, k, only_twins=True) == [pick, *twins]
+
+
+def test_scale_warp_keys_and_tags():
+    """`scale_warp` keys and tags only where set (`_sw`): every standard key stays as it was;
+    the chooser never picks it (a candidate, docs/gemm/NOTES.md "next/fp8-narrow-scales")."""
+    for cfg in (*STANDARD_CONFIGS, *NARROW_CONFIGS, GROUPED):
+        assert not cfg.scale_warp and "scale_warp" not in cfg.key()
+        assert not cfg.tag().endswith("_sw")
+    sw = dataclasses.replace(NARROW_CONFIGS[0], scale_warp=True)
+    assert sw.key()["scale_warp"] is True and sw.tag() == NARROW_CONFIGS[0].tag() + "_sw"
+    assert GemmConfig.from_params(dict(params_for("bfloat16", sw))) == sw
+    for m, n, k in ((128, 1536, 7168), (64, 4096, 7168), (1, 7168, 16384), (4096, 7168, 2048)):
+        assert not choose_config(m, n, k).scale_warp
 
 
 def test_scale_ahead_keys_and_tags():
@@ -240,7 +254,7 @@ def test_script_rows_on_cpu(script, monkeypatch):
 )
 def test_script_twins_compile_without_spills(script, m, n, k, tmp_path):
     """Every twin of these picks compiles for sm_90a (bf16 out) as its pick does: 0 spill bytes,
-    no LDL, the pick's QGMMA and FFMA counts (only the cluster or the walk differs)."""
+    no LDL, the pick's QGMMA and FFMA counts (only the scale loading or the walk differs)."""
     pytest.importorskip("cutlass")
     from forgekernel.runtime.resources import find_tool, inspect_cubin
 
