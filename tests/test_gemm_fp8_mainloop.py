@@ -679,11 +679,10 @@ def _consumer_part(sass: str) -> str:
     )
 
 
-def _producer_loops(sass: str) -> list[list[tuple[str, str]]]:
+def _producer_loops(sass: str) -> list[tuple[list[tuple[str, str]], list[str]]]:
     """Every loop (a backward branch's body, as `_consumer_loop` reads them) without a QGMMA
-    that issues a TMA load or a global load: the producer warps' k-tile loops, each as
-    (opcode, operands) with its predicate kept in the operands' place ("@P1 ..." lines: the
-    predicate is the opcode's prefix)."""
+    that issues a TMA load or a global load: the producer warps' k-tile loops, each as its
+    lines split in two (a predicated line: the predicate, then the rest) and its opcodes."""
     listing = []
     for line in sass.splitlines():
         match = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
@@ -700,7 +699,7 @@ def _producer_loops(sass: str) -> list[list[tuple[str, str]]]:
             if any(o.startswith("QGMMA") for o in plain):
                 continue
             if any(o.startswith(("UTMALDG", "LDG")) for o in plain):
-                loops.append(body)
+                loops.append((body, plain))
     return loops
 
 
@@ -739,8 +738,7 @@ def test_scale_warp_takes_the_scale_loads_off_the_tma_loop(m, width, tmp_path):
     for op in ("FFMA", "LDS", "FSEL", *LOCAL_RELEASE):
         assert [o for o, _ in trip].count(op) == [o for o, _ in base_trip].count(op), op
     tma, scale = [], []
-    for body in _producer_loops(sass):
-        plain = [re.sub(r"^@!?U?P\w+\s+", "", f"{o} {a}").split()[0] for o, a in body]
+    for body, plain in _producer_loops(sass):
         (tma if any(o.startswith("UTMALDG") for o in plain) else scale).append((body, plain))
     assert tma and scale
     for body, plain in tma:
@@ -756,3 +754,40 @@ def test_scale_warp_takes_the_scale_loads_off_the_tma_loop(m, width, tmp_path):
         stores = [i for i, o in enumerate(plain) if o.startswith("STS")]
         assert len(stores) == len(arrives) * (4 if two else 2), plain
         assert plain.count("FMUL") == len(stores)
+
+
+@pytest.mark.parametrize("which", ["large", "mcast_a_mn", "stream_decode", "stream"])
+def test_scale_warp_compiles_on_the_other_mainloops(which, tmp_path):
+    """`scale_warp` on the mainloops tests/gpu/test_gemm_fp8_scale_warp_gpu.py runs it on
+    besides the narrow tiles (B / A multicast, A's scales M-major, stream K): no spills, the
+    consumers' WGMMA schedule as the config's own, and the TMA loads in loops of their own
+    (no LDG among them)."""
+    from forgekernel.kernels.gemm.fp8.sm90 import SPEC
+    from forgekernel.kernels.gemm.fp8.sm90.config import (
+        LARGE,
+        LARGE_MCAST_A,
+        STREAM,
+        STREAM_DECODE,
+        params_for,
+    )
+    from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text
+
+    if find_tool("nvdisasm") is None:
+        pytest.skip("cuobjdump/nvdisasm not installed")
+    cfg = {"large": LARGE, "mcast_a_mn": LARGE_MCAST_A, "stream_decode": STREAM_DECODE[0],
+           "stream": STREAM}[which]  # fmt: skip
+
+    def build(cfg, name):
+        out = tmp_path / name
+        out.mkdir()
+        compiled = SPEC.compile(params_for("bfloat16", cfg), f"--keep-cubin --dump-dir {out}")
+        info = inspect_cubin(compiled.artifacts.CUBIN)
+        assert info["spill_bytes"] == 0 and info["sass"].get("LDL", 0) == 0
+        return sass_text(compiled.artifacts.CUBIN)
+
+    sass = build(dataclasses.replace(cfg, scale_warp=True), "sw")
+    base = build(cfg, "std")
+    assert _mainloop_sequence(_consumer_part(sass)) == _mainloop_sequence(base)
+    loops = [plain for _, plain in _producer_loops(sass)]
+    tma = [ops for ops in loops if any(o.startswith("UTMALDG") for o in ops)]
+    assert tma and not any(o.startswith("LDG") for ops in tma for o in ops)

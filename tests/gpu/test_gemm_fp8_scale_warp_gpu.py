@@ -1,0 +1,85 @@
+"""`scale_warp` (the FP8 GEMM's scales loaded and staged by the producer warpgroup's warp 1, the
+TMA loads issued alone by warp 0; docs/gemm/NOTES.md "next/fp8-narrow-scales", a candidate key
+off by default) on an sm90 GPU, forced through the launcher: against the fp64 reference into a
+NaN-poisoned out and bit for bit against the same config without it (the same WGMMAs, the same
+fp32 products A's x B's staged, the same promotions: only which warp stages them differs). The
+narrow full-K tiles on awkward shapes (M under one tile and off it, N off 8 through the
+launcher's scratch, K / 128 odd, a long K: 128 / 129 k-tiles over an 18-21 stage ring), with
+the scales two ahead too (`_f2_sw`), and the other mainloops it reaches: LARGE (B multicast
+over 2x1), LARGE_MCAST_A (A multicast over 1x2, A's scales M-major, bands of 8), stream K."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from forgekernel.bench.check import verify
+from forgekernel.bench.suites import gemm_fp8 as fp8_suite_module
+from forgekernel.kernels.gemm.fp8.sm90 import launch
+from forgekernel.kernels.gemm.fp8.sm90.config import (
+    LARGE,
+    LARGE_MCAST_A,
+    STREAM,
+    STREAM_DECODE,
+    narrow_config,
+)
+
+pytestmark = pytest.mark.gpu
+
+CUDA = torch.device("cuda")
+FP8 = fp8_suite_module.suite()
+SHAPES = (
+    (40, 1000, 21 * 128),  # M under one tile, N off every width, K / 128 odd
+    (1, 4100, 5 * 128),  # one row (A's 8-row box), N off 8 (the launcher's scratch)
+    (200, 576, 7 * 128),  # M off the tile: the last tile row moved back
+    (128, 1536, 16384),  # a bench shape's tiles over a long K (128 k-tiles: the ring wraps)
+    (64, 1024, 129 * 128),  # a long odd K
+)
+
+
+def _inputs(m, n, k, seed):
+    gen = torch.Generator(device=CUDA).manual_seed(seed)
+    return FP8.make_inputs(fp8_suite_module._case(m, n, k), torch.bfloat16, CUDA, gen)
+
+
+def _forced(cfg):
+    def run(inputs, out):
+        launch.gemm_fp8(inputs["a"], inputs["b"], inputs["sa"], inputs["sb"], out, config=cfg)
+        return out
+
+    return run
+
+
+def _check(cfg, m, n, k, seed):
+    inputs = _inputs(m, n, k, seed)
+    out, cmps = verify(FP8, inputs, CUDA, run=_forced(dataclasses.replace(cfg, scale_warp=True)))
+    assert all(c.ok for c in cmps), [c.message for c in cmps]
+    standard = _forced(cfg)(inputs, FP8.alloc_out(inputs))
+    torch.cuda.synchronize()
+    assert torch.equal(out, standard)
+
+
+@pytest.mark.parametrize("ahead", [1, 2])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("width", [32, 48, 112, 80])
+def test_narrow_scale_warp_matches_the_reference_and_the_standard(width, shape, ahead):
+    m, n, k = shape
+    cfg = dataclasses.replace(narrow_config(m, width), scale_ahead=ahead)
+    _check(cfg, m, n, k, seed=width + k // 128)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "shape"),
+    [
+        (LARGE, (300, 1000, 21 * 128)),
+        (LARGE_MCAST_A, (8200, 2824, 384)),  # the banded walk's partial last band
+        (LARGE_MCAST_A, (200, 520, 20 * 128)),
+        (STREAM_DECODE[0], (5, 2048, 7168)),
+        (STREAM, (256, 1024, 7168)),
+    ],
+    ids=lambda x: x.tag() if hasattr(x, "tag") else "x".join(map(str, x)),
+)
+def test_scale_warp_on_the_other_mainloops(cfg, shape):
+    _check(cfg, *shape, seed=7)
