@@ -93,15 +93,16 @@ def configs_for(m: int, n: int, k: int, only_twins: bool = False) -> list[GemmCo
 def twins(pick: GemmConfig, m: int, n: int) -> list[GemmConfig]:
     """The pick's candidates: a narrow full-K pick (one CTA a tile, no cluster) with its scales
     loaded two k-tiles ahead (`_f2`), by a warp of their own (`scale_warp`, `_sw`: no k-tile's
-    TMA waits on a scale load) and both (`_f2_sw`) (docs/gemm/NOTES.md "next/fp8-narrow-scales");
+    TMA waits on a scale load) and by their own warp four ahead (`_f4_sw`) (docs/gemm/NOTES.md
+    "next/fp8-narrow-scales");
     a tiled 128-row pick walking M first (LARGE) walked in bands of BAND clusters (`swizzle`)
     instead. Stream K and a banded pick (LARGE_MCAST_A) have none. (The narrow picks' A / B
     multicast twins were timed on the H100 2026-12-07 and dropped: "next/fp8-band8"; the band
     was adopted on LARGE_MCAST_A.)"""
     if pick in NARROW_CONFIGS:
-        ahead = dataclasses.replace(pick, scale_ahead=2)
-        return [ahead, dataclasses.replace(pick, scale_warp=True),
-                dataclasses.replace(ahead, scale_warp=True)]  # fmt: skip
+        warp = dataclasses.replace(pick, scale_warp=True)
+        return [dataclasses.replace(pick, scale_ahead=2), warp,
+                dataclasses.replace(warp, scale_ahead=4)]  # fmt: skip
     if pick.tile_m == 128 and not pick.stream_k and pick.swizzle == 1:
         return [dataclasses.replace(pick, swizzle=BAND)]
     return []

@@ -36,7 +36,7 @@ from forgekernel.reference.gemm import gemm_fp8_ref
 
 PREFILL_CANDIDATES = (LARGE_MCAST_A, STREAM)
 # a narrow pick's twins' tag suffixes (scripts/fp8_tiles.py `twins`)
-SCALE_TWINS = ("_f2", "_sw", "_f2_sw")
+SCALE_TWINS = ("_f2", "_sw", "_f4_sw")
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ def test_script_configs(script, m, n, k):
 @pytest.mark.parametrize(
     ("m", "n", "k", "tags"),
     [
-        # the narrow picks (one CTA a tile): the scales two ahead, by their own warp, both
+        # the narrow picks (one CTA a tile): the scales two ahead, by their own warp (four ahead)
         (128, 1536, 7168, tuple("64x32_c1x1_s0_e4x32_w1m" + t for t in SCALE_TWINS)),
         (512, 576, 7168, tuple("64x48_c1x1_s0_e4x16_w1m" + t for t in SCALE_TWINS)),
         (128, 7168, 16384, tuple("64x112_c1x1_s0_e4x16_w1m" + t for t in SCALE_TWINS)),

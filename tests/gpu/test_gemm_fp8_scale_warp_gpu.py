@@ -5,8 +5,8 @@ NaN-poisoned out and bit for bit against the same config without it (the same WG
 fp32 products A's x B's staged, the same promotions: only which warp stages them differs). The
 narrow full-K tiles on awkward shapes (M under one tile and off it, N off 8 through the
 launcher's scratch, K / 128 odd, a long K: 128 / 129 k-tiles over an 18-21 stage ring), with
-the scales two ahead too (`_f2_sw`), and the other mainloops it reaches: LARGE (B multicast
-over 2x1), LARGE_MCAST_A (A multicast over 1x2, A's scales M-major, bands of 8), stream K."""
+the scales four ahead too (`_f4_sw`), and the other tiled mainloops it reaches: LARGE (B
+multicast over 2x1), LARGE_MCAST_A (A multicast over 1x2, A's scales M-major, bands of 8)."""
 
 from __future__ import annotations
 
@@ -18,13 +18,7 @@ import torch
 from forgekernel.bench.check import verify
 from forgekernel.bench.suites import gemm_fp8 as fp8_suite_module
 from forgekernel.kernels.gemm.fp8.sm90 import launch
-from forgekernel.kernels.gemm.fp8.sm90.config import (
-    LARGE,
-    LARGE_MCAST_A,
-    STREAM,
-    STREAM_DECODE,
-    narrow_config,
-)
+from forgekernel.kernels.gemm.fp8.sm90.config import LARGE, LARGE_MCAST_A, narrow_config
 
 pytestmark = pytest.mark.gpu
 
@@ -61,7 +55,7 @@ def _check(cfg, m, n, k, seed):
     assert torch.equal(out, standard)
 
 
-@pytest.mark.parametrize("ahead", [1, 2])
+@pytest.mark.parametrize("ahead", [1, 4])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("width", [32, 48, 112, 80])
 def test_narrow_scale_warp_matches_the_reference_and_the_standard(width, shape, ahead):
@@ -76,8 +70,6 @@ def test_narrow_scale_warp_matches_the_reference_and_the_standard(width, shape, 
         (LARGE, (300, 1000, 21 * 128)),
         (LARGE_MCAST_A, (8200, 2824, 384)),  # the banded walk's partial last band
         (LARGE_MCAST_A, (200, 520, 20 * 128)),
-        (STREAM_DECODE[0], (5, 2048, 7168)),
-        (STREAM, (256, 1024, 7168)),
     ],
     ids=lambda x: x.tag() if hasattr(x, "tag") else "x".join(map(str, x)),
 )
