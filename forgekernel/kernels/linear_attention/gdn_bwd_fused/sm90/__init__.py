@@ -37,7 +37,7 @@ def _standard_params() -> list[Params]:
         for u in (False, True)
     ]
     # the grouped ones with `group_sum` (FUSED_GROUPSUM: dq, dk summed over a cluster's two
-    # value heads; no varlen form)
+    # value heads; with varlen: `_candidate_params`)
     pairs = [
         params_for(dtype, d_final_state=ds, grouped=True, u_from_h=u, group_sum=True)
         for dtype in DTYPES
