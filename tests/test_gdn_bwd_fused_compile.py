@@ -294,3 +294,56 @@ def test_group_sum(compiled, dtype, dht, u_from_h):
     assert [b.replace(" ", "") for b in extra] == [f"{int(Bar.MATH):#x},0x80"]
     pins = pin_unaligned_barriers(built.sass, built.unaligned, {Bar.DS_READY, Bar.FINISH})
     assert {int(b.barrier, 16) for b in pins if b.predicate} == {Bar.DH_FREE}
+
+
+# ---- `varlen, group_sum` (next/gdn-bwd-slots-groupsum: the pair on the slot walk)
+
+VARLEN_GROUP_SUM = [
+    (config.DTYPES[1], True, True),
+    pytest.param(config.DTYPES[0], False, False, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("dtype", "dht", "u_from_h"), VARLEN_GROUP_SUM)
+def test_varlen_group_sum(compiled, dtype, dht, u_from_h):
+    """`varlen, group_sum` against the `varlen` key without the pair and the batch key with it
+    (grouped): 168 registers, nothing spilled, every setmaxnreg region under its count, S's the
+    same (R0-R221; G R0-R210 of 248 here, R182 varlen alone, R216 batch group_sum: bf16, dht,
+    u_from_h, cu13 2026-12-07); the same shared memory, products, TMA boxes; the pair's code
+    as on the batch key (two exchanges of 16 STAS.128 and 16 LDS.128 in G's region, two remote
+    arrivals, four more mbarrier inits, one cluster barrier, one more MATH bar.sync, no
+    MEMBAR.ALL.GPU); the varlen key's global loads (the owners read the slot's token-row
+    tables where the plain store did: +0 over `varlen`, +13 over the batch pair); the
+    unaligned-barrier pins hold."""
+    built = compiled(dtype, dht, True, u_from_h, varlen=True, group_sum=True)
+    base = compiled(dtype, dht, True, u_from_h, varlen=True)
+    pair = compiled(dtype, dht, True, u_from_h, group_sum=True)
+    assert built.res["registers"] == 168 and built.res["spill_bytes"] == 0
+    assert not [op for op, _ in built.instrs if op.startswith(("LDL", "STL"))]
+    assert built.smem == base.smem == pair.smem == SMEM
+    regions, base_regions = _regions(built.instrs), _regions(base.instrs)
+    assert sorted(regions) == sorted(base_regions)
+    for regs in config.REGS:
+        assert _max_register(regions[regs]) < regs
+    s_regs, g_regs = config.REGS[1], config.REGS[2]
+    assert _max_register(regions[s_regs]) == _max_register(base_regions[s_regs])
+
+    def count(instrs, prefix):
+        return sum(op.startswith(prefix) for op, _ in instrs)
+
+    for prefix in ("HGMMA", "UTMALDG", "STSM", "MUFU"):
+        assert count(built.instrs, prefix) == count(base.instrs, prefix), prefix
+    g_pair = _regions(pair.instrs)[g_regs]
+    for prefix in ("STAS", "LDS.128"):
+        assert count(regions[g_regs], prefix) == count(g_pair, prefix), prefix
+    for prefix in ("SYNCS.ARRIVE.TRANS64.RED", "SYNCS.EXCH.64", "UCGABAR", "MEMBAR"):
+        assert count(built.instrs, prefix) == count(pair.instrs, prefix), prefix
+    assert count(built.instrs, "LDG.E") == count(base.instrs, "LDG.E")
+    assert count(built.instrs, "LDG.E") == count(pair.instrs, "LDG.E") + 13
+
+    def bars(instrs):
+        return sorted(a.strip() for op, a in instrs if op.startswith("BAR"))
+
+    assert bars(built.instrs) == bars(pair.instrs)
+    pins = pin_unaligned_barriers(built.sass, built.unaligned, {Bar.DS_READY, Bar.FINISH})
+    assert {int(b.barrier, 16) for b in pins if b.predicate} == {Bar.DH_FREE}

@@ -12,7 +12,9 @@ recurrence (2e-2 of each gradient's max). FUSED_GROUPSUM (next/gdn-bwd-groupsum,
 key: dq, dk summed over the two value heads of a head in the kernel): on by default, its rule,
 its route (no norm epilogue without l2norm; the epilogue on the H-head sums with it) and the
 launcher's checks. The GPU twins: tests/gpu/test_gdn_bwd_fused_gpu.py,
-tests/gpu/test_gdn_bwd_groupsum_gpu.py."""
+tests/gpu/test_gdn_bwd_groupsum_gpu.py. FUSED_SLOTS_GROUPSUM (next/gdn-bwd-slots-groupsum, the
+`varlen, group_sum` key, off): its rule and its route in the slot layout (GPU twin:
+tests/gpu/test_gdn_bwd_slots_groupsum_gpu.py)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from test_gdn_bwd_kernel_path import (  # noqa: F401  (kernel_path: a fixture)
 
 import forgekernel
 from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90 import config
+from forgekernel.reference.gdn_bwd_chunk import token_rows_model
 from forgekernel.reference.gdn_bwd_state import u_from_states
 
 bwd = importlib.import_module("forgekernel.ops.gated_delta_rule_bwd")
@@ -46,7 +49,8 @@ def emulated_fused_kernel(calls):
     U = uw - W h, the `u_from_h` key); its `varlen` key (cu_seqlens, order, tables, tokens: the
     slot layout) by their varlen forms (kernel 1's walk, kernel 2's `token_rows`); its
     `group_sum` key by kernel 2's fp32 dq, dk summed over each q / k head's two value heads in
-    fp32, dq times the scale, rounded once at the H heads. Calls recorded as (do's shape, q's
+    fp32, dq times the scale, rounded once at the H heads (with `varlen`: then at the token
+    rows, `token_rows_model`). Calls recorded as (do's shape, q's
     heads, dht given, scale, U formed in the kernel), `tokens` appended with varlen,
     "group_sum" with that key."""
     reverse, chunk = emulated_kernel(), emulated_chunk_wy_kernel()
@@ -78,11 +82,14 @@ def emulated_fused_kernel(calls):
         du, dh, dh0 = reverse(do, pt, ke, qe, w, g_last.exp().float().contiguous(), dht,
                               out16=True, **walk)  # fmt: skip
         if group_sum:  # fp32 dq, dk at the value heads, summed in pairs, rounded once
-            assert hv == config.PAIR * q.shape[2] and not rows
+            assert hv == config.PAIR * q.shape[2]
             got = chunk(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta, dv16=True)
             dq, dk = (x.unflatten(2, (q.shape[2], config.PAIR)).sum(3) for x in got[:2])
             got = ((dq * scale).to(do.dtype), dk.to(do.dtype), *got[2:])
-            if out is not None:
+            if rows:  # `varlen, group_sum`: the slot rows' sums at their token rows
+                outs = (None,) * 5 if out is None else out[:5]
+                got = tuple(token_rows_model(x, *tables, tokens, o) for x, o in zip(got, outs))
+            elif out is not None:
                 got = tuple(written_to(o, x) for o, x in zip(out[:5], got))
         else:
             got = chunk(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta, dv16=True,
@@ -106,9 +113,11 @@ def test_the_rule(b, hv, sms, fused):
 
 def test_on_by_default():
     """FUSED, FUSED_DIET; FUSED_SLOTS and FUSED_GROUPSUM since the H100 A/Bs of 2026-12-07
-    (NOTES "next/gdn-bwd-adopt")."""
+    (NOTES "next/gdn-bwd-adopt"); FUSED_SLOTS_GROUPSUM off until its device A/B (NOTES
+    "next/gdn-bwd-slots-groupsum")."""
     assert bwd.FUSED is True and bwd.FUSED_DIET is True
     assert bwd.FUSED_SLOTS is True and bwd.FUSED_GROUPSUM is True
+    assert bwd.FUSED_SLOTS_GROUPSUM is False
 
 
 @pytest.mark.parametrize(("b", "t", "h", "hv", "l2norm"), [(1, 130, 2, 2, False),
@@ -562,9 +571,109 @@ def test_groupsum_route(kernel_path, monkeypatch, b, t, h, l2norm, with_out):  #
         assert float((a.double() - o.double()).abs().max()) <= bound, name
 
 
+@pytest.mark.parametrize(
+    ("on", "slots_on", "h", "hv", "tables", "n", "want"),
+    [(True, True, 16, 32, True, 4, True),  # 4 x 8192 h16 hv32 under a capture: the key
+     (False, True, 16, 32, True, 4, False),  # FUSED_SLOTS_GROUPSUM off (the default)
+     (True, False, 16, 32, True, 4, False),  # FUSED_SLOTS off: the two-launch slot path
+     (True, True, 16, 32, False, 4, False),  # no tables (not `native`): no fused slot route
+     (True, True, 8, 32, True, 4, False),  # HV = 4 H: the epilogue's group sum
+     (True, True, 8, 16, True, 4, False),  # 64 CTAs: below `slots_fit`'s 3/4 of a wave
+     (True, True, 16, 32, True, 5, False)],  # 160 CTAs: beyond one wave
+)  # fmt: skip
+def test_slots_groupsum_rule(monkeypatch, on, slots_on, h, hv, tables, n, want):
+    """`_pair_sums` in the varlen slot layout (next/gdn-bwd-slots-groupsum): FUSED_GROUPSUM,
+    FUSED_SLOTS_GROUPSUM, HV = 2 H, one pass of heads and the fused slot route
+    (`_fused_slots_selected`: FUSED_SLOTS, the tables, `slots_fit` on 132 SMs)."""
+    for name in (bwd.FUSED_SWITCH, bwd.FUSED_SLOTS_SWITCH):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(bwd, "FUSED", True)
+    monkeypatch.setattr(bwd, "FUSED_GROUPSUM", True)
+    monkeypatch.setattr(bwd, "FUSED_SLOTS", slots_on)
+    monkeypatch.setattr(bwd, "FUSED_SLOTS_GROUPSUM", on)
+    monkeypatch.setattr(bwd, "_device_sms", lambda device: 132)
+    table = torch.zeros(n + 8, dtype=torch.int32)
+    slots = SimpleNamespace(cu_seqlens=torch.zeros(n + 1, dtype=torch.int32),
+                            starts=table if tables else None, lengths=table)  # fmt: skip
+    cpu = torch.device("cpu")
+    assert bwd._pair_sums(1, h, hv, cpu, True, slots) == want
+    assert not bwd._pair_sums(1, h, hv, cpu, False, slots)  # head passes
+    monkeypatch.setattr(bwd, "FUSED_GROUPSUM", False)
+    assert not bwd._pair_sums(1, h, hv, cpu, True, slots)
+
+
+@pytest.mark.parametrize(
+    ("lens", "h", "l2norm", "capture"),
+    [([1, 0, 65, 64, 200, 0, 7], 2, False, False),  # the kernel's sums are the op's dq, dk
+     ([1, 0, 65, 64, 200, 0, 7], 1, True, True),  # the epilogue on the H-head sums
+     ([65, 65], 2, False, True),  # equal lengths: the slot layout under a capture only
+     ([128, 64], 1, True, False),  # no tail chunk, a zero slot each
+     ([0, 0], 2, False, True)],  # T = 0: no token, not the kernel path
+)  # fmt: skip
+def test_slots_groupsum_route(kernel_path, monkeypatch, lens, h, l2norm, capture):  # noqa: F811
+    """FUSED_SLOTS_GROUPSUM forced on (FUSED_SLOTS, FUSED_GROUPSUM on, the slot rule met), HV =
+    2 H: the slot layout's one fused launch carries `group_sum` (the `varlen, group_sum` key,
+    emulated: kernel 2's fp32 dq, dk summed in pairs at the slot rows, rounded once, then at
+    their token rows), dq / dk handed back at the H heads; without l2norm with the op's scale
+    and no epilogue launch, with l2norm at scale 1 and the epilogue once each on the H-head
+    sums (group 1) at the callers' rows; every gradient within 2e-2 of its max of the switch
+    off (the `varlen` key, the epilogue's group sum); empty, one-token, tail-cut and
+    slot-aligned sequences, eager and under a capture (emulated); out= NaN-filled, written in
+    place, bit for bit the call without it."""
+    n, t, hv = len(lens), sum(lens), config.PAIR * h
+    q, k, v, g, beta, do, *_ = _bf16_problem(1, t, h, hv, seed=t + h)
+    if not l2norm:  # unit rows as the op expects them there (the recurrence stays bounded)
+        k = (k.float() / k.float().norm(dim=-1, keepdim=True).clamp_min(1e-6)).bfloat16()
+    *_, h0, dht = _bf16_problem(n, 1, h, hv, seed=n)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    kw = {"cu_seqlens": cu, "initial_state": h0, "d_final_state": dht,
+          "use_qk_l2norm_in_kernel": l2norm}  # fmt: skip
+    calls, epilogue = [], []
+    monkeypatch.setattr(bwd, "FUSED_SLOTS", True)
+    monkeypatch.setattr(bwd, "FUSED_GROUPSUM", True)
+    monkeypatch.setattr(bwd, "_device_sms", lambda device: n * hv)
+    monkeypatch.setattr(bwd, "_fused_bwd", emulated_fused_kernel(calls))
+    real_qk = bwd._qk_grads
+    monkeypatch.setattr(bwd, "_qk_grads", lambda dxs, x, *a, **k2: epilogue.append(
+        (dxs.shape[2], x.shape[2])) or real_qk(dxs, x, *a, **k2))  # fmt: skip
+
+    def call(on, out=None):
+        monkeypatch.setattr(bwd, "FUSED_SLOTS_GROUPSUM", on)
+        calls.clear()
+        epilogue.clear()
+        with monkeypatch.context() as m:
+            if capture:
+                m.setattr(varlen, "capturing", lambda t: True)
+            return forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, out=out, **kw)
+
+    want = call(False)
+    if t == 0:
+        assert calls == [] and epilogue == []
+        for name, a, r in zip(NAMES, call(True), want):
+            assert torch.equal(a, r), name
+        return
+    rows = 64 * (t // 64 + n)  # the slot layout's S C
+    assert calls == [((1, rows, hv, 128), h, True, 1.0, True, t)]
+    assert epilogue == [(hv, h), (hv, h)]
+    got = call(True)
+    scale = 1.0 if l2norm else 128**-0.5
+    assert calls == [((1, rows, hv, 128), h, True, scale, True, t, "group_sum")]
+    assert epilogue == ([(h, h), (h, h)] if l2norm else [])
+    for name, a, r in zip(NAMES, got, want):
+        assert a.shape == r.shape and a.dtype == r.dtype and torch.isfinite(a).all(), name
+        err = float((a.double() - r.double()).abs().max())
+        assert err <= 2e-2 * float(r.abs().max()) + 1e-6, (name, err)
+    out = tuple(torch.full_like(x, float("nan")) for x in want)
+    again = call(True, out)
+    assert calls[-1][-1] == "group_sum"
+    for name, a, o, r in zip(NAMES, again, out, got):
+        assert a.data_ptr() == o.data_ptr() and torch.equal(o, r), name
+
+
 def test_launcher_groupsum_checks():
-    """`gdn_bwd_fused(..., group_sum=True)`: HV = 2 H only, not with the slot layout, out='s dq,
-    dk at the H heads (an HV-head buffer refused); `empty_outputs` with `heads`."""
+    """`gdn_bwd_fused(..., group_sum=True)`: HV = 2 H only (in the slot layout too), out='s dq,
+    dk at the H heads (an HV-head buffer refused, at the token rows too); `empty_outputs` with
+    `heads`; the key with and without `varlen`, always `grouped`."""
     from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90 import launch
 
     args, walk = _launcher_inputs(64 * 5, n=3)
@@ -573,14 +682,19 @@ def test_launcher_groupsum_checks():
     do, q = args[0], args[2]
     b, t, hv, _ = do.shape
     half = [x[:, :, : hv // 2] if x is q or x is args[3] else x for x in args]
-    with pytest.raises(ValueError, match="group_sum"):
-        launch.gdn_bwd_fused(*half, None, group_sum=True, **walk)
+    with pytest.raises(ValueError, match="group_sum"):  # H = HV, the slot layout
+        launch.gdn_bwd_fused(*args, None, group_sum=True, **walk)
     outs = launch.empty_outputs(do, 128)  # dq, dk at HV heads
     with pytest.raises(ValueError, match="heads"):
         launch.gdn_bwd_fused(*half, None, group_sum=True, out=outs)
+    rows = launch.empty_outputs(do, 128, walk["tokens"], 3)  # the slot layout's, at HV heads
+    with pytest.raises(ValueError, match="heads"):
+        launch.gdn_bwd_fused(*half, None, group_sum=True, out=rows, **walk)
     shapes = [tuple(x.shape) for x in launch.empty_outputs(do, 128, heads=hv // 2)[:2]]
     assert shapes == [(b, t, hv // 2, 128)] * 2
     with pytest.raises(ValueError, match="group_sum"):
         config.params_for("bfloat16", group_sum=True)  # not grouped
     with pytest.raises(ValueError, match="group_sum"):
-        config.params_for("bfloat16", grouped=True, varlen=True, group_sum=True)
+        config.params_for("bfloat16", varlen=True, group_sum=True)
+    both = dict(config.params_for("bfloat16", grouped=True, varlen=True, group_sum=True))
+    assert both["varlen"] and both["group_sum"]  # `varlen, group_sum` (slots_groupsum)

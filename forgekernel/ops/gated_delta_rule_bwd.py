@@ -556,25 +556,40 @@ FUSED_DIET = True
 # memory, the 16-bit sum stored once at the H head; without l2norm those are the op's dq, dk
 # (dq times the scale): no norm epilogue launch (two of them at 4 x 8192 h16 hv32, est. 0.20-0.27
 # ms of the 3.615 ms call); with l2norm the epilogue stays, on the summed H-head gradients (its
-# group sum a copy: half its reads). B equal sequences in one pass of heads on the fused route
-# only (`_pair_sums`). Measured on the H100 (2026-12-07 00:11-00:23, 4 x 8192 h16 hv32 bf16):
-# the call 3.530 -> 3.307 ms eager (-0.223), the two GdnBwdNorm launches (280 us) gone from the
-# batch form's graph; the fused kernel alone 1.988 -> 2.117 ms (+0.129: the two exchanges a
-# chunk, over the rule's 0.1 ms guard, which was there to catch them costing more than the
-# launches save: the net decides, NOTES "next/gdn-bwd-adopt"); GPU tests 69 passed, racecheck
-# 0 hazards, synccheck and memcheck 0 errors. The bench's graph column (cu_seqlens: the slot
-# layout, no `group_sum` form) does not take it. False: the epilogue's group sum, the GPU
+# group sum a copy: half its reads). One pass of heads on the fused route only, B equal
+# sequences (the slot layout: FUSED_SLOTS_GROUPSUM as well; `_pair_sums`). Measured on the H100
+# (2026-12-07 00:11-00:23, 4 x 8192 h16 hv32 bf16): the call 3.530 -> 3.307 ms eager (-0.223),
+# the two GdnBwdNorm launches (280 us) gone from the batch form's graph; the fused kernel alone
+# 1.988 -> 2.117 ms (+0.129: the two exchanges a chunk, over the rule's 0.1 ms guard, which was
+# there to catch them costing more than the launches save: the net decides, NOTES
+# "next/gdn-bwd-adopt"); GPU tests 69 passed, racecheck 0 hazards, synccheck and memcheck 0
+# errors. The bench's graph column (cu_seqlens: the slot
+# layout) takes it only with FUSED_SLOTS_GROUPSUM. False: the epilogue's group sum, the GPU
 # tests' A/B.
 FUSED_GROUPSUM = True
+
+# TEMPORARY (next/gdn-bwd-slots-groupsum, no GPU run yet): FUSED_GROUPSUM in the varlen slot
+# layout too, on the fused slot route (FUSED_SLOTS, `_fused_slots_selected`): the fused kernel's
+# `varlen, group_sum` key, the pair of value heads of a q / k head one cluster walking one
+# sequence's slots, dq, dk summed at the H heads and stored at their token rows, so that a
+# CUDA-graph capture (every varlen call in slots) loses the two norm launches too (280 us at 4 x
+# 8192 h16 hv32 on the H100; predicted graph 4.676 -> ~4.45 ms). Off until its device A/B
+# (docs/pending/gdn-bwd-slots-groupsum-probes.txt; adoption rule there and in NOTES).
+FUSED_SLOTS_GROUPSUM = False
 
 
 def _pair_sums(b: int, h: int, hv: int, device: torch.device, one_pass: bool, slots) -> bool:
     """Whether the device pass of B sequences x HV value heads (H q / k heads) has the fused
     kernel sum dq, dk over each head's value heads (its `group_sum` key): FUSED_GROUPSUM, HV =
-    PAIR H, B equal sequences (no slot layout), one pass of heads (a pass is then the call:
-    the fused rule is decided on the same B, HV) and the fused route taken."""
-    return (FUSED_GROUPSUM and hv == PAIR * h and slots is None and one_pass
-            and _fused_selected(b, hv, device))  # fmt: skip
+    PAIR H, one pass of heads (a pass is then the call: the fused rule is decided on the same
+    B, HV) and the fused route taken: B equal sequences (`_fused_selected`), or the varlen slot
+    layout (`slots`) with FUSED_SLOTS_GROUPSUM on the fused slot route (`_fused_slots_selected`:
+    its tables present; the `varlen, group_sum` key)."""
+    if not (FUSED_GROUPSUM and hv == PAIR * h and one_pass):
+        return False
+    if slots is None:
+        return _fused_selected(b, hv, device)
+    return FUSED_SLOTS_GROUPSUM and _fused_slots_selected(slots, hv, device)
 
 
 def _fused_selected(b: int, hv: int, device: torch.device, slots: bool = False) -> bool:

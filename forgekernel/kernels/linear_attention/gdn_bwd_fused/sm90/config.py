@@ -131,15 +131,15 @@ def params_for(
     sequence) walking the slots it owns (kernel 1's varlen walk), the token outputs at their
     token rows (kernel 2's `token_rows`). The outputs are the op's device path's: dq, dk, dv in
     the tiles' dtype (dq times the runtime scale), dG, dbeta and dS at the start fp32.
-    `group_sum` (likewise; needs `grouped`, HV = PAIR H at the launch; not with `varlen`): dq,
-    dk summed over each q / k head's PAIR value heads in fp32 inside the kernel (a cluster of
-    PAIR CTAs, DSMEM) and written at the H heads."""
+    `group_sum` (likewise; needs `grouped`, HV = PAIR H at the launch; with `varlen` too: the
+    pair walks one sequence's slots): dq, dk summed over each q / k head's PAIR value heads in
+    fp32 inside the kernel (a cluster of PAIR CTAs, DSMEM) and written at the H heads."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
     if tuple(head_dims) not in HEAD_DIMS:
         raise ValueError(f"(K, V) must be one of {HEAD_DIMS}, got {tuple(head_dims)}")
-    if group_sum and (not grouped or varlen):
-        raise ValueError("group_sum needs grouped (HV = 2 H) and is not built with varlen")
+    if group_sum and not grouped:
+        raise ValueError("group_sum needs grouped (HV = 2 H)")
     k, v = head_dims
     key = {"dtype": dtype, "k": k, "v": v, "d_final_state": d_final_state}
     flags = (("grouped", grouped), ("u_from_h", u_from_h), ("varlen", varlen),

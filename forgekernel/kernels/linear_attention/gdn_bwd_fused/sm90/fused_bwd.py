@@ -66,6 +66,11 @@ rows to the peer (`_pair_store`). Receive buffers: dq's the spent dO box (free a
 `_pair_free`), dk's the K K^T buffer (free after `_wy`'s masking); each a "free" mbarrier (the
 peer's arrival) and a "landed" one (this CTA's expect_tx, the peer's st.async bytes). Every
 remote operation is waited on by its target before that CTA goes on (no exit barrier needed).
+With `varlen` (next/gdn-bwd-slots-groupsum) the same: the cluster is still the grid's x pair
+(value heads 2 h, 2 h + 1 of one sequence: grid y is the sequence, so both CTAs read the same
+mOrder entry and walk the same slots, the same number of chunks); each chunk exchanges all C
+rows whatever the slot holds (a pad slot, a tail chunk: both ranks see the same table row) and
+the owners store the sums at the slot's token rows (`_token_rows`), as the key without it does.
 
 Constraints: K = V = 128, 16-bit tiles with unit last strides and 16-byte aligned outer strides
 (TMA); G, beta fp32 (B, T, HV) unit last stride; dq, dk, dv 16-bit, dG, dbeta, dh0 fp32.
@@ -159,8 +164,8 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
     def __init__(self, k: int, v: int, *, d_final_state: bool, grouped: bool = False,
                  u_from_h: bool = False, varlen: bool = False,
                  group_sum: bool = False):  # fmt: skip
-        if group_sum and (not grouped or varlen):
-            raise ValueError("group_sum needs grouped and is not built with varlen")
+        if group_sum and not grouped:
+            raise ValueError("group_sum needs grouped")
         super().__init__(k, v, wy=True, grouped=grouped)
         self.group_sum = group_sum  # dq, dk summed over the cluster's value heads (docstring)
         self.d_final_state = d_final_state
@@ -224,7 +229,8 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         sequence owns, kernel 1's varlen walk; mDht, mDh0 (N, HV, K, V); the token outputs (1,
         T', ...) at their token rows, slot s's first mLens[s] rows from token mStarts[s] (int32
         (S,): kernel 2's `token_rows`). Else the four None. `group_sum`: mDQ, mDK (B, T, H, K)
-        with HV = PAIR H (the caller's check), the launch a cluster of PAIR CTAs."""
+        with HV = PAIR H (the caller's check), the launch a cluster of PAIR CTAs (with
+        `varlen`: (1, T', H, K) at the token rows)."""
         self.dtype = mDO.element_type
         for t in (mQ, mK, mH, mPT, mTt, mW, mUw, mV, mDQ, mDK, mDV):
             if const_expr(t.element_type != self.dtype):
@@ -743,7 +749,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         gemm(mma_k, acc_q, tQrP[None, None, None, 0], tQrK[None, None, None, 0], False, 0)
         dg = self._row_dots(acc_q, mma_w, sQ, tid)
         if const_expr(pair is not None):
-            self._pair_store(acc_q, mma_w, mDQ, pair, 0, par, b, c, seqlen, scale)
+            self._pair_store(acc_q, mma_w, mDQ, pair, 0, par, b, c, seqlen, scale, tables)
         else:
             self._store_rows(acc_q, mma_w, mDQ, tid, b, hv, c, seqlen, scale,
                              _token_rows(tables, c))  # fmt: skip
@@ -890,7 +896,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         for e in cutlass.range_constexpr(cute.size(acc_b)):
             acc_b[e] = acc_b[e] + stash[e // STASH_COLS][tid, e % STASH_COLS]
         if const_expr(pair is not None):
-            self._pair_store(acc_b, mma_k, mDK, pair, 1, par, b, c, seqlen)
+            self._pair_store(acc_b, mma_k, mDK, pair, 1, par, b, c, seqlen, tables=tables)
         else:
             self._store_rows(acc_b, mma_k, mDK, tid, b, hv, c, seqlen,
                              at=_token_rows(tables, c))  # fmt: skip
@@ -918,13 +924,17 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             cute.arch.mbarrier_arrive(bars + FREE + x, peer_cta_rank_in_cluster=peer)
 
     @cute.jit
-    def _pair_store(self, acc, mma, mOut, pair, x, par, b, c, seqlen, scale=None):
+    def _pair_store(self, acc, mma, mOut, pair, x, par, b, c, seqlen, scale=None, tables=None):
         """`group_sum`, exchange x at this chunk's phase `par`: G's (C, K) fp32 accumulator of
         this value head summed with the peer's and stored (16-bit, times `scale` when given) at
-        the q / k head, out[b, tokens of chunk c, hv // PAIR, :]: the warps owning this rank's
-        rows wait for the peer's rows (RECV_SHAPE, the same thread index) and add them to
-        their own (own + peer: the same sum on both ranks), the other two push theirs to the
-        peer once its buffer is free (16 stores of 16 bytes a thread)."""
+        the q / k head, out[b, tokens of chunk c, hv // PAIR, :] (`tables`, varlen: at the
+        slot's token rows, `_token_rows`): the warps owning this rank's rows wait for the
+        peer's rows (RECV_SHAPE, the same thread index) and add them to their own (own + peer:
+        the same sum on both ranks), the other two push theirs to the peer once its buffer is
+        free (16 stores of 16 bytes a thread). Unconditional: every chunk of the walk
+        exchanges all C rows (rows past T, or past a slot's length, are zeros or unused and
+        masked at the store only), so both ranks, which walk the same chunks, meet equally
+        often."""
         bars, recv = pair[0], pair[1][x]
         tid = opaque_tid_x() % WG
         rank = cute.arch.block_idx_in_cluster()
@@ -934,7 +944,8 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             for e in cutlass.range_constexpr(cute.size(acc)):
                 acc[e] = acc[e] + recv[owner, e]
             hv, _, _ = cute.arch.block_idx()
-            self._store_rows(acc, mma, mOut, tid, b, hv // PAIR, c, seqlen, scale)
+            self._store_rows(acc, mma, mOut, tid, b, hv // PAIR, c, seqlen, scale,
+                             _token_rows(tables, c))  # fmt: skip
         else:
             cute.arch.mbarrier_wait(bars + FREE + x, par)
             peer = rank ^ 1

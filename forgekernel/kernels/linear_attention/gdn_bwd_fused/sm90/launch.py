@@ -111,8 +111,9 @@ def gdn_bwd_fused(
     tiles (1, S C, ...) over S slots, `cu_seqlens` int32 (N + 1,), `order` int32 (N,) (the
     sequences longest first), dht and dh0 (N, HV, K, V), `tables` (starts, lengths) int32
     (S,) and the token outputs (1, `tokens`, ...) at their token rows (the `varlen` key).
-    `group_sum` (HV = 2 H, not varlen): dq, dk (B, T, H, K) summed over each q / k head's two
-    value heads in fp32 in the kernel (a cluster of two CTAs), the 16-bit sum written once."""
+    `group_sum` (HV = 2 H): dq, dk (B, T, H, K) summed over each q / k head's two value heads
+    in fp32 in the kernel (a cluster of two CTAs), the 16-bit sum written once (varlen: (1,
+    `tokens`, H, K) at the token rows)."""
     varlen = cu_seqlens is not None
     if varlen != (order is not None) or varlen != (tables is not None):
         raise ValueError("cu_seqlens, order, tables and tokens come together (varlen)")
@@ -120,8 +121,8 @@ def gdn_bwd_fused(
     b, t, hv = check_inputs(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, states)
     check_tables(tables, tokens, b, t)
     heads = q.shape[2] if group_sum else hv  # dq, dk's
-    if group_sum and (varlen or hv != PAIR * heads):
-        raise ValueError(f"group_sum needs HV = {PAIR} H (got HV {hv}, H {heads}), not varlen")
+    if group_sum and hv != PAIR * heads:
+        raise ValueError(f"group_sum needs HV = {PAIR} H (got HV {hv}, H {heads})")
     outs = empty_outputs(do, q.shape[-1], tokens, states, heads) if out is None else out
     for x, want in zip(outs, empty_outputs(do[:0], q.shape[-1])):
         if not x.is_contiguous() or x.dtype != want.dtype:
