@@ -46,12 +46,26 @@ def _standard_params() -> list[Params]:
     return keys + pairs
 
 
+def _candidate_params() -> list[Params]:
+    # `wg_split` (next/gdn-bwd-wgsplit, step A: K K^T, U, dPD on a fourth warpgroup) on the
+    # keys it is built for (no `group_sum`), until a GPU A/B adopts or drops it
+    return [
+        params_for(dtype, d_final_state=ds, grouped=g, u_from_h=u, varlen=vl, wg_split=True)
+        for vl in (False, True)
+        for dtype in DTYPES
+        for ds in (False, True)
+        for g in (False, True)
+        for u in (False, True)
+    ]
+
+
 SPEC = KernelSpec(
     name="gdn_bwd_fused_sm90",
     arch="sm_90a",
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
+    candidate_params=_candidate_params,
 )
 
 __all__ = ["SPEC", "params_for"]

@@ -67,6 +67,14 @@ rows to the peer (`_pair_store`). Receive buffers: dq's the spent dO box (free a
 peer's arrival) and a "landed" one (this CTA's expect_tx, the peer's st.async bytes). Every
 remote operation is waited on by its target before that CTA goes on (no exit barrier needed).
 
+Variant `wg_split` (compile flag, a candidate; next/gdn-bwd-wgsplit step A; not with
+`group_sum`): 4 warpgroups, 512 threads, setmaxnreg config.SPLIT_REGS. Warpgroup 3 ("P",
+`_products`) forms what S forms for G in the other keys, with the same code and sums: K K^T
+(sKK), `u_from_h`'s U, dPD and dPD^T (after DU_READY, which S and P both wait); it arrives on
+S_DONE with S (which arrives once its q half of the update has read dO and q) and releases the
+stage. S keeps the state: dS's store, e^G, the update's two halves. The first step of moving
+G's chain onto two math warpgroups (FlashQLA's S / K / A roles; NOTES "next/gdn-bwd-wgsplit").
+
 Constraints: K = V = 128, 16-bit tiles with unit last strides and 16-byte aligned outer strides
 (TMA); G, beta fp32 (B, T, HV) unit last stride; dq, dk, dv 16-bit, dG, dbeta, dh0 fp32.
 """
@@ -112,6 +120,9 @@ from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.config import (
     REGS,
     RELEASE_ARRIVALS,
     S_GROUPS,
+    SPLIT_REGS,
+    SPLIT_RELEASE_ARRIVALS,
+    SPLIT_THREADS,
     THREADS,
     U_FROM_H_LOAD_GROUPS,
     U_GROUP,
@@ -138,16 +149,18 @@ FREE, LANDED = 0, len(EXCHANGES)  # `group_sum`'s mbarriers: FREE + x, LANDED + 
 class Bar(IntEnum):
     """Named barriers (id 0 is __syncthreads). DS_READY and FINISH are waited on in two roles'
     code (G's and the finish warps' own waits, one phase): `unaligned_barrier` at every site of
-    theirs (synccheck aborted the kernel on the aligned form: unaligned_barrier.py)."""
+    theirs (synccheck aborted the kernel on the aligned form: unaligned_barrier.py); with
+    `wg_split` DU_READY too (S's and P's waits)."""
 
     MATH = FIRST_FREE  # G alone (`_wy`'s too): its shared-memory tiles written
     FINISH = FIRST_FREE + 1  # G -> the finish warps (both wait): dG's rows stashed
     FINISH_WARPS = FIRST_FREE + 2  # the finish warps: <dS, h>'s partials
     DS_READY = FIRST_FREE + 3  # S arrives, G and the finish warps wait: dS in sDH
-    DU_READY = FIRST_FREE + 4  # G arrives, S waits: dU in sDU
+    DU_READY = FIRST_FREE + 4  # G arrives, S (and P: `wg_split`, unaligned) waits: dU in sDU
     DH_FREE = FIRST_FREE + 5  # G and the finish warps arrive, S waits: sDH read
     S_DONE = FIRST_FREE + 6  # S arrives, G waits: the stage's dO, q, W read by S
     STATE = FIRST_FREE + 7  # S alone: e^G staged
+    PRODUCTS = FIRST_FREE + 8  # `wg_split`: P alone (its G staged, U in the U box)
 
 
 class GdnBwdFusedSm90(GdnBwdChunkSm90):
@@ -158,9 +171,11 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
 
     def __init__(self, k: int, v: int, *, d_final_state: bool, grouped: bool = False,
                  u_from_h: bool = False, varlen: bool = False,
-                 group_sum: bool = False):  # fmt: skip
+                 group_sum: bool = False, wg_split: bool = False):  # fmt: skip
         if group_sum and (not grouped or varlen):
             raise ValueError("group_sum needs grouped and is not built with varlen")
+        if wg_split and group_sum:
+            raise ValueError("wg_split is not built with group_sum")
         super().__init__(k, v, wy=True, grouped=grouped)
         self.group_sum = group_sum  # dq, dk summed over the cluster's value heads (docstring)
         self.d_final_state = d_final_state
@@ -169,6 +184,14 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         if u_from_h:
             self.load_groups = U_FROM_H_LOAD_GROUPS
         self.varlen = varlen
+        # `wg_split`: P (warpgroup 3) forms K K^T, U, dPD (the module docstring)
+        self.wg_split = wg_split
+        self.threads = SPLIT_THREADS if wg_split else THREADS
+        self.regs = SPLIT_REGS if wg_split else REGS
+        self.release_arrivals = SPLIT_RELEASE_ARRIVALS if wg_split else RELEASE_ARRIVALS
+        # DU_READY and S_DONE: S and G, and P with `wg_split` (it waits on the first, arrives
+        # on the second)
+        self.handover_threads = (3 if wg_split else 2) * WG
 
     def _setup(self):
         super()._setup()
@@ -311,11 +334,18 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             self.sP_layout,
         ).launch(  # fmt: skip
             grid=(mDO.shape[2], mDh0.shape[0] if const_expr(self.varlen) else mDO.shape[0], 1),
-            block=[THREADS, 1, 1],
+            block=[self.threads, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
             **({"cluster": [PAIR, 1, 1]} if self.group_sum else {}),
         )
+
+    def _du_ready(self):
+        """DU_READY (G arrives: dU in sDU, P^T read): waited by S, and by P with `wg_split`,
+        each at its own instruction (the unaligned form, `unaligned_barrier`'s docstring)."""
+        if self.wg_split:
+            return unaligned_barrier(Bar.DU_READY, self.handover_threads)
+        return named_barrier(Bar.DU_READY, self.handover_threads)
 
     def _pair_barriers(self) -> int:
         return PAIR_BARRIERS if self.group_sum else 0
@@ -385,7 +415,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             with cute.arch.elect_one():
                 for i in cutlass.range_constexpr(len(LOAD_GROUPS) + self._pair_barriers()):
                     cute.arch.mbarrier_init(full + i, 1)  # `group_sum`'s: one arrival each
-                cute.arch.mbarrier_init(empty, RELEASE_ARRIVALS)
+                cute.arch.mbarrier_init(empty, self.release_arrivals)
         init_arrive(self._cluster_mn())
         sDO = smem_tensor(storage.sDO, sT_layout)
         sU = smem_tensor(storage.sU, sT_layout)
@@ -435,7 +465,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             tables = (mStarts, mLens)
         wg = cute.arch.make_warp_uniform(tidx // WG)
         if wg == 0:
-            cute.arch.setmaxregister_decrease(REGS[0])
+            cute.arch.setmaxregister_decrease(self.regs[0])
             if warp_idx == PRODUCER_WARP:
                 hq = hv  # q / k head: hv // (HV / H) when grouped
                 if const_expr(self.grouped):
@@ -452,16 +482,26 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
                 self._finish(sH, sDH, sRed2, sG2, mDG, full, empty, b, hv, seqlen, nchunks,
                              first, tables)  # fmt: skip
         elif wg == 1:
-            cute.arch.setmaxregister_increase(REGS[1])
+            cute.arch.setmaxregister_increase(self.regs[1])
             self._state(mma_ks, mma_st, mma_s, mma_k, sDO, sU, sQ, sK, sW, sUw, sH, sPT, sPD,
                         sDU, sDH, sE2, sGs2, sKK, mG, mDht, mDh0, full, empty, hv, b, seqlen,
                         nchunks, n, first)  # fmt: skip
         else:
-            cute.arch.setmaxregister_increase(REGS[2])
-            self._grads(mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sQ, sK, sW, sUw, sPT, sTt,
-                        sH, sDH, sDU, sG2, sRed2, mG, mV, mBeta, mDQ, mDK, mDG, mDV, mDB, full,
-                        empty, hv, b, seqlen, nchunks, scale, stash, sKK, sPD, first,
-                        tables, pair)  # fmt: skip
+            grads = (mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sQ, sK, sW, sUw, sPT, sTt, sH,
+                     sDH, sDU, sG2, sRed2, mG, mV, mBeta, mDQ, mDK, mDG, mDV, mDB, full, empty,
+                     hv, b, seqlen, nchunks, scale, stash, sKK, sPD, first, tables,
+                     pair)  # fmt: skip
+            if const_expr(self.wg_split):
+                if wg == 3:
+                    cute.arch.setmaxregister_decrease(self.regs[3])
+                    self._products(mma_s, mma_k, sDO, sU, sK, sW, sUw, sH, sPT, sPD, sGs2, sKK,
+                                   mG, full, empty, b, hv, seqlen, nchunks, first)  # fmt: skip
+                else:
+                    cute.arch.setmaxregister_increase(self.regs[2])
+                    self._grads(*grads)
+            else:
+                cute.arch.setmaxregister_increase(self.regs[2])
+                self._grads(*grads)
 
     @staticmethod
     def _slot(c, slot0):
@@ -506,9 +546,9 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         tBrQ = wg_st.make_fragment_B(wg_st.partition_B(transposed(sQ)))
         tBrW = wg_st.make_fragment_B(wg_st.partition_B(transposed(sW)))
         ready = unaligned_barrier(Bar.DS_READY, 2 * WG + FINISH_THREADS)
-        du_ready = named_barrier(Bar.DU_READY, 2 * WG)
+        du_ready = self._du_ready()
         dh_free = named_barrier(Bar.DH_FREE, 2 * WG + FINISH_THREADS)
-        s_done = named_barrier(Bar.S_DONE, 2 * WG)
+        s_done = named_barrier(Bar.S_DONE, self.handover_threads)
         own = named_barrier(Bar.STATE, WG)
         for i in cutlass.range(nchunks, unroll=1):
             c = self._slot(nchunks - 1 - i, slot0)
@@ -521,7 +561,8 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
                 if first + stid < seqlen:
                     g_t = mG[b, first + stid, hv]
                     e = cute.math.exp(g_t, fastmath=True)
-                sG[stid] = g_t
+                if const_expr(not self.wg_split):  # else P stages its own G
+                    sG[stid] = g_t
                 sE[stid] = e
             if i > 0:
                 dh_free.arrive_and_wait()  # G and the finish warps have read the last dS
@@ -533,19 +574,8 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             for g in cutlass.range_constexpr(len(S_GROUPS)):
                 cute.arch.mbarrier_wait(full + S_GROUPS[g], par)
             tid = opaque_tid_x() % WG
-            # K K^T for G's WY half (S is idle while G works; G's `_wy` spilled holding it)
-            wg_s = mma_s.get_slice(0)
-            acc_kk = cute.make_rmem_tensor(wg_s.partition_shape_C((CHUNK, CHUNK)), Float32)
-            gemm(
-                mma_s,
-                acc_kk,
-                wg_s.make_fragment_A(wg_s.partition_A(sK))[None, None, None, 0],
-                wg_s.make_fragment_B(wg_s.partition_B(sK))[None, None, None, 0],
-                True,
-                0,
-            )
-            for e in cutlass.range_constexpr(KK_REGS):
-                sKK[tid, e] = acc_kk[e]
+            if const_expr(not self.wg_split):  # else P's
+                self._kk(mma_s, sK, sKK, tid)
             t0, _, col_base = softmax.acc_coords(mma_ks, tid, (ROWS, CHUNK))
             for w in cutlass.range_constexpr(2):
                 accs[w].store(accs[w].load() * e_c)
@@ -559,27 +589,13 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
                         a[r, j] = a[r, j] * e_j
                 acc_to_operand_a(r_do, tA)
                 gemm(mma_st, accs[w], tA, tBrQ[None, None, None, 0], False, 0)
-            # dPD = (dO U^T) o D for G's dq and dk (kernel 2's first products), its transpose
-            # over the spent P^T box once G's dU (which reads P^T) is done
-            cute.arch.mbarrier_wait(full + U_GROUP, par)  # U (u_from_h: the WY u)
-            if const_expr(self.u_from_h):
-                cute.arch.mbarrier_wait(full + H_GROUP, par)
-                self._u_from_h(mma_k, sW, sH, sUw, sU)
-                own.arrive_and_wait()  # every thread's U in sU (fenced) before dPD reads it
-            acc_p = cute.make_rmem_tensor(wg_s.partition_shape_C((CHUNK, CHUNK)), Float32)
-            gemm(
-                mma_s,
-                acc_p,
-                wg_s.make_fragment_A(wg_s.partition_A(sDO))[None, None, None, 0],
-                wg_s.make_fragment_B(wg_s.partition_B(sU))[None, None, None, 0],
-                True,
-                0,
-            )
-            self._decay_pd(acc_p, mma_s, sG, first, seqlen)
-            du_ready.arrive_and_wait()  # G's dU (16-bit) in sDU; P^T read
-            self._store_tile(acc_p, mma_s, sPD, False)
-            self._store_tile(acc_p, mma_s, sPT, True)
-            s_done.arrive()  # dPD, dPD^T written; dO, q, U read
+            if const_expr(self.wg_split):  # K K^T, U, dPD are P's
+                s_done.arrive()  # dO, q read
+                du_ready.arrive_and_wait()  # G's dU (16-bit) in sDU
+            else:
+                self._dpd(mma_s, mma_k, sDO, sU, sW, sH, sUw, sPT, sPD, sG, full, par, first,
+                          seqlen, own, du_ready)  # fmt: skip
+                s_done.arrive()  # dPD, dPD^T written; dO, q, U read
             for w in cutlass.range_constexpr(2):
                 r_du = cute.make_rmem_tensor(acc_shape, Float32)
                 dut = cute.local_tile(transposed(sDU)[None, None, 0], (ROWS, CHUNK), (w, 0))
@@ -590,6 +606,80 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         for w in cutlass.range_constexpr(2):
             GdnBwdStateSm90._state_io(self, mDh0[n, hv, None, None], accs[w], thr_st, w, False,
                                       True)  # fmt: skip
+
+    @cute.jit
+    def _products(self, mma_s, mma_k, sDO, sU, sK, sW, sUw, sH, sPT, sPD, sGs2, sKK, mG, full,
+                  empty, b, hv, seqlen, nchunks, slot0):  # fmt: skip
+        """`wg_split`: warpgroup 3 ("P"), per chunk, what S forms for G in the other keys, in
+        the same order and sums: K K^T (sKK), `u_from_h`'s U, dPD and dPD^T (`_dpd`); it
+        arrives on S_DONE with S (G's dk stash and dw go over dO, U, q after both) and releases
+        the stage."""
+        du_ready = self._du_ready()
+        s_done = named_barrier(Bar.S_DONE, self.handover_threads)
+        own = named_barrier(Bar.PRODUCTS, WG)
+        for i in cutlass.range(nchunks, unroll=1):
+            c = self._slot(nchunks - 1 - i, slot0)
+            par = i % 2
+            first = c * CHUNK
+            sG = sGs2[None, par]
+            tid = opaque_tid_x() % WG
+            if tid < CHUNK:  # the chunk's G (zero past T): dPD's decay
+                g_t = Float32(0.0)
+                if first + tid < seqlen:
+                    g_t = mG[b, first + tid, hv]
+                sG[tid] = g_t
+            own.arrive_and_wait()
+            cute.arch.mbarrier_wait(full + S_GROUPS[0], par)  # k (and dO)
+            self._kk(mma_s, sK, sKK, tid)
+            if const_expr(self.u_from_h):
+                cute.arch.mbarrier_wait(full + S_GROUPS[1], par)  # W
+            self._dpd(mma_s, mma_k, sDO, sU, sW, sH, sUw, sPT, sPD, sG, full, par, first,
+                      seqlen, own, du_ready)  # fmt: skip
+            s_done.arrive()  # dPD, dPD^T written; dO, U read
+            cute.arch.mbarrier_arrive(empty)
+
+    @cute.jit
+    def _kk(self, mma_s, sK, sKK, tid):
+        """K K^T (C, C) fp32 into sKK in the accumulator's thread order, for G's WY half (S's,
+        or P's: G's `_wy` spilled holding it)."""
+        wg_s = mma_s.get_slice(0)
+        acc_kk = cute.make_rmem_tensor(wg_s.partition_shape_C((CHUNK, CHUNK)), Float32)
+        gemm(
+            mma_s,
+            acc_kk,
+            wg_s.make_fragment_A(wg_s.partition_A(sK))[None, None, None, 0],
+            wg_s.make_fragment_B(wg_s.partition_B(sK))[None, None, None, 0],
+            True,
+            0,
+        )
+        for e in cutlass.range_constexpr(KK_REGS):
+            sKK[tid, e] = acc_kk[e]
+
+    @cute.jit
+    def _dpd(self, mma_s, mma_k, sDO, sU, sW, sH, sUw, sPT, sPD, sG, full, par, first, seqlen,
+             own, du_ready):  # fmt: skip
+        """dPD = (dO U^T) o D for G's dq and dk (kernel 2's first products) into sPD, its
+        transpose over the spent P^T box once G's dU (which reads P^T) is done (DU_READY);
+        `u_from_h`: U formed first (W, h landed; `own` the forming warpgroup's barrier)."""
+        wg_s = mma_s.get_slice(0)
+        cute.arch.mbarrier_wait(full + U_GROUP, par)  # U (u_from_h: the WY u)
+        if const_expr(self.u_from_h):
+            cute.arch.mbarrier_wait(full + H_GROUP, par)
+            self._u_from_h(mma_k, sW, sH, sUw, sU)
+            own.arrive_and_wait()  # every thread's U in sU (fenced) before dPD reads it
+        acc_p = cute.make_rmem_tensor(wg_s.partition_shape_C((CHUNK, CHUNK)), Float32)
+        gemm(
+            mma_s,
+            acc_p,
+            wg_s.make_fragment_A(wg_s.partition_A(sDO))[None, None, None, 0],
+            wg_s.make_fragment_B(wg_s.partition_B(sU))[None, None, None, 0],
+            True,
+            0,
+        )
+        self._decay_pd(acc_p, mma_s, sG, first, seqlen)
+        du_ready.arrive_and_wait()  # G's dU (16-bit) in sDU; P^T read
+        self._store_tile(acc_p, mma_s, sPD, False)
+        self._store_tile(acc_p, mma_s, sPT, True)
 
     @cute.jit
     def _u_from_h(self, mma_k, sW, sH, sUw, sU):
@@ -642,9 +732,9 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         exchanges' mbarriers and receive buffers."""
         math = named_barrier(Bar.MATH, WG)
         ready = unaligned_barrier(Bar.DS_READY, 2 * WG + FINISH_THREADS)
-        du_ready = named_barrier(Bar.DU_READY, 2 * WG)
+        du_ready = self._du_ready()
         dh_free = named_barrier(Bar.DH_FREE, 2 * WG + FINISH_THREADS)
-        s_done = named_barrier(Bar.S_DONE, 2 * WG)
+        s_done = named_barrier(Bar.S_DONE, self.handover_threads)
         finish = unaligned_barrier(Bar.FINISH, WG + FINISH_THREADS)
         wy_smem = (sTt, sW, sUw, sQ, sPT)  # T^T, w, u, dw (over q), M^T (over P^T)
         for cc in cutlass.range(nchunks - 1, -1, -1, unroll=1):

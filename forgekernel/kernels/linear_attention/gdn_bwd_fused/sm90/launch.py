@@ -97,6 +97,7 @@ def gdn_bwd_fused(
     tables: tuple[torch.Tensor, torch.Tensor] | None = None,
     tokens: int | None = None,
     group_sum: bool = False,
+    wg_split: bool = False,
 ) -> Outputs:
     """The reverse state recurrence and every chunk gradient, one CTA per (sequence, value
     head), chunks last first (kernels/linear_attention/gdn_bwd_fused/sm90/fused_bwd.py). do
@@ -112,7 +113,9 @@ def gdn_bwd_fused(
     sequences longest first), dht and dh0 (N, HV, K, V), `tables` (starts, lengths) int32
     (S,) and the token outputs (1, `tokens`, ...) at their token rows (the `varlen` key).
     `group_sum` (HV = 2 H, not varlen): dq, dk (B, T, H, K) summed over each q / k head's two
-    value heads in fp32 in the kernel (a cluster of two CTAs), the 16-bit sum written once."""
+    value heads in fp32 in the kernel (a cluster of two CTAs), the 16-bit sum written once.
+    `wg_split` (not with group_sum; a candidate, next/gdn-bwd-wgsplit): the same outputs from
+    the 512-thread key (K K^T, U, dPD on a fourth warpgroup)."""
     varlen = cu_seqlens is not None
     if varlen != (order is not None) or varlen != (tables is not None):
         raise ValueError("cu_seqlens, order, tables and tokens come together (varlen)")
@@ -135,7 +138,8 @@ def gdn_bwd_fused(
         return outs
     params = params_for(dtype_name(do.dtype), (q.shape[-1], do.shape[-1]),
                         d_final_state=dht is not None, grouped=q.shape[2] != hv,
-                        u_from_h=u is None, varlen=varlen, group_sum=group_sum)  # fmt: skip
+                        u_from_h=u is None, varlen=varlen, group_sum=group_sum,
+                        wg_split=wg_split)  # fmt: skip
     fn = get_kernel(SPEC, params)
     tiles = [None if x is None else as_tma_ready(x) for x in (do, u, q, k, h)]
     wy = [as_tma_ready(x) for x in (pt, tt, w, uw)]
