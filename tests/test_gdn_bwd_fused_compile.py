@@ -303,7 +303,7 @@ def test_group_sum(compiled, dtype, dht, u_from_h):
     assert {int(b.barrier, 16) for b in pins if b.predicate} == {Bar.DH_FREE}
 
 
-# ---- `wg_split` (next/gdn-bwd-wgsplit step A: K K^T, U, dPD on a fourth warpgroup P)
+# ---- `wg_split` (next/gdn-bwd-wgsplit: S, G1, G2 and warpgroup 0, 512 threads)
 
 WG_SPLIT = [(config.DTYPES[1], False, True, True),
             pytest.param(config.DTYPES[1], True, False, False, marks=pytest.mark.slow),
@@ -313,14 +313,15 @@ WG_SPLIT = [(config.DTYPES[1], False, True, True),
 @pytest.mark.parametrize(("dtype", "dht", "grouped", "u_from_h"), WG_SPLIT)
 def test_wg_split(compiled, dtype, dht, grouped, u_from_h):
     """`wg_split` against the key without it: 512 threads launched at 128 registers,
-    setmaxnreg config.SPLIT_REGS (32 / 176 / 184 / 120, at most 4 x 128 in all), every region
-    under its count (cu13, bf16 grouped u_from_h, 2026-12-07: warpgroup 0 R0-R29, S R0-R173,
-    G R0-R173, P R0-R110), nothing spilled; the same shared memory, HGMMA, TMA boxes, stmatrix
-    and MUFU counts; S's region only the update's two halves (16 HGMMA.64x128x16), P's K K^T
-    and dPD (16 HGMMA.64x64x16) and `u_from_h`'s U (8 HGMMA.64x128x16), G's as before;
-    DU_READY and S_DONE over 384 threads (P waits on the first, arrives on the second), one
-    more barrier (PRODUCTS, P alone); DU_READY waited at two instructions (S's, P's): in the
-    unaligned form with DS_READY and FINISH."""
+    setmaxnreg config.SPLIT_REGS (32 / 176 / 168 / 136, at most 4 x 128 in all), every region
+    under its count (cu13, bf16 grouped u_from_h, 2026-12-07: warpgroup 0 R0-R18, S R0-R167,
+    G1 R0-R165, G2 R0-R120), nothing spilled; the same shared memory, HGMMA, TMA boxes and
+    mbarriers; S's region only the update's two halves (16 HGMMA.64x128x16); G2's K K^T and dPD
+    (16 HGMMA.64x64x16), dqe, dPD k, dke, dPD^T q (24 HGMMA.64x128x16; + U's 8 with
+    `u_from_h`); G1's the rest of G's (its 64x128 products less those 24); dPD into dq's
+    product from registers (4 stmatrix fewer: its 16-bit tile is not stored, its transpose
+    is); the named barriers with their counts (H_FREE, KK, ROWS new); DU_READY waited at two
+    instructions (S's, G2's): unaligned with DS_READY and FINISH."""
     built = compiled(dtype, dht, grouped, u_from_h, wg_split=True)
     base = compiled(dtype, dht, grouped, u_from_h)
     assert built.res["registers"] == 128 == 65536 // config.SPLIT_THREADS // 8 * 8
@@ -337,23 +338,23 @@ def test_wg_split(compiled, dtype, dht, grouped, u_from_h):
     def count(instrs, prefix):
         return sum(op.startswith(prefix) for op, _ in instrs)
 
-    for prefix in ("HGMMA", "UTMALDG", "STSM", "MUFU", "SYNCS.EXCH"):
+    for prefix in ("HGMMA", "UTMALDG", "SYNCS.EXCH", "STSM.16.MT88"):
         assert count(built.instrs, prefix) == count(base.instrs, prefix), prefix
-    s_regs, g_regs, p_regs = config.SPLIT_REGS[1:]
+    assert count(built.instrs, "STSM.16.M88") == count(base.instrs, "STSM.16.M88") - 4
+    s_regs, g1_regs, g2_regs = config.SPLIT_REGS[1:]
+    moved = 24  # dqe 8, dPD k 4, dke 8, dPD^T q 4
     assert count(regions[s_regs], "HGMMA.64x64x16") == 0
     assert count(regions[s_regs], "HGMMA.64x128x16") == 16
-    assert count(regions[p_regs], "HGMMA.64x64x16") == 16
-    assert count(regions[p_regs], "HGMMA.64x128x16") == (8 if u_from_h else 0)
-    for shape in ("HGMMA.64x64x16", "HGMMA.64x128x16"):
-        assert count(regions[g_regs], shape) == count(base_regions[config.REGS[2]], shape)
-
-    def ids(instrs):
-        return {a.replace(" ", "") for op, a in instrs if op.startswith("BAR") and "," in a}
-
-    handover = {f"{int(b):#x},0x100" for b in (Bar.DU_READY, Bar.S_DONE)}
-    assert ids(built.instrs) == (ids(base.instrs) - handover) | {
-        f"{int(b):#x},0x180" for b in (Bar.DU_READY, Bar.S_DONE)} | {
-        f"{int(Bar.PRODUCTS):#x},0x80"}  # fmt: skip
+    assert count(regions[g2_regs], "HGMMA.64x64x16") == 16
+    assert count(regions[g2_regs], "HGMMA.64x128x16") == moved + (8 if u_from_h else 0)
+    g = base_regions[config.REGS[2]]
+    assert count(regions[g1_regs], "HGMMA.64x64x16") == count(g, "HGMMA.64x64x16")
+    assert count(regions[g1_regs], "HGMMA.64x128x16") == count(g, "HGMMA.64x128x16") - moved
+    ids = {a.replace(" ", "") for op, a in built.instrs if op.startswith("BAR") and "," in a}
+    want = {(Bar.MATH, 128), (Bar.FINISH, 192), (Bar.FINISH_WARPS, 64), (Bar.DS_READY, 320),
+            (Bar.DU_READY, 384), (Bar.DH_FREE, 448), (Bar.S_DONE, 256), (Bar.STATE, 128),
+            (Bar.PRODUCTS, 128), (Bar.H_FREE, 320), (Bar.KK, 256), (Bar.ROWS, 256)}  # fmt: skip
+    assert ids == {f"{int(b):#x},{n:#x}" for b, n in want}
     assert built.indirect and not base.indirect  # the warpgroup switch: a jump table
     pins = pin_unaligned_barriers(built.sass, built.unaligned,
                                   {Bar.DS_READY, Bar.FINISH, Bar.DU_READY},

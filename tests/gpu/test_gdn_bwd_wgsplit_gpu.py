@@ -1,14 +1,15 @@
 """The fused backward's `wg_split` key (kernels/linear_attention/gdn_bwd_fused/sm90, a candidate:
-next/gdn-bwd-wgsplit step A) on the GPU: 512 threads, K K^T, U (`u_from_h`) and dPD formed by a
-fourth warpgroup P instead of the state warpgroup S, with the same code and sums; S keeps the
-state and its update. Nothing in the op uses the key yet: these tests compare it with the key
-without it, launch against launch, on the same inputs.
+next/gdn-bwd-wgsplit) on the GPU: 512 threads, G's chain on two math warpgroups (G1: dU, dw, the
+WY half, dk; G2: U, dPD, dq, K K^T, dk's inter-chunk half), S the state only, with the same code
+and sums per accumulator. Nothing in the op uses the key yet: these tests compare it with the
+key without it, launch against launch, on the same inputs.
 
 - The launcher, the fused route's inputs (`_route`): every output of the key (NaN-poisoned
   first: a row left unwritten fails) against the key without it: bit for bit expected (each
   accumulator sees the same products in the same order, only on other threads), one ulp
   of each value tolerated (`_same`: where ptxas contracts a multiply-add differently at the
-  other register budget); bf16 and fp16, U read and `u_from_h`, with / without dht, H = HV
+  other register budget; dq's dPD product takes dPD from registers, not shared memory, the same
+  16-bit values); bf16 and fp16, U read and `u_from_h`, with / without dht, H = HV
   and HV = 2 H, T = 1, 63, 65, 130, 1000.
 - Through the op (FUSED on, the fused rule forced, FUSED_GROUPSUM off: the key is not built
   with `group_sum`): each fused launch run twice, the key without `wg_split` then with it, the
@@ -17,7 +18,7 @@ without it, launch against launch, on the same inputs.
   the `varlen, wg_split` keys).
 - Printed (`-s`): 4 x 8192 h16 hv32 bf16 (128 CTAs), the fused kernel alone without / with the
   key (`u_from_h`, no `group_sum`), the route's inputs. Predicted (NOTES
-  "next/gdn-bwd-wgsplit"): the key 0 to 0.12 ms faster (~2.04 -> 1.92-2.04 ms).
+  "next/gdn-bwd-wgsplit"): ~2.04 -> ~1.35-1.6 ms (10.5-12.5 us a chunk step, from ~15.9).
 CPU twin: tests/test_gdn_bwd_fused_compile.py `test_wg_split` (the build, its SASS)."""
 
 from __future__ import annotations

@@ -47,8 +47,8 @@ def _standard_params() -> list[Params]:
 
 
 def _candidate_params() -> list[Params]:
-    # `wg_split` (next/gdn-bwd-wgsplit, step A: K K^T, U, dPD on a fourth warpgroup) on the
-    # keys it is built for (no `group_sum`), until a GPU A/B adopts or drops it
+    # `wg_split` (next/gdn-bwd-wgsplit: G's chain on two math warpgroups) on the keys it is
+    # built for (no `group_sum`), until a GPU A/B adopts or drops it
     return [
         params_for(dtype, d_final_state=ds, grouped=g, u_from_h=u, varlen=vl, wg_split=True)
         for vl in (False, True)

@@ -50,18 +50,18 @@ STAGES = 1
 # the consumers releasing a stage: S and G whole, the two finish warps (one arrival a thread)
 RELEASE_ARRIVALS = 2 * THREADS_PER_WG + 64
 
-# `wg_split` (next/gdn-bwd-wgsplit, step A of NOTES "next/gdn-bwd-wgsplit"): a fourth
-# warpgroup ("P", the chunk products) takes K K^T, U = u - W h (`u_from_h`) and dPD, dPD^T off
-# S, which keeps the state, its stores and the update only (the first step of FlashQLA's S /
-# K / A roles; G's split into two comes next). 512 threads: 128 registers a thread at the
-# launch, so the four counts sum to at most 4 x 128 = 512: warpgroup 0 (R0-R24), S (the state's
-# 128 + the update's A operand), G (R0-R179 without `group_sum`: the reason the key is not
-# built with it yet, G there is R0-R216), P (one (C, V) fp32 accumulator at a time).
+# `wg_split` (next/gdn-bwd-wgsplit; NOTES "next/gdn-bwd-wgsplit"): G's chain on two math
+# warpgroups (FlashQLA's S / K / A roles): G1 (warpgroup 2) dU, dw and the WY half (dv, dbeta,
+# dk), G2 (warpgroup 3) U, dPD, dq, K K^T and dk's inter-chunk half; S the state and its update
+# only. 512 threads: 128 registers a thread at the launch, so the four counts sum to at most
+# 4 x 128 = 512 (cu13, bf16, 2026-12-07: warpgroup 0 R0-R18, S R0-R167, G1 R0-R165, G2
+# R0-R120). Not built with `group_sum`: its exchange holds 16 64-bit peer addresses (+37
+# registers in G), which G1 / G2 have no room for as written (NOTES, section 5).
 SPLIT_THREADS = 4 * THREADS_PER_WG
 SPLIT_LAUNCH_REGS = REGISTERS_PER_SM // SPLIT_THREADS // 8 * 8  # 128
-SPLIT_REGS = (32, 176, 184, 120)
+SPLIT_REGS = (32, 176, 168, 136)
 assert sum(SPLIT_REGS) * THREADS_PER_WG <= SPLIT_LAUNCH_REGS * SPLIT_THREADS
-SPLIT_RELEASE_ARRIVALS = RELEASE_ARRIVALS + THREADS_PER_WG  # P's release too
+SPLIT_RELEASE_ARRIVALS = RELEASE_ARRIVALS + THREADS_PER_WG  # G2's release too
 
 
 # `group_sum` (next/gdn-bwd-groupsum): the PAIR value heads of one q / k head (HV = 2 H) as one
@@ -148,7 +148,7 @@ def params_for(
     `group_sum` (likewise; needs `grouped`, HV = PAIR H at the launch; not with `varlen`): dq,
     dk summed over each q / k head's PAIR value heads in fp32 inside the kernel (a cluster of
     PAIR CTAs, DSMEM) and written at the H heads. `wg_split` (likewise; not with `group_sum`):
-    512 threads, K K^T, U and dPD on a fourth warpgroup (SPLIT_REGS), the same sums."""
+    512 threads, G's chain on two math warpgroups (SPLIT_REGS), the same sums."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
     if tuple(head_dims) not in HEAD_DIMS:

@@ -67,13 +67,16 @@ rows to the peer (`_pair_store`). Receive buffers: dq's the spent dO box (free a
 peer's arrival) and a "landed" one (this CTA's expect_tx, the peer's st.async bytes). Every
 remote operation is waited on by its target before that CTA goes on (no exit barrier needed).
 
-Variant `wg_split` (compile flag, a candidate; next/gdn-bwd-wgsplit step A; not with
-`group_sum`): 4 warpgroups, 512 threads, setmaxnreg config.SPLIT_REGS. Warpgroup 3 ("P",
-`_products`) forms what S forms for G in the other keys, with the same code and sums: K K^T
-(sKK), `u_from_h`'s U, dPD and dPD^T (after DU_READY, which S and P both wait); it arrives on
-S_DONE with S (which arrives once its q half of the update has read dO and q) and releases the
-stage. S keeps the state: dS's store, e^G, the update's two halves. The first step of moving
-G's chain onto two math warpgroups (FlashQLA's S / K / A roles; NOTES "next/gdn-bwd-wgsplit").
+Variant `wg_split` (compile flag, a candidate; next/gdn-bwd-wgsplit; not with `group_sum`):
+G's chain on two math warpgroups, 4 warpgroups, 512 threads, setmaxnreg config.SPLIT_REGS,
+every accumulator's products and sums in the order of the other keys (only the warpgroup
+running them changes). S keeps the state: dS's store, e^G, the update's two halves (it arrives
+on S_DONE once its q half has read dO and q). Warpgroup 2 ("G1", `_grads` then `_dw_and_wy`):
+dU, dw = -dU h^T over the spent h box (after H_FREE: G2's and the finish warps' h reads), then
+`_wy` (dv, dbeta, dA, M, dk) with K K^T after KK and dk's stash and dG's row terms after ROWS.
+Warpgroup 3 ("G2", `_products`): `u_from_h`'s U, dPD (dPD^T into sPD; dPD into dq's product
+from registers), dqe and dq, K K^T, dke + dPD^T q into dk's fp32 stash over dO and U (after
+S_DONE and DU_READY, which S and G2 both wait), dG's rows' init. No new shared memory.
 
 Constraints: K = V = 128, 16-bit tiles with unit last strides and 16-byte aligned outer strides
 (TMA); G, beta fp32 (B, T, HV) unit last stride; dq, dk, dv 16-bit, dG, dbeta, dh0 fp32.
@@ -150,17 +153,20 @@ class Bar(IntEnum):
     """Named barriers (id 0 is __syncthreads). DS_READY and FINISH are waited on in two roles'
     code (G's and the finish warps' own waits, one phase): `unaligned_barrier` at every site of
     theirs (synccheck aborted the kernel on the aligned form: unaligned_barrier.py); with
-    `wg_split` DU_READY too (S's and P's waits)."""
+    `wg_split` DU_READY too (S's and G2's waits)."""
 
     MATH = FIRST_FREE  # G alone (`_wy`'s too): its shared-memory tiles written
     FINISH = FIRST_FREE + 1  # G -> the finish warps (both wait): dG's rows stashed
     FINISH_WARPS = FIRST_FREE + 2  # the finish warps: <dS, h>'s partials
     DS_READY = FIRST_FREE + 3  # S arrives, G and the finish warps wait: dS in sDH
-    DU_READY = FIRST_FREE + 4  # G arrives, S (and P: `wg_split`, unaligned) waits: dU in sDU
+    DU_READY = FIRST_FREE + 4  # G (G1) arrives, S (and G2, unaligned) waits: dU in sDU
     DH_FREE = FIRST_FREE + 5  # G and the finish warps arrive, S waits: sDH read
-    S_DONE = FIRST_FREE + 6  # S arrives, G waits: the stage's dO, q, W read by S
+    S_DONE = FIRST_FREE + 6  # S arrives, G (G2) waits: the stage's dO, q, W read by S
     STATE = FIRST_FREE + 7  # S alone: e^G staged
-    PRODUCTS = FIRST_FREE + 8  # `wg_split`: P alone (its G staged, U in the U box)
+    PRODUCTS = FIRST_FREE + 8  # `wg_split`: G2 alone (its G staged, U in the U box, dPD^T)
+    H_FREE = FIRST_FREE + 9  # `wg_split`: G2 and the finish warps arrive, G1 waits: h read
+    KK = FIRST_FREE + 10  # `wg_split`: G2 arrives, G1 waits: K K^T in sKK
+    ROWS = FIRST_FREE + 11  # `wg_split`: G2 arrives, G1 waits: dk's stash, dG's rows' init
 
 
 class GdnBwdFusedSm90(GdnBwdChunkSm90):
@@ -184,14 +190,15 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         if u_from_h:
             self.load_groups = U_FROM_H_LOAD_GROUPS
         self.varlen = varlen
-        # `wg_split`: P (warpgroup 3) forms K K^T, U, dPD (the module docstring)
+        # `wg_split`: G1 (warpgroup 2) and G2 (warpgroup 3) share G's chain (module docstring)
         self.wg_split = wg_split
         self.threads = SPLIT_THREADS if wg_split else THREADS
         self.regs = SPLIT_REGS if wg_split else REGS
         self.release_arrivals = SPLIT_RELEASE_ARRIVALS if wg_split else RELEASE_ARRIVALS
-        # DU_READY and S_DONE: S and G, and P with `wg_split` (it waits on the first, arrives
-        # on the second)
+        # DU_READY (G arrives, S waits; with `wg_split` G1 arrives, S and G2 wait) and DH_FREE
+        # (S, G and the finish warps; G1 and G2 with `wg_split`)
         self.handover_threads = (3 if wg_split else 2) * WG
+        self.dh_free_threads = self.handover_threads + FINISH_THREADS
 
     def _setup(self):
         super()._setup()
@@ -341,7 +348,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         )
 
     def _du_ready(self):
-        """DU_READY (G arrives: dU in sDU, P^T read): waited by S, and by P with `wg_split`,
+        """DU_READY (G arrives: dU in sDU, P^T read): waited by S, and by G2 with `wg_split`,
         each at its own instruction (the unaligned form, `unaligned_barrier`'s docstring)."""
         if self.wg_split:
             return unaligned_barrier(Bar.DU_READY, self.handover_threads)
@@ -491,14 +498,17 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
                      sDH, sDU, sG2, sRed2, mG, mV, mBeta, mDQ, mDK, mDG, mDV, mDB, full, empty,
                      hv, b, seqlen, nchunks, scale, stash, sKK, sPD, first, tables,
                      pair)  # fmt: skip
+            # `wg_split`: G1's dw over the spent h box (a (C, K) tile in its first half)
+            sDW = smem_tensor(storage.sH, sT_layout) if const_expr(self.wg_split) else None
             if const_expr(self.wg_split):
                 if wg == 3:
                     cute.arch.setmaxregister_decrease(self.regs[3])
-                    self._products(mma_s, mma_k, sDO, sU, sK, sW, sUw, sH, sPT, sPD, sGs2, sKK,
-                                   mG, full, empty, b, hv, seqlen, nchunks, first)  # fmt: skip
+                    self._products(mma_w, mma_s, mma_q, mma_k, sDO, sU, sQ, sK, sW, sUw, sH, sDH,
+                                   sPD, sGs2, sRed2, sKK, stash, mG, mDQ, full, empty, b, hv,
+                                   seqlen, nchunks, scale, first, tables)  # fmt: skip
                 else:
                     cute.arch.setmaxregister_increase(self.regs[2])
-                    self._grads(*grads)
+                    self._grads(*grads, sDW)
             else:
                 cute.arch.setmaxregister_increase(self.regs[2])
                 self._grads(*grads)
@@ -547,8 +557,8 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         tBrW = wg_st.make_fragment_B(wg_st.partition_B(transposed(sW)))
         ready = unaligned_barrier(Bar.DS_READY, 2 * WG + FINISH_THREADS)
         du_ready = self._du_ready()
-        dh_free = named_barrier(Bar.DH_FREE, 2 * WG + FINISH_THREADS)
-        s_done = named_barrier(Bar.S_DONE, self.handover_threads)
+        dh_free = named_barrier(Bar.DH_FREE, self.dh_free_threads)
+        s_done = named_barrier(Bar.S_DONE, 2 * WG)
         own = named_barrier(Bar.STATE, WG)
         for i in cutlass.range(nchunks, unroll=1):
             c = self._slot(nchunks - 1 - i, slot0)
@@ -574,7 +584,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             for g in cutlass.range_constexpr(len(S_GROUPS)):
                 cute.arch.mbarrier_wait(full + S_GROUPS[g], par)
             tid = opaque_tid_x() % WG
-            if const_expr(not self.wg_split):  # else P's
+            if const_expr(not self.wg_split):  # else G2's
                 self._kk(mma_s, sK, sKK, tid)
             t0, _, col_base = softmax.acc_coords(mma_ks, tid, (ROWS, CHUNK))
             for w in cutlass.range_constexpr(2):
@@ -589,12 +599,15 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
                         a[r, j] = a[r, j] * e_j
                 acc_to_operand_a(r_do, tA)
                 gemm(mma_st, accs[w], tA, tBrQ[None, None, None, 0], False, 0)
-            if const_expr(self.wg_split):  # K K^T, U, dPD are P's
+            if const_expr(self.wg_split):  # K K^T, U, dPD are G2's
                 s_done.arrive()  # dO, q read
                 du_ready.arrive_and_wait()  # G's dU (16-bit) in sDU
             else:
-                self._dpd(mma_s, mma_k, sDO, sU, sW, sH, sUw, sPT, sPD, sG, full, par, first,
-                          seqlen, own, du_ready)  # fmt: skip
+                acc_p = self._dpd(mma_s, mma_k, sDO, sU, sW, sH, sUw, sG, full, par, first,
+                                  seqlen, own)  # fmt: skip
+                du_ready.arrive_and_wait()  # G's dU (16-bit) in sDU; P^T read
+                self._store_tile(acc_p, mma_s, sPD, False)
+                self._store_tile(acc_p, mma_s, sPT, True)
                 s_done.arrive()  # dPD, dPD^T written; dO, q, U read
             for w in cutlass.range_constexpr(2):
                 r_du = cute.make_rmem_tensor(acc_shape, Float32)
@@ -608,40 +621,105 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
                                       True)  # fmt: skip
 
     @cute.jit
-    def _products(self, mma_s, mma_k, sDO, sU, sK, sW, sUw, sH, sPT, sPD, sGs2, sKK, mG, full,
-                  empty, b, hv, seqlen, nchunks, slot0):  # fmt: skip
-        """`wg_split`: warpgroup 3 ("P"), per chunk, what S forms for G in the other keys, in
-        the same order and sums: K K^T (sKK), `u_from_h`'s U, dPD and dPD^T (`_dpd`); it
-        arrives on S_DONE with S (G's dk stash and dw go over dO, U, q after both) and releases
-        the stage."""
+    def _products(self, mma_w, mma_s, mma_q, mma_k, sDO, sU, sQ, sK, sW, sUw, sH, sDH, sPD, sGs2,
+                  sRed2, sKK, stash, mG, mDQ, full, empty, b, hv, seqlen, nchunks, scale, slot0,
+                  tables):  # fmt: skip
+        """`wg_split`: warpgroup 3 ("G2"), per chunk, with the code and sums of the other keys
+        (S's `_dpd`, `_kk`; G's `_chunk_grads`): `u_from_h`'s U, dPD (its transpose into sPD;
+        dPD itself into dq's product from registers, the same 16-bit rounding), dqe = dO h^T,
+        dq (stored, dg's rows), K K^T (KK), dke = U dS^T, dPD^T q, dk's fp32 stash over dO and
+        U (after S_DONE: S's dO, q read; DU_READY: G1's dO read), dG's rows' init (ROWS). G1
+        waits H_FREE (this h read) before its dw goes over h."""
         du_ready = self._du_ready()
-        s_done = named_barrier(Bar.S_DONE, self.handover_threads)
+        dh_free = named_barrier(Bar.DH_FREE, self.dh_free_threads)
+        s_done = named_barrier(Bar.S_DONE, 2 * WG)
         own = named_barrier(Bar.PRODUCTS, WG)
+        h_free = named_barrier(Bar.H_FREE, 2 * WG + FINISH_THREADS)
+        kk = named_barrier(Bar.KK, 2 * WG)
+        rows = named_barrier(Bar.ROWS, 2 * WG)
+        wg_w = mma_w.get_slice(0)
+        wg_k = mma_k.get_slice(0)
+        wg_q = mma_q.get_slice(0)
         for i in cutlass.range(nchunks, unroll=1):
             c = self._slot(nchunks - 1 - i, slot0)
             par = i % 2
             first = c * CHUNK
             sG = sGs2[None, par]
+            sRed = sRed2[None, par]
             tid = opaque_tid_x() % WG
-            if tid < CHUNK:  # the chunk's G (zero past T): dPD's decay
+            if tid < CHUNK:  # the chunk's G (zero past T): the decays
                 g_t = Float32(0.0)
                 if first + tid < seqlen:
                     g_t = mG[b, first + tid, hv]
                 sG[tid] = g_t
             own.arrive_and_wait()
-            cute.arch.mbarrier_wait(full + S_GROUPS[0], par)  # k (and dO)
+            cute.arch.mbarrier_wait(full + S_GROUPS[0], par)  # k, dO
+            cute.arch.mbarrier_wait(full + S_GROUPS[1], par)  # q, W
+            acc_p = self._dpd(mma_s, mma_k, sDO, sU, sW, sH, sUw, sG, full, par, first, seqlen,
+                              own)  # fmt: skip
+            self._store_tile(acc_p, mma_s, sPD, True)  # dPD^T for dke's second product
+            tQrP = wg_q.make_fragment_A(wg_q.partition_shape_A((CHUNK, CHUNK)))
+            acc_to_operand_a(acc_p, tQrP)
+            # dq = (dO h^T) o e^G + dPD k (`_chunk_grads`' first half)
+            acc_q = cute.make_rmem_tensor(wg_w.partition_shape_C((CHUNK, self.k)), Float32)
+            cute.arch.mbarrier_wait(full + H_GROUP, par)  # h
+            tArDO = wg_w.make_fragment_A(wg_w.partition_A(sDO))
+            tBrH = wg_w.make_fragment_B(wg_w.partition_B(sH))
+            gemm(mma_w, acc_q, tArDO[None, None, None, 0], tBrH[None, None, None, 0], True, 0)
+            h_free.arrive()  # h read here (U's W h, dqe)
+            # G1's dU written (so dS too: G1 waited DS_READY before it) and dO read by G1; S
+            # waits here too: not a phase of DS_READY (G1 and the finish warps would wait for
+            # this warpgroup's later arrival there)
+            du_ready.arrive_and_wait()
+            tid = opaque_tid_x() % WG
+            t0, row_w, _ = softmax.acc_coords(mma_w, tid, (CHUNK, self.k))
+            last = cutlass.min(first + CHUNK, seqlen) - 1
+            e_g, e_end = self._row_decays(mG, t0, row_w, first, seqlen, b, hv, sG[last - first])
+            qa = rows_cols(acc_q)
+            for r in cutlass.range_constexpr(cute.size(qa, mode=[0])):
+                for j in cutlass.range_constexpr(cute.size(qa, mode=[1])):
+                    qa[r, j] = qa[r, j] * e_g[r]
+            tQrK = wg_q.make_fragment_B(wg_q.partition_B(transposed(sK)))
+            gemm(mma_q, acc_q, tQrP, tQrK[None, None, None, 0], False, 0)
+            dg = self._row_dots(acc_q, mma_w, sQ, tid)
+            self._store_rows(acc_q, mma_w, mDQ, tid, b, hv, c, seqlen, scale,
+                             _token_rows(tables, c))  # fmt: skip
             self._kk(mma_s, sK, sKK, tid)
-            if const_expr(self.u_from_h):
-                cute.arch.mbarrier_wait(full + S_GROUPS[1], par)  # W
-            self._dpd(mma_s, mma_k, sDO, sU, sW, sH, sUw, sPT, sPD, sG, full, par, first,
-                      seqlen, own, du_ready)  # fmt: skip
-            s_done.arrive()  # dPD, dPD^T written; dO, U read
+            kk.arrive()
+            # dk's inter-chunk half: (U dS^T) o e^(G_C - G) + dPD^T q (`_chunk_grads`' second)
+            own.arrive_and_wait()  # every thread's dPD^T in sPD
+            acc_k = cute.make_rmem_tensor(wg_w.partition_shape_C((CHUNK, self.k)), Float32)
+            tArU = wg_w.make_fragment_A(wg_w.partition_A(sU))
+            tBrDH = wg_w.make_fragment_B(wg_w.partition_B(sDH))
+            gemm(mma_w, acc_k, tArU[None, None, None, 0], tBrDH[None, None, None, 0], True, 0)
+            more = c > 0  # not the walk's last chunk: S writes another dS
+            if const_expr(tables is not None):
+                more = i < nchunks - 1
+            if more:
+                dh_free.arrive()
+            ka = rows_cols(acc_k)
+            for r in cutlass.range_constexpr(cute.size(ka, mode=[0])):
+                for j in cutlass.range_constexpr(cute.size(ka, mode=[1])):
+                    ka[r, j] = ka[r, j] * e_end[r]
+            te = self._row_dots(acc_k, mma_w, sK, tid)
+            tKrP = wg_k.make_fragment_A(wg_k.partition_A(sPD))
+            tKrQ = wg_k.make_fragment_B(wg_k.partition_B(transposed(sQ)))
+            gemm(mma_k, acc_k, tKrP[None, None, None, 0], tKrQ[None, None, None, 0], False, 0)
+            dk_k = self._row_dots(acc_k, mma_w, sK, tid)
+            s_done.arrive_and_wait()  # S has read dO, q (G1's dO read: DU_READY)
+            for e in cutlass.range_constexpr(cute.size(acc_k)):
+                stash[e // STASH_COLS][tid, e % STASH_COLS] = acc_k[e]
+            for r in cutlass.range_constexpr(2):
+                dg[r] = dg[r] - dk_k[r]
+            self._stash_rows(dg, te, sRed, t0, row_w, tid, first, seqlen)
+            rows.arrive()  # the stash and the rows' init for G1
+            cute.arch.fence_view_async_shared()  # sPD, the stash over dO, U: before the TMA
             cute.arch.mbarrier_arrive(empty)
 
     @cute.jit
     def _kk(self, mma_s, sK, sKK, tid):
         """K K^T (C, C) fp32 into sKK in the accumulator's thread order, for G's WY half (S's,
-        or P's: G's `_wy` spilled holding it)."""
+        or G2's: G's `_wy` spilled holding it)."""
         wg_s = mma_s.get_slice(0)
         acc_kk = cute.make_rmem_tensor(wg_s.partition_shape_C((CHUNK, CHUNK)), Float32)
         gemm(
@@ -656,11 +734,10 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             sKK[tid, e] = acc_kk[e]
 
     @cute.jit
-    def _dpd(self, mma_s, mma_k, sDO, sU, sW, sH, sUw, sPT, sPD, sG, full, par, first, seqlen,
-             own, du_ready):  # fmt: skip
-        """dPD = (dO U^T) o D for G's dq and dk (kernel 2's first products) into sPD, its
-        transpose over the spent P^T box once G's dU (which reads P^T) is done (DU_READY);
-        `u_from_h`: U formed first (W, h landed; `own` the forming warpgroup's barrier)."""
+    def _dpd(self, mma_s, mma_k, sDO, sU, sW, sH, sUw, sG, full, par, first, seqlen, own):
+        """dPD = (dO U^T) o D (kernel 2's first product, for dq and dk; the (C, C) fp32
+        accumulator, returned); `u_from_h`: U formed first (W, h landed; `own` the forming
+        warpgroup's barrier)."""
         wg_s = mma_s.get_slice(0)
         cute.arch.mbarrier_wait(full + U_GROUP, par)  # U (u_from_h: the WY u)
         if const_expr(self.u_from_h):
@@ -677,9 +754,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             0,
         )
         self._decay_pd(acc_p, mma_s, sG, first, seqlen)
-        du_ready.arrive_and_wait()  # G's dU (16-bit) in sDU; P^T read
-        self._store_tile(acc_p, mma_s, sPD, False)
-        self._store_tile(acc_p, mma_s, sPT, True)
+        return acc_p
 
     @cute.jit
     def _u_from_h(self, mma_k, sW, sH, sUw, sU):
@@ -723,7 +798,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
     def _grads(
         self, mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sQ, sK, sW, sUw, sPT, sTt, sH, sDH,
         sDU, sG2, sRed2, mG, mV, mBeta, mDQ, mDK, mDG, mDV, mDB, full, empty, hv, b, seqlen,
-        nchunks, scale, stash, sKK, sPD, slot0=None, tables=None, pair=None,
+        nchunks, scale, stash, sKK, sPD, slot0=None, tables=None, pair=None, sDW=None,
     ):  # fmt: skip
         """Warpgroup 2, per chunk: dU = (k dS) o e^(G_C - G) + P^T dO into sDU (S's, and the
         chunk's), then kernel 2's `_math` (WY, dqk16) on the stage: dPD^T in the spent P^T
@@ -733,8 +808,8 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         math = named_barrier(Bar.MATH, WG)
         ready = unaligned_barrier(Bar.DS_READY, 2 * WG + FINISH_THREADS)
         du_ready = self._du_ready()
-        dh_free = named_barrier(Bar.DH_FREE, 2 * WG + FINISH_THREADS)
-        s_done = named_barrier(Bar.S_DONE, self.handover_threads)
+        dh_free = named_barrier(Bar.DH_FREE, self.dh_free_threads)
+        s_done = named_barrier(Bar.S_DONE, 2 * WG)
         finish = unaligned_barrier(Bar.FINISH, WG + FINISH_THREADS)
         wy_smem = (sTt, sW, sUw, sQ, sPT)  # T^T, w, u, dw (over q), M^T (over P^T)
         for cc in cutlass.range(nchunks - 1, -1, -1, unroll=1):
@@ -779,10 +854,16 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             self._store_tile(acc_u, mma_k, sDU, False)
             math.arrive_and_wait()  # every thread's dU in sDU (and done with P^T)
             du_ready.arrive()
-            self._chunk_grads(mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sQ, sK, sH, sDH,
-                              sPT, sDU, wy_smem, sG, sRed, mG, mV, mBeta, mDQ, mDK, mDV, mDB,
-                              full, math, dh_free, s_done, i, c, hv, b, seqlen,
-                              nchunks, scale, stash, sKK, sPD, tables, pair)  # fmt: skip
+            if const_expr(self.wg_split):  # dq, dk's inter-chunk half: G2's (`_products`)
+                self._dw_and_wy(mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, sH, sDW, sTt, sW,
+                                sUw, sPT, sG, sRed, mG, mV, mBeta, mDK, mDV, mDB, full, math,
+                                dh_free, i, c, hv, b, seqlen, nchunks, stash, sKK,
+                                tables)  # fmt: skip
+            else:
+                self._chunk_grads(mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sQ, sK, sH, sDH,
+                                  sPT, sDU, wy_smem, sG, sRed, mG, mV, mBeta, mDQ, mDK, mDV,
+                                  mDB, full, math, dh_free, s_done, i, c, hv, b, seqlen,
+                                  nchunks, scale, stash, sKK, sPD, tables, pair)  # fmt: skip
             # G wrote into spent boxes (dk's stash, dPD^T, dw, M^T): ordered before the next
             # chunk's TMA writes there (async proxy)
             cute.arch.fence_view_async_shared()
@@ -870,6 +951,42 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
                  tables, pair, par)  # fmt: skip
 
     @cute.jit
+    def _dw_and_wy(self, mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, sH, sDW, sTt, sW, sUw, sPT,
+                   sG, sRed, mG, mV, mBeta, mDK, mDV, mDB, full, math, dh_free, i, c, hv, b,
+                   seqlen, nchunks, stash, sKK, tables):  # fmt: skip
+        """`wg_split`, G1 after dU: sDH released (dU's k dS was G1's last read of it), dw =
+        -dU h^T (`_chunk_grads`' last product) into the spent h box once G2 and the finish
+        warps have read h (H_FREE), then `_wy` (K K^T after KK, dk's stash and dG's rows after
+        ROWS: G2's)."""
+        par = i % 2
+        first = c * CHUNK
+        more = c > 0  # not the walk's last chunk: S writes another dS
+        if const_expr(tables is not None):
+            more = i < nchunks - 1
+        if more:
+            dh_free.arrive()
+        wg_w = mma_w.get_slice(0)
+        tid = opaque_tid_x() % WG
+        t0, row_w, _ = softmax.acc_coords(mma_w, tid, (CHUNK, self.k))
+        last = cutlass.min(first + CHUNK, seqlen) - 1
+        e_g, _ = self._row_decays(mG, t0, row_w, first, seqlen, b, hv, sG[last - first])
+        acc_k = cute.make_rmem_tensor(wg_w.partition_shape_C((CHUNK, self.k)), Float32)
+        cute.arch.mbarrier_wait(full + H_GROUP, par)  # h
+        cute.arch.mbarrier_wait(full + 4, par)  # T^T, u
+        tArDU = wg_w.make_fragment_A(wg_w.partition_A(sDU))
+        tBrH = wg_w.make_fragment_B(wg_w.partition_B(sH))
+        gemm(mma_w, acc_k, tArDU[None, None, None, 0], tBrH[None, None, None, 0], True, 0)
+        acc_k.store(-acc_k.load())
+        named_barrier(Bar.H_FREE, 2 * WG + FINISH_THREADS).arrive_and_wait()
+        self._store_tile(acc_k, mma_w, sDW, False)  # dw, 16-bit
+        cute.arch.mbarrier_wait(full + 1, par)  # W
+        cute.arch.mbarrier_wait(full + U_GROUP, par)  # the WY u (`u_from_h`'s group)
+        math.arrive_and_wait()
+        self._wy(mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, (sTt, sW, sUw, sDW, sPT), sG,
+                 sRed, mDK, mV, mBeta, mDV, mDB, math, e_g, t0, row_w, first, seqlen, b, hv, c,
+                 stash, sKK, tables, None, par)  # fmt: skip
+
+    @cute.jit
     def _wy(self, mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, wy_smem, sG, sRed, mDK, mV,
             mBeta, mDV, mDB, math, e_g, t0, row_w, first, seqlen, b, hv, c, stash,
             sKK, tables=None, pair=None, par=None):  # fmt: skip
@@ -924,12 +1041,15 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         # products (at 256 registers they spilled)
         self._add_rows(sDB, dbeta, e_g, x, t0, row_w, tid, first, seqlen, True)
         bx = [beta[r] * e_g[r] * x[r] for r in range(2)]
-        self._add_rows(sRed, bx, None, None, t0, row_w, tid, first, seqlen)
+        if const_expr(not self.wg_split):  # else after ROWS (G2 initializes the rows)
+            self._add_rows(sRed, bx, None, None, t0, row_w, tid, first, seqlen)
         ba = rows_cols(acc_b)
         for r in cutlass.range_constexpr(2):
             for j in cutlass.range_constexpr(cute.size(ba, mode=[1])):
                 ba[r, j] = ba[r, j] * (beta[r] * e_g[r])
         warpgroup.wait_group(0)
+        if const_expr(self.wg_split):
+            named_barrier(Bar.KK, 2 * WG).arrive_and_wait()  # G2's K K^T in sKK
         # dA strictly lower, D, rows inside T; rowsum(dAe o KK^T); M = beta dAe. The thread's
         # coordinates afresh: the output half's (same values) held 16 sG addresses across
         tid = opaque_tid_x() % WG
@@ -959,14 +1079,16 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
                 s[r, j] = s[r, j] * beta_i
         self._add_rows(sDB, rkk, None, None, t0s, row_s, tid, first, seqlen)
-        self._add_rows(sRed, rmk, None, None, t0s, row_s, tid, first, seqlen)
+        if const_expr(not self.wg_split):
+            self._add_rows(sRed, rmk, None, None, t0s, row_s, tid, first, seqlen)
         self._store_tile(acc_a, mma_s, sM, True)  # M^T for M^T k
         tQrM = wg_q.make_fragment_A(wg_q.partition_shape_A((CHUNK, CHUNK)))
         acc_to_operand_a(acc_a, tQrM)
         tQrK = wg_q.make_fragment_B(wg_q.partition_B(transposed(sK)))
         gemm(mma_q, acc_b, tQrM, tQrK[None, None, None, 0], False, 0)
         before = self._row_dots(acc_b, mma_k, sK, tid)
-        self._add_rows(sRed, before, None, None, t0, row_w, tid, first, seqlen)
+        if const_expr(not self.wg_split):
+            self._add_rows(sRed, before, None, None, t0, row_w, tid, first, seqlen)
         math.arrive_and_wait()  # every thread's M^T in shared memory
         if const_expr(pair is not None):  # K K^T read: the peer may write its dk rows there
             self._pair_free(pair[0], 1)
@@ -974,6 +1096,12 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         tKrK = wg_k.make_fragment_B(wg_k.partition_B(transposed(sK)))
         gemm(mma_k, acc_b, tKrM[None, None, None, 0], tKrK[None, None, None, 0], False, 0)
         after = self._row_dots(acc_b, mma_k, sK, tid)
+        if const_expr(self.wg_split):
+            # G2's stash and rows' init (ROWS), then G1's four row terms in the order above
+            named_barrier(Bar.ROWS, 2 * WG).arrive_and_wait()
+            self._add_rows(sRed, bx, None, None, t0, row_w, tid, first, seqlen)
+            self._add_rows(sRed, rmk, None, None, t0s, row_s, tid, first, seqlen)
+            self._add_rows(sRed, before, None, None, t0, row_w, tid, first, seqlen)
         self._add_rows(sRed, [-after[0], -after[1]], None, None, t0, row_w, tid, first, seqlen)
         tid = opaque_tid_x() % WG
         c = opaque_i32(c)  # dk's row addresses afresh: dq's (same rows) were held across
@@ -1057,7 +1185,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         reverse cumulative sum within the chunk (kernel 2's `_finish_dg`). slot0, tables:
         `_grads`'."""
         ready = unaligned_barrier(Bar.DS_READY, 2 * WG + FINISH_THREADS)
-        dh_free = named_barrier(Bar.DH_FREE, 2 * WG + FINISH_THREADS)
+        dh_free = named_barrier(Bar.DH_FREE, self.dh_free_threads)
         finish = unaligned_barrier(Bar.FINISH, WG + FINISH_THREADS)
         own = named_barrier(Bar.FINISH_WARPS, FINISH_THREADS)
         for i in cutlass.range(nchunks, unroll=1):
@@ -1069,6 +1197,8 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             ready.arrive_and_wait()
             cute.arch.mbarrier_wait(full + H_GROUP, par)
             part = self._h_dh_part(sH, sDH, tid)
+            if const_expr(self.wg_split):  # h read: G1's dw may go over it
+                named_barrier(Bar.H_FREE, 2 * WG + FINISH_THREADS).arrive()
             if i < nchunks - 1:
                 dh_free.arrive()
             cute.arch.mbarrier_arrive(empty)

@@ -115,7 +115,7 @@ def gdn_bwd_fused(
     `group_sum` (HV = 2 H, not varlen): dq, dk (B, T, H, K) summed over each q / k head's two
     value heads in fp32 in the kernel (a cluster of two CTAs), the 16-bit sum written once.
     `wg_split` (not with group_sum; a candidate, next/gdn-bwd-wgsplit): the same outputs from
-    the 512-thread key (K K^T, U, dPD on a fourth warpgroup)."""
+    the 512-thread key (G's chain on two math warpgroups)."""
     varlen = cu_seqlens is not None
     if varlen != (order is not None) or varlen != (tables is not None):
         raise ValueError("cu_seqlens, order, tables and tokens come together (varlen)")
