@@ -24,7 +24,11 @@ import pytest
 
 pytest.importorskip("cutlass")
 
-from cubins import pin_unaligned_barriers, unaligned_offsets  # noqa: E402  (tests/ is on the path)
+from cubins import (  # noqa: E402  (tests/ is on the path)
+    indirect_targets,
+    pin_unaligned_barriers,
+    unaligned_offsets,
+)
 
 from forgekernel.kernels.common.sm90.constants import SMEM_CAPACITY  # noqa: E402
 from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90 import config  # noqa: E402
@@ -49,18 +53,20 @@ class Built(NamedTuple):
     smem: int  # the kernel's SharedStorage
     sass: str  # cuobjdump's listing
     unaligned: set  # cubins.unaligned_offsets
+    indirect: dict  # cubins.indirect_targets (`wg_split`'s four-way warpgroup switch: a BRX)
 
 
 @pytest.fixture(scope="module")
 def compiled():
     cache = {}
 
-    def get(dtype, dht, grouped=False, u_from_h=False, varlen=False, group_sum=False) -> Built:
-        key = (dtype, dht, grouped, u_from_h, varlen, group_sum)
+    def get(dtype, dht, grouped=False, u_from_h=False, varlen=False, group_sum=False,
+            wg_split=False) -> Built:  # fmt: skip
+        key = (dtype, dht, grouped, u_from_h, varlen, group_sum, wg_split)
         if key not in cache:
             params = dict(config.params_for(dtype, d_final_state=dht, grouped=grouped,
                                             u_from_h=u_from_h, varlen=varlen,
-                                            group_sum=group_sum))  # fmt: skip
+                                            group_sum=group_sum, wg_split=wg_split))  # fmt: skip
             kernel = kernel_for(params)
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_gdn_bwd_fused(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
@@ -72,8 +78,9 @@ def compiled():
                 res = inspect_cubin(cubin)
                 sass = sass_text(cubin)
                 unaligned = unaligned_offsets(cubin)
+                indirect = indirect_targets(cubin)
             cache[key] = Built(res, sass_instructions(sass), kernel.shared_storage.size_in_bytes(),
-                               sass, unaligned)  # fmt: skip
+                               sass, unaligned, indirect)  # fmt: skip
         return cache[key]
 
     return get
@@ -346,4 +353,63 @@ def test_varlen_group_sum(compiled, dtype, dht, u_from_h):
 
     assert bars(built.instrs) == bars(pair.instrs)
     pins = pin_unaligned_barriers(built.sass, built.unaligned, {Bar.DS_READY, Bar.FINISH})
+    assert {int(b.barrier, 16) for b in pins if b.predicate} == {Bar.DH_FREE}
+
+
+# ---- `wg_split` (next/gdn-bwd-wgsplit: S, G1, G2 and warpgroup 0, 512 threads)
+
+WG_SPLIT = [(config.DTYPES[1], False, True, True),
+            pytest.param(config.DTYPES[1], True, False, False, marks=pytest.mark.slow),
+            pytest.param(config.DTYPES[0], True, True, True, marks=pytest.mark.slow)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("dtype", "dht", "grouped", "u_from_h"), WG_SPLIT)
+def test_wg_split(compiled, dtype, dht, grouped, u_from_h):
+    """`wg_split` against the key without it: 512 threads launched at 128 registers,
+    setmaxnreg config.SPLIT_REGS (32 / 176 / 168 / 136, at most 4 x 128 in all), every region
+    under its count (cu13, bf16 grouped u_from_h, 2026-12-07: warpgroup 0 R0-R18, S R0-R167,
+    G1 R0-R165, G2 R0-R120), nothing spilled; the same shared memory, HGMMA, TMA boxes and
+    mbarriers; S's region only the update's two halves (16 HGMMA.64x128x16); G2's K K^T and dPD
+    (16 HGMMA.64x64x16), dqe, dPD k, dke, dPD^T q (24 HGMMA.64x128x16; + U's 8 with
+    `u_from_h`); G1's the rest of G's (its 64x128 products less those 24); dPD into dq's
+    product from registers (4 stmatrix fewer: its 16-bit tile is not stored, its transpose
+    is); the named barriers with their counts (H_FREE, KK, ROWS new); DU_READY waited at two
+    instructions (S's, G2's): unaligned with DS_READY and FINISH."""
+    built = compiled(dtype, dht, grouped, u_from_h, wg_split=True)
+    base = compiled(dtype, dht, grouped, u_from_h)
+    assert built.res["registers"] == 128 == 65536 // config.SPLIT_THREADS // 8 * 8
+    assert built.res["spill_bytes"] == 0
+    assert not [op for op, _ in built.instrs if op.startswith(("LDL", "STL"))]
+    assert built.smem == base.smem == SMEM
+    setmax = sorted(int(a.split()[-1], 16) for op, a in built.instrs if op.startswith("USETMAXREG"))
+    assert setmax == sorted(config.SPLIT_REGS)
+    assert sum(setmax) * 128 <= built.res["registers"] * config.SPLIT_THREADS
+    regions, base_regions = _regions(built.instrs), _regions(base.instrs)
+    for regs in config.SPLIT_REGS:
+        assert _max_register(regions[regs]) < regs
+
+    def count(instrs, prefix):
+        return sum(op.startswith(prefix) for op, _ in instrs)
+
+    for prefix in ("HGMMA", "UTMALDG", "SYNCS.EXCH", "STSM.16.MT88"):
+        assert count(built.instrs, prefix) == count(base.instrs, prefix), prefix
+    assert count(built.instrs, "STSM.16.M88") == count(base.instrs, "STSM.16.M88") - 4
+    s_regs, g1_regs, g2_regs = config.SPLIT_REGS[1:]
+    moved = 24  # dqe 8, dPD k 4, dke 8, dPD^T q 4
+    assert count(regions[s_regs], "HGMMA.64x64x16") == 0
+    assert count(regions[s_regs], "HGMMA.64x128x16") == 16
+    assert count(regions[g2_regs], "HGMMA.64x64x16") == 16
+    assert count(regions[g2_regs], "HGMMA.64x128x16") == moved + (8 if u_from_h else 0)
+    g = base_regions[config.REGS[2]]
+    assert count(regions[g1_regs], "HGMMA.64x64x16") == count(g, "HGMMA.64x64x16")
+    assert count(regions[g1_regs], "HGMMA.64x128x16") == count(g, "HGMMA.64x128x16") - moved
+    ids = {a.replace(" ", "") for op, a in built.instrs if op.startswith("BAR") and "," in a}
+    want = {(Bar.MATH, 128), (Bar.FINISH, 192), (Bar.FINISH_WARPS, 64), (Bar.DS_READY, 320),
+            (Bar.DU_READY, 384), (Bar.DH_FREE, 448), (Bar.S_DONE, 256), (Bar.STATE, 128),
+            (Bar.PRODUCTS, 128), (Bar.H_FREE, 320), (Bar.KK, 256), (Bar.ROWS, 256)}  # fmt: skip
+    assert ids == {f"{int(b):#x},{n:#x}" for b, n in want}
+    assert built.indirect and not base.indirect  # the warpgroup switch: a jump table
+    pins = pin_unaligned_barriers(built.sass, built.unaligned,
+                                  {Bar.DS_READY, Bar.FINISH, Bar.DU_READY},
+                                  built.indirect)  # fmt: skip
     assert {int(b.barrier, 16) for b in pins if b.predicate} == {Bar.DH_FREE}

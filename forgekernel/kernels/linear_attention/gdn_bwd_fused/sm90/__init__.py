@@ -49,11 +49,21 @@ def _standard_params() -> list[Params]:
 
 def _candidate_params() -> list[Params]:
     # `group_sum` in the varlen slot layout (next/gdn-bwd-slots-groupsum; ops.gated_delta_rule_bwd
-    # FUSED_SLOTS_GROUPSUM, off until its device A/B): the grouped varlen keys with the pair
-    return [
+    # FUSED_SLOTS_GROUPSUM, off until its device A/B): the grouped varlen keys with the pair;
+    # `wg_split` (next/gdn-bwd-wgsplit: G's chain on two math warpgroups) on the keys it is
+    # built for (no `group_sum`), until a GPU A/B adopts or drops it
+    slots_pairs = [
         params_for(dtype, d_final_state=ds, grouped=True, u_from_h=u, varlen=True, group_sum=True)
         for dtype in DTYPES
         for ds in (False, True)
+        for u in (False, True)
+    ]
+    return slots_pairs + [
+        params_for(dtype, d_final_state=ds, grouped=g, u_from_h=u, varlen=vl, wg_split=True)
+        for vl in (False, True)
+        for dtype in DTYPES
+        for ds in (False, True)
+        for g in (False, True)
         for u in (False, True)
     ]
 

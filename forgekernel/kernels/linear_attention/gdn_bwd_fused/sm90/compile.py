@@ -21,7 +21,8 @@ def kernel_for(params: dict) -> GdnBwdFusedSm90:
                            grouped=params.get("grouped", False),
                            u_from_h=params.get("u_from_h", False),
                            varlen=params.get("varlen", False),
-                           group_sum=params.get("group_sum", False))  # fmt: skip
+                           group_sum=params.get("group_sum", False),
+                           wg_split=params.get("wg_split", False))  # fmt: skip
 
 
 def compile_gdn_bwd_fused(params: dict, arch: str = "sm_90a", extra_options: str = "",

@@ -50,6 +50,19 @@ STAGES = 1
 # the consumers releasing a stage: S and G whole, the two finish warps (one arrival a thread)
 RELEASE_ARRIVALS = 2 * THREADS_PER_WG + 64
 
+# `wg_split` (next/gdn-bwd-wgsplit; NOTES "next/gdn-bwd-wgsplit"): G's chain on two math
+# warpgroups (FlashQLA's S / K / A roles): G1 (warpgroup 2) dU, dw and the WY half (dv, dbeta,
+# dk), G2 (warpgroup 3) U, dPD, dq, K K^T and dk's inter-chunk half; S the state and its update
+# only. 512 threads: 128 registers a thread at the launch, so the four counts sum to at most
+# 4 x 128 = 512 (cu13, bf16, 2026-12-07: warpgroup 0 R0-R18, S R0-R167, G1 R0-R165, G2
+# R0-R120). Not built with `group_sum`: its exchange holds 16 64-bit peer addresses (+37
+# registers in G), which G1 / G2 have no room for as written (NOTES, section 5).
+SPLIT_THREADS = 4 * THREADS_PER_WG
+SPLIT_LAUNCH_REGS = REGISTERS_PER_SM // SPLIT_THREADS // 8 * 8  # 128
+SPLIT_REGS = (32, 176, 168, 136)
+assert sum(SPLIT_REGS) * THREADS_PER_WG <= SPLIT_LAUNCH_REGS * SPLIT_THREADS
+SPLIT_RELEASE_ARRIVALS = RELEASE_ARRIVALS + THREADS_PER_WG  # G2's release too
+
 
 # `group_sum` (next/gdn-bwd-groupsum): the PAIR value heads of one q / k head (HV = 2 H) as one
 # cluster of PAIR CTAs along grid x (value heads 2 h, 2 h + 1: ranks 0, 1), dq and dk summed in
@@ -121,6 +134,7 @@ def params_for(
     u_from_h: bool = False,
     varlen: bool = False,
     group_sum: bool = False,
+    wg_split: bool = False,
 ) -> tuple:
     """Compile key: the 16-bit dtype of the tiles, (K, V), whether a final-state gradient is
     read (without one, dS starts from zero) and `grouped` (q, k at H < HV heads, value head hv
@@ -133,17 +147,21 @@ def params_for(
     the tiles' dtype (dq times the runtime scale), dG, dbeta and dS at the start fp32.
     `group_sum` (likewise; needs `grouped`, HV = PAIR H at the launch; with `varlen` too: the
     pair walks one sequence's slots): dq, dk summed over each q / k head's PAIR value heads in
-    fp32 inside the kernel (a cluster of PAIR CTAs, DSMEM) and written at the H heads."""
+    fp32 inside the kernel (a cluster of PAIR CTAs, DSMEM) and written at the H heads.
+    `wg_split` (likewise; not with `group_sum`): 512 threads, G's chain on two math warpgroups
+    (SPLIT_REGS), the same sums."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
     if tuple(head_dims) not in HEAD_DIMS:
         raise ValueError(f"(K, V) must be one of {HEAD_DIMS}, got {tuple(head_dims)}")
     if group_sum and not grouped:
         raise ValueError("group_sum needs grouped (HV = 2 H)")
+    if wg_split and group_sum:
+        raise ValueError("wg_split is not built with group_sum (G's registers: SPLIT_REGS)")
     k, v = head_dims
     key = {"dtype": dtype, "k": k, "v": v, "d_final_state": d_final_state}
     flags = (("grouped", grouped), ("u_from_h", u_from_h), ("varlen", varlen),
-             ("group_sum", group_sum))  # fmt: skip
+             ("group_sum", group_sum), ("wg_split", wg_split))  # fmt: skip
     for name, on in flags:
         if on:
             key[name] = True

@@ -97,6 +97,7 @@ def gdn_bwd_fused(
     tables: tuple[torch.Tensor, torch.Tensor] | None = None,
     tokens: int | None = None,
     group_sum: bool = False,
+    wg_split: bool = False,
 ) -> Outputs:
     """The reverse state recurrence and every chunk gradient, one CTA per (sequence, value
     head), chunks last first (kernels/linear_attention/gdn_bwd_fused/sm90/fused_bwd.py). do
@@ -113,7 +114,9 @@ def gdn_bwd_fused(
     (S,) and the token outputs (1, `tokens`, ...) at their token rows (the `varlen` key).
     `group_sum` (HV = 2 H): dq, dk (B, T, H, K) summed over each q / k head's two value heads
     in fp32 in the kernel (a cluster of two CTAs), the 16-bit sum written once (varlen: (1,
-    `tokens`, H, K) at the token rows)."""
+    `tokens`, H, K) at the token rows).
+    `wg_split` (not with group_sum; a candidate, next/gdn-bwd-wgsplit): the same outputs from
+    the 512-thread key (G's chain on two math warpgroups)."""
     varlen = cu_seqlens is not None
     if varlen != (order is not None) or varlen != (tables is not None):
         raise ValueError("cu_seqlens, order, tables and tokens come together (varlen)")
@@ -136,7 +139,8 @@ def gdn_bwd_fused(
         return outs
     params = params_for(dtype_name(do.dtype), (q.shape[-1], do.shape[-1]),
                         d_final_state=dht is not None, grouped=q.shape[2] != hv,
-                        u_from_h=u is None, varlen=varlen, group_sum=group_sum)  # fmt: skip
+                        u_from_h=u is None, varlen=varlen, group_sum=group_sum,
+                        wg_split=wg_split)  # fmt: skip
     fn = get_kernel(SPEC, params)
     tiles = [None if x is None else as_tma_ready(x) for x in (do, u, q, k, h)]
     wy = [as_tma_ready(x) for x in (pt, tt, w, uw)]
