@@ -413,3 +413,64 @@ def test_wg_split(compiled, dtype, dht, grouped, u_from_h):
                                   {Bar.DS_READY, Bar.FINISH, Bar.DU_READY},
                                   built.indirect)  # fmt: skip
     assert {int(b.barrier, 16) for b in pins if b.predicate} == {Bar.DH_FREE}
+
+
+# ---- `wg_split, group_sum` (next/wgsplit-groupsum: the pair's exchanges on the split)
+
+WG_SPLIT_GROUP_SUM = [(config.DTYPES[1], False, True, False),
+                      pytest.param(config.DTYPES[0], True, False, False, marks=pytest.mark.slow),
+                      pytest.param(config.DTYPES[1], True, True, True,
+                                   marks=pytest.mark.slow)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("dtype", "dht", "u_from_h", "varlen"), WG_SPLIT_GROUP_SUM)
+def test_wg_split_group_sum(compiled, dtype, dht, u_from_h, varlen):
+    """`wg_split, group_sum` against `wg_split` alone and `group_sum` alone (grouped): 512
+    threads at 128 registers, setmaxnreg config.SPLIT_PAIR_REGS (24 / 176 / 160 / 152), every
+    region under its count (cu13, bf16 grouped `u_from_h`, 2026-12-07: R0-R16, S R0-R167,
+    G1 R0-R156, G2 R0-R144), nothing spilled (at G2 136: 40 bytes); the split's products,
+    TMA boxes, stmatrix and exps; the pair's machinery as `group_sum`'s: 16 STAS.128 and 16
+    more LDS.128 in G2's region (dq's exchange) and in G1's (dk's), two remote arrivals, four
+    more mbarrier inits, one cluster barrier, no MEMBAR.ALL.GPU; the split's named barriers
+    exactly (dq's exchange adds none: G2's S_DONE wait moves before it, PRODUCTS orders the
+    owners' reads before the stash over dO); the unaligned pins as the split's."""
+    built = compiled(dtype, dht, True, u_from_h, varlen, group_sum=True, wg_split=True)
+    split = compiled(dtype, dht, True, u_from_h, varlen, wg_split=True)
+    pair = compiled(dtype, dht, True, u_from_h, varlen, group_sum=True)
+    assert built.res["registers"] == 128 and built.res["spill_bytes"] == 0
+    assert not [op for op, _ in built.instrs if op.startswith(("LDL", "STL"))]
+    assert built.smem == split.smem == pair.smem == SMEM
+    setmax = sorted(int(a.split()[-1], 16) for op, a in built.instrs if op.startswith("USETMAXREG"))
+    assert setmax == sorted(config.SPLIT_PAIR_REGS)
+    assert sum(setmax) * 128 <= built.res["registers"] * config.SPLIT_THREADS
+    regions, split_regions = _regions(built.instrs), _regions(split.instrs)
+    for regs in config.SPLIT_PAIR_REGS:
+        assert _max_register(regions[regs]) < regs
+
+    def count(instrs, prefix):
+        return sum(op.startswith(prefix) for op, _ in instrs)
+
+    for prefix in ("HGMMA", "UTMALDG", "STSM", "MUFU"):
+        assert count(built.instrs, prefix) == count(split.instrs, prefix), prefix
+    per_exchange = 128 * 64 // (4 * config.THREADS_PER_WG)  # 16-byte groups a sending thread
+    _, s_regs, g1_regs, g2_regs = config.SPLIT_PAIR_REGS
+    _, s_split, g1_split, g2_split = config.SPLIT_REGS
+    for regs, was in ((g1_regs, g1_split), (g2_regs, g2_split)):
+        assert count(regions[regs], "STAS.128") == per_exchange
+        assert (count(regions[regs], "LDS.128") - count(split_regions[was], "LDS.128")
+                == per_exchange)  # fmt: skip
+        assert count(regions[regs], "HGMMA") == count(split_regions[was], "HGMMA")
+    assert count(regions[s_regs], "HGMMA") == count(split_regions[s_split], "HGMMA")
+    assert count(built.instrs, "STAS") == 2 * per_exchange
+    for prefix in ("SYNCS.ARRIVE.TRANS64.RED", "SYNCS.EXCH.64", "UCGABAR", "MEMBAR"):
+        assert count(built.instrs, prefix) == count(pair.instrs, prefix), prefix
+    assert count(built.instrs, "MEMBAR.ALL.GPU") == 0
+
+    def bars(instrs):
+        return sorted(a.replace(" ", "") for op, a in instrs if op.startswith("BAR"))
+
+    assert bars(built.instrs) == bars(split.instrs)
+    pins = pin_unaligned_barriers(built.sass, built.unaligned,
+                                  {Bar.DS_READY, Bar.FINISH, Bar.DU_READY},
+                                  built.indirect)  # fmt: skip
+    assert {int(b.barrier, 16) for b in pins if b.predicate} == {Bar.DH_FREE}

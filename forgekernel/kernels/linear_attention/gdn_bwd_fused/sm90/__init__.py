@@ -50,15 +50,15 @@ def _standard_params() -> list[Params]:
 def _candidate_params() -> list[Params]:
     # `group_sum` in the varlen slot layout (next/gdn-bwd-slots-groupsum; ops.gated_delta_rule_bwd
     # FUSED_SLOTS_GROUPSUM, off until its device A/B): the grouped varlen keys with the pair;
-    # `wg_split` (next/gdn-bwd-wgsplit: G's chain on two math warpgroups) on the keys it is
-    # built for (no `group_sum`), until a GPU A/B adopts or drops it
+    # `wg_split` (next/gdn-bwd-wgsplit: G's chain on two math warpgroups) on every key of the
+    # op's (with `group_sum`: next/wgsplit-groupsum), until a GPU A/B adopts or drops it
     slots_pairs = [
         params_for(dtype, d_final_state=ds, grouped=True, u_from_h=u, varlen=True, group_sum=True)
         for dtype in DTYPES
         for ds in (False, True)
         for u in (False, True)
     ]
-    return slots_pairs + [
+    split = [
         params_for(dtype, d_final_state=ds, grouped=g, u_from_h=u, varlen=vl, wg_split=True)
         for vl in (False, True)
         for dtype in DTYPES
@@ -66,6 +66,15 @@ def _candidate_params() -> list[Params]:
         for g in (False, True)
         for u in (False, True)
     ]
+    both = {"group_sum": True, "wg_split": True}
+    split_pairs = [
+        params_for(dtype, d_final_state=ds, grouped=True, u_from_h=u, varlen=vl, **both)
+        for vl in (False, True)
+        for dtype in DTYPES
+        for ds in (False, True)
+        for u in (False, True)
+    ]
+    return slots_pairs + split + split_pairs
 
 
 SPEC = KernelSpec(

@@ -55,13 +55,19 @@ RELEASE_ARRIVALS = 2 * THREADS_PER_WG + 64
 # dk), G2 (warpgroup 3) U, dPD, dq, K K^T and dk's inter-chunk half; S the state and its update
 # only. 512 threads: 128 registers a thread at the launch, so the four counts sum to at most
 # 4 x 128 = 512 (cu13, bf16, 2026-12-07: warpgroup 0 R0-R18, S R0-R167, G1 R0-R165, G2
-# R0-R120). Not built with `group_sum`: its exchange holds 16 64-bit peer addresses (+37
-# registers in G), which G1 / G2 have no room for as written (NOTES, section 5).
+# R0-R120). With `group_sum`: SPLIT_PAIR_REGS.
 SPLIT_THREADS = 4 * THREADS_PER_WG
 SPLIT_LAUNCH_REGS = REGISTERS_PER_SM // SPLIT_THREADS // 8 * 8  # 128
 SPLIT_REGS = (32, 176, 168, 136)
 assert sum(SPLIT_REGS) * THREADS_PER_WG <= SPLIT_LAUNCH_REGS * SPLIT_THREADS
 SPLIT_RELEASE_ARRIVALS = RELEASE_ARRIVALS + THREADS_PER_WG  # G2's release too
+# With `group_sum` (next/wgsplit-groupsum): dq's exchange is G2's, dk's G1's. G2's owners hold
+# their 64 sums and the peer's 64 loaded values at once (ptxas issues the 16 LDS.128 before the
+# first add): at 136 it spilled (40 bytes; at 144, 16). Warpgroup 0 (R0-R19) gives 8 and G1
+# (R0-R156 with the key: its exchange is at `_wy`'s end, below its peak) 8 to G2 (cu13, bf16
+# grouped `u_from_h`, 2026-12-07: R0-R16, S R0-R167, G1 R0-R156, G2 R0-R144, nothing spilled).
+SPLIT_PAIR_REGS = (24, 176, 160, 152)
+assert sum(SPLIT_PAIR_REGS) * THREADS_PER_WG <= SPLIT_LAUNCH_REGS * SPLIT_THREADS
 
 
 # `group_sum` (next/gdn-bwd-groupsum): the PAIR value heads of one q / k head (HV = 2 H) as one
@@ -148,16 +154,14 @@ def params_for(
     `group_sum` (likewise; needs `grouped`, HV = PAIR H at the launch; with `varlen` too: the
     pair walks one sequence's slots): dq, dk summed over each q / k head's PAIR value heads in
     fp32 inside the kernel (a cluster of PAIR CTAs, DSMEM) and written at the H heads.
-    `wg_split` (likewise; not with `group_sum`): 512 threads, G's chain on two math warpgroups
-    (SPLIT_REGS), the same sums."""
+    `wg_split` (likewise): 512 threads, G's chain on two math warpgroups (SPLIT_REGS; with
+    `group_sum` SPLIT_PAIR_REGS), the same sums."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
     if tuple(head_dims) not in HEAD_DIMS:
         raise ValueError(f"(K, V) must be one of {HEAD_DIMS}, got {tuple(head_dims)}")
     if group_sum and not grouped:
         raise ValueError("group_sum needs grouped (HV = 2 H)")
-    if wg_split and group_sum:
-        raise ValueError("wg_split is not built with group_sum (G's registers: SPLIT_REGS)")
     k, v = head_dims
     key = {"dtype": dtype, "k": k, "v": v, "d_final_state": d_final_state}
     flags = (("grouped", grouped), ("u_from_h", u_from_h), ("varlen", varlen),

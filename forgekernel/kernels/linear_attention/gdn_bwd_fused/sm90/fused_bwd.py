@@ -72,7 +72,7 @@ mOrder entry and walk the same slots, the same number of chunks); each chunk exc
 rows whatever the slot holds (a pad slot, a tail chunk: both ranks see the same table row) and
 the owners store the sums at the slot's token rows (`_token_rows`), as the key without it does.
 
-Variant `wg_split` (compile flag, a candidate; next/gdn-bwd-wgsplit; not with `group_sum`):
+Variant `wg_split` (compile flag, a candidate; next/gdn-bwd-wgsplit):
 G's chain on two math warpgroups, 4 warpgroups, 512 threads, setmaxnreg config.SPLIT_REGS,
 every accumulator's products and sums in the order of the other keys (only the warpgroup
 running them changes). S keeps the state: dS's store, e^G, the update's two halves (it arrives
@@ -81,7 +81,11 @@ dU, dw = -dU h^T over the spent h box (after H_FREE: G2's and the finish warps' 
 `_wy` (dv, dbeta, dA, M, dk) with K K^T after KK and dk's stash and dG's row terms after ROWS.
 Warpgroup 3 ("G2", `_products`): `u_from_h`'s U, dPD (dPD^T into sPD; dPD into dq's product
 from registers), dqe and dq, K K^T, dke + dPD^T q into dk's fp32 stash over dO and U (after
-S_DONE and DU_READY, which S and G2 both wait), dG's rows' init. No new shared memory.
+S_DONE and DU_READY, which S and G2 both wait), dG's rows' init. No new shared memory. With
+`group_sum` (next/wgsplit-groupsum; setmaxnreg config.SPLIT_PAIR_REGS) dq's exchange is G2's
+(its S_DONE wait moved before it: the receive buffer over dO is free once S, G1 (DU_READY) and
+G2 have read dO; the owners' reads come before the stash through PRODUCTS), dk's G1's at
+`_wy`'s end (over K K^T, which only G1 reads and G2 writes again after the stage's release).
 
 Constraints: K = V = 128, 16-bit tiles with unit last strides and 16-byte aligned outer strides
 (TMA); G, beta fp32 (B, T, HV) unit last stride; dq, dk, dv 16-bit, dG, dbeta, dh0 fp32.
@@ -128,6 +132,7 @@ from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.config import (
     REGS,
     RELEASE_ARRIVALS,
     S_GROUPS,
+    SPLIT_PAIR_REGS,
     SPLIT_REGS,
     SPLIT_RELEASE_ARRIVALS,
     SPLIT_THREADS,
@@ -185,8 +190,6 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
                  group_sum: bool = False, wg_split: bool = False):  # fmt: skip
         if group_sum and not grouped:
             raise ValueError("group_sum needs grouped")
-        if wg_split and group_sum:
-            raise ValueError("wg_split is not built with group_sum")
         super().__init__(k, v, wy=True, grouped=grouped)
         self.group_sum = group_sum  # dq, dk summed over the cluster's value heads (docstring)
         self.d_final_state = d_final_state
@@ -198,7 +201,9 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         # `wg_split`: G1 (warpgroup 2) and G2 (warpgroup 3) share G's chain (module docstring)
         self.wg_split = wg_split
         self.threads = SPLIT_THREADS if wg_split else THREADS
-        self.regs = SPLIT_REGS if wg_split else REGS
+        self.regs = REGS
+        if wg_split:
+            self.regs = SPLIT_PAIR_REGS if group_sum else SPLIT_REGS
         self.release_arrivals = SPLIT_RELEASE_ARRIVALS if wg_split else RELEASE_ARRIVALS
         # DU_READY (G arrives, S waits; with `wg_split` G1 arrives, S and G2 wait) and DH_FREE
         # (S, G and the finish warps; G1 and G2 with `wg_split`)
@@ -511,7 +516,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
                     cute.arch.setmaxregister_decrease(self.regs[3])
                     self._products(mma_w, mma_s, mma_q, mma_k, sDO, sU, sQ, sK, sW, sUw, sH, sDH,
                                    sPD, sGs2, sRed2, sKK, stash, mG, mDQ, full, empty, b, hv,
-                                   seqlen, nchunks, scale, first, tables)  # fmt: skip
+                                   seqlen, nchunks, scale, first, tables, pair)  # fmt: skip
                 else:
                     cute.arch.setmaxregister_increase(self.regs[2])
                     self._grads(*grads, sDW)
@@ -629,7 +634,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
     @cute.jit
     def _products(self, mma_w, mma_s, mma_q, mma_k, sDO, sU, sQ, sK, sW, sUw, sH, sDH, sPD, sGs2,
                   sRed2, sKK, stash, mG, mDQ, full, empty, b, hv, seqlen, nchunks, scale, slot0,
-                  tables):  # fmt: skip
+                  tables, pair=None):  # fmt: skip
         """`wg_split`: warpgroup 3 ("G2"), per chunk, with the code and sums of the other keys
         (S's `_dpd`, `_kk`; G's `_chunk_grads`): `u_from_h`'s U, dPD (its transpose into sPD;
         dPD itself into dq's product from registers, the same 16-bit rounding), dqe = dO h^T,
@@ -688,8 +693,15 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             tQrK = wg_q.make_fragment_B(wg_q.partition_B(transposed(sK)))
             gemm(mma_q, acc_q, tQrP, tQrK[None, None, None, 0], False, 0)
             dg = self._row_dots(acc_q, mma_w, sQ, tid)
-            self._store_rows(acc_q, mma_w, mDQ, tid, b, hv, c, seqlen, scale,
-                             _token_rows(tables, c))  # fmt: skip
+            if const_expr(pair is not None):
+                # dO read by S (S_DONE), G1 (DU_READY) and here (dPD, dqe waited): the peer may
+                # write its dq rows there (the owners' reads come before the stash: PRODUCTS)
+                s_done.arrive_and_wait()
+                self._pair_free(pair[0], 0)
+                self._pair_store(acc_q, mma_w, mDQ, pair, 0, par, b, c, seqlen, scale, tables)
+            else:
+                self._store_rows(acc_q, mma_w, mDQ, tid, b, hv, c, seqlen, scale,
+                                 _token_rows(tables, c))  # fmt: skip
             self._kk(mma_s, sK, sKK, tid)
             kk.arrive()
             # dk's inter-chunk half: (U dS^T) o e^(G_C - G) + dPD^T q (`_chunk_grads`' second)
@@ -712,7 +724,8 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             tKrQ = wg_k.make_fragment_B(wg_k.partition_B(transposed(sQ)))
             gemm(mma_k, acc_k, tKrP[None, None, None, 0], tKrQ[None, None, None, 0], False, 0)
             dk_k = self._row_dots(acc_k, mma_w, sK, tid)
-            s_done.arrive_and_wait()  # S has read dO, q (G1's dO read: DU_READY)
+            if const_expr(pair is None):  # else waited before dq's exchange
+                s_done.arrive_and_wait()  # S has read dO, q (G1's dO read: DU_READY)
             for e in cutlass.range_constexpr(cute.size(acc_k)):
                 stash[e // STASH_COLS][tid, e % STASH_COLS] = acc_k[e]
             for r in cutlass.range_constexpr(2):
@@ -864,7 +877,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
                 self._dw_and_wy(mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, sH, sDW, sTt, sW,
                                 sUw, sPT, sG, sRed, mG, mV, mBeta, mDK, mDV, mDB, full, math,
                                 dh_free, i, c, hv, b, seqlen, nchunks, stash, sKK,
-                                tables)  # fmt: skip
+                                tables, pair)  # fmt: skip
             else:
                 self._chunk_grads(mma_w, mma_s, mma_q, mma_k, mma_da, sDO, sU, sQ, sK, sH, sDH,
                                   sPT, sDU, wy_smem, sG, sRed, mG, mV, mBeta, mDQ, mDK, mDV,
@@ -959,7 +972,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
     @cute.jit
     def _dw_and_wy(self, mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, sH, sDW, sTt, sW, sUw, sPT,
                    sG, sRed, mG, mV, mBeta, mDK, mDV, mDB, full, math, dh_free, i, c, hv, b,
-                   seqlen, nchunks, stash, sKK, tables):  # fmt: skip
+                   seqlen, nchunks, stash, sKK, tables, pair=None):  # fmt: skip
         """`wg_split`, G1 after dU: sDH released (dU's k dS was G1's last read of it), dw =
         -dU h^T (`_chunk_grads`' last product) into the spent h box once G2 and the finish
         warps have read h (H_FREE), then `_wy` (K K^T after KK, dk's stash and dG's rows after
@@ -990,7 +1003,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         math.arrive_and_wait()
         self._wy(mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, (sTt, sW, sUw, sDW, sPT), sG,
                  sRed, mDK, mV, mBeta, mDV, mDB, math, e_g, t0, row_w, first, seqlen, b, hv, c,
-                 stash, sKK, tables, None, par)  # fmt: skip
+                 stash, sKK, tables, pair, par)  # fmt: skip
 
     @cute.jit
     def _wy(self, mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, wy_smem, sG, sRed, mDK, mV,

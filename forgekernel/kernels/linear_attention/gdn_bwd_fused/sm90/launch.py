@@ -115,8 +115,8 @@ def gdn_bwd_fused(
     `group_sum` (HV = 2 H): dq, dk (B, T, H, K) summed over each q / k head's two value heads
     in fp32 in the kernel (a cluster of two CTAs), the 16-bit sum written once (varlen: (1,
     `tokens`, H, K) at the token rows).
-    `wg_split` (not with group_sum; a candidate, next/gdn-bwd-wgsplit): the same outputs from
-    the 512-thread key (G's chain on two math warpgroups)."""
+    `wg_split` (a candidate, next/gdn-bwd-wgsplit; with `group_sum` too): the same outputs
+    from the 512-thread key (G's chain on two math warpgroups)."""
     varlen = cu_seqlens is not None
     if varlen != (order is not None) or varlen != (tables is not None):
         raise ValueError("cu_seqlens, order, tables and tokens come together (varlen)")
