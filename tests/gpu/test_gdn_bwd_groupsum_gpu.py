@@ -30,7 +30,7 @@ import importlib
 import pytest
 import torch
 from graphs import captured, replay_poisoned
-from test_gdn_bwd_fused_gpu import _fused_kernel_args, _route
+from test_gdn_bwd_fused_gpu import _fused_kernel_args, _poisoned, _route, _run
 from test_gdn_bwd_kernel_path_gpu import NAMES, _close, _problem, _reference
 
 import forgekernel
@@ -39,15 +39,6 @@ from forgekernel.runtime.timing import median, time_ms
 
 pytestmark = pytest.mark.gpu
 bwd = importlib.import_module("forgekernel.ops.gated_delta_rule_bwd")
-
-
-def _poisoned(do, u, q, rest, **kw):
-    """The fused launcher with its outputs NaN-filled first (`group_sum` kw: dq, dk at H)."""
-    heads = q.shape[2] if kw.get("group_sum") else None
-    out = fused_launch.empty_outputs(do, q.shape[-1], heads=heads)
-    for x in out:
-        x.fill_(float("nan"))
-    return fused_launch.gdn_bwd_fused(do, u, q, *rest, out=out, **kw)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -102,13 +93,6 @@ def pair(monkeypatch):
     monkeypatch.setattr(bwd, "fused_fits", lambda *a: True)
     monkeypatch.setattr(bwd, "_fused_bwd", run)
     return calls
-
-
-def _run(inputs, *, h0, dht, l2norm, cu=None):
-    q, k, v, g, beta, do = inputs
-    return forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, initial_state=h0,
-                                                 d_final_state=dht, cu_seqlens=cu,
-                                                 use_qk_l2norm_in_kernel=l2norm)  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

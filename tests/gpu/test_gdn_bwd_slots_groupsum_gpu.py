@@ -36,6 +36,7 @@ import pytest
 import torch
 from graphs import captured, replay_poisoned
 from slots_alone import CHUNK
+from test_gdn_bwd_fused_slots_gpu import _call, _cu, _states
 from test_gdn_bwd_kernel_path_gpu import NAMES, _close, _problem, _reference
 
 import forgekernel
@@ -119,23 +120,6 @@ def pair(monkeypatch):
     monkeypatch.setattr(bwd, "slots_fit", lambda *a: True)
     monkeypatch.setattr(bwd, "_fused_bwd", run)
     return calls
-
-
-def _cu(lens):
-    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
-                        device="cuda")  # fmt: skip
-
-
-def _states(n, h, hv, seed):
-    *_, h0, dht = _problem(n, 1, h, hv, torch.bfloat16, seed=seed)
-    return h0, dht
-
-
-def _call(inputs, h0, dht, cu=None, l2norm=True, out=None):
-    q, k, v, g, beta, do = inputs
-    return forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, initial_state=h0,
-                                                 d_final_state=dht, cu_seqlens=cu, out=out,
-                                                 use_qk_l2norm_in_kernel=l2norm)  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -27,10 +27,9 @@ import importlib
 
 import pytest
 import torch
-from test_gdn_bwd_fused_gpu import _fused_kernel_args, _route
+from test_gdn_bwd_fused_gpu import _fused_kernel_args, _poisoned, _route, _run
 from test_gdn_bwd_kernel_path_gpu import NAMES, _close, _problem, _reference
 
-import forgekernel
 from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90 import launch as fused_launch
 from forgekernel.runtime.timing import median, time_ms
 
@@ -49,14 +48,6 @@ def _same(name, a, o):
     err = (a.double() - o.double()).abs()
     assert bool((err <= ulp).all()), (name, float(err.max()), float((err / ulp).max()))
     return False
-
-
-def _poisoned(do, u, q, rest, **kw):
-    heads = q.shape[2] if kw.get("group_sum") else None  # `group_sum`: dq, dk at H
-    out = fused_launch.empty_outputs(do, q.shape[-1], heads=heads)
-    for x in out:
-        x.fill_(float("nan"))
-    return fused_launch.gdn_bwd_fused(do, u, q, *rest, out=out, **kw)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -132,13 +123,6 @@ def split_pairs(monkeypatch):
     """`_split_route` with the pair (FUSED_GROUPSUM, FUSED_SLOTS_GROUPSUM on): the `wg_split,
     group_sum` keys against the `group_sum` keys."""
     return _split_route(monkeypatch, True)
-
-
-def _run(inputs, *, h0, dht, l2norm, cu=None):
-    q, k, v, g, beta, do = inputs
-    return forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, initial_state=h0,
-                                                 d_final_state=dht, cu_seqlens=cu,
-                                                 use_qk_l2norm_in_kernel=l2norm)  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
