@@ -577,6 +577,16 @@ FUSED_GROUPSUM = True
 # (docs/pending/gdn-bwd-slots-groupsum-probes.txt; adoption rule there and in NOTES).
 FUSED_SLOTS_GROUPSUM = False
 
+# TEMPORARY (next/gdn-w-from-t, no GPU run yet): the fused kernel's `wg_split, w_from_t` key on
+# the fused route with FUSED_DIET (`u_from_h`), B equal sequences and the slot layout alike: G's
+# chain on two math warpgroups (`wg_split`, a candidate itself) and W = T diag(beta e^G) K, u =
+# T diag(beta) V formed in the kernel from T^T, k, v (its G2), not read (32 KB a chunk-head,
+# v's 16 KB read by TMA in their place). Kernel 0 still writes W, u: kernel 1's forward launch
+# reads them (its half, NOTES "next/gdn-w-from-t (2026-12-07)", is not built), so the call
+# saves only the fused kernel's reads. Off until its device A/B (docs/pending/
+# gdn-bwd-w-from-t-probes.txt; the rule there).
+FUSED_WFROMT = False
+
 
 def _pair_sums(b: int, h: int, hv: int, device: torch.device, one_pass: bool, slots) -> bool:
     """Whether the device pass of B sequences x HV value heads (H q / k heads) has the fused
@@ -736,8 +746,9 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots
 def _fused_bwd(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, **flags):
     """The fused kernel (kernel 1's reverse recurrence + kernel 2, `gdn_bwd_fused`): (dq, dk,
     dg, dv, dbeta, dh0) (`flags`: scale, out; the slot layout's cu_seqlens, order, tables,
-    tokens; group_sum: dq, dk at the H heads; u None: U = uw - W h formed in the kernel). The
-    CPU tests put an emulation here."""
+    tokens; group_sum: dq, dk at the H heads; u None: U = uw - W h formed in the kernel; w, uw
+    None and wg_split (FUSED_WFROMT): W, u formed in the kernel from T^T, k, v). The CPU tests
+    put an emulation here."""
 
     return fused_launch.gdn_bwd_fused(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, **flags)
 
@@ -780,9 +791,13 @@ def _fused_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots=
     big_u = None if FUSED_DIET else u16[:, :t]  # FUSED_DIET: formed in the kernel (`u_from_h`)
     if group_sum:
         rows["group_sum"] = True
+    wy = (k2["w"], k2["u"])
+    if FUSED_WFROMT and FUSED_DIET:  # W, u formed in the kernel (`wg_split, w_from_t`)
+        wy = (None, None)
+        rows["wg_split"] = True
     dq, dk, dg, dv, dbeta, dh0 = _fused_bwd(
-        do, big_u, qs, ks, h16, k2["big_g"], out["pt"][:, :t], k2["tt"], k2["w"], k2["u"],
-        v, wide, dht, scale=1.0 if q_scale is None else q_scale, **given(out=bufs), **rows,
+        do, big_u, qs, ks, h16, k2["big_g"], out["pt"][:, :t], k2["tt"], *wy, v, wide, dht,
+        scale=1.0 if q_scale is None else q_scale, **given(out=bufs), **rows,
     )  # fmt: skip
     return dq, dk, dv, dg, dbeta, dh0
 

@@ -164,3 +164,26 @@ def forward_launch_tiles(
 def rounding_to(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     """x -> x rounded to `dtype`, kept in x's dtype (the kernel's 16-bit operands)."""
     return lambda x: x.to(dtype).to(x.dtype)
+
+
+def w_u_from_t(
+    tt: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, big_g: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """W = T diag(beta e^G) K and u = T diag(beta) V as the fused backward's `w_from_t` key
+    forms them from kernel 0's 16-bit T^T (kernel 2's views, cut to T tokens): tt (B, T, HV,
+    C) (row j of a chunk: column j of T), k (B, T, H, K) (value head hv reads head hv // (HV
+    / H)), v (B, T, HV, V) in one 16-bit dtype; beta, big_g (B, T, HV) fp32 -> (w, uw) in that
+    dtype, (B, T, HV, K / V). The A operands T diag(.) rounded to 16 bits from the 16-bit T
+    (kernel 0 rounds them from its fp32 T: one more rounding here), the products in fp64
+    rounded once (the kernel's fp32 accumulator, up to its order of sums)."""
+    t, hv = tt.shape[1], tt.shape[2]
+    nc = -(-t // CHUNK)
+    rnd = rounding_to(tt.dtype)
+    tri = to_chunks(tt.double(), nc).transpose(-1, -2)  # (B, NC, HV, C, C): T
+    kc = to_chunks(k.double().repeat_interleave(hv // k.shape[2], dim=2), nc)
+    vc = to_chunks(v.double(), nc)
+    bc = to_chunks(beta.double(), nc)  # zero past T
+    e_g = to_chunks(big_g.double(), nc).exp()
+    w = rnd(tri * (bc * e_g).unsqueeze(-2)) @ kc
+    u = rnd(tri * bc.unsqueeze(-2)) @ vc
+    return tuple(to_tokens(x)[:, :t].to(tt.dtype) for x in (w, u))
