@@ -61,12 +61,13 @@ def compiled():
     cache = {}
 
     def get(dtype, dht, grouped=False, u_from_h=False, varlen=False, group_sum=False,
-            wg_split=False) -> Built:  # fmt: skip
-        key = (dtype, dht, grouped, u_from_h, varlen, group_sum, wg_split)
+            wg_split=False, w_from_t=False) -> Built:  # fmt: skip
+        key = (dtype, dht, grouped, u_from_h, varlen, group_sum, wg_split, w_from_t)
         if key not in cache:
             params = dict(config.params_for(dtype, d_final_state=dht, grouped=grouped,
                                             u_from_h=u_from_h, varlen=varlen,
-                                            group_sum=group_sum, wg_split=wg_split))  # fmt: skip
+                                            group_sum=group_sum, wg_split=wg_split,
+                                            w_from_t=w_from_t))  # fmt: skip
             kernel = kernel_for(params)
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_gdn_bwd_fused(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
@@ -474,3 +475,76 @@ def test_wg_split_group_sum(compiled, dtype, dht, u_from_h, varlen):
                                   {Bar.DS_READY, Bar.FINISH, Bar.DU_READY},
                                   built.indirect)  # fmt: skip
     assert {int(b.barrier, 16) for b in pins if b.predicate} == {Bar.DH_FREE}
+
+
+# ---- `wg_split, w_from_t` (next/gdn-w-from-t: W, u formed by G2 from T^T, k, v)
+
+WG_SPLIT_W_FROM_T = [(config.DTYPES[1], False, True, False, False),
+                     pytest.param(config.DTYPES[0], True, False, False, False,
+                                  marks=pytest.mark.slow),
+                     pytest.param(config.DTYPES[1], True, True, True, False,
+                                  marks=pytest.mark.slow),
+                     pytest.param(config.DTYPES[1], False, True, False, True,
+                                  marks=pytest.mark.slow)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("dtype", "dht", "grouped", "group_sum", "varlen"), WG_SPLIT_W_FROM_T)
+def test_wg_split_w_from_t(compiled, dtype, dht, grouped, group_sum, varlen):
+    """`wg_split, w_from_t` (`u_from_h`) against `wg_split` alone: 512 threads at 128
+    registers, the split's setmaxnreg counts (SPLIT_REGS; with `group_sum` SPLIT_PAIR_REGS),
+    every region under its count (cu13, 2026-12-07: G2 R0-R121 of 136, R0-R144 of 152 with
+    `group_sum`: W's and u's products come before anything else of G2's chunk is live),
+    nothing spilled; the same shared memory (225,280: beta, beta e^G's 512 bytes fit the
+    padding); G2's region 8 HGMMA.64x128x16 more (W, u: 4 each), 16 stmatrix more (their
+    16-bit tiles), one exp more (beta e^G) and two bar.syncs more (v read before u goes over
+    it; W, u in place before U's product), S's and G1's HGMMA unchanged; two TMA loads fewer
+    (W's box gone, v's in u's place: (C, 128) tiles load as two boxes) and one mbarrier init
+    fewer (four load groups); the same named barriers and counts; the unaligned pins as the
+    split's."""
+    built = compiled(dtype, dht, grouped, True, varlen, group_sum, wg_split=True, w_from_t=True)
+    split = compiled(dtype, dht, grouped, True, varlen, group_sum, wg_split=True)
+    regs = config.SPLIT_PAIR_REGS if group_sum else config.SPLIT_REGS
+    assert built.res["registers"] == 128 and built.res["spill_bytes"] == 0
+    assert not [op for op, _ in built.instrs if op.startswith(("LDL", "STL"))]
+    assert built.smem == split.smem == SMEM <= config.smem_bytes(group_sum=group_sum,
+                                                                 w_from_t=True)  # fmt: skip
+    setmax = sorted(int(a.split()[-1], 16) for op, a in built.instrs if op.startswith("USETMAXREG"))
+    assert setmax == sorted(regs)
+    regions, split_regions = _regions(built.instrs), _regions(split.instrs)
+    for r in regs:
+        assert _max_register(regions[r]) < r
+
+    def count(instrs, prefix):
+        return sum(op.startswith(prefix) for op, _ in instrs)
+
+    _, s_regs, g1_regs, g2_regs = regs
+    assert (count(regions[g2_regs], "HGMMA.64x128x16")
+            == count(split_regions[g2_regs], "HGMMA.64x128x16") + 8)  # fmt: skip
+    assert count(regions[g2_regs], "HGMMA.64x64x16") == count(split_regions[g2_regs],
+                                                              "HGMMA.64x64x16")  # fmt: skip
+    for r in (s_regs, g1_regs):
+        assert count(regions[r], "HGMMA") == count(split_regions[r], "HGMMA")
+    assert count(regions[g2_regs], "STSM") == count(split_regions[g2_regs], "STSM") + 16
+    assert count(built.instrs, "STSM") == count(split.instrs, "STSM") + 16
+    assert count(regions[g2_regs], "MUFU") == count(split_regions[g2_regs], "MUFU") + 1
+    assert count(regions[g2_regs], "BAR") == count(split_regions[g2_regs], "BAR") + 2
+    assert count(built.instrs, "UTMALDG") == count(split.instrs, "UTMALDG") - 2
+    assert count(built.instrs, "SYNCS.EXCH.64") == count(split.instrs, "SYNCS.EXCH.64") - 1
+
+    def bar_ids(instrs):
+        return {a.replace(" ", "") for op, a in instrs if op.startswith("BAR") and "," in a}
+
+    assert bar_ids(built.instrs) == bar_ids(split.instrs)
+    pins = pin_unaligned_barriers(built.sass, built.unaligned,
+                                  {Bar.DS_READY, Bar.FINISH, Bar.DU_READY},
+                                  built.indirect)  # fmt: skip
+    assert {int(b.barrier, 16) for b in pins if b.predicate} == {Bar.DH_FREE}
+
+
+def test_w_from_t_key_rules():
+    """`w_from_t` needs `wg_split` and `u_from_h` (G2 forms W, u, then U from them)."""
+    for flags in ({}, {"wg_split": True}, {"u_from_h": True}):
+        with pytest.raises(ValueError, match="w_from_t"):
+            config.params_for("bfloat16", w_from_t=True, **flags)
+    key = dict(config.params_for("bfloat16", u_from_h=True, wg_split=True, w_from_t=True))
+    assert key["w_from_t"] and "w_from_t" not in dict(config.params_for("bfloat16"))
