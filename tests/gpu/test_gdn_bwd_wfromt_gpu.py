@@ -1,0 +1,174 @@
+"""The fused backward's `wg_split, w_from_t` key (kernels/linear_attention/gdn_bwd_fused/sm90, a
+candidate: next/gdn-w-from-t; ops/gated_delta_rule_bwd.py FUSED_WFROMT, off) on the GPU: W = T
+diag(beta e^G) K and u = T diag(beta) V formed in the kernel (its G2) from kernel 0's T^T, k, v,
+beta and G, not read; v loaded into the WY u's box and overwritten there.
+
+- The launcher, the fused route's inputs (`_route`): every output of the key (NaN-poisoned
+  first: a row left unwritten fails) against the `wg_split` key fed (a) the model's W, u
+  (`reference.gdn_bwd_factors.w_u_from_t`: the same 16-bit T, the products in fp64 rounded
+  once; the kernel's differ by its fp32 order of sums, an ulp of W or u at most) and (b) kernel
+  0's W, u (from its fp32 T: one 16-bit rounding of T apart); each within 1e-2 of the output's
+  max (the diet tests' bound for U's rounding); the errors printed. bf16 and fp16, with / without
+  dht, H = HV and HV = 2 H, T = 1, 63, 65, 130, 1000; `group_sum` at HV = 2 H.
+- Through the op (FUSED_WFROMT on, the fused rules forced): the fused launch handed no W, no u
+  and `wg_split` (at HV = 2 H its `group_sum` key, FUSED_GROUPSUM's default), outputs
+  NaN-poisoned; the gradients against the fp64 backward (the suite's 2e-2) and within 1e-2 of
+  FUSED_WFROMT off; B sequences and the varlen slot layout (FUSED_SLOTS, `varlen` keys).
+- Printed (`-s`): 4 x 8192 h16 hv32 bf16 (`u_from_h`, with and without `group_sum`), the fused
+  kernel's `wg_split` key on kernel 0's W, u against `wg_split, w_from_t`. Predicted (NOTES
+  "next/gdn-w-from-t"): the same to +3% (2 x 0.52 MMAC more on G2's chain, 16 KB a chunk-head
+  less read).
+CPU twins: tests/test_gdn_bwd_fused_compile.py `test_wg_split_w_from_t` (the build),
+tests/test_gdn_bwd_fused_dispatch.py `test_w_from_t_route` (the op's route on an emulation)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from test_gdn_bwd_fused_gpu import _fused_kernel_args, _poisoned, _route, _run
+from test_gdn_bwd_kernel_path_gpu import NAMES, _close, _problem, _reference
+
+from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90 import launch as fused_launch
+from forgekernel.reference.gdn_bwd_factors import w_u_from_t
+from forgekernel.runtime.timing import median, time_ms
+
+pytestmark = pytest.mark.gpu
+bwd = importlib.import_module("forgekernel.ops.gated_delta_rule_bwd")
+OUTS = ("dq", "dk", "dg", "dv", "dbeta", "dh0")
+W, UW = 5, 6  # w, uw in `_fused_kernel_args`' list after q (k, h, G, P^T, T^T, w, uw, v, ...)
+
+
+def _near(name, a, o, bound=1e-2) -> float:
+    """a within `bound` of o's max (finite: a NaN is a value the key left unwritten); returns
+    the error relative to that max."""
+    assert a.shape == o.shape and torch.isfinite(a).all(), name
+    top = float(o.double().abs().max())
+    err = float((a.double() - o.double()).abs().max())
+    assert err <= bound * top + 1e-5, (name, err, top)
+    return err / max(top, 1e-30)
+
+
+def _wy_args(rest, w, uw):
+    """`_fused_kernel_args`' list after q with W, u replaced (None, None: `w_from_t`)."""
+    out = list(rest)
+    out[W], out[UW] = w, uw
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_dht", [True, False], ids=["dht", "no_dht"])
+@pytest.mark.parametrize(("b", "t", "h", "hv", "pair"),
+                         [(1, 1, 1, 1, False), (2, 63, 2, 4, False), (1, 65, 1, 2, True),
+                          (3, 1000, 2, 2, False), (2, 130, 4, 8, True),
+                          (2, 63, 2, 4, True)])  # fmt: skip
+def test_key_against_the_split_key(dtype, with_dht, b, t, h, hv, pair):
+    problem, tiles, states, _ = _route(b, t, h, hv, dtype, seed=t + 5 * hv)
+    do = problem[5]
+    q, *rest = _fused_kernel_args(problem, tiles, states[False][1])
+    if not with_dht:
+        rest[-1] = None
+    kw = {"scale": 128**-0.5, "group_sum": pair, "wg_split": True}
+    k, big_g, tt, v, beta = rest[0], rest[2], rest[4], rest[7], rest[8]
+    model = w_u_from_t(tt, k, v, beta, big_g)
+    got = _poisoned(do, None, q, _wy_args(rest, None, None), **kw)
+    fed = _poisoned(do, None, q, _wy_args(rest, *model), **kw)
+    kernel0 = _poisoned(do, None, q, rest, **kw)
+    errs = {name: (_near(name, a, m), _near(name + " vs kernel 0's W, u", a, o))
+            for name, a, m, o in zip(OUTS, got, fed, kernel0)}  # fmt: skip
+    shown = {n: f"{e[0]:.1e} / {e[1]:.1e}" for n, e in errs.items()}
+    print(f"\nw_from_t {dtype} {(b, t, h, hv)} pair={pair}, max err / max against the model's "
+          f"W, u / kernel 0's: {shown}")  # fmt: skip
+
+
+def _w_from_t_route(monkeypatch):
+    """FUSED, FUSED_SLOTS and FUSED_WFROMT on, both fused rules forced; each fused launch
+    checked for its `wg_split, w_from_t` form (no W, no u) and run with its outputs
+    NaN-poisoned. Records (do's shape, tokens, group_sum) a launch."""
+    calls = []
+
+    def run(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, out=None, **flags):
+        assert u is None and w is None and uw is None and flags.get("wg_split"), flags
+        if out is None:
+            states = None if "cu_seqlens" not in flags else flags["cu_seqlens"].shape[0] - 1
+            heads = q.shape[2] if flags.get("group_sum") else None
+            out = fused_launch.empty_outputs(do, q.shape[-1], flags.get("tokens"), states,
+                                             heads)  # fmt: skip
+        for x in out:
+            x.fill_(float("nan"))
+        calls.append((tuple(do.shape), flags.get("tokens"), flags.get("group_sum", False)))
+        return fused_launch.gdn_bwd_fused(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht,
+                                          out=out, **flags)  # fmt: skip
+
+    monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
+    monkeypatch.delenv(bwd.FUSED_SWITCH, raising=False)
+    monkeypatch.delenv(bwd.FUSED_SLOTS_SWITCH, raising=False)
+    monkeypatch.setattr(bwd, "FUSED", True)
+    monkeypatch.setattr(bwd, "FUSED_SLOTS", True)
+    monkeypatch.setattr(bwd, "FUSED_WFROMT", True)
+    monkeypatch.setattr(bwd, "fused_fits", lambda *a: True)
+    monkeypatch.setattr(bwd, "slots_fit", lambda *a: True)
+    real = bwd._fused_bwd
+    monkeypatch.setattr(bwd, "_fused_bwd", run)
+    return calls, real
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("b", "t", "h", "hv", "l2norm"), [(1, 1, 1, 2, False),
+                                                           (2, 65, 2, 4, True),
+                                                           (3, 1000, 1, 2, False),
+                                                           (2, 64, 4, 4, False)])  # fmt: skip
+def test_through_the_op(monkeypatch, dtype, b, t, h, hv, l2norm):
+    calls, real = _w_from_t_route(monkeypatch)
+    q, k, v, g, beta, do, h0, dht = _problem(b, t, h, hv, dtype, seed=t + b, l2norm=l2norm)
+    inputs = (q, k, v, g, beta, do)
+    got = _run(inputs, h0=h0, dht=dht, l2norm=l2norm)
+    assert calls == [((b, t, hv, 128), None, hv == 2 * h)], calls
+    want = _reference(inputs, h0=h0, dht=dht, l2norm=l2norm)
+    monkeypatch.setattr(bwd, "FUSED_WFROMT", False)
+    monkeypatch.setattr(bwd, "_fused_bwd", real)
+    off = _run(inputs, h0=h0, dht=dht, l2norm=l2norm)
+    for name, a, r, o in zip(NAMES, got, want, off):
+        _close(name, a, r)
+        _near(name + " vs FUSED_WFROMT off", a, o)
+
+
+@pytest.mark.parametrize("lens", [[1, 63, 0, 64, 65, 130], [1000, 70]])
+def test_varlen_slots(monkeypatch, lens):
+    """Unequal lengths: the slot layout's fused launch (`varlen, wg_split, w_from_t`, v and
+    T^T at the slots), token rows."""
+    calls, _ = _w_from_t_route(monkeypatch)
+    total, n = sum(lens), len(lens)
+    q, k, v, g, beta, do, h0, dht = _problem(1, total, 2, 4, torch.bfloat16, seed=n)
+    h0, dht = h0.expand(n, -1, -1, -1).contiguous(), dht.expand(n, -1, -1, -1).contiguous()
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda",
+                      dtype=torch.int32)  # fmt: skip
+    inputs = (q, k, v, g, beta, do)
+    got = _run(inputs, h0=h0, dht=dht, l2norm=False, cu=cu)
+    assert len(calls) == 1 and calls[0][1] is not None, calls
+    want = _reference(inputs, h0=h0, dht=dht, l2norm=False, cu=cu)
+    for name, a, r in zip(NAMES, got, want):
+        _close(name, a, r)
+
+
+@pytest.mark.parametrize("pair", [True, False], ids=["group_sum", "no_group_sum"])
+def test_time(pair):
+    """4 x 8192 h16 hv32 bf16 (`u_from_h`; `group_sum`: the default route's key): the fused
+    kernel's `wg_split` key on kernel 0's W, u against `wg_split, w_from_t`, printed; the
+    outputs compared first (1e-2 of each max)."""
+    problem, tiles, states, _ = _route(4, 8192, 16, 32, torch.bfloat16, seed=13)
+    do = problem[5]
+    q, *rest = _fused_kernel_args(problem, tiles, states[False][1])
+    kw = {"group_sum": pair, "wg_split": True}
+    wfromt = _wy_args(rest, None, None)
+    base = _poisoned(do, None, q, rest, **kw)
+    for name, a, o in zip(OUTS, _poisoned(do, None, q, wfromt, **kw), base):
+        _near(name, a, o)
+    ms = {key: median(time_ms(lambda args=args: fused_launch.gdn_bwd_fused(do, None, q, *args,
+                                                                            **kw),
+                              reps=10))
+          for key, args in (("read", rest), ("formed", wfromt))}  # fmt: skip
+    print(f"\nGDN fused backward 4 x 8192 h16 hv32 bf16 (u_from_h, wg_split, group_sum={pair}),"
+          f" W, u read / formed (w_from_t): {ms['read']:.3f} / {ms['formed']:.3f} ms "
+          f"({ms['read'] / ms['formed']:.3f}x)")  # fmt: skip
