@@ -837,7 +837,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         accumulator, returned); `u_from_h`: U formed first (W, h landed; `own` the forming
         warpgroup's barrier)."""
         wg_s = mma_s.get_slice(0)
-        cute.arch.mbarrier_wait(full + U_GROUP, par)  # U (u_from_h: the WY u)
+        cute.arch.mbarrier_wait(full + U_GROUP, par)  # U (u_from_h: the WY u; w_from_t: G2's)
         if const_expr(self.u_from_h):
             cute.arch.mbarrier_wait(full + H_GROUP, par)
             self._u_from_h(mma_k, sW, sH, sUw, sU)
