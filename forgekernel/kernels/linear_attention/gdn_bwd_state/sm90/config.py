@@ -66,6 +66,7 @@ def params_for(
     forward: bool = False,
     varlen: bool = False,
     fused: bool = False,
+    w_from_t: bool = False,
 ) -> tuple:
     """Compile key: the 16-bit dtype of the tiles, (K, V), whether a final-state gradient is
     read (without one, dS starts from zero), and the state-side output: dke = U dS^T per token
@@ -79,7 +80,8 @@ def params_for(
     set. `varlen` (N sequences in the forward's chunk slots, one CTA per (value head,
     sequence) walking its own slots: reverse_state.py's docstring) likewise. `fused` (with
     forward, not varlen: the fused route's forward launch, U not stored, k at its H heads and
-    G read in place of Ke) likewise."""
+    G read in place of Ke) likewise. `w_from_t` (with fused: W and u formed from kernel 0's
+    T^T, v, k, beta and G, not read; reverse_state.py's docstring) likewise."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
     if tuple(head_dims) not in HEAD_DIMS:
@@ -90,10 +92,13 @@ def params_for(
         raise ValueError("forward needs out16")
     if fused and (not forward or varlen):
         raise ValueError("fused needs forward, not varlen")
+    if w_from_t and not fused:
+        raise ValueError("w_from_t needs fused")
     k, v = head_dims
     key = {"dtype": dtype, "k": k, "v": v, "d_final_state": d_final_state, "dke": dke}
     for name, on in (("channel_decay", channel_decay), ("out16", out16),
-                     ("forward", forward), ("varlen", varlen), ("fused", fused)):  # fmt: skip
+                     ("forward", forward), ("varlen", varlen), ("fused", fused),
+                     ("w_from_t", w_from_t)):  # fmt: skip
         if on:
             key[name] = True
     return tuple(sorted(key.items()))
