@@ -17,8 +17,8 @@ Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 MAX_SEQUENCES = 65535  # the varlen grid is (HV, N): N is gridDim.y
 
 
-def check_inputs(do, pt, ke, qe, w, e_last, d_final_state, u=None,
-                 states: int | None = None, kd: int | None = None) -> tuple[int, int, int, int]:  # fmt: skip
+def check_inputs(do, pt, ke, qe, w, e_last, d_final_state, u=None, states: int | None = None,
+                 kd: int | None = None) -> tuple[int, int, int, int]:  # fmt: skip
     """(B, T, HV, NC) of a valid call, else ValueError / TypeError saying what is off; `states`:
     the state tensors' leading size where it is not B (varlen: N sequences, B = 1); `kd`: K
     where ke is None (the `w_from_t` form: W formed, not read)."""
