@@ -64,6 +64,7 @@ def compile_gdn_bwd_state(params: dict, arch: str = "sm_90a", extra_options: str
     if fused:
         w_tile = fake.rowmajor(dtype, (b, cute.sym_int32(), cute.sym_int32(), kd))
     w_from_t = params.get("w_from_t", False)  # dO's slot v, P^T's T^T, Ke's none; beta
+    g_rows = cute.sym_int32() if w_from_t else t  # G: NC C rows, v: T
     return cute.compile(
         kernel,
         fake.rowmajor(dtype, (b, t, hv, vd)),
@@ -80,7 +81,7 @@ def compile_gdn_bwd_state(params: dict, arch: str = "sm_90a", extra_options: str
         state(),
         fake.offsets() if varlen else None,
         make_fake_tensor(cutlass.Int32, (n,), stride=(1,), assumed_align=4) if varlen else None,
-        fake.rowmajor(f32, (b, t, hv), divisibility=1, align=4) if fused else None,
+        fake.rowmajor(f32, (b, g_rows, hv), divisibility=1, align=4) if fused else None,
         fake.rowmajor(f32, (b, t, hv), divisibility=1, align=4) if w_from_t else None,
         fake.stream(),
         options=fake.options(arch, extra_options),

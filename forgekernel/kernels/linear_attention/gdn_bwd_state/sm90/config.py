@@ -29,11 +29,14 @@ def stage_bytes(
     dke: bool = False,
     channel_decay: bool = False,
     forward: bool = False,
+    w_from_t: bool = False,
 ) -> int:
-    """One ring stage: the five tiles (`forward`: three, P^T and Qe built in), U (C, V) with
-    `dke`, e^(G_C) (K,) fp32 with `channel_decay` (the forward launch's too: Kimi Delta
-    Attention's)."""
-    if forward:
+    """One ring stage: the five tiles (`forward`: three, P^T and Qe built in; `w_from_t`: v,
+    T^T (C, C), k), U (C, V) with `dke`, e^(G_C) (K,) fp32 with `channel_decay` (the forward
+    launch's too: Kimi Delta Attention's)."""
+    if w_from_t:
+        tiles = CHUNK * (v + CHUNK + k) * elem_bytes
+    elif forward:
         tiles = CHUNK * (v + 2 * k) * elem_bytes
     else:
         tiles = CHUNK * (v + CHUNK + 3 * k + (v if dke else 0)) * elem_bytes
@@ -47,12 +50,15 @@ def smem_bytes(
     dke: bool = False,
     channel_decay: bool = False,
     forward: bool = False,
+    w_from_t: bool = False,
 ) -> int:
     """Shared memory of one CTA (the kernel's SharedStorage, alignment padding included): the
-    ring, and with `dke` the chunk-end dS (K, V) in 16 bits that both state warpgroups read."""
+    ring, and with `dke` the chunk-end dS (K, V) in 16 bits that both state warpgroups read
+    (`w_from_t`: -W (C, K) a stage, which the state warpgroups write)."""
     ds = k * v * elem_bytes if dke else 0
-    ring = STAGES * stage_bytes(k, v, elem_bytes, dke, channel_decay, forward)
-    return ring + ds + 2 * STAGES * 8 + 7 * 1024
+    w = STAGES * CHUNK * k * elem_bytes if w_from_t else 0
+    ring = STAGES * stage_bytes(k, v, elem_bytes, dke, channel_decay, forward, w_from_t)
+    return ring + ds + w + 2 * STAGES * 8 + 7 * 1024
 
 
 def params_for(

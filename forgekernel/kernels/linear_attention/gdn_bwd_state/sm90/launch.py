@@ -54,7 +54,8 @@ def check_inputs(do, pt, ke, qe, w, e_last, d_final_state, u=None, states: int |
 
 def check_k_and_g(k: torch.Tensor, big_g: torch.Tensor, do: torch.Tensor) -> None:
     """The `fused` form's W-slot k (B, T', H, K) (T' <= T, the rows past it zero; H
-    dividing HV) and G (B, T, HV) fp32, else ValueError / TypeError."""
+    dividing HV) and G (B, NC C, HV) fp32 (kernel 0's, every chunk's rows: the `w_from_t`
+    form's do, v, has T), else ValueError / TypeError."""
     b, t, hv, _ = do.shape
     if (
         k.dim() != 4
@@ -67,8 +68,9 @@ def check_k_and_g(k: torch.Tensor, big_g: torch.Tensor, do: torch.Tensor) -> Non
                          f"{tuple(k.shape)}")  # fmt: skip
     if k.dtype != do.dtype:
         raise TypeError(f"k must be {do.dtype} (do's dtype), got {k.dtype}")
-    if tuple(big_g.shape) != (b, t, hv) or big_g.dtype != torch.float32:
-        raise ValueError(f"big_g must be float32 {(b, t, hv)}, got {big_g.dtype} "
+    rows = -(-t // CHUNK) * CHUNK  # every chunk's rows: the fused form's do has them already
+    if tuple(big_g.shape) != (b, rows, hv) or big_g.dtype != torch.float32:
+        raise ValueError(f"big_g must be float32 {(b, rows, hv)}, got {big_g.dtype} "
                          f"{tuple(big_g.shape)}")  # fmt: skip
 
 
@@ -150,7 +152,7 @@ def gdn_bwd_state(
     out16 only, the op's device passes). `big_g` (with forward; the op's fused route, the
     `fused` key): U not written, None in its place (`out`'s first entry ignored); w is k
     itself, (B, T' <= T, H, K) at its own heads (value head hv reads hv // (HV / H)), and big_g
-    (B, T, HV) fp32 kernel 0's G of every row (`check_k_and_g`): the kernel forms Ke's decays
+    (B, NC C, HV) fp32 kernel 0's G of every row (`check_k_and_g`): the kernel forms Ke's decays
     on U^T. `beta` (with big_g; the `w_from_t` key, the op's FUSED_WFROMT): W and u not read
     but formed from kernel 0's T^T: do is v itself (B, T, HV, V), pt T^T (B, T, HV, C) (kernel
     0's, cut to T rows), ke None, beta (B, T, HV) (fp32 or 16-bit; read as fp32); U^T = u^T -
