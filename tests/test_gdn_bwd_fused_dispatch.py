@@ -759,3 +759,58 @@ def test_w_from_t_route(kernel_path, monkeypatch, b, h, hv, lens):  # noqa: F811
         assert a.shape == o.shape and torch.isfinite(a).all(), name
         err = float((a.double() - o.double()).abs().max())
         assert err <= 1e-2 * float(o.double().abs().max()) + 1e-5, (name, err)
+
+
+@pytest.mark.parametrize(("b", "h", "hv", "lens"), [(2, 2, 4, [130]), (1, 1, 2, [65]),
+                                                    (1, 2, 4, [1, 63, 64, 65])])  # fmt: skip
+def test_w_from_t_t_only_keys(kernel_path, monkeypatch, b, h, hv, lens):  # noqa: F811
+    """FUSED_WFROMT on, B equal sequences: kernel 0's T-only key (`fused, w_from_t`: no W, u in
+    its dict) and the forward launch's `w_from_t` key (handed v in u's place, T^T cut to T in
+    P^T's, no W, k, G and beta), so no W, u reach any launch; the slot layout (several `lens`)
+    keeps kernel 0's and the forward launch's standard keys (no varlen form) with W, u; off,
+    neither. The gradients within 1e-2 of the switch off (`test_w_from_t_route`'s bound: W, u
+    differ by T's 16-bit rounding; the emulated launch rounds u too)."""
+    t, n = sum(lens), (b if len(lens) == 1 else len(lens))
+    q, k, v, g, beta, do, h0, dht = _bf16_problem(b, t, h, hv, seed=t + 3 * hv)
+    k = (k.float() / k.float().norm(dim=-1, keepdim=True)).bfloat16()
+    kw = {"initial_state": h0, "d_final_state": dht}
+    slots = len(lens) > 1
+    if slots:
+        kw = {"initial_state": h0.expand(n, -1, -1, -1).contiguous(),
+              "d_final_state": dht.expand(n, -1, -1, -1).contiguous(),
+              "cu_seqlens": torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()],
+                                         dtype=torch.int32)}  # fmt: skip
+        monkeypatch.setattr(bwd, "FUSED_SLOTS", True)
+        monkeypatch.setattr(bwd, "_fused_slots_selected", lambda *a: True)
+    monkeypatch.setattr(bwd, "FUSED", True)
+    monkeypatch.setattr(bwd, "_device_sms", lambda device: n * hv)
+    factors, state = bwd._factors, bwd._state_recurrence
+    seen = []
+
+    def factors_seen(*a, **kw):
+        out = factors(*a, **kw)
+        seen.append(("factors", kw.get("w_from_t", False), "w" in out or "u" in out))
+        return out
+
+    def state_seen(do_, pt, ke, qe, w, *a, **kw):
+        t_only = kw.get("beta") is not None
+        if t_only:  # v itself, kernel 0's T^T at T rows, k at its heads, beta as the op's
+            assert do_.data_ptr() == v.data_ptr() and ke is None and w.shape == k.shape
+            assert pt.shape == (*do_.shape[:3], 64) and kw["beta"].shape == beta.shape
+        seen.append(("state", t_only, ke is not None))
+        return state(do_, pt, ke, qe, w, *a, **kw)
+
+    monkeypatch.setattr(bwd, "_factors", factors_seen)
+    monkeypatch.setattr(bwd, "_state_recurrence", state_seen)
+    grads = {}
+    for on in (False, True):
+        seen.clear()
+        monkeypatch.setattr(bwd, "FUSED_WFROMT", on)
+        monkeypatch.setattr(bwd, "_fused_bwd", emulated_fused_kernel([]))
+        grads[on] = forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, **kw)
+        t_only = on and not slots
+        assert seen == [("factors", t_only, not t_only), ("state", t_only, not t_only)], seen
+    for name, a, o in zip(NAMES, grads[True], grads[False]):
+        assert a.shape == o.shape and torch.isfinite(a).all(), name
+        err = float((a.double() - o.double()).abs().max())
+        assert err <= 1e-2 * float(o.double().abs().max()) + 1e-5, (name, err)
