@@ -19,7 +19,23 @@ beta and G, not read; v loaded into the WY u's box and overwritten there.
   "next/gdn-w-from-t"): the same to +3% (2 x 0.52 MMAC more on G2's chain, 16 KB a chunk-head
   less read).
 CPU twins: tests/test_gdn_bwd_fused_compile.py `test_wg_split_w_from_t` (the build),
-tests/test_gdn_bwd_fused_dispatch.py `test_w_from_t_route` (the op's route on an emulation)."""
+tests/test_gdn_bwd_fused_dispatch.py `test_w_from_t_route` (the op's route on an emulation).
+
+Kernel 0's and the forward launch's `w_from_t` keys (next/gdn-w-from-t2; with FUSED_WFROMT on B
+equal sequences, so that W, u never reach HBM):
+- `test_t_only_factors_key`: kernel 0's T-only key (no W, u, v not read): P^T, T^T, e^(G_C), G
+  bit for bit the `fused` key's (the same code for them), NaN-poisoned first.
+- `test_forward_launch_w_from_t`: the forward launch's key (u^T, -W's halves formed by its state
+  warpgroups from T^T, v, k, beta, G), h and the final state NaN-poisoned, against the `fused`
+  key fed the model's W, u (16-bit u: 1e-2 of each max) and against the fp64 recurrence on the
+  model's products from the same 16-bit T^T (`_forward_fp64`: 1e-2 of each max).
+- `test_through_the_op` also checks the route's keys: kernel 0 T-only and the forward launch
+  handed beta on B sequences; the slot layout their standard keys (`test_varlen_slots`).
+- `test_call_time` (printed, `-s`): the op's eager call with FUSED_WFROMT off / on at 4 x 8192
+  h16 hv32 and 1 x 8192 h16 hv32 bf16 (the fused rules as they are: 1 x 8192 is not on the
+  fused route, so on = off there up to noise), the gradients compared first. Predicted (NOTES
+  "next/gdn-w-from-t2"): 4 x 8192 -0.05 to -0.2 ms (kernel 0 -48 KB a chunk-head of its ~80,
+  the forward launch -8 KB and +1.05 MMAC a step, the fused kernel's `wg_split, w_from_t`)."""
 
 from __future__ import annotations
 
@@ -30,8 +46,11 @@ import torch
 from test_gdn_bwd_fused_gpu import _fused_kernel_args, _poisoned, _route, _run
 from test_gdn_bwd_kernel_path_gpu import NAMES, _close, _problem, _reference
 
+from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90 import launch as factors_launch
 from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90 import launch as fused_launch
-from forgekernel.reference.gdn_bwd_factors import w_u_from_t
+from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90 import launch as state_launch
+from forgekernel.reference.gdn_bwd_factors import for_kernel2, forward_launch_tiles, w_u_from_t
+from forgekernel.reference.gdn_bwd_state import CHUNK, decayed_keys, to_chunks
 from forgekernel.runtime.timing import median, time_ms
 
 pytestmark = pytest.mark.gpu
@@ -82,11 +101,27 @@ def test_key_against_the_split_key(dtype, with_dht, b, t, h, hv, pair):
           f"W, u / kernel 0's: {shown}")  # fmt: skip
 
 
-def _w_from_t_route(monkeypatch):
+def _w_from_t_route(monkeypatch, keys=None):
     """FUSED, FUSED_SLOTS and FUSED_WFROMT on, both fused rules forced; each fused launch
     checked for its `wg_split, w_from_t` form (no W, no u) and run with its outputs
-    NaN-poisoned. Records (do's shape, tokens, group_sum) a launch."""
+    NaN-poisoned. Records (do's shape, tokens, group_sum) a launch; `keys` (a list): kernel 0's
+    and the forward launch's forms, ("factors", w_from_t, W / u written) and ("state", beta
+    handed, W read) a launch."""
     calls = []
+    if keys is not None:
+        factors, state = bwd._factors, bwd._state_recurrence
+
+        def factors_seen(*a, **kw):
+            out = factors(*a, **kw)
+            keys.append(("factors", kw.get("w_from_t", False), "w" in out or "u" in out))
+            return out
+
+        def state_seen(*a, **kw):
+            keys.append(("state", kw.get("beta") is not None, a[2] is not None))
+            return state(*a, **kw)
+
+        monkeypatch.setattr(bwd, "_factors", factors_seen)
+        monkeypatch.setattr(bwd, "_state_recurrence", state_seen)
 
     def run(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, out=None, **flags):
         assert u is None and w is None and uw is None and flags.get("wg_split"), flags
@@ -120,11 +155,13 @@ def _w_from_t_route(monkeypatch):
                                                            (3, 1000, 1, 2, False),
                                                            (2, 64, 4, 4, False)])  # fmt: skip
 def test_through_the_op(monkeypatch, dtype, b, t, h, hv, l2norm):
-    calls, real = _w_from_t_route(monkeypatch)
+    keys = []
+    calls, real = _w_from_t_route(monkeypatch, keys)
     q, k, v, g, beta, do, h0, dht = _problem(b, t, h, hv, dtype, seed=t + b, l2norm=l2norm)
     inputs = (q, k, v, g, beta, do)
     got = _run(inputs, h0=h0, dht=dht, l2norm=l2norm)
     assert calls == [((b, t, hv, 128), None, hv == 2 * h)], calls
+    assert keys == [("factors", True, False), ("state", True, False)], keys  # W, u nowhere
     want = _reference(inputs, h0=h0, dht=dht, l2norm=l2norm)
     monkeypatch.setattr(bwd, "FUSED_WFROMT", False)
     monkeypatch.setattr(bwd, "_fused_bwd", real)
@@ -138,7 +175,8 @@ def test_through_the_op(monkeypatch, dtype, b, t, h, hv, l2norm):
 def test_varlen_slots(monkeypatch, lens):
     """Unequal lengths: the slot layout's fused launch (`varlen, wg_split, w_from_t`, v and
     T^T at the slots), token rows."""
-    calls, _ = _w_from_t_route(monkeypatch)
+    keys = []
+    calls, _ = _w_from_t_route(monkeypatch, keys)
     total, n = sum(lens), len(lens)
     q, k, v, g, beta, do, h0, dht = _problem(1, total, 2, 4, torch.bfloat16, seed=n)
     h0, dht = h0.expand(n, -1, -1, -1).contiguous(), dht.expand(n, -1, -1, -1).contiguous()
@@ -147,6 +185,7 @@ def test_varlen_slots(monkeypatch, lens):
     inputs = (q, k, v, g, beta, do)
     got = _run(inputs, h0=h0, dht=dht, l2norm=False, cu=cu)
     assert len(calls) == 1 and calls[0][1] is not None, calls
+    assert keys == [("factors", False, True), ("state", False, True)], keys  # no varlen form
     want = _reference(inputs, h0=h0, dht=dht, l2norm=False, cu=cu)
     for name, a, r in zip(NAMES, got, want):
         _close(name, a, r)
@@ -172,3 +211,110 @@ def test_time(pair):
     print(f"\nGDN fused backward 4 x 8192 h16 hv32 bf16 (u_from_h, wg_split, group_sum={pair}),"
           f" W, u read / formed (w_from_t): {ms['read']:.3f} / {ms['formed']:.3f} ms "
           f"({ms['read'] / ms['formed']:.3f}x)")  # fmt: skip
+
+
+# ---- kernel 0's and the forward launch's `w_from_t` keys (next/gdn-w-from-t2)
+
+T_ONLY_CASES = [(1, 1, 1, 1), (2, 63, 2, 4), (1, 65, 1, 2), (3, 1000, 2, 2), (2, 130, 4, 8)]
+
+
+def _t_only(problem):
+    """Kernel 0's `fused, w_from_t` key on `problem`, its outputs NaN-poisoned first."""
+    q, k, v, g, beta = problem[:5]
+    out = factors_launch.empty_outputs(q, v, fused=True, w_from_t=True)
+    for x in out.values():
+        x.fill_(float("nan"))
+    return factors_launch.gdn_bwd_factors(q, k, v, g, beta, fused=True, w_from_t=True, out=out)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("b", "t", "h", "hv"), T_ONLY_CASES)
+def test_t_only_factors_key(dtype, b, t, h, hv):
+    problem, tiles, _, _ = _route(b, t, h, hv, dtype, seed=t + 11 * hv)
+    got = _t_only(problem)
+    assert set(got) == set(tiles[True]) - {"w", "u"}
+    for name, x in got.items():
+        assert torch.equal(x, tiles[True][name]), name
+
+
+def _forward_fp64(tt, k, v, beta, big_g, h0):
+    """The forward recurrence in fp64 on the model's W, u from the 16-bit T^T (unrounded A
+    operands): S = h0, per chunk h = S, U = u - W S, S <- e^(G_C) S + (K e^(G_C - G))^T U.
+    Returns (h (B, NC, HV, K, V), the final state)."""
+    t = v.shape[1]
+    nc = -(-t // CHUNK)
+    w, u = w_u_from_t(tt.double(), k.double(), v.double(), beta, big_g[:, :t])
+    wc, uc = (to_chunks(x, nc) for x in (w, u))
+    kc = decayed_keys(k, big_g).unflatten(1, (nc, CHUNK)).transpose(2, 3)
+    e_c = big_g.double().unflatten(1, (nc, CHUNK))[:, :, -1].exp()  # (B, NC, HV)
+    s = h0.double()
+    hs = []
+    for c in range(nc):
+        hs.append(s)
+        big_u = uc[:, c] - wc[:, c] @ s
+        s = e_c[:, c, :, None, None] * s + kc[:, c].transpose(-1, -2) @ big_u
+    return torch.stack(hs, 1), s
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("b", "t", "h", "hv"), T_ONLY_CASES)
+def test_forward_launch_w_from_t(dtype, b, t, h, hv):
+    problem, tiles, _, launch = _route(b, t, h, hv, dtype, seed=t + 13 * hv)
+    q, k, v, g, beta, do, h0, dht = problem
+    t_only = _t_only(problem)
+    wide = beta.float().contiguous()
+    fw = forward_launch_tiles(t_only, identity=False, k=k, v=v, beta=wide)
+    out = state_launch.empty_outputs(v, k.shape[-1], out16=True, fused=True)
+    for x in out[1:]:
+        x.fill_(float("nan"))
+    _, h16, final = state_launch.gdn_bwd_state(
+        *(fw[n] for n in ("do", "pt", "ke", "qe", "w")), fw["e_last"], h0, out=out, out16=True,
+        forward=True, big_g=t_only["big_g"], beta=fw["beta"],
+    )  # fmt: skip
+    # the `fused` key fed the model's W, u (16-bit; zero rows past T, as kernel 0 writes them)
+    k2 = for_kernel2(t_only, t)
+    model = w_u_from_t(k2["tt"], k, v, wide, k2["big_g"])
+    fed_tiles = dict(t_only)
+    for name, x in zip(("w", "u"), model):
+        fed_tiles[name] = x.new_zeros(b, t_only["big_g"].shape[1], hv, x.shape[-1])
+        fed_tiles[name][:, :t] = x
+    fed = forward_launch_tiles(fed_tiles, identity=False, k=k)
+    _, h_fed, final_fed = state_launch.gdn_bwd_state(
+        *(fed[n] for n in ("do", "pt", "ke", "qe", "w")), fed["e_last"], h0, out16=True,
+        forward=True, big_g=fed["big_g"],
+    )  # fmt: skip
+    h64, final64 = _forward_fp64(k2["tt"], k, v, wide, t_only["big_g"], h0)
+    errs = {"h": (_near("h", h16, h_fed), _near("h vs fp64", h16, h64)),
+            "final": (_near("final", final, final_fed),
+                      _near("final vs fp64", final, final64))}  # fmt: skip
+    shown = {n: f"{e[0]:.1e} / {e[1]:.1e}" for n, e in errs.items()}
+    print(f"\nforward launch w_from_t {dtype} {(b, t, h, hv)}, max err / max against the `fused` "
+          f"key fed the model's W, u / fp64: {shown}")  # fmt: skip
+
+
+@pytest.mark.parametrize(("b", "t"), [(4, 8192), (1, 8192)])
+def test_call_time(monkeypatch, b, t):
+    """The op's eager backward call (l2norm off, h0 and dht given) at B x 8192 h16 hv32 bf16,
+    FUSED_WFROMT off / on, the fused rules as they are (4 x 8192: the fused route, `wg_split,
+    w_from_t, group_sum` with the T-only kernel 0 and the `w_from_t` forward launch on; 1 x
+    8192: not the fused route, the switch changes nothing); the gradients compared first (1e-2
+    of each max); printed."""
+    monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
+    monkeypatch.delenv(bwd.FUSED_SWITCH, raising=False)
+    q, k, v, g, beta, do, h0, dht = _problem(b, t, 16, 32, torch.bfloat16, seed=17)
+    inputs = (q, k, v, g, beta, do)
+    grads, ms = {}, {}
+    for on in (False, True):
+        monkeypatch.setattr(bwd, "FUSED_WFROMT", on)
+        grads[on] = _run(inputs, h0=h0, dht=dht, l2norm=False)
+    for name, a, o in zip(NAMES, grads[True], grads[False]):
+        _near(name + " on vs off", a, o)
+    del grads
+    for on in (False, True, False, True):  # interleaved: drift shows as off != off
+        monkeypatch.setattr(bwd, "FUSED_WFROMT", on)
+        ms.setdefault(on, []).append(median(time_ms(
+            lambda: _run(inputs, h0=h0, dht=dht, l2norm=False), reps=10)))  # fmt: skip
+    off, on = min(ms[False]), min(ms[True])
+    print(f"\nGDN backward call {b} x {t} h16 hv32 bf16 eager, FUSED_WFROMT off / on: "
+          f"{off:.3f} / {on:.3f} ms ({on - off:+.3f} ms, {off / on:.3f}x); each of two runs: "
+          f"off {ms[False]}, on {ms[True]}")  # fmt: skip
