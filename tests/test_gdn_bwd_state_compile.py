@@ -307,7 +307,7 @@ def test_w_from_t_forward_launch(compiled16, name):
     5); one named barrier a chunk (Bar.STATE, 256: both halves in place), the only one; the
     same stores (h, the final state), registers at launch, setmaxnreg split, no spill; shared
     memory +16 KB (ring 2 x 40 KB, -W 2 x 16 KB), within config's bound; the state region
-    under its 232 (cu13, 2026-12-07: R0-R227 bf16, R0-R223 fp16, R0-R214 with dht; `fused`
+    under its 232 (cu13, 2026-12-07: R0-R229 without dht, R0-R214 with it, both dtypes; `fused`
     R0-R213, R0-R215 with dht)."""
     res, instrs, smem = compiled16(name + "_wfromt")
     base_res, base_instrs, base_smem = compiled16(name + "_fused")

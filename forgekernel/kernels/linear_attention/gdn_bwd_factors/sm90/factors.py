@@ -29,8 +29,8 @@ gated_delta_rule_bwd.py FUSED_WFROMT, off): no W and no u either (kernel 1's for
 the fused kernel form both from T^T, their `w_from_t` keys): the T-only form (gdn_t_pre_sm90's
 analogue for the backward, P^T beside it): v not loaded (load groups k, q), warpgroup 1 the
 gates, A, T and T^T, warpgroup 2 P^T alone (no BAR_T: nothing after the inverse reads T but
-T^T's store); writes P^T, T^T, e^(G_C), G (16 of 48 KB of tiles a chunk-head, reads 16 of 48
-KB less v's 16 KB: 32 KB).
+T^T's store); writes P^T, T^T, e^(G_C), G: 16 KB of tiles a chunk-head (48 with W, u), and
+reads q, k only (v's 16 KB not).
 
 Warp roles (3 warpgroups, 384 threads, no setmaxnreg: under the launch's 168 registers a
 thread; NOTES "GDN backward factors kernel on two math warpgroups": 1.06x the one-math-warpgroup

@@ -538,9 +538,11 @@ class GdnBwdStateSm90:
             g_tok = None
             if const_expr(self.fused):  # loaded here, used after the first product
                 g_tok = self._token_gates(acc_du, mma_ks, mG, b, c, hv)
+            e_tok = None  # w_from_t: loaded here too (under the ring's wait), used first
+            if const_expr(self.w_from_t):
+                e_tok = self._token_betas(mma_ks, mBeta, g_tok[1], b, c, hv, seqlen)
             ring.consumer_wait(st)
             if const_expr(self.w_from_t):  # u^T into acc_du, -W's half into sKe
-                e_tok = self._token_betas(mma_ks, mBeta, g_tok[1], b, c, hv, seqlen)
                 self._w_and_u(mma_ks, mma_half, acc_du, tDOrDO, e_tok, sDOt, sPT, sW, sKe, w,
                               st.index)  # fmt: skip
             acc_to_operand_a(acc_ds, tDSrDS)
