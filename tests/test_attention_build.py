@@ -389,7 +389,8 @@ def test_wg3_candidates_are_keys_only_when_on():
 
 # Built 2026-12-07 (CPU, cu13): 128 registers at entry (setmaxnreg 160 a consumer thread, D =
 # 64's 192-row build the same), no spill; the 128-key 192-row D = 96 tile spills 96 bytes (30
-# LDL, 48 STL), hence 112 / 96 keys. HGMMA sites: 39 at 112 keys, 36 at 96; MUFU.EX2 174 / 150.
+# LDL, 48 STL), hence 112 / 96 keys. HGMMA sites: 39 at 112 keys (2 or 3 stages), 36 at 96;
+# MUFU.EX2 174 / 150.
 @pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
 @pytest.mark.slow
 @pytest.mark.parametrize(

@@ -273,9 +273,9 @@ GRID_TIMED = {
 # D = 128 non-causal `wave0`: rule 8's) standard builds.
 #
 # D = 96 on 192-row tiles (three consumer warpgroups: WG3_CANDIDATES, docs/attention/NOTES.md
-# "next/attn-fwd-gap (2026-12-07)"): `wg3` (112 keys a tile, 2 stages) and `wg3_n96s3` (96, 3)
-# on the unmoved GQA-4 s8192 causal case, `wg3_wave0` (112, 2, in sections: the rule's order)
-# beside `was` on the two D = 96 cases rules 2 and 3 moved.
+# "next/attn-fwd-gap (2026-12-07)"): `wg3` (112 keys a tile, 2 stages), `wg3_s3` (112, 3) and
+# `wg3_n96s3` (96, 3) on the unmoved GQA-4 s8192 causal case, `wg3_wave0` (112, 2, in sections:
+# the rule's order) beside `was` on the two D = 96 cases rules 2 and 3 moved.
 WAS: dict[str, Any] = {}
 CONFIG_CANDIDATES: dict[str, dict[str, dict[str, Any]]] = {
     "d192": {
@@ -284,8 +284,12 @@ CONFIG_CANDIDATES: dict[str, dict[str, dict[str, Any]]] = {
         "dyn_sec12": {"dynamic": True, "l2_kv_mib": 12},
     },
     "moved": {"was": WAS},
-    "moved-d96": {"was": WAS, "wg3_wave0": WG3_CANDIDATES[2][2]},
-    "d96": {"wg3": WG3_CANDIDATES[0][2], "wg3_n96s3": WG3_CANDIDATES[1][2]},
+    "moved-d96": {"was": WAS, "wg3_wave0": WG3_CANDIDATES[3][2]},
+    "d96": {
+        "wg3": WG3_CANDIDATES[0][2],
+        "wg3_s3": WG3_CANDIDATES[1][2],
+        "wg3_n96s3": WG3_CANDIDATES[2][2],
+    },
     "global-full": {"wave0": {"wave_kv_mib": 0}},
     "global-causal": {
         "wave0": {"wave_kv_mib": 0},

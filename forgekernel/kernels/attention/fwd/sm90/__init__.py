@@ -116,10 +116,11 @@ L2_CANDIDATES = (
 # for D = 64; docs/attention/NOTES.md "next/attn-fwd-gap (2026-12-07)"): the suite's slowest
 # case, b2 hq32 hkv8 s8192 D = 96 causal, runs 0.896x FA4 on 128-row tiles, compute-bound. With
 # P in registers a 128-key tile spills at 160 registers a thread (96 bytes), so the keys a tile
-# drop to 112 (2 stages) or 96 (3 stages); in sections (`wave_kv_mib` 0) for the two D = 96
+# drop to 112 (2 or 3 stages) or 96 (3 stages); in sections (`wave_kv_mib` 0) for the two D = 96
 # classes FIXED_RULES moves (rules 2 and 3). (head_dim, causal, knobs) as L2_CANDIDATES.
 WG3_CANDIDATES = (
     (96, True, {"tile_m": 192, "tile_n": 112}),
+    (96, True, {"tile_m": 192, "tile_n": 112, "stages": 3}),
     (96, True, {"tile_m": 192, "tile_n": 96, "stages": 3}),
     (96, True, {"tile_m": 192, "tile_n": 112, "wave_kv_mib": 0}),
     (96, False, {"tile_m": 192, "tile_n": 112, "wave_kv_mib": 0}),
