@@ -298,6 +298,36 @@ def test_forward_launch_w_from_t(dtype, b, t, h, hv, with_h0):
           f"the `fused` key fed the model's W, u / fp64: {shown}")  # fmt: skip
 
 
+@pytest.mark.parametrize("with_h0", [True, False], ids=["h0", "no_h0"])
+def test_forward_launch_time(with_h0):
+    """4 x 8192 h16 hv32 bf16: the forward launch's `fused` key (kernel 0's W, u read) against
+    its `w_from_t` key (formed), with and without an initial state (no_h0: the keys whose
+    HGMMAs ptxas serialized before next/wft-review; `test_call_time` runs the h0 keys only),
+    printed; h compared first (1e-2 of its max)."""
+    problem, tiles, _, _ = _route(4, 8192, 16, 32, torch.bfloat16, seed=19)
+    q, k, v, g, beta, do, h0, dht = problem
+    h0 = h0 if with_h0 else None
+    t_only = _t_only(problem)
+    formed = forward_launch_tiles(t_only, identity=False, k=k, v=v,
+                                  beta=beta.float().contiguous())  # fmt: skip
+    read = forward_launch_tiles(tiles[True], identity=False, k=k)
+    names = ("do", "pt", "ke", "qe", "w")
+    runs = {
+        "read": lambda: state_launch.gdn_bwd_state(
+            *(read[n] for n in names), read["e_last"], h0, out16=True, forward=True,
+            big_g=read["big_g"]),
+        "formed": lambda: state_launch.gdn_bwd_state(
+            *(formed[n] for n in names), formed["e_last"], h0, out16=True, forward=True,
+            big_g=t_only["big_g"], beta=formed["beta"]),
+    }  # fmt: skip
+    h = {key: run()[1] for key, run in runs.items()}
+    _near("h", h["formed"], h["read"])
+    ms = {key: median(time_ms(run, reps=10)) for key, run in runs.items()}
+    print(f"\nGDN forward launch 4 x 8192 h16 hv32 bf16 h0={with_h0}, W, u read (`fused`) / "
+          f"formed (`w_from_t`): {ms['read']:.3f} / {ms['formed']:.3f} ms "
+          f"({ms['read'] / ms['formed']:.3f}x)")  # fmt: skip
+
+
 @pytest.mark.parametrize(("b", "t"), [(4, 8192), (1, 8192)])
 def test_call_time(monkeypatch, b, t):
     """The op's eager backward call (l2norm off, h0 and dht given) at B x 8192 h16 hv32 bf16,
