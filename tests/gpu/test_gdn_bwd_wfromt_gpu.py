@@ -324,7 +324,7 @@ def test_forward_launch_time(with_h0):
             big_g=t_only["big_g"], beta=formed["beta"]),
     }  # fmt: skip
     h = {key: run()[1] for key, run in runs.items()}
-    _near("h", h["formed"], h["read"])
+    _near("h", h["formed"], h["read"], 2e-2)  # bf16: `test_forward_launch_w_from_t`'s bound
     ms = {key: median(time_ms(run, reps=10)) for key, run in runs.items()}
     print(f"\nGDN forward launch 4 x 8192 h16 hv32 bf16 h0={with_h0}, W, u read (`fused`) / "
           f"formed (`w_from_t`): {ms['read']:.3f} / {ms['formed']:.3f} ms "
