@@ -528,6 +528,9 @@ def test_wg_split_w_from_t(compiled, dtype, dht, grouped, group_sum, varlen):
     assert count(built.instrs, "STSM") == count(split.instrs, "STSM") + 16
     assert count(regions[g2_regs], "MUFU") == count(split_regions[g2_regs], "MUFU") + 1
     assert count(regions[g2_regs], "BAR") == count(split_regions[g2_regs], "BAR") + 2
+    # the products' own two waits, no more: ptxas did not serialize the HGMMAs (C7520, as it did
+    # the forward launch's `w_from_t` key before next/wft-review)
+    assert count(built.instrs, "WARPGROUP.DEPBAR") == count(split.instrs, "WARPGROUP.DEPBAR") + 2
     assert count(built.instrs, "UTMALDG") == count(split.instrs, "UTMALDG") - 2
     assert count(built.instrs, "SYNCS.EXCH.64") == count(split.instrs, "SYNCS.EXCH.64") - 1
 

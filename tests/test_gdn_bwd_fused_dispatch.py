@@ -728,6 +728,55 @@ def test_w_u_from_t_model():
         assert bool((err <= ulp + 2e-3 * float(r.double().abs().max())).all()), name
 
 
+def _forward_rounded(tt, k, v, beta, big_g, h0, rnd):
+    """The forward launch's `w_from_t` recurrence at its rounding points (`rnd`: to the 16-bit
+    dtype; the identity: tests/gpu/test_gdn_bwd_wfromt_gpu.py `_forward_fp64`), fp64 sums: u
+    = T rnd(diag(beta) V) (u^T's A, V^T diag beta), -W = rnd(-(rnd(T diag(beta e^G)) K)), S's
+    operand and h rnd(S), U's decayed columns rounded -> (h (B, NC, HV, K, V), final)."""
+    from forgekernel.reference.gdn_bwd_state import CHUNK, to_chunks
+
+    t, hv = v.shape[1], v.shape[2]
+    nc = -(-t // CHUNK)
+    tri = to_chunks(tt.double(), nc).transpose(-1, -2)  # T
+    kc = to_chunks(k.double().repeat_interleave(hv // k.shape[2], dim=2), nc)
+    vc, bc = to_chunks(v.double(), nc), to_chunks(beta.double(), nc)
+    gc = big_g.double().unflatten(1, (nc, CHUNK)).permute(0, 1, 3, 2)  # (B, NC, HV, C)
+    s, hs = h0.double(), []
+    for c in range(nc):
+        u = tri[:, c] @ rnd(bc[:, c].unsqueeze(-1) * vc[:, c])
+        w_neg = rnd(-(rnd(tri[:, c] * (bc[:, c] * gc[:, c].exp()).unsqueeze(-2)) @ kc[:, c]))
+        hs.append(rnd(s))
+        decay = (gc[:, c, :, -1:] - gc[:, c]).exp().unsqueeze(-1)
+        big_u = rnd((u + w_neg @ hs[-1]) * decay)
+        s = gc[:, c, :, -1].exp()[..., None, None] * s + kc[:, c].transpose(-1, -2) @ big_u
+    return torch.stack(hs, 1), s
+
+
+@pytest.mark.parametrize(("b", "t", "h", "hv"), [(2, 130, 4, 8), (1, 1000, 1, 2)])
+def test_w_from_t_forward_rounding(b, t, h, hv):
+    """The forward launch's `w_from_t` key's roundings (bf16) against fp64 on the GPU test's
+    problem form (unit keys, log-sigmoid gates): h and the final state within half the GPU
+    test's bf16 bound (2e-2 of each max; measured 4.8e-3 / 4.1e-3 and 4.3e-3 / 3.2e-3 here,
+    2026-12-07): the bound's margin, next/wft-review."""
+    from forgekernel.reference.gdn_bwd_factors import factors_model, for_kernel2, rounding_to
+
+    gen = torch.Generator().manual_seed(t + hv)
+    q = torch.randn(b, t, h, 128, generator=gen).bfloat16()
+    k = torch.nn.functional.normalize(torch.randn(b, t, h, 128, generator=gen), dim=-1)
+    k, v = k.bfloat16(), torch.randn(b, t, hv, 128, generator=gen).bfloat16()
+    g = torch.nn.functional.logsigmoid(torch.randn(b, t, hv, generator=gen) + 2.0)
+    beta = torch.sigmoid(torch.randn(b, t, hv, generator=gen))
+    h0 = torch.randn(b, hv, 128, 128, generator=gen) * 0.1
+    tiles = factors_model(*(x.double() for x in (q, k, v, g, beta)), torch.bfloat16,
+                          rounding=rounding_to(torch.bfloat16))  # fmt: skip
+    tt, big_g = for_kernel2(tiles, t)["tt"], tiles["big_g"].float()
+    got = _forward_rounded(tt, k, v, beta, big_g, h0, rounding_to(torch.bfloat16))
+    want = _forward_rounded(tt, k, v, beta, big_g, h0, lambda x: x)
+    for name, a, r in zip(("h", "final"), got, want):
+        err = float((a - r).abs().max()) / float(r.abs().max())
+        assert err < 1e-2, (name, err)
+
+
 @pytest.mark.parametrize(("b", "h", "hv", "lens"), [(2, 2, 4, [130]), (1, 1, 2, [65]),
                                                     (1, 2, 4, [1, 63, 64, 65])])  # fmt: skip
 def test_w_from_t_route(kernel_path, monkeypatch, b, h, hv, lens):  # noqa: F811

@@ -541,13 +541,21 @@ class GdnBwdStateSm90:
             e_tok = None  # w_from_t: loaded here too (under the ring's wait), used first
             if const_expr(self.w_from_t):
                 e_tok = self._token_betas(mma_ks, mBeta, g_tok[1], b, c, hv, seqlen)
+            if const_expr(self.w_from_t):
+                # S^T's A operand and 16-bit h before the ring's wait and the formation: after
+                # the formation ptxas serialized every HGMMA of the key without dht (C7520,
+                # "compiler-inserted WG.AR in divergent path": 20 of 20 waited, R229; here 3
+                # of 20, R222 with and without dht; cu13, 2026-12-07)
+                acc_to_operand_a(acc_ds, tDSrDS)
+                self._store_state16(tDSrDS, thr_st, mDh[b, c, hv, None, None], w)
             ring.consumer_wait(st)
             if const_expr(self.w_from_t):  # u^T into acc_du, -W's half into sKe
                 self._w_and_u(mma_ks, mma_half, acc_du, tDOrDO, e_tok, sDOt, sPT, sW, sKe, w,
                               st.index)  # fmt: skip
-            acc_to_operand_a(acc_ds, tDSrDS)
-            if const_expr(self.out16):  # dS, 16-bit: the A operand's registers, no 2nd copy
-                self._store_state16(tDSrDS, thr_st, mDh[b, c, hv, None, None], w)
+            else:
+                acc_to_operand_a(acc_ds, tDSrDS)
+                if const_expr(self.out16):  # dS, 16-bit: the A operand's registers, no 2nd copy
+                    self._store_state16(tDSrDS, thr_st, mDh[b, c, hv, None, None], w)
             if const_expr(self.w_from_t):  # both halves of -W in place: U^T = u^T - S^T W^T
                 both.arrive_and_wait()
                 gemm(mma_ks, acc_du, tDSrDS, tBrKe[None, None, None, st.index], False, -1)
