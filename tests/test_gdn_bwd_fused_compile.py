@@ -306,8 +306,10 @@ def test_group_sum(compiled, dtype, dht, u_from_h):
 
 # ---- `varlen, group_sum` (next/gdn-bwd-slots-groupsum: the pair on the slot walk)
 
+# The candidate keys' compiles (`varlen, group_sum`, `wg_split` and its forms) run under -m slow
+# only: CI's ten minutes (docs/PENDING.md, 2026-12-07 04:20); the standard keys' stay in CI.
 VARLEN_GROUP_SUM = [
-    (config.DTYPES[1], True, True),
+    pytest.param(config.DTYPES[1], True, True, marks=pytest.mark.slow),
     pytest.param(config.DTYPES[0], False, False, marks=pytest.mark.slow),
 ]
 
@@ -359,7 +361,7 @@ def test_varlen_group_sum(compiled, dtype, dht, u_from_h):
 
 # ---- `wg_split` (next/gdn-bwd-wgsplit: S, G1, G2 and warpgroup 0, 512 threads)
 
-WG_SPLIT = [(config.DTYPES[1], False, True, True),
+WG_SPLIT = [pytest.param(config.DTYPES[1], False, True, True, marks=pytest.mark.slow),
             pytest.param(config.DTYPES[1], True, False, False, marks=pytest.mark.slow),
             pytest.param(config.DTYPES[0], True, True, True, marks=pytest.mark.slow)]  # fmt: skip
 
@@ -418,7 +420,7 @@ def test_wg_split(compiled, dtype, dht, grouped, u_from_h):
 
 # ---- `wg_split, group_sum` (next/wgsplit-groupsum: the pair's exchanges on the split)
 
-WG_SPLIT_GROUP_SUM = [(config.DTYPES[1], False, True, False),
+WG_SPLIT_GROUP_SUM = [pytest.param(config.DTYPES[1], False, True, False, marks=pytest.mark.slow),
                       pytest.param(config.DTYPES[0], True, False, False, marks=pytest.mark.slow),
                       pytest.param(config.DTYPES[1], True, True, True,
                                    marks=pytest.mark.slow)]  # fmt: skip
@@ -479,7 +481,8 @@ def test_wg_split_group_sum(compiled, dtype, dht, u_from_h, varlen):
 
 # ---- `wg_split, w_from_t` (next/gdn-w-from-t: W, u formed by G2 from T^T, k, v)
 
-WG_SPLIT_W_FROM_T = [(config.DTYPES[1], False, True, False, False),
+WG_SPLIT_W_FROM_T = [pytest.param(config.DTYPES[1], False, True, False, False,
+                                  marks=pytest.mark.slow),
                      pytest.param(config.DTYPES[0], True, False, False, False,
                                   marks=pytest.mark.slow),
                      pytest.param(config.DTYPES[1], True, True, True, False,
