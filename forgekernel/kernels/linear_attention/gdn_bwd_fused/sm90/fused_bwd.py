@@ -726,14 +726,9 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             # waits here too: not a phase of DS_READY (G1 and the finish warps would wait for
             # this warpgroup's later arrival there)
             du_ready.arrive_and_wait()
-            tid = opaque_tid_x() % WG
-            t0, row_w, _ = softmax.acc_coords(mma_w, tid, (CHUNK, self.k))
-            last = cutlass.min(first + CHUNK, seqlen) - 1
-            e_g, e_end = self._row_decays(mG, t0, row_w, first, seqlen, b, hv, sG[last - first])
-            qa = rows_cols(acc_q)
-            for r in cutlass.range_constexpr(cute.size(qa, mode=[0])):
-                for j in cutlass.range_constexpr(cute.size(qa, mode=[1])):
-                    qa[r, j] = qa[r, j] * e_g[r]
+            tid, t0, row_w, e_g, e_end = self._decayed_rows(
+                mma_w, acc_q, mG, sG, first, seqlen, b, hv
+            )
             tQrK = wg_q.make_fragment_B(wg_q.partition_B(transposed(sK)))
             gemm(mma_q, acc_q, tQrP, tQrK[None, None, None, 0], False, 0)
             dg = self._row_dots(acc_q, mma_w, sQ, tid)
@@ -780,6 +775,20 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             cute.arch.mbarrier_arrive(empty)
 
     @cute.jit
+    def _decayed_rows(self, mma_w, acc_q, mG, sG, first, seqlen, b, hv):
+        """dqe's start, S's and G2's alike: this thread's (tid, t0, row_w) of the (CHUNK, K)
+        accumulator, its rows' decays (e_g, e_end: `_row_decays`) in the chunk at `first`, and
+        acc_q's rows (dO h) scaled by e_g in place."""
+        tid = opaque_tid_x() % WG
+        t0, row_w, _ = softmax.acc_coords(mma_w, tid, (CHUNK, self.k))
+        last = cutlass.min(first + CHUNK, seqlen) - 1
+        e_g, e_end = self._row_decays(mG, t0, row_w, first, seqlen, b, hv, sG[last - first])
+        qa = rows_cols(acc_q)
+        for r in cutlass.range_constexpr(cute.size(qa, mode=[0])):
+            for j in cutlass.range_constexpr(cute.size(qa, mode=[1])):
+                qa[r, j] = qa[r, j] * e_g[r]
+        return tid, t0, row_w, e_g, e_end
+
     def _w_and_u(self, wy, sK, sW, sUw, full, par, own):
         """`w_from_t`, G2: W = [T diag(beta e^G)] K into the W box and u = [T diag(beta)] V
         over v in the WY u's box (kernel 0's products: T read from the T^T box (16-bit, kernel
@@ -996,14 +1005,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         acc_q = cute.make_rmem_tensor(wg_w.partition_shape_C((CHUNK, self.k)), Float32)
         cute.arch.mbarrier_wait(full + 2, par)  # h
         gemm(mma_w, acc_q, tArDO[None, None, None, 0], tBrH[None, None, None, 0], True, 0)
-        tid = opaque_tid_x() % WG
-        t0, row_w, _ = softmax.acc_coords(mma_w, tid, (CHUNK, self.k))
-        last = cutlass.min(first + CHUNK, seqlen) - 1
-        e_g, e_end = self._row_decays(mG, t0, row_w, first, seqlen, b, hv, sG[last - first])
-        qa = rows_cols(acc_q)
-        for r in cutlass.range_constexpr(cute.size(qa, mode=[0])):
-            for j in cutlass.range_constexpr(cute.size(qa, mode=[1])):
-                qa[r, j] = qa[r, j] * e_g[r]
+        tid, t0, row_w, e_g, e_end = self._decayed_rows(mma_w, acc_q, mG, sG, first, seqlen, b, hv)
         # S's dPD, dPD^T in shared memory; S has read dO, q, U: dk's stash and dw may go there
         s_done.arrive_and_wait()
         if const_expr(pair is not None):  # dO read by S and G (dqe waited): the peer may write
