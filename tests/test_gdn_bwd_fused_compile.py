@@ -99,6 +99,11 @@ def _regions(instrs) -> dict[int, list]:
     return out
 
 
+def _count(instrs, prefix) -> int:
+    """Instructions of `instrs` whose opcode starts with `prefix`."""
+    return sum(op.startswith(prefix) for op, _ in instrs)
+
+
 def _max_register(instrs) -> int:
     return max([int(r) for _, a in instrs for r in re.findall(r"\bR(\d+)\b", a)] + [0])
 
@@ -278,20 +283,17 @@ def test_group_sum(compiled, dtype, dht, u_from_h):
     s_regs, g_regs = config.REGS[1], config.REGS[2]
     assert _max_register(regions[s_regs]) == _max_register(base_regions[s_regs])
 
-    def count(instrs, prefix):
-        return sum(op.startswith(prefix) for op, _ in instrs)
-
     for prefix in ("HGMMA", "UTMALDG", "STSM", "MUFU"):
-        assert count(built.instrs, prefix) == count(base.instrs, prefix), prefix
+        assert _count(built.instrs, prefix) == _count(base.instrs, prefix), prefix
     per_exchange = 128 * 64 // (4 * config.THREADS_PER_WG)  # 16-byte groups a sending thread
-    assert count(regions[g_regs], "STAS.128") == 2 * per_exchange == count(built.instrs, "STAS")
-    assert (count(regions[g_regs], "LDS.128") - count(base_regions[g_regs], "LDS.128")
+    assert _count(regions[g_regs], "STAS.128") == 2 * per_exchange == _count(built.instrs, "STAS")
+    assert (_count(regions[g_regs], "LDS.128") - _count(base_regions[g_regs], "LDS.128")
             == 2 * per_exchange)  # fmt: skip
-    assert count(built.instrs, "SYNCS.ARRIVE.TRANS64.RED") == 2
-    assert count(built.instrs, "SYNCS.EXCH.64") == (count(base.instrs, "SYNCS.EXCH.64")
+    assert _count(built.instrs, "SYNCS.ARRIVE.TRANS64.RED") == 2
+    assert _count(built.instrs, "SYNCS.EXCH.64") == (_count(base.instrs, "SYNCS.EXCH.64")
                                                     + config.PAIR_BARRIERS)  # fmt: skip
-    assert count(built.instrs, "UCGABAR_ARV") == count(built.instrs, "UCGABAR_WAIT") == 1
-    assert count(base.instrs, "UCGABAR") == 0 and count(built.instrs, "MEMBAR.ALL.GPU") == 0
+    assert _count(built.instrs, "UCGABAR_ARV") == _count(built.instrs, "UCGABAR_WAIT") == 1
+    assert _count(base.instrs, "UCGABAR") == 0 and _count(built.instrs, "MEMBAR.ALL.GPU") == 0
 
     def bars(instrs):
         return sorted(a.strip() for op, a in instrs if op.startswith("BAR"))
@@ -338,18 +340,15 @@ def test_varlen_group_sum(compiled, dtype, dht, u_from_h):
     s_regs, g_regs = config.REGS[1], config.REGS[2]
     assert _max_register(regions[s_regs]) == _max_register(base_regions[s_regs])
 
-    def count(instrs, prefix):
-        return sum(op.startswith(prefix) for op, _ in instrs)
-
     for prefix in ("HGMMA", "UTMALDG", "STSM", "MUFU"):
-        assert count(built.instrs, prefix) == count(base.instrs, prefix), prefix
+        assert _count(built.instrs, prefix) == _count(base.instrs, prefix), prefix
     g_pair = _regions(pair.instrs)[g_regs]
     for prefix in ("STAS", "LDS.128"):
-        assert count(regions[g_regs], prefix) == count(g_pair, prefix), prefix
+        assert _count(regions[g_regs], prefix) == _count(g_pair, prefix), prefix
     for prefix in ("SYNCS.ARRIVE.TRANS64.RED", "SYNCS.EXCH.64", "UCGABAR", "MEMBAR"):
-        assert count(built.instrs, prefix) == count(pair.instrs, prefix), prefix
-    assert count(built.instrs, "LDG.E") == count(base.instrs, "LDG.E")
-    assert count(built.instrs, "LDG.E") == count(pair.instrs, "LDG.E") + 13
+        assert _count(built.instrs, prefix) == _count(pair.instrs, prefix), prefix
+    assert _count(built.instrs, "LDG.E") == _count(base.instrs, "LDG.E")
+    assert _count(built.instrs, "LDG.E") == _count(pair.instrs, "LDG.E") + 13
 
     def bars(instrs):
         return sorted(a.strip() for op, a in instrs if op.startswith("BAR"))
@@ -391,21 +390,18 @@ def test_wg_split(compiled, dtype, dht, grouped, u_from_h):
     for regs in config.SPLIT_REGS:
         assert _max_register(regions[regs]) < regs
 
-    def count(instrs, prefix):
-        return sum(op.startswith(prefix) for op, _ in instrs)
-
     for prefix in ("HGMMA", "UTMALDG", "SYNCS.EXCH", "STSM.16.MT88"):
-        assert count(built.instrs, prefix) == count(base.instrs, prefix), prefix
-    assert count(built.instrs, "STSM.16.M88") == count(base.instrs, "STSM.16.M88") - 4
+        assert _count(built.instrs, prefix) == _count(base.instrs, prefix), prefix
+    assert _count(built.instrs, "STSM.16.M88") == _count(base.instrs, "STSM.16.M88") - 4
     s_regs, g1_regs, g2_regs = config.SPLIT_REGS[1:]
     moved = 24  # dqe 8, dPD k 4, dke 8, dPD^T q 4
-    assert count(regions[s_regs], "HGMMA.64x64x16") == 0
-    assert count(regions[s_regs], "HGMMA.64x128x16") == 16
-    assert count(regions[g2_regs], "HGMMA.64x64x16") == 16
-    assert count(regions[g2_regs], "HGMMA.64x128x16") == moved + (8 if u_from_h else 0)
+    assert _count(regions[s_regs], "HGMMA.64x64x16") == 0
+    assert _count(regions[s_regs], "HGMMA.64x128x16") == 16
+    assert _count(regions[g2_regs], "HGMMA.64x64x16") == 16
+    assert _count(regions[g2_regs], "HGMMA.64x128x16") == moved + (8 if u_from_h else 0)
     g = base_regions[config.REGS[2]]
-    assert count(regions[g1_regs], "HGMMA.64x64x16") == count(g, "HGMMA.64x64x16")
-    assert count(regions[g1_regs], "HGMMA.64x128x16") == count(g, "HGMMA.64x128x16") - moved
+    assert _count(regions[g1_regs], "HGMMA.64x64x16") == _count(g, "HGMMA.64x64x16")
+    assert _count(regions[g1_regs], "HGMMA.64x128x16") == _count(g, "HGMMA.64x128x16") - moved
     ids = {a.replace(" ", "") for op, a in built.instrs if op.startswith("BAR") and "," in a}
     want = {(Bar.MATH, 128), (Bar.FINISH, 192), (Bar.FINISH_WARPS, 64), (Bar.DS_READY, 320),
             (Bar.DU_READY, 384), (Bar.DH_FREE, 448), (Bar.S_DONE, 256), (Bar.STATE, 128),
@@ -450,24 +446,21 @@ def test_wg_split_group_sum(compiled, dtype, dht, u_from_h, varlen):
     for regs in config.SPLIT_PAIR_REGS:
         assert _max_register(regions[regs]) < regs
 
-    def count(instrs, prefix):
-        return sum(op.startswith(prefix) for op, _ in instrs)
-
     for prefix in ("HGMMA", "UTMALDG", "STSM", "MUFU"):
-        assert count(built.instrs, prefix) == count(split.instrs, prefix), prefix
+        assert _count(built.instrs, prefix) == _count(split.instrs, prefix), prefix
     per_exchange = 128 * 64 // (4 * config.THREADS_PER_WG)  # 16-byte groups a sending thread
     _, s_regs, g1_regs, g2_regs = config.SPLIT_PAIR_REGS
     _, s_split, g1_split, g2_split = config.SPLIT_REGS
     for regs, was in ((g1_regs, g1_split), (g2_regs, g2_split)):
-        assert count(regions[regs], "STAS.128") == per_exchange
-        assert (count(regions[regs], "LDS.128") - count(split_regions[was], "LDS.128")
+        assert _count(regions[regs], "STAS.128") == per_exchange
+        assert (_count(regions[regs], "LDS.128") - _count(split_regions[was], "LDS.128")
                 == per_exchange)  # fmt: skip
-        assert count(regions[regs], "HGMMA") == count(split_regions[was], "HGMMA")
-    assert count(regions[s_regs], "HGMMA") == count(split_regions[s_split], "HGMMA")
-    assert count(built.instrs, "STAS") == 2 * per_exchange
+        assert _count(regions[regs], "HGMMA") == _count(split_regions[was], "HGMMA")
+    assert _count(regions[s_regs], "HGMMA") == _count(split_regions[s_split], "HGMMA")
+    assert _count(built.instrs, "STAS") == 2 * per_exchange
     for prefix in ("SYNCS.ARRIVE.TRANS64.RED", "SYNCS.EXCH.64", "UCGABAR", "MEMBAR"):
-        assert count(built.instrs, prefix) == count(pair.instrs, prefix), prefix
-    assert count(built.instrs, "MEMBAR.ALL.GPU") == 0
+        assert _count(built.instrs, prefix) == _count(pair.instrs, prefix), prefix
+    assert _count(built.instrs, "MEMBAR.ALL.GPU") == 0
 
     def bars(instrs):
         return sorted(a.replace(" ", "") for op, a in instrs if op.startswith("BAR"))
@@ -517,25 +510,22 @@ def test_wg_split_w_from_t(compiled, dtype, dht, grouped, group_sum, varlen):
     for r in regs:
         assert _max_register(regions[r]) < r
 
-    def count(instrs, prefix):
-        return sum(op.startswith(prefix) for op, _ in instrs)
-
     _, s_regs, g1_regs, g2_regs = regs
-    assert (count(regions[g2_regs], "HGMMA.64x128x16")
-            == count(split_regions[g2_regs], "HGMMA.64x128x16") + 8)  # fmt: skip
-    assert count(regions[g2_regs], "HGMMA.64x64x16") == count(split_regions[g2_regs],
+    assert (_count(regions[g2_regs], "HGMMA.64x128x16")
+            == _count(split_regions[g2_regs], "HGMMA.64x128x16") + 8)  # fmt: skip
+    assert _count(regions[g2_regs], "HGMMA.64x64x16") == _count(split_regions[g2_regs],
                                                               "HGMMA.64x64x16")  # fmt: skip
     for r in (s_regs, g1_regs):
-        assert count(regions[r], "HGMMA") == count(split_regions[r], "HGMMA")
-    assert count(regions[g2_regs], "STSM") == count(split_regions[g2_regs], "STSM") + 16
-    assert count(built.instrs, "STSM") == count(split.instrs, "STSM") + 16
-    assert count(regions[g2_regs], "MUFU") == count(split_regions[g2_regs], "MUFU") + 1
-    assert count(regions[g2_regs], "BAR") == count(split_regions[g2_regs], "BAR") + 2
+        assert _count(regions[r], "HGMMA") == _count(split_regions[r], "HGMMA")
+    assert _count(regions[g2_regs], "STSM") == _count(split_regions[g2_regs], "STSM") + 16
+    assert _count(built.instrs, "STSM") == _count(split.instrs, "STSM") + 16
+    assert _count(regions[g2_regs], "MUFU") == _count(split_regions[g2_regs], "MUFU") + 1
+    assert _count(regions[g2_regs], "BAR") == _count(split_regions[g2_regs], "BAR") + 2
     # the products' own two waits, no more: ptxas did not serialize the HGMMAs (C7520, as it did
     # the forward launch's `w_from_t` key before next/wft-review)
-    assert count(built.instrs, "WARPGROUP.DEPBAR") == count(split.instrs, "WARPGROUP.DEPBAR") + 2
-    assert count(built.instrs, "UTMALDG") == count(split.instrs, "UTMALDG") - 2
-    assert count(built.instrs, "SYNCS.EXCH.64") == count(split.instrs, "SYNCS.EXCH.64") - 1
+    assert _count(built.instrs, "WARPGROUP.DEPBAR") == _count(split.instrs, "WARPGROUP.DEPBAR") + 2
+    assert _count(built.instrs, "UTMALDG") == _count(split.instrs, "UTMALDG") - 2
+    assert _count(built.instrs, "SYNCS.EXCH.64") == _count(split.instrs, "SYNCS.EXCH.64") - 1
 
     def bar_ids(instrs):
         return {a.replace(" ", "") for op, a in instrs if op.startswith("BAR") and "," in a}
