@@ -789,6 +789,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
                 qa[r, j] = qa[r, j] * e_g[r]
         return tid, t0, row_w, e_g, e_end
 
+    @cute.jit
     def _w_and_u(self, wy, sK, sW, sUw, full, par, own):
         """`w_from_t`, G2: W = [T diag(beta e^G)] K into the W box and u = [T diag(beta)] V
         over v in the WY u's box (kernel 0's products: T read from the T^T box (16-bit, kernel
