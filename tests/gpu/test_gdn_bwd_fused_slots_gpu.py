@@ -23,8 +23,9 @@ FUSED_DIET on and off (the `fused` fixture's `diet_on` / `diet_off` ids; NOTES
 u, W and h) in the slot layout, while the batch key's call also runs kernel 0's and the forward
 launch's `fused` keys (h from k and G): the comparisons against the batch key are then within
 2e-2, bit for bit only with the diet off. FUSED_GROUPSUM off throughout: the yardstick is the
-batch key without `group_sum` (the slot layout has no `group_sum` form; with it the batch call's
-dq, dk are summed in fp32 before their one rounding, not bit for bit the epilogue's sum)."""
+batch key without `group_sum` (with it the batch call's dq, dk are summed in fp32 before their
+one rounding, not bit for bit the epilogue's sum); off, the slot layout takes no pair either
+(its `varlen, group_sum` form, FUSED_SLOTS_GROUPSUM: test_gdn_bwd_slots_groupsum_gpu.py)."""
 
 from __future__ import annotations
 

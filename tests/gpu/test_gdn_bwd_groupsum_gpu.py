@@ -30,7 +30,7 @@ import importlib
 import pytest
 import torch
 from graphs import captured, replay_poisoned
-from test_gdn_bwd_fused_gpu import _fused_kernel_args, _route
+from test_gdn_bwd_fused_gpu import _fused_kernel_args, _poisoned, _route, _run, _varlen_problem
 from test_gdn_bwd_kernel_path_gpu import NAMES, _close, _problem, _reference
 
 import forgekernel
@@ -39,15 +39,6 @@ from forgekernel.runtime.timing import median, time_ms
 
 pytestmark = pytest.mark.gpu
 bwd = importlib.import_module("forgekernel.ops.gated_delta_rule_bwd")
-
-
-def _poisoned(do, u, q, rest, **kw):
-    """The fused launcher with its outputs NaN-filled first (`group_sum` kw: dq, dk at H)."""
-    heads = q.shape[2] if kw.get("group_sum") else None
-    out = fused_launch.empty_outputs(do, q.shape[-1], heads=heads)
-    for x in out:
-        x.fill_(float("nan"))
-    return fused_launch.gdn_bwd_fused(do, u, q, *rest, out=out, **kw)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -104,13 +95,6 @@ def pair(monkeypatch):
     return calls
 
 
-def _run(inputs, *, h0, dht, l2norm, cu=None):
-    q, k, v, g, beta, do = inputs
-    return forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, initial_state=h0,
-                                                 d_final_state=dht, cu_seqlens=cu,
-                                                 use_qk_l2norm_in_kernel=l2norm)  # fmt: skip
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("t", [1, 63, 64, 65, 1000])
 @pytest.mark.parametrize(
@@ -139,13 +123,8 @@ def test_matches_the_fp64_backward_and_the_switch_off(pair, monkeypatch, dtype, 
 def test_varlen(pair, lens, l2norm):
     """cu_seqlens: equal lengths are B sequences (a reshape) on the key; unequal ones run in
     the slot layout (today's path there: no fused launch). Against the fp64 varlen backward."""
-    total, n = sum(lens), len(lens)
-    q, k, v, g, beta, do, h0, dht = _problem(1, total, 2, 4, torch.bfloat16, seed=n,
-                                             l2norm=l2norm)  # fmt: skip
-    h0, dht = h0.expand(n, -1, -1, -1).contiguous(), dht.expand(n, -1, -1, -1).contiguous()
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda",
-                      dtype=torch.int32)  # fmt: skip
-    inputs = (q, k, v, g, beta, do)
+    n = len(lens)
+    inputs, h0, dht, cu = _varlen_problem(lens, seed=n, l2norm=l2norm)
     got = _run(inputs, h0=h0, dht=dht, l2norm=l2norm, cu=cu)
     equal = len(set(lens)) == 1
     assert pair == ([((n, lens[0], 4, 128), True)] if equal else []), pair
