@@ -2,8 +2,7 @@
 resources), once a process; the mbarrier waits read from its SASS (`trywait_offsets`,
 `wait_pin`); the named barriers' sites (`barrier_sites`), the instructions the cubin lists
 as unaligned (`unaligned_offsets`) and the rule between them (`pin_unaligned_barriers`); the
-bar.syncs waited before each one (`waits_before`, racecheck's ordering); each setmaxnreg's
-direction against the launch's register count (`setmaxnreg_wrong_way`)."""
+bar.syncs waited before each one (`waits_before`, racecheck's ordering)."""
 
 from __future__ import annotations
 
@@ -80,22 +79,6 @@ def sass_builder() -> Callable[[KernelSpec, Params], tuple[dict, list[str]]]:
         return found.resources, lines
 
     return sass_of
-
-
-def setmaxnreg_wrong_way(instrs, launch: int) -> list[str]:
-    """The setmaxnreg instructions of `instrs` (SASS (op, args) pairs) whose direction does not
-    fit `launch` (the kernel's registers at the launch, cuobjdump -res-usage): a .dec
-    (USETMAXREG.DEALLOC) to `launch` or more, a .inc (USETMAXREG.TRY_ALLOC) to `launch` or
-    less. A .dec above the warp's count is an illegal instruction on the H100 (CUDA error 715:
-    the fused GDN backward's `wg_split` keys, DEALLOC 0x88 from 128; NOTES "next/ws-illegal")."""
-    out = []
-    for op, a in instrs:
-        if op.startswith("USETMAXREG"):
-            count = int(a.split()[-1], 16)
-            dec = op.startswith("USETMAXREG.DEALLOC")
-            if (dec and count >= launch) or (not dec and count <= launch):
-                out.append(f"{op} {a}")
-    return out
 
 
 def trywait_offsets(instrs) -> list[int]:

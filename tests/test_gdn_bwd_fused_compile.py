@@ -27,7 +27,6 @@ pytest.importorskip("cutlass")
 from cubins import (  # noqa: E402  (tests/ is on the path)
     indirect_targets,
     pin_unaligned_barriers,
-    setmaxnreg_wrong_way,
     unaligned_offsets,
 )
 
@@ -38,7 +37,13 @@ from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.compile import (  #
     kernel_for,
 )
 from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.fused_bwd import Bar  # noqa: E402
-from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_instructions, sass_text  # noqa: E402
+from forgekernel.runtime.resources import (  # noqa: E402
+    find_tool,
+    inspect_cubin,
+    sass_instructions,
+    sass_text,
+    setmaxnreg_wrong_way,
+)
 
 if find_tool("cuobjdump") is None:
     pytest.skip("cuobjdump not found", allow_module_level=True)
