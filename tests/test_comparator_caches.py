@@ -1,8 +1,10 @@
 """scripts/comparator_caches.sh on the CPU: a fake nvidia-smi names the GPU, a fake nvcc the CUDA
-release, fake Triton and TileLang caches stand for the device host's. pack keeps the autotuning
-results, TileLang's compiled kernels (newest first, up to FK_COMPARATOR_CACHE_MB) and the GPU's
+release, fake Triton, TileLang and FlashInfer caches stand for the device host's, a fake flashinfer
+package for its wheel. pack keeps the autotuning results, TileLang's compiled kernels and
+FlashInfer's modules (those two newest first, up to FK_COMPARATOR_CACHE_MB together) and the GPU's
 name, take keeps them per GPU model (a union over calls, cut back to the cap), restore copies the
-matching model's back (TileLang's only under the nvcc release that built them)."""
+matching model's back (the compiled ones only under the nvcc release that built them; FlashInfer's
+nvcc modules as its prebuilt ones, only under the same FlashInfer version)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ def _run(
     cache: Path,
     store: Path,
     tl: Path | None = None,
+    fi: Path | None = None,
+    site: Path | None = None,
     cuda: str = "12.8",
     cap_mb: int | None = None,
 ) -> str:
@@ -41,6 +45,8 @@ def _run(
         TRITON_CACHE_DIR=str(cache),
         FK_DEVICE_CACHE=str(store),
         TILELANG_CACHE_DIR=str(tl or tmp / "no-tilelang"),
+        FLASHINFER_WORKSPACE_BASE=str(fi or tmp / "no-flashinfer"),
+        PYTHONPATH=str(site or tmp / "no-site"),  # where python3 finds the flashinfer package
     )
     if cap_mb is not None:
         env["FK_COMPARATOR_CACHE_MB"] = str(cap_mb)
@@ -131,7 +137,7 @@ def test_tilelang_kernels_round_trip(tmp_path):
     assert {f"tilelang/{NS}/kernels/aa11/{n}" for n in ENTRY} <= names
     assert not any(".staging" in n for n in names)  # a crashed writer's leftovers stay behind
     said = _run(tmp_path, H100, "take", str(out), cache=host, store=store, tl=tl)
-    assert "2 compiled TileLang kernels (3 KB) kept" in said
+    assert "2 compiled TileLang kernels (3 KB), 0 FlashInfer modules (0 KB) kept" in said
     # a fresh host with the same nvcc loads them (the child's TILELANG_CACHE_DIR, below)
     fresh = tmp_path / "fresh-tl"
     said = _run(tmp_path, H100, "restore", cache=tmp_path / "fresh", store=store, tl=fresh)
@@ -186,6 +192,134 @@ def test_tilelang_other_nvcc_replaces_the_store(tmp_path):
     kept = store / "NVIDIA_H100_80GB_HBM3" / "tilelang"
     assert (kept / "cuda.txt").read_text() == "release 13.0\n"
     assert [p.name for p in (kept / NS / "kernels").iterdir()] == ["k130"]
+
+
+FI_OPS = "0.7.2.post1/90a/cached_ops"  # FlashInfer's JIT folder: its version, the card's arch
+PREFILL = "batch_prefill_with_kv_cache_dtype_q_bf16_head_dim_qk_128"  # an nvcc module
+DECODE = "gdn_decode_pretranspose_sm90a_cute_dsl"  # a CuTe DSL module
+
+
+def _fi_cache(base: Path, modules: dict[str, int], age: float = 0.0) -> Path:
+    """A fake FlashInfer JIT cache under base/.cache/flashinfer: per nvcc module its linked .so
+    of `size` bytes beside an object file and ninja's files, per CuTe DSL module (a name ending
+    in _cute_dsl) a kernel .o of `size` bytes, its meta.json and a crashed export's leftover; the
+    modules older in the order given; plus a module whose link never ran and the lock folder."""
+    ops = base / ".cache" / "flashinfer" / FI_OPS
+    now = time.time() - age
+    for i, (name, size) in enumerate(modules.items()):
+        module = ops / name
+        module.mkdir(parents=True)
+        if name.endswith("_cute_dsl"):
+            files = {"decode_b1.o": b"k" * size, "meta.json": b'{"arch": "sm90a"}',
+                     "decode_b1.o.tmp.77": b"half"}  # fmt: skip
+        else:
+            files = {f"{name}.so": b"x" * size, "batch_prefill.cuda.o": b"o" * 5000,
+                     "build.ninja": b"rule", ".ninja_log": b"# ninja log v7"}  # fmt: skip
+        for file, data in files.items():
+            (module / file).write_bytes(data)
+            os.utime(module / file, (now - 60 * i, now - 60 * i))
+    (ops / "unlinked").mkdir(parents=True, exist_ok=True)
+    (ops / "unlinked" / "unlinked.cuda.o").write_bytes(b"o")
+    (ops / "tmp").mkdir(exist_ok=True)
+    (ops / "tmp" / f"{PREFILL}.lock").write_bytes(b"")
+    return base
+
+
+def _fi_site(path: Path, version: str = "0.7.2.post1") -> Path:
+    """A fake flashinfer wheel's package: what restore reads (its folder and _build_meta.py)."""
+    (path / "flashinfer").mkdir(parents=True)
+    (path / "flashinfer" / "__init__.py").write_text("raise ImportError('not to be imported')\n")
+    (path / "flashinfer" / "_build_meta.py").write_text(f'__version__ = "{version}"\n')
+    return path
+
+
+def test_flashinfer_modules_round_trip(tmp_path):
+    fi = _fi_cache(tmp_path / "fi", {PREFILL: 1000, DECODE: 300})
+    out = tmp_path / "out"
+    out.mkdir()
+    store = tmp_path / "store"
+    none = tmp_path / "none"
+    said = _run(tmp_path, H100, "pack", str(out), cache=none, store=store, fi=fi)
+    assert "packed 0 autotuning results, 0 compiled TileLang kernels, 2 FlashInfer modules" in said
+    with tarfile.open(out / "comparator-caches.tar") as t:
+        names = set(t.getnames())
+        assert t.extractfile("flashinfer/cuda.txt").read() == b"release 12.8\n"
+    # the linked module alone, the DSL kernels with their meta.json: no objects, ninja files,
+    # locks, half-written exports or unlinked modules
+    assert names == {"gpu.txt", "flashinfer/cuda.txt",
+                     f"flashinfer/{FI_OPS}/{PREFILL}/{PREFILL}.so",
+                     f"flashinfer/{FI_OPS}/{DECODE}/decode_b1.o",
+                     f"flashinfer/{FI_OPS}/{DECODE}/meta.json"}  # fmt: skip
+    said = _run(tmp_path, H100, "take", str(out), cache=none, store=store)
+    assert "0 compiled TileLang kernels (0 KB), 2 FlashInfer modules (1 KB) kept" in said
+    # a fresh host with the same nvcc and FlashInfer: the nvcc module as FlashInfer's prebuilt
+    # one (loaded without ninja), the DSL module where FlashInfer's JIT looks for it
+    site = _fi_site(tmp_path / "site")
+    fresh = tmp_path / "fresh-fi"
+    said = _run(tmp_path, H100, "restore", cache=none, store=store, fi=fresh, site=site)
+    assert f"restored 2 FlashInfer 0.7.2.post1 modules ({H100}, nvcc release 12.8)" in said
+    aot = site / "flashinfer" / "data" / "aot" / PREFILL / f"{PREFILL}.so"
+    assert aot.read_bytes() == b"x" * 1000
+    ops = fresh / ".cache" / "flashinfer" / FI_OPS
+    assert (ops / DECODE / "decode_b1.o").read_bytes() == b"k" * 300
+    assert (ops / DECODE / "meta.json").is_file() and not (ops / PREFILL).exists()
+    old = fi / ".cache" / "flashinfer" / FI_OPS / DECODE / "decode_b1.o"
+    assert abs((ops / DECODE / "decode_b1.o").stat().st_mtime - old.stat().st_mtime) < 2
+    # another FlashInfer version: its modules are not this one's
+    other_site = _fi_site(tmp_path / "site-0.7.3", "0.7.3")
+    said = _run(tmp_path, H100, "restore", cache=none, store=store, fi=tmp_path / "f2",
+                site=other_site)  # fmt: skip
+    assert "restored 0 FlashInfer 0.7.3 modules" in said
+    assert not (other_site / "flashinfer" / "data").exists() and not (tmp_path / "f2").exists()
+    # another nvcc: its .so may link another libcudart; FlashInfer compiles for itself
+    other_nvcc = _fi_site(tmp_path / "site-13")
+    said = _run(tmp_path, H100, "restore", cache=none, store=store, fi=tmp_path / "f3",
+                site=other_nvcc, cuda="13.0")  # fmt: skip
+    assert "FlashInfer modules built with nvcc release 12.8, this host has release 13.0" in said
+    assert not (other_nvcc / "flashinfer" / "data").exists()
+    # no FlashInfer wheel installed: said, nothing written
+    said = _run(tmp_path, H100, "restore", cache=none, store=store, fi=tmp_path / "f4")
+    assert "no FlashInfer wheel installed here" in said and not (tmp_path / "f4").exists()
+
+
+def test_tilelang_and_flashinfer_share_the_cap(tmp_path):
+    kb = 1024
+    store = tmp_path / "store"
+    none = tmp_path / "none"
+    tl = _tl_cache(tmp_path / "tl", {"new1": 400 * kb, "old3": 400 * kb})  # now, a minute ago
+    for i, (age, dropped) in enumerate(((30, "tilelang old3"), (90, f"flashinfer {PREFILL}"))):
+        out = tmp_path / f"out{i}"
+        out.mkdir()
+        fi = _fi_cache(tmp_path / f"fi{i}", {PREFILL: 400 * kb}, age=age)
+        said = _run(tmp_path, H100, "pack", str(out), cache=none, store=store, tl=tl, fi=fi,
+                    cap_mb=1)  # fmt: skip
+        assert f"dropped {dropped} (400 KB, over 1048576 bytes)" in said
+        assert os.path.getsize(out / "comparator-caches.tar") < 1024 * kb
+    # the store's union cut back to the cap: a later host's newer module pushes out the oldest
+    _run(tmp_path, H100, "take", str(tmp_path / "out0"), cache=none, store=store, cap_mb=1)
+    out = tmp_path / "later"
+    out.mkdir()
+    later = _fi_cache(tmp_path / "fi-later", {DECODE: 400 * kb}, age=-60)
+    _run(tmp_path, H100, "pack", str(out), cache=none, store=store, fi=later, cap_mb=1)
+    said = _run(tmp_path, H100, "take", str(out), cache=none, store=store, cap_mb=1)
+    assert "dropped flashinfer " + PREFILL in said
+    assert "1 compiled TileLang kernels (400 KB), 1 FlashInfer modules (400 KB) kept" in said
+    kept = store / "NVIDIA_H100_80GB_HBM3" / "flashinfer" / FI_OPS
+    assert [p.name for p in kept.iterdir()] == [DECODE]
+
+
+def test_flashinfer_other_nvcc_replaces_the_store(tmp_path):
+    store = tmp_path / "store"
+    for i, cuda in enumerate(("12.8", "13.0")):
+        out = tmp_path / f"out{i}"
+        out.mkdir()
+        fi = _fi_cache(tmp_path / f"fi{i}", {f"{PREFILL}_{i}": 100})
+        _run(tmp_path, H100, "pack", str(out), cache=tmp_path / "none", store=store, fi=fi,
+             cuda=cuda)  # fmt: skip
+        _run(tmp_path, H100, "take", str(out), cache=tmp_path / "none", store=store)
+    kept = store / "NVIDIA_H100_80GB_HBM3" / "flashinfer"
+    assert (kept / "cuda.txt").read_text() == "release 13.0\n"
+    assert [p.name for p in (kept / FI_OPS).iterdir()] == [f"{PREFILL}_1"]
 
 
 def test_sidecar_child_sees_the_restored_caches():
