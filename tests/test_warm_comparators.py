@@ -1,8 +1,10 @@
 """scripts/warm_comparators.py on the CPU: its calls are the bench's first calls in the bench's
 order (the host probe's case, then each bench case once, in the bench dtype), every comparator
-once per case, a raising one named and skipped."""
+once per case (its seconds said), a raising one named and skipped."""
 
 from __future__ import annotations
+
+import re
 
 import torch
 from script_modules import load_script  # tests/ is on the path
@@ -47,6 +49,8 @@ def test_every_comparator_once_per_case(monkeypatch, capsys):
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 2 and all("raised: flashinfer (NotImplementedError)" in ln for ln in out)
     assert [f"; fla ran engine_{n};" in ln for n, ln in zip(calls, out)] == [True, True]
+    # each comparator's seconds, the raising one's too: where a fresh host's first calls go
+    assert all(re.search(r": \d+\.\d s \(fla \d+\.\d, flashinfer \d+\.\d\);", ln) for ln in out)
 
 
 def test_list(capsys):
