@@ -38,16 +38,18 @@
 #     `cute.compile` into a dict of the process (gdn_kernels/delta_rule_dsl/
 #     custom_compile_cache.py; `cute.compile` sets no_cache, so the DSL's own file cache is not
 #     used either): nothing on disk to carry, each process compiles them at its first call.
-#     TileLang's and FlashInfer's entries share one cap: newest first up to FK_COMPARATOR_CACHE_MB
-#     (default 12) MiB a GPU model, in the tar and in the store (the tar comes back as one file of
-#     at most 16 MiB, the store travels with every call that carries it); what does not fit is
-#     named.
+#     Each kind newest first up to its cap a GPU model, in the tar and in the store:
+#     FK_COMPARATOR_CACHE_MB (default 12) MiB of TileLang's kernels, FK_FLASHINFER_CACHE_MB
+#     (default 8) of FlashInfer's modules (apart: a few MB of FlashInfer .so, ~30 s of nvcc each,
+#     would otherwise push out FlashQLA's 0.4 MB kernels, tens of seconds each); what does not fit
+#     is named. The tar comes back gzipped, one file of at most 16 MiB (the main store's 12.9 MB
+#     of TileLang entries: 2.2 MB); the store travels with every call that carries it.
 #
-#   bash scripts/comparator_caches.sh pack OUT      # device: the host's caches -> OUT/comparator-caches.tar
+#   bash scripts/comparator_caches.sh pack OUT      # device: the host's caches -> OUT/comparator-caches.tar.gz
 #   bash scripts/comparator_caches.sh restore       # device: .device-cache/GPU/ -> the Triton, TileLang, FlashInfer caches
-#   bash scripts/comparator_caches.sh take DIR      # here: DIR/comparator-caches.tar -> .device-cache/GPU/ (union)
+#   bash scripts/comparator_caches.sh take DIR      # here: DIR/comparator-caches.tar.gz -> .device-cache/GPU/ (union)
 #
-# .device-cache/ is git-ignored: carry it with the call (`carry: [".device-cache"]`, a few MB).
+# .device-cache/ is git-ignored: carry it with the call (`carry: [".device-cache"]`, <= 20 MB).
 set -uo pipefail
 cmd=${1:?pack OUT | restore | take DIR}
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -55,7 +57,9 @@ triton_cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 tl_cache=${TILELANG_CACHE_DIR:-$HOME/.tilelang/cache}
 fi_cache=${FLASHINFER_WORKSPACE_BASE:-$HOME}/.cache/flashinfer
 store=${FK_DEVICE_CACHE:-$root/.device-cache}
-cap=$(( ${FK_COMPARATOR_CACHE_MB:-12} * 1024 * 1024 ))
+mib=$((1024 * 1024))
+declare -A cap=([tilelang]=$((${FK_COMPARATOR_CACHE_MB:-12} * mib))
+                [flashinfer]=$((${FK_FLASHINFER_CACHE_MB:-8} * mib)))
 
 gpu_slug() {  # "NVIDIA H100 80GB HBM3" -> NVIDIA_H100_80GB_HBM3
   tr -c 'A-Za-z0-9\n' '_' <<< "$1" | head -1
@@ -83,36 +87,31 @@ fi_files() {  # DIR REL -> the files of FlashInfer's module DIR/REL that load on
   fi
 }
 
-entries() {  # KIND DIR -> "mtime bytes KIND path" per entry of KIND (tilelang, flashinfer)
+entries() {  # KIND DIR -> "mtime bytes path" per entry of KIND (tilelang, flashinfer), newest first
   local kind=$1 dir=$2 t rel
   [ -d "$dir" ] || return 0
   if [ "$kind" = tilelang ]; then  # a kernel's folder and its mtime
     (cd "$dir" && find . -mindepth 4 -maxdepth 4 -type d -path './*/*/kernels/*' -printf '%T@ %P\n') \
       | while read -r t rel; do
         find "$dir/$rel" -type f -printf '%s\n' \
-          | awk -v e="$t" -v r="$rel" '{s += $1} END {print e, s + 0, "tilelang", r}'
-      done
+          | awk -v e="$t" -v r="$rel" '{s += $1} END {print e, s + 0, r}'
+      done | sort -rn
   else  # a module's folder, the newest mtime of the files it carries (the tar keeps no folder)
     (cd "$dir" && find . -mindepth 4 -maxdepth 4 -type d -path './*/*/cached_ops/*' -printf '%P\n') \
       | while read -r rel; do
         fi_files "$dir" "$rel" | (cd "$dir" && xargs -r stat -c '%Y %s') | awk -v r="$rel" \
-          '$1 > t {t = $1} {s += $2} END {if (NR) print t, s, "flashinfer", r}'
-      done
+          '$1 > t {t = $1} {s += $2} END {if (NR) print t, s, r}'
+      done | sort -rn
   fi
 }
 
-compiled() {  # TL_DIR FI_DIR -> the entries of both, newest first
-  { entries tilelang "$1"; entries flashinfer "$2"; } | sort -rn
-}
-
-fit() {  # TL_DIR FI_DIR -> "KIND path" of the entries under the cap, newest first (the others:
-  # named on stderr)
-  local total=0 t n kind rel
-  compiled "$1" "$2" | while read -r t n kind rel; do
-    if [ $((total + n)) -le "$cap" ]; then
-      total=$((total + n)); echo "$kind $rel"
+fit() {  # KIND DIR -> the entries (paths) under KIND's cap, newest first; the others named on stderr
+  local total=0 t n rel
+  entries "$1" "$2" | while read -r t n rel; do
+    if [ $((total + n)) -le "${cap[$1]}" ]; then
+      total=$((total + n)); echo "$rel"
     else
-      echo "comparator_caches: dropped $kind ${rel##*/} ($((n / 1024)) KB, over ${cap} bytes)" >&2
+      echo "comparator_caches: dropped $1 ${rel##*/} ($((n / 1024)) KB, over ${cap[$1]} bytes)" >&2
     fi
   done
 }
@@ -136,7 +135,7 @@ restore_flashinfer() {  # SRC GPU NVCC: SRC/<version>/<arch>/cached_ops/* -> thi
     echo "comparator_caches: no FlashInfer wheel installed here: its modules not restored"
     return 0
   fi
-  while read -r _ _ _ rel; do
+  while read -r _ _ rel; do
     [ "${rel%%/*}" = "$version" ] || continue  # another FlashInfer's modules: not this one's
     m=${rel##*/}
     if [ -f "$src/$rel/$m.so" ]; then  # as its prebuilt module: loaded without ninja
@@ -158,30 +157,34 @@ case $cmd in
     printf '%s\n' "$gpu" > "$tmp/gpu.txt"
     : > "$tmp/list"
     [ -d "$triton_cache" ] && (cd "$triton_cache" && find . -name '*.autotune.json') > "$tmp/list"
-    fit "$tl_cache" "$fi_cache" > "$tmp/fit"
-    sed -n 's/^tilelang //p' "$tmp/fit" > "$tmp/tl"
-    sed -n 's/^flashinfer //p' "$tmp/fit" > "$tmp/fi"
-    while read -r rel; do fi_files "$fi_cache" "$rel"; done < "$tmp/fi" > "$tmp/fi-files"
-    if [ -s "$tmp/list" ] || [ -s "$tmp/fit" ]; then
-      tarball=$out/comparator-caches.tar
+    fit tilelang "$tl_cache" > "$tmp/tilelang.list"
+    fit flashinfer "$fi_cache" > "$tmp/flashinfer.list"
+    while read -r rel; do fi_files "$fi_cache" "$rel"; done < "$tmp/flashinfer.list" > "$tmp/fi-files"
+    if [ -s "$tmp/list" ] || [ -s "$tmp/tilelang.list" ] || [ -s "$tmp/flashinfer.list" ]; then
+      tarball=$tmp/comparator-caches.tar
       tar -cf "$tarball" -C "$tmp" gpu.txt || { rm -rf "$tmp"; exit 1; }
       if [ -s "$tmp/list" ]; then
         tar -rf "$tarball" -C "$triton_cache" --transform 's|^\./|triton/|' -T "$tmp/list"
       fi
       for kind in tilelang flashinfer; do  # each with the nvcc release that built it
+        [ -s "$tmp/$kind.list" ] || continue
         mkdir -p "$tmp/$kind" && cuda_release > "$tmp/$kind/cuda.txt"
+        tar -rf "$tarball" -C "$tmp" "$kind/cuda.txt"
       done
-      if [ -s "$tmp/tl" ]; then
-        tar -rf "$tarball" -C "$tmp" tilelang/cuda.txt \
-          && tar -rf "$tarball" -C "$tl_cache" --transform 's|^|tilelang/|' -T "$tmp/tl"
+      if [ -s "$tmp/tilelang.list" ]; then
+        tar -rf "$tarball" -C "$tl_cache" --transform 's|^|tilelang/|' -T "$tmp/tilelang.list"
       fi
-      if [ -s "$tmp/fi" ]; then
-        tar -rf "$tarball" -C "$tmp" flashinfer/cuda.txt \
-          && tar -rf "$tarball" -C "$fi_cache" --transform 's|^|flashinfer/|' -T "$tmp/fi-files"
+      if [ -s "$tmp/fi-files" ]; then
+        tar -rf "$tarball" -C "$fi_cache" --transform 's|^|flashinfer/|' -T "$tmp/fi-files"
       fi
+      gzip -c "$tarball" > "$out/comparator-caches.tar.gz" || { rm -rf "$tmp"; exit 1; }
+      kb=$(( $(stat -c %s "$out/comparator-caches.tar.gz") / 1024 ))
       echo "comparator_caches: packed $(wc -l < "$tmp/list") autotuning results," \
-        "$(wc -l < "$tmp/tl") compiled TileLang kernels, $(wc -l < "$tmp/fi") FlashInfer modules" \
-        "($gpu, $(( $(stat -c %s "$tarball") / 1024 )) KB)"
+        "$(wc -l < "$tmp/tilelang.list") compiled TileLang kernels," \
+        "$(wc -l < "$tmp/flashinfer.list") FlashInfer modules ($gpu, $kb KB gzipped)"
+      if [ "$kb" -gt $((16 * 1024)) ]; then
+        echo "comparator_caches: $kb KB, over the 16 MiB a file that comes back: lower the caps" >&2
+      fi
     fi
     rm -rf "$tmp"
     ;;
@@ -214,8 +217,10 @@ case $cmd in
     fi
     ;;
   take)
-    tarball=${2:?take DIR}/comparator-caches.tar
-    [ -f "$tarball" ] || exit 0
+    dir=${2:?take DIR}
+    # .tar: a call packed by the scripts before 2026-12-07 (tar reads either form)
+    tarball=$(ls "$dir"/comparator-caches.tar.gz "$dir"/comparator-caches.tar 2>/dev/null | head -1)
+    [ -n "$tarball" ] || exit 0
     gpu=$(tar -xOf "$tarball" gpu.txt) || exit 1
     dest=$store/$(gpu_slug "$gpu")
     mkdir -p "$dest"
@@ -226,10 +231,11 @@ case $cmd in
       fi
     done
     tar -xf "$tarball" -C "$dest" --exclude gpu.txt || exit 1
-    # the union, cut back to the cap (oldest out)
-    fit "$dest/tilelang" "$dest/flashinfer" > "$dest/.keep"
-    compiled "$dest/tilelang" "$dest/flashinfer" | while read -r _ _ kind rel; do
-      grep -qxF "$kind $rel" "$dest/.keep" || rm -rf "${dest:?}/$kind/$rel"
+    for kind in tilelang flashinfer; do  # the union, cut back to the cap (oldest out)
+      fit "$kind" "$dest/$kind" > "$dest/.keep"
+      entries "$kind" "$dest/$kind" | while read -r _ _ rel; do
+        grep -qxF "$rel" "$dest/.keep" || rm -rf "${dest:?}/$kind/$rel"
+      done
     done
     rm -f "$dest/.keep"
     echo "comparator_caches: $(find "$dest/triton" -name '*.autotune.json' 2>/dev/null | wc -l) autotuning results," \

@@ -1,13 +1,14 @@
 """scripts/comparator_caches.sh on the CPU: a fake nvidia-smi names the GPU, a fake nvcc the CUDA
 release, fake Triton, TileLang and FlashInfer caches stand for the device host's, a fake flashinfer
 package for its wheel. pack keeps the autotuning results, TileLang's compiled kernels and
-FlashInfer's modules (those two newest first, up to FK_COMPARATOR_CACHE_MB together) and the GPU's
-name, take keeps them per GPU model (a union over calls, cut back to the cap), restore copies the
+FlashInfer's modules (each kind newest first, up to its cap) and the GPU's name, gzipped, take
+keeps them per GPU model (a union over calls, cut back to the cap), restore copies the
 matching model's back (the compiled ones only under the nvcc release that built them; FlashInfer's
 nvcc modules as its prebuilt ones, only under the same FlashInfer version)."""
 
 from __future__ import annotations
 
+import gzip
 import os
 import subprocess
 import tarfile
@@ -32,6 +33,7 @@ def _run(
     site: Path | None = None,
     cuda: str = "12.8",
     cap_mb: int | None = None,
+    fi_cap_mb: int | None = None,
 ) -> str:
     bin_dir = tmp / f"bin-{gpu.replace(' ', '_')}-{cuda}"
     bin_dir.mkdir(exist_ok=True)
@@ -50,6 +52,8 @@ def _run(
     )
     if cap_mb is not None:
         env["FK_COMPARATOR_CACHE_MB"] = str(cap_mb)
+    if fi_cap_mb is not None:
+        env["FK_FLASHINFER_CACHE_MB"] = str(fi_cap_mb)
     done = subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True,
                           text=True, check=True)  # fmt: skip
     return done.stdout + done.stderr
@@ -71,7 +75,7 @@ def test_pack_take_restore_round_trip(tmp_path):
     store = tmp_path / "store"
     said = _run(tmp_path, H100, "pack", str(out), cache=host, store=store)
     assert "packed 2 autotuning results" in said
-    with tarfile.open(out / "comparator-caches.tar") as t:
+    with tarfile.open(out / "comparator-caches.tar.gz") as t:
         names = sorted(t.getnames())
     assert names == ["gpu.txt", "triton/k1/chunk_fwd.autotune.json", "triton/k2/bwd.autotune.json"]
     said = _run(tmp_path, H100, "take", str(out), cache=host, store=store)
@@ -99,7 +103,7 @@ def test_nothing_to_pack_or_take(tmp_path):
     store = tmp_path / "store"
     empty = _host_cache(tmp_path / "host", {"k1/x.cubin": "binary"})
     assert _run(tmp_path, H100, "pack", str(out), cache=empty, store=store) == ""
-    assert not (out / "comparator-caches.tar").exists()
+    assert not (out / "comparator-caches.tar.gz").exists()
     assert _run(tmp_path, H100, "take", str(out), cache=empty, store=store) == ""
     assert _run(tmp_path, H100, "restore", cache=tmp_path / "none", store=store) == ""
 
@@ -131,7 +135,7 @@ def test_tilelang_kernels_round_trip(tmp_path):
     store = tmp_path / "store"
     said = _run(tmp_path, H100, "pack", str(out), cache=host, store=store, tl=tl)
     assert "packed 1 autotuning results, 2 compiled TileLang kernels" in said
-    with tarfile.open(out / "comparator-caches.tar") as t:
+    with tarfile.open(out / "comparator-caches.tar.gz") as t:
         names = set(t.getnames())
         assert t.extractfile("tilelang/cuda.txt").read() == b"release 12.8\n"
     assert {f"tilelang/{NS}/kernels/aa11/{n}" for n in ENTRY} <= names
@@ -164,7 +168,7 @@ def test_tilelang_cap_newest_first(tmp_path):
     said = _run(tmp_path, H100, "pack", str(out), cache=tmp_path / "none", store=store, tl=tl,
                 cap_mb=1)  # fmt: skip
     assert "2 compiled TileLang kernels" in said and "dropped tilelang old3" in said
-    with tarfile.open(out / "comparator-caches.tar") as t:
+    with tarfile.open(out / "comparator-caches.tar.gz") as t:
         keys = {n.split("/")[4] for n in t.getnames() if n.count("/") >= 5}
     assert keys == {"new1", "mid2"}
     _run(tmp_path, H100, "take", str(out), cache=tmp_path / "none", store=store, cap_mb=1)
@@ -241,7 +245,7 @@ def test_flashinfer_modules_round_trip(tmp_path):
     none = tmp_path / "none"
     said = _run(tmp_path, H100, "pack", str(out), cache=none, store=store, fi=fi)
     assert "packed 0 autotuning results, 0 compiled TileLang kernels, 2 FlashInfer modules" in said
-    with tarfile.open(out / "comparator-caches.tar") as t:
+    with tarfile.open(out / "comparator-caches.tar.gz") as t:
         names = set(t.getnames())
         assert t.extractfile("flashinfer/cuda.txt").read() == b"release 12.8\n"
     # the linked module alone, the DSL kernels with their meta.json: no objects, ninja files,
@@ -282,30 +286,56 @@ def test_flashinfer_modules_round_trip(tmp_path):
     assert "no FlashInfer wheel installed here" in said and not (tmp_path / "f4").exists()
 
 
-def test_tilelang_and_flashinfer_share_the_cap(tmp_path):
+def test_flashinfer_cap_apart_from_tilelang(tmp_path):
     kb = 1024
     store = tmp_path / "store"
     none = tmp_path / "none"
     tl = _tl_cache(tmp_path / "tl", {"new1": 400 * kb, "old3": 400 * kb})  # now, a minute ago
-    for i, (age, dropped) in enumerate(((30, "tilelang old3"), (90, f"flashinfer {PREFILL}"))):
-        out = tmp_path / f"out{i}"
-        out.mkdir()
-        fi = _fi_cache(tmp_path / f"fi{i}", {PREFILL: 400 * kb}, age=age)
-        said = _run(tmp_path, H100, "pack", str(out), cache=none, store=store, tl=tl, fi=fi,
-                    cap_mb=1)  # fmt: skip
-        assert f"dropped {dropped} (400 KB, over 1048576 bytes)" in said
-        assert os.path.getsize(out / "comparator-caches.tar") < 1024 * kb
-    # the store's union cut back to the cap: a later host's newer module pushes out the oldest
-    _run(tmp_path, H100, "take", str(tmp_path / "out0"), cache=none, store=store, cap_mb=1)
-    out = tmp_path / "later"
+    modules = {f"{PREFILL}_new": 400 * kb, f"{PREFILL}_mid": 400 * kb, f"{PREFILL}_old": 400 * kb}
+    fi = _fi_cache(tmp_path / "fi", modules, age=-30)  # newer than TileLang's, one by one older
+    out = tmp_path / "out"
     out.mkdir()
-    later = _fi_cache(tmp_path / "fi-later", {DECODE: 400 * kb}, age=-60)
-    _run(tmp_path, H100, "pack", str(out), cache=none, store=store, fi=later, cap_mb=1)
-    said = _run(tmp_path, H100, "take", str(out), cache=none, store=store, cap_mb=1)
-    assert "dropped flashinfer " + PREFILL in said
-    assert "1 compiled TileLang kernels (400 KB), 1 FlashInfer modules (400 KB) kept" in said
+    said = _run(tmp_path, H100, "pack", str(out), cache=none, store=store, tl=tl, fi=fi,
+                cap_mb=1, fi_cap_mb=1)  # fmt: skip
+    # FlashInfer's newer modules do not push TileLang's kernels out: each kind its own cap
+    assert f"dropped flashinfer {PREFILL}_old (400 KB, over 1048576 bytes)" in said
+    assert "2 compiled TileLang kernels, 2 FlashInfer modules" in said and "tilelang" not in said
+    assert os.path.getsize(out / "comparator-caches.tar.gz") < 64 * kb  # 1.6 MB of x, gzipped
+    _run(tmp_path, H100, "take", str(out), cache=none, store=store, cap_mb=1, fi_cap_mb=1)
+    # the store's union cut back to the cap: a later host's newer module pushes out the oldest
+    later = tmp_path / "later"
+    later.mkdir()
+    _run(tmp_path, H100, "pack", str(later), cache=none, store=store, cap_mb=1, fi_cap_mb=1,
+         fi=_fi_cache(tmp_path / "fi-later", {DECODE: 400 * kb}, age=-90))  # fmt: skip
+    said = _run(tmp_path, H100, "take", str(later), cache=none, store=store, cap_mb=1, fi_cap_mb=1)
+    assert f"dropped flashinfer {PREFILL}_mid" in said
+    assert "2 compiled TileLang kernels (800 KB), 2 FlashInfer modules (800 KB) kept" in said
     kept = store / "NVIDIA_H100_80GB_HBM3" / "flashinfer" / FI_OPS
-    assert [p.name for p in kept.iterdir()] == [DECODE]
+    assert sorted(p.name for p in kept.iterdir()) == sorted([DECODE, f"{PREFILL}_new"])
+
+
+def test_pack_says_a_tar_too_big_to_come_back(tmp_path):
+    fi = _fi_cache(tmp_path / "fi", {PREFILL: 1})
+    so = fi / ".cache" / "flashinfer" / FI_OPS / PREFILL / f"{PREFILL}.so"
+    so.write_bytes(os.urandom(17 * 1024 * 1024))  # a cubin gzips to ~1/5; noise does not
+    out = tmp_path / "out"
+    out.mkdir()
+    said = _run(tmp_path, H100, "pack", str(out), cache=tmp_path / "none", store=tmp_path / "s",
+                fi=fi, fi_cap_mb=20)  # fmt: skip
+    assert "over the 16 MiB a file that comes back: lower the caps" in said
+
+
+def test_take_reads_an_earlier_calls_plain_tar(tmp_path):
+    """A call packed by the scripts before 2026-12-07 left comparator-caches.tar, not gzipped."""
+    out = tmp_path / "out"
+    out.mkdir()
+    host = _host_cache(tmp_path / "host", {"k1/f.autotune.json": "{}"})
+    _run(tmp_path, H100, "pack", str(out), cache=host, store=tmp_path / "s0")
+    with gzip.open(out / "comparator-caches.tar.gz") as z:
+        (out / "comparator-caches.tar").write_bytes(z.read())
+    (out / "comparator-caches.tar.gz").unlink()
+    said = _run(tmp_path, H100, "take", str(out), cache=host, store=tmp_path / "store")
+    assert "1 autotuning results" in said
 
 
 def test_flashinfer_other_nvcc_replaces_the_store(tmp_path):
