@@ -41,8 +41,8 @@
 #     Each kind newest first up to its cap a GPU model, in the tar and in the store:
 #     FK_COMPARATOR_CACHE_MB (default 12) MiB of TileLang's kernels, FK_FLASHINFER_CACHE_MB
 #     (default 8) of FlashInfer's modules (apart: a few MB of FlashInfer .so, ~30 s of nvcc each,
-#     would otherwise push out FlashQLA's 0.4 MB kernels, tens of seconds each); what does not fit
-#     is named. The tar comes back gzipped, one file of at most 16 MiB (the main store's 12.9 MB
+#     would otherwise push out several of FlashQLA's ~0.4 MB kernels, whose compiles cost a fresh
+#     host's gdn_bwd 293 s with fla's tuning); what does not fit is named. The tar comes back gzipped, one file of at most 16 MiB (the main store's 12.9 MB
 #     of TileLang entries: 2.2 MB); the store travels with every call that carries it.
 #
 #   bash scripts/comparator_caches.sh pack OUT      # device: the host's caches -> OUT/comparator-caches.tar.gz
