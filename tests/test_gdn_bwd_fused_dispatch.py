@@ -36,6 +36,7 @@ from test_gdn_bwd_kernel_path import (  # noqa: F401  (kernel_path: a fixture)
 import forgekernel
 from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90 import config
 from forgekernel.reference.gdn_bwd_chunk import token_rows_model
+from forgekernel.reference.gdn_bwd_factors import w_u_from_t
 from forgekernel.reference.gdn_bwd_state import u_from_states
 
 bwd = importlib.import_module("forgekernel.ops.gated_delta_rule_bwd")
@@ -50,18 +51,24 @@ def emulated_fused_kernel(calls):
     slot layout) by their varlen forms (kernel 1's walk, kernel 2's `token_rows`); its
     `group_sum` key by kernel 2's fp32 dq, dk summed over each q / k head's two value heads in
     fp32, dq times the scale, rounded once at the H heads (with `varlen`: then at the token
-    rows, `token_rows_model`). Calls recorded as (do's shape, q's
-    heads, dht given, scale, U formed in the kernel), `tokens` appended with varlen,
-    "group_sum" with that key."""
+    rows, `token_rows_model`); w, uw None (`wg_split, w_from_t`): W, u formed from T^T, k, v
+    by `w_u_from_t`. Calls recorded as (do's shape, q's heads, dht given, scale, U formed in
+    the kernel), `tokens` appended with varlen, "group_sum" with that key, "w_from_t" with
+    that one."""
     reverse, chunk = emulated_kernel(), emulated_chunk_wy_kernel()
 
     def run(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, scale=1.0, out=None,
-            cu_seqlens=None, order=None, tables=None, tokens=None, group_sum=False):  # fmt: skip
+            cu_seqlens=None, order=None, tables=None, tokens=None, group_sum=False,
+            wg_split=False):  # fmt: skip
         walk = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens, "order": order}
         rows = {} if tables is None else {"tables": tables, "tokens": tokens, "fsplit": True}
         assert (cu_seqlens is None) == (order is None) == (tables is None) == (tokens is None)
         b, t, hv, _ = do.shape
         nc = -(-t // 64)
+        w_from_t = w is None
+        assert (uw is None) == w_from_t and (not w_from_t or (wg_split and u is None))
+        if w_from_t:  # `wg_split, w_from_t`: W, u formed in the kernel
+            w, uw = w_u_from_t(tt, k, v, beta, big_g)
         for x in (do, pt, tt, w, uw, v) if u is None else (do, u, pt, tt, w, uw, v):
             assert x.stride(-1) == 1 and x.dtype == do.dtype and x.shape[:3] == (b, t, hv)
         assert q.shape == k.shape and q.shape[:2] == (b, t) and hv % q.shape[2] == 0
@@ -69,7 +76,8 @@ def emulated_fused_kernel(calls):
         assert big_g.dtype == beta.dtype == torch.float32 and big_g.shape == beta.shape
         calls.append((tuple(do.shape), q.shape[2], dht is not None, scale, u is None)
                      + (() if tokens is None else (tokens,))
-                     + (("group_sum",) if group_sum else ()))  # fmt: skip
+                     + (("group_sum",) if group_sum else ())
+                     + (("w_from_t",) if w_from_t else ()))  # fmt: skip
         if u is None:  # `u_from_h`
             u = u_from_states(uw, w, h)
         group = hv // q.shape[2]
@@ -113,11 +121,11 @@ def test_the_rule(b, hv, sms, fused):
 
 def test_on_by_default():
     """FUSED, FUSED_DIET; FUSED_SLOTS and FUSED_GROUPSUM since the H100 A/Bs of 2026-12-07
-    (NOTES "next/gdn-bwd-adopt"); FUSED_SLOTS_GROUPSUM off until its device A/B (NOTES
-    "next/gdn-bwd-slots-groupsum")."""
+    (NOTES "next/gdn-bwd-adopt"); FUSED_SLOTS_GROUPSUM and FUSED_WFROMT off until their device
+    A/Bs (NOTES "next/gdn-bwd-slots-groupsum", "next/gdn-w-from-t")."""
     assert bwd.FUSED is True and bwd.FUSED_DIET is True
     assert bwd.FUSED_SLOTS is True and bwd.FUSED_GROUPSUM is True
-    assert bwd.FUSED_SLOTS_GROUPSUM is False
+    assert bwd.FUSED_SLOTS_GROUPSUM is False and bwd.FUSED_WFROMT is False
 
 
 @pytest.mark.parametrize(("b", "t", "h", "hv", "l2norm"), [(1, 130, 2, 2, False),
@@ -698,3 +706,159 @@ def test_launcher_groupsum_checks():
         config.params_for("bfloat16", varlen=True, group_sum=True)
     both = dict(config.params_for("bfloat16", grouped=True, varlen=True, group_sum=True))
     assert both["varlen"] and both["group_sum"]  # `varlen, group_sum` (slots_groupsum)
+
+
+def test_w_u_from_t_model():
+    """`w_u_from_t` (the `w_from_t` key's model: T from kernel 0's 16-bit T^T) against kernel
+    0's model on its exact T (`factors_model`, its A operands rounded to bf16): W and u within
+    two bf16 ulps of each value plus 2e-3 of the tile's max (T's one more rounding)."""
+    from forgekernel.reference.gdn_bwd_factors import factors_model, for_kernel2, rounding_to
+
+    b, t, h, hv = 2, 130, 2, 4
+    q, k, v, g, beta, *_ = _bf16_problem(b, t, h, hv, seed=9)
+    k = (k.float() / k.float().norm(dim=-1, keepdim=True)).bfloat16()
+    tiles = factors_model(*(x.double() for x in (q, k, v, g, beta)), torch.bfloat16,
+                          rounding=rounding_to(torch.bfloat16))  # fmt: skip
+    k2 = for_kernel2(tiles, t)
+    got = w_u_from_t(k2["tt"], k, v, beta.float(), k2["big_g"].float())
+    for name, a, r in zip(("w", "u"), got, (k2["w"], k2["u"])):
+        assert a.dtype == r.dtype == torch.bfloat16 and a.shape == r.shape, name
+        err = (a.double() - r.double()).abs()
+        ulp = 2 * torch.finfo(torch.bfloat16).eps * r.double().abs()
+        assert bool((err <= ulp + 2e-3 * float(r.double().abs().max())).all()), name
+
+
+def _forward_rounded(tt, k, v, beta, big_g, h0, rnd):
+    """The forward launch's `w_from_t` recurrence at its rounding points (`rnd`: to the 16-bit
+    dtype; the identity: tests/gpu/test_gdn_bwd_wfromt_gpu.py `_forward_fp64`), fp64 sums: u
+    = T rnd(diag(beta) V) (u^T's A, V^T diag beta), -W = rnd(-(rnd(T diag(beta e^G)) K)), S's
+    operand and h rnd(S), U's decayed columns rounded -> (h (B, NC, HV, K, V), final)."""
+    from forgekernel.reference.gdn_bwd_state import CHUNK, to_chunks
+
+    t, hv = v.shape[1], v.shape[2]
+    nc = -(-t // CHUNK)
+    tri = to_chunks(tt.double(), nc).transpose(-1, -2)  # T
+    kc = to_chunks(k.double().repeat_interleave(hv // k.shape[2], dim=2), nc)
+    vc, bc = to_chunks(v.double(), nc), to_chunks(beta.double(), nc)
+    gc = big_g.double().unflatten(1, (nc, CHUNK)).permute(0, 1, 3, 2)  # (B, NC, HV, C)
+    s, hs = h0.double(), []
+    for c in range(nc):
+        u = tri[:, c] @ rnd(bc[:, c].unsqueeze(-1) * vc[:, c])
+        w_neg = rnd(-(rnd(tri[:, c] * (bc[:, c] * gc[:, c].exp()).unsqueeze(-2)) @ kc[:, c]))
+        hs.append(rnd(s))
+        decay = (gc[:, c, :, -1:] - gc[:, c]).exp().unsqueeze(-1)
+        big_u = rnd((u + w_neg @ hs[-1]) * decay)
+        s = gc[:, c, :, -1].exp()[..., None, None] * s + kc[:, c].transpose(-1, -2) @ big_u
+    return torch.stack(hs, 1), s
+
+
+@pytest.mark.parametrize(("b", "t", "h", "hv"), [(2, 130, 4, 8), (1, 1000, 1, 2)])
+def test_w_from_t_forward_rounding(b, t, h, hv):
+    """The forward launch's `w_from_t` key's roundings (bf16) against fp64 on the GPU test's
+    problem form (unit keys, log-sigmoid gates): h and the final state within half the GPU
+    test's bf16 bound (2e-2 of each max; measured 4.8e-3 / 4.1e-3 and 4.3e-3 / 3.2e-3 here,
+    2026-12-07): the bound's margin, next/wft-review."""
+    from forgekernel.reference.gdn_bwd_factors import factors_model, for_kernel2, rounding_to
+
+    gen = torch.Generator().manual_seed(t + hv)
+    q = torch.randn(b, t, h, 128, generator=gen).bfloat16()
+    k = torch.nn.functional.normalize(torch.randn(b, t, h, 128, generator=gen), dim=-1)
+    k, v = k.bfloat16(), torch.randn(b, t, hv, 128, generator=gen).bfloat16()
+    g = torch.nn.functional.logsigmoid(torch.randn(b, t, hv, generator=gen) + 2.0)
+    beta = torch.sigmoid(torch.randn(b, t, hv, generator=gen))
+    h0 = torch.randn(b, hv, 128, 128, generator=gen) * 0.1
+    tiles = factors_model(*(x.double() for x in (q, k, v, g, beta)), torch.bfloat16,
+                          rounding=rounding_to(torch.bfloat16))  # fmt: skip
+    tt, big_g = for_kernel2(tiles, t)["tt"], tiles["big_g"].float()
+    got = _forward_rounded(tt, k, v, beta, big_g, h0, rounding_to(torch.bfloat16))
+    want = _forward_rounded(tt, k, v, beta, big_g, h0, lambda x: x)
+    for name, a, r in zip(("h", "final"), got, want):
+        err = float((a - r).abs().max()) / float(r.abs().max())
+        assert err < 1e-2, (name, err)
+
+
+def _w_from_t_problem(monkeypatch, b, h, hv, lens, seed):
+    """The FUSED_WFROMT tests' bf16 problem (k unit rows) and call keywords on the fused route:
+    B equal sequences, or several `lens` behind cu_seqlens on the slot layout (FUSED_SLOTS
+    selected); the device's SMs set so the fused route takes it. -> (q, k, v, g, beta, do, the
+    call's keywords)."""
+    t, n = sum(lens), (b if len(lens) == 1 else len(lens))
+    q, k, v, g, beta, do, h0, dht = _bf16_problem(b, t, h, hv, seed=seed)
+    k = (k.float() / k.float().norm(dim=-1, keepdim=True)).bfloat16()
+    kw = {"initial_state": h0, "d_final_state": dht}
+    if len(lens) > 1:
+        kw = {"initial_state": h0.expand(n, -1, -1, -1).contiguous(),
+              "d_final_state": dht.expand(n, -1, -1, -1).contiguous(),
+              "cu_seqlens": torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()],
+                                         dtype=torch.int32)}  # fmt: skip
+        monkeypatch.setattr(bwd, "FUSED_SLOTS", True)
+        monkeypatch.setattr(bwd, "_fused_slots_selected", lambda *a: True)
+    monkeypatch.setattr(bwd, "FUSED", True)
+    monkeypatch.setattr(bwd, "_device_sms", lambda device: n * hv)
+    return q, k, v, g, beta, do, kw
+
+
+@pytest.mark.parametrize(("b", "h", "hv", "lens"), [(2, 2, 4, [130]), (1, 1, 2, [65]),
+                                                    (1, 2, 4, [1, 63, 64, 65])])  # fmt: skip
+def test_w_from_t_route(kernel_path, monkeypatch, b, h, hv, lens):  # noqa: F811
+    """FUSED_WFROMT on (with FUSED_DIET): the fused launch handed no W, no u and `wg_split`
+    (its `wg_split, w_from_t` key; at HV = 2 H with `group_sum`; several `lens`: the slot
+    layout, FUSED_SLOTS); the gradients within 1e-2 of FUSED_WFROMT off (W, u differ by T's
+    16-bit rounding)."""
+    q, k, v, g, beta, do, kw = _w_from_t_problem(monkeypatch, b, h, hv, lens, seed=sum(lens) + hv)
+    grads = {}
+    for on in (False, True):
+        calls = []
+        monkeypatch.setattr(bwd, "FUSED_WFROMT", on)
+        monkeypatch.setattr(bwd, "_fused_bwd", emulated_fused_kernel(calls))
+        grads[on] = forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, **kw)
+        assert len(calls) == 1 and (calls[0][-1] == "w_from_t") == on, calls
+    for name, a, o in zip(NAMES, grads[True], grads[False]):
+        assert a.shape == o.shape and torch.isfinite(a).all(), name
+        err = float((a.double() - o.double()).abs().max())
+        assert err <= 1e-2 * float(o.double().abs().max()) + 1e-5, (name, err)
+
+
+@pytest.mark.parametrize(("b", "h", "hv", "lens"), [(2, 2, 4, [130]), (1, 1, 2, [65]),
+                                                    (1, 2, 4, [1, 63, 64, 65])])  # fmt: skip
+def test_w_from_t_t_only_keys(kernel_path, monkeypatch, b, h, hv, lens):  # noqa: F811
+    """FUSED_WFROMT on, B equal sequences: kernel 0's T-only key (`fused, w_from_t`: no W, u in
+    its dict) and the forward launch's `w_from_t` key (handed v in u's place, T^T cut to T in
+    P^T's, no W, k, G and beta), so no W, u reach any launch; the slot layout (several `lens`)
+    keeps kernel 0's and the forward launch's standard keys (no varlen form) with W, u; off,
+    neither. The gradients within 1e-2 of the switch off (`test_w_from_t_route`'s bound: W, u
+    differ by T's 16-bit rounding; the emulated launch rounds u too)."""
+    q, k, v, g, beta, do, kw = _w_from_t_problem(
+        monkeypatch, b, h, hv, lens, seed=sum(lens) + 3 * hv
+    )
+    slots = len(lens) > 1
+    factors, state = bwd._factors, bwd._state_recurrence
+    seen = []
+
+    def factors_seen(*a, **kw):
+        out = factors(*a, **kw)
+        seen.append(("factors", kw.get("w_from_t", False), "w" in out or "u" in out))
+        return out
+
+    def state_seen(do_, pt, ke, qe, w, *a, **kw):
+        t_only = kw.get("beta") is not None
+        if t_only:  # v itself, kernel 0's T^T at T rows, k at its heads, beta as the op's
+            assert do_.data_ptr() == v.data_ptr() and ke is None and w.shape == k.shape
+            assert pt.shape == (*do_.shape[:3], 64) and kw["beta"].shape == beta.shape
+        seen.append(("state", t_only, ke is not None))
+        return state(do_, pt, ke, qe, w, *a, **kw)
+
+    monkeypatch.setattr(bwd, "_factors", factors_seen)
+    monkeypatch.setattr(bwd, "_state_recurrence", state_seen)
+    grads = {}
+    for on in (False, True):
+        seen.clear()
+        monkeypatch.setattr(bwd, "FUSED_WFROMT", on)
+        monkeypatch.setattr(bwd, "_fused_bwd", emulated_fused_kernel([]))
+        grads[on] = forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, **kw)
+        t_only = on and not slots
+        assert seen == [("factors", t_only, not t_only), ("state", t_only, not t_only)], seen
+    for name, a, o in zip(NAMES, grads[True], grads[False]):
+        assert a.shape == o.shape and torch.isfinite(a).all(), name
+        err = float((a.double() - o.double()).abs().max())
+        assert err <= 1e-2 * float(o.double().abs().max()) + 1e-5, (name, err)

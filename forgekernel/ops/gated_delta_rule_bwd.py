@@ -406,14 +406,14 @@ def _kernel_path(q, v) -> bool:
             and q.dtype in TILE_DTYPES and v.shape[1] > 0)  # fmt: skip
 
 
-def _factors(q, k, v, g, beta, fused=False):
+def _factors(q, k, v, g, beta, fused=False, w_from_t=False):
     """Kernel 0: the chunk factors of every (chunk, value head) at once (`reference.
     gdn_bwd_factors.NAMES`' dict: the tiles kernel 1's two launches and kernel 2 read) from q
     (scaled, normalized), k (B, T, H, K), v (B, T, HV, V) 16-bit, g, beta (B, T, HV) fp32;
-    `fused` (the fused route's key): no Ke, Qe in the dict. The CPU tests put the tile emulation
-    here."""
+    `fused` (the fused route's key): no Ke, Qe in the dict; `w_from_t` (FUSED_WFROMT's T-only
+    key): no W, u either. The CPU tests put the tile emulation here."""
 
-    return factors_launch.gdn_bwd_factors(q, k, v, g, beta, fused=fused)
+    return factors_launch.gdn_bwd_factors(q, k, v, g, beta, fused=fused, w_from_t=w_from_t)
 
 
 # Kernel 0 forms the chunk factors (with kernel 2's WY variant, which reads its T^T, w, u);
@@ -577,6 +577,21 @@ FUSED_GROUPSUM = True
 # (docs/pending/gdn-bwd-slots-groupsum-probes.txt; adoption rule there and in NOTES).
 FUSED_SLOTS_GROUPSUM = False
 
+# TEMPORARY (next/gdn-w-from-t, next/gdn-w-from-t2; no GPU run yet): the fused kernel's
+# `wg_split, w_from_t` key on the fused route with FUSED_DIET (`u_from_h`), B equal sequences and
+# the slot layout alike: G's chain on two math warpgroups (`wg_split`, a candidate itself) and W
+# = T diag(beta e^G) K, u = T diag(beta) V formed in the kernel from T^T, k, v (its G2), not read
+# (32 KB a chunk-head, v's 16 KB read by TMA in their place). On B equal sequences also kernel
+# 0's and kernel 1's forward launch's `w_from_t` keys: kernel 0 the T-only form (P^T, T^T, G,
+# e^(G_C); no W, u written, v not read: 48 KB a chunk-head), the forward launch forming u^T and
+# W from T^T, v, k, beta, G (reads v 16 + T^T 8 in place of u, W 32): W, u never in HBM
+# (predicted, 4 x 8192 h16 hv32: kernel 0 -0.3 to -0.45 ms, the call -0.3 to -0.5 ms from W, u
+# alone, the split's own change beside it; NOTES "next/gdn-w-from-t2 (2026-12-07)"). In the
+# slot layout kernel 0 and the forward launch keep their standard keys (no varlen form): there
+# only the fused kernel's reads go. Off until its device A/B
+# (docs/pending/gdn-bwd-w-from-t-probes.txt; the rule there).
+FUSED_WFROMT = False
+
 
 def _pair_sums(b: int, h: int, hv: int, device: torch.device, one_pass: bool, slots) -> bool:
     """Whether the device pass of B sequences x HV value heads (H q / k heads) has the fused
@@ -736,8 +751,9 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots
 def _fused_bwd(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, **flags):
     """The fused kernel (kernel 1's reverse recurrence + kernel 2, `gdn_bwd_fused`): (dq, dk,
     dg, dv, dbeta, dh0) (`flags`: scale, out; the slot layout's cu_seqlens, order, tables,
-    tokens; group_sum: dq, dk at the H heads; u None: U = uw - W h formed in the kernel). The
-    CPU tests put an emulation here."""
+    tokens; group_sum: dq, dk at the H heads; u None: U = uw - W h formed in the kernel; w, uw
+    None and wg_split (FUSED_WFROMT): W, u formed in the kernel from T^T, k, v). The CPU tests
+    put an emulation here."""
 
     return fused_launch.gdn_bwd_fused(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, **flags)
 
@@ -756,14 +772,17 @@ def _fused_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots=
     t = qs.shape[1]
     dq_o, dk_o, dv_o, dg_o, dbeta_o, dh0_o = into or (None,) * 6
     batch_diet = FUSED_DIET and slots is None  # kernel 0's and kernel 1's `fused` keys
-    out = _factors(qs, ks, v, g, beta, fused=batch_diet)
-    fw = forward_launch_tiles(out, identity=False, k=ks if batch_diet else None)
-    diet = given(big_g=fw.get("big_g"))
+    t_only = FUSED_WFROMT and batch_diet  # and their `w_from_t` keys: W, u never in HBM
+    out = _factors(qs, ks, v, g, beta, fused=batch_diet, w_from_t=t_only)
+    k2 = for_kernel2(out, t)
+    wide = beta.to(torch.promote_types(beta.dtype, torch.float32))
+    # t_only: v in u's place, T^T in P^T's, no W (formed), beta
+    fw = forward_launch_tiles(out, identity=False, k=ks if batch_diet else None,
+                              **({"v": v, "beta": wide} if t_only else {}))  # fmt: skip
+    diet = given(big_g=fw.get("big_g"), beta=fw.get("beta"))
     u16, h16, _ = _state_recurrence(*(fw[n] for n in ("do", "pt", "ke", "qe", "w")),
                                     fw["e_last"], h0, out16=True, forward=True,
                                     **diet, **state_flags(slots))  # fmt: skip
-    k2 = for_kernel2(out, t)
-    wide = beta.to(torch.promote_types(beta.dtype, torch.float32))
     rows = {}  # the slot layout's walk and token rows
     if slots is not None:
         rows = {**state_flags(slots), "tables": (slots.starts, slots.lengths),
@@ -780,9 +799,14 @@ def _fused_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots=
     big_u = None if FUSED_DIET else u16[:, :t]  # FUSED_DIET: formed in the kernel (`u_from_h`)
     if group_sum:
         rows["group_sum"] = True
+    wy = (None, None)  # FUSED_WFROMT: W, u formed in the kernel (`wg_split, w_from_t`)
+    if FUSED_WFROMT and FUSED_DIET:
+        rows["wg_split"] = True
+    else:
+        wy = (k2["w"], k2["u"])
     dq, dk, dg, dv, dbeta, dh0 = _fused_bwd(
-        do, big_u, qs, ks, h16, k2["big_g"], out["pt"][:, :t], k2["tt"], k2["w"], k2["u"],
-        v, wide, dht, scale=1.0 if q_scale is None else q_scale, **given(out=bufs), **rows,
+        do, big_u, qs, ks, h16, k2["big_g"], out["pt"][:, :t], k2["tt"], *wy, v, wide, dht,
+        scale=1.0 if q_scale is None else q_scale, **given(out=bufs), **rows,
     )  # fmt: skip
     return dq, dk, dv, dg, dbeta, dh0
 

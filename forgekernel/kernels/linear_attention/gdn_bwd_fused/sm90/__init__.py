@@ -51,7 +51,8 @@ def _candidate_params() -> list[Params]:
     # `group_sum` in the varlen slot layout (next/gdn-bwd-slots-groupsum; ops.gated_delta_rule_bwd
     # FUSED_SLOTS_GROUPSUM, off until its device A/B): the grouped varlen keys with the pair;
     # `wg_split` (next/gdn-bwd-wgsplit: G's chain on two math warpgroups) on every key of the
-    # op's (with `group_sum`: next/wgsplit-groupsum), until a GPU A/B adopts or drops it
+    # op's (with `group_sum`: next/wgsplit-groupsum), until a GPU A/B adopts or drops it; with
+    # `w_from_t` (ops.gated_delta_rule_bwd FUSED_WFROMT, off) likewise
     slots_pairs = [
         params_for(dtype, d_final_state=ds, grouped=True, u_from_h=u, varlen=True, group_sum=True)
         for dtype in DTYPES
@@ -74,7 +75,17 @@ def _candidate_params() -> list[Params]:
         for ds in (False, True)
         for u in (False, True)
     ]
-    return slots_pairs + split + split_pairs
+    # `w_from_t` (next/gdn-w-from-t: W, u formed by G2 from T^T, k, v) on the split's
+    # `u_from_h` keys, with and without `group_sum`
+    split_w = {"u_from_h": True, "wg_split": True, "w_from_t": True}
+    w_from_t = [
+        params_for(dtype, d_final_state=ds, grouped=g, varlen=vl, group_sum=gs, **split_w)
+        for vl in (False, True)
+        for dtype in DTYPES
+        for ds in (False, True)
+        for g, gs in ((False, False), (True, False), (True, True))
+    ]
+    return slots_pairs + split + split_pairs + w_from_t
 
 
 SPEC = KernelSpec(

@@ -22,7 +22,8 @@ def kernel_for(params: dict) -> GdnBwdFusedSm90:
                            u_from_h=params.get("u_from_h", False),
                            varlen=params.get("varlen", False),
                            group_sum=params.get("group_sum", False),
-                           wg_split=params.get("wg_split", False))  # fmt: skip
+                           wg_split=params.get("wg_split", False),
+                           w_from_t=params.get("w_from_t", False))  # fmt: skip
 
 
 def compile_gdn_bwd_fused(params: dict, arch: str = "sm_90a", extra_options: str = "",
@@ -40,6 +41,7 @@ def compile_gdn_bwd_fused(params: dict, arch: str = "sm_90a", extra_options: str
     n = cute.sym_int32() if varlen else b
     t_out = cute.sym_int32() if varlen else t
     qk_out = h if params.get("group_sum", False) else hv  # dq, dk's heads: summed at H
+    w_from_t = params.get("w_from_t", False)  # W, the WY u formed in the kernel: not read
 
     def tok(d, heads=hv, rows=t):
         return fake.rowmajor(dtype, (b, rows, heads, d))
@@ -59,7 +61,8 @@ def compile_gdn_bwd_fused(params: dict, arch: str = "sm_90a", extra_options: str
         kernel,
         tok(vd), None if params.get("u_from_h", False) else tok(vd), tok(kd, h), tok(kd, h),
         fake.rowmajor(dtype, (b, nc, hv, kd, vd)),
-        vec(), tok(CHUNK), tok(CHUNK), tok(kd), tok(vd), tok(vd), vec(),
+        vec(), tok(CHUNK), tok(CHUNK), *((None, None) if w_from_t else (tok(kd), tok(vd))),
+        tok(vd), vec(),
         state() if params["d_final_state"] else None,
         tok(kd, qk_out, t_out), tok(kd, qk_out, t_out), vec(t_out), tok(vd, rows=t_out),
         vec(t_out),

@@ -36,6 +36,10 @@ LOAD_GROUPS = (("k", "pt", "do"), ("q", "w"), ("h",), ("u",), ("tt", "uw"))
 # `u_from_h` (U = u - W h formed by the state warpgroup into the U box): the WY u in U's slot,
 # where S waits for it (with h) before dPD; G's later wait on the slot finds it landed
 U_FROM_H_LOAD_GROUPS = (("k", "pt", "do"), ("q", "w"), ("h",), ("uw",), ("tt",))
+# `w_from_t` (with `wg_split` and `u_from_h`): W and u not loaded; G2 forms W = T diag(beta e^G)
+# K from T^T (with q: G2 waits that group anyway) and k, and u = T diag(beta) V from v, loaded
+# into the WY u's box and overwritten there by u; one group fewer (v where u was)
+W_FROM_T_LOAD_GROUPS = (("k", "pt", "do"), ("q", "tt"), ("h",), ("uw",))
 S_GROUPS = (0, 1)  # the groups the state warpgroup reads (dO; q, W)
 H_GROUP = 2  # the finish warps' <dh, h>
 U_GROUP = 3  # U (`u_from_h`: the WY u, U's operand)
@@ -58,6 +62,9 @@ RELEASE_ARRIVALS = 2 * THREADS_PER_WG + 64
 # R0-R120). With `group_sum`: SPLIT_PAIR_REGS.
 SPLIT_THREADS = 4 * THREADS_PER_WG
 SPLIT_LAUNCH_REGS = REGISTERS_PER_SM // SPLIT_THREADS // 8 * 8  # 128
+# G2's 136 (and SPLIT_PAIR_REGS' 152) is above the launch's 128: a setmaxnreg.inc, as S's and
+# G1's; the .dec it was (USETMAXREG.DEALLOC 0x88 from 128) is an illegal instruction (CUDA error
+# 715 on the H100, warpgroup 3's threads at that instruction; NOTES "next/ws-illegal")
 SPLIT_REGS = (32, 176, 168, 136)
 assert sum(SPLIT_REGS) * THREADS_PER_WG <= SPLIT_LAUNCH_REGS * SPLIT_THREADS
 SPLIT_RELEASE_ARRIVALS = RELEASE_ARRIVALS + THREADS_PER_WG  # G2's release too
@@ -90,18 +97,22 @@ EXCHANGES = ("dq", "dk")
 PAIR_BARRIERS = 2 * len(EXCHANGES)
 
 
-def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2, group_sum: bool = False) -> int:
+def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2, group_sum: bool = False,
+               w_from_t: bool = False) -> int:  # fmt: skip
     """Shared memory of one CTA (the kernel's SharedStorage, alignment padding included): the
     stage (dO, U, u (C, V); q, k, W (C, K); P^T, T^T (C, C); h (K, V)), dS (K, V) and dU (C, V)
     on chip, K K^T (C, C) fp32 and dPD (C, C) 16-bit (the state warpgroup's products for G),
-    the mbarriers (`group_sum`: PAIR_BARRIERS more), G (G's and S's) and e^G (fp32, two chunks'
-    worth: the finish warps read one while G stages the next) and the dG rows (two chunks'
-    worth); 2 KB of alignment padding."""
+    the mbarriers (`group_sum`: PAIR_BARRIERS more; `w_from_t`: one load group fewer), G (G's
+    and S's) and e^G (fp32, two chunks' worth: the finish warps read one while G stages the
+    next) and the dG rows (two chunks' worth); `w_from_t`: beta and beta e^G (fp32, G2's
+    columns scales); 2 KB of alignment padding."""
     stage = CHUNK * (3 * v + 3 * k + 2 * CHUNK) * elem_bytes + k * v * elem_bytes
     on_chip = (k * v + CHUNK * v + CHUNK * CHUNK) * elem_bytes + CHUNK * CHUNK * 4
-    bars = len(LOAD_GROUPS) + 1 + (PAIR_BARRIERS if group_sum else 0)
+    groups = W_FROM_T_LOAD_GROUPS if w_from_t else LOAD_GROUPS
+    bars = len(groups) + 1 + (PAIR_BARRIERS if group_sum else 0)
     head = 8 * bars + 3 * 2 * CHUNK * 4 + 2 * (2 * CHUNK + 4) * 4
-    return STAGES * stage + on_chip + head + 2048
+    scales = 2 * CHUNK * 4 if w_from_t else 0
+    return STAGES * stage + on_chip + head + scales + 2048
 
 
 # Dispatch (ops/gated_delta_rule_bwd.py FUSED): one CTA per (sequence, value head) walks every
@@ -141,6 +152,7 @@ def params_for(
     varlen: bool = False,
     group_sum: bool = False,
     wg_split: bool = False,
+    w_from_t: bool = False,
 ) -> tuple:
     """Compile key: the 16-bit dtype of the tiles, (K, V), whether a final-state gradient is
     read (without one, dS starts from zero) and `grouped` (q, k at H < HV heads, value head hv
@@ -155,17 +167,22 @@ def params_for(
     pair walks one sequence's slots): dq, dk summed over each q / k head's PAIR value heads in
     fp32 inside the kernel (a cluster of PAIR CTAs, DSMEM) and written at the H heads.
     `wg_split` (likewise): 512 threads, G's chain on two math warpgroups (SPLIT_REGS; with
-    `group_sum` SPLIT_PAIR_REGS), the same sums."""
+    `group_sum` SPLIT_PAIR_REGS), the same sums. `w_from_t` (likewise; needs `wg_split` and
+    `u_from_h`): W and the WY u not read, G2 forms them from T^T, k, v, beta and G
+    (`W_FROM_T_LOAD_GROUPS`)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
     if tuple(head_dims) not in HEAD_DIMS:
         raise ValueError(f"(K, V) must be one of {HEAD_DIMS}, got {tuple(head_dims)}")
     if group_sum and not grouped:
         raise ValueError("group_sum needs grouped (HV = 2 H)")
+    if w_from_t and not (wg_split and u_from_h):
+        raise ValueError("w_from_t needs wg_split and u_from_h (G2 forms W, u, then U)")
     k, v = head_dims
     key = {"dtype": dtype, "k": k, "v": v, "d_final_state": d_final_state}
     flags = (("grouped", grouped), ("u_from_h", u_from_h), ("varlen", varlen),
-             ("group_sum", group_sum), ("wg_split", wg_split))  # fmt: skip
+             ("group_sum", group_sum), ("wg_split", wg_split),
+             ("w_from_t", w_from_t))  # fmt: skip
     for name, on in flags:
         if on:
             key[name] = True

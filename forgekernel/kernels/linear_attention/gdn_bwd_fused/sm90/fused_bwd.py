@@ -87,6 +87,19 @@ S_DONE and DU_READY, which S and G2 both wait), dG's rows' init. No new shared m
 G2 have read dO; the owners' reads come before the stash through PRODUCTS), dk's G1's at
 `_wy`'s end (over K K^T, which only G1 reads and G2 writes again after the stage's release).
 
+Variant `w_from_t` (compile flag, a candidate, with `wg_split` and `u_from_h`; next/gdn-w-from-t,
+ops/gated_delta_rule_bwd.py FUSED_WFROMT): W and the WY u are not read. G2 forms them at the
+chunk's start (`_w_and_u`), before U: W = [T diag(beta e^G)] K into the W box, u = [T
+diag(beta)] V into the WY u's box, over v, which the TMA loads there (config.
+W_FROM_T_LOAD_GROUPS: T^T rides with q, v where u was; four groups). T comes from kernel 0's
+16-bit T^T (kernel 0 rounds the A operands from its fp32 T: W, u differ from its by that
+rounding, not bit for bit), beta and beta e^G staged by G2 (sBw, 512 bytes). Its readers:
+G2's U (its own barrier), S's W half (after DU_READY, where G2 arrives after forming them),
+G1's dA (after H_FREE, which G2 arrives on after them). G2 writes the W box of chunk i + 1
+only after that chunk's loads landed, so after the stage's release by chunk i's readers (as
+its U box writes). 2 x 0.52 MMAC more on G2 a chunk; W's and u's 32 KB a chunk-head not
+read, v's 16 KB read by TMA (dbeta's row dots still read v from global).
+
 Constraints: K = V = 128, 16-bit tiles with unit last strides and 16-byte aligned outer strides
 (TMA); G, beta fp32 (B, T, HV) unit last stride; dq, dk, dv 16-bit, dG, dbeta, dh0 fp32.
 """
@@ -112,6 +125,7 @@ from forgekernel.kernels.common.sm90.mma import gemm
 from forgekernel.kernels.common.sm90.opaque import opaque_i32
 from forgekernel.kernels.common.sm90.pipeline import init_arrive, init_wait, smem_tensor
 from forgekernel.kernels.common.sm90.ptx import opaque_tid_x
+from forgekernel.kernels.common.sm90.registers import set_max_registers
 from forgekernel.kernels.common.sm90.unaligned_barrier import unaligned_barrier
 from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.chunk_grads import (
     STASH_COLS,
@@ -125,6 +139,7 @@ from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.config import (
     EXCHANGE_BYTES,
     EXCHANGES,
     H_GROUP,
+    LAUNCH_REGS,
     LOAD_GROUPS,
     PAIR,
     PAIR_BARRIERS,
@@ -132,6 +147,7 @@ from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.config import (
     REGS,
     RELEASE_ARRIVALS,
     S_GROUPS,
+    SPLIT_LAUNCH_REGS,
     SPLIT_PAIR_REGS,
     SPLIT_REGS,
     SPLIT_RELEASE_ARRIVALS,
@@ -139,6 +155,7 @@ from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.config import (
     THREADS,
     U_FROM_H_LOAD_GROUPS,
     U_GROUP,
+    W_FROM_T_LOAD_GROUPS,
 )
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.reverse_state import (
     GdnBwdStateSm90,
@@ -187,9 +204,12 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
 
     def __init__(self, k: int, v: int, *, d_final_state: bool, grouped: bool = False,
                  u_from_h: bool = False, varlen: bool = False,
-                 group_sum: bool = False, wg_split: bool = False):  # fmt: skip
+                 group_sum: bool = False, wg_split: bool = False,
+                 w_from_t: bool = False):  # fmt: skip
         if group_sum and not grouped:
             raise ValueError("group_sum needs grouped")
+        if w_from_t and not (wg_split and u_from_h):
+            raise ValueError("w_from_t needs wg_split and u_from_h")
         super().__init__(k, v, wy=True, grouped=grouped)
         self.group_sum = group_sum  # dq, dk summed over the cluster's value heads (docstring)
         self.d_final_state = d_final_state
@@ -197,13 +217,21 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         self.u_from_h = u_from_h  # U = u - W h formed by S (the module docstring)
         if u_from_h:
             self.load_groups = U_FROM_H_LOAD_GROUPS
+        # W, u formed by G2 from T^T, k, v (`_w_and_u`; the module docstring)
+        self.w_from_t = w_from_t
+        if w_from_t:
+            self.load_groups = W_FROM_T_LOAD_GROUPS
         self.varlen = varlen
         # `wg_split`: G1 (warpgroup 2) and G2 (warpgroup 3) share G's chain (module docstring)
         self.wg_split = wg_split
         self.threads = SPLIT_THREADS if wg_split else THREADS
         self.regs = REGS
+        # ptxas' count at the launch: each warpgroup's setmaxnreg goes from it (`.inc` above,
+        # `.dec` below: G2's 136 is above the split's 128, next/ws-illegal)
+        self.launch_regs = LAUNCH_REGS
         if wg_split:
             self.regs = SPLIT_PAIR_REGS if group_sum else SPLIT_REGS
+            self.launch_regs = SPLIT_LAUNCH_REGS
         self.release_arrivals = SPLIT_RELEASE_ARRIVALS if wg_split else RELEASE_ARRIVALS
         # DU_READY (G arrives, S waits; with `wg_split` G1 arrives, S and G2 wait) and DH_FREE
         # (S, G and the finish warps; G1 and G2 with `wg_split`)
@@ -235,8 +263,8 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         mG: cute.Tensor,
         mPT: cute.Tensor,
         mTt: cute.Tensor,
-        mW: cute.Tensor,
-        mUw: cute.Tensor,
+        mW: cute.Tensor | None,
+        mUw: cute.Tensor | None,
         mV: cute.Tensor,
         mBeta: cute.Tensor,
         mDht: cute.Tensor | None,
@@ -257,7 +285,8 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         (B, T, HV, C), mW (B, T, HV, K), mUw, mV (B, T, HV, V) 16-bit; mG, mBeta fp32 (B, T,
         HV); mDht (or None) fp32 (B, HV, K, V). Outputs: mDQ (times `scale`), mDK (B, T, HV, K)
         and mDV (B, T, HV, V) in the tiles' dtype, mDG, mDB fp32 (B, T, HV), mDh0 fp32 (B, HV,
-        K, V). `u_from_h`: mU None (U formed in the kernel). `varlen`: the tiles (1, S C, ...)
+        K, V). `u_from_h`: mU None (U formed in the kernel); `w_from_t`: mW, mUw None (formed
+        in the kernel, mV read by TMA too). `varlen`: the tiles (1, S C, ...)
         in the varlen slot layout (ops/_linattn_varlen.py: S = T // C + N slots, chunk c of
         sequence n at slot bos_n // C + n + c; mH (1, S, ...)), mCu int32 (N + 1,), mOrder int32
         (N,) (the sequences, longest first): one CTA a (value head, sequence) walks the slots the
@@ -268,18 +297,21 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         `varlen`: (1, T', H, K) at the token rows)."""
         self.dtype = mDO.element_type
         for t in (mQ, mK, mH, mPT, mTt, mW, mUw, mV, mDQ, mDK, mDV):
-            if const_expr(t.element_type != self.dtype):
+            if const_expr(t is not None and t.element_type != self.dtype):
                 raise TypeError(f"the 16-bit tiles must share one dtype, got {t.element_type}")
         if const_expr(self.varlen != (mCu is not None)):
             raise TypeError("mCu, mOrder, mStarts, mLens: given with varlen, and only then")
+        if const_expr(self.w_from_t != (mW is None) or self.w_from_t != (mUw is None)):
+            raise TypeError("mW, mUw: None with w_from_t, and only then")
         self._setup()
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         sT_tile = cute.slice_(self.sT_layout, (None, None, 0))
         sH_tile = cute.slice_(self.sH_layout, (None, None, 0))
         sP_tile = cute.slice_(self.sP_layout, (None, None, 0))
-        tma = {"u": (None, None)}  # u_from_h: U not loaded
+        tma = {"u": (None, None), "w": (None, None)}  # u_from_h: U, w_from_t: W not loaded
+        uw = mV if const_expr(self.w_from_t) else mUw  # w_from_t: v into the WY u's box
         for name, m, d in (("do", mDO, self.v), ("u", mU, self.v), ("q", mQ, self.k),
-                           ("k", mK, self.k), ("w", mW, self.k), ("uw", mUw, self.v)):  # fmt: skip
+                           ("k", mK, self.k), ("w", mW, self.k), ("uw", uw, self.v)):  # fmt: skip
             if const_expr(m is not None):
                 tma[name] = cpasync.make_tiled_tma_atom(g2s, _tdhb(m), sT_tile, (CHUNK, d))
         for name, m in (("pt", mPT), ("tt", mTt)):
@@ -293,11 +325,12 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         t_elems = cute.cosize(self.sT_layout)
         h_elems = cute.cosize(self.sH_layout)
         p_elems = cute.cosize(self.sP_layout)
+        scale_elems = 2 * CHUNK if const_expr(self.w_from_t) else 0
 
         @cute.struct
         class SharedStorage:
             # `group_sum`: its PAIR_BARRIERS after the load groups'
-            full: cute.struct.MemRange[cutlass.Int64, len(LOAD_GROUPS) + self._pair_barriers()]
+            full: cute.struct.MemRange[cutlass.Int64, len(self.load_groups) + self._pair_barriers()]
             empty: cute.struct.MemRange[cutlass.Int64, 1]
             sG: cute.struct.Align[cute.struct.MemRange[Float32, 2 * CHUNK], 16]
             sE: cute.struct.Align[cute.struct.MemRange[Float32, 2 * CHUNK], 16]
@@ -316,6 +349,8 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             sKK: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK * CHUNK], 1024]
             sPD: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
             sGs: cute.struct.Align[cute.struct.MemRange[Float32, 2 * CHUNK], 16]
+            # `w_from_t`: beta, beta e^G of the chunk's tokens (G2's column scales)
+            sBw: cute.struct.Align[cute.struct.MemRange[Float32, scale_elems], 16]
 
         self.shared_storage = SharedStorage
         order = ("do", "u", "q", "k", "w", "uw", "pt", "tt", "h")
@@ -431,7 +466,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         empty = storage.empty.data_ptr()  # the stage released by all its readers
         if warp_idx == PRODUCER_WARP:
             with cute.arch.elect_one():
-                for i in cutlass.range_constexpr(len(LOAD_GROUPS) + self._pair_barriers()):
+                for i in cutlass.range_constexpr(len(self.load_groups) + self._pair_barriers()):
                     cute.arch.mbarrier_init(full + i, 1)  # `group_sum`'s: one arrival each
                 cute.arch.mbarrier_init(empty, self.release_arrivals)
         init_arrive(self._cluster_mn())
@@ -467,7 +502,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             recv = tuple(cute.make_tensor(cute.recast_ptr(x.data_ptr(), dtype=Float32),
                                           cute.make_layout(RECV_SHAPE, stride=RECV_STRIDE))
                          for x in (storage.sDO, storage.sKK))  # fmt: skip
-            pair = (full + len(LOAD_GROUPS), recv)
+            pair = (full + len(self.load_groups), recv)
         init_wait(self._cluster_mn())
 
         hv, b, _ = cute.arch.block_idx()
@@ -483,7 +518,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             tables = (mStarts, mLens)
         wg = cute.arch.make_warp_uniform(tidx // WG)
         if wg == 0:
-            cute.arch.setmaxregister_decrease(self.regs[0])
+            set_max_registers(self.regs[0], self.launch_regs)
             if warp_idx == PRODUCER_WARP:
                 hq = hv  # q / k head: hv // (HV / H) when grouped
                 if const_expr(self.grouped):
@@ -495,12 +530,14 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
                          "h": (tma_h, mH5, sH)}  # fmt: skip
                 if const_expr(self.u_from_h):
                     del tiles["u"]
+                if const_expr(self.w_from_t):  # "uw": v (`__call__`)
+                    del tiles["w"]
                 self._produce(tiles, full, empty, hv, b, nchunks, first)
             elif warp_idx <= FINISH_WARPS:
                 self._finish(sH, sDH, sRed2, sG2, mDG, full, empty, b, hv, seqlen, nchunks,
                              first, tables)  # fmt: skip
         elif wg == 1:
-            cute.arch.setmaxregister_increase(self.regs[1])
+            set_max_registers(self.regs[1], self.launch_regs)
             self._state(mma_ks, mma_st, mma_s, mma_k, sDO, sU, sQ, sK, sW, sUw, sH, sPT, sPD,
                         sDU, sDH, sE2, sGs2, sKK, mG, mDht, mDh0, full, empty, hv, b, seqlen,
                         nchunks, n, first)  # fmt: skip
@@ -513,15 +550,19 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             sDW = smem_tensor(storage.sH, sT_layout) if const_expr(self.wg_split) else None
             if const_expr(self.wg_split):
                 if wg == 3:
-                    cute.arch.setmaxregister_decrease(self.regs[3])
+                    set_max_registers(self.regs[3], self.launch_regs)
+                    wy = None  # `w_from_t`'s (`_w_and_u`)
+                    if const_expr(self.w_from_t):
+                        sBw = storage.sBw.get_tensor(cute.make_layout((CHUNK, 2)))
+                        wy = (mma_ks, mma_st, sTt, sBw, mBeta)
                     self._products(mma_w, mma_s, mma_q, mma_k, sDO, sU, sQ, sK, sW, sUw, sH, sDH,
                                    sPD, sGs2, sRed2, sKK, stash, mG, mDQ, full, empty, b, hv,
-                                   seqlen, nchunks, scale, first, tables, pair)  # fmt: skip
+                                   seqlen, nchunks, scale, first, tables, pair, wy)  # fmt: skip
                 else:
-                    cute.arch.setmaxregister_increase(self.regs[2])
+                    set_max_registers(self.regs[2], self.launch_regs)
                     self._grads(*grads, sDW)
             else:
-                cute.arch.setmaxregister_increase(self.regs[2])
+                set_max_registers(self.regs[2], self.launch_regs)
                 self._grads(*grads)
 
     @staticmethod
@@ -634,13 +675,15 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
     @cute.jit
     def _products(self, mma_w, mma_s, mma_q, mma_k, sDO, sU, sQ, sK, sW, sUw, sH, sDH, sPD, sGs2,
                   sRed2, sKK, stash, mG, mDQ, full, empty, b, hv, seqlen, nchunks, scale, slot0,
-                  tables, pair=None):  # fmt: skip
+                  tables, pair=None, wy=None):  # fmt: skip
         """`wg_split`: warpgroup 3 ("G2"), per chunk, with the code and sums of the other keys
         (S's `_dpd`, `_kk`; G's `_chunk_grads`): `u_from_h`'s U, dPD (its transpose into sPD;
         dPD itself into dq's product from registers, the same 16-bit rounding), dqe = dO h^T,
         dq (stored, dg's rows), K K^T (KK), dke = U dS^T, dPD^T q, dk's fp32 stash over dO and
         U (after S_DONE: S's dO, q read; DU_READY: G1's dO read), dG's rows' init (ROWS). G1
-        waits H_FREE (this h read) before its dw goes over h."""
+        waits H_FREE (this h read) before its dw goes over h. wy (`w_from_t`): `_w_and_u`'s
+        (mma_ks, mma_st, sTt, sBw, mBeta): W and u formed first, before U (H_FREE, after them,
+        tells G1 they are in place; DU_READY tells S)."""
         du_ready = self._du_ready()
         dh_free = named_barrier(Bar.DH_FREE, self.dh_free_threads)
         s_done = named_barrier(Bar.S_DONE, 2 * WG)
@@ -663,9 +706,17 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
                 if first + tid < seqlen:
                     g_t = mG[b, first + tid, hv]
                 sG[tid] = g_t
+                if const_expr(wy is not None):  # beta, beta e^G (kernel 0's `_gates`' form)
+                    beta = Float32(0.0)
+                    if first + tid < seqlen:
+                        beta = wy[4][b, first + tid, hv]
+                    wy[3][tid, 0] = beta
+                    wy[3][tid, 1] = beta * cute.math.exp(g_t, fastmath=True)
             own.arrive_and_wait()
             cute.arch.mbarrier_wait(full + S_GROUPS[0], par)  # k, dO
-            cute.arch.mbarrier_wait(full + S_GROUPS[1], par)  # q, W
+            cute.arch.mbarrier_wait(full + S_GROUPS[1], par)  # q, W (w_from_t: T^T)
+            if const_expr(wy is not None):
+                self._w_and_u(wy, sK, sW, sUw, full, par, own)
             acc_p = self._dpd(mma_s, mma_k, sDO, sU, sW, sH, sUw, sG, full, par, first, seqlen,
                               own)  # fmt: skip
             self._store_tile(acc_p, mma_s, sPD, True)  # dPD^T for dke's second product
@@ -682,14 +733,9 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             # waits here too: not a phase of DS_READY (G1 and the finish warps would wait for
             # this warpgroup's later arrival there)
             du_ready.arrive_and_wait()
-            tid = opaque_tid_x() % WG
-            t0, row_w, _ = softmax.acc_coords(mma_w, tid, (CHUNK, self.k))
-            last = cutlass.min(first + CHUNK, seqlen) - 1
-            e_g, e_end = self._row_decays(mG, t0, row_w, first, seqlen, b, hv, sG[last - first])
-            qa = rows_cols(acc_q)
-            for r in cutlass.range_constexpr(cute.size(qa, mode=[0])):
-                for j in cutlass.range_constexpr(cute.size(qa, mode=[1])):
-                    qa[r, j] = qa[r, j] * e_g[r]
+            tid, t0, row_w, e_g, e_end = self._decayed_rows(
+                mma_w, acc_q, mG, sG, first, seqlen, b, hv
+            )
             tQrK = wg_q.make_fragment_B(wg_q.partition_B(transposed(sK)))
             gemm(mma_q, acc_q, tQrP, tQrK[None, None, None, 0], False, 0)
             dg = self._row_dots(acc_q, mma_w, sQ, tid)
@@ -736,6 +782,56 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             cute.arch.mbarrier_arrive(empty)
 
     @cute.jit
+    def _decayed_rows(self, mma_w, acc_q, mG, sG, first, seqlen, b, hv):
+        """dqe's start, S's and G2's alike: this thread's (tid, t0, row_w) of the (CHUNK, K)
+        accumulator, its rows' decays (e_g, e_end: `_row_decays`) in the chunk at `first`, and
+        acc_q's rows (dO h) scaled by e_g in place."""
+        tid = opaque_tid_x() % WG
+        t0, row_w, _ = softmax.acc_coords(mma_w, tid, (CHUNK, self.k))
+        last = cutlass.min(first + CHUNK, seqlen) - 1
+        e_g, e_end = self._row_decays(mG, t0, row_w, first, seqlen, b, hv, sG[last - first])
+        qa = rows_cols(acc_q)
+        for r in cutlass.range_constexpr(cute.size(qa, mode=[0])):
+            for j in cutlass.range_constexpr(cute.size(qa, mode=[1])):
+                qa[r, j] = qa[r, j] * e_g[r]
+        return tid, t0, row_w, e_g, e_end
+
+    @cute.jit
+    def _w_and_u(self, wy, sK, sW, sUw, full, par, own):
+        """`w_from_t`, G2: W = [T diag(beta e^G)] K into the W box and u = [T diag(beta)] V
+        over v in the WY u's box (kernel 0's products: T read from the T^T box (16-bit, kernel
+        0's rounding of its fp32 T) and scaled by column in fp32, then rounded to the A operand
+        as kernel 0 rounds its fp32 T's), each (C, V) fp32 accumulator rounded once to 16 bits,
+        fenced; on return every thread's W and u are in place (`own`). K and the scales
+        (`sBw`: beta, beta e^G) are this chunk's (group 0 and the staging waited by the
+        caller)."""
+        mma_ks, mma_st, sTt, sBw, _ = wy
+        tid = opaque_tid_x() % WG
+        wg_ks = mma_ks.get_slice(0)
+        wg_st = mma_st.get_slice(0)
+        t_view = mma_ks.get_slice(tid).partition_C(transposed(sTt)[None, None, 0])
+        t0, _, col_base = softmax.acc_coords(mma_ks, tid, (CHUNK, CHUNK))
+        acc = cute.make_rmem_tensor(wg_st.partition_shape_C((CHUNK, self.v)), Float32)
+        tA = wg_ks.make_fragment_A(wg_ks.partition_shape_A((CHUNK, CHUNK)))
+        for x in cutlass.range_constexpr(2):  # W (B = k, scale beta e^G), u (v, beta)
+            r_t = cute.make_rmem_tensor(wg_ks.partition_shape_C((CHUNK, CHUNK)), Float32)
+            r_t.store(t_view.load().to(Float32))
+            a = rows_cols(r_t)
+            for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
+                s_j = sBw[col_base + t0[0, j][1], 1 - x]
+                for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
+                    a[r, j] = a[r, j] * s_j
+            acc_to_operand_a(r_t, tA)
+            if const_expr(x == 1):
+                cute.arch.mbarrier_wait(full + U_GROUP, par)  # v
+            tB = wg_st.make_fragment_B(wg_st.partition_B(transposed((sK, sUw)[x])))
+            gemm(mma_st, acc, tA, tB[None, None, None, 0], True, 0)
+            if const_expr(x == 1):
+                own.arrive_and_wait()  # every thread's product has read v: u may go over it
+            self._store_tile(acc, mma_st, (sW, sUw)[x], False)
+        own.arrive_and_wait()  # W, u in place (fenced) for U's product
+
+    @cute.jit
     def _kk(self, mma_s, sK, sKK, tid):
         """K K^T (C, C) fp32 into sKK in the accumulator's thread order, for G's WY half (S's,
         or G2's: G's `_wy` spilled holding it)."""
@@ -758,7 +854,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         accumulator, returned); `u_from_h`: U formed first (W, h landed; `own` the forming
         warpgroup's barrier)."""
         wg_s = mma_s.get_slice(0)
-        cute.arch.mbarrier_wait(full + U_GROUP, par)  # U (u_from_h: the WY u)
+        cute.arch.mbarrier_wait(full + U_GROUP, par)  # U (u_from_h: the WY u; w_from_t: G2's)
         if const_expr(self.u_from_h):
             cute.arch.mbarrier_wait(full + H_GROUP, par)
             self._u_from_h(mma_k, sW, sH, sUw, sU)
@@ -917,14 +1013,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         acc_q = cute.make_rmem_tensor(wg_w.partition_shape_C((CHUNK, self.k)), Float32)
         cute.arch.mbarrier_wait(full + 2, par)  # h
         gemm(mma_w, acc_q, tArDO[None, None, None, 0], tBrH[None, None, None, 0], True, 0)
-        tid = opaque_tid_x() % WG
-        t0, row_w, _ = softmax.acc_coords(mma_w, tid, (CHUNK, self.k))
-        last = cutlass.min(first + CHUNK, seqlen) - 1
-        e_g, e_end = self._row_decays(mG, t0, row_w, first, seqlen, b, hv, sG[last - first])
-        qa = rows_cols(acc_q)
-        for r in cutlass.range_constexpr(cute.size(qa, mode=[0])):
-            for j in cutlass.range_constexpr(cute.size(qa, mode=[1])):
-                qa[r, j] = qa[r, j] * e_g[r]
+        tid, t0, row_w, e_g, e_end = self._decayed_rows(mma_w, acc_q, mG, sG, first, seqlen, b, hv)
         # S's dPD, dPD^T in shared memory; S has read dO, q, U: dk's stash and dw may go there
         s_done.arrive_and_wait()
         if const_expr(pair is not None):  # dO read by S and G (dqe waited): the peer may write
@@ -991,15 +1080,18 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         e_g, _ = self._row_decays(mG, t0, row_w, first, seqlen, b, hv, sG[last - first])
         acc_k = cute.make_rmem_tensor(wg_w.partition_shape_C((CHUNK, self.k)), Float32)
         cute.arch.mbarrier_wait(full + H_GROUP, par)  # h
-        cute.arch.mbarrier_wait(full + 4, par)  # T^T, u
+        if const_expr(not self.w_from_t):  # else T^T with q (group 1), u G2's (H_FREE)
+            cute.arch.mbarrier_wait(full + 4, par)  # T^T, u
         tArDU = wg_w.make_fragment_A(wg_w.partition_A(sDU))
         tBrH = wg_w.make_fragment_B(wg_w.partition_B(sH))
         gemm(mma_w, acc_k, tArDU[None, None, None, 0], tBrH[None, None, None, 0], True, 0)
         acc_k.store(-acc_k.load())
+        # h read by G2 (`w_from_t`: after it formed W and u) and the finish warps
         named_barrier(Bar.H_FREE, 2 * WG + FINISH_THREADS).arrive_and_wait()
         self._store_tile(acc_k, mma_w, sDW, False)  # dw, 16-bit
-        cute.arch.mbarrier_wait(full + 1, par)  # W
-        cute.arch.mbarrier_wait(full + U_GROUP, par)  # the WY u (`u_from_h`'s group)
+        cute.arch.mbarrier_wait(full + 1, par)  # W (`w_from_t`: T^T)
+        if const_expr(not self.w_from_t):
+            cute.arch.mbarrier_wait(full + U_GROUP, par)  # the WY u (`u_from_h`'s group)
         math.arrive_and_wait()
         self._wy(mma_w, mma_s, mma_q, mma_k, mma_da, sDU, sK, (sTt, sW, sUw, sDW, sPT), sG,
                  sRed, mDK, mV, mBeta, mDV, mDB, math, e_g, t0, row_w, first, seqlen, b, hv, c,

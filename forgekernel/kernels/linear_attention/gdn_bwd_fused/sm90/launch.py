@@ -40,8 +40,10 @@ def check_inputs(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht,
     want = {"u": (b, t, hv, vd), "q": (b, t, hq, kd), "k": (b, t, hq, kd),
             "h": (b, nc, hv, kd, vd), "pt": (b, t, hv, CHUNK), "tt": (b, t, hv, CHUNK),
             "w": (b, t, hv, kd), "uw": (b, t, hv, vd), "v": (b, t, hv, vd)}  # fmt: skip
+    if (w is None) != (uw is None):
+        raise ValueError("w and uw come together (both None: `w_from_t`)")
     for name, x in zip(want, (u, q, k, h, pt, tt, w, uw, v)):
-        if x is None and name == "u":  # formed in the kernel (`u_from_h`)
+        if x is None and name in ("u", "w", "uw"):  # formed in the kernel (`u_from_h`, `w_from_t`)
             continue
         if tuple(x.shape) != want[name]:
             raise ValueError(f"{name} must be {want[name]}, got {tuple(x.shape)}")
@@ -84,8 +86,8 @@ def gdn_bwd_fused(
     big_g: torch.Tensor,
     pt: torch.Tensor,
     tt: torch.Tensor,
-    w: torch.Tensor,
-    uw: torch.Tensor,
+    w: torch.Tensor | None,
+    uw: torch.Tensor | None,
     v: torch.Tensor,
     beta: torch.Tensor,
     dht: torch.Tensor | None,
@@ -116,7 +118,10 @@ def gdn_bwd_fused(
     in fp32 in the kernel (a cluster of two CTAs), the 16-bit sum written once (varlen: (1,
     `tokens`, H, K) at the token rows).
     `wg_split` (a candidate, next/gdn-bwd-wgsplit; with `group_sum` too): the same outputs
-    from the 512-thread key (G's chain on two math warpgroups)."""
+    from the 512-thread key (G's chain on two math warpgroups). w, uw None (with u None and
+    `wg_split`: the `w_from_t` key, a candidate, next/gdn-w-from-t): W = T diag(beta e^G) K and
+    u = T diag(beta) V formed in the kernel from T^T, k, v, beta, G (T's 16-bit rounding
+    first: within a 16-bit rounding of kernel 0's W, u, not bit for bit)."""
     varlen = cu_seqlens is not None
     if varlen != (order is not None) or varlen != (tables is not None):
         raise ValueError("cu_seqlens, order, tables and tokens come together (varlen)")
@@ -140,13 +145,14 @@ def gdn_bwd_fused(
     params = params_for(dtype_name(do.dtype), (q.shape[-1], do.shape[-1]),
                         d_final_state=dht is not None, grouped=q.shape[2] != hv,
                         u_from_h=u is None, varlen=varlen, group_sum=group_sum,
-                        wg_split=wg_split)  # fmt: skip
+                        wg_split=wg_split, w_from_t=w is None)  # fmt: skip
     fn = get_kernel(SPEC, params)
     tiles = [None if x is None else as_tma_ready(x) for x in (do, u, q, k, h)]
-    wy = [as_tma_ready(x) for x in (pt, tt, w, uw)]
+    wy = [None if x is None else as_tma_ready(x) for x in (pt, tt, w, uw)]
+    v = as_tma_ready(v) if w is None else v.contiguous()  # `w_from_t`: a TMA box too
     dq, dk, dg, dv, dbeta, dh0 = outs
     dst = None if dht is None else dht.contiguous()
     with on_device(do.device):
-        fn(*tiles, big_g.contiguous(), *wy, v.contiguous(), beta.contiguous(), dst, dq, dk, dg,
+        fn(*tiles, big_g.contiguous(), *wy, v, beta.contiguous(), dst, dq, dk, dg,
            dv, dbeta, dh0, cu_seqlens, order, *(tables or (None, None)), float(scale))  # fmt: skip
     return outs
