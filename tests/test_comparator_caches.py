@@ -59,6 +59,20 @@ def _run(
     return done.stdout + done.stderr
 
 
+def _pack(tmp: Path, **kw) -> tuple[str, Path, Path]:
+    """`pack` on the H100 into a fresh out/, beside a fresh store/: (what it said, out, store)."""
+    out = tmp / "out"
+    out.mkdir()
+    store = tmp / "store"
+    return _run(tmp, H100, "pack", str(out), store=store, **kw), out, store
+
+
+def _members(out: Path) -> dict[str, bytes | None]:
+    """The packed tar's members: name -> contents (None for a non-file)."""
+    with tarfile.open(out / "comparator-caches.tar.gz") as t:
+        return {m.name: t.extractfile(m).read() if m.isfile() else None for m in t.getmembers()}
+
+
 def _host_cache(path: Path, names: dict[str, str]) -> Path:
     for rel, text in names.items():
         (path / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -70,13 +84,9 @@ def test_pack_take_restore_round_trip(tmp_path):
     host = _host_cache(tmp_path / "host", {"k1/chunk_fwd.autotune.json": '{"a": 1}',
                                            "k1/chunk_fwd.cubin": "binary",
                                            "k2/bwd.autotune.json": '{"b": 2}'})  # fmt: skip
-    out = tmp_path / "out"
-    out.mkdir()
-    store = tmp_path / "store"
-    said = _run(tmp_path, H100, "pack", str(out), cache=host, store=store)
+    said, out, store = _pack(tmp_path, cache=host)
     assert "packed 2 autotuning results" in said
-    with tarfile.open(out / "comparator-caches.tar.gz") as t:
-        names = sorted(t.getnames())
+    names = sorted(_members(out))
     assert names == ["gpu.txt", "triton/k1/chunk_fwd.autotune.json", "triton/k2/bwd.autotune.json"]
     said = _run(tmp_path, H100, "take", str(out), cache=host, store=store)
     kept = store / "NVIDIA_H100_80GB_HBM3" / "triton"
@@ -130,14 +140,11 @@ def _tl_cache(path: Path, keys: dict[str, int], age: float = 0.0) -> Path:
 def test_tilelang_kernels_round_trip(tmp_path):
     host = _host_cache(tmp_path / "host", {"k1/f.autotune.json": "{}"})
     tl = _tl_cache(tmp_path / "tl", {"aa11": 1000, "bb22": 2000})
-    out = tmp_path / "out"
-    out.mkdir()
-    store = tmp_path / "store"
-    said = _run(tmp_path, H100, "pack", str(out), cache=host, store=store, tl=tl)
+    said, out, store = _pack(tmp_path, cache=host, tl=tl)
     assert "packed 1 autotuning results, 2 compiled TileLang kernels" in said
-    with tarfile.open(out / "comparator-caches.tar.gz") as t:
-        names = set(t.getnames())
-        assert t.extractfile("tilelang/cuda.txt").read() == b"release 12.8\n"
+    members = _members(out)
+    names = set(members)
+    assert members["tilelang/cuda.txt"] == b"release 12.8\n"
     assert {f"tilelang/{NS}/kernels/aa11/{n}" for n in ENTRY} <= names
     assert not any(".staging" in n for n in names)  # a crashed writer's leftovers stay behind
     said = _run(tmp_path, H100, "take", str(out), cache=host, store=store, tl=tl)
@@ -162,14 +169,9 @@ def test_tilelang_kernels_round_trip(tmp_path):
 def test_tilelang_cap_newest_first(tmp_path):
     kb = 1024
     tl = _tl_cache(tmp_path / "tl", {"new1": 400 * kb, "mid2": 400 * kb, "old3": 400 * kb})
-    out = tmp_path / "out"
-    out.mkdir()
-    store = tmp_path / "store"
-    said = _run(tmp_path, H100, "pack", str(out), cache=tmp_path / "none", store=store, tl=tl,
-                cap_mb=1)  # fmt: skip
+    said, out, store = _pack(tmp_path, cache=tmp_path / "none", tl=tl, cap_mb=1)
     assert "2 compiled TileLang kernels" in said and "dropped tilelang old3" in said
-    with tarfile.open(out / "comparator-caches.tar.gz") as t:
-        keys = {n.split("/")[4] for n in t.getnames() if n.count("/") >= 5}
+    keys = {n.split("/")[4] for n in _members(out) if n.count("/") >= 5}
     assert keys == {"new1", "mid2"}
     _run(tmp_path, H100, "take", str(out), cache=tmp_path / "none", store=store, cap_mb=1)
     # a later host's newer kernel joins; the union is cut back to the cap, oldest out
@@ -239,15 +241,12 @@ def _fi_site(path: Path, version: str = "0.7.2.post1") -> Path:
 
 def test_flashinfer_modules_round_trip(tmp_path):
     fi = _fi_cache(tmp_path / "fi", {PREFILL: 1000, DECODE: 300})
-    out = tmp_path / "out"
-    out.mkdir()
-    store = tmp_path / "store"
     none = tmp_path / "none"
-    said = _run(tmp_path, H100, "pack", str(out), cache=none, store=store, fi=fi)
+    said, out, store = _pack(tmp_path, cache=none, fi=fi)
     assert "packed 0 autotuning results, 0 compiled TileLang kernels, 2 FlashInfer modules" in said
-    with tarfile.open(out / "comparator-caches.tar.gz") as t:
-        names = set(t.getnames())
-        assert t.extractfile("flashinfer/cuda.txt").read() == b"release 12.8\n"
+    members = _members(out)
+    names = set(members)
+    assert members["flashinfer/cuda.txt"] == b"release 12.8\n"
     # the linked module alone, the DSL kernels with their meta.json: no objects, ninja files,
     # locks, half-written exports or unlinked modules
     assert names == {"gpu.txt", "flashinfer/cuda.txt",
