@@ -27,10 +27,12 @@ fk_setup() {
   else  # installed by an earlier call of this host
     export PYTHONPATH=/root/wheels-site:/root/wheels-site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
   fi
-  # the comparators' autotuning results and TileLang's compiled kernels (FlashQLA's) of earlier
-  # hosts (.device-cache, carried; packed back by device_streams.sh): no re-tuning and no nvcc
-  # inside a bench's first calls (scripts/comparator_caches.sh). Exported, so that the sidecar
-  # children (forgekernel/bench/sidecar.py, which pass the environment on) read the same caches.
+  # the comparators' autotuning results, TileLang's compiled kernels (FlashQLA's) and FlashInfer's
+  # JIT modules of earlier hosts (.device-cache, carried; packed back by device_streams.sh): no
+  # re-tuning and no nvcc inside a bench's first calls (scripts/comparator_caches.sh). After the
+  # wheels: FlashInfer's nvcc modules go into its installed package, as its prebuilt ones.
+  # Exported, so that the sidecar children (forgekernel/bench/sidecar.py, which pass the
+  # environment on) read the same caches.
   export TRITON_CACHE_AUTOTUNING=1
   export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$HOME/.tilelang/cache}
   bash scripts/comparator_caches.sh restore || true

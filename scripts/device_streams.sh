@@ -45,5 +45,5 @@ wait
 (cd "$RESULTS" && find . -name '*.json' -newer "$stamp" | tar -cf "$R/results.tar" -T -)
 tar -cf "$R/logs.tar" -C /tmp/forgekernel-logs .
 tar -cf "$R/reports.tar" -C /tmp/forgekernel-reports .
-bash scripts/comparator_caches.sh pack "$R" || true  # autotuning results, TileLang kernels: later hosts
+bash scripts/comparator_caches.sh pack "$R" || true  # autotuning, TileLang, FlashInfer: later hosts
 grep -h "rc=\|FAIL\|HANG\|NOT CLEAN\|passed\|failed\|Error" "$R"/stream-*.log | tail -60

@@ -12,10 +12,12 @@ host probe's case first, then every bench case in its bench dtype) on the bench'
 (`make_inputs`, seed --seed), so each key is tuned on the shape the bench would tune it on.
 Started in the background at the beginning of a device call (scripts/device_jit_run.sh: WARM)
 it overlaps the checks; the bench waits for it. One line per case: the seconds its first calls
-took, what the comparators that say so ran (cuDNN's KDA engine), the comparators that raised.
-A sidecar comparator (bench/sidecar.py: FlashQLA, whose TileLang compiles each kernel on its
-first call into ~/.tilelang; fla on triton 3.7.1) makes its first call in its own child,
-untimed."""
+took (in all, then each comparator's), what the comparators that say so ran (cuDNN's KDA
+engine), the comparators that raised. A sidecar comparator (bench/sidecar.py: FlashQLA, whose
+TileLang compiles each kernel on its first call into ~/.tilelang; fla on triton 3.7.1) makes its
+first call in its own child, untimed. A comparator whose compiled kernels stay in its process
+(`cache_in_process`: FlashInfer 0.7.2.post1's sm90 GDN prefill, `cute.compile` into a dict) is
+not called: its compiles here would be spent again at the bench's first calls."""
 
 from __future__ import annotations
 
@@ -54,8 +56,12 @@ def warm(suite, seed: int, device) -> None:
         t0 = time.perf_counter()
         gen = torch.Generator(device=device).manual_seed(seed + index)
         inputs = suite.make_inputs(case, dtype, device, gen)
-        raised, ran = [], []
+        raised, ran, each, left = [], [], [], []
         for name, comp in comps.items():
+            if getattr(comp, "cache_in_process", False):
+                left.append(name)
+                continue
+            c0 = time.perf_counter()
             try:
                 if isinstance(comp, Sidecar):  # its first call in its child, no timing method
                     sidecar.run(comp, inputs, sets=1, timing=FIRST_CALL, device=device)
@@ -66,13 +72,16 @@ def warm(suite, seed: int, device) -> None:
                 why = f": {str(e)[:300]}" if isinstance(comp, Sidecar) else ""  # the child's
                 raised.append(f"{name} ({type(e).__name__}{why})")
                 continue
+            finally:  # which comparator's compiles and tuning the case's seconds went to
+                each.append(f"{name} {time.perf_counter() - c0:.1f}")
             what = _what_ran(comp, inputs)  # cuDNN's engine choice, as the bench records it
             ran += [f"; {name} ran {what}"] if what else []
         del inputs
         free(device)
         took = time.perf_counter() - t0
-        print(f"{suite.name} {case.name}: {took:.1f} s" + "".join(ran) +
-              (f"; raised: {', '.join(raised)}" if raised else ""), flush=True)  # fmt: skip
+        print(f"{suite.name} {case.name}: {took:.1f} s ({', '.join(each)})" + "".join(ran) +
+              (f"; raised: {', '.join(raised)}" if raised else "") +
+              (f"; left to the bench: {', '.join(left)}" if left else ""), flush=True)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,12 @@
 """scripts/warm_comparators.py on the CPU: its calls are the bench's first calls in the bench's
 order (the host probe's case, then each bench case once, in the bench dtype), every comparator
-once per case, a raising one named and skipped."""
+once per case (its seconds said), a raising one named and skipped."""
 
 from __future__ import annotations
+
+import re
+import sys
+import types
 
 import torch
 from script_modules import load_script  # tests/ is on the path
@@ -38,15 +42,30 @@ def test_every_comparator_once_per_case(monkeypatch, capsys):
     def broken(inputs):
         raise NotImplementedError("not this case")
 
+    def in_process(inputs):
+        raise AssertionError("its compiles would not reach the bench's process")
+
+    in_process.cache_in_process = True
     import forgekernel.bench.harness as harness
 
-    monkeypatch.setattr(harness, "resolve_comparators",
-                        lambda s: ({"fla": fine, "flashinfer": broken}, {}))  # fmt: skip
+    comps = {"fla": fine, "flashinfer": broken, "kept_here": in_process}
+    monkeypatch.setattr(harness, "resolve_comparators", lambda s: (comps, {}))
     warm.warm(suite, 0, torch.device("cpu"))
     assert calls == [sum(c.params["lens"]) for c in small]
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 2 and all("raised: flashinfer (NotImplementedError)" in ln for ln in out)
     assert [f"; fla ran engine_{n};" in ln for n, ln in zip(calls, out)] == [True, True]
+    # each comparator's seconds, the raising one's too: where a fresh host's first calls go
+    assert all(re.search(r": \d+\.\d s \(fla \d+\.\d, flashinfer \d+\.\d\);", ln) for ln in out)
+    assert all(ln.endswith("; left to the bench: kept_here") for ln in out)
+
+
+def test_flashinfer_gdn_prefill_is_left_to_the_bench(monkeypatch):
+    """FlashInfer's sm90 GDN prefill compiles into a dict of its process (nothing on disk)."""
+    fake = types.ModuleType("flashinfer")
+    fake.chunk_gated_delta_rule = lambda *args, **kwargs: None
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    assert gdn_prefill._flashinfer().cache_in_process is True
 
 
 def test_list(capsys):
