@@ -12,7 +12,7 @@ SKINNY, the decode boxes that fit, their stream-K twins), then the tiled 128-row
 scales read the other way (M-major, `_mn`: from the suite's K-major scales, so through the
 launcher's transpose) (`configs_for`); and the chosen tile's M-major twin given M-major scales
 made outside the timing, as DeepGEMM's are (`+sa_mn`, `given_mn_major`); last the pick's twins
-(`twins`: a narrow pick with its scales two ahead and / or loaded by a warp of their own, LARGE
+(`twins`: a narrow pick's scales loaded another way, a tiled pick's by a warp of their own, LARGE
 walked in bands), compiled at first use.
 A config that fails gets a row with its error. The JSON is rewritten after every shape.
 
@@ -42,6 +42,7 @@ from forgekernel.kernels.gemm.fp8.sm90.config import (
     NARROW_CONFIGS,
     STANDARD_CONFIGS,
     choose_config,
+    one_warp_scales,
 )
 from forgekernel.runtime.timing import median, rotation_sets, time_interleaved
 
@@ -91,20 +92,29 @@ def configs_for(m: int, n: int, k: int, only_twins: bool = False) -> list[GemmCo
 
 
 def twins(pick: GemmConfig, m: int, n: int) -> list[GemmConfig]:
-    """The pick's candidates: a narrow full-K pick (one CTA a tile, no cluster) with its scales
-    loaded two k-tiles ahead (`_f2`), by a warp of their own (`scale_warp`, `_sw`: no k-tile's
-    TMA waits on a scale load) and by their own warp four ahead (`_f4_sw`) (docs/gemm/NOTES.md
-    "next/fp8-narrow-scales");
-    a tiled 128-row pick walking M first (LARGE) walked in bands of BAND clusters (`swizzle`)
-    instead. Stream K and a banded pick (LARGE_MCAST_A) have none. (The narrow picks' A / B
-    multicast twins were timed on the H100 2026-12-07 and dropped: "next/fp8-band8"; the band
-    was adopted on LARGE_MCAST_A.)"""
+    """The pick's candidates. A narrow full-K pick (one CTA a tile, no cluster) loading its
+    scales by a warp of their own (the 64-row box, `config.NARROW_SCALE_AHEAD`): the TMA warp
+    loading them one k-tile ahead (the standard before it: the control), four ahead (`_f4`: the
+    lead without the warp) and the scale warp two ahead (`_f2_sw`); a decode-box narrow pick
+    (one warp, one ahead): two ahead (`_f2`), by their own warp (`_sw`) and their own warp four
+    ahead (`_f4_sw`) (docs/gemm/NOTES.md "Measured: next/fp8-narrow-scales"). A tiled 128-row
+    pick: its scales by a warp of their own (`_sw`, two ahead as the tile's standard), and
+    walking M first (LARGE) walked in bands of BAND clusters (`swizzle`) too. Stream K and the
+    64-row 128-column tiles have none. (The narrow picks' A / B multicast twins were timed on
+    the H100 2026-12-07 and dropped: "next/fp8-band8"; the band was adopted on LARGE_MCAST_A.)"""
+    if pick.scale_warp and pick.tile_m == 64:
+        one = one_warp_scales(pick)
+        four = dataclasses.replace(one, scale_ahead=4)
+        return [one, four, dataclasses.replace(pick, scale_ahead=2)]
     if pick in NARROW_CONFIGS:
         warp = dataclasses.replace(pick, scale_warp=True)
         return [dataclasses.replace(pick, scale_ahead=2), warp,
                 dataclasses.replace(warp, scale_ahead=4)]  # fmt: skip
-    if pick.tile_m == 128 and not pick.stream_k and pick.swizzle == 1:
-        return [dataclasses.replace(pick, swizzle=BAND)]
+    if pick.tile_m == 128 and not pick.stream_k:
+        found = [dataclasses.replace(pick, scale_warp=True)]
+        if pick.swizzle == 1:
+            found.append(dataclasses.replace(pick, swizzle=BAND))
+        return found
     return []
 
 

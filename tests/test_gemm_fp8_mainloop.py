@@ -654,11 +654,18 @@ def test_narrow_tiles_keep_the_schedule(m, width, tmp_path):
     assert info["spill_bytes"] == 0 and info["sass"].get("LDL", 0) == 0
     sass = sass_text(cubin)
     step = f"AQQQQD1F{width // 2}"
-    assert _mainloop_sequence(sass) == "AQQQQ" + step * 3 + f"D0F{width // 2}" * 2
-    assert _wgmma_violations(sass, width // 2) == []
+    consumer = _consumer_part(sass)
+    assert _mainloop_sequence(consumer) == "AQQQQ" + step * 3 + f"D0F{width // 2}" * 2
+    assert _wgmma_violations(consumer, width // 2) == []
     two = straddles(width)
     arrivals = _producer_arrivals(sass)
-    assert arrivals and all(a == ("", 4 if two else 2) for a in arrivals), arrivals
+    if cfg.scale_warp:
+        # the 64-row box: the TMA warp's elected arrive (its expect_tx) stores nothing; the
+        # scale warp's lanes' arrives after their stores: the test below
+        assert arrivals and all(a[0] and a[1] == 0 for a in arrivals), arrivals
+    else:
+        # each lane's arrive after its stores of the stage's scales
+        assert arrivals and all(a == ("", 4 if two else 2) for a in arrivals), arrivals
     ops = [op for op, _ in _consumer_loop(sass)]
     assert ops.count("FFMA") == width and sum(op.startswith("QGMMA") for op in ops) == 8
     assert ops.count("LDS") == (8 if two else 4), ops
@@ -709,15 +716,20 @@ def _producer_loops(sass: str) -> list[tuple[list[tuple[str, str]], list[str]]]:
 
 @pytest.mark.parametrize(("m", "width"), [(64, 32), (64, 48), (64, 112), (1, 80)])
 def test_scale_warp_takes_the_scale_loads_off_the_tma_loop(m, width, tmp_path):
-    """`scale_warp` (docs/gemm/NOTES.md "next/fp8-narrow-scales") on the narrow tiles, compiled
-    for sm_90a: no spills; the consumers' code as the standard key's (the same WGMMA schedule,
-    no in-flight register touched, the same trip of two k-tiles); the producer's k-tile loops
+    """`scale_warp` (docs/gemm/NOTES.md "next/fp8-narrow-scales"; the 64-row box's standard
+    since 2026-12-07, four ahead) on the narrow tiles, compiled for sm_90a: no spills; the
+    consumers' code as the one-warp key's (the same WGMMA schedule, no in-flight register
+    touched, the same trip of two k-tiles); the producer's k-tile loops
     split in two: the TMA warp's issue UTMALDG after one ELECT-predicated full-barrier arrive
     (its expect_tx) and hold no LDG, FMUL or STS (no TMA waits on a scale load: with one warp
     a k-tile's UTMALDG followed its FMUL of the LDG before); the scale warp's hold the LDGs, the
     FMUL products, their STS and every lane's plain arrive after them, and no UTMALDG."""
     from forgekernel.kernels.gemm.fp8.sm90 import SPEC
-    from forgekernel.kernels.gemm.fp8.sm90.config import narrow_config, params_for
+    from forgekernel.kernels.gemm.fp8.sm90.config import (
+        narrow_config,
+        one_warp_scales,
+        params_for,
+    )
     from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text
 
     if find_tool("nvdisasm") is None:
@@ -731,14 +743,20 @@ def test_scale_warp_takes_the_scale_loads_off_the_tma_loop(m, width, tmp_path):
         assert info["spill_bytes"] == 0 and info["sass"].get("LDL", 0) == 0
         return sass_text(compiled.artifacts.CUBIN)
 
+    # the 64-row box's standard (the scale warp four ahead) or, on a decode box, `_sw`, against
+    # the tile with one warp loading the scales one ahead
     std = narrow_config(m, width)
-    sass = build(dataclasses.replace(std, scale_warp=True), "sw")
-    base = build(std, "std")
+    one = one_warp_scales(std)
+    sass = build(std if std.scale_warp else dataclasses.replace(one, scale_warp=True), "sw")
+    base = build(one, "one")
     consumer = _consumer_part(sass)
     assert _mainloop_sequence(consumer) == _mainloop_sequence(base)
     assert _wgmma_violations(consumer, width // 2) == []
     trip, base_trip = _consumer_loop(sass), _consumer_loop(base)
-    assert len(trip) == len(base_trip)
+    # (the four-ahead keys' trip is up to 3 instructions longer, moves of uniform registers:
+    # 64x48 +1, 64x112 +3 under cu12, the keys the H100 timed 4.5-11 % faster; the math and
+    # the releases below are the same)
+    assert 0 <= len(trip) - len(base_trip) <= (3 if std.scale_warp else 0)
     for op in ("FFMA", "LDS", "FSEL", *LOCAL_RELEASE):
         assert [o for o, _ in trip].count(op) == [o for o, _ in base_trip].count(op), op
     tma, scale = [], []

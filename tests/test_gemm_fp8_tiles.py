@@ -24,6 +24,7 @@ from forgekernel.kernels.gemm.fp8.sm90.config import (
     LARGE_MCAST_A,
     MID,
     NARROW_CONFIGS,
+    NARROW_SCALE_AHEAD,
     OUT_DTYPES,
     STANDARD_CONFIGS,
     STREAM,
@@ -35,8 +36,11 @@ from forgekernel.kernels.gemm.fp8.sm90.config import (
 from forgekernel.reference.gemm import gemm_fp8_ref
 
 PREFILL_CANDIDATES = (LARGE_MCAST_A, STREAM)
-# a narrow pick's twins' tag suffixes (scripts/fp8_tiles.py `twins`)
+# a decode-box narrow pick's twins' tag suffixes (scripts/fp8_tiles.py `twins`)
 SCALE_TWINS = ("_f2", "_sw", "_f4_sw")
+# a 64-row-box narrow pick's (the pick loads its scales by its own warp four ahead, `_f4_sw`):
+# one warp one ahead (the standard before), one warp four ahead, the scale warp two ahead
+WARP_TWINS = ("", "_f4", "_f2_sw")
 
 
 @pytest.fixture(scope="module")
@@ -139,15 +143,18 @@ def test_script_configs(script, m, n, k):
 @pytest.mark.parametrize(
     ("m", "n", "k", "tags"),
     [
-        # the narrow picks (one CTA a tile): the scales two ahead, by their own warp (four ahead)
-        (128, 1536, 7168, tuple("64x32_c1x1_s0_e4x32_w1m" + t for t in SCALE_TWINS)),
-        (512, 576, 7168, tuple("64x48_c1x1_s0_e4x16_w1m" + t for t in SCALE_TWINS)),
-        (128, 7168, 16384, tuple("64x112_c1x1_s0_e4x16_w1m" + t for t in SCALE_TWINS)),
-        (64, 4096, 7168, tuple("64x32_c1x1_s0_e4x32_w1m" + t for t in SCALE_TWINS)),
+        # the narrow picks (one CTA a tile), 64-row box: the scale loading before the scale
+        # warp (the control), one warp four ahead, the scale warp two ahead
+        (128, 1536, 7168, tuple("64x32_c1x1_s0_e4x32_w1m" + t for t in WARP_TWINS)),
+        (512, 576, 7168, tuple("64x48_c1x1_s0_e4x16_w1m" + t for t in WARP_TWINS)),
+        (128, 7168, 16384, tuple("64x112_c1x1_s0_e4x16_w1m" + t for t in WARP_TWINS)),
+        (64, 4096, 7168, tuple("64x32_c1x1_s0_e4x32_w1m" + t for t in WARP_TWINS)),
+        # a decode box: the scales two ahead, by their own warp (four ahead)
         (1, 10240, 5120, tuple("64x80_c1x1_s0_e4x16_w1m_a8" + t for t in SCALE_TWINS)),
-        # LARGE walked in bands of 8 clusters; LARGE_MCAST_A walks them already (2026-12-07)
-        (4096, 36864, 7168, ("128x128_c2x1_s0_e3x32_w8m_f2",)),
-        (16384, 7168, 18432, ()),
+        # the tiled 128-row picks: the scales by their own warp; LARGE walked in bands of 8
+        # clusters (LARGE_MCAST_A walks them already, 2026-12-07)
+        (4096, 36864, 7168, ("128x128_c2x1_s0_e3x32_w1m_f2_sw", "128x128_c2x1_s0_e3x32_w8m_f2")),
+        (16384, 7168, 18432, ("128x128_c1x2_s0_e3x32_w8m_f2_mn_sw",)),
         # a pick already clustered (SKINNY) or streaming K: none
         (64, 36864, 7168, ()),
         (1, 576, 7168, ()),
@@ -170,16 +177,42 @@ def test_script_twins(script, m, n, k, tags):
 
 
 def test_scale_warp_keys_and_tags():
-    """`scale_warp` keys and tags only where set (`_sw`): every standard key stays as it was;
-    the chooser never picks it (a candidate, docs/gemm/NOTES.md "next/fp8-narrow-scales")."""
-    for cfg in (*STANDARD_CONFIGS, *NARROW_CONFIGS, GROUPED):
+    """`scale_warp` keys and tags only where set (`_sw`): the 64-row-box narrow tiles (M > 32)
+    load their scales by their own warp four ahead (`_f4_sw`, adopted 2026-12-07, docs/gemm/NOTES.md
+    "Measured: next/fp8-narrow-scales"); every other standard key stays as it was; the chooser
+    picks it on the mid narrow shapes, never on a decode box or a 128-row tile."""
+    for cfg in (*STANDARD_CONFIGS, GROUPED):
         assert not cfg.scale_warp and "scale_warp" not in cfg.key()
         assert not cfg.tag().endswith("_sw")
+    for cfg in NARROW_CONFIGS:
+        assert cfg.scale_warp == (not cfg.a_rows)
+        assert cfg.scale_ahead == (NARROW_SCALE_AHEAD if cfg.scale_warp else 1)
+        assert cfg.tag().endswith("_f4_sw") == cfg.scale_warp
+        assert GemmConfig.from_params(dict(params_for("bfloat16", cfg))) == cfg
     sw = dataclasses.replace(NARROW_CONFIGS[0], scale_warp=True)
     assert sw.key()["scale_warp"] is True and sw.tag() == NARROW_CONFIGS[0].tag() + "_sw"
     assert GemmConfig.from_params(dict(params_for("bfloat16", sw))) == sw
-    for m, n, k in ((128, 1536, 7168), (64, 4096, 7168), (1, 7168, 16384), (4096, 7168, 2048)):
+    for m, n, k in ((128, 1536, 7168), (64, 4096, 7168), (512, 576, 7168), (128, 7168, 16384)):
+        cfg = choose_config(m, n, k)
+        assert cfg.scale_warp and cfg.scale_ahead == NARROW_SCALE_AHEAD and cfg in NARROW_CONFIGS
+    for m, n, k in ((1, 7168, 16384), (16, 7168, 2048), (1, 10240, 5120), (4096, 7168, 2048)):
         assert not choose_config(m, n, k).scale_warp
+
+
+def test_one_warp_scales_are_candidates():
+    """The bench's `one_warp_scales` variant (the scale-warp narrow tiles loading their scales
+    by the TMA warp one ahead, the standard before) compiles from the candidates
+    (`forgekernel build --candidates`), in each form the standard builds take; none is a
+    standard build."""
+    from forgekernel.kernels.gemm.fp8.sm90.config import one_warp_scales
+
+    standard, cands = set(SPEC.standard_params()), set(SPEC.candidate_params())
+    assert cands and not cands & standard
+    for cfg in NARROW_CONFIGS:
+        if cfg.scale_warp:
+            one = one_warp_scales(cfg)
+            assert not one.scale_warp and one.scale_ahead == 1 and one.a_rows == 0
+            assert {params_for(out, one) for out in OUT_DTYPES} <= cands
 
 
 def test_scale_ahead_keys_and_tags():
@@ -232,7 +265,8 @@ def test_script_rows_on_cpu(script, monkeypatch):
     short = script.measure(
         case, suite, torch.Generator().manual_seed(3), torch.device("cpu"), only_twins=True
     )
-    assert [r["config"] for r in short] == [LARGE.tag(), band.tag(), "deepgemm"]
+    warp = dataclasses.replace(LARGE, scale_warp=True)  # the scales by a warp of their own
+    assert [r["config"] for r in short] == [LARGE.tag(), warp.tag(), band.tag(), "deepgemm"]
     assert all(r["status"] in ("ok", "comparator") for r in short)
     # the 128-row tile (6 of 132 SMs busy, but narrow's 45 tiles too few to take)
     pick = choose_config(300, 264, 384)

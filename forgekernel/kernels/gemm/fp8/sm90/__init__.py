@@ -12,6 +12,7 @@ from forgekernel.kernels.gemm.fp8.sm90.config import (
     OUT_DTYPES,
     STANDARD_CONFIGS,
     fewest_ctas,
+    one_warp_scales,
     params_for,
 )
 from forgekernel.runtime import pdl
@@ -40,6 +41,18 @@ def _standard_params() -> list[Params]:
     return dense + grouped + narrow + band
 
 
+def _candidate_params() -> list[Params]:
+    """The narrow tiles' one-warp scale loading (`one_warp_scales`: the standard before the
+    scale warp, the bench's `one_warp_scales` variant) where the standard build has the scale
+    warp, in the forms `_standard_params` builds."""
+    cands = [one_warp_scales(cfg) for cfg in NARROW_CONFIGS if cfg.scale_warp]
+    top = [params_for(out, cfg) for out in OUT_DTYPES for cfg in cands]
+    form = pdl.band_form()
+    if form is None:
+        return top
+    return top + [pdl.key_for(params_for(out, cfg), form) for out in OUT_DTYPES for cfg in cands]
+
+
 def band_configs(num_sms: int = NUM_SMS_H100_H200) -> tuple[GemmConfig, ...]:
     """The standard and narrow configs whose grids on a `num_sms`-SM chip the partial-wave
     rule's band reaches, between their `fewest_ctas` and a whole wave (LARGE_MCAST_A: M >= 8192
@@ -61,6 +74,7 @@ SPEC = KernelSpec(
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
+    candidate_params=_candidate_params,
 )
 
 __all__ = ["SPEC", "params_for"]
