@@ -39,7 +39,9 @@
 #     custom_compile_cache.py; `cute.compile` sets no_cache, so the DSL's own file cache is not
 #     used either): nothing on disk to carry, each process compiles them at its first call.
 #     Each kind newest first up to its cap a GPU model, in the tar and in the store:
-#     FK_COMPARATOR_CACHE_MB (default 12) MiB of TileLang's kernels, FK_FLASHINFER_CACHE_MB
+#     FK_COMPARATOR_CACHE_MB (default 18; 12 until 2026-12-07, when the gdn_prefill and kda_bwd
+#     benches' packs each dropped 8-9 of FlashQLA's kernels at 12, ~40 in all, ~17 MB) MiB of
+#     TileLang's kernels, FK_FLASHINFER_CACHE_MB
 #     (default 8) of FlashInfer's modules (apart: a few MB of FlashInfer .so, ~30 s of nvcc each,
 #     would otherwise push out several of FlashQLA's ~0.4 MB kernels, whose compiles cost a fresh
 #     host's gdn_bwd 293 s with fla's tuning); what does not fit is named. The tar comes back gzipped, one file of at most 16 MiB (the main store's 12.9 MB
@@ -49,7 +51,8 @@
 #   bash scripts/comparator_caches.sh restore       # device: .device-cache/GPU/ -> the Triton, TileLang, FlashInfer caches
 #   bash scripts/comparator_caches.sh take DIR      # here: DIR/comparator-caches.tar.gz -> .device-cache/GPU/ (union)
 #
-# .device-cache/ is git-ignored: carry it with the call (`carry: [".device-cache"]`, <= 20 MB).
+# .device-cache/ is git-ignored: carry it with the call (`carry: [".device-cache"]`, <= 28 MB: the
+# tree is ~35 MB of the call's 64 MiB).
 set -uo pipefail
 cmd=${1:?pack OUT | restore | take DIR}
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -58,7 +61,7 @@ tl_cache=${TILELANG_CACHE_DIR:-$HOME/.tilelang/cache}
 fi_cache=${FLASHINFER_WORKSPACE_BASE:-$HOME}/.cache/flashinfer
 store=${FK_DEVICE_CACHE:-$root/.device-cache}
 mib=$((1024 * 1024))
-declare -A cap=([tilelang]=$((${FK_COMPARATOR_CACHE_MB:-12} * mib))
+declare -A cap=([tilelang]=$((${FK_COMPARATOR_CACHE_MB:-18} * mib))
                 [flashinfer]=$((${FK_FLASHINFER_CACHE_MB:-8} * mib)))
 
 gpu_slug() {  # "NVIDIA H100 80GB HBM3" -> NVIDIA_H100_80GB_HBM3

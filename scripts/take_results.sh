@@ -46,7 +46,7 @@ for name, params in read_keylog(sys.argv[1]):
   rm -f "$call"
 fi
 # the comparators' autotuning results, TileLang's compiled kernels and FlashInfer's JIT modules
-# (scripts/comparator_caches.sh): .device-cache, git-ignored (a GPU model at most 12 MiB of
+# (scripts/comparator_caches.sh): .device-cache, git-ignored (a GPU model at most 18 MiB of
 # kernels, FK_COMPARATOR_CACHE_MB, and 8 of modules, FK_FLASHINFER_CACHE_MB), carried by the next
 # session's calls
 bash "$root/scripts/comparator_caches.sh" take "$src" || true
