@@ -98,7 +98,8 @@ def twins(pick: GemmConfig, m: int, n: int) -> list[GemmConfig]:
     lead without the warp) and the scale warp two ahead (`_f2_sw`); a decode-box narrow pick
     (one warp, one ahead): two ahead (`_f2`), by their own warp (`_sw`) and their own warp four
     ahead (`_f4_sw`) (docs/gemm/NOTES.md "Measured: next/fp8-narrow-scales"). A tiled 128-row
-    pick: its scales by a warp of their own (`_sw`, two ahead as the tile's standard), and
+    pick: its scales by a warp of their own (`_sw`, two ahead as the tile's standard; `_f4_sw`
+    four ahead, what won on the narrow tiles), and
     walking M first (LARGE) walked in bands of BAND clusters (`swizzle`) too. Stream K and the
     64-row 128-column tiles have none. (The narrow picks' A / B multicast twins were timed on
     the H100 2026-12-07 and dropped: "next/fp8-band8"; the band was adopted on LARGE_MCAST_A.)"""
@@ -111,7 +112,8 @@ def twins(pick: GemmConfig, m: int, n: int) -> list[GemmConfig]:
         return [dataclasses.replace(pick, scale_ahead=2), warp,
                 dataclasses.replace(warp, scale_ahead=4)]  # fmt: skip
     if pick.tile_m == 128 and not pick.stream_k:
-        found = [dataclasses.replace(pick, scale_warp=True)]
+        warp = dataclasses.replace(pick, scale_warp=True)
+        found = [warp, dataclasses.replace(warp, scale_ahead=4)]
         if pick.swizzle == 1:
             found.append(dataclasses.replace(pick, swizzle=BAND))
         return found

@@ -41,6 +41,9 @@ SCALE_TWINS = ("_f2", "_sw", "_f4_sw")
 # a 64-row-box narrow pick's (the pick loads its scales by its own warp four ahead, `_f4_sw`):
 # one warp one ahead (the standard before), one warp four ahead, the scale warp two ahead
 WARP_TWINS = ("", "_f4", "_f2_sw")
+# LARGE's: the scale warp two ahead (its standard lead) and four, then the band of 8 clusters
+LARGE_TWINS = ("1m_f2_sw", "1m_f4_sw", "8m_f2")
+MCAST_A_TWINS = ("_f2_mn_sw", "_f4_mn_sw")  # LARGE_MCAST_A's (its band the standard)
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +124,10 @@ def test_script_configs(script, m, n, k):
     assert (MID in configs) == (m <= script.SMALL_TILES_UP_TO)
     # the other epilogue depth (decided at 15:48) no longer timed
     assert {c.epi_stages for c in configs if c.tile_m == 128 and not c.stream_k} == {3}
-    # no other scale distance is timed (`_f1` / `_f4` measured slower; the standards: two)
-    assert {c.scale_ahead for c in configs if c.tile_m == 128 and not c.stream_k} == {2}
+    # no other scale distance is timed by one warp (`_f1` / `_f4` measured slower; the
+    # standards: two); the scale warp's twins of the pick two and four ahead
+    one = [c for c in configs if c.tile_m == 128 and not c.stream_k and not c.scale_warp]
+    assert {c.scale_ahead for c in one} == {2}
     assert {c for c in STANDARD_CONFIGS if c.scale_ahead != 1} == {LARGE, LARGE_MCAST_A}
     # and reading A's scales M-major (the standards as they are otherwise): nothing else does
     # (LARGE_MCAST_A reads them M-major since 2026-12-05: its twin is the K-major one)
@@ -153,8 +158,8 @@ def test_script_configs(script, m, n, k):
         (1, 10240, 5120, tuple("64x80_c1x1_s0_e4x16_w1m_a8" + t for t in SCALE_TWINS)),
         # the tiled 128-row picks: the scales by their own warp; LARGE walked in bands of 8
         # clusters (LARGE_MCAST_A walks them already, 2026-12-07)
-        (4096, 36864, 7168, ("128x128_c2x1_s0_e3x32_w1m_f2_sw", "128x128_c2x1_s0_e3x32_w8m_f2")),
-        (16384, 7168, 18432, ("128x128_c1x2_s0_e3x32_w8m_f2_mn_sw",)),
+        (4096, 36864, 7168, tuple("128x128_c2x1_s0_e3x32_w" + t for t in LARGE_TWINS)),
+        (16384, 7168, 18432, tuple("128x128_c1x2_s0_e3x32_w8m" + t for t in MCAST_A_TWINS)),
         # a pick already clustered (SKINNY) or streaming K: none
         (64, 36864, 7168, ()),
         (1, 576, 7168, ()),
@@ -266,7 +271,9 @@ def test_script_rows_on_cpu(script, monkeypatch):
         case, suite, torch.Generator().manual_seed(3), torch.device("cpu"), only_twins=True
     )
     warp = dataclasses.replace(LARGE, scale_warp=True)  # the scales by a warp of their own
-    assert [r["config"] for r in short] == [LARGE.tag(), warp.tag(), band.tag(), "deepgemm"]
+    four = dataclasses.replace(warp, scale_ahead=4)
+    tags = [LARGE.tag(), warp.tag(), four.tag(), band.tag(), "deepgemm"]
+    assert [r["config"] for r in short] == tags
     assert all(r["status"] in ("ok", "comparator") for r in short)
     # the 128-row tile (6 of 132 SMs busy, but narrow's 45 tiles too few to take)
     pick = choose_config(300, 264, 384)
