@@ -1,12 +1,14 @@
 """`scale_warp` (the FP8 GEMM's scales loaded and staged by the producer warpgroup's warp 1, the
-TMA loads issued alone by warp 0; docs/gemm/NOTES.md "next/fp8-narrow-scales", a candidate key
-off by default) on an sm90 GPU, forced through the launcher: against the fp64 reference into a
-NaN-poisoned out and bit for bit against the same config without it (the same WGMMAs, the same
+TMA loads issued alone by warp 0; docs/gemm/NOTES.md "next/fp8-narrow-scales"; four ahead the
+64-row-box narrow tiles' standard since 2026-12-07, "next/fp8-f4sw") on an sm90 GPU, forced
+through the launcher: against the fp64 reference into a NaN-poisoned out and bit for bit
+against the same config without it (the same WGMMAs, the same
 fp32 products A's x B's staged, the same promotions: only which warp stages them differs). The
 narrow full-K tiles on awkward shapes (M under one tile and off it, N off 8 through the
 launcher's scratch, K / 128 odd, a long K: 128 / 129 k-tiles over an 18-21 stage ring), with
-the scales four ahead too (`_f4_sw`), and the other tiled mainloops it reaches: LARGE (B
-multicast over 2x1), LARGE_MCAST_A (A multicast over 1x2, A's scales M-major, bands of 8)."""
+the scales four ahead too (`_f4_sw`), and the other tiled mainloops it reaches, two and four
+ahead: LARGE (B multicast over 2x1), LARGE_MCAST_A (A multicast over 1x2, A's scales M-major,
+bands of 8)."""
 
 from __future__ import annotations
 
@@ -47,10 +49,13 @@ def _forced(cfg):
 
 
 def _check(cfg, m, n, k, seed):
+    """cfg with the scale warp against the reference, and bit for bit against cfg with one
+    warp at the same lead (the 64-row-box narrow tiles have the scale warp as their standard
+    since 2026-12-07: `cfg` may carry it either way)."""
     inputs = _inputs(m, n, k, seed)
     out, cmps = verify(FP8, inputs, CUDA, run=_forced(dataclasses.replace(cfg, scale_warp=True)))
     assert all(c.ok for c in cmps), [c.message for c in cmps]
-    standard = _forced(cfg)(inputs, FP8.alloc_out(inputs))
+    standard = _forced(dataclasses.replace(cfg, scale_warp=False))(inputs, FP8.alloc_out(inputs))
     torch.cuda.synchronize()
     assert torch.equal(out, standard)
 
@@ -64,6 +69,7 @@ def test_narrow_scale_warp_matches_the_reference_and_the_standard(width, shape, 
     _check(cfg, m, n, k, seed=width + k // 128)
 
 
+@pytest.mark.parametrize("ahead", [2, 4])  # the tiles' standard lead; four (fp8_tiles twins)
 @pytest.mark.parametrize(
     ("cfg", "shape"),
     [
@@ -73,5 +79,5 @@ def test_narrow_scale_warp_matches_the_reference_and_the_standard(width, shape, 
     ],
     ids=lambda x: x.tag() if hasattr(x, "tag") else "x".join(map(str, x)),
 )
-def test_scale_warp_on_the_other_mainloops(cfg, shape):
-    _check(cfg, *shape, seed=7)
+def test_scale_warp_on_the_other_mainloops(cfg, shape, ahead):
+    _check(dataclasses.replace(cfg, scale_ahead=ahead), *shape, seed=7)
