@@ -778,31 +778,46 @@ def test_scale_warp_takes_the_scale_loads_off_the_tma_loop(m, width, tmp_path):
         assert plain.count("FMUL") == len(stores)
 
 
-@pytest.mark.parametrize("which", ["large", "mcast_a_mn"])
+@pytest.mark.parametrize("which", ["large", "mcast_a_mn", "grouped"])
 def test_scale_warp_compiles_on_the_other_mainloops(which, tmp_path):
     """`scale_warp` on the tiled mainloops tests/gpu/test_gemm_fp8_scale_warp_gpu.py runs it on
-    besides the narrow tiles (B / A multicast, A's scales M-major): no spills, the consumers'
-    WGMMA schedule as the config's own, and the TMA loads in loops of their own (no LDG among
-    them). (Stream K refuses it: its scale warp spilled 24 bytes, kernel.py.)"""
+    besides the narrow tiles (B / A multicast, A's scales M-major; the grouped layout's tile,
+    four ahead, the grouped bench's `f4_sw`): no spills, the consumers' WGMMA schedule as the
+    config's own, and the TMA loads in loops of their own (no LDG among them). (Stream K
+    refuses it: its scale warp spilled 24 bytes, kernel.py.)"""
     from forgekernel.kernels.gemm.fp8.sm90 import SPEC
-    from forgekernel.kernels.gemm.fp8.sm90.config import LARGE, LARGE_MCAST_A, params_for
+    from forgekernel.kernels.gemm.fp8.sm90.config import (
+        GROUPED,
+        GROUPED_F4_SW,
+        LARGE,
+        LARGE_MCAST_A,
+        params_for,
+    )
     from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text
 
     if find_tool("nvdisasm") is None:
         pytest.skip("cuobjdump/nvdisasm not installed")
-    cfg = {"large": LARGE, "mcast_a_mn": LARGE_MCAST_A}[which]
+    cfg = {"large": LARGE, "mcast_a_mn": LARGE_MCAST_A, "grouped": GROUPED}[which]
+    grouped = which == "grouped"
 
     def build(cfg, name):
         out = tmp_path / name
         out.mkdir()
-        compiled = SPEC.compile(params_for("bfloat16", cfg), f"--keep-cubin --dump-dir {out}")
+        params = params_for("bfloat16", cfg, grouped)
+        compiled = SPEC.compile(params, f"--keep-cubin --dump-dir {out}")
         info = inspect_cubin(compiled.artifacts.CUBIN)
         assert info["spill_bytes"] == 0 and info["sass"].get("LDL", 0) == 0
         return sass_text(compiled.artifacts.CUBIN)
 
-    sass = build(dataclasses.replace(cfg, scale_warp=True), "sw")
+    warp = GROUPED_F4_SW if grouped else dataclasses.replace(cfg, scale_warp=True)
+    sass = build(warp, "sw")
     base = build(cfg, "std")
     assert _mainloop_sequence(_consumer_part(sass)) == _mainloop_sequence(base)
     loops = [plain for _, plain in _producer_loops(sass)]
     tma = [ops for ops in loops if any(o.startswith("UTMALDG") for o in ops)]
-    assert tma and not any(o.startswith("LDG") for ops in tma for o in ops)
+    assert tma
+    if grouped:  # the tile loop reads its tile's expert (one LDG a tile), the k-tile loop none
+        assert not any(o.startswith("LDG") for o in min(tma, key=len))
+        assert all(sum(o.startswith("LDG") for o in ops) <= 1 for ops in tma)
+    else:
+        assert not any(o.startswith("LDG") for ops in tma for o in ops)

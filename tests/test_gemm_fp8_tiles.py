@@ -206,9 +206,9 @@ def test_scale_warp_keys_and_tags():
 
 def test_one_warp_scales_are_candidates():
     """The bench's `one_warp_scales` variant (the scale-warp narrow tiles loading their scales
-    by the TMA warp one ahead, the standard before) compiles from the candidates
-    (`forgekernel build --candidates`), in each form the standard builds take; none is a
-    standard build."""
+    by the TMA warp one ahead, the standard before) and the grouped bench's `f4_sw` compile
+    from the candidates (`forgekernel build --candidates`), in each form the standard builds
+    take; none is a standard build."""
     from forgekernel.kernels.gemm.fp8.sm90.config import one_warp_scales
 
     standard, cands = set(SPEC.standard_params()), set(SPEC.candidate_params())
@@ -218,6 +218,11 @@ def test_one_warp_scales_are_candidates():
             one = one_warp_scales(cfg)
             assert not one.scale_warp and one.scale_ahead == 1 and one.a_rows == 0
             assert {params_for(out, one) for out in OUT_DTYPES} <= cands
+    # the grouped bench's `f4_sw` (the grouped layout's own key, always the top form)
+    from forgekernel.kernels.gemm.fp8.sm90.config import GROUPED_F4_SW
+
+    assert GROUPED_F4_SW.scale_warp and GROUPED_F4_SW.scale_ahead == 4
+    assert {params_for(out, GROUPED_F4_SW, True) for out in OUT_DTYPES} <= cands
 
 
 def test_scale_ahead_keys_and_tags():

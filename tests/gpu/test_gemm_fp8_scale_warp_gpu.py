@@ -8,7 +8,7 @@ narrow full-K tiles on awkward shapes (M under one tile and off it, N off 8 thro
 launcher's scratch, K / 128 odd, a long K: 128 / 129 k-tiles over an 18-21 stage ring), with
 the scales four ahead too (`_f4_sw`), and the other tiled mainloops it reaches, two and four
 ahead: LARGE (B multicast over 2x1), LARGE_MCAST_A (A multicast over 1x2, A's scales M-major,
-bands of 8)."""
+bands of 8); the grouped layout's tile four ahead (GROUPED_F4_SW)."""
 
 from __future__ import annotations
 
@@ -19,13 +19,15 @@ import torch
 
 from forgekernel.bench.check import verify
 from forgekernel.bench.suites import gemm_fp8 as fp8_suite_module
+from forgekernel.bench.suites import gemm_fp8_grouped as grouped_module
 from forgekernel.kernels.gemm.fp8.sm90 import launch
-from forgekernel.kernels.gemm.fp8.sm90.config import LARGE, LARGE_MCAST_A, narrow_config
+from forgekernel.kernels.gemm.fp8.sm90.config import GROUPED, LARGE, LARGE_MCAST_A, narrow_config
 
 pytestmark = pytest.mark.gpu
 
 CUDA = torch.device("cuda")
 FP8 = fp8_suite_module.suite()
+GROUPED_SUITE = grouped_module.suite()
 SHAPES = (
     (40, 1000, 21 * 128),  # M under one tile, N off every width, K / 128 odd
     (1, 4100, 5 * 128),  # one row (A's 8-row box), N off 8 (the launcher's scratch)
@@ -81,3 +83,30 @@ def test_narrow_scale_warp_matches_the_reference_and_the_standard(width, shape, 
 )
 def test_scale_warp_on_the_other_mainloops(cfg, shape, ahead):
     _check(dataclasses.replace(cfg, scale_ahead=ahead), *shape, seed=7)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        # empty experts, partial segments, trailing padding tiles; a long K (56 k-tiles over the
+        # ring: refilled); many small experts
+        grouped_module._case(5, 2048, 7168, counts=(200, 0, 0, 31, 513), tail=256),
+        grouped_module._case(4, 640, 256, counts=(1, 128, 0, 129), tail=128),
+        grouped_module._case(8, 1024, 1024, counts=(5, 0, 250, 128, 64, 0, 400, 3)),
+    ],
+    ids=lambda c: c.name,
+)
+def test_grouped_scale_warp_matches_the_reference_and_the_standard(case):
+    """The grouped layout's tile with the scale warp four ahead (GROUPED_F4_SW, the grouped
+    bench's `f4_sw`) against the fp64 reference (padding rows zeroed as the suite's op does)
+    and bit for bit against GROUPED (the same products, the same promotions)."""
+    gen = torch.Generator(device=CUDA).manual_seed(11)
+    inputs = GROUPED_SUITE.make_inputs(case, torch.bfloat16, CUDA, gen)
+    out, cmps = verify(GROUPED_SUITE, inputs, CUDA, run=grouped_module.run_f4_sw)
+    assert all(c.ok for c in cmps), [c.message for c in cmps]
+    standard = GROUPED_SUITE.alloc_out(inputs)
+    launch.gemm_fp8_grouped(inputs["a"], inputs["b"], inputs["sa"], inputs["sb"],
+                            inputs["m_indices"], standard, config=GROUPED)  # fmt: skip
+    grouped_module._zero_padding(inputs, standard)
+    torch.cuda.synchronize()
+    assert torch.equal(out, standard)

@@ -362,10 +362,11 @@ class GemmSm90:
         ):
             raise ValueError(f"scale_ahead {self.cfg.scale_ahead}: FP8's, at least 1")
         if cutlass.const_expr(self.cfg.scale_warp and not (
-            self.scaled and not self.masked and mGroup is None and not self.cfg.stream_k
+            self.scaled and not self.masked and not self.cfg.stream_k
         )):  # fmt: skip
-            # (stream K's scale warp spills within the producer's 40 registers: 24 bytes)
-            raise ValueError("scale_warp: FP8's dense layout, tiled walk (not stream K)")
+            # (stream K's scale warp spills within the producer's 40 registers: 24 bytes; the
+            # masked layout's walk is not the scale warp's, untested)
+            raise ValueError("scale_warp: FP8's dense or grouped layout, tiled walk (not stream K)")
         if cutlass.const_expr(self.cfg.scale_mn_major):
             # one vector of tile_m / 32 rows a lane (`_fetch_scales`): 16 or 8 bytes
             if cutlass.const_expr(not self.scaled or self.masked or self.cfg.tile_m == 192):

@@ -8,6 +8,7 @@ from pathlib import Path
 from forgekernel.kernels.gemm.dense.sm90.config import NUM_SMS_H100_H200, GemmConfig, max_ctas
 from forgekernel.kernels.gemm.fp8.sm90.config import (
     GROUPED,
+    GROUPED_F4_SW,
     NARROW_CONFIGS,
     OUT_DTYPES,
     STANDARD_CONFIGS,
@@ -44,13 +45,17 @@ def _standard_params() -> list[Params]:
 def _candidate_params() -> list[Params]:
     """The narrow tiles' one-warp scale loading (`one_warp_scales`: the standard before the
     scale warp, the bench's `one_warp_scales` variant) where the standard build has the scale
-    warp, in the forms `_standard_params` builds."""
+    warp, in the forms `_standard_params` builds; the grouped tile with the scale warp four
+    ahead (GROUPED_F4_SW)."""
     cands = [one_warp_scales(cfg) for cfg in NARROW_CONFIGS if cfg.scale_warp]
     top = [params_for(out, cfg) for out in OUT_DTYPES for cfg in cands]
+    # the grouped tile's scale warp four ahead (the grouped bench's `f4_sw`; always "top")
+    grouped = [params_for(out, GROUPED_F4_SW, True) for out in OUT_DTYPES]
     form = pdl.band_form()
     if form is None:
-        return top
-    return top + [pdl.key_for(params_for(out, cfg), form) for out in OUT_DTYPES for cfg in cands]
+        return top + grouped
+    band = [pdl.key_for(params_for(out, cfg), form) for out in OUT_DTYPES for cfg in cands]
+    return top + grouped + band
 
 
 def band_configs(num_sms: int = NUM_SMS_H100_H200) -> tuple[GemmConfig, ...]:

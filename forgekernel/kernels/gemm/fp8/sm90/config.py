@@ -180,6 +180,9 @@ NARROW_CONFIGS = tuple(narrow_config(r or 64, w) for r in (*A_ROWS, 0) for w in 
 # docs/gemm/NOTES.md "Measured 2026-12-03 06:21 (H200): band8 adopted". (LARGE_MCAST_A walks
 # the same bands since 2026-12-07.)
 GROUPED = dataclasses.replace(LARGE_MCAST_A, scale_mn_major=False)  # as measured
+# Its scales by a warp of their own, four k-tiles ahead (what won on the narrow tiles,
+# 2026-12-07): a candidate build, the grouped bench's `f4_sw` variant.
+GROUPED_F4_SW = dataclasses.replace(GROUPED, scale_warp=True, scale_ahead=4)
 
 
 def params_for(out_dtype: str, cfg: GemmConfig, grouped: bool = False) -> tuple:
