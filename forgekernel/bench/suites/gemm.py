@@ -287,6 +287,10 @@ SANITIZE_CASES = (
     # the swapped tiles (SWAP_CASES): 128x208, 192x72 (192x80 at 129x11120x136 above)
     _case(777, 4104, 520),
     _case(129, 10248, 520),
+    # the twins config.walked puts in: LARGE in bands of 6 N blocks (7 N blocks: a band of 6 and
+    # one of 1; the last tile row moved back), 128x144 with A multicast (ragged M and N, B "kn")
+    _case(16300, 1792, 1608),
+    _case(4000, 568, 520, "kn"),
 )
 
 
