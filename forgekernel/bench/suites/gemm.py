@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -450,10 +452,21 @@ def nbytes(case: Case, dtype: torch.dtype) -> float:
     return float((p["m"] * p["k"] + p["n"] * p["k"] + p["m"] * p["n"]) * elem)
 
 
+def kernel_sources() -> list[Path]:
+    """What the compile cache hashes (the kernel's import closure) and the chooser beside it: the
+    configuration tables and the plan that pick a call's configuration, its launcher and the op
+    (a chooser change moves the ledger's key, as a kernel change does; before 2026-12-06 it did
+    not, so a chooser change kept the GEMM ledger's figures)."""
+    names = ("config", "plan", "launch")
+    chooser = [importlib.import_module(f"forgekernel.kernels.gemm.dense.sm90.{n}") for n in names]
+    chooser.append(importlib.import_module("forgekernel.ops.gemm"))
+    return list(dict.fromkeys((*SPEC.sources, *(Path(m.__file__) for m in chooser))))
+
+
 def suite() -> OpSuite:
     return OpSuite(
         name="gemm",
-        kernel_sources=SPEC.sources,  # the ledger hashes what the compile cache hashes
+        kernel_sources=kernel_sources(),
         dtypes=(torch.float16, torch.bfloat16),
         check_cases=check_cases(),
         bench_cases=BENCH_CASES,
