@@ -656,3 +656,8 @@ def test_the_twins_replace_only_the_streaming_picks():
     # + the two sanitizer cases that reach them (bench/suites/gemm.py SANITIZE_CASES)
     suite_twins = {"16384x4608x3584", "16384x4096x12288", "4096x576x7168"}
     assert twins == suite_twins | {"16300x1792x1608", "4000x568x520-kn"}
+    # the check compares both twins against the reference (TWIN_CHECK_CASES), not only the
+    # sanitizer
+    checked = {c.name for c in suite.CHECK_CASES}
+    assert {c.name for c in suite.TWIN_CHECK_CASES} == {"16300x1792x1608", "4000x568x520-kn"}
+    assert {"16300x1792x1608", "4000x568x520-kn"} <= checked

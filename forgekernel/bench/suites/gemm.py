@@ -222,6 +222,9 @@ CLASS_CHECK_CASES = (
     _case(1024, 4608, 3584, group="prefill", source="qwen2.5-7b.qkv"),
     _case(333, 1536, 7168, group="ragged", source="deepseek-v3.q_a"),
 )
+# the twins `config.walked` picks (LARGE_BAND, FIT_144_A), against the reference too (the
+# sanitizer's two twin cases below: memcheck / racecheck compare no values)
+TWIN_CHECK_CASES = (_case(16300, 1792, 1608), _case(4000, 568, 520, "kn"))
 CHECK_CASES = _unique(
     LEGACY_BENCH_CASES
     + EDGE_CASES
@@ -229,6 +232,7 @@ CHECK_CASES = _unique(
     + PREFILL_STREAM_CASES
     + FIT_CASES
     + SWAP_CASES
+    + TWIN_CHECK_CASES
 )
 # N or K not a multiple of 8 (cuBLAS takes any shape): checked once forgekernel.gemm takes them
 # (`odd_sizes_accepted`), with GPT-2's LM head (vocabulary 50257) as the real-model one.
