@@ -91,7 +91,9 @@ CHECK_CASES = (
 # 1100x1024x1280 LARGE over 2x1, 10 on 6; 8x16896x2048 decode a8 over 1x2, 16 on 11;
 # 8x9216x4096 narrow 64x96 a8, 32 k-tiles a CTA; 300x1000x4096 narrow 64x48 with the scale warp
 # four ahead (the 64-row box's standard), 32 k-tiles a CTA: its 33-arrival full barrier over a
-# refilled ring; 40x4104x256 and 300x1000x640 the same tiles with fewer k-tiles than the lead).
+# refilled ring; 40x4104x256 and 300x1000x640 the same tiles with fewer k-tiles than the lead;
+# the tiled 128-row tiles' scale warp (2026-12-07): 1100x1024x1280 LARGE's two ahead, 8200x256x1280
+# LARGE_MCAST_A's four ahead, 10 k-tiles a CTA on 6 stages, 130 CTAs in bands).
 SANITIZE_CASES = (
     _case(1, 256, 256),
     _case(12, 264, 384),
@@ -113,6 +115,7 @@ SANITIZE_CASES = (
     _case(20, 3072, 512),
     _case(40, 4104, 256),
     _case(300, 1000, 4096),
+    _case(8200, 256, 1280),
 )
 
 
