@@ -52,7 +52,8 @@
 #   bash scripts/comparator_caches.sh take DIR      # here: DIR/comparator-caches.tar.gz -> .device-cache/GPU/ (union)
 #
 # .device-cache/ is git-ignored: carry it with the call (`carry: [".device-cache"]`, <= 28 MB: the
-# tree is ~35 MB of the call's 64 MiB).
+# tree is ~35 MB of the call's 64 MiB; with stores of two GPU models past that, carry the one
+# of the GPU the call gets, `.device-cache/NVIDIA_H100_80GB_HBM3`).
 set -uo pipefail
 cmd=${1:?pack OUT | restore | take DIR}
 root=$(cd "$(dirname "$0")/.." && pwd)
