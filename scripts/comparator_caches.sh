@@ -39,13 +39,13 @@
 #     custom_compile_cache.py; `cute.compile` sets no_cache, so the DSL's own file cache is not
 #     used either): nothing on disk to carry, each process compiles them at its first call.
 #     Each kind newest first up to its cap a GPU model, in the tar and in the store:
-#     FK_COMPARATOR_CACHE_MB (default 18; 12 until 2026-12-07, when the gdn_prefill and kda_bwd
-#     benches' packs each dropped 8-9 of FlashQLA's kernels at 12, ~40 in all, ~17 MB) MiB of
-#     TileLang's kernels, FK_FLASHINFER_CACHE_MB
-#     (default 8) of FlashInfer's modules (apart: a few MB of FlashInfer .so, ~30 s of nvcc each,
-#     would otherwise push out several of FlashQLA's ~0.4 MB kernels, whose compiles cost a fresh
-#     host's gdn_bwd 293 s with fla's tuning); what does not fit is named. The tar comes back gzipped, one file of at most 16 MiB (the main store's 12.9 MB
-#     of TileLang entries: 2.2 MB); the store travels with every call that carries it.
+#     FK_COMPARATOR_CACHE_MB MiB of TileLang's kernels (default 18; 12 until 2026-12-07, when the
+#     gdn_prefill and kda_bwd benches' packs each dropped 8-9 of FlashQLA's kernels: ~40 in all,
+#     ~17 MB) and FK_FLASHINFER_CACHE_MB of FlashInfer's modules (default 8; apart, since a few MB
+#     of FlashInfer .so, ~30 s of nvcc each, would otherwise push out several of FlashQLA's
+#     ~0.4 MB kernels, whose compiles cost a fresh host's gdn_bwd 293 s with fla's tuning); what
+#     does not fit is named. The tar comes back gzipped, one file of at most 16 MiB (12.3 MB of
+#     TileLang entries: ~2.2 MB); the store travels with every call that carries it.
 #
 #   bash scripts/comparator_caches.sh pack OUT      # device: the host's caches -> OUT/comparator-caches.tar.gz
 #   bash scripts/comparator_caches.sh restore       # device: .device-cache/GPU/ -> the Triton, TileLang, FlashInfer caches
