@@ -12,8 +12,8 @@ SKINNY, the decode boxes that fit, their stream-K twins), then the tiled 128-row
 scales read the other way (M-major, `_mn`: from the suite's K-major scales, so through the
 launcher's transpose) (`configs_for`); and the chosen tile's M-major twin given M-major scales
 made outside the timing, as DeepGEMM's are (`+sa_mn`, `given_mn_major`); last the pick's twins
-that move fewer bytes (`twins`: a narrow pick with A or B multicast, LARGE walked in bands),
-compiled at first use.
+(`twins`: a narrow pick's scales loaded another way, a tiled pick's by a warp of their own, LARGE
+walked in bands), compiled at first use.
 A config that fails gets a row with its error. The JSON is rewritten after every shape.
 
     PYTHONPATH=$PWD:$PYTHONPATH python3 scripts/fp8_tiles.py OUT.json [--twins] [GROUP ...]
@@ -42,6 +42,7 @@ from forgekernel.kernels.gemm.fp8.sm90.config import (
     NARROW_CONFIGS,
     STANDARD_CONFIGS,
     choose_config,
+    one_warp_scales,
 )
 from forgekernel.runtime.timing import median, rotation_sets, time_interleaved
 
@@ -91,22 +92,31 @@ def configs_for(m: int, n: int, k: int, only_twins: bool = False) -> list[GemmCo
 
 
 def twins(pick: GemmConfig, m: int, n: int) -> list[GemmConfig]:
-    """The pick with fewer bytes a FLOP from the L2 or HBM (docs/gemm/NOTES.md "next/fp8-gap"):
-    a narrow full-K pick (one CTA a tile, no cluster) with A multicast over a 1x2 cluster where
-    it has two n-tiles or more, and B over 2x1 where it has two whole 64-row tile rows or more
-    (not a short A box); a tiled 128-row pick walking M first (LARGE) walked in bands of BAND
-    clusters (`swizzle`) instead. Stream K and a banded pick (LARGE_MCAST_A) have none. Timed on
-    the H100 2026-12-07: the band adopted on LARGE_MCAST_A, the narrow clusters not
-    (docs/gemm/NOTES.md "next/fp8-band8")."""
+    """The pick's candidates. A narrow full-K pick (one CTA a tile, no cluster) loading its
+    scales by a warp of their own (the 64-row box, `config.NARROW_SCALE_AHEAD`): the TMA warp
+    loading them one k-tile ahead (the standard before it: the control), four ahead (`_f4`: the
+    lead without the warp) and the scale warp two ahead (`_f2_sw`); a decode-box narrow pick
+    (one warp, one ahead): two ahead (`_f2`), by their own warp (`_sw`) and their own warp four
+    ahead (`_f4_sw`) (docs/gemm/NOTES.md "Measured: next/fp8-narrow-scales"). A tiled 128-row
+    pick: its scales by a warp of their own (`_sw`, two ahead as the tile's standard; `_f4_sw`
+    four ahead, what won on the narrow tiles), and
+    walking M first (LARGE) walked in bands of BAND clusters (`swizzle`) too. Stream K and the
+    64-row 128-column tiles have none. (The narrow picks' A / B multicast twins were timed on
+    the H100 2026-12-07 and dropped: "next/fp8-band8"; the band was adopted on LARGE_MCAST_A.)"""
+    if pick.scale_warp and pick.tile_m == 64:
+        one = one_warp_scales(pick)
+        four = dataclasses.replace(one, scale_ahead=4)
+        return [one, four, dataclasses.replace(pick, scale_ahead=2)]
     if pick in NARROW_CONFIGS:
-        found = []
-        if -(-n // pick.tile_n) >= 2:
-            found.append(dataclasses.replace(pick, cluster_n=2))
-        if not pick.a_rows and -(-m // pick.tile_m) >= 2:
-            found.append(dataclasses.replace(pick, cluster_m=2))
+        warp = dataclasses.replace(pick, scale_warp=True)
+        return [dataclasses.replace(pick, scale_ahead=2), warp,
+                dataclasses.replace(warp, scale_ahead=4)]  # fmt: skip
+    if pick.tile_m == 128 and not pick.stream_k:
+        warp = dataclasses.replace(pick, scale_warp=True)
+        found = [warp, dataclasses.replace(warp, scale_ahead=4)]
+        if pick.swizzle == 1:
+            found.append(dataclasses.replace(pick, swizzle=BAND))
         return found
-    if pick.tile_m == 128 and not pick.stream_k and pick.swizzle == 1:
-        return [dataclasses.replace(pick, swizzle=BAND)]
     return []
 
 

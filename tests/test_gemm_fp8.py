@@ -378,7 +378,9 @@ def test_narrow_keys_are_standard_builds():
         cfg = narrow_config(64, width)
         base, new = dict(params_for("bfloat16", SKINNY)), dict(params_for("bfloat16", cfg))
         moved = {key for key in base.keys() | new.keys() if base.get(key) != new.get(key)}
-        assert moved <= {"tile_n", "cluster_n", "epi_n"}, moved
+        # the 64-row box: its scales by their own warp, four ahead (config.py NARROW_SCALE_AHEAD)
+        assert moved <= {"tile_n", "cluster_n", "epi_n", "scale_warp", "scale_ahead"}, moved
+        assert cfg.scale_warp and cfg.scale_ahead == 4
         assert GemmConfig.from_params(new) == cfg
 
 

@@ -18,6 +18,7 @@ a CTA's units, starts where it left them). And the compiled kernel's SASS keeps 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -653,13 +654,170 @@ def test_narrow_tiles_keep_the_schedule(m, width, tmp_path):
     assert info["spill_bytes"] == 0 and info["sass"].get("LDL", 0) == 0
     sass = sass_text(cubin)
     step = f"AQQQQD1F{width // 2}"
-    assert _mainloop_sequence(sass) == "AQQQQ" + step * 3 + f"D0F{width // 2}" * 2
-    assert _wgmma_violations(sass, width // 2) == []
+    consumer = _consumer_part(sass)
+    assert _mainloop_sequence(consumer) == "AQQQQ" + step * 3 + f"D0F{width // 2}" * 2
+    assert _wgmma_violations(consumer, width // 2) == []
     two = straddles(width)
     arrivals = _producer_arrivals(sass)
-    assert arrivals and all(a == ("", 4 if two else 2) for a in arrivals), arrivals
+    if cfg.scale_warp:
+        # the 64-row box: the TMA warp's elected arrive (its expect_tx) stores nothing; the
+        # scale warp's lanes' arrives after their stores: the test below
+        assert arrivals and all(a[0] and a[1] == 0 for a in arrivals), arrivals
+    else:
+        # each lane's arrive after its stores of the stage's scales
+        assert arrivals and all(a == ("", 4 if two else 2) for a in arrivals), arrivals
     ops = [op for op, _ in _consumer_loop(sass)]
     assert ops.count("FFMA") == width and sum(op.startswith("QGMMA") for op in ops) == 8
     assert ops.count("LDS") == (8 if two else 4), ops
     fsel = ops.count("FSEL")
     assert (0 < fsel <= width // 2) if two else fsel == 0, ops
+
+
+def _consumer_part(sass: str) -> str:
+    """The consumer warpgroups' code: from the target of the branch that sends them past the
+    producer warpgroup's `USETMAXREG.DEALLOC` (the producer's code lies before it)."""
+    lines = sass.splitlines()
+    dealloc = next(i for i, line in enumerate(lines) if "USETMAXREG.DEALLOC" in line)
+    target = next(
+        int(m.group(1), 16)
+        for line in reversed(lines[:dealloc])
+        if (m := re.search(r"BRA\s+0x([0-9a-f]+)", line))
+    )
+    return "\n".join(
+        line
+        for line in lines
+        if (m := re.search(r"/\*([0-9a-f]{4,})\*/", line)) and int(m.group(1), 16) >= target
+    )
+
+
+def _producer_loops(sass: str) -> list[tuple[list[tuple[str, str]], list[str]]]:
+    """Every loop (a backward branch's body, as `_consumer_loop` reads them) without a QGMMA
+    that issues a TMA load or a global load: the producer warps' k-tile loops, each as its
+    lines split in two (a predicated line: the predicate, then the rest) and its opcodes."""
+    listing = []
+    for line in sass.splitlines():
+        match = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        if match:
+            listing.append((int(match.group(1), 16), match.group(2)))
+    loops = []
+    for addr, text in listing:
+        branch = re.match(r"(@!?U?P\w+\s+)?BRA\S*\s+0x([0-9a-f]+)", text)
+        if branch and int(branch.group(2), 16) < addr:
+            start = int(branch.group(2), 16)
+            body = [t.split(None, 1) for a, t in listing if start <= a <= addr]
+            body = [(b[0], b[1] if len(b) > 1 else "") for b in body]
+            plain = [re.sub(r"^@!?U?P\w+\s+", "", f"{o} {a}").split()[0] for o, a in body]
+            if any(o.startswith("QGMMA") for o in plain):
+                continue
+            if any(o.startswith(("UTMALDG", "LDG")) for o in plain):
+                loops.append((body, plain))
+    return loops
+
+
+@pytest.mark.parametrize(("m", "width"), [(64, 32), (64, 48), (64, 112), (1, 80)])
+def test_scale_warp_takes_the_scale_loads_off_the_tma_loop(m, width, tmp_path):
+    """`scale_warp` (docs/gemm/NOTES.md "next/fp8-narrow-scales"; the 64-row box's standard
+    since 2026-12-07, four ahead) on the narrow tiles, compiled for sm_90a: no spills; the
+    consumers' code as the one-warp key's (the same WGMMA schedule, no in-flight register
+    touched, the same trip of two k-tiles); the producer's k-tile loops
+    split in two: the TMA warp's issue UTMALDG after one ELECT-predicated full-barrier arrive
+    (its expect_tx) and hold no LDG, FMUL or STS (no TMA waits on a scale load: with one warp
+    a k-tile's UTMALDG followed its FMUL of the LDG before); the scale warp's hold the LDGs, the
+    FMUL products, their STS and every lane's plain arrive after them, and no UTMALDG."""
+    from forgekernel.kernels.gemm.fp8.sm90 import SPEC
+    from forgekernel.kernels.gemm.fp8.sm90.config import (
+        narrow_config,
+        one_warp_scales,
+        params_for,
+    )
+    from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text
+
+    if find_tool("nvdisasm") is None:
+        pytest.skip("cuobjdump/nvdisasm not installed")
+
+    def build(cfg, name):
+        out = tmp_path / name
+        out.mkdir()
+        compiled = SPEC.compile(params_for("bfloat16", cfg), f"--keep-cubin --dump-dir {out}")
+        info = inspect_cubin(compiled.artifacts.CUBIN)
+        assert info["spill_bytes"] == 0 and info["sass"].get("LDL", 0) == 0
+        return sass_text(compiled.artifacts.CUBIN)
+
+    # the 64-row box's standard (the scale warp four ahead) or, on a decode box, `_sw`, against
+    # the tile with one warp loading the scales one ahead
+    std = narrow_config(m, width)
+    one = one_warp_scales(std)
+    sass = build(std if std.scale_warp else dataclasses.replace(one, scale_warp=True), "sw")
+    base = build(one, "one")
+    consumer = _consumer_part(sass)
+    assert _mainloop_sequence(consumer) == _mainloop_sequence(base)
+    assert _wgmma_violations(consumer, width // 2) == []
+    trip, base_trip = _consumer_loop(sass), _consumer_loop(base)
+    # (the four-ahead keys' trip is up to 3 instructions longer, moves of uniform registers:
+    # 64x48 +1, 64x112 +3 under cu12, the keys the H100 timed 4.5-11 % faster; the math and
+    # the releases below are the same)
+    assert 0 <= len(trip) - len(base_trip) <= (3 if std.scale_warp else 0)
+    for op in ("FFMA", "LDS", "FSEL", *LOCAL_RELEASE):
+        assert [o for o, _ in trip].count(op) == [o for o, _ in base_trip].count(op), op
+    tma, scale = [], []
+    for body, plain in _producer_loops(sass):
+        (tma if any(o.startswith("UTMALDG") for o in plain) else scale).append((body, plain))
+    assert tma and scale
+    for body, plain in tma:
+        assert not any(o.startswith(("LDG", "STS")) or o == "FMUL" for o in plain), plain
+        arrives = [(o, a) for o, a in body if "SYNCS.ARRIVE" in f"{o} {a}"]
+        assert arrives and all(o.startswith("@") for o, _ in arrives), arrives
+    two = straddles(width)
+    for body, plain in scale:
+        assert not any(o.startswith("UTMALDG") for o in plain), plain
+        arrives = [i for i, o in enumerate(plain) if o.startswith("SYNCS.ARRIVE.TRANS64")]
+        assert arrives and all(not body[i][0].startswith("@") for i in arrives), arrives
+        # each arrive after its k-tile's scale stores (4 a lane straddling, else 2)
+        stores = [i for i, o in enumerate(plain) if o.startswith("STS")]
+        assert len(stores) == len(arrives) * (4 if two else 2), plain
+        assert plain.count("FMUL") == len(stores)
+
+
+@pytest.mark.parametrize("which", ["large", "mcast_a_mn", "grouped"])
+def test_scale_warp_compiles_on_the_other_mainloops(which, tmp_path):
+    """`scale_warp` on the tiled mainloops tests/gpu/test_gemm_fp8_scale_warp_gpu.py runs it on
+    besides the narrow tiles (B / A multicast, A's scales M-major; the grouped layout's tile,
+    four ahead, the grouped bench's `f4_sw`): no spills, the consumers' WGMMA schedule as the
+    config's own, and the TMA loads in loops of their own (no LDG among them). (Stream K
+    refuses it: its scale warp spilled 24 bytes, kernel.py.)"""
+    from forgekernel.kernels.gemm.fp8.sm90 import SPEC
+    from forgekernel.kernels.gemm.fp8.sm90.config import (
+        GROUPED,
+        GROUPED_F4_SW,
+        LARGE,
+        LARGE_MCAST_A,
+        params_for,
+    )
+    from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text
+
+    if find_tool("nvdisasm") is None:
+        pytest.skip("cuobjdump/nvdisasm not installed")
+    cfg = {"large": LARGE, "mcast_a_mn": LARGE_MCAST_A, "grouped": GROUPED}[which]
+    grouped = which == "grouped"
+
+    def build(cfg, name):
+        out = tmp_path / name
+        out.mkdir()
+        params = params_for("bfloat16", cfg, grouped)
+        compiled = SPEC.compile(params, f"--keep-cubin --dump-dir {out}")
+        info = inspect_cubin(compiled.artifacts.CUBIN)
+        assert info["spill_bytes"] == 0 and info["sass"].get("LDL", 0) == 0
+        return sass_text(compiled.artifacts.CUBIN)
+
+    warp = GROUPED_F4_SW if grouped else dataclasses.replace(cfg, scale_warp=True)
+    sass = build(warp, "sw")
+    base = build(cfg, "std")
+    assert _mainloop_sequence(_consumer_part(sass)) == _mainloop_sequence(base)
+    loops = [plain for _, plain in _producer_loops(sass)]
+    tma = [ops for ops in loops if any(o.startswith("UTMALDG") for o in ops)]
+    assert tma
+    if grouped:  # the tile loop reads its tile's expert (one LDG a tile), the k-tile loop none
+        assert not any(o.startswith("LDG") for o in min(tma, key=len))
+        assert all(sum(o.startswith("LDG") for o in ops) <= 1 for ops in tma)
+    else:
+        assert not any(o.startswith("LDG") for ops in tma for o in ops)

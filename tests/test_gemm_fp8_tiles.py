@@ -24,6 +24,7 @@ from forgekernel.kernels.gemm.fp8.sm90.config import (
     LARGE_MCAST_A,
     MID,
     NARROW_CONFIGS,
+    NARROW_SCALE_AHEAD,
     OUT_DTYPES,
     STANDARD_CONFIGS,
     STREAM,
@@ -35,6 +36,14 @@ from forgekernel.kernels.gemm.fp8.sm90.config import (
 from forgekernel.reference.gemm import gemm_fp8_ref
 
 PREFILL_CANDIDATES = (LARGE_MCAST_A, STREAM)
+# a decode-box narrow pick's twins' tag suffixes (scripts/fp8_tiles.py `twins`)
+SCALE_TWINS = ("_f2", "_sw", "_f4_sw")
+# a 64-row-box narrow pick's (the pick loads its scales by its own warp four ahead, `_f4_sw`):
+# one warp one ahead (the standard before), one warp four ahead, the scale warp two ahead
+WARP_TWINS = ("", "_f4", "_f2_sw")
+# LARGE's: the scale warp two ahead (its standard lead) and four, then the band of 8 clusters
+LARGE_TWINS = ("1m_f2_sw", "1m_f4_sw", "8m_f2")
+MCAST_A_TWINS = ("_f2_mn_sw", "_f4_mn_sw")  # LARGE_MCAST_A's (its band the standard)
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +124,10 @@ def test_script_configs(script, m, n, k):
     assert (MID in configs) == (m <= script.SMALL_TILES_UP_TO)
     # the other epilogue depth (decided at 15:48) no longer timed
     assert {c.epi_stages for c in configs if c.tile_m == 128 and not c.stream_k} == {3}
-    # no other scale distance is timed (`_f1` / `_f4` measured slower; the standards: two)
-    assert {c.scale_ahead for c in configs if c.tile_m == 128 and not c.stream_k} == {2}
+    # no other scale distance is timed by one warp (`_f1` / `_f4` measured slower; the
+    # standards: two); the scale warp's twins of the pick two and four ahead
+    one = [c for c in configs if c.tile_m == 128 and not c.stream_k and not c.scale_warp]
+    assert {c.scale_ahead for c in one} == {2}
     assert {c for c in STANDARD_CONFIGS if c.scale_ahead != 1} == {LARGE, LARGE_MCAST_A}
     # and reading A's scales M-major (the standards as they are otherwise): nothing else does
     # (LARGE_MCAST_A reads them M-major since 2026-12-05: its twin is the K-major one)
@@ -137,16 +148,18 @@ def test_script_configs(script, m, n, k):
 @pytest.mark.parametrize(
     ("m", "n", "k", "tags"),
     [
-        # the narrow mid picks (one CTA a tile): A multicast over 1x2, B over 2x1
-        (128, 1536, 7168, ("64x32_c1x2_s0_e4x32_w1m", "64x32_c2x1_s0_e4x32_w1m")),
-        (512, 576, 7168, ("64x48_c1x2_s0_e4x16_w1m", "64x48_c2x1_s0_e4x16_w1m")),
-        (128, 7168, 16384, ("64x112_c1x2_s0_e4x16_w1m", "64x112_c2x1_s0_e4x16_w1m")),
-        # one 64-row tile row, or a short A box: A multicast only
-        (64, 4096, 7168, ("64x32_c1x2_s0_e4x32_w1m",)),
-        (1, 10240, 5120, ("64x80_c1x2_s0_e4x16_w1m_a8",)),
-        # LARGE walked in bands of 8 clusters; LARGE_MCAST_A walks them already (2026-12-07)
-        (4096, 36864, 7168, ("128x128_c2x1_s0_e3x32_w8m_f2",)),
-        (16384, 7168, 18432, ()),
+        # the narrow picks (one CTA a tile), 64-row box: the scale loading before the scale
+        # warp (the control), one warp four ahead, the scale warp two ahead
+        (128, 1536, 7168, tuple("64x32_c1x1_s0_e4x32_w1m" + t for t in WARP_TWINS)),
+        (512, 576, 7168, tuple("64x48_c1x1_s0_e4x16_w1m" + t for t in WARP_TWINS)),
+        (128, 7168, 16384, tuple("64x112_c1x1_s0_e4x16_w1m" + t for t in WARP_TWINS)),
+        (64, 4096, 7168, tuple("64x32_c1x1_s0_e4x32_w1m" + t for t in WARP_TWINS)),
+        # a decode box: the scales two ahead, by their own warp (four ahead)
+        (1, 10240, 5120, tuple("64x80_c1x1_s0_e4x16_w1m_a8" + t for t in SCALE_TWINS)),
+        # the tiled 128-row picks: the scales by their own warp; LARGE walked in bands of 8
+        # clusters (LARGE_MCAST_A walks them already, 2026-12-07)
+        (4096, 36864, 7168, tuple("128x128_c2x1_s0_e3x32_w" + t for t in LARGE_TWINS)),
+        (16384, 7168, 18432, tuple("128x128_c1x2_s0_e3x32_w8m" + t for t in MCAST_A_TWINS)),
         # a pick already clustered (SKINNY) or streaming K: none
         (64, 36864, 7168, ()),
         (1, 576, 7168, ()),
@@ -154,18 +167,62 @@ def test_script_configs(script, m, n, k):
 )
 def test_script_twins(script, m, n, k, tags):
     """The pick's twins (scripts/fp8_tiles.py `twins`): timed after every other row, or alone
-    beside the pick with --twins; each the pick with one field changed, and none a standard
-    build (compiled at first use)."""
+    beside the pick with --twins; each the pick with its scale loading (`scale_ahead`,
+    `scale_warp`) or its walk changed, and none a standard build (compiled at first use)."""
     pick = choose_config(m, n, k)
     twins = script.twins(pick, m, n)
     assert tuple(t.tag() for t in twins) == tags
     for twin in twins:
         changed = {f for f, v in dataclasses.asdict(twin).items() if v != getattr(pick, f)}
-        assert len(changed) == 1 and changed <= {"cluster_m", "cluster_n", "swizzle"}
+        assert changed and changed <= {"scale_ahead", "scale_warp", "swizzle"}
         assert twin not in STANDARD_CONFIGS and twin not in NARROW_CONFIGS
     full = script.configs_for(m, n, k)
     assert full[0] == pick and full[len(full) - len(twins) :] == twins
     assert script.configs_for(m, n, k, only_twins=True) == [pick, *twins]
+
+
+def test_scale_warp_keys_and_tags():
+    """`scale_warp` keys and tags only where set (`_sw`): the 64-row-box narrow tiles (M > 32)
+    load their scales by their own warp four ahead (`_f4_sw`, adopted 2026-12-07, docs/gemm/NOTES.md
+    "Measured: next/fp8-narrow-scales"); every other standard key stays as it was; the chooser
+    picks it on the mid narrow shapes, never on a decode box or a 128-row tile."""
+    for cfg in (*STANDARD_CONFIGS, GROUPED):
+        assert not cfg.scale_warp and "scale_warp" not in cfg.key()
+        assert not cfg.tag().endswith("_sw")
+    for cfg in NARROW_CONFIGS:
+        assert cfg.scale_warp == (not cfg.a_rows)
+        assert cfg.scale_ahead == (NARROW_SCALE_AHEAD if cfg.scale_warp else 1)
+        assert cfg.tag().endswith("_f4_sw") == cfg.scale_warp
+        assert GemmConfig.from_params(dict(params_for("bfloat16", cfg))) == cfg
+    sw = dataclasses.replace(NARROW_CONFIGS[0], scale_warp=True)
+    assert sw.key()["scale_warp"] is True and sw.tag() == NARROW_CONFIGS[0].tag() + "_sw"
+    assert GemmConfig.from_params(dict(params_for("bfloat16", sw))) == sw
+    for m, n, k in ((128, 1536, 7168), (64, 4096, 7168), (512, 576, 7168), (128, 7168, 16384)):
+        cfg = choose_config(m, n, k)
+        assert cfg.scale_warp and cfg.scale_ahead == NARROW_SCALE_AHEAD and cfg in NARROW_CONFIGS
+    for m, n, k in ((1, 7168, 16384), (16, 7168, 2048), (1, 10240, 5120), (4096, 7168, 2048)):
+        assert not choose_config(m, n, k).scale_warp
+
+
+def test_one_warp_scales_are_candidates():
+    """The bench's `one_warp_scales` variant (the scale-warp narrow tiles loading their scales
+    by the TMA warp one ahead, the standard before) and the grouped bench's `f4_sw` compile
+    from the candidates (`forgekernel build --candidates`), in each form the standard builds
+    take; none is a standard build."""
+    from forgekernel.kernels.gemm.fp8.sm90.config import one_warp_scales
+
+    standard, cands = set(SPEC.standard_params()), set(SPEC.candidate_params())
+    assert cands and not cands & standard
+    for cfg in NARROW_CONFIGS:
+        if cfg.scale_warp:
+            one = one_warp_scales(cfg)
+            assert not one.scale_warp and one.scale_ahead == 1 and one.a_rows == 0
+            assert {params_for(out, one) for out in OUT_DTYPES} <= cands
+    # the grouped bench's `f4_sw` (the grouped layout's own key, always the top form)
+    from forgekernel.kernels.gemm.fp8.sm90.config import GROUPED_F4_SW
+
+    assert GROUPED_F4_SW.scale_warp and GROUPED_F4_SW.scale_ahead == 4
+    assert {params_for(out, GROUPED_F4_SW, True) for out in OUT_DTYPES} <= cands
 
 
 def test_scale_ahead_keys_and_tags():
@@ -218,7 +275,10 @@ def test_script_rows_on_cpu(script, monkeypatch):
     short = script.measure(
         case, suite, torch.Generator().manual_seed(3), torch.device("cpu"), only_twins=True
     )
-    assert [r["config"] for r in short] == [LARGE.tag(), band.tag(), "deepgemm"]
+    warp = dataclasses.replace(LARGE, scale_warp=True)  # the scales by a warp of their own
+    four = dataclasses.replace(warp, scale_ahead=4)
+    tags = [LARGE.tag(), warp.tag(), four.tag(), band.tag(), "deepgemm"]
+    assert [r["config"] for r in short] == tags
     assert all(r["status"] in ("ok", "comparator") for r in short)
     # the 128-row tile (6 of 132 SMs busy, but narrow's 45 tiles too few to take)
     pick = choose_config(300, 264, 384)
@@ -249,7 +309,7 @@ def test_script_rows_on_cpu(script, monkeypatch):
 )
 def test_script_twins_compile_without_spills(script, m, n, k, tmp_path):
     """Every twin of these picks compiles for sm_90a (bf16 out) as its pick does: 0 spill bytes,
-    no LDL, the pick's QGMMA and FFMA counts (only the cluster or the walk differs)."""
+    no LDL, the pick's QGMMA and FFMA counts (only the scale loading or the walk differs)."""
     pytest.importorskip("cutlass")
     from forgekernel.runtime.resources import find_tool, inspect_cubin
 

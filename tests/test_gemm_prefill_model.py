@@ -94,6 +94,9 @@ def test_the_model_reproduces_the_measured_tiles(m, n, k, cfg, us):
     assert prefill_time(cfg, m, n, k, SMS) == pytest.approx(us, rel=0.08)
 
 
+_TWIN_OF = {config.LARGE_BAND: LARGE, config.FIT_144_A: FIT_144}
+
+
 def _shapes():
     cases = suite.BENCH_CASES + suite.CHECK_CASES + suite.SANITIZE_CASES
     return sorted({(c.params["m"], c.params["n"], c.params["k"]) for c in cases})
@@ -107,7 +110,11 @@ def test_the_measured_tile_stays_unless_a_challenger_wins_by_the_margin(m, n, k)
     assert rivals["challenger"] in (MID, *config.PREFILL_STREAM) and rivals["fit"] in FIT
     assert ("swap" in rivals) == config.swap_applies(m, n, False)  # B "nk"
     assert rivals.get("swap", SWAP[0]) in SWAP
+    # the twin `walked` puts in for the pick (a walk or multicast the model does not see)
     chosen = choose_config(m, n, k, SMS)
+    pick = _TWIN_OF.get(chosen, chosen)
+    assert config.walked(pick, m, n, k, SMS) == chosen
+    chosen = pick
     if chosen != rivals["tile"]:
         others = [cfg for kind, cfg in rivals.items() if kind != "tile"]
         assert chosen in others
@@ -143,7 +150,8 @@ def test_the_fit_tiles_take_the_measured_efficiency_and_are_built():
         (129, 10240, 8192, SWAP_TALL_72),
         # swapped, 32 x 4 = 128 tiles of 128x208: 150.0 vs LARGE 180.5 us (179.5 measured)
         (777, 4096, 14336, SWAP_208),
-        (4096, 576, 7168, FIT_144),  # 32 x 4 = 128 tiles: 55.6 vs WIDE 68.8 us (WIDE 69.0)
+        # 32 x 4 = 128 tiles: 55.6 vs WIDE 68.8 us (WIDE 69.0); A (58.7 MB) multicast
+        (4096, 576, 7168, config.FIT_144_A),
         (512, 10240, 5120, FIT_160),  # 4 x 64 tiles, 2 rounds: 85.8 vs WIDE 98.8 us (101.2)
         (512, 7168, 16384, FIT_224),  # 4 x 32 = 128 tiles: 182.7 vs LARGE 201.6 us (217.9)
         (1024, 3584, 18944, FIT_224),  # 8 x 16 = 128 tiles: 210.9 vs LARGE 232.7 us (242.4)
@@ -157,6 +165,11 @@ def test_the_fit_tiles_take_the_measured_efficiency_and_are_built():
         (512, 3584, 3584, FIT_112),  # 4 x 32 = 128 tiles: 23.8 vs SQUARE 25.9 us (24.2)
         (5000, 6144, 4096, WIDE),  # LARGE_STREAM 0.6% faster by the model: under the margin
         (8192, 8192, 8192, LARGE),  # 1706.5 vs LARGE_STREAM 1683.2 us: under the margin
+        # M = 16384, A past the L2: M-first re-reads it at 2.62 TB/s, the band at ~0.7
+        (16384, 4608, 3584, config.LARGE_BAND),
+        (16384, 4096, 12288, config.LARGE_BAND),
+        (16384, 32768, 512, LARGE),  # A 16.8 MB: the L2 holds it between columns
+        (12288, 5120, 5120, LARGE),  # 1.97 TB/s: under `_RESTREAM_MAX_MB_PER_US`
         (256, 8192, 8192, SQUARE),  # measured: config.py prefill_rivals' comment
     ],
 )
@@ -237,7 +250,7 @@ def test_the_chooser_picks_the_measured_faster_or_within_2_5_percent(m, n, k, us
     measured_pick = challenger if faster else tile
     assert measured_pick in us, measured_pick.tag()
     assert us[measured_pick] <= 1.025 * min(us.values())
-    chosen = choose_config(m, n, k, SMS)
+    chosen = _TWIN_OF.get(choose_config(m, n, k, SMS), choose_config(m, n, k, SMS))
     assert chosen in (measured_pick, rivals["fit"], rivals.get("swap"))
 
 
@@ -552,7 +565,9 @@ _REPLAY_MISSES = {(16384, 4096, 12288, 0)}
 
 # Picked before any timing (docs/gemm/NOTES.md "72 columns"): the replay stands in the 80-column
 # tile each replaces, which the bench times beside it (config.py `CASE_CANDIDATES`).
-_UNTIMED = {TALL_72: TALL_80, SWAP_TALL_72: SWAP_TALL_80}
+# The twins `walked` puts in (config.py) likewise stand in their tile, timed beside them as the
+# "tile" / "fit" rival.
+_UNTIMED = {TALL_72: TALL_80, SWAP_TALL_72: SWAP_TALL_80, **_TWIN_OF}
 
 
 def _replay(m, n, k, b_kn, us, timing) -> float:
@@ -623,3 +638,26 @@ def test_one_cta_stream_plans_are_the_earlier_ones(cfg):
                 for min_k in (8, 16):
                     got = stream_plan(cfg, m, n, k, SMS, min_k)
                     assert got == _earlier_stream_plan(cfg, m, n, k, SMS, min_k)
+
+
+def test_the_twins_replace_only_the_streaming_picks():
+    """Of every suite, check and outside-suite shape (both B layouts as listed), the chooser puts
+    a twin (`config.walked`) in on exactly the three whose A streams badly: the bands on the two
+    M = 16384 cases past the L2, A multicast on 4096x576x7168 (and the sanitizer's two)."""
+    from forgekernel.bench.suites import gemm_outside
+
+    cases = suite.BENCH_CASES + suite.CHECK_CASES + suite.SANITIZE_CASES + suite.ODD_CASES
+    twins = {
+        c.name
+        for c in cases + gemm_outside.OUTSIDE_CASES
+        if choose_config(*(c.params[x] for x in "mnk"), SMS, c.params["b_layout"] == "kn")
+        in _TWIN_OF
+    }
+    # + the two sanitizer cases that reach them (bench/suites/gemm.py SANITIZE_CASES)
+    suite_twins = {"16384x4608x3584", "16384x4096x12288", "4096x576x7168"}
+    assert twins == suite_twins | {"16300x1792x1608", "4000x568x520-kn"}
+    # the check compares both twins against the reference (TWIN_CHECK_CASES), not only the
+    # sanitizer
+    checked = {c.name for c in suite.CHECK_CASES}
+    assert {c.name for c in suite.TWIN_CHECK_CASES} == {"16300x1792x1608", "4000x568x520-kn"}
+    assert {"16300x1792x1608", "4000x568x520-kn"} <= checked

@@ -16,7 +16,6 @@ from forgekernel.kernels.gemm.dense.sm90 import launch as gemm_sm90
 from forgekernel.kernels.gemm.dense.sm90.config import (
     DECODE,
     DECODE_STREAM,
-    FIT_144,
     SKINNY_64,
     GemmConfig,
     choose_config,
@@ -44,8 +43,9 @@ def test_decode_choice(m, n, want):
 
 def test_ragged_n_takes_the_tile_that_divides_it():
     # 4 x 144, where 128 x 256 wastes a quarter and 3 x 192 leaves 36 of 132 SMs idle (96 tiles
-    # of 128x192: 69.0 us on the H200; 128 of 128x144 predicted 55.6, config.FIT, unmeasured)
-    assert choose_config(4096, 576, 7168) == FIT_144
+    # of 128x192: 69.0 us on the H200; 128 of 128x144 51.3 there); A multicast since A, the
+    # operand streamed from HBM, outweighs B 7x (config.py `walked`)
+    assert choose_config(4096, 576, 7168) == config.FIT_144_A
 
 
 def test_short_a_box_refuses_taller_problems(monkeypatch):

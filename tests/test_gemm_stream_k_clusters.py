@@ -339,6 +339,11 @@ def test_the_suite_checks_every_prefill_walk():
         (config.TALL_72, False),
         (config.SWAP_TALL_72, False),
         (SWAP_STREAMED_144, False),  # swapped stream K (forced only)
+        # the twins config.walked puts in: LARGE walked in bands of 6 N blocks, FIT_144 with A
+        # multicast over a 1x2 cluster (B "kn" unshared: its N-major boxes per CTA)
+        (config.LARGE_BAND, False),
+        (config.FIT_144_A, False),
+        (config.FIT_144_A, True),
         # the 256-token candidates (config.py CASE_CANDIDATES; bf16 "nk" as built): candidate
         # forms, slow (2-5 s of CI's CPU, 2026-12-06)
         pytest.param(config.SMALL_C12, False, marks=pytest.mark.slow),

@@ -221,13 +221,14 @@ def test_without_a_rule_the_standard_builds_are_todays(monkeypatch):
     assert GEMM_SPEC.standard_params() == _today_dense()
     assert FP8_SPEC.standard_params() == _today_fp8()
     tasks = build_tasks("sm_90a", only=[GEMM_SPEC.name, FP8_SPEC.name])
-    # FP8: 26 before narrow, + 24 narrow tiles x 2 outputs (2026-12-05)
-    assert len(tasks) == len(_today_dense()) + len(_today_fp8()) == 98 + 74
+    # FP8: 26 before narrow, + 24 narrow tiles x 2 outputs (2026-12-05); dense: + LARGE_BAND
+    # and FIT_144_A x 2 dtypes x 2 layouts (config.walked's twins, 2026-12-06)
+    assert len(tasks) == len(_today_dense()) + len(_today_fp8()) == 106 + 74
 
 
 @pytest.mark.parametrize(
     "name, dense_count, fp8_count",
-    [("late", 196, 144), ("off", 196, 144), ("late_all", 196, 146)],
+    [("late", 212, 144), ("off", 212, 144), ("late_all", 212, 146)],
 )
 def test_a_rule_adds_the_band_forms(monkeypatch, name, dense_count, fp8_count):
     """The band's form of every config the band reaches: all dense ones (one cluster up to a
@@ -237,8 +238,8 @@ def test_a_rule_adds_the_band_forms(monkeypatch, name, dense_count, fp8_count):
     form = RULES[name][0]
     monkeypatch.setattr(pdl, "PARTIAL_WAVE", RULES[name])
     dense_, fp8_ = GEMM_SPEC.standard_params(), FP8_SPEC.standard_params()
-    assert dense_[:98] == _today_dense() and fp8_[:74] == _today_fp8()
-    assert dense_[98:] == [pdl.key_for(p, form) for p in _today_dense()]
+    assert dense_[:106] == _today_dense() and fp8_[:74] == _today_fp8()
+    assert dense_[106:] == [pdl.key_for(p, form) for p in _today_dense()]
     assert len(set(dense_)) == len(dense_) == dense_count
     assert len(set(fp8_)) == len(fp8_) == fp8_count
     assert band_configs() == STANDARD_CONFIGS

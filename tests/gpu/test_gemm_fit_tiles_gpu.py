@@ -4,8 +4,11 @@
 forced through the op on awkward shapes: M 129 / 300 / 777 (one
 row past a tile, a few hundred rows, the last tile row moved back), N 576 / 3584 (whole tiles
 of 144 / 96 and of 224 / 112, a ragged last tile column for the others), K 3584, both B layouts
-and both 16-bit dtypes. Each against the fp64 reference with the suite's tolerance, every output
-element written (NaN-poisoned out) and bitwise the same on a second call."""
+and both 16-bit dtypes. With them the twins config.walked puts in (LARGE in bands of 6 N blocks:
+N 3584 in bands of 6, 6 and 2; 128x144 with A multicast over 1x2 clusters: N 3584's 25 tile
+columns leave a cluster's second CTA past N). Each against the fp64 reference with the suite's
+tolerance, every output element written (NaN-poisoned out) and bitwise the same on a second
+call."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import torch
 import forgekernel
 from forgekernel.bench.check import verify
 from forgekernel.bench.suites import gemm as gemm_suite
-from forgekernel.kernels.gemm.dense.sm90.config import FIT, takes_kn
+from forgekernel.kernels.gemm.dense.sm90.config import FIT, FIT_144_A, LARGE_BAND, takes_kn
 
 pytestmark = pytest.mark.gpu
 
@@ -27,7 +30,12 @@ SUITE = gemm_suite.suite()
 @pytest.mark.parametrize("m", [129, 300, 777])
 @pytest.mark.parametrize(
     ("cfg", "layout"),
-    [(c, layout) for c in FIT for layout in ("nk", "kn") if layout == "nk" or takes_kn(c)],
+    [
+        (c, layout)
+        for c in (*FIT, LARGE_BAND, FIT_144_A)
+        for layout in ("nk", "kn")
+        if layout == "nk" or takes_kn(c)
+    ],
     ids=lambda x: getattr(x, "tag", lambda: x)(),
 )
 def test_forced_fit_tile_matches_the_reference(cfg, layout, m, n, dtype):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -220,6 +222,9 @@ CLASS_CHECK_CASES = (
     _case(1024, 4608, 3584, group="prefill", source="qwen2.5-7b.qkv"),
     _case(333, 1536, 7168, group="ragged", source="deepseek-v3.q_a"),
 )
+# the twins `config.walked` picks (LARGE_BAND, FIT_144_A), against the reference too (the
+# sanitizer's two twin cases below: memcheck / racecheck compare no values)
+TWIN_CHECK_CASES = (_case(16300, 1792, 1608), _case(4000, 568, 520, "kn"))
 CHECK_CASES = _unique(
     LEGACY_BENCH_CASES
     + EDGE_CASES
@@ -227,6 +232,7 @@ CHECK_CASES = _unique(
     + PREFILL_STREAM_CASES
     + FIT_CASES
     + SWAP_CASES
+    + TWIN_CHECK_CASES
 )
 # N or K not a multiple of 8 (cuBLAS takes any shape): checked once forgekernel.gemm takes them
 # (`odd_sizes_accepted`), with GPT-2's LM head (vocabulary 50257) as the real-model one.
@@ -287,6 +293,10 @@ SANITIZE_CASES = (
     # the swapped tiles (SWAP_CASES): 128x208, 192x72 (192x80 at 129x11120x136 above)
     _case(777, 4104, 520),
     _case(129, 10248, 520),
+    # the twins config.walked puts in: LARGE in bands of 6 N blocks (7 N blocks: a band of 6 and
+    # one of 1; the last tile row moved back), 128x144 with A multicast (ragged M and N, B "kn")
+    _case(16300, 1792, 1608),
+    _case(4000, 568, 520, "kn"),
 )
 
 
@@ -446,10 +456,21 @@ def nbytes(case: Case, dtype: torch.dtype) -> float:
     return float((p["m"] * p["k"] + p["n"] * p["k"] + p["m"] * p["n"]) * elem)
 
 
+def kernel_sources() -> list[Path]:
+    """What the compile cache hashes (the kernel's import closure) and the chooser beside it: the
+    configuration tables and the plan that pick a call's configuration, its launcher and the op
+    (a chooser change moves the ledger's key, as a kernel change does; before 2026-12-06 it did
+    not, so a chooser change kept the GEMM ledger's figures)."""
+    names = ("config", "plan", "launch")
+    chooser = [importlib.import_module(f"forgekernel.kernels.gemm.dense.sm90.{n}") for n in names]
+    chooser.append(importlib.import_module("forgekernel.ops.gemm"))
+    return list(dict.fromkeys((*SPEC.sources, *(Path(m.__file__) for m in chooser))))
+
+
 def suite() -> OpSuite:
     return OpSuite(
         name="gemm",
-        kernel_sources=SPEC.sources,  # the ledger hashes what the compile cache hashes
+        kernel_sources=kernel_sources(),
         dtypes=(torch.float16, torch.bfloat16),
         check_cases=check_cases(),
         bench_cases=BENCH_CASES,

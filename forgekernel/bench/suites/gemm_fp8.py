@@ -21,6 +21,7 @@ from forgekernel.kernels.gemm.fp8.sm90.config import (
     NARROW_WIDTHS,
     choose_config,
     narrow,
+    one_warp_scales,
     wide_config,
 )
 from forgekernel.runtime import pdl
@@ -88,7 +89,9 @@ CHECK_CASES = (
 # 64x128 a8 and 128x128 tiles), and CTAs that refill their ring's stages (racecheck sees a
 # stage's release only there: 600x256x3072 stream K without a cluster, 8 k-tiles a CTA on 5 stages;
 # 1100x1024x1280 LARGE over 2x1, 10 on 6; 8x16896x2048 decode a8 over 1x2, 16 on 11;
-# 8x9216x4096 narrow 64x96 a8, 32 k-tiles a CTA).
+# 8x9216x4096 narrow 64x96 a8, 32 k-tiles a CTA; 300x1000x4096 narrow 64x48 with the scale warp
+# four ahead (the 64-row box's standard), 32 k-tiles a CTA: its 33-arrival full barrier over a
+# refilled ring; 40x4104x256 and 300x1000x640 the same tiles with fewer k-tiles than the lead).
 SANITIZE_CASES = (
     _case(1, 256, 256),
     _case(12, 264, 384),
@@ -109,6 +112,7 @@ SANITIZE_CASES = (
     _case(12, 4000, 384),
     _case(20, 3072, 512),
     _case(40, 4104, 256),
+    _case(300, 1000, 4096),
 )
 
 
@@ -160,8 +164,11 @@ NO_PDL_CASES = ("1x7168x16384", "16x7168x2048", "64x4096x7168", "1x10240x5120")
 # 128-column plan and times `narrow` beside it. Where the rule moved the plan, `was` times the
 # plan before it (`config.wide_config`: the 128-column tiles or stream K) beside ours: the one
 # bench call shows new against old. `narrow_even`: the best width dividing 128 where the pick
-# straddles two blocks of B's scales (the straddling selection's cost). Every variant's kernel
-# is a standard build; each plans as ours does (the device's SMs, N rounded up to 8).
+# straddles two blocks of B's scales (the straddling selection's cost). `one_warp_scales`: where
+# ours' tile loads its scales by a warp of their own (config.py NARROW_SCALE_AHEAD), the same
+# tile with the TMA warp loading them one k-tile ahead (the standard before; a candidate build,
+# `forgekernel build --candidates`). Every other variant's kernel is a standard build; each
+# plans as ours does (the device's SMs, N rounded up to 8).
 EVEN_WIDTHS = tuple(w for w in NARROW_WIDTHS if not straddles(w))
 NARROW_CASES = (
     "512x576x7168", "128x1536x7168", "16x7168x2048", "64x4096x7168", "1x10240x5120",
@@ -188,6 +195,8 @@ def _forced_config(variant: str, m: int, n8: int, k: int, device_index: int | No
         return wide_config(m, n8, k, sms)
     if variant == "narrow_even":
         return narrow(m, n8, k, EVEN_WIDTHS, sms)
+    if variant == "one_warp_scales":
+        return one_warp_scales(choose_config(m, n8, k, sms))
     return narrow(m, n8, k, NARROW_WIDTHS, sms)
 
 
@@ -206,6 +215,8 @@ def variants(case: Case) -> dict[str, Any]:
     if (case.name in NARROW_CASES or pick == ours) and straddles(pick.tile_n):
         # the straddling pick's cost against the best width that never straddles
         found["narrow_even"] = run_narrow_even
+    if ours.scale_warp:
+        found["one_warp_scales"] = run_one_warp_scales
     return found
 
 
@@ -241,6 +252,11 @@ def run_narrow(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
 def run_narrow_even(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
     """`run_narrow` of the widths dividing 128 (one block of B's scales a tile)."""
     return _run_forced("narrow_even", inputs, out)
+
+
+def run_one_warp_scales(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
+    """Ours' tile with the scales loaded by the TMA warp one k-tile ahead (`one_warp_scales`)."""
+    return _run_forced("one_warp_scales", inputs, out)
 
 
 def reference(inputs: Inputs) -> torch.Tensor:

@@ -13,10 +13,13 @@ so the check compares every row and still catches an unwritten real row.
 
 Comparator: DeepGEMM's `m_grouped_fp8_gemm_nt_contiguous` on the same inputs (A's scales made
 M-major and TMA-aligned once per input set, outside the timing; bf16 out only) where `deep_gemm`
-is installed. No variants: measured and dropped (docs/gemm/NOTES.md), "wide" (the 128x192 tile),
-"band6" (the tiles walked in bands of 6 cluster columns; bands of 8, "band8", became the
-standard walk on 2026-12-03, the M-first walk before it) and "f4" (the scales four k-tiles
-ahead, 2026-12-05: the dense probe lost everywhere, the grouped variant never ran).
+is installed. Variant `f4_sw` (VARIANT_CASES): the tile with its scales loaded by a warp of
+their own four k-tiles ahead (config.py GROUPED_F4_SW, a candidate build; what won on the dense
+narrow tiles 2026-12-07, docs/gemm/NOTES.md "next/fp8-f4sw"). Measured and dropped
+(docs/gemm/NOTES.md): "wide" (the 128x192 tile), "band6" (the tiles walked in bands of 6
+cluster columns; bands of 8, "band8", became the standard walk on 2026-12-03, the M-first walk
+before it) and "f4" (the scales four k-tiles ahead by one warp, 2026-12-05: the dense probe
+lost everywhere, the grouped variant never ran).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 from forgekernel.bench.suite import Case, Inputs, OpSuite
 from forgekernel.bench.suites.gemm_fp8 import DSV3_MOE, _quantize, deepgemm_scales
 from forgekernel.kernels.gemm.fp8.sm90 import SPEC
+from forgekernel.kernels.gemm.fp8.sm90.config import GROUPED_F4_SW
 
 ALIGN = 128  # each expert's segment: whole tiles, DeepGEMM's contiguous-layout alignment
 GOLDEN = 0.6180339887498949
@@ -121,6 +125,10 @@ BENCH_CASES = (
     *(_qwen3("235b-a22b", 16, t, p) for p in ("up", "down") for t in (512, 2048)),
     *(_qwen3("30b-a3b", 128, t, p) for p in ("up", "down") for t in (128, 512)),
 )
+# `f4_sw` on four of the cases furthest behind DeepGEMM (H100 2026-12-05 19:54: 0.74-0.89x),
+# long and short K, few and many experts
+VARIANT_CASES = ("E8:4096x4096x7168", "E16:2048x3072x4096", "E32:512x7168x2048",
+                 "E128:512x1536x2048")  # fmt: skip
 # Empty experts (first, middle, last, expert 0 under padding tiles), partial segments of 1 to
 # 127 padding rows, trailing padding tiles, N off the wide tile's 192, the shortest and longest
 # K (the promotion every 128 of K matters there).
@@ -183,6 +191,21 @@ def run_ours(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
         out_dtype=inputs["out_dtype"], out=out,
     )  # fmt: skip
     return _zero_padding(inputs, c)
+
+
+def run_f4_sw(inputs: Inputs, out: torch.Tensor | None) -> torch.Tensor:
+    """Ours with GROUPED_F4_SW forced through the launcher (the op's checks left out: the
+    suite's inputs are valid)."""
+    from forgekernel.kernels.gemm.fp8.sm90 import launch
+
+    out = alloc_out(inputs) if out is None else out
+    launch.gemm_fp8_grouped(inputs["a"], inputs["b"], inputs["sa"], inputs["sb"],
+                            inputs["m_indices"], out, config=GROUPED_F4_SW)  # fmt: skip
+    return _zero_padding(inputs, out)
+
+
+def variants(case: Case) -> dict[str, Any]:
+    return {"f4_sw": run_f4_sw} if case.name in VARIANT_CASES else {}
 
 
 def reference(inputs: Inputs) -> torch.Tensor:
@@ -267,4 +290,5 @@ def suite() -> OpSuite:
         atol=1e-2,
         bench_dtypes=(torch.bfloat16,),
         sanitize_cases=SANITIZE_CASES,
+        variants=variants,
     )

@@ -14,6 +14,7 @@ from forgekernel.kernels.common.sm90.constants import (
 from forgekernel.kernels.gemm.dense.sm90.plan import (
     StreamSplit,
     hbm_us,
+    restream_mb_per_us,
     stream_split,
     stream_us,
     tiled_us,
@@ -86,6 +87,19 @@ TALL_96 = GemmConfig(tile_m=192, tile_n=96, cluster_m=1, cluster_n=2)
 # (2026-12-05 04:2x; the rate model weighs the waste, not the short K's 8-column epilogue).
 TALL_72 = GemmConfig(tile_m=192, tile_n=72, cluster_m=1, cluster_n=2, epi_n=8)
 FIT = (FIT_224, FIT_160, FIT_144, FIT_112, TALL_80, TALL_96, TALL_72)
+# Walks and multicasts the rate model does not see, each a twin the chooser puts in for its
+# pick (`walked`; docs/gemm/NOTES.md "The two cases under 0.95x on the H100"). LARGE in bands
+# of 6 N blocks: M first, a round of 66 clusters spans 16,896 rows of A, so at M = 16384 an A
+# past the L2 leaves HBM once per N column at 2.6 TB/s (the H100's copy: 3.0); a band of 6
+# touches 2,816 rows and 6 B tiles a round (0.7 TB/s). The two M = 16384 suite cases ran
+# 0.921x / 0.987x cuBLAS on the H100 (2026-12-05 16:42; eager 0.930x / 0.928x) against 1.030x
+# / 1.038x on the H200 (04:18), every M-first rival within 1% of LARGE there.
+LARGE_BAND = dataclasses.replace(LARGE, swizzle=6)
+# FIT_144 with A multicast over the 4 N tiles' two clusters instead of B over two M tiles: where
+# A is the operand streamed from HBM (4096x576x7168: 58.7 MB, B 8.3 MB in L2). Every one-round
+# tile that multicasts the streamed weight ran 5.6-6.0 TF/s an SM on the H100 (FIT_224 / 160 /
+# 112, SWAP_208), FIT_144 there 4.83 (0.883x cuBLAS; 5.41 and 1.039x on the H200).
+FIT_144_A = dataclasses.replace(FIT_144, cluster_m=1, cluster_n=2)
 # The swap (docs/gemm/NOTES.md "The swap"): C^T = B A^T for a few hundred tokens, the weight's N
 # rows as the kernel's M and the tokens as WGMMA's N, so tokens cost 16 rows at a time, not 64
 # or 128 (300 rows: 3 x 80 + 60; 777: 4 x 208 - 55); the weight's tile multicast over a 1x2
@@ -119,6 +133,8 @@ STANDARD_CONFIGS = (
     *PREFILL_STREAM,
     *FIT,  # TALL_72 "nk" only (__init__.py `_standard_params`)
     *SWAP,  # "nk" only
+    LARGE_BAND,
+    FIT_144_A,
 )
 
 
@@ -165,6 +181,8 @@ _EFFICIENCY.update({FIT_112: 0.889, SWAP_208: 0.938})
 # intensity rule's ratio of 72 to 80 columns (0.892 / 0.905): TALL_80 0.942 -> 0.928, SWAP_TALL_80
 # 0.856 -> 0.843.
 _EFFICIENCY.update({TALL_72: 0.91, SWAP_TALL_72: 0.826})
+# The twins `walked` puts in compute at their tile's rate (the model has no walk or multicast).
+_EFFICIENCY.update({LARGE_BAND: _EFFICIENCY[LARGE], FIT_144_A: _EFFICIENCY[FIT_144]})
 # Decode 64x112 (a8): 4x28672x4096 in two even rounds of 256 tiles (64 columns: 3.4 rounds):
 # 60.1 -> 56.9 us graph, 71.3 -> 68.6 eager on 2026-12-02 18:47; a candidate until the decode
 # chooser weighs widths (`decode_time` cannot tell them apart). Measured there and dropped
@@ -204,6 +222,11 @@ CASE_CANDIDATES: dict[tuple[int, int, int], dict[str, GemmConfig]] = {
 # Their rates (`prefill_time`) are ASSUMED until timed: SMALL's (the same tile; neither clusters
 # nor the walk are in the model).
 _EFFICIENCY.update({SMALL_C12: _EFFICIENCY[SMALL], SMALL_N: _EFFICIENCY[SMALL]})
+# The twins' rivals timed by scripts/gemm_worst_probe.py (docs/gemm/NOTES.md "The two cases
+# under 0.95x on the H100"): LARGE walked N first (a band of all N blocks: A once, B from the L2
+# every round), FIT_144 walked N first (the 4 CTAs reading one A tile adjacent in launch order).
+LARGE_N = dataclasses.replace(LARGE, raster_along_m=False)
+FIT_144_N = dataclasses.replace(FIT_144, raster_along_m=False)
 # Further configurations for tuning (`forgekernel build --candidates`, `forgekernel.tune_gemm`,
 # scripts/gemm_sweep.py); bf16 "nk" prebuilt, anything else compiles on first use.
 CANDIDATES = (
@@ -215,6 +238,8 @@ CANDIDATES = (
     GemmConfig(tile_m=64, tile_n=256, cluster_m=2),
     DECODE_112,
     SMALL_N,
+    LARGE_N,
+    FIT_144_N,
 )
 
 
@@ -344,14 +369,34 @@ def prefill_config(
 ) -> GemmConfig:
     """M > 128: the measured tile (`prefill_rivals`' "tile") unless the fastest of the
     challenger, the fitted tile ("fit") and the swapped one ("swap", where it applies) is
-    predicted `_CHALLENGER_MARGIN` faster."""
+    predicted `_CHALLENGER_MARGIN` faster; then its twin where `walked` puts one in."""
     rivals = prefill_rivals(m, n, k, num_sms, b_kn)
     tile = rivals.pop("tile")
     best = min(rivals.values(), key=lambda c: prefill_time(c, m, n, k, num_sms))
     faster = prefill_time(best, m, n, k, num_sms) < (
         _CHALLENGER_MARGIN * prefill_time(tile, m, n, k, num_sms)
     )
-    return best if faster else tile
+    return walked(best if faster else tile, m, n, k, num_sms)
+
+
+# An A that the L2 (50 MB on the H100 and H200) cannot hold; the M-first re-read rate past which
+# LARGE takes its bands: the M = 8192 cases read 1.31 TB/s and match or beat cuBLAS on both
+# cards, the M = 16384 ones 2.62 (above); M = 12288 reads 1.97 and keeps its walk (unmeasured).
+_L2_MB = 50.0
+_RESTREAM_MAX_MB_PER_US = 2.2
+
+
+def walked(cfg: GemmConfig, m: int, n: int, k: int, num_sms: int = NUM_SMS_H100_H200) -> GemmConfig:
+    """The pick's twin for (M, N, K) where its walk or multicast streams A badly (the twins'
+    comments): LARGE in bands (`LARGE_BAND`) where its M-first rounds re-read an A larger than
+    the L2 faster than `_RESTREAM_MAX_MB_PER_US`; FIT_144 with A multicast (`FIT_144_A`) where
+    A outweighs B four times (M >= 4 N) and its N tiles pair up. Else `cfg`."""
+    if cfg == LARGE and m * k * 2 / 1e6 > _L2_MB:
+        rate = restream_mb_per_us(cfg, m, k, num_sms, _EFFICIENCY[LARGE])
+        return LARGE_BAND if rate > _RESTREAM_MAX_MB_PER_US else cfg
+    if cfg == FIT_144 and m >= 4 * n and _ceil(n, cfg.tile_n) % 2 == 0:
+        return FIT_144_A
+    return cfg
 
 
 def swap_applies(m: int, n: int, b_kn: bool) -> bool:

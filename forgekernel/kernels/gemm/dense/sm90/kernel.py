@@ -7,7 +7,8 @@ tile schedule (kernels/common/sm90/scheduler/static.py).
 
 Warp roles:
 - producer, warp 0 of warpgroup 0 (setmaxnreg 40; the group's other warps have no work): TMA
-  loads of A and B k-tiles into the AB ring (FP8: and the k-tile's row scales, below). With a
+  loads of A and B k-tiles into the AB ring (FP8: and the k-tile's row scales, below; with
+  `scale_warp` warp 1 stages the scales). With a
   cluster, each A tile is multicast to the cluster's CTAs along N (same M rows) and each B tile
   to those along M (same N columns).
 - consumers, warpgroups 1..W (setmaxnreg 232): WGMMA (both operands from shared memory) into
@@ -61,7 +62,10 @@ fragment, which is added into the tile's accumulator times its rows' scales and 
 B's (the tensor core's FP8 accumulation keeps ~14 bits: promoted every 128 of K). The producer
 warp stages each k-tile's tile_m row scales (A's x B's, fp32) in shared memory with the stage,
 published by the stage's full barrier (`_load`): the consumers read two of them per k-tile
-(LDS) after their wait, no global load on their path. mSFA is read K-major (any strides, a
+(LDS) after their wait, no global load on their path. `scale_warp`: the producer warpgroup's
+warp 1 loads and stages the scales and warp 0 issues only the TMA loads (the 16-bit producer's
+loop), so that no k-tile's TMA waits on a scale load (with one warp a k-tile's TMA follows its
+scales' LDG, which misses the L1 every 8 k-tiles K-major). mSFA is read K-major (any strides, a
 lane's rows 32 apart) or, `scale_mn_major`, M-major (unit stride along M, the launcher's
 contract: a lane's tile_m / 32 rows in one vector load). Two per-k-tile
 fragments alternate: k-tile j's WGMMAs are issued before k-tile j - 1's fragment is waited for
@@ -357,6 +361,12 @@ class GemmSm90:
             self.cfg.scale_ahead != 1 and not (self.scaled and self.cfg.scale_ahead > 1)
         ):
             raise ValueError(f"scale_ahead {self.cfg.scale_ahead}: FP8's, at least 1")
+        if cutlass.const_expr(self.cfg.scale_warp and not (
+            self.scaled and not self.masked and not self.cfg.stream_k
+        )):  # fmt: skip
+            # (stream K's scale warp spills within the producer's 40 registers: 24 bytes; the
+            # masked layout's walk is not the scale warp's, untested)
+            raise ValueError("scale_warp: FP8's dense or grouped layout, tiled walk (not stream K)")
         if cutlass.const_expr(self.cfg.scale_mn_major):
             # one vector of tile_m / 32 rows a lane (`_fetch_scales`): 16 or 8 bytes
             if cutlass.const_expr(not self.scaled or self.masked or self.cfg.tile_m == 192):
@@ -527,13 +537,13 @@ class GemmSm90:
         # `tma_pipeline`'s ring, but for FP8 a full barrier takes an arrival from each producer
         # lane, after its own stores of the stage's scales (`_load`): one lane's arrive is all
         # the toolkit's helper counts (taking the count there would move the source hash of
-        # every kernel that imports it).
+        # every kernel that imports it). `scale_warp`: the scale warp's 32 and the TMA warp's
+        # one (its expect_tx).
+        producers = WARP_SIZE + int(self.cfg.scale_warp) if self.scaled else 1
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_barriers.data_ptr(),
             num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, WARP_SIZE if self.scaled else 1
-            ),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producers),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_arrivals),
             tx_count=stage_bytes,
             cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)),
@@ -599,13 +609,18 @@ class GemmSm90:
 
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
+            scales = None
+            if cutlass.const_expr(self.scaled):
+                scales = (mSFA, mSFB, sSF, (mC.shape[0], mC.shape[1]))
+            where = (shift, groups)
             if warp_idx == 0:
-                load_a = (tma_a, a_src, a_mask)
-                load_b = (tma_b, b_src, b_mask)
-                scales = None
-                if cutlass.const_expr(self.scaled):
-                    scales = (mSFA, mSFB, sSF, (mC.shape[0], mC.shape[1]))
-                self._produce(load_a, load_b, ab_pipe, schedule, streamk, (shift, groups), scales)
+                load = ((tma_a, a_src, a_mask), (tma_b, b_src, b_mask))
+                # `scale_warp`: TMA only, the 16-bit producer's loop (the scales are warp 1's)
+                own = None if cutlass.const_expr(self.cfg.scale_warp) else scales
+                self._produce(load, ab_pipe, schedule, streamk, where, own)
+            if cutlass.const_expr(self.cfg.scale_warp):
+                if warp_idx == 1:
+                    self._produce(None, ab_pipe, schedule, streamk, where, scales)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             mma = (tiled_mma, tCrA, tCrB, acc)
@@ -661,12 +676,13 @@ class GemmSm90:
         return unit, work, it
 
     @cute.jit
-    def _produce(self, load_a, load_b, ab_pipe, schedule, streamk, where, scales):
+    def _produce(self, load, ab_pipe, schedule, streamk, where, scales):
         """The producer warp: every k-tile of A and B of each unit into the AB ring (FP8: and
-        its scales, `_stage_scales`). `load_x`: the TMA atom, its global and shared partitions
-        and its multicast mask; `where`: the tail shift and the grouped layout's (mGroup, N) or
-        None (masked layout: None and the walk's (counts, max_m, column tiles)); `scales`: FP8's
-        (mSFA, mSFB, the staged scales' ring, C's (M, N)), else None."""
+        its scales, `_stage_scales`). `load`: A's and B's (the TMA atom, its global and shared
+        partitions, its multicast mask), or None for `scale_warp`'s scale warp (the scales
+        only); `where`: the tail shift and the grouped layout's (mGroup, N) or None (masked
+        layout: None and the walk's (counts, max_m, column tiles)); `scales`: FP8's (mSFA, mSFB,
+        the staged scales' ring, C's (M, N)), else None (`scale_warp`'s TMA warp too)."""
         shift, groups = where
         prod = producer_state(self.stages)
         if cutlass.const_expr(self.masked):
@@ -682,7 +698,7 @@ class GemmSm90:
                     blocks = (cutlass.Int32(0), cute.ceil_div(n, 128) - 1)
                     src = (mSFA[None, None, expert], mSFB[None, None, expert], sSF)
                     src = self._tile_scales(src, first_row, tile_n, first_row + tile_rows, blocks)
-                prod = self._load(load_a, load_b, ab_pipe, prod, tile, 0, streamk[1], src)
+                prod = self._load(load, ab_pipe, prod, tile, 0, streamk[1], src)
                 work, expert, before, rows = walk.next(work, expert, before, rows)
         elif cutlass.const_expr(self.cfg.stream_k):
             sched = StaticScheduler(schedule)
@@ -692,7 +708,7 @@ class GemmSm90:
                 unit, work, it = self._next_unit(work, it, end, streamk, sched)
                 tile = (unit[0], unit[1], shift, groups)
                 src = self._scales_of(scales, tile)
-                prod = self._load(load_a, load_b, ab_pipe, prod, tile, unit[2], unit[3], src)
+                prod = self._load(load, ab_pipe, prod, tile, unit[2], unit[3], src)
         else:
             sched = StaticScheduler(schedule)
             work = sched.first()
@@ -700,9 +716,10 @@ class GemmSm90:
                 tile_m, tile_n = sched.tile(work)
                 tile = (tile_m, tile_n, shift, groups)
                 src = self._scales_of(scales, tile)
-                prod = self._load(load_a, load_b, ab_pipe, prod, tile, 0, streamk[1], src)
+                prod = self._load(load, ab_pipe, prod, tile, 0, streamk[1], src)
                 work = sched.next(work)
-        ab_pipe.producer_tail(prod)
+        if cutlass.const_expr(load is not None):  # the TMA warp: no arrive after exit
+            ab_pipe.producer_tail(prod)
 
     @cute.jit
     def _scales_of(self, scales, tile):
@@ -790,22 +807,71 @@ class GemmSm90:
                 sSF[lane + 32 * i, stage] = fetched[i] * sb
 
     @cute.jit
-    def _load(self, load_a, load_b, ab_pipe, prod, tile, k0, count, scales):
-        """k-tiles k0 .. k0 + count - 1 of tile (tile_m, tile_n) into the ring. `load_x`: the
-        TMA atom, (its coordinate tensor, the CTA's rank among those sharing the tile, their
-        layout, the shared-memory ring), the multicast mask. `tile`: (tile_m, tile_n, the tail
-        shift, the grouped layout's groups or None), or with the masked layout (m-tile, n-tile,
-        expert, None). `scales`: FP8's (`_tile_scales`), else None: the warp's lanes load each
-        k-tile's scales `cfg.scale_ahead` k-tiles ahead (1 standard: the latency behind the next
-        empty wait; 2 a candidate) and store them into the stage after its empty wait; then each
-        lane arrives on the full barrier (32 arrivals, each expecting 1/32 of the TMA bytes, in
-        place of `producer_acquire`'s one), so that every store is released by its own thread's
-        arrive: the consumers read them from shared memory once the stage is full. (One elected
-        arrive after `sync_warp` is ordered too, but racecheck follows only the arriving
-        thread's stores: RAW reports on lanes 1-31, H200 2026-12-02.)"""
+    def _load(self, load, ab_pipe, prod, tile, k0, count, scales):
+        """k-tiles k0 .. k0 + count - 1 of tile (tile_m, tile_n) into the ring. `load`: A's and
+        B's TMA atom, (its coordinate tensor, the CTA's rank among those sharing the tile, their
+        layout, the shared-memory ring), the multicast mask; None: the scales only
+        (`scale_warp`'s scale warp: each lane's plain arrive, the TMA warp's one arrive brings
+        the stage's bytes). `tile`: (tile_m, tile_n, the tail shift, the grouped layout's groups
+        or None), or with the masked layout (m-tile, n-tile, expert, None). `scales`: FP8's
+        (`_tile_scales`), else None: the warp's lanes load each k-tile's scales
+        `cfg.scale_ahead` k-tiles ahead (1 standard: the latency behind the next empty wait; 2
+        a candidate) and store them into the stage after its empty wait; then each lane arrives
+        on the full barrier (32 arrivals, each expecting 1/32 of the TMA bytes, in place of
+        `producer_acquire`'s one), so that every store is released by its own thread's arrive:
+        the consumers read them from shared memory once the stage is full. (One elected arrive
+        after `sync_warp` is ordered too, but racecheck follows only the arriving thread's
+        stores: RAW reports on lanes 1-31, H200 2026-12-02.)"""
+        copies = None
+        if cutlass.const_expr(load is not None):
+            copies = self._tma_partitions(load, tile)
+        lane = cute.arch.lane_idx()
+        # FP8: the scales of the next `scale_ahead` k-tiles in registers, k-tile kt's first
+        # (flat: `width` values a k-tile; past the unit's last k-tile its last one again)
+        ahead = self.cfg.scale_ahead
+        width = self.cfg.tile_m // 32 + self.n_blocks
+        fetched = None
+        if cutlass.const_expr(scales is not None):
+            fetched = self._fetch_scales(scales, k0, lane)
+            for j in cutlass.range_constexpr(1, ahead):
+                kj = cutlass.min(k0 + j, k0 + count - 1)
+                fetched = (*fetched, *self._fetch_scales(scales, kj, lane))
+        for i in range(count):
+            kt = k0 + i
+            bar = ab_pipe.producer_get_barrier(prod)
+            if cutlass.const_expr(scales is not None):
+                ab_pipe.sync_object_empty.wait(prod.index, prod.phase)
+                self._stage_scales(fetched[:width], scales[2], prod.index, lane)
+                if cutlass.const_expr(load is None):
+                    # `scale_warp`: the TMA warp's arrive expects the stage's bytes
+                    cute.arch.mbarrier_arrive(bar)
+                else:
+                    # every lane releases its own stores and expects its share of the TMA
+                    # bytes (a stage is a multiple of 128 bytes: tile_k = 128 FP8 bytes a row)
+                    cute.arch.mbarrier_arrive_and_expect_tx(
+                        bar, ab_pipe.sync_object_full.tx_count // WARP_SIZE
+                    )
+            else:
+                ab_pipe.producer_acquire(prod)
+            if cutlass.const_expr(load is not None):
+                tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask = copies
+                stage = (None, prod.index)
+                cute.copy(tma_a, tAgA[(None, kt)], tAsA[stage], tma_bar_ptr=bar, mcast_mask=a_mask)
+                cute.copy(tma_b, tBgB[(None, kt)], tBsB[stage], tma_bar_ptr=bar, mcast_mask=b_mask)
+            ab_pipe.producer_commit(prod)
+            prod.advance()
+            if cutlass.const_expr(scales is not None):
+                # k-tile kt + scale_ahead's (the last one's again at the end: no branch)
+                nxt = self._fetch_scales(scales, cutlass.min(kt + ahead, k0 + count - 1), lane)
+                fetched = (*fetched[width:], *nxt)
+        return prod
+
+    @cute.jit
+    def _tma_partitions(self, load, tile):
+        """A's and B's TMA partitions of tile (`_load`'s `load` and `tile`): (atom, global
+        k-tiles, shared stages, multicast mask) of A, then of B."""
         tile_m, tile_n, shift, groups = tile
-        tma_a, (mA, a_rank, a_ctas, sA), a_mask = load_a
-        tma_b, (mB, b_rank, b_ctas, sB), b_mask = load_b
+        (tma_a, (mA, a_rank, a_ctas, sA), a_mask), (tma_b, (mB, b_rank, b_ctas, sB), b_mask) = load
         if cutlass.const_expr(self.masked):
             # the expert's slices (TMA clips A at its max_m rows); m-tiles of a_rows rows
             expert = tile[2]
@@ -842,40 +908,7 @@ class GemmSm90:
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
             tma_b, b_rank, b_ctas, sB, cute.group_modes(gB, 0, 2)
         )
-        lane = cute.arch.lane_idx()
-        # FP8: the scales of the next `scale_ahead` k-tiles in registers, k-tile kt's first
-        # (flat: `width` values a k-tile; past the unit's last k-tile its last one again)
-        ahead = self.cfg.scale_ahead
-        width = self.cfg.tile_m // 32 + self.n_blocks
-        fetched = None
-        if cutlass.const_expr(scales is not None):
-            fetched = self._fetch_scales(scales, k0, lane)
-            for j in cutlass.range_constexpr(1, ahead):
-                kj = cutlass.min(k0 + j, k0 + count - 1)
-                fetched = (*fetched, *self._fetch_scales(scales, kj, lane))
-        for i in range(count):
-            kt = k0 + i
-            bar = ab_pipe.producer_get_barrier(prod)
-            if cutlass.const_expr(scales is not None):
-                ab_pipe.sync_object_empty.wait(prod.index, prod.phase)
-                self._stage_scales(fetched[:width], scales[2], prod.index, lane)
-                # every lane releases its own stores and expects its share of the TMA bytes
-                # (a stage is a multiple of 128 bytes: tile_k = 128 FP8 bytes a row)
-                cute.arch.mbarrier_arrive_and_expect_tx(
-                    bar, ab_pipe.sync_object_full.tx_count // WARP_SIZE
-                )
-            else:
-                ab_pipe.producer_acquire(prod)
-            stage = (None, prod.index)
-            cute.copy(tma_a, tAgA[(None, kt)], tAsA[stage], tma_bar_ptr=bar, mcast_mask=a_mask)
-            cute.copy(tma_b, tBgB[(None, kt)], tBsB[stage], tma_bar_ptr=bar, mcast_mask=b_mask)
-            ab_pipe.producer_commit(prod)
-            prod.advance()
-            if cutlass.const_expr(scales is not None):
-                # k-tile kt + scale_ahead's (the last one's again at the end: no branch)
-                nxt = self._fetch_scales(scales, cutlass.min(kt + ahead, k0 + count - 1), lane)
-                fetched = (*fetched[width:], *nxt)
-        return prod
+        return tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask
 
     @cute.jit
     def _tail_pads(self, mC):

@@ -170,6 +170,16 @@ def tiled_us(cfg, m: int, n: int, k: int, num_sms: int, efficiency: float) -> fl
     return _LAUNCH_US + (rounds - 1) * t + t / _boost(last * size / num_sms)
 
 
+def restream_mb_per_us(cfg, m: int, k: int, num_sms: int, efficiency: float) -> float:
+    """HBM rate (MB/us) at which the tiled M-first walk of `cfg` (swizzle 1) reads A: a round
+    of a wave's tiles spans min(M, the wave's tile rows) rows of A, all K of them, over one
+    tile's time; an A larger than the L2 has left it by the next column of tiles, so every
+    round reads its rows from HBM anew (16-bit operands)."""
+    size = cfg.cluster_m * cfg.cluster_n
+    rows = min(m, max(1, num_sms // size) * cfg.cluster_m * cfg.tile_m)
+    return rows * k * 2 / 1e6 / tile_us(cfg, k, efficiency)
+
+
 def partial_us(cfg) -> tuple[float, float]:
     """(park, sum) of one tile-sized fp32 partial."""
     kb = cfg.tile_m * cfg.tile_n * 4 / 1024

@@ -43,6 +43,10 @@ class GemmConfig:
     # per k-tile (kernel.py `_fetch_scales`). In the compile key only when set (a candidate,
     # docs/gemm/NOTES.md "A's scales M-major").
     scale_mn_major: bool = False
+    # FP8: the producer warpgroup's second warp loads and stages the scales, the first only
+    # issues the TMA loads (kernel.py `_load`: no k-tile's TMA waits on a scale load). In the
+    # compile key only when set (a candidate, docs/gemm/NOTES.md "next/fp8-narrow-scales").
+    scale_warp: bool = False
 
     def fits(self, m: int) -> bool:
         """Whether this configuration computes M rows: a short A box (a_rows) covers one
@@ -50,8 +54,8 @@ class GemmConfig:
         return not self.a_rows or m <= self.a_rows
 
     def key(self) -> dict:
-        """The fields as a compile key's part: `swap` and `scale_mn_major` only when set,
-        `scale_ahead` only when not 1 (older keys stay valid)."""
+        """The fields as a compile key's part: `swap`, `scale_mn_major` and `scale_warp` only
+        when set, `scale_ahead` only when not 1 (older keys stay valid)."""
         fields_ = asdict(self)
         if not self.swap:
             del fields_["swap"]
@@ -59,6 +63,8 @@ class GemmConfig:
             del fields_["scale_ahead"]
         if not self.scale_mn_major:
             del fields_["scale_mn_major"]
+        if not self.scale_warp:
+            del fields_["scale_warp"]
         return fields_
 
     def tag(self) -> str:
@@ -71,6 +77,7 @@ class GemmConfig:
             + ("_swap" if self.swap else "")
             + (f"_f{self.scale_ahead}" if self.scale_ahead != 1 else "")
             + ("_mn" if self.scale_mn_major else "")
+            + ("_sw" if self.scale_warp else "")
         )
 
     @classmethod

@@ -8,10 +8,12 @@ from pathlib import Path
 from forgekernel.kernels.gemm.dense.sm90.config import NUM_SMS_H100_H200, GemmConfig, max_ctas
 from forgekernel.kernels.gemm.fp8.sm90.config import (
     GROUPED,
+    GROUPED_F4_SW,
     NARROW_CONFIGS,
     OUT_DTYPES,
     STANDARD_CONFIGS,
     fewest_ctas,
+    one_warp_scales,
     params_for,
 )
 from forgekernel.runtime import pdl
@@ -40,6 +42,22 @@ def _standard_params() -> list[Params]:
     return dense + grouped + narrow + band
 
 
+def _candidate_params() -> list[Params]:
+    """The narrow tiles' one-warp scale loading (`one_warp_scales`: the standard before the
+    scale warp, the bench's `one_warp_scales` variant) where the standard build has the scale
+    warp, in the forms `_standard_params` builds; the grouped tile with the scale warp four
+    ahead (GROUPED_F4_SW)."""
+    cands = [one_warp_scales(cfg) for cfg in NARROW_CONFIGS if cfg.scale_warp]
+    top = [params_for(out, cfg) for out in OUT_DTYPES for cfg in cands]
+    # the grouped tile's scale warp four ahead (the grouped bench's `f4_sw`; always "top")
+    grouped = [params_for(out, GROUPED_F4_SW, True) for out in OUT_DTYPES]
+    form = pdl.band_form()
+    if form is None:
+        return top + grouped
+    band = [pdl.key_for(params_for(out, cfg), form) for out in OUT_DTYPES for cfg in cands]
+    return top + grouped + band
+
+
 def band_configs(num_sms: int = NUM_SMS_H100_H200) -> tuple[GemmConfig, ...]:
     """The standard and narrow configs whose grids on a `num_sms`-SM chip the partial-wave
     rule's band reaches, between their `fewest_ctas` and a whole wave (LARGE_MCAST_A: M >= 8192
@@ -61,6 +79,7 @@ SPEC = KernelSpec(
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
+    candidate_params=_candidate_params,
 )
 
 __all__ = ["SPEC", "params_for"]

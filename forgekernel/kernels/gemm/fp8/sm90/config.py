@@ -101,14 +101,34 @@ NARROW_GHZ = 1.75
 NARROW_CHIP_MB_PER_US = _CHIP_MB_PER_US
 
 
+# The tiles of A's whole 64-row box (M > 32) load their scales by a warp of their own, four
+# k-tiles ahead (`scale_warp`, `scale_ahead` 4: no k-tile's TMA waits on a scale load, and the
+# L1 miss every 8th k-tile is hidden): measured on the H100 (scripts/fp8_tiles.py `--twins`,
+# 2026-12-07 10:00, ms one warp one ahead -> scale warp four ahead) 64x4096x7168 0.0153 ->
+# 0.0146, 128x1536x7168 0.0117 -> 0.0106, 512x576x7168 0.0131 -> 0.0117, 128x7168x16384
+# 0.0500 -> 0.0481 (DeepGEMM 0.0135 / 0.0105 / 0.0117 / 0.0489); the scale warp one ahead was
+# 1-3 % slower than one warp. The decode boxes (8 / 16 / 32 rows) keep one warp: mixed there
+# (1x10240x5120 -2.3 %, 1x7168x16384 -0.6 %, 16x7168x2048 +1.9 %). docs/gemm/NOTES.md
+# "Measured: next/fp8-narrow-scales".
+NARROW_SCALE_AHEAD = 4
+
+
 def narrow_config(m: int, tile_n: int) -> GemmConfig:
     """The 64-row full-K tile of `tile_n` columns for M rows: A's box as the decode tiles take
-    it (8 / 16 / 32 rows), no cluster, an epilogue sub-tile dividing tile_n."""
+    it (8 / 16 / 32 rows), no cluster, an epilogue sub-tile dividing tile_n; A's whole box (M >
+    32) with the scales loaded by their own warp, NARROW_SCALE_AHEAD k-tiles ahead."""
     rows = next((r for r in A_ROWS if m <= r), 0)
     return GemmConfig(
         tile_m=64, tile_n=tile_n, tile_k=128, cluster_m=1, a_rows=rows,
-        epi_n=32 if tile_n % 32 == 0 else 16,
+        epi_n=32 if tile_n % 32 == 0 else 16, scale_warp=not rows,
+        scale_ahead=1 if rows else NARROW_SCALE_AHEAD,
     )  # fmt: skip
+
+
+def one_warp_scales(cfg: GemmConfig) -> GemmConfig:
+    """`cfg` with its scales loaded by the TMA warp one k-tile ahead (the standard before the
+    scale warp: the bench's `one_warp_scales` variant, a candidate build)."""
+    return dataclasses.replace(cfg, scale_warp=False, scale_ahead=1)
 
 
 def narrow_time(cfg: GemmConfig, m: int, n: int, k: int, c0: float = NARROW_C0,
@@ -160,6 +180,9 @@ NARROW_CONFIGS = tuple(narrow_config(r or 64, w) for r in (*A_ROWS, 0) for w in 
 # docs/gemm/NOTES.md "Measured 2026-12-03 06:21 (H200): band8 adopted". (LARGE_MCAST_A walks
 # the same bands since 2026-12-07.)
 GROUPED = dataclasses.replace(LARGE_MCAST_A, scale_mn_major=False)  # as measured
+# Its scales by a warp of their own, four k-tiles ahead (what won on the narrow tiles,
+# 2026-12-07): a candidate build, the grouped bench's `f4_sw` variant.
+GROUPED_F4_SW = dataclasses.replace(GROUPED, scale_warp=True, scale_ahead=4)
 
 
 def params_for(out_dtype: str, cfg: GemmConfig, grouped: bool = False) -> tuple:
