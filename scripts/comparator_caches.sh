@@ -39,20 +39,21 @@
 #     custom_compile_cache.py; `cute.compile` sets no_cache, so the DSL's own file cache is not
 #     used either): nothing on disk to carry, each process compiles them at its first call.
 #     Each kind newest first up to its cap a GPU model, in the tar and in the store:
-#     FK_COMPARATOR_CACHE_MB (default 18; 12 until 2026-12-07, when the gdn_prefill and kda_bwd
-#     benches' packs each dropped 8-9 of FlashQLA's kernels at 12, ~40 in all, ~17 MB) MiB of
-#     TileLang's kernels, FK_FLASHINFER_CACHE_MB
-#     (default 8) of FlashInfer's modules (apart: a few MB of FlashInfer .so, ~30 s of nvcc each,
-#     would otherwise push out several of FlashQLA's ~0.4 MB kernels, whose compiles cost a fresh
-#     host's gdn_bwd 293 s with fla's tuning); what does not fit is named. The tar comes back gzipped, one file of at most 16 MiB (the main store's 12.9 MB
-#     of TileLang entries: 2.2 MB); the store travels with every call that carries it.
+#     FK_COMPARATOR_CACHE_MB MiB of TileLang's kernels (default 18; 12 until 2026-12-07, when the
+#     gdn_prefill and kda_bwd benches' packs each dropped 8-9 of FlashQLA's kernels: ~40 in all,
+#     ~17 MB) and FK_FLASHINFER_CACHE_MB of FlashInfer's modules (default 8; apart, since a few MB
+#     of FlashInfer .so, ~30 s of nvcc each, would otherwise push out several of FlashQLA's
+#     ~0.4 MB kernels, whose compiles cost a fresh host's gdn_bwd 293 s with fla's tuning); what
+#     does not fit is named. The tar comes back gzipped, one file of at most 16 MiB (12.3 MB of
+#     TileLang entries: ~2.2 MB); the store travels with every call that carries it.
 #
 #   bash scripts/comparator_caches.sh pack OUT      # device: the host's caches -> OUT/comparator-caches.tar.gz
 #   bash scripts/comparator_caches.sh restore       # device: .device-cache/GPU/ -> the Triton, TileLang, FlashInfer caches
 #   bash scripts/comparator_caches.sh take DIR      # here: DIR/comparator-caches.tar.gz -> .device-cache/GPU/ (union)
 #
 # .device-cache/ is git-ignored: carry it with the call (`carry: [".device-cache"]`, <= 28 MB: the
-# tree is ~35 MB of the call's 64 MiB).
+# tree is ~35 MB of the call's 64 MiB; with stores of two GPU models past that, carry the one
+# of the GPU the call gets, `.device-cache/NVIDIA_H100_80GB_HBM3`).
 set -uo pipefail
 cmd=${1:?pack OUT | restore | take DIR}
 root=$(cd "$(dirname "$0")/.." && pwd)
