@@ -152,8 +152,8 @@ def test_ostore_selection(monkeypatch):
     assert launch._wide_rows(out[:, :, :512])
     assert not launch._wide_rows(torch.empty(7, 4, 513, dtype=torch.bfloat16)[:, :, :512])
     assert not launch._wide_rows(out.view(-1)[1 : 1 + 7 * 4 * 512].view(7, 4, 512))
-    assert config.runs_ostore(64, 1) and config.runs_ostore(32, 2)
-    assert not config.runs_ostore(16, 1)
+    assert config.runs_ostore(64, 1) and config.runs_ostore(32, 2) and config.runs_ostore(16, 1)
+    assert not config.runs_ostore(32, 1) and not config.runs_ostore(16, 2)
     with pytest.raises(ValueError, match="direct"):
         config.params_for("partial", "bfloat16", 64, tma=True, ostore=True)
     a = config.params_for("partial", "bfloat16", 64, tma=True, direct=True)
@@ -167,7 +167,8 @@ OSTORE_PLANS = [
     ((2, 128, [70, 190], 2), (32, 2, True)),  # direct 32 x 2 (MTP 2)
     ((64, 128, [4096] * 64, 1), (64, 1, True)),  # b64-h128-L4096: one wave, one split
     ((2, 128, [65, 513], 1), (64, 1, False)),  # 3 splits: the partial pass
-    ((3, 16, [37, 0, 100], 1), (16, 1, False)),  # direct 16 x 1: not an ostore block
+    ((3, 16, [37, 0, 100], 1), (16, 1, True)),  # direct 16 x 1
+    ((3, 16, [5, 0, 130], 2), (16, 2, False)),  # direct 16 x 2: not an ostore block
 ]
 
 

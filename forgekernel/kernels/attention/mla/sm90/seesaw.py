@@ -50,12 +50,15 @@ hand-overs by how many barriers each has passed, `_match_stale`).
 At the end the two warpgroups' row sums meet in shared memory; each stages its columns of the
 split's normalized O (fp32) in shared memory over the K buffers (every WGMMA and TMA load has
 retired: rows O_STRIDE floats apart), and after a __syncthreads one elected lane of warp 0 sends
-each written row to global memory by one 2 KB bulk copy (`_send_split`; 128 scalar stores a
+each written row to global memory by one 2 KB bulk copy (`_send_rows`; 128 scalar stores a
 thread before); warpgroup 0 stores the rows' LSE in log2 units (-inf where the split saw no key),
 the paged decode's partial format, merged by its combine. The direct form (`direct`, a
 plan of one split: the grid's one split covers every key) writes instead the final O, rounded to
 q's dtype, and the natural LSE (log2 x ln 2) into the op's outputs: what the combine makes of one
-split (weight exp2(0) = 1, sum 1), bit for bit, with no fp32 partials and no combine launch.
+split (weight exp2(0) = 1, sum 1), bit for bit, with no fp32 partials and no combine launch:
+by each thread's scalar stores, or (`ostore`, out's rows 16-byte aligned) staged in q's dtype
+and sent as the partial O is, a 1 KB bulk copy a row, with which ptxas keeps the steady loops'
+TMA operands in uniform registers as in the partial form (MLA_NOTES.md, "next/mla-ur").
 
 The gather form (`gather`; the launcher's default at page size 1, FORGEKERNEL_MLA_GATHER=1 at
 every other page size off the tile) takes pages that are not whole tiles (page sizes 1, 16,
@@ -171,7 +174,7 @@ class MlaSeesawSm90:
         self.g = self.pitch * qtokens
         self.direct = direct
         # ostore (direct only): O in q's dtype staged in shared memory over the K buffers, then
-        # sent by 16-byte vector stores (out rows 16-byte aligned), not 128 scalar stores a thread
+        # sent by bulk copies (out rows 16-byte aligned), not 128 scalar stores a thread
         if ostore and not direct:
             raise ValueError("ostore is a form of the direct pass")
         self.ostore = ostore
@@ -1108,7 +1111,7 @@ class MlaSeesawSm90:
     def _write_split(self, outs, acc_o, row_max, row_sum, o_crd, at):
         """The rows' LSE (log2: the max is kept scaled), from warpgroup 0's quad leaders, and
         this thread's columns of O normalized in place (0 where the split saw no key, LSE
-        -inf), staged and sent by the caller (`_send_split`). Rows past G or of tokens past sq
+        -inf), staged and sent by the caller (`_send_rows`). Rows past G or of tokens past sq
         are not written. Direct form: O in q's dtype stored here, the LSE natural."""
         mOp, mLp = outs
         split, q_off, sq, head0, wg, tid = at
@@ -1130,7 +1133,7 @@ class MlaSeesawSm90:
                 if const_expr(self.direct):
                     for c in cutlass.range_constexpr(
                         0 if self.ostore else cute.size(o, mode=[1])
-                    ):  # ostore: staged and sent by the caller (`_send_direct`)
+                    ):  # ostore: staged and sent by the caller (`_send_rows`)
                         value = (o[r, c] * inv).to(mOp.element_type)
                         mOp[q_off + token, head, wg * COLS + o_crd[r, c][1]] = value
                     if wg == 0 and tid % 4 == 0:
@@ -1149,8 +1152,7 @@ class MlaSeesawSm90:
         return ours
 
     def _staged(self, storage, mOp, acc_o):
-        """(sO, tOrO): the O staged over kl (every WGMMA and TMA load on the K buffers retired
-        before the row sums' __syncthreads) and this thread's values of it, normalized in
+        """(sO, tOrO): the O staged over kl and this thread's values of it, normalized in
         `_write_split`: the partials' fp32 accumulator, rows O_STRIDE floats apart; the direct
         form's (`ostore`) converted to out's dtype, rows O16_STRIDE elements apart."""
         o_type, stride, tOrO = Float32, O_STRIDE, acc_o
