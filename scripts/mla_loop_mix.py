@@ -32,7 +32,8 @@ KEYS = {
     "16x1 ranges (the scheduled call)": {"heads": 16, "worklist": True, "ranges": True},
     "64x1 partial": {"heads": 64},
     "32x2 partial": {"heads": 32, "qtokens": 2},
-    "16x1 direct (b128 / b256 x 16 heads)": {"heads": 16, "direct": True},
+    "16x1 direct, scalar stores (unaligned out)": {"heads": 16, "direct": True},
+    "16x1 direct ostore (b128 / b256 x 16 heads)": {"heads": 16, "direct": True, "ostore": True},
     "64x1 direct ostore (b64 / b128 x 128 heads)": {"heads": 64, "direct": True, "ostore": True},
     "32x2 direct ostore (MTP 2 x 128 heads)": {
         "heads": 32,
