@@ -12,7 +12,11 @@
 # page gzipped; SUMMARY=1 summarises it, TOP lines), PROFILE_NAME (files $OUT/NAME*),
 # NCU_EXTRA (more ncu options, word-split), PROFILE_TIMEOUT (s, default 400), KEEP_REP=1 (keep
 # the .ncu-rep and the raw page), KEEP_RAW=1 (keep the raw page), DRY_RUN=1 (print the ncu
-# command and stop).
+# command and stop), SECTIONS (ncu section names, space-separated, in place of the list below:
+# fewer replay passes), SITE (a sidecar comparator's site directory, e.g.
+# $FK_SIDE_SITE_FLASHQLA: the target runs with the sidecar child's PYTHONPATH, the site first
+# and the main wheel set left out (forgekernel/bench/sidecar.py child_env), and no DSL check;
+# with the target's --sidecar-here).
 # Outputs in $OUT: NAME.txt (details page), NAME-source.txt / NAME-source.csv.gz (SOURCE=1),
 # NAME-raw.csv and NAME.ncu-rep on request (at most 8 files come back from a call).
 set -uo pipefail
@@ -33,9 +37,12 @@ if [ -z "$NCU" ]; then  # the image's Nsight Compute, not on PATH: the last vers
   for f in /opt/nvidia/nsight-compute/*/ncu; do [ -x "$f" ] && NCU=$f; done
 fi
 P=$OUT/${PROFILE_NAME:-profile}
-sections=(--section SpeedOfLight --section ComputeWorkloadAnalysis
-  --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats
-  --section LaunchStats --section Occupancy --section InstructionStats)
+names=(SpeedOfLight ComputeWorkloadAnalysis MemoryWorkloadAnalysis WarpStateStats SchedulerStats
+  LaunchStats Occupancy InstructionStats)
+# shellcheck disable=SC2206  # SECTIONS is a list of names, split on purpose
+[ -n "${SECTIONS:-}" ] && names=(${SECTIONS})
+sections=()
+for n in "${names[@]}"; do sections+=(--section "$n"); done
 [ -n "${SOURCE:-}" ] && sections+=(--section SourceCounters --import-source no)
 # shellcheck disable=SC2206  # NCU_EXTRA is a list of options, split on purpose
 cmd=("${NCU:-ncu}" --clock-control none ${NCU_EXTRA:-} -k "regex:$regex" -s "${SKIP:-6}"
@@ -46,7 +53,13 @@ if [ -n "${DRY_RUN:-}" ]; then
   echo
   exit 0
 fi
-if ! python3 -c "import cutlass" 2>/dev/null; then
+if [ -n "${SITE:-}" ]; then  # the sidecar child's environment (the site's own tvm-ffi: no DSL)
+  [ -d "$SITE" ] || { echo "device_profile: SITE=$SITE is not a directory" >&2; exit 1; }
+  PYTHONPATH=$(SITE_DIR=$SITE python3 -c "from forgekernel.bench.sidecar import MAIN_SITE, Sidecar, child_env
+print(child_env(Sidecar('site', '', 'SITE_DIR', (), drop=(MAIN_SITE,)))['PYTHONPATH'])") || exit 1
+  export PYTHONPATH
+  echo "device_profile: PYTHONPATH=$PYTHONPATH"
+elif ! python3 -c "import cutlass" 2>/dev/null; then
   echo "device_profile: python3 cannot import cutlass (the DSL): begin the call with" \
     "'source scripts/device_setup.sh || exit 1;' (PYTHONPATH=${PYTHONPATH:-})" >&2
   exit 1

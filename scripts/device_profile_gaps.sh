@@ -11,6 +11,11 @@
 #   conv_fwd    scripts/profile_conv.py --suite conv_fwd: the same for the forward
 #   dsa         scripts/profile_dsa.py: ours vs FlashMLA's FP8 sparse decode, t1 / t128 h16, t64 h128
 #   paged_prefill  scripts/profile_paged_prefill.py: ours vs FA4, chunked prefill at page 16 / 64
+# and, named only (not in the default list):
+#   gdn_bwd     scripts/profile_linattn_bwd.py: our GDN backward, one call at 4x8192-h16-hv32
+#   gdn_bwd_qla the same case's FlashQLA backward, its sidecar's runner in the ncu process with
+#               the sidecar's site (SITE=$FK_SIDE_SITE_FLASHQLA, default /root/side-sites/qla;
+#               scripts/device_profile.sh); its first call compiles TileLang kernels not cached
 # Each target profiles, after unprofiled warm-ups, one call of ours and one of the comparator per
 # case (ncu --profile-from-start off: only what lies between cudaProfilerStart / Stop, every
 # kernel of it whatever its name; scripts/profile_suite.py), then scripts/ncu_gap_summary.py
@@ -39,7 +44,9 @@ for a in "$@"; do
 done
 [ ${#targets[@]} -gt 0 ] || targets=("${ALL[@]}")
 
-# target -> "script|its arguments|its own time limit (s)"
+# target -> "script|its arguments|its own time limit (s)|the sidecar site it runs in (or none)"
+QLA_SITE=${FK_SIDE_SITE_FLASHQLA:-/root/side-sites/qla}
+GDN_CASE="--case gdn_bwd:4x8192-h16-hv32"
 spec() {
   case $1 in
     gemm_fp8) echo "scripts/profile_gemm_fp8.py||170" ;;  # DeepGEMM's JIT on a fresh host
@@ -49,6 +56,10 @@ spec() {
     conv_fwd) echo "scripts/profile_conv.py|--suite conv_fwd|110" ;;
     dsa) echo "scripts/profile_dsa.py||100" ;;
     paged_prefill) echo "scripts/profile_paged_prefill.py||150" ;;  # FA4's first compiles
+    gdn_bwd) echo "scripts/profile_linattn_bwd.py|$GDN_CASE --which ours|150" ;;
+    gdn_bwd_qla)  # the suite finds FlashQLA's sidecar by FK_SIDE_SITE_FLASHQLA: set to the site
+      echo "scripts/profile_linattn_bwd.py|$GDN_CASE --which comparator --comparator flashqla \
+--sidecar-here|240|$QLA_SITE" ;;
     *) return 1 ;;
   esac
 }
@@ -60,7 +71,7 @@ mkdir -p "$FINAL" "$WORK"
 start=$SECONDS
 [ -n "$dry" ] || nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu,power.draw --format=csv
 for t in "${targets[@]}"; do
-  IFS='|' read -r script args limit <<< "$(spec "$t")"
+  IFS='|' read -r script args limit site <<< "$(spec "$t")"
   left=$((BUDGET - (SECONDS - start)))
   limit=${PROFILE_TIMEOUT:-$limit}
   [ "$left" -lt "$limit" ] && limit=$left
@@ -71,7 +82,8 @@ for t in "${targets[@]}"; do
   (cd "$WORK" && rm -f "$t.txt" "$t-raw.csv" "$t-plan.json" "$t.ncu-rep" "$t.log" "$t-summary.txt")
   echo "=== $t: $script $args (limit ${limit} s, ${left} s of the budget left)"
   # shellcheck disable=SC2086  # args and GAPS_ARGS are argument lists
-  OUT=$WORK PROFILE_NAME=$t SCRIPT=$script KERNELS=${GAPS_KERNELS:-.} SKIP=0 \
+  OUT=$WORK PROFILE_NAME=$t SCRIPT=$script KERNELS=${GAPS_KERNELS:-.} SKIP=0 SITE=$site \
+    FK_SIDE_SITE_FLASHQLA=${site:-${FK_SIDE_SITE_FLASHQLA:-}} \
     COUNT=${GAPS_COUNT:-40} KEEP_RAW=1 PROFILE_TIMEOUT=$limit DRY_RUN=$dry TAIL=40 \
     NCU_EXTRA="--profile-from-start off --nvtx ${NCU_EXTRA:-}" \
     bash scripts/device_profile.sh $args --plan "$WORK/$t-plan.json" ${GAPS_ARGS:-} \
@@ -79,8 +91,8 @@ for t in "${targets[@]}"; do
   rc=$?
   if [ -n "$dry" ]; then
     cat "$WORK/$t.log"
-    # shellcheck disable=SC2086
-    python3 "$script" $args --list
+    # shellcheck disable=SC2086  # the cases the ncu command above profiles (GAPS_ARGS' too)
+    python3 "$script" $args --list ${GAPS_ARGS:-}
     continue
   fi
   tail -15 "$WORK/$t.log"

@@ -11,11 +11,14 @@ prebuilt 128-row tile (data-parallel and stream K) and, up to M = 512, the 64-ro
 SKINNY, the decode boxes that fit, their stream-K twins), then the tiled 128-row ones with A's
 scales read the other way (M-major, `_mn`: from the suite's K-major scales, so through the
 launcher's transpose) (`configs_for`); and the chosen tile's M-major twin given M-major scales
-made outside the timing, as DeepGEMM's are (`+sa_mn`, `given_mn_major`).
+made outside the timing, as DeepGEMM's are (`+sa_mn`, `given_mn_major`); last the pick's twins
+that move fewer bytes (`twins`: a narrow pick with A or B multicast, LARGE walked in bands),
+compiled at first use.
 A config that fails gets a row with its error. The JSON is rewritten after every shape.
 
-    PYTHONPATH=$PWD:$PYTHONPATH python3 scripts/fp8_tiles.py OUT.json [GROUP ...]
-GROUP: decode, mid, prefill, square, extra, stride (default all). Kernels from a bundle made
+    PYTHONPATH=$PWD:$PYTHONPATH python3 scripts/fp8_tiles.py OUT.json [--twins] [GROUP ...]
+GROUP: decode, mid, prefill, square, extra, stride (default all). --twins: the pick and its
+twins only (and DeepGEMM), a short call. Kernels from a bundle made
 after the configs changed (`forgekernel bundle .bundle`;
 FORGEKERNEL_KERNEL_DIR=$PWD/.bundle/kernels).
 """
@@ -34,7 +37,12 @@ from forgekernel.bench.suite import Case
 from forgekernel.bench.suites import gemm_fp8 as fp8_suite
 from forgekernel.kernels.gemm.dense.sm90.config import GemmConfig
 from forgekernel.kernels.gemm.fp8.sm90 import launch
-from forgekernel.kernels.gemm.fp8.sm90.config import STANDARD_CONFIGS, choose_config
+from forgekernel.kernels.gemm.fp8.sm90.config import (
+    LARGE_MCAST_A,
+    NARROW_CONFIGS,
+    STANDARD_CONFIGS,
+    choose_config,
+)
 from forgekernel.runtime.timing import median, rotation_sets, time_interleaved
 
 DTYPE = torch.bfloat16
@@ -44,6 +52,10 @@ EXTRA = ((2048, 7168, 4096), (8192, 4608, 7168), (4096, 1536, 7168))
 # alike): whether the square case's per-k-tile time comes from the scales' power-of-two stride
 STRIDE = ((8192, 8192, 7680),)
 SMALL_TILES_UP_TO = 512  # M up to which the 64-row configurations are timed too
+# The tiled pick's band: 8 clusters across N (16 n-tiles of a 1x2 cluster: 2048 columns, the
+# columns DeepGEMM's 256x128 schedule groups), walked down M; the standard walk of
+# LARGE_MCAST_A (since 2026-12-07) and of the grouped GEMM, so a twin of LARGE's only.
+BAND = LARGE_MCAST_A.swizzle
 
 
 def cases(groups: tuple[str, ...]) -> list[Case]:
@@ -54,10 +66,13 @@ def cases(groups: tuple[str, ...]) -> list[Case]:
     ]
 
 
-def configs_for(m: int, n: int, k: int) -> list[GemmConfig]:
+def configs_for(m: int, n: int, k: int, only_twins: bool = False) -> list[GemmConfig]:
     """The chooser's pick first, then every prebuilt config that computes M rows: the 128-row
-    ones always, the 64-row ones up to SMALL_TILES_UP_TO."""
+    ones always, the 64-row ones up to SMALL_TILES_UP_TO (none with `only_twins`), then the
+    pick's twins."""
     found = [choose_config(m, n, k)]
+    if only_twins:
+        return found + twins(found[0], m, n)
     for cfg in STANDARD_CONFIGS:
         if cfg.fits(m) and (cfg.tile_m == 128 or m <= SMALL_TILES_UP_TO) and cfg not in found:
             found.append(cfg)
@@ -71,7 +86,28 @@ def configs_for(m: int, n: int, k: int) -> list[GemmConfig]:
     # ... and reading A's scales the other way (`scale_mn_major`, docs/gemm/NOTES.md "A's
     # scales M-major"): K-major inputs, so these rows pay the launcher's transpose.
     mn = [dataclasses.replace(c, scale_mn_major=not c.scale_mn_major) for c in tiled]
-    return found + [c for c in mn if c not in found]
+    found += [c for c in mn if c not in found]
+    return found + [c for c in twins(found[0], m, n) if c not in found]
+
+
+def twins(pick: GemmConfig, m: int, n: int) -> list[GemmConfig]:
+    """The pick with fewer bytes a FLOP from the L2 or HBM (docs/gemm/NOTES.md "next/fp8-gap"):
+    a narrow full-K pick (one CTA a tile, no cluster) with A multicast over a 1x2 cluster where
+    it has two n-tiles or more, and B over 2x1 where it has two whole 64-row tile rows or more
+    (not a short A box); a tiled 128-row pick walking M first (LARGE) walked in bands of BAND
+    clusters (`swizzle`) instead. Stream K and a banded pick (LARGE_MCAST_A) have none. Timed on
+    the H100 2026-12-07: the band adopted on LARGE_MCAST_A, the narrow clusters not
+    (docs/gemm/NOTES.md "next/fp8-band8")."""
+    if pick in NARROW_CONFIGS:
+        found = []
+        if -(-n // pick.tile_n) >= 2:
+            found.append(dataclasses.replace(pick, cluster_n=2))
+        if not pick.a_rows and -(-m // pick.tile_m) >= 2:
+            found.append(dataclasses.replace(pick, cluster_m=2))
+        return found
+    if pick.tile_m == 128 and not pick.stream_k and pick.swizzle == 1:
+        return [dataclasses.replace(pick, swizzle=BAND)]
+    return []
 
 
 def given_mn_major(m: int, n: int, k: int) -> GemmConfig | None:
@@ -95,15 +131,15 @@ def forced(cfg: GemmConfig, scales: str = "sa"):
     return run
 
 
-def measure(case: Case, suite, gen, device) -> list[dict]:
+def measure(case: Case, suite, gen, device, only_twins: bool = False) -> list[dict]:
     m, n, k = (case.params[x] for x in "mnk")
     assert n % 8 == 0, "forced configs write C directly: N must be a multiple of 8"
     sets = [fp8_suite.make_inputs(case, DTYPE, device, gen)]
     sets += [fp8_suite.make_inputs(case, DTYPE, device, gen)
              for _ in range(rotation_sets(suite.bytes(case, DTYPE)) - 1)]  # fmt: skip
     expect = expected(suite, sets[0])
-    runs = [(cfg.tag(), forced(cfg)) for cfg in configs_for(m, n, k)]
-    mn = given_mn_major(m, n, k)
+    runs = [(cfg.tag(), forced(cfg)) for cfg in configs_for(m, n, k, only_twins)]
+    mn = None if only_twins else given_mn_major(m, n, k)
     if mn is not None:
         for inputs in sets:
             inputs["sa_mn"] = launch.mn_major_copy(inputs["sa"])
@@ -144,7 +180,9 @@ def _fmt(x, spec: str) -> str:
 def main(argv: list[str]) -> None:
     if not argv:
         sys.exit(__doc__)
-    path, groups = argv[0], tuple(argv[1:]) or GROUPS
+    only_twins = "--twins" in argv
+    path, *rest = [a for a in argv if a != "--twins"]
+    groups = tuple(rest) or GROUPS
     device = torch.device("cuda")
     suite = fp8_suite.suite()
     gen = torch.Generator(device=device).manual_seed(0)
@@ -152,7 +190,7 @@ def main(argv: list[str]) -> None:
     have_dg = suite.comparators().get("deepgemm") is not None
     print(f"{torch.cuda.get_device_name()}; DeepGEMM {'found' if have_dg else 'absent'}")
     for case in cases(groups):
-        rows += measure(case, suite, gen, device)
+        rows += measure(case, suite, gen, device, only_twins)
         free(device)
         with open(path, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

@@ -9,7 +9,9 @@ is many launches (the kernel path's kernels and its torch glue: docs/linear_atte
 --timeline (torch.profiler, no ncu) prints each side's kernels with their GPU time per call:
 the split between our kernels (names with GdnBwd / KdaBwd / Gdn) and torch's. Without it, an
 ncu target as scripts/device_profile.sh runs (KERNELS regex: ours `GdnBwd|KdaBwd`, cuDNN's
-`kda`). gdn_bwd's comparators (fla, FlashQLA) run only as sidecars: `--which ours` there.
+`kda`). gdn_bwd's comparators (fla, FlashQLA) run only as sidecars: `--which ours` there, or
+`--sidecar-here` with the sidecar's site on PYTHONPATH (its runner made in this process:
+scripts/device_profile.sh SITE=, device_profile_gaps.sh's gdn_bwd_qla).
 """
 
 from __future__ import annotations

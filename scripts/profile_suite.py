@@ -76,6 +76,13 @@ def parse_args(target: Target, argv: Sequence[str] | None = None) -> argparse.Na
         + ", ".join(f"{s}: {c}" for s, c in target.comparator.items())
         + ")",
     )
+    p.add_argument(
+        "--sidecar-here",
+        action="store_true",
+        help="a sidecar comparator (forgekernel/bench/sidecar.py) called in this process by its "
+        "runner: run the target with the sidecar's site first on PYTHONPATH and the main wheel "
+        "set left out, as its child is (scripts/device_profile.sh SITE=)",
+    )
     p.add_argument("--warmup", type=int, default=2, help="unprofiled calls of each side")
     p.add_argument("--calls", type=int, default=1, help="profiled calls of each side")
     p.add_argument("--seed", type=int, default=0)
@@ -208,8 +215,11 @@ def describe(target: Target, suite_name: str, case) -> str:
     return text
 
 
-def _comparator(suite, name: str):
+def _comparator(suite, name: str, here: bool = False):
+    """The comparator `name` of `suite`; `here`: a sidecar's runner made in this process (the
+    sidecar child's own `runner`), else the sidecar object refuses the call."""
     from forgekernel.bench.harness import resolve_comparators
+    from forgekernel.bench.sidecar import Sidecar, runner
 
     comps, missing = resolve_comparators(suite)
     if name not in comps:
@@ -217,7 +227,13 @@ def _comparator(suite, name: str):
             f"{suite.name}: comparator {name!r} unavailable ({missing.get(name, 'unknown')}); "
             f"available: {sorted(comps)}"
         )
-    return comps[name]
+    comp = comps[name]
+    if not (here and isinstance(comp, Sidecar)):
+        return comp
+    run = runner(comp.runner)
+    if run is None:
+        raise SystemExit(f"{comp.label}: {comp.runner} found no packages on this PYTHONPATH")
+    return run
 
 
 def _marker(torch) -> None:
@@ -247,7 +263,7 @@ def _calls(target, args, index, suite_name, case) -> dict[str, Callable[[], Any]
     out = suite.alloc_out(inputs)
     calls = {"ours": lambda: suite.run_ours(inputs, out)}
     if "comparator" in sides(args.which):
-        comp = _comparator(suite, comparator_name(target, suite_name, args))
+        comp = _comparator(suite, comparator_name(target, suite_name, args), args.sidecar_here)
         calls["comparator"] = lambda: comp(inputs)
     return calls
 

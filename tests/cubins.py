@@ -1,7 +1,6 @@
 """The CPU tests' compile of one kernel configuration to the cubin and PTX they read (SASS,
 resources), once a process; the mbarrier waits read from its SASS (`trywait_offsets`,
-`wait_pin`) and the bytes each mbarrier is armed with against its TMA boxes from its PTX
-(`tma_arms`); the named barriers' sites (`barrier_sites`), the instructions the cubin lists
+`wait_pin`); the named barriers' sites (`barrier_sites`), the instructions the cubin lists
 as unaligned (`unaligned_offsets`) and the rule between them (`pin_unaligned_barriers`); the
 bar.syncs waited before each one (`waits_before`, racecheck's ordering)."""
 
@@ -32,8 +31,8 @@ class Build(NamedTuple):
 # cache holds loaded .so functions, not the cubin and PTX read here). Several tests read one
 # build: within a file (the paged merge test's standard leaves are the main-loop test's; the DSA
 # indexer's and recompute's SASS and PTX tests) and across files (the MLA pass's standard build
-# is read by the seesaw, work-list and PDL tests, its work-list builds by the work-list, schedule
-# and PDL ones: about 17 s a compile on CI), which conftest's SHARED_COMPILES groups keep in one
+# is read by the seesaw, schedule and PDL tests, its ranges build by the schedule and PDL ones:
+# about 17 s a compile on CI), which conftest's SHARED_COMPILES groups keep in one
 # process. Memory only: nothing is written beside the compile cache.
 _BUILDS: dict[tuple, Build] = {}
 
@@ -148,34 +147,6 @@ def steady_loops(sass: str) -> list[Counter]:
         if body["HGMMA"] == PAIR_HGMMA and sum(body.values()) < MAX_LOOP:
             loops.append(body)
     return loops
-
-
-# PTX: an mbarrier's arm (the producer's `mbarrier.arrive.expect_tx`, its byte count an
-# immediate or a register set by `mov.b32`) and a TMA box completing on an mbarrier (its
-# dimensionality, then the mbarrier operand as written)
-_ARM = re.compile(r"mbarrier\.arrive\.expect_tx\.shared\.b64\s+[^,]+,\s*(\[[^\]]+\]),\s*([^;]+);")
-_MOV = re.compile(r"mov\.b32\s+(%r\d+),\s*(\d+);")
-_BOX = re.compile(
-    r"cp\.async\.bulk\.tensor\.(\d)d\.shared::cta\.global\.tile\."
-    r"mbarrier::complete_tx::bytes\S*\s+\[[^\]]+\],\s*\[[^\]]+\],\s*(\[[^\]]+\])"
-)
-
-
-def tma_arms(ptx: str) -> dict[str, tuple[int, list[int]]]:
-    """Each armed mbarrier (its operand as the PTX writes it, in arming order) -> (the bytes it
-    is armed with, the dimensionality of every TMA box completing on it): a kernel whose load
-    mbarriers are armed once each (no ring), its boxes naming the operand its arm names. A box
-    on an operand never armed fails."""
-    regs = dict(_MOV.findall(ptx))
-    arms: dict[str, tuple[int, list[int]]] = {}
-    for line in ptx.splitlines():
-        if m := _ARM.search(line):
-            count = m.group(2).strip()
-            arms[m.group(1)] = (int(regs.get(count, count)), [])
-        elif m := _BOX.search(line):
-            assert m.group(2) in arms, f"a box on {m.group(2)}, never armed"
-            arms[m.group(2)][1].append(int(m.group(1)))
-    return arms
 
 
 class BarrierSite(NamedTuple):

@@ -346,7 +346,7 @@ def kernel(params: dict):
     final, scale, t_pre) over varlen tensors, as the kernel computes it (a tail chunk sees the
     next sequence's rows, as its TMA boxes do; with a V split each CTA's value rows on their
     own, the aux work recomputed per CTA; with the `t_pre` key T diag(beta) read from the
-    precompute's buffer `t_pre` at the chunk's slot)."""
+    precompute's buffer `t_pre` at the chunk's slot; with `no_o` the final state only)."""
     dtype = torch.float16 if params["dtype"] == "float16" else torch.bfloat16
     parts = split_parts(params["v"], params.get("v_split", 1))
     reads_t = params.get("t_pre", False)
@@ -375,7 +375,8 @@ def kernel(params: dict):
                                  for x in (q[:, h], k[:, h], v[:, hv, cols]))  # fmt: skip
                     o, st_p = sequence(qs, ks, vs, g[t0:t1, hv], beta[t0:t1, hv], st[cols],
                                        scale, dtype, params["l2norm"], tail, tiles)  # fmt: skip
-                    out[t0:t1, hv, cols] = o.to(out.dtype)
+                    if not params.get("no_o", False):  # the `no_o` key writes no o
+                        out[t0:t1, hv, cols] = o.to(out.dtype)
                     if params["k_last"]:
                         final[n, hv, cols] = st_p
                     else:

@@ -297,7 +297,8 @@ def test_bench_config_variants_pass_their_config(cpu_kernel):
     the others candidate keys or a rule's standard one), on the config's grid, and write what
     the default launch writes: the cases a rule moved carry `was`, the three long 192/128 ones
     also the open `dyn_kahead` / `dyn_sec12`; the cases left unmoved the L2 round's variants
-    (`wave0`, causal `wave0_dyn`)."""
+    (`wave0`, causal `wave0_dyn`); the three D = 96 cases the 192-row tiles (`wg3`,
+    `wg3_s3`, `wg3_n96s3`; `wg3_wave0` beside `was` where a rule moved)."""
     from forgekernel.bench.suites import attention as suite
     from forgekernel.kernels.attention.fwd.sm90 import SPEC
     from forgekernel.kernels.attention.fwd.sm90.config import fixed_rule
@@ -317,6 +318,8 @@ def test_bench_config_variants_pass_their_config(cpu_kernel):
         assert set(runs) == set(knobs) and ("was" in runs) == bool(moved)
         if p["d"] == 192 and p["sk"] > 2048:
             assert set(runs) == {"was", "dyn_kahead", "dyn_sec12"}
+        elif p["d"] == 96:  # 192-row tiles (WG3_CANDIDATES), in sections where a rule moved
+            assert set(runs) == ({"was", "wg3_wave0"} if moved else {"wg3", "wg3_s3", "wg3_n96s3"})
         elif moved:
             assert set(runs) == {"was"}
         else:
@@ -337,7 +340,7 @@ def test_bench_config_variants_pass_their_config(cpu_kernel):
                 default = params_for("bfloat16", p["d"], p["dv"], p["causal"])
                 assert tuple(sorted(key.items())) == tuple(sorted(default))
     assert [c[2] for c in cpu_kernel] == [132] * len(cpu_kernel)
-    assert len(suite.CONFIG_TIMED) == 16
+    assert len(suite.CONFIG_TIMED) == 17
     assert set(suite.CONFIG_TIMED) <= {c.name for c in suite.BENCH_CASES}
 
 

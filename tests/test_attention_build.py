@@ -22,6 +22,7 @@ from forgekernel.kernels.attention.fwd.sm90 import (  # noqa: E402
     D192_CANDIDATES,
     L2_CANDIDATES,
     SPEC,
+    WG3_CANDIDATES,
 )
 from forgekernel.kernels.attention.fwd.sm90.config import (  # noqa: E402
     FIXED_RULES,
@@ -367,6 +368,54 @@ def test_d192_schedule_candidates_build_as_the_standard(tmp_path, params):
     assert "BRA.U.ANY" not in sass, params
     if dict(params).get("k_ahead"):
         assert rec["sass"]["UTMALDG"] > std_rec["sass"]["UTMALDG"], params
+
+
+def test_wg3_candidates_are_keys_only_when_on():
+    """D = 96 on 192-row tiles (WG3_CANDIDATES, docs/attention/NOTES.md "next/attn-fwd-gap
+    (2026-12-07)"): bf16 fixed-length candidate keys of D = 96's default with the tile, stages
+    and section knobs set, none standard; the standard D = 96 keys keep 128-row tiles, and each
+    fits shared memory."""
+    standard = set(SPEC.standard_params())
+    cands = set(SPEC.candidate_params())
+    for d, causal, knobs in WG3_CANDIDATES:
+        cfg = replace(default_config(d, d), **knobs)
+        key = params_for("bfloat16", d, d, causal, cfg)
+        assert key in cands and key not in standard, knobs
+        assert cfg.tile_m == 192 and smem_bytes(cfg, d, d) <= SMEM_CAPACITY, knobs
+        assert AttnConfig.from_params(dict(key)) == cfg
+    assert all(dict(p)["tile_m"] == 128 for p in standard if dict(p)["head_dim"] == 96)
+    assert len(cands) == len(set(cands))
+
+
+# Built 2026-12-07 (CPU, cu13): 128 registers at entry (setmaxnreg 160 a consumer thread, D =
+# 64's 192-row build the same), no spill; the 128-key 192-row D = 96 tile spills 96 bytes (30
+# LDL, 48 STL), hence 112 / 96 keys. HGMMA sites: 39 at 112 keys (2 or 3 stages), 36 at 96;
+# MUFU.EX2 174 / 150.
+@pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "candidate",
+    WG3_CANDIDATES,
+    ids=lambda c: f"{'causal' if c[1] else 'full'}-" + "-".join(f"{k}{v}" for k, v in c[2].items()),
+)
+def test_wg3_candidates_build_without_spills(tmp_path, candidate):
+    """Three consumer warpgroups at D = 96: D = 64's standard 192-row build's registers, no
+    local memory, the warpgroups' GEMMs (HGMMA) and TMA loads and store present, and the same
+    HGMMA / MUFU counts in sections (`wave_kv_mib` 0 moves only the tile order)."""
+    d, causal, knobs = candidate
+    d64 = _build_with_sass(params_for("bfloat16", 64, 64, causal), tmp_path)[0]
+    cfg = replace(default_config(d, d), **knobs)
+    rec, sass = _build_with_sass(params_for("bfloat16", d, d, causal, cfg), tmp_path)
+    assert rec["registers"] == d64["registers"] and rec["spill_bytes"] == 0, knobs
+    assert rec["sass"].get("LDL", 0) == 0 and rec["sass"].get("STL", 0) == 0, knobs
+    assert rec["hgmma"] and rec["sass"].get("UTMALDG", 0) and rec["sass"].get("UTMASTG", 0)
+    assert "BRA.U.ANY" not in sass, knobs
+    if "wave_kv_mib" in knobs:
+        plain = {k: v for k, v in knobs.items() if k != "wave_kv_mib"}
+        base = replace(default_config(d, d), **plain)
+        std = _build_with_sass(params_for("bfloat16", d, d, causal, base), tmp_path)[1]
+        for op in ("HGMMA", "MUFU.EX2"):
+            assert sass.count(op) == std.count(op), (knobs, op)
 
 
 def test_unsupported_head_dims_are_refused():

@@ -56,9 +56,9 @@ def compiled():
     indirect targets)) of a key, once a module."""
     cache = {}
 
-    def get(dtype, fused=False):
-        if (dtype, fused) not in cache:
-            params = dict(config.params_for(dtype, fused=fused))
+    def get(dtype, fused=False, w_from_t=False):
+        if (dtype, fused, w_from_t) not in cache:
+            params = dict(config.params_for(dtype, fused=fused, w_from_t=w_from_t))
             kernel = kernel_for(params)
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_gdn_bwd_factors(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
@@ -71,9 +71,10 @@ def compiled():
                 sass = sass_text(cubin)
                 # the barrier pins' inputs (the listing has ptxas's jump tables)
                 flow = (sass, unaligned_offsets(cubin), indirect_targets(cubin))
-            cache[dtype, fused] = (res, sass_instructions(sass),
-                                   kernel.shared_storage.size_in_bytes(), flow)  # fmt: skip
-        return cache[dtype, fused]
+            cache[dtype, fused, w_from_t] = (res, sass_instructions(sass),
+                                             kernel.shared_storage.size_in_bytes(),
+                                             flow)  # fmt: skip
+        return cache[dtype, fused, w_from_t]
 
     return get
 
@@ -240,3 +241,48 @@ def test_fused_key_writes_no_ke_qe(compiled, dtype):
             "STSM.16.MT88.4", "STSM.16.M88.4", "SHFL.UP")  # fmt: skip
     for op in same:
         assert sum(o.startswith(op) for o in ops) == sum(o.startswith(op) for o in ops0), op
+
+
+# `w_from_t` (with fused; next/gdn-w-from-t2): the T-only form, no W, u, v not loaded; a
+# candidate key (`_candidate_params`: ops.gated_delta_rule_bwd FUSED_WFROMT, off until its
+# device A/B): its compile check is slow, as the fused backward's w_from_t keys' (~2 s of an
+# idle CPU, 2026-12-07); CI keeps the `fused` key's (test_fused_key_writes_no_ke_qe)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_w_from_t_key_is_t_only(compiled, dtype):
+    """`fused, w_from_t` against `fused`: W's and u's products (4 + 4 HGMMA.64x128x16), their
+    16 stmatrix and two TMA stores gone (2 left: P^T, T^T), v's two TMA loads and its mbarrier
+    (2 groups: k, q), BAR_T (warpgroup 1's arrive, warpgroup 2's wait) and one store barrier of
+    each warpgroup gone; K K^T, Q K^T, the merges, the transposed stmatrix of P^T and T^T and
+    the gates' scan as they were; 48 KB less shared memory (v, W, u: 73,728), fewer registers
+    (80 under cu13, 2026-12-07; 106 without), nothing spilled; the waits still balanced."""
+    res, instrs, smem, (sass, unaligned, indirect) = compiled(dtype, True, True)
+    base, base_instrs, base_smem, _ = compiled(dtype, True)
+    assert res["spill_bytes"] == 0 and res["registers"] <= base["registers"]
+    if dsl_toolchain() == "cu13":
+        assert res["registers"] == 80
+    assert smem == base_smem - 3 * 64 * 128 * 2 == SMEM - 81920
+    ops = [op for op, _ in instrs]
+    ops0 = [op for op, _ in base_instrs]
+    assert not [op for op in ops if op.startswith("HGMMA.64x128x16")]
+    assert ops.count("STSM.16.M88.4") == 0 and ops0.count("STSM.16.M88.4") == 16
+    assert ops.count("UTMASTG.4D") == ops0.count("UTMASTG.4D") - 4 == 2
+    assert ops.count("UTMALDG.4D") == ops0.count("UTMALDG.4D") - 2 == 4
+    same = ("HGMMA.64x64x16", "HMMA.1688.F32.TF32", "STSM.16.MT88.4", "SHFL.UP")
+    for op in same:
+        assert sum(o.startswith(op) for o in ops) == sum(o.startswith(op) for o in ops0), op
+    bars = pin_unaligned_barriers(sass, unaligned, set(), indirect)
+    seen = sorted((b.kind, int(b.barrier, 16), int(b.threads or "0", 16)) for b in bars)
+    assert seen == sorted([("SYNC", 4, 256)] + [("SYNC", 2, 128)] * 4
+                          + [("SYNC", 1, 128), ("SYNC", 5, 128)])  # fmt: skip
+    counts = waits_before(sass, indirect)
+    sites = {b.offset: int(b.barrier, 16) for b in barrier_sites(sass)}
+    assert all(len(n) == 1 for n in counts.values()), counts
+    by_bar = {}
+    for offset in sorted(counts):
+        by_bar.setdefault(sites[offset], []).extend(counts[offset])
+    assert by_bar == {4: [0], 2: [1, 2, 3, 4], 1: [5], 5: [1]}
+    with pytest.raises(ValueError, match="w_from_t needs fused"):
+        config.params_for(dtype, w_from_t=True)

@@ -32,7 +32,12 @@ from forgekernel.reference.gdn_bwd_chunk import (
     token_rows_model,
     wy_grads_model,
 )
-from forgekernel.reference.gdn_bwd_factors import factors_model, rounding_to, scan_model
+from forgekernel.reference.gdn_bwd_factors import (
+    factors_model,
+    rounding_to,
+    scan_model,
+    w_u_from_t,
+)
 from forgekernel.reference.gdn_bwd_norm import qk_grad_model
 from forgekernel.reference.gdn_bwd_state import (
     _layout,
@@ -85,9 +90,9 @@ def emulated_kernel(calls=None):
     batch, quiet = _batch_kernel(calls), _batch_kernel()
 
     def run(do, pt, ke, qe, w, e_last, dht, dh0=None, out16=False, forward=False,
-            cu_seqlens=None, order=None, big_g=None, out=None):  # fmt: skip
+            cu_seqlens=None, order=None, big_g=None, beta=None, out=None):  # fmt: skip
         if cu_seqlens is None:
-            return batch(do, pt, ke, qe, w, e_last, dht, dh0, out16, forward, big_g, out)
+            return batch(do, pt, ke, qe, w, e_last, dht, dh0, out16, forward, big_g, out, beta)
         assert out16 and dht is None or dht.shape[0] == cu_seqlens.shape[0] - 1
         assert cu_seqlens.dtype == order.dtype == torch.int32
         if calls is not None:
@@ -104,10 +109,17 @@ def _batch_kernel(calls=None):
     """`emulated_kernel`'s batch form (B sequences of T tokens)."""
 
     def run(do, pt, ke, qe, w, e_last, dht, dh0=None, out16=False, forward=False, big_g=None,
-            out=None):  # fmt: skip
+            out=None, beta=None):  # fmt: skip
         assert out16 or not forward
         fused = big_g is not None  # the `fused` forward launch: w = k, Ke's decays from G, no U
         assert forward or not fused
+        if beta is not None:  # `w_from_t`: do = v, pt = T^T (T rows); W, u formed from them
+            # (u rounded to 16 bits here, fp32 in the kernel: within that rounding)
+            assert fused and ke is None and pt.shape[:3] == beta.shape == do.shape[:3]
+            t = do.shape[1]
+            w_t, u_t = w_u_from_t(pt, w, do, beta.float(), big_g[:, :t])
+            do, ke = (big_g.new_zeros(*big_g.shape, x.shape[-1], dtype=x.dtype) for x in (u_t, w_t))
+            do[:, :t], ke[:, :t], pt = u_t, w_t, None
         if fused:
             assert w.dtype == do.dtype and big_g.shape == do.shape[:3] and w.shape[1] <= do.shape[1]
             w = decayed_keys(w, big_g).to(do.dtype)
@@ -233,7 +245,7 @@ def emulated_factors_kernel(calls=None):
     inputs, T diag(.) rounded to the tiles' dtype where it is 16-bit, the outputs in the
     launcher's dtypes (tiles in q's dtype, e_last and G fp32)."""
 
-    def run(q, k, v, g, beta, fused=False):
+    def run(q, k, v, g, beta, fused=False, w_from_t=False):
         assert q.dtype == k.dtype == v.dtype and q.shape == k.shape and q.shape[:2] == v.shape[:2]
         assert g.shape == beta.shape == v.shape[:3]
         if calls is not None:
@@ -244,6 +256,9 @@ def emulated_factors_kernel(calls=None):
         out["e_last"], out["big_g"] = out["e_last"].float(), out["big_g"].float()
         if fused:  # the fused route's key: no Ke, Qe
             del out["ke"], out["qe"]
+        if w_from_t:  # its T-only key: no W, u either
+            assert fused
+            del out["w"], out["u"]
         return out
 
     return run
@@ -672,8 +687,8 @@ def scanned_factors_kernel():
     cumsum: the same G on every row past a chunk's last gate)."""
     exact = emulated_factors_kernel()
 
-    def run(q, k, v, g, beta, fused=False):
-        out = exact(q, k, v, g, beta, fused)
+    def run(q, k, v, g, beta, fused=False, w_from_t=False):
+        out = exact(q, k, v, g, beta, fused, w_from_t)
         out["big_g"] = scan_model(g)
         return out
 

@@ -248,14 +248,14 @@ def test_the_rule(b, hv, nc, sms, parts):
 
 
 def test_the_switch(monkeypatch):
-    """Off by default (SEGMENTS False); "1" the rule, "0" off, an integer forces the count
-    where it divides NC; anything else refused."""
+    """On by default (SEGMENTS True: the rule); "1" the rule, "0" off, an integer forces the
+    count where it divides NC; anything else refused."""
     cpu = torch.device("cpu")
     monkeypatch.delenv(bwd.SEGMENTS_SWITCH, raising=False)
     monkeypatch.setattr(bwd, "_device_sms", lambda device: 132)
-    assert not bwd.SEGMENTS and bwd._segments_selected(1, 16, 128, cpu) == 1
-    monkeypatch.setattr(bwd, "SEGMENTS", True)
-    assert bwd._segments_selected(1, 16, 128, cpu) == 4
+    assert bwd.SEGMENTS and bwd._segments_selected(1, 16, 128, cpu) == 4
+    monkeypatch.setattr(bwd, "SEGMENTS", False)
+    assert bwd._segments_selected(1, 16, 128, cpu) == 1
     for mode, parts in (("0", 1), ("1", 4), ("2", 2), ("8", 8), ("3", 1)):
         monkeypatch.setenv(bwd.SEGMENTS_SWITCH, mode)
         assert bwd._segments_selected(1, 16, 128, cpu) == parts, mode

@@ -171,8 +171,8 @@ def test_launcher_empty_sequences_pass_the_state_gradient():
 def test_launcher_passes_the_compiled_signature(monkeypatch, dke, with_dht):
     """The call the launcher makes is the one compile.py declares: (dO, P^T, Ke, Qe, W, U or
     None, e^(G_C), dS_T or None, dU, dh or None, dke or None, dh0, cu_seqlens and the order or
-    None: the varlen form's, G or None: the fused form's), under the compile key of the inputs
-    (a recorder stands in for the kernel)."""
+    None: the varlen form's, G or None: the fused form's, beta or None: the w_from_t form's),
+    under the compile key of the inputs (a recorder stands in for the kernel)."""
     calls = []
     monkeypatch.setattr(launch, "get_kernel",
                         lambda spec, params: lambda *a: calls.append((params, a)))  # fmt: skip
@@ -185,7 +185,7 @@ def test_launcher_passes_the_compiled_signature(monkeypatch, dke, with_dht):
                             "dke": dke}  # fmt: skip
     assert side.shape == ((2, 130, 3, 128) if dke else (2, 3, 3, 128, 128))
     want = (do, pt, ke, qe, w, u, e_last, dht, du, None if dke else side,
-            side if dke else None, dh0, None, None, None)  # fmt: skip
+            side if dke else None, dh0, None, None, None, None)  # fmt: skip
     assert len(args) == len(want)
     for got, ref in zip(args, want):
         assert got is ref or (got is not None and ref is not None and torch.equal(got, ref))
@@ -212,7 +212,7 @@ def test_launcher_out16_signature(monkeypatch, forward, with_dht):
     assert dict(params) == want_key
     assert du.dtype == ds.dtype == torch.bfloat16 and dh0.dtype == torch.float32
     assert du.shape == (2, 130, 3, 128) and ds.shape == (2, 3, 3, 128, 128)
-    want = (do, *tiles, None, e_last, dht, du, ds, None, dh0, None, None, None)
+    want = (do, *tiles, None, e_last, dht, du, ds, None, dh0, None, None, None, None)
     assert len(args) == len(want)
     for got, ref in zip(args, want):
         assert got is ref or (got is not None and ref is not None and torch.equal(got, ref))
@@ -246,7 +246,8 @@ def test_launcher_fused_signature(monkeypatch, with_dht):
     assert dict(params)["fused"] is True and dict(params)["forward"] is True
     assert dict(params)["d_final_state"] is with_dht
     assert du is None and ds.shape == (2, 3, 4, 128, 128) and dh0.shape == (2, 4, 128, 128)
-    assert args[4] is k and args[-1] is big_g and args[8] is None and args[9] is ds
+    assert args[4] is k and args[-2] is big_g and args[8] is None and args[9] is ds
+    assert args[-1] is None  # beta: the w_from_t form's
     with pytest.raises(ValueError, match="batch forward launch's"):
         launch.gdn_bwd_state(do, pt, ke, qe, k, e_last, out16=True, big_g=big_g)
     with pytest.raises(ValueError, match="k must be"):
@@ -258,6 +259,43 @@ def test_launcher_fused_signature(monkeypatch, with_dht):
     with pytest.raises(ValueError, match="big_g must be"):
         launch.gdn_bwd_state(do, None, ke, None, k, e_last, out16=True, forward=True,
                              big_g=big_g[:, :130])  # fmt: skip
+
+
+@pytest.mark.parametrize("with_dht", [False, True])
+def test_launcher_w_from_t_signature(monkeypatch, with_dht):
+    """The `w_from_t` forward launch (ops/gated_delta_rule_bwd.py FUSED_WFROMT): beta given
+    with big_g; do is v (T rows), pt kernel 0's T^T cut to T, ke None, w is k; G (B, NC C, HV)
+    and beta (fp32, as the kernel reads it) passed last, `fused` and `w_from_t` in the key, no
+    dU; the checks: big_g's rows (every chunk's), pt given and ke None, beta's shape."""
+    calls = []
+    monkeypatch.setattr(launch, "get_kernel",
+                        lambda spec, params: lambda *a: calls.append((params, a)))  # fmt: skip
+    v, tt, _, _, _, e_last = _bf16_inputs(2, 130, 4)
+    k = torch.randn(2, 130, 2, 128).bfloat16()  # H = 2 of HV = 4
+    big_g = torch.randn(2, 192, 4)
+    beta = torch.rand(2, 130, 4).bfloat16()
+    dht = torch.zeros(2, 4, 128, 128) if with_dht else None
+    du, ds, dh0 = launch.gdn_bwd_state(v, tt, None, None, k, e_last, dht, out16=True,
+                                       forward=True, big_g=big_g, beta=beta)  # fmt: skip
+    ((params, args),) = calls
+    key = dict(params)
+    assert key["fused"] is key["w_from_t"] is key["forward"] is True
+    assert key["d_final_state"] is with_dht
+    assert du is None and ds.shape == (2, 3, 4, 128, 128) and dh0.shape == (2, 4, 128, 128)
+    assert args[0] is v and args[1] is tt and args[2] is None and args[4] is k
+    assert args[-2] is big_g and args[-1].dtype == torch.float32
+    assert torch.equal(args[-1], beta.float())
+    with pytest.raises(ValueError, match="big_g must be"):
+        launch.gdn_bwd_state(v, tt, None, None, k, e_last, out16=True, forward=True,
+                             big_g=big_g[:, :130], beta=beta)  # fmt: skip
+    with pytest.raises(ValueError, match="needs big_g and pt"):
+        launch.gdn_bwd_state(v, None, None, None, k, e_last, out16=True, forward=True,
+                             big_g=big_g, beta=beta)  # fmt: skip
+    with pytest.raises(ValueError, match="beta must be"):
+        launch.gdn_bwd_state(v, tt, None, None, k, e_last, out16=True, forward=True,
+                             big_g=big_g, beta=beta[:, :64])  # fmt: skip
+    with pytest.raises(ValueError, match="w_from_t needs fused"):
+        launch.params_for("bfloat16", out16=True, forward=True, w_from_t=True)
 
 
 @pytest.mark.parametrize("forward", [False, True])
@@ -279,8 +317,8 @@ def test_launcher_varlen_signature(monkeypatch, forward):
     assert dict(params)["varlen"] is True and dict(params)["d_final_state"] is True
     assert du.shape == (1, 256, 3, 128) and ds.shape == (1, 4, 3, 128, 128)
     assert dh0.shape == (3, 3, 128, 128)
-    assert args[-3] is cu and args[-2] is order and args[-4] is dh0 and args[7] is dht
-    assert args[-1] is None  # G: the fused form's
+    assert args[-4] is cu and args[-3] is order and args[-5] is dh0 and args[7] is dht
+    assert args[-2] is None and args[-1] is None  # G, beta: the fused forms
     with pytest.raises(ValueError, match="come together"):
         launch.gdn_bwd_state(do, pt, ke, qe, w, e_last, out16=True, cu_seqlens=cu)
     with pytest.raises(ValueError, match="out16's"):

@@ -12,6 +12,7 @@ with the same registers, groups and no spill."""
 
 from __future__ import annotations
 
+import re
 import tempfile
 from pathlib import Path
 
@@ -153,13 +154,15 @@ def compiled16():
 
     def get(name):
         if name not in cache:
-            # the varlen / fused form of an OUT16 key
-            base = name.removesuffix("_varlen").removesuffix("_fused")
+            # the varlen / fused / fused w_from_t form of an OUT16 key
+            base = name.removesuffix("_varlen").removesuffix("_fused").removesuffix("_wfromt")
             dtype, dht, forward = OUT16[base]
+            w_from_t = name.endswith("_wfromt")
             params = dict(config.params_for(dtype, d_final_state=dht, out16=True,
                                             forward=forward, channel_decay=_channel(base),
                                             varlen=name.endswith("_varlen"),
-                                            fused=name.endswith("_fused")))  # fmt: skip
+                                            fused=name.endswith("_fused") or w_from_t,
+                                            w_from_t=w_from_t))  # fmt: skip
             kernel = kernel_for(params)
             with tempfile.TemporaryDirectory() as d:
                 fn = compile_gdn_bwd_state(params, "sm_90a", f"--keep-cubin --dump-dir {d}",
@@ -221,9 +224,12 @@ def test_out16_resources(compiled16, name):
 # ---- varlen (ops/_linattn_varlen.py's slot layout: one CTA per (head, sequence), its own slots)
 
 
+# CI: one reverse and one forward key; the channel-decay keys are slow (bf16_dht_out16_channel:
+# its key and its varlen form compiled for this check alone, ~3 s of an idle CPU, 2026-12-07)
 @pytest.mark.parametrize(
     "name",
-    ["bf16_out16", "bf16_dht_fwd", "bf16_dht_out16_channel",
+    ["bf16_out16", "bf16_dht_fwd",
+     pytest.param("bf16_dht_out16_channel", marks=pytest.mark.slow),
      pytest.param("bf16_fwd_channel", marks=pytest.mark.slow)],
 )  # fmt: skip
 def test_varlen_costs_nothing_per_chunk(compiled16, name):
@@ -279,3 +285,63 @@ def test_fused_forward_launch(compiled16, name):
     for bad in ({"forward": False}, {"forward": True, "varlen": True}):
         with pytest.raises(ValueError, match="fused needs forward, not varlen"):
             config.params_for("bfloat16", out16=True, fused=True, **bad)
+
+
+# ---- w_from_t (the fused route's forward launch forming W, u: next/gdn-w-from-t2)
+
+
+def _state_region_max_register(instrs) -> int:
+    """The highest register the state warpgroups' setmaxnreg region names."""
+    region, cur = [], 0
+    for op, a in instrs:
+        if op.startswith("USETMAXREG"):
+            cur = int(a.split(",")[-1], 16)
+        elif cur == config.STATE_REGS:
+            region.append(a)
+    return max(int(r) for a in region for r in re.findall(r"\bR(\d+)\b", a))
+
+
+# fp16_fwd (no dht) not slow: the form whose HGMMAs ptxas serialized (next/wft-review)
+@pytest.mark.parametrize("name", ["bf16_dht_fwd", "fp16_fwd"])
+def test_w_from_t_forward_launch(compiled16, name):
+    """`w_from_t` against `fused` (the same flags): u^T's rows and -W's column half formed by
+    each state warpgroup, 8 more HGMMA.64x64x16 a thread and chunk, all with B transposed (T^T
+    and k MN-major; the key without has none); -W's 64 x 64 half by 4 stmatrix; beta e^(G_j)
+    by 16 more exponentials; beta by 16 more fp32 loads; one TMA box fewer (v 2, T^T 1, k 2:
+    5); one named barrier a chunk (Bar.STATE, 256: both halves in place), the only one; the
+    same stores (h, the final state), registers at launch, setmaxnreg split, no spill; shared
+    memory +16 KB (ring 2 x 40 KB, -W 2 x 16 KB), within config's bound; the state region
+    under its 232 (cu13, 2026-12-07: R0-R222 with and without dht, both dtypes; `fused` R0-R213,
+    R0-R215 with dht); the HGMMAs pipelined as the `fused` key's, one wait more (the formation's:
+    with h's store after the formation ptxas serialized all 20 without dht, C7520)."""
+    res, instrs, smem = compiled16(name + "_wfromt")
+    base_res, base_instrs, base_smem = compiled16(name + "_fused")
+    assert res["spill_bytes"] == 0 and res["registers"] == base_res["registers"]
+    maxreg = sorted(int(a.split(",")[-1], 16) for op, a in instrs if op.startswith("USETMAXREG"))
+    assert maxreg == [config.PRODUCER_REGS, config.STATE_REGS]
+    assert _state_region_max_register(instrs) < config.STATE_REGS
+    assert smem == base_smem + 16384 <= config.smem_bytes(forward=True, w_from_t=True)
+    assert smem + res["smem_bytes"] <= SMEM_CAPACITY
+    ops, base_ops = ([op for op, _ in x] for x in (instrs, base_instrs))
+
+    def count(prefix, xs):
+        return sum(op.startswith(prefix) for op in xs)
+
+    narrow = [a for op, a in instrs if op.startswith("HGMMA.64x64x16")]
+    base_narrow = [a for op, a in base_instrs if op.startswith("HGMMA.64x64x16")]
+    assert len(narrow) == len(base_narrow) + 8
+    assert sum("tnspB" in a for a in narrow) == 8 and not any("tnspB" in a for a in base_narrow)
+    assert count("HGMMA.64x128x16", ops) == count("HGMMA.64x128x16", base_ops) == 4
+    assert count("UTMALDG.4D", ops) == count("UTMALDG.4D", base_ops) - 1 == 5
+    assert ops.count("STSM.16.M88.4") == 4 and count("STSM", base_ops) == 0
+    waits = [x.count("WARPGROUP.DEPBAR.LE") for x in (ops, base_ops)]
+    assert waits[0] == waits[1] + 1 < len(narrow), waits  # not one wait an HGMMA
+    assert ops.count("MUFU.EX2") == base_ops.count("MUFU.EX2") + 16
+    assert count("LDG", ops) == count("LDG", base_ops) + 16
+    for op in ("STG.E.U16", "STG.E", "LDL", "STL"):
+        assert ops.count(op) == base_ops.count(op), op
+    named = [a.strip() for op, a in instrs if op.startswith("BAR.SYNC") and "," in a]
+    assert named == ["0x1, 0x100"] and not [a for op, a in base_instrs if op.startswith("BAR.")
+                                            and "," in a]  # fmt: skip
+    with pytest.raises(ValueError, match="w_from_t needs fused"):
+        config.params_for("bfloat16", out16=True, forward=True, w_from_t=True)

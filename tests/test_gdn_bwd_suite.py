@@ -1,8 +1,9 @@
 """The gdn_bwd suite on the CPU: its judge passes on every check case with the op's interim
 backward (CPU tensors take it; the forward kernel is not run: the suite times the backward
 alone), the `interim` variant (the two smallest bench cases) takes the interim path, the
-fp64 reference switches to the chunked backward above RECURRENT_UP_TO tokens, its cases are well
-formed, and it is registered."""
+switch A/B variants (`no_fused_slots`, `no_groupsum` on 4x8192-h16-hv32) run ours with their
+switch off, the fp64 reference switches to the chunked backward above RECURRENT_UP_TO tokens,
+its cases are well formed, and it is registered."""
 
 from __future__ import annotations
 
@@ -92,12 +93,11 @@ def test_autograd_backward_gives_a_chunked_forwards_gradients_in_the_suites_orde
 
 
 def interim_variant_cases(suite_mod) -> None:
-    """`interim` on the two bench cases of fewest tokens (the interim path is slow), none on
+    """`interim` on the two bench cases of fewest tokens (the interim path is slow), not on
     the others or the check cases (shared with tests/test_kda_bwd_suite.py)."""
     smallest = sorted(suite_mod.BENCH_CASES, key=lambda c: sum(c.params["lens"]))[:2]
     for case in (*suite_mod.BENCH_CASES, *suite_mod.CHECK_CASES):
-        want = ["interim"] if case in smallest else []
-        assert list(suite_mod.suite().variants_for(case)) == want, case.name
+        assert ("interim" in suite_mod.suite().variants_for(case)) == (case in smallest), case.name
 
 
 def interim_variant_path(suite_mod, op, inputs, monkeypatch) -> None:
@@ -124,6 +124,28 @@ def interim_variant_path(suite_mod, op, inputs, monkeypatch) -> None:
 
 def test_interim_variant_on_the_two_smallest_cases_only():
     interim_variant_cases(gdn_bwd)
+
+
+def test_switch_variants(monkeypatch):
+    """`no_fused_slots` and `no_groupsum` on 4x8192-h16-hv32 only (no other bench or check
+    case): ours with FUSED_SLOTS / FUSED_GROUPSUM False during the call (a graph capture inside
+    it records that route), the other switch and both afterwards as they were."""
+    seen = []
+
+    def ours(inputs, out):
+        seen.append((bwd_op.FUSED_SLOTS, bwd_op.FUSED_GROUPSUM))
+        return "grads"
+
+    monkeypatch.setattr(gdn_bwd, "run_ours", ours)
+    suite = gdn_bwd.suite()
+    for case in (*gdn_bwd.BENCH_CASES, *gdn_bwd.CHECK_CASES):
+        names = [n for n in suite.variants_for(case) if n != "interim"]
+        want = ["no_fused_slots", "no_groupsum"] if case.name == "4x8192-h16-hv32" else []
+        assert names == want, case.name
+    runs = suite.variants_for(gdn_bwd.BENCH_CASES[2])
+    assert runs["no_fused_slots"]({}, None) == runs["no_groupsum"]({}, None) == "grads"
+    assert seen == [(False, True), (True, False)]
+    assert bwd_op.FUSED_SLOTS is True and bwd_op.FUSED_GROUPSUM is True
 
 
 def test_interim_variant_takes_the_interim_path(cpu, monkeypatch):

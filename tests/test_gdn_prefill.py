@@ -66,10 +66,11 @@ def chunked_keys(calls):
 
 def expected_keys(dtype, h, hv, split, *, k_last, l2norm, init):
     """The keys the launcher asks for on a direct launch: the chunked kernel's in the form
-    `t_pre_for` picks, then the precompute's where that is the t_pre form."""
+    `t_pre_for` picks (the standard form with its O warp), then the precompute's where that is
+    the t_pre form."""
     t_pre = prefill_launch.t_pre_for(h, hv, split, 1)
     key = prefill_launch.params_for(dtype, k_last=k_last, l2norm=l2norm, initial_state=init,
-                                    v_split=split, t_pre=t_pre)  # fmt: skip
+                                    v_split=split, t_pre=t_pre, o_warp=not t_pre)  # fmt: skip
     pre = [dict(prefill_launch.t_pre_params_for(dtype, l2norm=l2norm))] if t_pre else []
     return [dict(key), *pre]
 

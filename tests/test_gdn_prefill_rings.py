@@ -267,53 +267,12 @@ def test_two_aux_warpgroups_without_the_witness_pass_a_stale_parity():
 # V^T reads are pending, or a state warpgroup rewriting a tile the store still reads, fails.
 
 
-class TurnBarriers:
-    """The state_order key's named barriers TURN + w over both state warpgroups (256 threads:
-    two warpgroup arrivals complete a phase; bar.sync = an arrival, then a wait for its phase
-    to complete), and the WGMMA batches in the order they were issued."""
-
-    def __init__(self):
-        self.count = [0, 0]
-        self.phase = [0, 0]
-        self.issued = []
-
-    def arrive(self, b: int) -> int:
-        self.count[b] += 1
-        arrived_in = self.phase[b]
-        if self.count[b] == 2:
-            self.count[b] = 0
-            self.phase[b] += 1
-        return arrived_in
-
-    def take(self, w: int):
-        """state_wg.py `_take_turn` as two steps: arrive on TURN + w, wait for the phase."""
-        mine = {}
-        yield lambda: True, lambda: mine.setdefault("phase", self.arrive(w))
-        yield lambda: self.phase[w] > mine["phase"], lambda: None
-
-
-TURN_POINTS = ("X|O", "U", "PU", "update")  # state_wg.py `_state`'s batches a chunk, in order
-
-
-def _t_pre_agents(nchunks, auxes, states, rings, land, reads, *, v_after_u, store_read_wait,
-                  turns=None, last_hand_over=False):  # fmt: skip
+def _t_pre_agents(nchunks, auxes, states, rings, land, reads, *, v_after_u, store_read_wait):
     """The t_pre form's waits and arrivals in program order. v_after_u: the state releases
     its v stage after U^T (state_wg.py, o_warp), else next to its ldmatrix (the form before
-    the fix); store_read_wait: the O warp releases a tile after its store's read. turns: a
-    `TurnBarriers` (the state_order key: each batch issued in the state warpgroup's turn, the
-    turn handed over right after; warpgroup 0 opens with an arrival of its own, warpgroup 1
-    does not hand over after its last batch unless last_hand_over), or None (lockstep)."""
+    the fix); store_read_wait: the O warp releases a tile after its store's read."""
     qk, v, gate, aux, t = (rings[k] for k in ("qk", "v", "gate", "aux", "t"))
     o_ring = rings["o"]
-
-    def batch(w, c, point):
-        if turns is None:
-            return
-        yield from turns.take(w)
-        yield lambda: True, lambda: turns.issued.append((c, point, w))
-        last = c == nchunks - 1 and point == TURN_POINTS[-1]
-        if w == 0 or not last or last_hand_over:
-            yield lambda: True, lambda: turns.arrive(1 - w)
 
     def wait(ring, c, who):
         return lambda: ring.can_wait(c), lambda: ring.check(c, who)
@@ -356,12 +315,9 @@ def _t_pre_agents(nchunks, auxes, states, rings, land, reads, *, v_after_u, stor
             yield lambda c=c: aux.can_acquire(c), lambda c=c: (aux.fill(c), gate.release(c))
 
     def state_wg(w):
-        if turns is not None and w == 0 and nchunks > 0:
-            yield lambda: True, lambda: turns.arrive(0)  # warpgroup 0 takes the first turn
         for c in range(nchunks):
             who = f"state warpgroup {w}"
             yield wait(qk, c, who)
-            yield from batch(w, c, "X|O")
             yield wait(aux, c, who)
             yield wait(v, c, who)
             yield lambda: True, lambda c=c: reads.append(("vt", c, w))  # 4 ldmatrix issued
@@ -369,12 +325,9 @@ def _t_pre_agents(nchunks, auxes, states, rings, land, reads, *, v_after_u, stor
                 yield lambda: True, lambda c=c: v.release(c)
             yield wait(t, c, who)
             yield lambda c=c: ("vt", c, w) not in reads, lambda: None  # U^T's operand built
-            yield from batch(w, c, "U")
             yield lambda: True, lambda c=c: t.release(c)
             if v_after_u:
                 yield lambda: True, lambda c=c: v.release(c)
-            yield from batch(w, c, "PU")
-            yield from batch(w, c, "update")
             yield lambda: True, lambda c=c: (qk.release(c), aux.release(c))
             tile = o_ring[w]
 
@@ -398,11 +351,9 @@ def _t_pre_agents(nchunks, auxes, states, rings, land, reads, *, v_after_u, stor
             *(state_wg(w) for w in range(states))]  # fmt: skip
 
 
-def _run_t_pre(nchunks, v_split, *, v_after_u=True, store_read_wait=True, newest_first=True,
-               turns=None, last_hand_over=False, reverse=False):  # fmt: skip
+def _run_t_pre(nchunks, v_split, *, v_after_u=True, store_read_wait=True, newest_first=True):
     """Step every agent that can move; when none can, land a TMA box, and only when none is
-    in flight, finish a pending read (each the newest first, or the oldest). reverse: step
-    the agents last first (the state warpgroup 1 before 0)."""
+    in flight, finish a pending read (each the newest first, or the oldest)."""
     auxes, states = aux_wgs(v_split), state_wgs(128, v_split)
     rings = {
         "qk": Barriers(QK_STAGES, 1 + states),
@@ -415,10 +366,7 @@ def _run_t_pre(nchunks, v_split, *, v_after_u=True, store_read_wait=True, newest
     land, reads = [], []
     agents = [iter(a) for a in _t_pre_agents(nchunks, auxes, states, rings, land, reads,
                                              v_after_u=v_after_u,
-                                             store_read_wait=store_read_wait, turns=turns,
-                                             last_hand_over=last_hand_over)]  # fmt: skip
-    if reverse:
-        agents.reverse()
+                                             store_read_wait=store_read_wait)]  # fmt: skip
     pending = [next(a, None) for a in agents]
     while any(p is not None for p in pending) or land or reads:
         moved = False
@@ -461,27 +409,3 @@ def test_t_pre_form_o_tile_released_before_its_store_read_is_rewritten_under_it(
     warpgroup's next stmatrix off a tile the TMA store still reads."""
     with pytest.raises(AssertionError, match="rewritten while"):
         _run_t_pre(4, 2, store_read_wait=False)
-
-
-@pytest.mark.parametrize("reverse", [False, True])
-@pytest.mark.parametrize("newest_first", [True, False])
-@pytest.mark.parametrize("nchunks", range(9))
-def test_state_order_turns_alternate_and_every_phase_completes(nchunks, newest_first, reverse):
-    """The state_order key (unsplit t_pre form): with the rings and the O ring as above, no
-    deadlock; the state warpgroups' batches issued strictly in turns (chunk by chunk, point by
-    point, warpgroup 0 then 1); every phase of both turn barriers completed at the end (no
-    arrival left over: warpgroup 1 skips its last hand-over)."""
-    turns = TurnBarriers()
-    _run_t_pre(nchunks, 1, newest_first=newest_first, turns=turns, reverse=reverse)
-    want = [(c, p, w) for c in range(nchunks) for p in TURN_POINTS for w in (0, 1)]
-    assert turns.issued == want
-    assert turns.count == [0, 0]
-    assert turns.phase == [len(TURN_POINTS) * nchunks] * 2
-
-
-def test_state_order_last_hand_over_leaves_a_phase_open():
-    """Why warpgroup 1 does not hand over after its last batch: warpgroup 0 waits no more, so
-    that arrival would stay in an uncompleted phase of TURN + 0 at the CTA's exit."""
-    turns = TurnBarriers()
-    _run_t_pre(3, 1, turns=turns, last_hand_over=True)
-    assert turns.count == [1, 0]

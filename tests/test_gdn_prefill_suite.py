@@ -48,22 +48,24 @@ def test_variants_force_the_other_form_and_v_split(cpu_kernel):  # noqa: F811
     variant is the kernel so forced, as the check sees it."""
     by_name = {c.name: c for c in gdn_prefill.BENCH_CASES}
     std = "standard"  # where the launcher takes the t_pre form: all but 8x32768-h16-hv16
-    assert set(gdn_prefill.variants(by_name["1x65536-h16-hv32"])) == {"v_split_1", "segments_5",
-                                                                       std}  # fmt: skip
-    assert set(gdn_prefill.variants(by_name["1x131072-h16-hv16"])) == {"segments_1", std}
+    assert set(gdn_prefill.variants(by_name["1x65536-h16-hv32"])) == {
+        "v_split_1", "segments_5", std, "segments_5_b_with_o"
+    }  # fmt: skip
+    with_o = "b_with_o"  # pass B with o, where the launcher segments (t_pre; ours without)
+    assert set(gdn_prefill.variants(by_name["1x131072-h16-hv16"])) == {"segments_1", std, with_o}
     ab = "t_pre_state_lds"  # STATE_CHAIN_AB
-    turns = "t_pre_state_order"  # the t_pre form's direct unsplit launches
-    assert set(gdn_prefill.variants(by_name["4x8192-h16-hv32"])) == {"v_split_2", std, ab,
-                                                                      turns}  # fmt: skip
+    chain = "no_o_warp"  # STANDARD_CHAIN_AB
+    assert set(gdn_prefill.variants(by_name["4x8192-h16-hv32"])) == {"v_split_2", std, ab, chain}
     assert set(gdn_prefill.variants(by_name["1x4096-h16-hv32"])) == {"v_split_1", std, ab}
-    assert set(gdn_prefill.variants(by_name["mix64-t32768-h16-hv32"])) == {std, turns}
-    assert set(gdn_prefill.variants(by_name["8x32768-h16-hv16"])) == {"v_split_2", "t_pre"}
+    assert set(gdn_prefill.variants(by_name["mix64-t32768-h16-hv32"])) == {std}
+    assert set(gdn_prefill.variants(by_name["8x32768-h16-hv16"])) == {"v_split_2", "t_pre",
+                                                                       chain}  # fmt: skip
     assert [c.name for c in gdn_prefill.BENCH_CASES if not gdn_prefill.uses_t_pre(c)] == [
         "8x32768-h16-hv16"
     ]
-    # the check covers both forms (the last case the standard one), the sanitizers the t_pre one
+    # the check and the sanitizers cover both forms (the last case the standard one, o_warp)
     assert [gdn_prefill.uses_t_pre(c) for c in gdn_prefill.CHECK_CASES] == [True] * 4 + [False]
-    assert all(gdn_prefill.uses_t_pre(c) for c in gdn_prefill.SANITIZE_CASES)
+    assert [gdn_prefill.uses_t_pre(c) for c in gdn_prefill.SANITIZE_CASES] == [True] * 3 + [False]
     suite = gdn_prefill.suite()
     case = gdn_prefill.CHECK_CASES[0]  # h 2, hv 4: the launcher's form is t_pre
     inputs = suite.make_inputs(case, torch.bfloat16, torch.device("cpu"),
@@ -79,19 +81,22 @@ def test_variants_force_the_other_form_and_v_split(cpu_kernel):  # noqa: F811
     got = gdn_prefill._run_forced(segments=4, t_pre=True)(inputs, out)
     assert got is out and float((got.float() - want).abs().max()) < 2e-2
     assert len(cpu_kernel) == calls + 4  # T once, passes A, B, C
+    assert [p.get("no_o", False) for p in cpu_kernel[calls:] if "v" in p] == [False, True, False]
     standard = gdn_prefill._run_forced(t_pre=False)(inputs, gdn_prefill.alloc_out(inputs))
-    assert "t_pre" not in cpu_kernel[-1]
+    assert "t_pre" not in cpu_kernel[-1] and cpu_kernel[-1]["o_warp"]  # the standard form's
     got = gdn_prefill._run_forced(t_pre=True)(inputs, gdn_prefill.alloc_out(inputs))
     assert torch.equal(got, standard)  # the replay's T is the aux's, bit for bit
     assert cpu_kernel[-2]["t_pre"] and set(cpu_kernel[-1]) == {"dtype", "k", "l2norm"}
     assert "state_lds" not in cpu_kernel[-2]
     got = gdn_prefill._run_forced(t_pre=True, state_lds=True)(inputs, gdn_prefill.alloc_out(inputs))
     assert torch.equal(got, standard) and cpu_kernel[-2]["state_lds"]
-    assert "state_order" not in cpu_kernel[-2]
-    got = gdn_prefill._run_forced(t_pre=True, state_order=True)(
-        inputs, gdn_prefill.alloc_out(inputs)
-    )
-    assert torch.equal(got, standard) and cpu_kernel[-2]["state_order"]  # same products
+    got = gdn_prefill._run_forced(t_pre=False, o_warp=False)(inputs, gdn_prefill.alloc_out(inputs))
+    assert torch.equal(got, standard) and "o_warp" not in cpu_kernel[-1]  # same products
+    calls = len(cpu_kernel)
+    with_o = gdn_prefill._run_forced(segments=4, t_pre=True, b_no_o=False)
+    got = with_o(inputs, gdn_prefill.alloc_out(inputs))
+    assert float((got.float() - want).abs().max()) < 2e-2
+    assert len(cpu_kernel) == calls + 4 and not [p for p in cpu_kernel[calls:] if p.get("no_o")]
 
 
 @pytest.mark.parametrize("module", ["gdn_prefill", "kda_prefill"])

@@ -69,15 +69,21 @@ FORMS = {
 }
 
 STATE_LDS = {"bf16_state_lds": {"dtype": "bfloat16", "state_lds": True}}  # the bench's A/B
-# the state warpgroups in turns (the bench's `t_pre_state_order`; unsplit only)
-STATE_ORDER = {
-    "bf16_state_order": {"dtype": "bfloat16", "state_order": True},
-    "fp16_l2norm_klast_state_order": {
+
+# the standard form with the t_pre form's state chain (the launcher's standard form; standard keys)
+STANDARD_O_WARP = {
+    "bf16_std_o_warp_state": {"dtype": "bfloat16", "initial_state": True, "o_warp": True},
+    "bf16_std_o_warp_vsplit": {"dtype": "bfloat16", "v_split": 2, "o_warp": True},
+}
+# the t_pre form without o (the segmented path's pass B, the launcher's; standard keys)
+NO_O = {
+    "bf16_no_o_state": {"dtype": "bfloat16", "initial_state": True, "no_o": True},
+    "fp16_l2norm_no_o_vsplit": {
         "dtype": "float16",
         "l2norm": True,
-        "k_last": True,
         "initial_state": True,
-        "state_order": True,
+        "v_split": 2,
+        "no_o": True,
     },  # fmt: skip
 }
 
@@ -86,7 +92,8 @@ STATE_ORDER = {
 # machine, 2026-12-06); the precompute (gdn_t_pre_sm90, standard) keeps both its builds in CI
 FORM_NAMES = slow_past(FORMS)
 FORM_AND_STATE_LDS_NAMES = slow_past([*FORMS, *STATE_LDS])
-STATE_ORDER_NAMES = slow_past(STATE_ORDER)
+STANDARD_O_WARP_NAMES = slow_past(STANDARD_O_WARP)
+NO_O_NAMES = slow_past(NO_O)
 
 
 def _build(compile_fn, params, kernel):
@@ -114,8 +121,12 @@ def built():
                 kernel = GdnTPreSm90(128, l2norm=l2)
                 cache[kind, name] = _build(compile_gdn_t_pre, params, kernel)
             else:
-                kw = dict({**FORMS, **STATE_LDS, **STATE_ORDER}[name])
-                params = dict(config.params_for(kw.pop("dtype"), **kw, t_pre=True))
+                if kind == "std_o":
+                    kw = dict(STANDARD_O_WARP[name])
+                    params = dict(config.params_for(kw.pop("dtype"), **kw))
+                else:
+                    kw = dict({**FORMS, **STATE_LDS, **NO_O}[name])
+                    params = dict(config.params_for(kw.pop("dtype"), **kw, t_pre=True))
                 cache[kind, name] = _build(compile_gdn_prefill, params, kernel_for(params))
         return cache[kind, name]
 
@@ -312,69 +323,122 @@ def test_state_lds_form_keeps_the_previous_chain(built, name):
     assert O_FULL_ARRIVALS not in _mbarrier_init_counts(ptx)[-4:]
 
 
-# ------------------------------------------------------------------------ state_order
+# ------------------------------------------------------------------------ the standard o_warp
 
 
-TURN_SYNC = "BAR.SYNC.DEFER_BLOCKING"
-TURN_THREADS = f"{2 * THREADS_PER_WG:#x}"  # both state warpgroups: 0x100
+def _std_o_wgs(name):
+    return config.state_wgs(128, STANDARD_O_WARP[name].get("v_split", 1))
 
 
-def _turns(instrs, op):
-    """The indices of the turn barriers' instructions `op` (over 256 threads, a register id)."""
-    return [
-        i
-        for i, (o, a) in enumerate(instrs)
-        if o == op and a.strip().startswith("R") and a.strip().endswith(TURN_THREADS)
-    ]
+def _state_region(instrs):
+    """The state warpgroups' code: from their setmaxnreg increase to the next decrease (the
+    aux's, unsplit) or the end (split: the aux's code comes first)."""
+    ops = _ops(instrs)
+    start = next(i for i, op in enumerate(ops) if op.startswith("USETMAXREG.TRY_ALLOC"))
+    stop = next((i for i in range(start, len(ops)) if ops[i].startswith("USETMAXREG.DEALLOC")),
+                len(ops))  # fmt: skip
+    return instrs[start:stop]
 
 
-@pytest.mark.parametrize("name", STATE_ORDER_NAMES)
-def test_state_order_resources_as_the_t_pre_form(built, name):
-    """The turns cost no shared memory or registers: the same SharedStorage as the lockstep
-    t_pre form, the setmaxnreg split, no spills (cu13), the same WGMMAs and the same waits
-    (none serialized: one WARPGROUP.DEPBAR a group that was waited before)."""
-    res, instrs, smem, ptx = built("form", name)
-    lockstep = {k: v for k, v in STATE_ORDER[name].items() if k != "state_order"}
-    kw = dict(lockstep)
-    params = dict(config.params_for(kw.pop("dtype"), **kw, t_pre=True))
-    _, base, base_smem, base_ptx = _build(compile_gdn_prefill, params, kernel_for(params))
-    if dsl_toolchain() == "cu13":  # the GPU host's build (cu12's ptxas spills the t_pre form)
+@pytest.mark.parametrize("name", STANDARD_O_WARP_NAMES)
+def test_standard_o_warp_resources(built, name):
+    """The standard form's split and shared memory (its O ring's barriers inside the budget);
+    no spills on the GPU host's toolchain (cu12's ptxas spills 8 bytes in warpgroup 0's 24
+    registers, the gate warp's loop, as it does on the t_pre forms)."""
+    res, instrs, smem, _ = built("std_o", name)
+    split = STANDARD_O_WARP[name].get("v_split", 1)
+    if dsl_toolchain() == "cu13":
         assert res["spill_bytes"] == 0
+        assert not [op for op in _ops(instrs) if op[:3] in ("LDL", "STL")]
+    assert not [op for op, _ in _state_region(instrs) if op[:3] in ("LDL", "STL")]
     maxreg = sorted(int(a.split(",")[-1], 16) for op, a in instrs if op.startswith("USETMAXREG"))
     assert maxreg == sorted([config.PRODUCER_REGS, config.AUX_REGS, config.STATE_REGS])
-    assert smem == base_smem
-    for prefix in ("HGMMA", "WARPGROUP.DEPBAR", "WARPGROUP.ARRIVE", "UTMA", "SYNCS.ARRIVE"):
-        assert sum(op.startswith(prefix) for op in _ops(instrs)) == sum(
-            op.startswith(prefix) for op in _ops(base)
-        ), prefix
-    assert _mbarrier_init_counts(ptx) == _mbarrier_init_counts(base_ptx)
-    assert not _turns(base, TURN_SYNC) and not _turns(base, "BAR.ARV")
+    assert smem <= config.smem_bytes(v_split=split, o_warp=True)
+    assert smem + res["smem_bytes"] <= SMEM_CAPACITY
 
 
-@pytest.mark.parametrize("name", STATE_ORDER_NAMES)
-def test_state_order_turns_around_each_batch(built, name):
-    """Four turns a chunk (X^T | O^T, U^T, U^T P^T, the update): each bar.sync on the turn
-    barrier (256 threads, the warpgroup's own id in a register) directly before its batch's
-    first WGMMA (nothing but the operands' setup between: no wait, no other barrier), each
-    hand-over (bar.arrive) right after the batch's last HGMMA and before its wait; one more
-    arrival ahead of the loop (warpgroup 0 opens) and the last hand-over predicated (warpgroup
-    1 skips it after its last batch)."""
-    _, instrs, _, _ = built("form", name)
-    syncs, arrives = _turns(instrs, TURN_SYNC), _turns(instrs, "BAR.ARV")
-    assert len(syncs) == 4 and len(arrives) == 5
-    hgmma = [i for i, (op, _) in enumerate(instrs) if op.startswith("HGMMA")]
-    for i in syncs:
-        nxt = min(j for j in hgmma if j > i)
-        between = [op for op, _ in instrs[i + 1 : nxt]]
-        assert "WARPGROUP.ARRIVE" in between
-        assert not [op for op in between
-                    if op.startswith(("SYNCS", "BAR", "WARPGROUP.DEPBAR"))], between  # fmt: skip
-    opening, *handovers = arrives
-    assert opening < syncs[0]
-    for i, j, nxt in zip(syncs, handovers, [*syncs[1:], len(instrs)], strict=True):
-        assert i < j < nxt
-        last = max(k for k in hgmma if k < j)  # the batch's last HGMMA: it commits the group
-        assert last > i and "gsb0" in instrs[last][1]
-        between = [op for op, _ in instrs[last + 1 : j]]
-        assert not [op for op in between
-                    if op.startswith(("SYNCS", "BAR", "WARPGROUP"))], between  # fmt: skip
+@pytest.mark.parametrize("name", STANDARD_O_WARP_NAMES)
+def test_standard_o_warp_state_chain(built, name):
+    """The t_pre form's state chain (4 LDSM.MT V^T, no LDS.U16; O by the O warp's one TMA box a
+    chunk and state warpgroup, its tail rows by 16-byte copies; the O ring's init counts after
+    the standard rings'), the standard aux unchanged (K K^T and Q K^T, the tf32 inverse)."""
+    _, instrs, _, ptx = built("std_o", name)
+    ops, wgs = _ops(instrs), _std_o_wgs(name)
+    assert ops.count("LDSM.16.MT88.4") == 4
+    assert not [op for op in ops if op.startswith("LDS.U16")]
+    assert ops.count("UTMASTG.3D") == wgs and ops.count("STG.E.128") == wgs
+    assert sum(op.startswith("HGMMA") for op in ops) == 16 + 28  # the aux's, the state's
+    assert ops.count("HMMA.1688.F32.TF32") == 28
+    counts = _mbarrier_init_counts(ptx)
+    assert counts[-4 * wgs :] == [O_FULL_ARRIVALS] * 2 * wgs + [O_EMPTY_ARRIVALS] * 2 * wgs
+
+
+@pytest.mark.parametrize("name", STANDARD_O_WARP_NAMES)
+def test_standard_o_warp_v_released_after_u(built, name):
+    """As the t_pre forms (test_form_v_released_after_u): the state warps' one arrive on a v
+    empty barrier comes after the last V^T ldmatrix with U^T's HGMMA and its WARPGROUP.DEPBAR
+    between (the standard form without the key releases v right after the corrections: its
+    32 LDS.U16 are all read by then). Read in the state region, either toolchain's arrive."""
+    _, instrs, _, _ = built("std_o", name)
+    state = _state_region(instrs)
+    last = max(i for i, (op, _) in enumerate(state) if op == "LDSM.16.MT88.4")
+    releases = [
+        i for i, (op, a) in enumerate(state)
+        if op.startswith("SYNCS.ARRIVE.TRANS64") and f"+{V_EMPTY:#x}]" in a
+    ]  # fmt: skip
+    assert len(releases) == 1 and releases[0] > last
+    between = [op for op, _ in state[last : releases[0]]]
+    assert "WARPGROUP.DEPBAR.LE" in between and any(op.startswith("HGMMA") for op in between)
+    assert _arrives_behind_loads(instrs) == []
+
+
+# ------------------------------------------------------------------------ no_o
+
+
+def _no_o_wgs(name):
+    return config.state_wgs(128, NO_O[name].get("v_split", 1))
+
+
+@pytest.mark.parametrize("name", NO_O_NAMES)
+def test_no_o_resources(built, name):
+    res, instrs, smem, _ = built("form", name)
+    if dsl_toolchain() == "cu13":
+        assert res["spill_bytes"] == 0
+    assert not [op for op, _ in _state_region(instrs) if op[:3] in ("LDL", "STL")]
+    maxreg = sorted(int(a.split(",")[-1], 16) for op, a in instrs if op.startswith("USETMAXREG"))
+    assert maxreg == sorted([config.PRODUCER_REGS, config.AUX_REGS, config.STATE_REGS])
+    assert smem <= config.smem_bytes(v_split=NO_O[name].get("v_split", 1), t_pre=True)
+
+
+@pytest.mark.parametrize("name", NO_O_NAMES)
+def test_no_o_forms_no_o(built, name):
+    """X^T (8), U^T (4) and the update (4 x 64x128) only: no Q K^T, O^T or U^T P^T; no P or O
+    stmatrix, no O store (the final state's STG.E only), no O ring; no q box (k's two halves, v,
+    T) and with l2norm no q norm either (one rsqrt a row, k's: O's factor rq is unread); the v
+    stage released after U^T as in the t_pre form."""
+    _, instrs, _, ptx = built("form", name)
+    ops, wgs = _ops(instrs), _no_o_wgs(name)
+    shapes = [op for op in ops if op.startswith("HGMMA")]
+    assert sum(s.startswith("HGMMA.64x64x16") for s in shapes) == 8 + 4
+    assert sum(s.startswith("HGMMA.64x128x16") for s in shapes) == 4
+    assert not [op for op in ops if op.startswith(("STSM", "UTMASTG", "STG.E.128"))]
+    assert ops.count("UTMALDG.3D") == 2 + wgs + 1
+    assert sum(op.startswith("MUFU.RSQ") for op in ops) == int(NO_O[name].get("l2norm", False))
+    stages = config.STAGES
+    want = (
+        [1] * config.QK_STAGES + [qk_consumer_warps(wgs)] * config.QK_STAGES
+        + [1] * config.V_STAGES + [v_consumer_warps(wgs)] * config.V_STAGES
+        + [32] * stages + [THREADS_PER_WG] * stages
+        + [THREADS_PER_WG] * stages + [wgs * THREADS_PER_WG] * stages
+        + [1] * stages + [v_consumer_warps(wgs)] * stages
+    )  # fmt: skip
+    assert _mbarrier_init_counts(ptx) == want
+    state = _state_region(instrs)
+    last = max(i for i, (op, _) in enumerate(state) if op == "LDSM.16.MT88.4")
+    releases = [
+        i for i, (op, a) in enumerate(state)
+        if op.startswith("SYNCS.ARRIVE.TRANS64") and f"+{V_EMPTY:#x}]" in a
+    ]  # fmt: skip
+    assert len(releases) == 1 and releases[0] > last
+    assert "WARPGROUP.DEPBAR.LE" in [op for op, _ in state[last : releases[0]]]
+    assert _arrives_behind_loads(instrs) == []

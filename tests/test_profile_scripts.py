@@ -418,3 +418,58 @@ def test_set_parses_and_applies_a_module_switch(monkeypatch, capsys):
             ps.parse_args(target, ["--set", bad])
     with pytest.raises(SystemExit, match="has no"):
         ps.apply_settings([("forgekernel.ops.kda_bwd", "NO_SUCH_SWITCH", 1)])
+
+
+def test_sidecar_here_makes_the_runner_in_this_process(monkeypatch, tmp_path):
+    """--sidecar-here: a sidecar comparator's runner ("module:factory") made and called in the
+    profiled process (run under the sidecar's site: device_profile.sh SITE=); without it the
+    sidecar object is handed on (it refuses calls); a factory returning None (its packages
+    missing) stops the target with the runner named."""
+    from forgekernel.bench import harness, sidecar
+
+    (tmp_path / "fake_runner_mod.py").write_text(
+        "def make():\n    return lambda inputs: ('theirs', inputs)\n\n\n"
+        "def missing():\n    return None\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    side = sidecar.Sidecar("Fake 1.0", "fake_runner_mod:make", "FK_FAKE_SITE", ("q",))
+    gone = sidecar.Sidecar("Gone 1.0", "fake_runner_mod:missing", "FK_FAKE_SITE", ("q",))
+    comps = {"fake": side, "gone": gone, "plain": len}
+    monkeypatch.setattr(harness, "resolve_comparators", lambda suite: (comps, {}))
+
+    class Suite:
+        name = "gdn_bwd"
+
+    assert ps._comparator(Suite, "fake") is side
+    assert ps._comparator(Suite, "fake", here=True)({"q": 1}) == ("theirs", {"q": 1})
+    assert ps._comparator(Suite, "plain", here=True) is len  # in-process comparators as before
+    with pytest.raises(SystemExit, match="fake_runner_mod:missing"):
+        ps._comparator(Suite, "gone", here=True)
+    args = ps.parse_args(linattn.TARGET, ["--which", "comparator", "--sidecar-here"])
+    assert args.sidecar_here and not ps.parse_args(linattn.TARGET, []).sidecar_here
+
+
+def test_gaps_dry_run_names_the_gdn_bwd_targets(tmp_path):
+    """gdn_bwd / gdn_bwd_qla (named only): one 4x8192-h16-hv32 call of ours, of FlashQLA's
+    backward in its site (SITE: the sidecar child's PYTHONPATH), SECTIONS' short list."""
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "GAPS_WORK": str(tmp_path / "work"),
+           "KERNELS": "/root/fk-kernels", "PYTHONPATH": str(ROOT),
+           "SECTIONS": "SpeedOfLight WarpStateStats"}  # fmt: skip
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    run = subprocess.run(
+        ["bash", "scripts/device_profile_gaps.sh", "--dry-run", "gdn_bwd", "gdn_bwd_qla"],
+        cwd=ROOT, env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    ncu = [ln for ln in run.stdout.splitlines() if ln.startswith("timeout")]
+    assert len(ncu) == 2
+    assert all("--section SpeedOfLight --section WarpStateStats -o" in ln for ln in ncu)
+    assert all("--case gdn_bwd:4x8192-h16-hv32" in ln for ln in ncu)
+    assert "--which ours" in ncu[0] and "--comparator flashqla --sidecar-here" in ncu[1]
+    # GAPS_ARGS' cases in the dry run's listing as in its ncu command
+    env["GAPS_ARGS"] = "--case gdn_bwd:1x8192-h16-hv32"
+    run = subprocess.run(
+        ["bash", "scripts/device_profile_gaps.sh", "--dry-run", "gdn_bwd"],
+        cwd=ROOT, env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    listed = [ln.split()[0] for ln in run.stdout.splitlines() if ln.startswith("gdn_bwd:")]
+    assert listed == ["gdn_bwd:4x8192-h16-hv32", "gdn_bwd:1x8192-h16-hv32"]

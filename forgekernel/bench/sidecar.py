@@ -322,8 +322,9 @@ def agreement(ours: Sequence[Any], theirs: Sequence[Any]) -> list[float | None]:
 _runners: dict[str, Any] = {}  # the child's: runner spec -> what its factory returned
 
 
-def _runner(spec: str) -> Any:
-    """The runner's callable (None: its packages are missing), made once per child."""
+def runner(spec: str) -> Any:
+    """The runner's callable (None: its packages are missing), made once per child (or per
+    process: scripts/profile_suite.py --sidecar-here)."""
     if spec not in _runners:
         module, _, name = spec.partition(":")
         _runners[spec] = getattr(importlib.import_module(module), name)()
@@ -380,7 +381,7 @@ def child(job_dir: Path) -> None:
         torch.cuda.set_device(device)
     inputs = torch.load(job_dir / INPUTS, map_location=device, weights_only=True)
     job["keys"] = list(inputs)  # what a clone copies: not what the comparator caches in a set
-    comp = _runner(job["runner"])
+    comp = runner(job["runner"])
     if comp is None:
         path = os.environ.get("PYTHONPATH", "")
         _write(job_dir / RESULT, {"missing": f"{job['runner']} found no packages in the "

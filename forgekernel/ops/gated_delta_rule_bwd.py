@@ -71,7 +71,11 @@ from forgekernel.kernels.common.sm90.constants import REGISTERS_PER_SM, THREADS_
 from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90 import launch as chunk_launch
 from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90 import launch as factors_launch
 from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90 import launch as fused_launch
-from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.config import fused_fits, slots_fit
+from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.config import (
+    PAIR,
+    fused_fits,
+    slots_fit,
+)
 from forgekernel.kernels.linear_attention.gdn_bwd_norm.sm90 import launch as norm_launch
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90 import config as state_config
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90 import launch as state_launch
@@ -244,10 +248,14 @@ def _device_sms(device: torch.device) -> int:
 # steps of work: it pays only where the summary phase, (3 B S - 4) HV CTAs at one an SM, fits
 # one wave: B HV <= 16 on 132 SMs (1 x 8192 hv16, predicted ~460 -> ~350 us); at B HV = 32 (1 x
 # 8192 hv32) each phase takes two waves and it loses (~460 -> ~620 us predicted; NOTES.md
-# "next/gdn-bwd-segments"). OFF until a device A/B. SEGMENTS_SWITCH overrides SEGMENTS: "0"
-# off, "1" on (the rule, `_segments_for_bwd`), an integer S >= 2 forces S segments wherever S
-# divides NC (the A/Bs; the fused route and the varlen slot layout never segment).
-SEGMENTS = False
+# "next/gdn-bwd-segments"). On since the H100 A/B of 2026-12-07 00:12 (graph replays, the rule's
+# S = 4: 1 x 8192 h16 hv16 0.860 -> 0.807 ms, 1 x 32768 h16 hv16 3.383 -> 2.942; memcheck 0
+# errors; at hv32 the rule keeps S = 1, where forced S = 2 / 4 lost: 1.304 -> 1.329 / 1.567 ms
+# at 1 x 8192; log benchmarks/logs/sm_90a/2026-12-07T0006-integration47-device-run.log).
+# SEGMENTS_SWITCH overrides SEGMENTS: "0" off (the A/B baseline), "1" on (the rule,
+# `_segments_for_bwd`), an integer S >= 2 forces S segments wherever S divides NC (the A/Bs;
+# the fused route and the varlen slot layout never segment).
+SEGMENTS = True
 SEGMENTS_SWITCH = "FORGEKERNEL_GDN_BWD_SEGMENTS"
 MIN_SEGMENT_CHUNKS = 32  # a segment's chunks: shorter, the scans' ~20 small launches eat the gain
 
@@ -398,14 +406,14 @@ def _kernel_path(q, v) -> bool:
             and q.dtype in TILE_DTYPES and v.shape[1] > 0)  # fmt: skip
 
 
-def _factors(q, k, v, g, beta, fused=False):
+def _factors(q, k, v, g, beta, fused=False, w_from_t=False):
     """Kernel 0: the chunk factors of every (chunk, value head) at once (`reference.
     gdn_bwd_factors.NAMES`' dict: the tiles kernel 1's two launches and kernel 2 read) from q
     (scaled, normalized), k (B, T, H, K), v (B, T, HV, V) 16-bit, g, beta (B, T, HV) fp32;
-    `fused` (the fused route's key): no Ke, Qe in the dict. The CPU tests put the tile emulation
-    here."""
+    `fused` (the fused route's key): no Ke, Qe in the dict; `w_from_t` (FUSED_WFROMT's T-only
+    key): no W, u either. The CPU tests put the tile emulation here."""
 
-    return factors_launch.gdn_bwd_factors(q, k, v, g, beta, fused=fused)
+    return factors_launch.gdn_bwd_factors(q, k, v, g, beta, fused=fused, w_from_t=w_from_t)
 
 
 # Kernel 0 forms the chunk factors (with kernel 2's WY variant, which reads its T^T, w, u);
@@ -426,19 +434,24 @@ def _on_device() -> bool:
     return FACTORS_IN_KERNEL and WY_IN_KERNEL
 
 
-def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots=None):
+def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots=None,
+                group_sum=False):  # fmt: skip
     """Value heads of one pass, everything per value head: qs (scaled), ks (B, T, HV, K), v, do
     (B, T, HV, V), g, beta (B, T, HV); h0, dht (B, HV, K, V) fp32 or None -> (dqs, dks (B, T,
     HV, K), dv, dg, dbeta, dh0) fp32. On the 16-bit device path (`_device_pass`) qs, ks, v, do
     come in do's 16-bit dtype, qs / ks at the pass's H / HV q heads (strided head slices
     allowed: TMA reads them in place), else fp32 but do, qs / ks repeated to HV; into,
     q_scale, slots: the device pass's buffers, dq scale (`_device_pass`; q_scale only where
-    `_folds`) and varlen slot layout (ops/_linattn_varlen.py), the other paths take none."""
+    `_folds` or the fused kernel's sums are the op's) and varlen slot layout (ops/
+    _linattn_varlen.py), the other paths take none; group_sum: the fused kernel's `group_sum`
+    key (`_pair_sums`: dqs, dks at the H heads, summed over each head's two value heads)."""
     t, dtype = qs.shape[1], do.dtype
     nc = -(-t // CHUNK)
     on_device = _on_device()
     if on_device and STATES16:
-        return _device_pass(qs, ks, v, g, beta, do, h0, dht, into, q_scale, slots)
+        return _device_pass(qs, ks, v, g, beta, do, h0, dht, into, q_scale, slots, group_sum)
+    if group_sum:
+        raise ValueError("group_sum is the fused kernel's (the device pass)")
     if slots is not None:
         raise ValueError("the slot layout (varlen) is the device pass's")
     if on_device:  # kernel 0: the factors from the 16-bit tiles kernel 2 reads too
@@ -480,17 +493,18 @@ def _chunk_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots=
     return dq, dk + dk_wy, dv, dg + dg_wy, dbeta, dh0
 
 
-def _wy_buffers(do, kd, dg, dv, dbeta, dq=None, dk=None, tokens=None):
+def _wy_buffers(do, kd, dg, dv, dbeta, dq=None, dk=None, tokens=None, heads=None):
     """Kernel 2's (WY, dv16) five outputs: dq, dk, dg, dv, dbeta the given buffers, the rest
-    (and any None) new: dq, dk (B, T, HV, K) fp32 (QK16: do's dtype), dg, dbeta (B, T, HV)
-    fp32, dv do's shape (T = `tokens` where given: the token rows of the slot layout's
-    `token_rows` outputs) and dtype."""
+    (and any None) new: dq, dk (B, T, HV, K) fp32 (QK16: do's dtype; `heads` heads where given:
+    the fused kernel's `group_sum`), dg, dbeta (B, T, HV) fp32, dv do's shape (T = `tokens`
+    where given: the token rows of the slot layout's `token_rows` outputs) and dtype."""
     b, t, hv, vd = do.shape
     t = t if tokens is None else tokens
+    hq = hv if heads is None else heads
     f32 = {"dtype": torch.float32, "device": do.device}
     qk = {"dtype": do.dtype if QK16 else torch.float32, "device": do.device}
-    return (torch.empty(b, t, hv, kd, **qk) if dq is None else dq,
-            torch.empty(b, t, hv, kd, **qk) if dk is None else dk,
+    return (torch.empty(b, t, hq, kd, **qk) if dq is None else dq,
+            torch.empty(b, t, hq, kd, **qk) if dk is None else dk,
             torch.empty(b, t, hv, **f32) if dg is None else dg,
             torch.empty(b, t, hv, vd, dtype=do.dtype, device=do.device) if dv is None else dv,
             torch.empty(b, t, hv, **f32) if dbeta is None else dbeta)  # fmt: skip
@@ -521,16 +535,76 @@ FSPLIT = True
 FUSED = True
 FUSED_SWITCH = "FORGEKERNEL_GDN_BWD_FUSED"
 
-# TEMPORARY (until the device session's A/B, NOTES "next/gdn-fused-diet"; then the keys stay or
-# go): the fused route without the tiles nobody needs there. Kernel 0's `fused` key writes no
-# Qe, Ke (32 KB a chunk-head); kernel 1's forward launch (its `fused` key) reads k (at the H
-# heads) and G in place of Ke and writes h only (U's 16 KB not stored); the fused kernel forms
-# U = u - W h (`u_from_h`: U's 16 KB not read, its box filled by the state warpgroup). ~72 KB
-# a chunk-head less moved in all. False: the fused route as on 2026-12-06. In the varlen slot
-# layout (FUSED_SLOTS) only the fused kernel's part: kernel 0's and kernel 1's `fused` keys have
-# no varlen form, so there the forward launch reads Ke and writes U, and the fused kernel's
-# `varlen, u_from_h` key saves only U's read (NOTES "next/fused-slots-on46").
+# The fused route without the tiles nobody needs there (NOTES "next/gdn-fused-diet"). Kernel 0's
+# `fused` key writes no Qe, Ke (32 KB a chunk-head); kernel 1's forward launch (its `fused` key)
+# reads k (at the H heads) and G in place of Ke and writes h only (U's 16 KB not stored); the
+# fused kernel forms U = u - W h (`u_from_h`: U's 16 KB not read, its box filled by the state
+# warpgroup). ~72 KB a chunk-head less moved in all. Measured on the H100 (2026-12-06 22:05, the
+# gdn_bwd bench): 4 x 8192 hv32 bf16 eager 3.834 -> 3.615 ms; graph replay 5.59 -> 5.54 ms,
+# unchanged as expected (a capture runs the varlen slot layout, which takes the fused route only
+# with FUSED_SLOTS, and there only the fused kernel's part applies); the diet_keys GPU tests 10
+# passed, racecheck 0 hazards (2-63-2-4-dtype0). False: the fused route of before (U read), kept
+# as the baseline of the diet GPU tests and of the slot route's `forced diet off` column
+# (tests/gpu/test_gdn_bwd_fused_slots_gpu.py test_time: `varlen` against `varlen, u_from_h`). In the
+# varlen slot layout (FUSED_SLOTS) only the fused kernel's part: kernel 0's and kernel 1's `fused`
+# keys have no varlen form, so there the forward launch reads Ke and writes U, and the fused
+# kernel's `varlen, u_from_h` key saves only U's read (NOTES "next/fused-slots-on46").
 FUSED_DIET = True
+
+# The fused kernel's `group_sum` key (next/gdn-bwd-groupsum): at HV = 2 H the two value heads of
+# a q / k head run as one cluster of two CTAs and sum dq, dk in fp32 through distributed shared
+# memory, the 16-bit sum stored once at the H head; without l2norm those are the op's dq, dk
+# (dq times the scale): no norm epilogue launch (two of them at 4 x 8192 h16 hv32, est. 0.20-0.27
+# ms of the 3.615 ms call); with l2norm the epilogue stays, on the summed H-head gradients (its
+# group sum a copy: half its reads). One pass of heads on the fused route only, B equal
+# sequences (the slot layout: FUSED_SLOTS_GROUPSUM as well; `_pair_sums`). Measured on the H100
+# (2026-12-07 00:11-00:23, 4 x 8192 h16 hv32 bf16): the call 3.530 -> 3.307 ms eager (-0.223),
+# the two GdnBwdNorm launches (280 us) gone from the batch form's graph; the fused kernel alone
+# 1.988 -> 2.117 ms (+0.129: the two exchanges a chunk, over the rule's 0.1 ms guard, which was
+# there to catch them costing more than the launches save: the net decides, NOTES
+# "next/gdn-bwd-adopt"); GPU tests 69 passed, racecheck 0 hazards, synccheck and memcheck 0
+# errors. The bench's graph column (cu_seqlens: the slot
+# layout) takes it only with FUSED_SLOTS_GROUPSUM. False: the epilogue's group sum, the GPU
+# tests' A/B.
+FUSED_GROUPSUM = True
+
+# TEMPORARY (next/gdn-bwd-slots-groupsum, no GPU run yet): FUSED_GROUPSUM in the varlen slot
+# layout too, on the fused slot route (FUSED_SLOTS, `_fused_slots_selected`): the fused kernel's
+# `varlen, group_sum` key, the pair of value heads of a q / k head one cluster walking one
+# sequence's slots, dq, dk summed at the H heads and stored at their token rows, so that a
+# CUDA-graph capture (every varlen call in slots) loses the two norm launches too (280 us at 4 x
+# 8192 h16 hv32 on the H100; predicted graph 4.676 -> ~4.45 ms). Off until its device A/B
+# (docs/pending/gdn-bwd-slots-groupsum-probes.txt; adoption rule there and in NOTES).
+FUSED_SLOTS_GROUPSUM = False
+
+# TEMPORARY (next/gdn-w-from-t, next/gdn-w-from-t2; no GPU run yet): the fused kernel's
+# `wg_split, w_from_t` key on the fused route with FUSED_DIET (`u_from_h`), B equal sequences and
+# the slot layout alike: G's chain on two math warpgroups (`wg_split`, a candidate itself) and W
+# = T diag(beta e^G) K, u = T diag(beta) V formed in the kernel from T^T, k, v (its G2), not read
+# (32 KB a chunk-head, v's 16 KB read by TMA in their place). On B equal sequences also kernel
+# 0's and kernel 1's forward launch's `w_from_t` keys: kernel 0 the T-only form (P^T, T^T, G,
+# e^(G_C); no W, u written, v not read: 48 KB a chunk-head), the forward launch forming u^T and
+# W from T^T, v, k, beta, G (reads v 16 + T^T 8 in place of u, W 32): W, u never in HBM
+# (predicted, 4 x 8192 h16 hv32: kernel 0 -0.3 to -0.45 ms, the call -0.3 to -0.5 ms from W, u
+# alone, the split's own change beside it; NOTES "next/gdn-w-from-t2 (2026-12-07)"). In the
+# slot layout kernel 0 and the forward launch keep their standard keys (no varlen form): there
+# only the fused kernel's reads go. Off until its device A/B
+# (docs/pending/gdn-bwd-w-from-t-probes.txt; the rule there).
+FUSED_WFROMT = False
+
+
+def _pair_sums(b: int, h: int, hv: int, device: torch.device, one_pass: bool, slots) -> bool:
+    """Whether the device pass of B sequences x HV value heads (H q / k heads) has the fused
+    kernel sum dq, dk over each head's value heads (its `group_sum` key): FUSED_GROUPSUM, HV =
+    PAIR H, one pass of heads (a pass is then the call: the fused rule is decided on the same
+    B, HV) and the fused route taken: B equal sequences (`_fused_selected`), or the varlen slot
+    layout (`slots`) with FUSED_SLOTS_GROUPSUM on the fused slot route (`_fused_slots_selected`:
+    its tables present; the `varlen, group_sum` key)."""
+    if not (FUSED_GROUPSUM and hv == PAIR * h and one_pass):
+        return False
+    if slots is None:
+        return _fused_selected(b, hv, device)
+    return FUSED_SLOTS_GROUPSUM and _fused_slots_selected(slots, hv, device)
 
 
 def _fused_selected(b: int, hv: int, device: torch.device, slots: bool = False) -> bool:
@@ -550,10 +624,14 @@ def _fused_selected(b: int, hv: int, device: torch.device, slots: bool = False) 
 # graph 5.52 on the two-launch slot path). The rule (`config.slots_fit`): N x HV from 3/4 of a
 # wave to one wave. A capture cannot see the lengths: a skewed mix within a wave pays the fused
 # kernel's ~15 us a slot down its longest chain (up to ~1.7x the call at 4 sequences, one
-# holding every token; NOTES "next/fused-slots"). TEMPORARY, off until its device A/B;
-# FUSED_SLOTS_SWITCH "1" / "0" overrides (FUSED_SWITCH "all" forces every shape, as on the
-# batch path).
-FUSED_SLOTS = False
+# holding every token; NOTES "next/fused-slots"). Measured on the H100 (2026-12-07 00:11-00:23,
+# graph_vs_eager_probe gdn_bwd:4x8192-h16-hv32, varlen form): graph 5.543 -> 4.676 ms (-0.867;
+# GdnBwdChunk + two GdnBwdState, 4199 us, replaced by GdnBwdFused + one state launch, 2675 us),
+# eager unchanged (the batch path); GPU tests 22 + 2 passed, racecheck 0 hazards, synccheck and
+# memcheck 0 errors (NOTES "next/gdn-bwd-adopt"). FUSED_SLOTS_SWITCH "1" / "0" overrides
+# (FUSED_SWITCH "all" forces every shape, as on the batch path); False: the two-launch slot path
+# (what the rule takes outside its wave), the GPU tests' A/B.
+FUSED_SLOTS = True
 FUSED_SLOTS_SWITCH = "FORGEKERNEL_GDN_BWD_FUSED_SLOTS"
 
 
@@ -602,7 +680,8 @@ def pass_tokens(b: int, t: int, slots) -> int:
     return b * t if slots is None else slots.rows.shape[0]
 
 
-def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots=None):
+def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots=None,
+                 group_sum=False):  # fmt: skip
     """`_chunk_pass` with every kernel writing what the next reads (kernel 1 `out16`): kernel
     0's tiles, kernel 1's forward launch (`forward`: chunks first to last on kernel 0's u, W,
     Ke as written, the signs in registers) -> U, h (16-bit, chunk order), its reverse launch on
@@ -616,12 +695,15 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots
     the op's gradients (no epilogue). slots: the varlen slot layout (B = 1 over its S C
     rows, h0 / dht / dh0 (N, HV, K, V)): kernel 1's varlen form, side by side; with its
     per-slot tables (`native`) kernel 2 writes dq, dk, dv, dg, dbeta at their T token rows
-    (the `token_rows` key; `into` those rows' buffers)."""
+    (the `token_rows` key; `into` those rows' buffers). group_sum (`_pair_sums`, which took
+    the fused route's rule): the fused kernel's `group_sum` key, dq, dk at the H heads."""
     t, device = qs.shape[1], qs.device
     # the fused kernel: B equal sequences, or the slot layout's N (`_fused_slots_selected`)
     if (_fused_selected(do.shape[0], do.shape[2], device) if slots is None
             else _fused_slots_selected(slots, do.shape[2], device)):  # fmt: skip
-        return _fused_pass(qs, ks, v, g, beta, do, h0, dht, into, q_scale, slots)
+        return _fused_pass(qs, ks, v, g, beta, do, h0, dht, into, q_scale, slots, group_sum)
+    if group_sum:
+        raise ValueError("group_sum is the fused route's (`_pair_sums` decides with its rule)")
     varlen = state_flags(slots)
     dq_o, dk_o, dv_o, dg_o, dbeta_o, dh0_o = into or (None,) * 6
     out = _factors(qs, ks, v, g, beta)
@@ -669,12 +751,15 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots
 def _fused_bwd(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, **flags):
     """The fused kernel (kernel 1's reverse recurrence + kernel 2, `gdn_bwd_fused`): (dq, dk,
     dg, dv, dbeta, dh0) (`flags`: scale, out; the slot layout's cu_seqlens, order, tables,
-    tokens; u None: U = uw - W h formed in the kernel). The CPU tests put an emulation here."""
+    tokens; group_sum: dq, dk at the H heads; u None: U = uw - W h formed in the kernel; w, uw
+    None and wg_split (FUSED_WFROMT): W, u formed in the kernel from T^T, k, v). The CPU tests
+    put an emulation here."""
 
     return fused_launch.gdn_bwd_fused(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, **flags)
 
 
-def _fused_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots=None):
+def _fused_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots=None,
+                group_sum=False):  # fmt: skip
     """`_device_pass` on the fused kernel (FUSED): kernel 0's tiles, kernel 1's forward
     launch (U, h), then `_fused_bwd` on kernel 0's P^T, T^T, W, u, G (its Ke, Qe, e^(G_C) not
     read: folded in registers) with the same outputs as kernel 2 + the reverse launch. slots
@@ -682,18 +767,22 @@ def _fused_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots=
     their token rows (`_device_pass`'s). With FUSED_DIET: U formed in the fused kernel; on B
     equal sequences also kernel 0 without Ke, Qe and the forward launch on k and G writing h
     only (their `fused` keys have no varlen form: in the slot layout the forward launch reads
-    Ke and writes U as before)."""
+    Ke and writes U as before). group_sum: the kernel's `group_sum` key (dq, dk at the H
+    heads, summed over each head's two value heads in fp32)."""
     t = qs.shape[1]
     dq_o, dk_o, dv_o, dg_o, dbeta_o, dh0_o = into or (None,) * 6
     batch_diet = FUSED_DIET and slots is None  # kernel 0's and kernel 1's `fused` keys
-    out = _factors(qs, ks, v, g, beta, fused=batch_diet)
-    fw = forward_launch_tiles(out, identity=False, k=ks if batch_diet else None)
-    diet = given(big_g=fw.get("big_g"))
+    t_only = FUSED_WFROMT and batch_diet  # and their `w_from_t` keys: W, u never in HBM
+    out = _factors(qs, ks, v, g, beta, fused=batch_diet, w_from_t=t_only)
+    k2 = for_kernel2(out, t)
+    wide = beta.to(torch.promote_types(beta.dtype, torch.float32))
+    # t_only: v in u's place, T^T in P^T's, no W (formed), beta
+    fw = forward_launch_tiles(out, identity=False, k=ks if batch_diet else None,
+                              **({"v": v, "beta": wide} if t_only else {}))  # fmt: skip
+    diet = given(big_g=fw.get("big_g"), beta=fw.get("beta"))
     u16, h16, _ = _state_recurrence(*(fw[n] for n in ("do", "pt", "ke", "qe", "w")),
                                     fw["e_last"], h0, out16=True, forward=True,
                                     **diet, **state_flags(slots))  # fmt: skip
-    k2 = for_kernel2(out, t)
-    wide = beta.to(torch.promote_types(beta.dtype, torch.float32))
     rows = {}  # the slot layout's walk and token rows
     if slots is not None:
         rows = {**state_flags(slots), "tables": (slots.starts, slots.lengths),
@@ -704,12 +793,20 @@ def _fused_pass(qs, ks, v, g, beta, do, h0, dht, into=None, q_scale=None, slots=
         n = b if slots is None else slots.cu_seqlens.shape[0] - 1
         dh0 = dh0_o if dh0_o is not None else do.new_empty(n, hv, qs.shape[-1], vd,
                                                            dtype=torch.float32)  # fmt: skip
+        heads = qs.shape[2] if group_sum else None
         bufs = (*_wy_buffers(do, qs.shape[-1], dg_o, dv_o, dbeta_o, dq_o, dk_o,
-                             rows.get("tokens")), dh0)  # fmt: skip
+                             rows.get("tokens"), heads), dh0)  # fmt: skip
     big_u = None if FUSED_DIET else u16[:, :t]  # FUSED_DIET: formed in the kernel (`u_from_h`)
+    if group_sum:
+        rows["group_sum"] = True
+    wy = (None, None)  # FUSED_WFROMT: W, u formed in the kernel (`wg_split, w_from_t`)
+    if FUSED_WFROMT and FUSED_DIET:
+        rows["wg_split"] = True
+    else:
+        wy = (k2["w"], k2["u"])
     dq, dk, dg, dv, dbeta, dh0 = _fused_bwd(
-        do, big_u, qs, ks, h16, k2["big_g"], out["pt"][:, :t], k2["tt"], k2["w"], k2["u"],
-        v, wide, dht, scale=1.0 if q_scale is None else q_scale, **given(out=bufs), **rows,
+        do, big_u, qs, ks, h16, k2["big_g"], out["pt"][:, :t], k2["tt"], *wy, v, wide, dht,
+        scale=1.0 if q_scale is None else q_scale, **given(out=bufs), **rows,
     )  # fmt: skip
     return dq, dk, dv, dg, dbeta, dh0
 
@@ -806,10 +903,12 @@ def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b, out=None,
     kernel 2's dv, dg, dbeta and kernel 1's dh0 in one pass, their concatenation in several),
     a copy only where the dtype or layout differs (beta in 16 bits, k_last's dh0). Without
     l2norm and with HV = H (`_folds`) kernel 2 writes dq (times the scale) and dk themselves
-    in 16 bits: no epilogue launch. slots: the varlen slot layout the tokens are in (b = 1;
-    `_device_pass`); with its tables (`native`) the token gradients come back at the callers'
-    T token rows (`out` those rows' buffers), the epilogue reading `token_qk`, the callers' q,
-    k (T, H, K)."""
+    in 16 bits: no epilogue launch; with FUSED_GROUPSUM at HV = 2 H on the fused route
+    (`_pair_sums`) the fused kernel writes them summed at the H heads (without l2norm the
+    op's: no epilogue launch; with it the epilogue on those). slots: the varlen slot layout the
+    tokens are in (b = 1; `_device_pass`); with its tables (`native`) the token gradients come
+    back at the callers' T token rows (`out` those rows' buffers), the epilogue reading
+    `token_qk`, the callers' q, k (T, H, K)."""
     h, hv, dtype = q.shape[1], v.shape[1], do.dtype
     t, group = q.shape[0] // b, hv // h
     rows = slots.rows.shape[0] if native(slots) else t  # the gradients' tokens a sequence
@@ -828,7 +927,10 @@ def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b, out=None,
     one = len(heads) == 1
     f32 = torch.float32
     fold = _folds(l2norm, group, q, k, dtype)
-    into = _pass_buffers(out, seq_out, (dtype, f32, f32, f32), k_last, fold) if one else None
+    # the fused kernel's `group_sum`: dq, dk summed at the H heads; without l2norm the op's
+    pair = not fold and _pair_sums(b, h, hv, q.device, one, slots)
+    final = fold or (pair and not l2norm and q.dtype == k.dtype == dtype)
+    into = _pass_buffers(out, seq_out, (dtype, f32, f32, f32), k_last, final) if one else None
     parts = []
     for first in heads:  # passes over heads, not chunks
         qh, vh = slice(first, first + step), slice(first * group, (first + step) * group)
@@ -836,17 +938,17 @@ def _backward_device(q, k, v, g, beta, h0, do, dht, scale, l2norm, b, out=None,
         # `cut`: one pass (every head) takes the tensors themselves, no view each
         states = (None if x is None else cut(x, 1, vh).float().contiguous() for x in (h0, dht))
         parts.append(_chunk_pass(cut(qs, 2, qh), cut(ks, 2, qh), *(cut(x, 2, vh) for x in v_side),
-                                 *states, into=into,
-                                 q_scale=scale if fold else None, slots=slots))  # fmt: skip
+                                 *states, into=into, q_scale=scale if final else None,
+                                 slots=slots, group_sum=pair))  # fmt: skip
     outs = (None,) * 6 if out is None else (*(None if o is None else seq_out(o) for o in out[:5]),
                                            None if k_last else out[5])  # fmt: skip
-    if fold:  # kernel 2 wrote the op's dq, dk (16-bit, scaled): no epilogue
+    if final:  # kernel 2 / the fused kernel wrote the op's dq, dk (16-bit, scaled): no epilogue
         dq, dk = (_joined(parts, i, outs[i]) for i in (0, 1))
-    else:  # at HV heads (16-bit with QK16, else fp32): the epilogue's
+    else:  # at HV heads (16-bit with QK16, else fp32; `pair`: summed at H): the epilogue's
         dqs, dks = (_joined(parts, i, None) for i in (0, 1))
     dv, dg, dbeta, dh0 = (_joined(parts, i, outs[i]) for i in range(2, 6))
     del parts
-    if not fold:
+    if not final:
         epilogue = _qk_grads if NORM_IN_KERNEL else _normalized_backward
         xq, xk = (seq(q), seq(k)) if token_qk is None else (seq_out(x) for x in token_qk)
         dq = epilogue(dqs, xq, scale, l2norm, **given(out=outs[0]))

@@ -61,7 +61,6 @@ for the suite's backward timing.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
@@ -70,7 +69,6 @@ from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.config import HEAD_
 # the launchers as modules, imported once (an import a call cost ~1 us each; the tests patch
 # their functions on these modules)
 from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90 import launch as chunk_launch
-from forgekernel.kernels.linear_attention.kda_bwd_fused.sm90 import launch as fused_launch
 from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90 import launch as wy_launch
 from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90.config import BULK_ALIGN
 from forgekernel.kernels.linear_attention.kda_prefill.sm90 import launch as first_pass_launch
@@ -232,42 +230,6 @@ def _wy_kernel(dw, du, tt, w, k, u, v, beta, big_g, dk, dg, dv16=False, dk16=Fal
         final.update(tables=tables, tokens=tokens)
     return wy_launch.kda_bwd_wy(dw, du, tt, w, k, u, v, beta, big_g, dv16=dv16,
                                 out=(dk, dv, dg, dbeta), **final)  # fmt: skip
-
-
-# TEMPORARY switch for the GPU A/B (docs/linear_attention/NOTES.md "next/kda-fuse-wy"): kernel 2
-# and the WY kernel as one launch on the device pass (kernels/linear_attention/kda_bwd_fused/sm90:
-# the two kernels' products in one CTA a chunk-head, dw / k / G on chip, the outputs the two
-# launches' bit for bit). Off until that A/B; FUSED_SWITCH overrides it for the GPU checks ("1"
-# on, "0" off).
-FUSED = False
-FUSED_SWITCH = "FORGEKERNEL_KDA_BWD_FUSED"
-
-
-def _fused_on() -> bool:
-    """Whether the device pass runs the fused kernel (FUSED, or FUSED_SWITCH where set)."""
-    return os.environ.get(FUSED_SWITCH, "1" if FUSED else "0") == "1"
-
-
-def _fused_grads(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta, dg=None, dq16=False,
-                 scale=1.0, dq=None, dv16=False, dk16=False, dk_out=None, dv=None, dbeta=None,
-                 tables=None, tokens=None):  # fmt: skip
-    """The fused kernel (`_chunk_grads` with dw16, then `_wy_kernel` on its dw, one launch):
-    (dq, dk, dv, dg, dbeta) as those two return them; dq, dg, dk_out, dv, dbeta: the callers'
-    contiguous buffers (the op's `out=`) or None (new). The CPU tests put the two kernels' tile
-    emulations, chained, here."""
-    b, t, hv, _ = do.shape
-    t = t if tokens is None else tokens
-    kd, low = q.shape[-1], do.dtype
-
-    def new(x, *shape, dtype=torch.float32):
-        return torch.empty(b, t, hv, *shape, dtype=dtype, device=do.device) if x is None else x
-
-    outs = (new(dq, kd, dtype=low if dq16 else torch.float32), new(None, kd),
-            new(dv, do.shape[-1], dtype=low if dv16 else torch.float32), new(dg, kd),
-            new(dbeta))  # fmt: skip
-    return fused_launch.kda_bwd_fused(do, u, du, q, k, h, dh, big_g, tt, w, uw, v, beta,
-                                      dq16=dq16, scale=scale, dv16=dv16, dk16=dk16, out=outs,
-                                      dk_out=dk_out, tables=tables, tokens=tokens)  # fmt: skip
 
 
 # On since 2026-12-06 (H100, with WY_IN_KERNEL; docs/linear_attention/NOTES.md "KDA backward
@@ -453,23 +415,16 @@ def _device_pass(qs, ks, v, g, beta, do, h0, dht, ops, dg_out=None, dg_dtype=tor
     if native(slots):
         rows = {"tables": (slots.starts, slots.lengths), "tokens": slots.rows.shape[0]}
     final = {"dk16": True, **given(dk_out=dk_o)} if dk16 else {}
-    if _fused_on():  # kernel 2 and the WY kernel as one launch
-        wy = (*(cut(x, 1, upto) for x in (ops["tt"], w16, u16)), v, beta)
-        dq, dk, dv, dg, dbeta = _fused_grads(do, cut(u_c, 1, upto), du16, qs, ks, h16, dh16,
-                                             big_g, *wy, dg=into_dg, dv16=dv_dtype == dtype,
-                                             **fold, **final, **given(dv=dv_o, dbeta=db_o),
-                                             **rows)  # fmt: skip
-    else:
-        dq, dk, dw, dg = _chunk_grads(do, cut(u_c, 1, upto), du16, qs, ks, h16, dh16, big_g,
-                                      dw16=True, dg=into_dg, **fold, **rows)  # fmt: skip
-        del u_c, h16, dh16
-        wy = (dw, du16, *(cut(x, 1, upto) for x in (ops["tt"], w16)), ks, cut(u16, 1, upto), v,
-              beta, big_g)  # fmt: skip
-        # the WY kernel adds its dk and dG onto kernel 2's (in place, no torch add)
-        dk_wy, dv, dg, dbeta = _wy_kernel(*wy, dk, dg, dv16=dv_dtype == dtype, **final,
-                                          **given(dv=dv_o, dbeta=db_o), **rows)  # fmt: skip
-        if dk16:  # the op's dk (16-bit), not kernel 2's fp32 scratch
-            dk = dk_wy
+    dq, dk, dw, dg = _chunk_grads(do, cut(u_c, 1, upto), du16, qs, ks, h16, dh16, big_g,
+                                  dw16=True, dg=into_dg, **fold, **rows)  # fmt: skip
+    del u_c, h16, dh16
+    wy = (dw, du16, *(cut(x, 1, upto) for x in (ops["tt"], w16)), ks, cut(u16, 1, upto), v,
+          beta, big_g)  # fmt: skip
+    # the WY kernel adds its dk and dG onto kernel 2's (in place, no torch add)
+    dk_wy, dv, dg, dbeta = _wy_kernel(*wy, dk, dg, dv16=dv_dtype == dtype, **final,
+                                      **given(dv=dv_o, dbeta=db_o), **rows)  # fmt: skip
+    if dk16:  # the op's dk (16-bit), not kernel 2's fp32 scratch
+        dk = dk_wy
     # left in torch: dG's copy into a strided `dg_out`, or its cast to a 16-bit `dg_dtype` (the
     # fp32 sum rounded once, as before)
     if dg_out is not None and into_dg is None:

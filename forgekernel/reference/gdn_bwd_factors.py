@@ -136,24 +136,35 @@ def factors_model(
 
 def for_kernel2(tiles: dict[str, torch.Tensor], t: int) -> dict[str, torch.Tensor]:
     """Kernel 2's views of the outputs: w, u, tt and big_g cut to T tokens (views: strided
-    when B > 1, which TMA reads in place)."""
-    return {n: cut(tiles[n], 1, slice(None, t)) for n in ("w", "u", "tt", "big_g")}
+    when B > 1, which TMA reads in place); w, u only where written (kernel 0's `w_from_t` key
+    has neither)."""
+    return {n: cut(tiles[n], 1, slice(None, t)) for n in ("w", "u", "tt", "big_g") if n in tiles}
 
 
 def forward_launch_tiles(
-    tiles: dict[str, torch.Tensor], identity: bool = True, k: torch.Tensor | None = None
+    tiles: dict[str, torch.Tensor],
+    identity: bool = True,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Kernel 1's forward launch's inputs from the outputs. `identity` False (kernel 1's
     `forward` variant: chunks first to last, I and 0 built in, the signs in registers): the
     tiles as written, do = u, ke = w, w = ke, pt and qe None, e_last (fp32), no copy; with `k`
     (B, T, H, K) (its `fused` variant, on kernel 0's `fused` tiles: no Ke) w = k and big_g,
-    kernel 0's G of every row, from which it forms Ke's decays. `identity` True (the reverse
+    kernel 0's G of every row, from which it forms Ke's decays; with `k`, `v` (B, T, HV, V)
+    and `beta` (B, T, HV) (its `w_from_t` variant, on kernel 0's `w_from_t` tiles: no W, u)
+    do = v, pt = T^T cut to T rows, ke None and beta: it forms u and W. `identity` True (the reverse
     variant run as the forward recurrence, the fp32-out path): torch makes
     `forward_state_tiles`' dict, do = u, pt = I, ke = -W, qe = 0, w = -Ke with the chunks
     reversed and e_last reversed (`reference.gdn_bwd_state.forward_launch_as_reverse`)."""
     if not identity:
         w = tiles["ke"] if k is None else k
-        out = {"do": tiles["u"], "pt": None, "ke": tiles["w"], "qe": None, "w": w}
+        if v is None:
+            out = {"do": tiles["u"], "pt": None, "ke": tiles["w"], "qe": None, "w": w}
+        else:
+            tt = cut(tiles["tt"], 1, slice(None, v.shape[1]))
+            out = {"do": v, "pt": tt, "ke": None, "qe": None, "w": w, "beta": beta}
         out["e_last"] = tiles["e_last"].float()
         if k is not None:
             out["big_g"] = tiles["big_g"]
@@ -164,3 +175,26 @@ def forward_launch_tiles(
 def rounding_to(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     """x -> x rounded to `dtype`, kept in x's dtype (the kernel's 16-bit operands)."""
     return lambda x: x.to(dtype).to(x.dtype)
+
+
+def w_u_from_t(
+    tt: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, big_g: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """W = T diag(beta e^G) K and u = T diag(beta) V as the fused backward's `w_from_t` key
+    forms them from kernel 0's 16-bit T^T (kernel 2's views, cut to T tokens): tt (B, T, HV,
+    C) (row j of a chunk: column j of T), k (B, T, H, K) (value head hv reads head hv // (HV
+    / H)), v (B, T, HV, V) in one 16-bit dtype; beta, big_g (B, T, HV) fp32 -> (w, uw) in that
+    dtype, (B, T, HV, K / V). The A operands T diag(.) rounded to 16 bits from the 16-bit T
+    (kernel 0 rounds them from its fp32 T: one more rounding here), the products in fp64
+    rounded once (the kernel's fp32 accumulator, up to its order of sums)."""
+    t, hv = tt.shape[1], tt.shape[2]
+    nc = -(-t // CHUNK)
+    rnd = rounding_to(tt.dtype)
+    tri = to_chunks(tt.double(), nc).transpose(-1, -2)  # (B, NC, HV, C, C): T
+    kc = to_chunks(k.double().repeat_interleave(hv // k.shape[2], dim=2), nc)
+    vc = to_chunks(v.double(), nc)
+    bc = to_chunks(beta.double(), nc)  # zero past T
+    e_g = to_chunks(big_g.double(), nc).exp()
+    w = rnd(tri * (bc * e_g).unsqueeze(-2)) @ kc
+    u = rnd(tri * bc.unsqueeze(-2)) @ vc
+    return tuple(to_tokens(x)[:, :t].to(tt.dtype) for x in (w, u))

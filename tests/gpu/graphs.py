@@ -27,6 +27,15 @@ def captured(step: Callable[[], Any]) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def replay_poisoned(graph: torch.cuda.CUDAGraph, outs) -> None:
+    """`graph` replayed into its output buffers `outs` NaN-poisoned first (a row the replay does
+    not write stays NaN), then synchronized."""
+    for x in outs:
+        x.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+
+
 def assert_pdl_chain_is_serialized(
     call: Callable[[torch.Tensor, torch.Tensor, Any], Any],
     q0: torch.Tensor,

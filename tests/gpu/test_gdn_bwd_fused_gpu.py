@@ -24,7 +24,7 @@ import inspect
 
 import pytest
 import torch
-from graphs import captured
+from graphs import captured, replay_poisoned
 from test_gdn_bwd_kernel_path_gpu import NAMES, _close, _problem, _reference
 
 import forgekernel
@@ -42,17 +42,20 @@ bwd = importlib.import_module("forgekernel.ops.gated_delta_rule_bwd")
 @pytest.fixture
 def fused(monkeypatch):
     """FUSED on, the rule forced, the fused kernel's outputs NaN-poisoned before each launch;
-    its launches recorded (do's shape)."""
+    its launches recorded (do's shape). The op's flags passed on: at HV = 2 H its `group_sum`
+    key (FUSED_GROUPSUM, the default since 2026-12-07: dq, dk at the H heads)."""
     calls = []
 
-    def run(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, out=None, scale=1.0):
+    def run(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, out=None, scale=1.0,
+            group_sum=False):  # fmt: skip
         if out is None:
-            out = fused_launch.empty_outputs(do, q.shape[-1])
+            out = fused_launch.empty_outputs(do, q.shape[-1],
+                                             heads=q.shape[2] if group_sum else None)  # fmt: skip
         for x in out:
             x.fill_(float("nan"))
         calls.append(tuple(do.shape))
         return fused_launch.gdn_bwd_fused(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht,
-                                          scale=scale, out=out)  # fmt: skip
+                                          scale=scale, out=out, group_sum=group_sum)  # fmt: skip
 
     monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
     monkeypatch.setattr(bwd, "FUSED", True)
@@ -66,6 +69,15 @@ def _run(inputs, *, h0, dht, l2norm, cu=None):
     return forgekernel.gated_delta_rule_backward(q, k, v, g, beta, do, initial_state=h0,
                                                  d_final_state=dht, cu_seqlens=cu,
                                                  use_qk_l2norm_in_kernel=l2norm)  # fmt: skip
+
+
+def _poisoned(do, u, q, rest, **kw):
+    """The fused launcher with its outputs NaN-filled first (`group_sum` kw: dq, dk at H)."""
+    heads = q.shape[2] if kw.get("group_sum") else None
+    out = fused_launch.empty_outputs(do, q.shape[-1], heads=heads)
+    for x in out:
+        x.fill_(float("nan"))
+    return fused_launch.gdn_bwd_fused(do, u, q, *rest, out=out, **kw)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -90,19 +102,26 @@ def test_matches_the_fp64_backward_and_todays_path(fused, monkeypatch, dtype, t,
         _close(name + " vs today's path", a, o.double())
 
 
+def _varlen_problem(lens, seed, **kw):
+    """(inputs, h0, dht, cu): `_problem`'s bf16 inputs over one row of sum(lens) tokens (H 2,
+    HV 4), cut by cu_seqlens = lens' offsets, h0 / dht one per sequence (the varlen tests')."""
+    n = len(lens)
+    q, k, v, g, beta, do, h0, dht = _problem(1, sum(lens), 2, 4, torch.bfloat16, seed=seed, **kw)
+    h0, dht = h0.expand(n, -1, -1, -1).contiguous(), dht.expand(n, -1, -1, -1).contiguous()
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda",
+                      dtype=torch.int32)  # fmt: skip
+    return (q, k, v, g, beta, do), h0, dht, cu
+
+
 @pytest.mark.parametrize("lens", [[1, 63, 0, 64, 65, 130], [1000, 70], [65, 65, 65]])
 def test_varlen(fused, monkeypatch, lens):
     """cu_seqlens (ops/_linattn_varlen.py `backward_varlen`): equal lengths are B sequences (a
     reshape), on the fused kernel; unequal ones run once in the varlen slot layout
-    (`_slots_path`, the default), whose device pass is today's path by design (`_device_pass`
-    takes the fused kernel only without slots; the buckets fallback, STATES16 off, never reaches
-    the device pass): the fused kernel not launched. Both against the fp64 varlen backward."""
-    total = sum(lens)
-    q, k, v, g, beta, do, h0, dht = _problem(1, total, 2, 4, torch.bfloat16, seed=len(lens))
-    n = len(lens)
-    h0, dht = h0.expand(n, -1, -1, -1).contiguous(), dht.expand(n, -1, -1, -1).contiguous()
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda",
-                      dtype=torch.int32)  # fmt: skip
+    (`_slots_path`, the default), whose device pass takes the fused kernel only within
+    `config.slots_fit`'s wave (FUSED_SLOTS; not patched here: N x HV = 24 or 8 CTAs, the
+    two-launch slot path; tests/gpu/test_gdn_bwd_fused_slots_gpu.py forces it): the fused kernel
+    not launched. Both against the fp64 varlen backward."""
+    inputs, h0, dht, cu = _varlen_problem(lens, seed=len(lens))
     in_slots = []
     real = bwd._device_pass
 
@@ -111,11 +130,10 @@ def test_varlen(fused, monkeypatch, lens):
         return real(*a, **kw)
 
     monkeypatch.setattr(bwd, "_device_pass", device_pass)
-    inputs = (q, k, v, g, beta, do)
     got = _run(inputs, h0=h0, dht=dht, l2norm=True, cu=cu)
     equal = len(set(lens)) == 1
     assert in_slots == [not equal], in_slots  # one device pass, in the slot layout if unequal
-    assert fused == ([(n, lens[0], 4, 128)] if equal else []), fused
+    assert fused == ([(len(lens), lens[0], 4, 128)] if equal else []), fused
     want = _reference(inputs, h0=h0, dht=dht, l2norm=True, cu=cu)
     for name, a, r in zip(NAMES, got, want):
         _close(name, a, r)
@@ -157,10 +175,7 @@ def test_the_default_rule_with_out_and_a_graph(monkeypatch, b, t, passes):
         _close(name + " vs today's path", a, o.double())
     eager = [x.clone() for x in out]
     graph = captured(call)
-    for x in out:
-        x.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
+    replay_poisoned(graph, out)
     for name, a, e in zip(NAMES, out, eager):
         _close(name + " graph replay", a, e.double())
 

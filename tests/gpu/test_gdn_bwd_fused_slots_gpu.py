@@ -1,9 +1,9 @@
 """The Gated DeltaNet fused backward on the varlen slot layout (its `varlen` key; ops/
-gated_delta_rule_bwd.py FUSED_SLOTS, TEMPORARY: off until this file passes on a GPU;
-docs/linear_attention/NOTES.md "next/fused-slots") on the GPU: the slot layout's device pass
-(unequal lengths eagerly, every varlen call under a CUDA-graph capture) on kernel 1's forward
-launch and ONE fused launch walking each sequence's slots, its token gradients at their token
-rows (NaN-poisoned before every launch: a row left unwritten fails).
+gated_delta_rule_bwd.py FUSED_SLOTS, on since the H100 A/B of 2026-12-07; docs/
+linear_attention/NOTES.md "next/fused-slots", "next/gdn-bwd-adopt") on the GPU: the slot
+layout's device pass (unequal lengths eagerly, every varlen call under a CUDA-graph capture) on
+kernel 1's forward launch and ONE fused launch walking each sequence's slots, its token
+gradients at their token rows (NaN-poisoned before every launch: a row left unwritten fails).
 
 Checked: each sequence against its own call on the fused kernel's batch key (B = 1, rule
 forced) bit for bit where its length is a multiple of 64 (the slot walk's extra zero slot
@@ -22,7 +22,10 @@ FUSED_DIET on and off (the `fused` fixture's `diet_on` / `diet_off` ids; NOTES
 "next/fused-slots-on46"): on, the fused kernel's `varlen, u_from_h` key (U formed from the WY
 u, W and h) in the slot layout, while the batch key's call also runs kernel 0's and the forward
 launch's `fused` keys (h from k and G): the comparisons against the batch key are then within
-2e-2, bit for bit only with the diet off."""
+2e-2, bit for bit only with the diet off. FUSED_GROUPSUM off throughout: the yardstick is the
+batch key without `group_sum` (with it the batch call's dq, dk are summed in fp32 before their
+one rounding, not bit for bit the epilogue's sum); off, the slot layout takes no pair either
+(its `varlen, group_sum` form, FUSED_SLOTS_GROUPSUM: test_gdn_bwd_slots_groupsum_gpu.py)."""
 
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ import importlib
 
 import pytest
 import torch
+from graphs import replay_poisoned
 from slots_alone import CHUNK
 from test_gdn_bwd_kernel_path_gpu import NAMES, _close, _problem, _reference
 
@@ -45,9 +49,10 @@ LENS = ([1, 63, 0, 64, 65, 130], [6148, 301, 0, 295], [128, 0, 192, 64], [1000, 
 
 @pytest.fixture(params=[True, False], ids=["diet_on", "diet_off"])
 def fused(request, monkeypatch):
-    """FUSED and FUSED_SLOTS on, both rules forced, FUSED_DIET the param, the fused kernel's
-    outputs NaN-poisoned before each launch, handed U only with the diet off; its launches
-    recorded: (do's shape, tokens) (tokens None: the batch key)."""
+    """FUSED and FUSED_SLOTS on, both rules forced, FUSED_DIET the param, FUSED_GROUPSUM off
+    (the module docstring), the fused kernel's outputs NaN-poisoned before each launch, handed U
+    only with the diet off; its launches recorded: (do's shape, tokens) (tokens None: the batch
+    key)."""
     calls = []
 
     def run(do, u, q, k, h, big_g, pt, tt, w, uw, v, beta, dht, out=None, scale=1.0, **walk):
@@ -67,6 +72,7 @@ def fused(request, monkeypatch):
     monkeypatch.setattr(bwd, "FUSED", True)
     monkeypatch.setattr(bwd, "FUSED_SLOTS", True)
     monkeypatch.setattr(bwd, "FUSED_DIET", request.param)
+    monkeypatch.setattr(bwd, "FUSED_GROUPSUM", False)
     monkeypatch.setattr(bwd, "fused_fits", lambda *a: True)
     monkeypatch.setattr(bwd, "slots_fit", lambda *a: True)
     monkeypatch.setattr(bwd, "_fused_bwd", run)
@@ -184,10 +190,7 @@ def test_one_graph_replayed(fused, h, hv, l2norm):
     assert fused == [((1, 64 * (400 // 64 + 2), hv, 128), 400)], fused
     for edges in ([0, 200, 400], [0, 137, 400], [0, 64, 400], [0, 0, 400], [0, 200, 400]):
         cu.copy_(torch.tensor(edges))
-        for x in out:
-            x.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+        replay_poisoned(graph, out)
         got = [x.clone() for x in out]
         want = _call(inputs, h0, dht, cu, l2norm)
         for name, a, r in zip(NAMES, got, want):
@@ -213,8 +216,9 @@ def test_time(monkeypatch, lens, hv):
     than a wave, not) and on with the rule forced, FUSED_DIET on (the default), then forced with
     the diet off (`varlen` with U read against `varlen, u_from_h`), printed (the eager column:
     the graph-vs-eager probe's). At equal lengths hv32 the fused graph's gradients bit for bit
-    the eager call's (the batch path's fused kernel) with the diet off, within 2e-2 with it on
-    (the batch call's h from the `fused` forward launch). Predicted (NOTES "next/fused-slots",
+    the eager call's (the batch path's fused kernel, FUSED_GROUPSUM off: the module docstring)
+    with the diet off, within 2e-2 with it on (the batch call's h from the `fused` forward
+    launch). Predicted (NOTES "next/fused-slots",
     "next/fused-slots-on46"): 4 x 8192 hv32 graph ~1.0 ms below off (5.52 -> ~4.5); hv16
     forced ~even; the mixes forced about even or slower; the diet off within -0.05 / +0.09 ms of
     on."""
@@ -225,6 +229,7 @@ def test_time(monkeypatch, lens, hv):
     monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
     for name in (bwd.FUSED_SWITCH, bwd.FUSED_SLOTS_SWITCH):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(bwd, "FUSED_GROUPSUM", False)
     n, total = len(lens), sum(lens)
     q, k, v, g, beta, do, *_ = _problem(1, total, 16, hv, torch.bfloat16, seed=13)
     h0, dht = _states(n, 16, hv, seed=14)

@@ -12,7 +12,15 @@ three passes); the suite's shapes with the times printed (-s); a CUDA graph; the
 intermittent failures (2026-12-05) repeated and localized per form and V split
 (`test_t_pre_repeated_is_the_standard`, `test_t_pre_segments_repeated`, -s for the report);
 the op's default route (`launch.t_pre_for`: the t_pre form but on direct unsplit launches over
-ungrouped heads) bit for bit the form it names, forced (`test_default_route_is_the_forced_form`).
+ungrouped heads) bit for bit the form it names, forced (`test_default_route_is_the_forced_form`);
+the standard form's `o_warp` key (the t_pre form's state chain, T by the aux; the launcher's
+standard form) bit for bit the standard form without it, repeated
+(`test_standard_o_warp_is_the_standard`, `..._repeated`); the t_pre path's two kernels timed
+apart in CUDA graphs beside the path and the standard form with and without o_warp, with their
+bytes' rates (`test_split_times`, -s: next/tpre-batch-gap in docs/linear_attention/NOTES.md);
+the t_pre form's `no_o` key (the final state bit for bit, o untouched) and the segmented path's
+pass B on it (`b_no_o`, the launcher's default: bit for bit the segmented path with B keeping
+o; timed at 1 x 131072 h16).
 CPU counterparts: tests/test_gdn_prefill_t_pre.py (replay), test_gdn_prefill_t_pre_compile.py."""
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from graphs import captured
 
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90 import launch as prefill_launch
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import (
@@ -66,7 +75,8 @@ def _close(got, want, rel):
     assert err <= rel * float(want.abs().max()) + 1e-5, err
 
 
-def _run(inputs, *, t_pre, k_last=False, l2norm=False, with_state=True, v_split=None):
+def _run(inputs, *, t_pre, k_last=False, l2norm=False, with_state=True, v_split=None,
+         o_warp=None):  # fmt: skip
     q, k, v, g, beta, state, cu = inputs
     n, hv = cu.shape[0] - 1, v.shape[1]
     start = None
@@ -75,7 +85,8 @@ def _run(inputs, *, t_pre, k_last=False, l2norm=False, with_state=True, v_split=
     out = torch.full_like(v, float("nan"))
     final = torch.full((n, hv, 128, 128), float("nan"), device="cuda")
     prefill_launch.gdn_prefill(q, k, v, g, beta, start, cu, out, final, SCALE, k_last=k_last,
-                               l2norm=l2norm, v_split=v_split, segments=1, t_pre=t_pre)  # fmt: skip
+                               l2norm=l2norm, v_split=v_split, segments=1, t_pre=t_pre,
+                               o_warp=o_warp)  # fmt: skip
     return out, (final.transpose(-1, -2) if k_last else final)
 
 
@@ -395,8 +406,211 @@ def test_default_route_is_the_forced_form(monkeypatch, lens, h, hv, with_state, 
                                 use_qk_l2norm_in_kernel=l2norm, k_last=k_last)  # fmt: skip
     assert len(keys) == (2 if t_pre else 1)
     assert keys[0].get("t_pre", False) is t_pre and keys[0]["v_split"] == split
+    assert keys[0].get("o_warp", False) is not t_pre  # the standard form with its O warp
     want_o, want_s = _run(inputs, t_pre=t_pre, k_last=k_last, l2norm=l2norm,
                           with_state=with_state)  # fmt: skip
     assert not want_o.isnan().any()
     assert torch.equal(o[0], want_o)
     assert torch.equal(final.transpose(-1, -2) if k_last else final, want_s)
+
+
+# lens, h, hv, with_state, dtype, l2norm, k_last, v_split: the standard form with the o_warp key
+O_WARP_CASES = [
+    ([64, 128, 1, 640, 63, 192], 2, 2, True, torch.bfloat16, False, False, 1),  # HV = H
+    ([64, 128, 1, 640, 63, 192], 2, 4, False, torch.bfloat16, False, False, 2),
+    ([4096], 1, 1, True, torch.bfloat16, False, False, 1),  # 64 chunks: the O tiles' parities
+    ([65, 0, 127], 2, 4, True, torch.bfloat16, False, False, 2),
+    ([300, 301], 16, 16, True, torch.float16, True, True, 1),
+    ([300] * 9, 8, 8, False, torch.bfloat16, False, False, 1),  # the route's standard class
+]
+
+
+@pytest.mark.parametrize(("lens", "h", "hv", "with_state", "dtype", "l2norm", "k_last", "v_split"),
+                         O_WARP_CASES)  # fmt: skip
+def test_standard_o_warp_is_the_standard(lens, h, hv, with_state, dtype, l2norm, k_last,
+                                         v_split):  # fmt: skip
+    """The standard form's `o_warp` key: V^T by ldmatrix (the same 16-bit values), O by the O
+    warp's TMA box a whole chunk and its 16-byte copies of a tail chunk's rows (the same
+    stmatrix image), so o and the final state bit for bit the standard form's without it (o
+    NaN-poisoned: every row written), and the recurrence's to the standard tolerances."""
+    inputs = _inputs(lens, h, hv, dtype, seed=13, knorm=4.0 if l2norm else 1.0)
+    kw = dict(k_last=k_last, l2norm=l2norm, with_state=with_state, v_split=v_split)
+    o_std, s_std = _run(inputs, t_pre=False, o_warp=False, **kw)
+    o_ow, s_ow = _run(inputs, t_pre=False, o_warp=True, **kw)
+    assert not o_ow.isnan().any()
+    assert torch.equal(o_ow, o_std) and torch.equal(s_ow, s_std)
+    q, k, v, g, beta, state, cu = inputs
+    want_o, want_s = gated_delta_rule_recurrent(
+        q[None], k[None], v[None], g[None], beta[None], scale=SCALE,
+        initial_state=state if with_state else None, output_final_state=True,
+        cu_seqlens=cu.long(), use_qk_l2norm=l2norm,
+    )  # fmt: skip
+    _close(o_ow, want_o[0], 2e-2)
+    _close(s_ow, want_s, STATE_TOL[dtype])
+
+
+@pytest.mark.parametrize("v_split", [1, 2])
+@pytest.mark.parametrize(
+    ("lens", "h", "hv", "with_state"), [([4096], 2, 2, True), ([300, 301], 16, 16, True)]
+)
+def test_standard_o_warp_repeated(lens, h, hv, with_state, v_split):
+    """The key REPS times (O_WARP_REPS, 1 under the sanitizers) on fresh NaN-poisoned outputs
+    against the standard form, bit for bit: the v stage's release moved after U^T (as the t_pre
+    forms', "t_pre failed on the H100") and the O ring are where a race would show; the message
+    says where (`_where`)."""
+    reps = int(os.environ.get("O_WARP_REPS", "6"))
+    inputs = _inputs(lens, h, hv, torch.bfloat16, seed=14)
+    o_std, s_std = _run(inputs, t_pre=False, with_state=with_state, v_split=v_split,
+                        o_warp=False)  # fmt: skip
+    report = []
+    for rep in range(reps):
+        o_ow, s_ow = _run(inputs, t_pre=False, with_state=with_state, v_split=v_split,
+                          o_warp=True)  # fmt: skip
+        torch.cuda.synchronize()
+        where = _where(o_ow, o_std, inputs[-1])
+        s_bad = not torch.equal(s_ow, s_std)
+        if where or s_bad:
+            report.append(f"rep {rep}: o {where or 'exact'}; final state "
+                          f"{'differs' if s_bad else 'exact'}")  # fmt: skip
+    print(f"\no_warp repeated {lens} h{h} hv{hv} split {v_split}: {len(report)} of {reps} "
+          "runs differ" + "".join(f"\n  {r}" for r in report))  # fmt: skip
+    assert not report, report
+
+
+def _graph_ms(step, reps=20):
+    """Milliseconds a replay of `step` captured in a CUDA graph (as the bench's graph column,
+    without its input rotation: these working sets are 25-100x the L2)."""
+    graph = captured(step)
+    torch.cuda.synchronize()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+@pytest.mark.parametrize(("lens", "h", "hv", "with_state"), [
+    ([8192] * 4, 16, 32, True),
+    ([2048] * 16, 16, 32, False),
+    ([32768] * 8, 16, 16, True),
+])  # fmt: skip
+def test_split_times(lens, h, hv, with_state):
+    """The t_pre path's two kernels apart (graph replays): the precompute alone, the chunked
+    kernel alone on T already made, the path; the standard form without and with its `o_warp`
+    key beside.
+    Each with its HBM bytes (q / k once a head, v, o, g, beta, the states; T 8 KB a chunk slot
+    and value head) and their rate: where the path's time goes (NOTES, next/tpre-batch-gap).
+    Checked: the chunked kernel alone writes the path's o and state bit for bit, the o_warp key
+    the standard's."""
+    inputs = _inputs(lens, h, hv, torch.bfloat16, seed=15)
+    q, k, v, g, beta, state, cu = inputs
+    n, total = len(lens), sum(lens)
+    start = state if with_state else None
+    t_buf = prefill_launch.t_diag_beta(k, g, beta, cu, l2norm=False)
+    out, final = torch.empty_like(v), torch.empty(n, hv, 128, 128, device="cuda")
+
+    def path(**kw):
+        prefill_launch.gdn_prefill(q, k, v, g, beta, start, cu, out, final, SCALE, k_last=False,
+                                   l2norm=False, v_split=1, segments=1, **kw)  # fmt: skip
+
+    def main():
+        prefill_launch._direct(q, k, v, g, beta, start, cu, out, final, SCALE, k_last=False,
+                               l2norm=False, v_split=1, t_pre=True, t_buf=t_buf)  # fmt: skip
+
+    def pre():
+        prefill_launch.t_diag_beta(k, g, beta, cu, l2norm=False, out=t_buf)
+
+    results = {}
+    for name, fn in (("path", lambda: path(t_pre=True)), ("main", main),
+                     ("standard", lambda: path(t_pre=False, o_warp=False)),
+                     ("o_warp", lambda: path(t_pre=False, o_warp=True))):  # fmt: skip
+        out.fill_(float("nan"))
+        fn()
+        torch.cuda.synchronize()
+        results[name] = (out.clone(), final.clone())
+    assert torch.equal(results["main"][0], results["path"][0])
+    assert torch.equal(results["main"][1], results["path"][1])
+    assert torch.equal(results["o_warp"][0], results["standard"][0])
+    assert torch.equal(results["o_warp"][1], results["standard"][1])
+    ms = {name: _graph_ms(fn) for name, fn in (
+        ("precompute", pre), ("main", main), ("path", lambda: path(t_pre=True)),
+        ("standard", lambda: path(t_pre=False, o_warp=False)),
+        ("o_warp", lambda: path(t_pre=False, o_warp=True)))}  # fmt: skip
+    mb = 1e-6
+    qk = 2 * total * h * 128 * 2 * mb
+    vo = 2 * total * hv * 128 * 2 * mb
+    gates = 2 * total * hv * 4 * mb
+    states = (2 if with_state else 1) * n * hv * 128 * 128 * 4 * mb
+    t_mb = t_buf.numel() * 2 * mb
+    nbytes = {"precompute": qk / 2 + gates + t_mb, "main": qk + vo + gates + states + t_mb,
+              "standard": qk + vo + gates + states}  # fmt: skip
+    nbytes["path"] = nbytes["precompute"] + nbytes["main"]
+    nbytes["o_warp"] = nbytes["standard"]
+    chunks = -(-lens[0] // CHUNK)
+    waves = -(-n * hv // torch.cuda.get_device_properties(0).multi_processor_count)
+    print(f"\nsplit {n}x{lens[0]} h{h} hv{hv} state={with_state} ({torch.cuda.get_device_name()}"
+          f", {chunks} chunks x {waves} waves a CTA chain):")  # fmt: skip
+    for name, t in ms.items():
+        print(f"  {name:10s} {t:.4f} ms  {nbytes[name]:7.0f} MB  {nbytes[name] / t * 1e-3:.2f} TB/s"
+              f"  {t * 1e3 / (chunks * waves):.2f} us a chunk step")  # fmt: skip
+    print(f"  main + precompute / path {(ms['main'] + ms['precompute']) / ms['path']:.3f}; "
+          f"o_warp / standard {ms['o_warp'] / ms['standard']:.3f}")  # fmt: skip
+
+
+@pytest.mark.parametrize(("lens", "h", "hv", "l2norm", "with_state", "dtype", "v_split"), [
+    ([1, 63, 0, 64, 65, 130], 2, 4, False, True, torch.bfloat16, 1),
+    ([200, 7], 2, 2, True, False, torch.float16, 2),
+    ([4096], 2, 2, False, True, torch.bfloat16, 1),
+])  # fmt: skip
+def test_no_o_writes_the_state_only(lens, h, hv, l2norm, with_state, dtype, v_split):
+    """The `no_o` key (pass B's): the final state bit for bit the t_pre form's (the same X^T,
+    U^T and update on the same operands), not one element of o written (NaN-poisoned)."""
+    inputs = _inputs(lens, h, hv, dtype, seed=16, knorm=4.0 if l2norm else 1.0)
+    q, k, v, g, beta, state, cu = inputs
+    start = state if with_state else None
+    got = {}
+    for no_o in (False, True):
+        out = torch.full_like(v, float("nan"))
+        final = torch.full((len(lens), hv, 128, 128), float("nan"), device="cuda")
+        prefill_launch._direct(q, k, v, g, beta, start, cu, out, final, SCALE, k_last=False,
+                               l2norm=l2norm, v_split=v_split, t_pre=True, no_o=no_o)  # fmt: skip
+        got[no_o] = (out, final)
+    torch.cuda.synchronize()
+    assert got[True][0].isnan().all()
+    assert torch.equal(got[True][1], got[False][1])
+
+
+@pytest.mark.parametrize(("lens", "h", "hv", "parts", "l2norm"), [
+    ([4096], 2, 2, 4, False),
+    ([2000, 70, 3000], 2, 4, 3, True),  # l2norm: the key loads no q, forms no q norm
+    ([131072], 16, 16, None, False),  # the suite's 1x131072-h16-hv16 (the launcher's P = 9): timed
+])  # fmt: skip
+def test_segments_b_no_o(lens, h, hv, parts, l2norm):
+    """The segmented t_pre path with pass B on the `no_o` key (the launcher's default): o and
+    the final states bit for bit the path's with B keeping o (B's o is C's to overwrite); at
+    the suite's 1 x 131072 both timed (graph replays; -s prints them: ours / the bench's
+    `b_with_o`)."""
+    q, k, v, g, beta, state, cu = _inputs(lens, h, hv, torch.bfloat16, seed=17,
+                                          knorm=4.0 if l2norm else 1.0)  # fmt: skip
+    out, final = torch.empty_like(v), torch.empty(len(lens), hv, 128, 128, device="cuda")
+
+    def run(b_no_o):  # None: the launcher's choice (B on the key)
+        prefill_launch.gdn_prefill(q, k, v, g, beta, state, cu, out, final, SCALE, k_last=False,
+                                   l2norm=l2norm, segments=parts, t_pre=True,
+                                   b_no_o=b_no_o)  # fmt: skip
+
+    got = {}
+    for b_no_o in (False, None):
+        out.fill_(float("nan"))
+        run(b_no_o)
+        torch.cuda.synchronize()
+        got[b_no_o] = (out.clone(), final.clone())
+    assert not got[None][0].isnan().any()
+    assert torch.equal(got[None][0], got[False][0]) and torch.equal(got[None][1], got[False][1])
+    if parts is None:
+        ms = {b: _graph_ms(lambda b=b: run(b)) for b in (False, None)}
+        print(f"\nsegments {lens} h{h} hv{hv}: B with o {ms[False]:.4f} ms, ours (B without o) "
+              f"{ms[None]:.4f} ms ({ms[None] / ms[False]:.3f}x)")  # fmt: skip

@@ -134,9 +134,12 @@ def test_time_native_stores(monkeypatch, op, hv):
     """4 x 8192 tokens, H 16, l2norm off (the bench's batch cases in their cu_seqlens form):
     graph replays (the slot layout) with the switch off and on, printed; the two bit for bit.
     Predicted (NOTES "next/varlen-stores"): on below off by ~0.36 ms (GDN hv32), ~0.27 (GDN
-    hv16), ~0.45 (KDA hv16) (the 2026-12-06 bench's graph: 5.94 / 3.16 / 6.11 ms)."""
+    hv16), ~0.45 (KDA hv16) (the 2026-12-06 bench's graph: 5.94 / 3.16 / 6.11 ms). GDN's
+    fused slot route off (FUSED_SLOTS, the default since 2026-12-07, takes 4 x 32 CTAs, with
+    the switch on only: it needs the token-row tables): both graphs the two-launch slot path."""
     bwd, backward = OPS[op]
     monkeypatch.setenv(bwd.KERNEL_SWITCH, "1")
+    monkeypatch.setenv(OPS["gdn"][0].FUSED_SLOTS_SWITCH, "0")
     args, h0, dht = problem(op, 4 * 8192, 16, hv, 4, seed=13, unit_k=True)
     cu = torch.arange(5, dtype=torch.int32, device="cuda") * 8192
     kw = {"initial_state": h0, "d_final_state": dht, "cu_seqlens": cu}

@@ -16,7 +16,7 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from forgekernel.bench.suite import Case, Inputs, OpSuite
-from forgekernel.kernels.attention.fwd.sm90 import SPEC
+from forgekernel.kernels.attention.fwd.sm90 import SPEC, WG3_CANDIDATES
 
 
 def _case(
@@ -271,6 +271,11 @@ GRID_TIMED = {
 # default config with the knobs set; the bf16 kernels of the open ones are
 # SPEC.candidate_params (D192_CANDIDATES, L2_CANDIDATES), `was` and the rules' own keys (the
 # D = 128 non-causal `wave0`: rule 8's) standard builds.
+#
+# D = 96 on 192-row tiles (three consumer warpgroups: WG3_CANDIDATES, docs/attention/NOTES.md
+# "next/attn-fwd-gap (2026-12-07)"): `wg3` (112 keys a tile, 2 stages), `wg3_s3` (112, 3) and
+# `wg3_n96s3` (96, 3) on the unmoved GQA-4 s8192 causal case, `wg3_wave0` (112, 2, in sections:
+# the rule's order) beside `was` on the two D = 96 cases rules 2 and 3 moved.
 WAS: dict[str, Any] = {}
 CONFIG_CANDIDATES: dict[str, dict[str, dict[str, Any]]] = {
     "d192": {
@@ -279,6 +284,12 @@ CONFIG_CANDIDATES: dict[str, dict[str, dict[str, Any]]] = {
         "dyn_sec12": {"dynamic": True, "l2_kv_mib": 12},
     },
     "moved": {"was": WAS},
+    "moved-d96": {"was": WAS, "wg3_wave0": WG3_CANDIDATES[3][2]},
+    "d96": {
+        "wg3": WG3_CANDIDATES[0][2],
+        "wg3_s3": WG3_CANDIDATES[1][2],
+        "wg3_n96s3": WG3_CANDIDATES[2][2],
+    },
     "global-full": {"wave0": {"wave_kv_mib": 0}},
     "global-causal": {
         "wave0": {"wave_kv_mib": 0},
@@ -291,8 +302,8 @@ CONFIG_TIMED = {
     "b1-hq128-hkv128-s16384-d192-dv128-causal": "d192",
     "b1-hq128-hkv128-sq2048-sk16384-d192-dv128-causal": "d192",
     "b8-hq128-hkv128-s2048-d192-dv128-causal": "moved",
-    "b8-hq32-hkv32-s2048-d96-causal": "moved",
-    "b16-hq32-hkv32-s1024-d96": "moved",
+    "b8-hq32-hkv32-s2048-d96-causal": "moved-d96",
+    "b16-hq32-hkv32-s1024-d96": "moved-d96",
     "b4-hq16-hkv16-s4096-d256-causal": "moved",
     "b8-hq16-hkv8-s2048-d256-causal": "moved",
     "b16-hq8-hkv4-s1024-d256": "moved",
@@ -304,6 +315,7 @@ CONFIG_TIMED = {
     "b1-hq32-hkv8-s32768-d128": "global-full",
     "b1-hq32-hkv8-s32768-d128-causal": "global-causal",
     "b8-hq32-hkv32-s4096-d64-causal": "global-causal",
+    "b2-hq32-hkv8-s8192-d96-causal": "d96",
 }
 
 

@@ -11,7 +11,11 @@ under a graph capture; in buckets of similar lengths earlier on 2026-12-06, 5.60
 on the H100; before that padded to 5.9x and 22x their chunks on the INTERIM path: 60 and
 127 ms); the
 variant `interim` (`INTERIM_CASES`, the two smallest cases: the old default, ~14.7 ms at 1 x
-2048) the INTERIM fp32 torch path beside it (`interim()`, as FORGEKERNEL_GDN_BWD_KERNEL=0); each
+2048) the INTERIM fp32 torch path beside it (`interim()`, as FORGEKERNEL_GDN_BWD_KERNEL=0); on
+4x8192-h16-hv32 (`SWITCH_AB_CASES`) `no_fused_slots` and `no_groupsum`, ours with one of the
+switches adopted on 2026-12-07 off (ops/gated_delta_rule_bwd.py FUSED_SLOTS: the graph column's
+route, the slot layout; FUSED_GROUPSUM: the eager column's, the batch path), each gain in the
+same run and the other column a control (~1.00x); each
 comparator's backward through autograd of its forward recorded once per input set
 (`autograd_backward`: `torch.autograd.grad` with retain_graph, its own recompute included, as
 ours).
@@ -57,9 +61,9 @@ _case = gdn_prefill._case
 
 
 def kernel_sources() -> list[Path]:
-    """The forward kernel's sources, the kernel path's (kernels 0, 1 and 2's sources, the q / k
-    epilogue's, their batched helpers: the default) and the interim backward's modules (the
-    ledger key; it does not tell which path a run took)."""
+    """The forward kernel's sources, the kernel path's (kernels 0, 1 and 2's sources, the fused
+    kernel's, the q / k epilogue's, their batched helpers: the default) and the interim
+    backward's modules (the ledger key; it does not tell which path a run took)."""
     import forgekernel.ops._linattn_varlen as varlen
     import forgekernel.ops.gated_delta_rule_bwd as bwd_op
     import forgekernel.reference.delta_rule_bwd as bwd_ref
@@ -69,11 +73,12 @@ def kernel_sources() -> list[Path]:
     import forgekernel.reference.gdn_bwd_state as state_ref
     from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90 import SPEC as CHUNK_SPEC
     from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90 import SPEC as FACTORS_SPEC
+    from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90 import SPEC as FUSED_SPEC
     from forgekernel.kernels.linear_attention.gdn_bwd_norm.sm90 import SPEC as NORM_SPEC
     from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90 import SPEC as STATE_SPEC
 
     modules = (bwd_op, varlen, bwd_ref, state_ref, chunk_ref, factors_ref, norm_ref)
-    specs = (gdn_prefill.SPEC, FACTORS_SPEC, STATE_SPEC, CHUNK_SPEC, NORM_SPEC)
+    specs = (gdn_prefill.SPEC, FACTORS_SPEC, STATE_SPEC, CHUNK_SPEC, FUSED_SPEC, NORM_SPEC)
     return [*(p for spec in specs for p in spec.sources), *(Path(m.__file__) for m in modules)]
 
 
@@ -88,6 +93,8 @@ BENCH_CASES = (
     _case(_mix(64, 32768), 16, 32, group="varlen"),
 )
 INTERIM_CASES = BENCH_CASES[:2]  # the `interim` variant's: the interim path is slow
+SWITCH_AB_CASES = BENCH_CASES[2:3]  # 4x8192-h16-hv32: the switches' A/B variants
+SWITCH_AB = {"no_fused_slots": "FUSED_SLOTS", "no_groupsum": "FUSED_GROUPSUM"}
 CHECK_CASES = (
     _case([1, 63, 64, 65, 130], 2, 4),
     _case([257], 4, 8, state=False),
@@ -131,10 +138,27 @@ def run_interim(inputs: Inputs, out: tuple | None) -> tuple:
         return run_ours(inputs, out)
 
 
+def run_without(switch: str) -> Callable:
+    """Ours with ops/gated_delta_rule_bwd.py's constant `switch` False (the baseline of an
+    adopted route; patched around the call, so a graph capture records that route)."""
+    from unittest import mock
+
+    import forgekernel.ops.gated_delta_rule_bwd as bwd_op
+
+    def run(inputs: Inputs, out: tuple | None) -> tuple:
+        with mock.patch.object(bwd_op, switch, False):
+            return run_ours(inputs, out)
+
+    return run
+
+
 def variants(case: Case) -> dict[str, Any]:
     """The two smallest cases (`INTERIM_CASES`): `interim`, the fp32 torch path the kernel path
-    replaced as the default (2026-12-06)."""
-    return interim_variant(case, INTERIM_CASES, run_interim)
+    replaced as the default (2026-12-06). 4x8192-h16-hv32 (`SWITCH_AB_CASES`): `SWITCH_AB`."""
+    out = interim_variant(case, INTERIM_CASES, run_interim)
+    if case.name in {c.name for c in SWITCH_AB_CASES}:
+        out.update({name: run_without(switch) for name, switch in SWITCH_AB.items()})
+    return out
 
 
 def interim_variant(case: Case, cases, run: Callable) -> dict[str, Any]:

@@ -119,7 +119,8 @@ CHECK_CASES = (
     # the cases above take the t_pre form
     _case([40] * 9, 8, 8),
 )
-SANITIZE_CASES = CHECK_CASES[:3]  # the third has an empty sequence
+# the third has an empty sequence; the last the standard route (its O warp's tail rows: 40 of 64)
+SANITIZE_CASES = (*CHECK_CASES[:3], CHECK_CASES[-1])
 
 
 def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, gen: torch.Generator):
@@ -175,14 +176,19 @@ H200_SMS = 132
 # the t_pre form's state chain against next/gdn-tpre's (variant t_pre_state_lds): an unsplit
 # case (two state warpgroups) and a split one (one)
 STATE_CHAIN_AB = ("4x8192-h16-hv32", "1x4096-h16-hv32")
+# the standard form without its O warp (variant no_o_warp; the launcher's standard form has it,
+# H100 2026-12-07 0.943-0.986x): the case where the launcher takes the standard form (HV = H,
+# unsplit) and one where `standard` is the variant
+STANDARD_CHAIN_AB = ("8x32768-h16-hv16", "4x8192-h16-hv32")
 
 
 def _run_forced(**forced):
     """Ours through the launcher with a choice forced: `v_split` (1: one CTA per sequence and
     head; 2: two, each with 64 value rows of the state and two aux warpgroups), `segments`
     (1: the direct launch; P: each sequence cut into P segments, three passes) or `t_pre` (True:
-    T diag(beta) by the precompute kernel, read by the chunked kernel's t_pre form, with
-    `state_order` its state warpgroups in turns; False: the standard form, its aux forming T)."""
+    T diag(beta) by the precompute kernel, read by the chunked kernel's t_pre form; False: the
+    standard form, its aux forming T, with its O warp unless `o_warp=False`), `b_no_o`
+    (False: the segmented path's pass B with o)."""
 
     def run(inputs: Inputs, out):
         launch = importlib.import_module(
@@ -224,9 +230,12 @@ def variants(case: Case) -> dict[str, Any]:
     1 x hv32, the model's break-even, launch.segments_for). The split and segment variants keep
     the case's form (t_pre forced as ours takes it), so each compares one choice.
     `t_pre_state_lds` on STATE_CHAIN_AB: the t_pre form with next/gdn-tpre's state chain, the
-    A/B of its O warp and ldmatrix V^T. `t_pre_state_order` where ours is the t_pre form's
-    direct unsplit launch: its two state warpgroups issuing in turns (launch.state_order_for),
-    against ours (lockstep) on the same case."""
+    A/B of its O warp and ldmatrix V^T. `no_o_warp` on STANDARD_CHAIN_AB: the standard form
+    without its O warp (V^T by 16-bit loads, O stored by the state warps), against ours
+    (8x32768-h16-hv16) and against `standard` (4x8192-h16-hv32), both of which have it.
+    `b_with_o` where the launcher segments in the t_pre form: pass B with o (ours runs it on
+    the `no_o` key: no q, P, O^T or o); likewise `segments_<P>_b_with_o` beside
+    `segments_<P>`."""
     from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import v_split_for
     from forgekernel.kernels.linear_attention.gdn_prefill.sm90.launch import segments_for
 
@@ -237,14 +246,19 @@ def variants(case: Case) -> dict[str, Any]:
     out["standard" if t_pre else "t_pre"] = _run_forced(t_pre=not t_pre)
     if case.name in STATE_CHAIN_AB:
         out["t_pre_state_lds"] = _run_forced(t_pre=True, state_lds=True)
+    if case.name in STANDARD_CHAIN_AB:
+        out["no_o_warp"] = _run_forced(t_pre=False, o_warp=False)
     direct = segments_for(n, hv, sum(lens), H200_SMS) == 1
-    if t_pre and direct and v_split_for(n, hv, H200_SMS) == 1:
-        out["t_pre_state_order"] = _run_forced(t_pre=True, state_order=True, v_split=1)
     if not direct:
+        if t_pre:
+            out["b_with_o"] = _run_forced(t_pre=True, b_no_o=False)
         return {**out, "segments_1": _run_forced(segments=1, t_pre=t_pre)}
     if 4 * n * hv <= H200_SMS and sum(lens) >= 16384 * n:
         parts = (H200_SMS // hv + 1) // n
         out[f"segments_{parts}"] = _run_forced(segments=parts, t_pre=t_pre)
+        if t_pre:
+            out[f"segments_{parts}_b_with_o"] = _run_forced(segments=parts, t_pre=True,
+                                                            b_no_o=False)  # fmt: skip
     if v_split_for(n, hv, H200_SMS) == 2:
         out["v_split_1"] = _run_forced(v_split=1, t_pre=t_pre)
     elif 2 * n * hv <= 2 * H200_SMS:

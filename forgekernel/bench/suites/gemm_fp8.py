@@ -75,6 +75,10 @@ CHECK_CASES = (
     _case(16, 16900, 384),
     _case(100, 8448, 1024),
     _case(513, 576, 7168),
+    # M >= 8192: the A-multicast tile walked in bands of 8 cluster columns (2026-12-07): 65 tile
+    # rows (the last of 8 rows), 23 n-tiles in 12 cluster columns (a band of 8, a last of 4, the
+    # last cluster's second CTA past N)
+    _case(8200, 2824, 384),
 )
 # compute-sanitizer: every kind of configuration the chooser takes: the narrow full-K tiles
 # (M <= 512 where the 128-column tiles leave SMs idle and the pick is one round of at least 66

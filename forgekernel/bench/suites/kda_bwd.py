@@ -53,9 +53,8 @@ def kernel_sources() -> list[Path]:
     """The forward's sources, the kernel path's (kernels 1 and 2's sources, Gated DeltaNet's q /
     k epilogue's and the GDN op module its helpers come from, the varlen buckets, their batched
     helpers: the default; the WY kernel's and its model's, WY_IN_KERNEL's, on by default: a run
-    with it on is keyed by them too; the fused kernel's and its model's, FUSED's: a run with
-    its switch set is too) and the interim backward's modules (the ledger key; it does not tell
-    which path a run took)."""
+    with it on is keyed by them too) and the interim backward's modules (the ledger key; it does
+    not tell which path a run took)."""
     import forgekernel.ops._linattn_varlen as varlen
     import forgekernel.ops.gated_delta_rule_bwd as gdn_op
     import forgekernel.ops.kda_bwd as bwd_op
@@ -64,17 +63,14 @@ def kernel_sources() -> list[Path]:
     import forgekernel.reference.gdn_bwd_state as state_ref
     import forgekernel.reference.kda_bwd as bwd_ref
     import forgekernel.reference.kda_bwd_chunk as chunk_ref
-    import forgekernel.reference.kda_bwd_fused as fused_ref
     import forgekernel.reference.kda_bwd_wy as wy_ref
     from forgekernel.kernels.linear_attention.gdn_bwd_norm.sm90 import SPEC as NORM_SPEC
     from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90 import SPEC as STATE_SPEC
     from forgekernel.kernels.linear_attention.kda_bwd_chunk.sm90 import SPEC as CHUNK_SPEC
-    from forgekernel.kernels.linear_attention.kda_bwd_fused.sm90 import SPEC as FUSED_SPEC
     from forgekernel.kernels.linear_attention.kda_bwd_wy.sm90 import SPEC as WY_SPEC
 
-    modules = (bwd_op, gdn_op, varlen, bwd_ref, gdn_ref, state_ref, chunk_ref, norm_ref, wy_ref,
-               fused_ref)  # fmt: skip
-    specs = (STATE_SPEC, CHUNK_SPEC, NORM_SPEC, WY_SPEC, FUSED_SPEC)
+    modules = (bwd_op, gdn_op, varlen, bwd_ref, gdn_ref, state_ref, chunk_ref, norm_ref, wy_ref)
+    specs = (STATE_SPEC, CHUNK_SPEC, NORM_SPEC, WY_SPEC)
     kernels = tuple(p for spec in specs for p in spec.sources)
     return [*kda_prefill.SOURCES, *kernels, *(Path(m.__file__) for m in modules)]
 

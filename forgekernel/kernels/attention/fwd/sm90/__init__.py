@@ -112,13 +112,27 @@ L2_CANDIDATES = (
     (64, True, {"dynamic": True, "wave_kv_mib": 0}),
 )
 
+# D = 96 on three consumer warpgroups (192-row tiles: FA4's and FA3's shape for D <= 96, ours
+# for D = 64; docs/attention/NOTES.md "next/attn-fwd-gap (2026-12-07)"): the suite's slowest
+# case, b2 hq32 hkv8 s8192 D = 96 causal, runs 0.896x FA4 on 128-row tiles, compute-bound. With
+# P in registers a 128-key tile spills at 160 registers a thread (96 bytes), so the keys a tile
+# drop to 112 (2 or 3 stages) or 96 (3 stages); in sections (`wave_kv_mib` 0) for the two D = 96
+# classes FIXED_RULES moves (rules 2 and 3). (head_dim, causal, knobs) as L2_CANDIDATES.
+WG3_CANDIDATES = (
+    (96, True, {"tile_m": 192, "tile_n": 112}),
+    (96, True, {"tile_m": 192, "tile_n": 112, "stages": 3}),
+    (96, True, {"tile_m": 192, "tile_n": 96, "stages": 3}),
+    (96, True, {"tile_m": 192, "tile_n": 112, "wave_kv_mib": 0}),
+    (96, False, {"tile_m": 192, "tile_n": 112, "wave_kv_mib": 0}),
+)
+
 
 def _candidate_params() -> list[Params]:
     """The static deal of the D = 128 varlen launch (its default before the tile counter),
     bf16 causal: the bench's `static` variant (docs/attention/NOTES.md, "Measured 2026-12-04
     00:40-00:50"); the 192/128 schedule candidates (D192_CANDIDATES); D = 128 causal in L2
     sections at every size (non-causal: rule 8's standard key); the other head dims' L2
-    candidates (L2_CANDIDATES)."""
+    candidates (L2_CANDIDATES); D = 96 on 192-row tiles (WG3_CANDIDATES)."""
     static = replace(default_config(128, 128, varlen=True), dynamic=False)
     d192 = [replace(default_config(192, 128), **knobs) for knobs in D192_CANDIDATES]
     wave0 = replace(default_config(128, 128), wave_kv_mib=0)
@@ -128,7 +142,7 @@ def _candidate_params() -> list[Params]:
         + [params_for("bfloat16", 128, 128, True, wave0)]
         + [
             params_for("bfloat16", d, d, causal, replace(default_config(d, d), **knobs))
-            for d, causal, knobs in L2_CANDIDATES
+            for d, causal, knobs in L2_CANDIDATES + WG3_CANDIDATES
         ]
     )
 
@@ -142,4 +156,4 @@ SPEC = KernelSpec(
     candidate_params=_candidate_params,
 )
 
-__all__ = ["SPEC", "AttnConfig", "L2_CANDIDATES", "default_config", "params_for"]
+__all__ = ["SPEC", "AttnConfig", "L2_CANDIDATES", "WG3_CANDIDATES", "default_config", "params_for"]

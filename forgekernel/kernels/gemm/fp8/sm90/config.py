@@ -56,7 +56,15 @@ DECODE = tuple(dataclasses.replace(SKINNY, a_rows=r) for r in A_ROWS)
 # the launcher): measured 2026-12-05 02:42 (scripts/fp8_tiles.py, docs/gemm/NOTES.md "The scales
 # four ahead and M-major"): 8192^3 1.2195 -> 1.0880 ms, 16384x7168x18432 -3.5 %, the rest within
 # 0.3 %; on LARGE's 2x1 tile neutral to 3 % slower (K = 2048), so LARGE keeps K-major.
-LARGE_MCAST_A = dataclasses.replace(LARGE, cluster_m=1, cluster_n=2, scale_mn_major=True)
+# Walked in bands of 8 cluster columns (`swizzle` 8: 16 n-tiles, 2048 columns, swept down M with
+# N fastest inside a band; the grouped layout's walk) instead of M first, which reads A's rows
+# from HBM again for every cluster column once M outgrows the L2: measured on the H100
+# (scripts/fp8_tiles.py `--twins`, 2026-12-07 00:14 and 00:20, ms M first -> bands)
+# 16384x7168x18432 4.288 -> 3.924 and 4.328 -> 3.929, 16384x5120x25600 4.229 -> 3.919 and
+# 4.275 -> 3.994, 8192^3 1.102 -> 1.040 and 1.078 -> 1.019, 8192x4608x7168 0.558 -> 0.503.
+# LARGE (c2x1, A resident) keeps M first: its band twins -2.7 % to +5 % (docs/gemm/NOTES.md
+# "next/fp8-band8").
+LARGE_MCAST_A = dataclasses.replace(LARGE, cluster_m=1, cluster_n=2, scale_mn_major=True, swizzle=8)
 LARGE_M_MCAST_A = 8192
 # Stream K (the kernel's `stream_k`: every tile's k-tiles cut evenly over one wave of CTAs,
 # partials parked after promotion) for problems whose tiles would leave most SMs idle: the
@@ -143,14 +151,15 @@ NARROW_CONFIGS = tuple(narrow_config(r or 64, w) for r in (*A_ROWS, 0) for w in 
 # tile's ring since 18:47 (6 stages beside a 3-deep epilogue, the scales two k-tiles ahead):
 # 0.818x DeepGEMM on the 5-stage one-ahead ring (2026-12-02 18:47), 0.857x on this one (12-03
 # 03:50). Walked in bands (`swizzle` 8: 8 cluster columns, 16 n-tiles, swept down M with N
-# fastest inside a band) where LARGE_MCAST_A walks M first, which sweeps all of A (up to 940 MB)
-# once per cluster column against a 50 MB L2 (scripts/fp8_grouped_walk.py: 2.2-10.8x the bytes
-# of A and B on 13 of the 24 bench cases, bands of 8 1.0-2.1x). Measured on the H200 (2026-12-03
+# fastest inside a band) where M first sweeps all of A (up to 940 MB) once per cluster column
+# against a 50 MB L2 (scripts/fp8_grouped_walk.py: 2.2-10.8x the bytes of A and B on 13 of the
+# 24 bench cases, bands of 8 1.0-2.1x). Measured on the H200 (2026-12-03
 # 06:21, band ms / M-first ms, 24 cases): graph median 0.966x, best 0.812x (E128:128x1536x2048),
 # worst 1.021x (E8:4096x4096x7168); eager median 0.938x, worst 1.003x. Bands of 6 (DeepGEMM's 8
 # blocks of 192 columns) measured and dropped: graph median 0.966x, worst 1.024x; eager 0.954x.
-# docs/gemm/NOTES.md "Measured 2026-12-03 06:21 (H200): band8 adopted".
-GROUPED = dataclasses.replace(LARGE_MCAST_A, swizzle=8, scale_mn_major=False)  # as measured
+# docs/gemm/NOTES.md "Measured 2026-12-03 06:21 (H200): band8 adopted". (LARGE_MCAST_A walks
+# the same bands since 2026-12-07.)
+GROUPED = dataclasses.replace(LARGE_MCAST_A, scale_mn_major=False)  # as measured
 
 
 def params_for(out_dtype: str, cfg: GemmConfig, grouped: bool = False) -> tuple:

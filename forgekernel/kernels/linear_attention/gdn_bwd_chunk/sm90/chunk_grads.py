@@ -924,24 +924,28 @@ class GdnBwdChunkSm90:
             out[r] = cute.arch.warp_reduction_sum(part, threads_in_group=QUAD)
         return out
 
-    def _out_rows(self, mOut, b, hv, c, seqlen, at):
-        """Where a (C, K) accumulator's rows go: (the (C, K) tile of out[b, :, hv, :], the
-        first row's index for the predicate, the bound): the tokens of chunk c, those inside T;
-        or `at` (`_token_rows`) the tokens from at[0], the first at[1] rows."""
+    def _out_rows(self, mma, mOut, tid, b, hv, c, seqlen, at):
+        """Where a (C, K) accumulator's rows go, as thread `tid` holds them: (its (rows,
+        columns) partition of the (C, K) tile of out[b, :, hv, :], its rows' coordinates t0 and
+        row_base (`softmax.acc_coords`), the first row's index for the predicate, the bound):
+        the tokens of chunk c, those inside T; or `at` (`_token_rows`) the tokens from at[0],
+        the first at[1] rows. The one place `_store_rows` and `_add_rows` differ by kernel:
+        KDA's (kda_bwd_chunk) is a math warpgroup's (C, 64) columns."""
+        t0, row_base, _ = softmax.acc_coords(mma, tid, (CHUNK, self.k))
         if at is None:
-            return (cute.local_tile(mOut[b, None, hv, None], (CHUNK, self.k), (c, 0)),
-                    c * CHUNK, seqlen)  # fmt: skip
-        rows = cute.domain_offset((at[0], 0), mOut[b, None, hv, None])
-        return cute.local_tile(rows, (CHUNK, self.k), (0, 0)), 0, at[1]
+            tile = cute.local_tile(mOut[b, None, hv, None], (CHUNK, self.k), (c, 0))
+            first, bound = c * CHUNK, seqlen
+        else:
+            rows = cute.domain_offset((at[0], 0), mOut[b, None, hv, None])
+            tile, first, bound = cute.local_tile(rows, (CHUNK, self.k), (0, 0)), 0, at[1]
+        return rows_cols(mma.get_slice(tid).partition_C(tile)), t0, row_base, first, bound
 
     @cute.jit
     def _add_rows(self, acc, mma, mOut, tid, b, hv, c, seqlen, at=None):
         """out[b, tokens of chunk c, hv, :] += a (C, K) accumulator, the rows inside T (this
         thread's own earlier stores: `_store_rows` with the same partition); `at`: at the
         tokens `_out_rows` names."""
-        t0, row_base, _ = softmax.acc_coords(mma, tid, (CHUNK, self.k))
-        tile, first, bound = self._out_rows(mOut, b, hv, c, seqlen, at)
-        g = rows_cols(mma.get_slice(tid).partition_C(tile))
+        g, t0, row_base, first, bound = self._out_rows(mma, mOut, tid, b, hv, c, seqlen, at)
         a = rows_cols(acc)
         for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
             if first + row_base + t0[r, 0][0] < bound:
@@ -953,9 +957,7 @@ class GdnBwdChunkSm90:
         """A (C, K) accumulator to out[b, tokens of chunk c, hv, :], the rows inside T; a 16-bit
         out rounded once (times `scale` when given: dqk16's dq); `at`: at the tokens
         `_out_rows` names."""
-        t0, row_base, _ = softmax.acc_coords(mma, tid, (CHUNK, self.k))
-        tile, first, bound = self._out_rows(mOut, b, hv, c, seqlen, at)
-        g = rows_cols(mma.get_slice(tid).partition_C(tile))
+        g, t0, row_base, first, bound = self._out_rows(mma, mOut, tid, b, hv, c, seqlen, at)
         a = rows_cols(acc)
         for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
             if first + row_base + t0[r, 0][0] < bound:

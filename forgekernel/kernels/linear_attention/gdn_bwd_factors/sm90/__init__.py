@@ -29,12 +29,19 @@ def _standard_params() -> list[Params]:
     return [params_for(dtype, fused=f) for f in (False, True) for dtype in DTYPES]
 
 
+def _candidate_params() -> list[Params]:
+    # the T-only form (`w_from_t`, next/gdn-w-from-t2: no W, u, v not read; ops.
+    # gated_delta_rule_bwd FUSED_WFROMT, off until its device A/B)
+    return [params_for(dtype, fused=True, w_from_t=True) for dtype in DTYPES]
+
+
 SPEC = KernelSpec(
     name="gdn_bwd_factors_sm90",
     arch="sm_90a",
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
+    candidate_params=_candidate_params,
 )
 
 __all__ = ["SPEC", "params_for"]

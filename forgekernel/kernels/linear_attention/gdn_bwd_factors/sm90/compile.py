@@ -19,7 +19,8 @@ from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90.factors import Gd
 
 
 def kernel_for(params: dict) -> GdnBwdFactorsSm90:
-    return GdnBwdFactorsSm90(params["k"], params["v"], params.get("fused", False))
+    return GdnBwdFactorsSm90(params["k"], params["v"], params.get("fused", False),
+                             params.get("w_from_t", False))  # fmt: skip
 
 
 def compile_gdn_bwd_factors(params: dict, arch: str = "sm_90a", extra_options: str = "",
@@ -32,7 +33,7 @@ def compile_gdn_bwd_factors(params: dict, arch: str = "sm_90a", extra_options: s
     f32 = cutlass.Float32
     kernel = kernel_for(params) if kernel is None else kernel
     width = {"w": kd, "u": vd, "pt": CHUNK, "ke": kd, "qe": kd, "tt": CHUNK}
-    written = out_tiles(params.get("fused", False))  # fused: Ke, Qe None
+    written = out_tiles(params.get("fused", False), params.get("w_from_t", False))
     outs = [fake.rowmajor(dtype, (b, rows, hv, width[n])) if n in written else None
             for n in OUT_TILES]  # fmt: skip
     return cute.compile(

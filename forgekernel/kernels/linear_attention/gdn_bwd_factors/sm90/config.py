@@ -18,6 +18,9 @@ OUT_TILES = ("w", "u", "pt", "ke", "qe", "tt")
 # the `fused` key's (the op's fused route): no Ke, Qe, which neither the fused kernel nor kernel
 # 1's forward launch (its `fused` key: k and G in place of Ke) reads
 FUSED_OUT_TILES = tuple(n for n in OUT_TILES if n not in ("ke", "qe"))
+# the `w_from_t` key's (with fused): no W, u either, which kernel 1's forward launch and the
+# fused kernel form from T^T (their `w_from_t` keys)
+T_ONLY_OUT_TILES = tuple(n for n in FUSED_OUT_TILES if n not in ("w", "u"))
 # The TMA boxes' mbarriers, one a group (all boxes issued at once, TMA order = group order); a
 # math warpgroup waits on each just before its first product on it: k (A = K K^T, then the
 # inverse; warpgroup 2's Q K^T), q (P = Q K^T, beside the inverse), v (u = [T diag(beta)] V)
@@ -34,15 +37,21 @@ def smem_bytes(k: int = 128, v: int = 128, elem_bytes: int = 2) -> int:
     return tiles * elem_bytes + scratch + head + 1024
 
 
-def out_tiles(fused: bool = False) -> tuple[str, ...]:
-    """The token tiles a key writes, in the kernel's argument order (`fused`: no Ke, Qe)."""
+def out_tiles(fused: bool = False, w_from_t: bool = False) -> tuple[str, ...]:
+    """The token tiles a key writes, in the kernel's argument order (`fused`: no Ke, Qe;
+    `w_from_t`: no W, u either)."""
+    if w_from_t:
+        return T_ONLY_OUT_TILES
     return FUSED_OUT_TILES if fused else OUT_TILES
 
 
-def params_for(dtype: str, head_dims: tuple[int, int] = (128, 128), fused: bool = False) -> tuple:
+def params_for(dtype: str, head_dims: tuple[int, int] = (128, 128), fused: bool = False,
+               w_from_t: bool = False) -> tuple:  # fmt: skip
     """Compile key: the 16-bit dtype of q, k, v and the tiles, (K, V); `fused` (in the key only
     when set): the op's fused route's tiles, no Ke, Qe (`FUSED_OUT_TILES`), the others bit for
-    bit."""
+    bit; `w_from_t` (with fused, likewise): no W, u, v not read (`T_ONLY_OUT_TILES`)."""
+    if w_from_t and not fused:
+        raise ValueError("w_from_t needs fused")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
     if tuple(head_dims) not in HEAD_DIMS:
@@ -51,4 +60,6 @@ def params_for(dtype: str, head_dims: tuple[int, int] = (128, 128), fused: bool 
     key = {"dtype": dtype, "k": k, "v": v}
     if fused:
         key["fused"] = True
+    if w_from_t:
+        key["w_from_t"] = True
     return tuple(sorted(key.items()))

@@ -24,7 +24,13 @@ FUSED_DIET): no Qe and no Ke tile (mQe, mKe None: no shared-memory boxes, no sca
 stores): the fused kernel folds both decays in registers, Qe into its state warpgroup's A
 operand, and kernel 1's forward launch (its `fused` key) reads k and G in place of Ke (32 KB a
 chunk-head not written; warpgroup 2's first store group holds P^T alone). Every other output
-bit for bit the standard key's.
+bit for bit the standard key's. Variant `w_from_t` (compile flag, with fused; ops/
+gated_delta_rule_bwd.py FUSED_WFROMT, off): no W and no u either (kernel 1's forward launch and
+the fused kernel form both from T^T, their `w_from_t` keys): the T-only form (gdn_t_pre_sm90's
+analogue for the backward, P^T beside it): v not loaded (load groups k, q), warpgroup 1 the
+gates, A, T and T^T, warpgroup 2 P^T alone (no BAR_T: nothing after the inverse reads T but
+T^T's store); writes P^T, T^T, e^(G_C), G: 16 KB of tiles a chunk-head (48 with W, u), and
+reads q, k only (v's 16 KB not).
 
 Warp roles (3 warpgroups, 384 threads, no setmaxnreg: under the launch's 168 registers a
 thread; NOTES "GDN backward factors kernel on two math warpgroups": 1.06x the one-math-warpgroup
@@ -114,11 +120,16 @@ class GdnBwdFactorsSm90(AuxWy):
     load_groups = LOAD_GROUPS  # the TMA tiles' load groups, one mbarrier each
     threads = THREADS
 
-    def __init__(self, k: int, v: int, fused: bool = False):
+    def __init__(self, k: int, v: int, fused: bool = False, w_from_t: bool = False):
         if (k, v) != (128, 128):
             raise ValueError(f"(K, V) must be (128, 128), got {(k, v)}")
+        if w_from_t and not fused:
+            raise ValueError("w_from_t needs fused")
         self.k, self.v = k, v
         self.fused = fused  # no Qe, no Ke (the module docstring)
+        self.w_from_t = w_from_t  # no W, no u, no v load (the module docstring)
+        if w_from_t:
+            self.load_groups = LOAD_GROUPS[:2]  # k, q
         self.l2norm = False  # q, k arrive normalized (AuxWy's masks read this)
 
     def _setup(self):
@@ -145,8 +156,8 @@ class GdnBwdFactorsSm90(AuxWy):
         mV: cute.Tensor,
         mG: cute.Tensor,
         mBeta: cute.Tensor,
-        mW: cute.Tensor,
-        mU: cute.Tensor,
+        mW: cute.Tensor | None,
+        mU: cute.Tensor | None,
         mPt: cute.Tensor,
         mKe: cute.Tensor | None,
         mQe: cute.Tensor | None,
@@ -158,9 +169,11 @@ class GdnBwdFactorsSm90(AuxWy):
         """mQ (scaled, normalized), mK (B, T, H, K), mV (B, T, HV, V) 16-bit; mG, mBeta fp32
         (B, T, HV). Outputs in mQ's dtype, (B, NC C, HV, D): mW, mU, mPt (D = C), mKe, mQe,
         mTt (D = C) at chunk c (`fused`: mKe, mQe None, not written); fp32 mElast (B, NC, HV) =
-        e^(G_C), mBigG (B, NC C, HV) = G."""
+        e^(G_C), mBigG (B, NC C, HV) = G (`w_from_t`: mW, mU None too)."""
         self.dtype = mQ.element_type
         outs = (mW, mU, mPt, mTt) if const_expr(self.fused) else (mW, mU, mPt, mKe, mQe, mTt)
+        if const_expr(self.w_from_t):
+            outs = (mPt, mTt)
         for t in (mK, mV, *outs):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"the 16-bit tiles must share one dtype, got {t.element_type}")
@@ -174,7 +187,7 @@ class GdnBwdFactorsSm90(AuxWy):
             loads.append(cpasync.make_tiled_tma_atom(g2s, _tdhb(m), sT_tile, (CHUNK, d)))
         stores = []
         for m in (mW, mU, mKe, mQe):
-            if const_expr(m is None):  # fused: no Ke, Qe
+            if const_expr(m is None):  # fused: no Ke, Qe (w_from_t: no W, u)
                 stores.append((None, None))
             else:
                 stores.append(cpasync.make_tiled_tma_atom(s2g, _tdhb(m), sT_tile, (CHUNK, self.k)))
@@ -182,14 +195,15 @@ class GdnBwdFactorsSm90(AuxWy):
             stores.append(cpasync.make_tiled_tma_atom(s2g, _tdhb(m), sP_tile, (CHUNK, CHUNK)))
         # the bytes each load group's mbarrier expects (`_load_groups`): (C, 128) 16-bit tiles
         t_bytes = cute.size_in_bytes(self.dtype, sT_tile)
-        self.group_bytes = tuple(t_bytes * len(group) for group in LOAD_GROUPS)
+        self.group_bytes = tuple(t_bytes * len(group) for group in self.load_groups)
         t_elems = cute.cosize(self.sT_layout)
+        wu_elems = 0 if const_expr(self.w_from_t) else t_elems  # v, W, u
         p_elems = cute.cosize(self.sP_layout)
         e_elems = 0 if const_expr(self.fused) else t_elems  # Ke, Qe
 
         @cute.struct
         class SharedStorage:
-            barriers: cute.struct.MemRange[cutlass.Int64, len(LOAD_GROUPS)]
+            barriers: cute.struct.MemRange[cutlass.Int64, len(self.load_groups)]
             sG2: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]
             sBeta: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]
             sBetaEg: cute.struct.Align[cute.struct.MemRange[Float32, CHUNK], 16]
@@ -197,9 +211,9 @@ class GdnBwdFactorsSm90(AuxWy):
             sX: cute.struct.Align[cute.struct.MemRange[Float32, 2 * BLOCK * X_STRIDE], 16]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
-            sOw: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
-            sOu: cute.struct.Align[cute.struct.MemRange[self.dtype, t_elems], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, wu_elems], 1024]
+            sOw: cute.struct.Align[cute.struct.MemRange[self.dtype, wu_elems], 1024]
+            sOu: cute.struct.Align[cute.struct.MemRange[self.dtype, wu_elems], 1024]
             sOke: cute.struct.Align[cute.struct.MemRange[self.dtype, e_elems], 1024]
             sOqe: cute.struct.Align[cute.struct.MemRange[self.dtype, e_elems], 1024]
             sOpt: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
@@ -225,10 +239,10 @@ class GdnBwdFactorsSm90(AuxWy):
         mK4: cute.Tensor,
         tma_v: cute.CopyAtom,
         mV4: cute.Tensor,
-        tma_w: cute.CopyAtom,
-        mW4: cute.Tensor,
-        tma_u: cute.CopyAtom,
-        mU4: cute.Tensor,
+        tma_w: cute.CopyAtom | None,
+        mW4: cute.Tensor | None,
+        tma_u: cute.CopyAtom | None,
+        mU4: cute.Tensor | None,
         tma_ke: cute.CopyAtom | None,
         mKe4: cute.Tensor | None,
         tma_qe: cute.CopyAtom | None,
@@ -249,19 +263,20 @@ class GdnBwdFactorsSm90(AuxWy):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == PRODUCER_WARP:
-            for atom in (tma_q, tma_k, tma_v):
+            for atom in (tma_q, tma_k) if const_expr(self.w_from_t) else (tma_q, tma_k, tma_v):
                 cpasync.prefetch_descriptor(atom)
         storage = SmemAllocator().allocate(self.shared_storage)
         bars = storage.barriers.data_ptr()  # one mbarrier a load group, armed once (phase 0)
         if warp_idx == PRODUCER_WARP:
             with cute.arch.elect_one():
-                for i in cutlass.range_constexpr(len(LOAD_GROUPS)):
+                for i in cutlass.range_constexpr(len(self.load_groups)):
                     cute.arch.mbarrier_init(bars + i, 1)
         init_arrive()
         sQ = smem_tensor(storage.sQ, sT_layout)
         sK = smem_tensor(storage.sK, sT_layout)
-        sV = smem_tensor(storage.sV, sT_layout)
-        outs = [smem_tensor(f, sT_layout) for f in (storage.sOw, storage.sOu)]
+        sV = None if const_expr(self.w_from_t) else smem_tensor(storage.sV, sT_layout)
+        outs = [None if const_expr(self.w_from_t) else smem_tensor(f, sT_layout)
+                for f in (storage.sOw, storage.sOu)]  # fmt: skip
         for f in (storage.sOke, storage.sOqe):  # fused: neither
             outs.append(None if const_expr(self.fused) else smem_tensor(f, sT_layout))
         sPt = smem_tensor(storage.sOpt, sP_layout)
@@ -279,6 +294,8 @@ class GdnBwdFactorsSm90(AuxWy):
             if warp_idx == PRODUCER_WARP:
                 tiles = {"q": (tma_q, mQ4, sQ, self.k, hq), "k": (tma_k, mK4, sK, self.k, hq),
                          "v": (tma_v, mV4, sV, self.v, hv)}  # fmt: skip
+                if const_expr(self.w_from_t):
+                    del tiles["v"]
                 self._load_groups(tiles, bars, c, hv, b)
         else:
             # the output tiles' TMA stores: (atom, global view, shared tile, width) by name
@@ -288,6 +305,8 @@ class GdnBwdFactorsSm90(AuxWy):
                      "pt": (tma_pt, mPt4, sPt, c_), "tt": (tma_tt, mTt4, sTt, c_)}  # fmt: skip
             if const_expr(self.fused):
                 del tiles["ke"], tiles["qe"]
+            if const_expr(self.w_from_t):
+                del tiles["w"], tiles["u"]
             self._math_roles(mma_aux, mma_rs, sQ, sK, sV, outs, sPt, sTt, gates, sW, sX, mG,
                              mBeta, mElast, mBigG, bars, tiles, c, hv, b)  # fmt: skip
 
@@ -312,7 +331,7 @@ class GdnBwdFactorsSm90(AuxWy):
     def _t_and_u(self, mma_aux, mma_rs, sK, sV, s_u, sTt, gates, sW, sX, bars, tiles, c, hv,
                  b):  # fmt: skip
         """Warpgroup 1: A = beta_i d_ij (K K^T) -> T in sW (BAR_T after the merges), T^T out,
-        u = [T diag(beta)] V out."""
+        u = [T diag(beta)] V out (`w_from_t`: T^T alone, no BAR_T)."""
         sG2, sBeta, _ = gates
         cute.arch.mbarrier_wait(bars + 0, 0)  # k
         wg_a = mma_aux.get_slice(0)
@@ -329,27 +348,29 @@ class GdnBwdFactorsSm90(AuxWy):
         cute.arch.sync_warp()
         invert_diagonal(sW, atid)
         invert_merge_mma(sW, sX, atid, named_barrier(BAR_INVERSE, THREADS_PER_WG))
-        named_barrier(BAR_T, MATH_PAIR).arrive()  # T final in sW (the merges' last barrier)
+        if const_expr(not self.w_from_t):  # T final in sW (the merges' last barrier)
+            named_barrier(BAR_T, MATH_PAIR).arrive()
         acc.store(tWsW.load())
         self._store_tile(acc, mma_aux, sTt, True)  # T^T
         self._store_group((tiles["tt"],), c, hv, b, BAR_MATH, LEADER[0])
-        wg_r = mma_rs.get_slice(0)
-        self._scale_by_beta(acc, coords, sBeta, 0)
-        tUrA = wg_r.make_fragment_A(wg_r.partition_shape_A((CHUNK, CHUNK)))
-        acc_to_operand_a(acc, tUrA)
-        acc_u = cute.make_rmem_tensor(wg_r.partition_shape_C((CHUNK, self.v)), Float32)
-        tBrV = wg_r.make_fragment_B(wg_r.partition_B(transposed(sV)))
-        cute.arch.mbarrier_wait(bars + 2, 0)  # v
-        gemm(mma_rs, acc_u, tUrA, tBrV[None, None, None, 0], True, 0)
-        self._store_tile(acc_u, mma_rs, s_u, False)
-        self._store_group((tiles["u"],), c, hv, b, BAR_MATH, LEADER[0])
+        if const_expr(not self.w_from_t):  # w_from_t: u formed where it is read
+            wg_r = mma_rs.get_slice(0)
+            self._scale_by_beta(acc, coords, sBeta, 0)
+            tUrA = wg_r.make_fragment_A(wg_r.partition_shape_A((CHUNK, CHUNK)))
+            acc_to_operand_a(acc, tUrA)
+            acc_u = cute.make_rmem_tensor(wg_r.partition_shape_C((CHUNK, self.v)), Float32)
+            tBrV = wg_r.make_fragment_B(wg_r.partition_B(transposed(sV)))
+            cute.arch.mbarrier_wait(bars + 2, 0)  # v
+            gemm(mma_rs, acc_u, tUrA, tBrV[None, None, None, 0], True, 0)
+            self._store_tile(acc_u, mma_rs, s_u, False)
+            self._store_group((tiles["u"],), c, hv, b, BAR_MATH, LEADER[0])
         if opaque_tid_x() == LEADER[0]:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def _p_and_w(self, mma_aux, mma_rs, sQ, sK, outs, sPt, gates, sW, bars, tiles, c, hv, b):
         """Warpgroup 2: P = d_ij (Q K^T) with Ke, Qe under its WGMMAs, P^T, Ke, Qe out; after
-        BAR_T, W = [T diag(beta e^G)] K (T from sW) out."""
+        BAR_T, W = [T diag(beta e^G)] K (T from sW) out (`w_from_t`: P^T alone)."""
         sG2, sBeta, sBetaEg = gates
         s_w, _, s_ke, s_qe = outs
         cute.arch.mbarrier_wait(bars + 0, 0)  # k
@@ -379,18 +400,19 @@ class GdnBwdFactorsSm90(AuxWy):
         self._store_tile(acc_p, mma_aux, sPt, True)  # P^T
         self._store_group((tiles["pt"], *self._last_stores(tiles)), c, hv, b, BAR_MATH2,
                           LEADER[1])  # fmt: skip
-        named_barrier(BAR_T, MATH_PAIR).arrive_and_wait()  # T final in sW
-        acc = cute.make_rmem_tensor(acc_shape, Float32)
-        acc.store(mma_aux.get_slice(atid).partition_C(sW).load())
-        self._scale_by_beta(acc, coords, sBetaEg, 0)
-        wg_r = mma_rs.get_slice(0)
-        tWrA = wg_r.make_fragment_A(wg_r.partition_shape_A((CHUNK, CHUNK)))
-        acc_to_operand_a(acc, tWrA)
-        acc_w = cute.make_rmem_tensor(out_shape, Float32)
-        tBrK = wg_r.make_fragment_B(wg_r.partition_B(transposed(sK)))
-        gemm(mma_rs, acc_w, tWrA, tBrK[None, None, None, 0], True, 0)
-        self._store_tile(acc_w, mma_rs, s_w, False)
-        self._store_group((tiles["w"],), c, hv, b, BAR_MATH2, LEADER[1])
+        if const_expr(not self.w_from_t):  # w_from_t: W formed where it is read
+            named_barrier(BAR_T, MATH_PAIR).arrive_and_wait()  # T final in sW
+            acc = cute.make_rmem_tensor(acc_shape, Float32)
+            acc.store(mma_aux.get_slice(atid).partition_C(sW).load())
+            self._scale_by_beta(acc, coords, sBetaEg, 0)
+            wg_r = mma_rs.get_slice(0)
+            tWrA = wg_r.make_fragment_A(wg_r.partition_shape_A((CHUNK, CHUNK)))
+            acc_to_operand_a(acc, tWrA)
+            acc_w = cute.make_rmem_tensor(out_shape, Float32)
+            tBrK = wg_r.make_fragment_B(wg_r.partition_B(transposed(sK)))
+            gemm(mma_rs, acc_w, tWrA, tBrK[None, None, None, 0], True, 0)
+            self._store_tile(acc_w, mma_rs, s_w, False)
+            self._store_group((tiles["w"],), c, hv, b, BAR_MATH2, LEADER[1])
         if opaque_tid_x() == LEADER[1]:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 

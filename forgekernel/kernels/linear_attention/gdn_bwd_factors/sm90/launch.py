@@ -46,15 +46,16 @@ def check_inputs(q, k, v, g, beta) -> tuple[int, int, int, int]:
     return b, t, h, hv
 
 
-def empty_outputs(q: torch.Tensor, v: torch.Tensor, fused: bool = False) -> dict[str, torch.Tensor]:
-    """The outputs, uninitialized: token tiles (B, NC C, HV, D) in q's dtype (`fused`: no Ke, Qe),
-    e_last (B, NC, HV) and big_g (B, NC C, HV) fp32."""
+def empty_outputs(q: torch.Tensor, v: torch.Tensor, fused: bool = False,
+                  w_from_t: bool = False) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The outputs, uninitialized: token tiles (B, NC C, HV, D) in q's dtype (`fused`: no Ke, Qe;
+    `w_from_t`: no W, u either), e_last (B, NC, HV) and big_g (B, NC C, HV) fp32."""
     b, t, _, kd = q.shape
     hv, vd = v.shape[2], v.shape[3]
     nc = -(-t // CHUNK)
     width = {"w": kd, "u": vd, "pt": CHUNK, "ke": kd, "qe": kd, "tt": CHUNK}
     like = {"dtype": q.dtype, "device": q.device}
-    out = {n: torch.empty(b, nc * CHUNK, hv, width[n], **like) for n in out_tiles(fused)}
+    out = {n: torch.empty(b, nc * CHUNK, hv, width[n], **like) for n in out_tiles(fused, w_from_t)}
     f32 = {"dtype": torch.float32, "device": q.device}
     out["e_last"] = torch.empty(b, nc, hv, **f32)
     out["big_g"] = torch.empty(b, nc * CHUNK, hv, **f32)
@@ -70,6 +71,7 @@ def gdn_bwd_factors(
     *,
     out: dict[str, torch.Tensor] | None = None,
     fused: bool = False,
+    w_from_t: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Per chunk of 64 tokens and value head (every chunk at once): A = beta_i k_i.k_j
     e^(G_i - G_j) (j < i), T = (I + A)^-1 (the forward's tf32 blocked inverse), W = T diag(beta
@@ -78,9 +80,12 @@ def gdn_bwd_factors(
     K), v (B, T, HV, V) in one 16-bit dtype (value head hv reads q / k head hv // (HV / H));
     g, beta (B, T, HV) fp32 or that dtype. Returns `reference.gdn_bwd_factors.NAMES`' dict
     (`empty_outputs`' shapes), written into `out` (contiguous, those shapes) when given.
-    `fused`: the op's fused route's key, no Ke, Qe (not in the dict; the others bit for bit)."""
+    `fused`: the op's fused route's key, no Ke, Qe (not in the dict; the others bit for bit);
+    `w_from_t` (with fused): no W, u either (v not read: the T-only form)."""
     b, t, h, hv = check_inputs(q, k, v, g, beta)
-    outs = empty_outputs(q, v, fused)
+    if w_from_t and not fused:
+        raise ValueError("w_from_t needs fused")
+    outs = empty_outputs(q, v, fused, w_from_t)
     if out is not None:
         for name, x in outs.items():
             y = out[name]
@@ -90,7 +95,7 @@ def gdn_bwd_factors(
         outs = {n: out[n] for n in outs}
     if b * hv * t == 0:
         return outs
-    key = _params(dtype_name(q.dtype), (q.shape[-1], v.shape[-1]), fused=fused)
+    key = _params(dtype_name(q.dtype), (q.shape[-1], v.shape[-1]), fused=fused, w_from_t=w_from_t)
     fn = get_kernel(SPEC, key)
     tiles = [as_tma_ready(x) for x in (q, k, v)]
     gates = [x.float().contiguous() for x in (g, beta)]

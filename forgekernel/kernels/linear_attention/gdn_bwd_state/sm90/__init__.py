@@ -74,12 +74,23 @@ def _standard_params() -> list[Params]:
     return gdn + kda + out16 + kda16 + varlen + fused
 
 
+def _candidate_params() -> list[Params]:
+    # the fused route's forward launch forming W, u from T^T, v, k, beta, G (`w_from_t`,
+    # next/gdn-w-from-t2; ops.gated_delta_rule_bwd FUSED_WFROMT, off until its device A/B)
+    return [
+        params_for(dtype, d_final_state=d, out16=True, forward=True, fused=True, w_from_t=True)
+        for dtype in DTYPES
+        for d in (False, True)
+    ]
+
+
 SPEC = KernelSpec(
     name="gdn_bwd_state_sm90",
     arch="sm_90a",
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
+    candidate_params=_candidate_params,
 )
 
 __all__ = ["SPEC", "params_for"]

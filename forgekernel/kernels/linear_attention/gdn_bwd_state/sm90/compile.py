@@ -22,7 +22,7 @@ def kernel_for(params: dict) -> GdnBwdStateSm90:
         params["k"], params["v"], d_final_state=params["d_final_state"], dke=params["dke"],
         channel_decay=params.get("channel_decay", False), out16=params.get("out16", False),
         forward=params.get("forward", False), varlen=params.get("varlen", False),
-        fused=params.get("fused", False),
+        fused=params.get("fused", False), w_from_t=params.get("w_from_t", False),
     )  # fmt: skip
 
 
@@ -63,11 +63,13 @@ def compile_gdn_bwd_state(params: dict, arch: str = "sm_90a", extra_options: str
     w_tile = fake.rowmajor(dtype, (b, t, hv, kd))
     if fused:
         w_tile = fake.rowmajor(dtype, (b, cute.sym_int32(), cute.sym_int32(), kd))
+    w_from_t = params.get("w_from_t", False)  # dO's slot v, P^T's T^T, Ke's none; beta
+    g_rows = cute.sym_int32() if w_from_t else t  # G: NC C rows, v: T
     return cute.compile(
         kernel,
         fake.rowmajor(dtype, (b, t, hv, vd)),
-        None if fw else fake.rowmajor(dtype, (b, t, hv, CHUNK)),
-        fake.rowmajor(dtype, (b, t, hv, kd)),
+        None if fw and not w_from_t else fake.rowmajor(dtype, (b, t, hv, CHUNK)),
+        None if w_from_t else fake.rowmajor(dtype, (b, t, hv, kd)),
         None if fw else fake.rowmajor(dtype, (b, t, hv, kd)),
         w_tile,
         fake.rowmajor(dtype, (b, t, hv, vd)) if dke else None,
@@ -79,7 +81,8 @@ def compile_gdn_bwd_state(params: dict, arch: str = "sm_90a", extra_options: str
         state(),
         fake.offsets() if varlen else None,
         make_fake_tensor(cutlass.Int32, (n,), stride=(1,), assumed_align=4) if varlen else None,
-        fake.rowmajor(f32, (b, t, hv), divisibility=1, align=4) if fused else None,
+        fake.rowmajor(f32, (b, g_rows, hv), divisibility=1, align=4) if fused else None,
+        fake.rowmajor(f32, (b, t, hv), divisibility=1, align=4) if w_from_t else None,
         fake.stream(),
         options=fake.options(arch, extra_options),
     )

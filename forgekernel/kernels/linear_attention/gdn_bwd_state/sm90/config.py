@@ -29,11 +29,14 @@ def stage_bytes(
     dke: bool = False,
     channel_decay: bool = False,
     forward: bool = False,
+    w_from_t: bool = False,
 ) -> int:
-    """One ring stage: the five tiles (`forward`: three, P^T and Qe built in), U (C, V) with
-    `dke`, e^(G_C) (K,) fp32 with `channel_decay` (the forward launch's too: Kimi Delta
-    Attention's)."""
-    if forward:
+    """One ring stage: the five tiles (`forward`: three, P^T and Qe built in; `w_from_t`: v,
+    T^T (C, C), k), U (C, V) with `dke`, e^(G_C) (K,) fp32 with `channel_decay` (the forward
+    launch's too: Kimi Delta Attention's)."""
+    if w_from_t:
+        tiles = CHUNK * (v + CHUNK + k) * elem_bytes
+    elif forward:
         tiles = CHUNK * (v + 2 * k) * elem_bytes
     else:
         tiles = CHUNK * (v + CHUNK + 3 * k + (v if dke else 0)) * elem_bytes
@@ -47,12 +50,15 @@ def smem_bytes(
     dke: bool = False,
     channel_decay: bool = False,
     forward: bool = False,
+    w_from_t: bool = False,
 ) -> int:
     """Shared memory of one CTA (the kernel's SharedStorage, alignment padding included): the
-    ring, and with `dke` the chunk-end dS (K, V) in 16 bits that both state warpgroups read."""
+    ring, and with `dke` the chunk-end dS (K, V) in 16 bits that both state warpgroups read
+    (`w_from_t`: -W (C, K) a stage, which the state warpgroups write)."""
     ds = k * v * elem_bytes if dke else 0
-    ring = STAGES * stage_bytes(k, v, elem_bytes, dke, channel_decay, forward)
-    return ring + ds + 2 * STAGES * 8 + 7 * 1024
+    w = STAGES * CHUNK * k * elem_bytes if w_from_t else 0
+    ring = STAGES * stage_bytes(k, v, elem_bytes, dke, channel_decay, forward, w_from_t)
+    return ring + ds + w + 2 * STAGES * 8 + 7 * 1024
 
 
 def params_for(
@@ -66,6 +72,7 @@ def params_for(
     forward: bool = False,
     varlen: bool = False,
     fused: bool = False,
+    w_from_t: bool = False,
 ) -> tuple:
     """Compile key: the 16-bit dtype of the tiles, (K, V), whether a final-state gradient is
     read (without one, dS starts from zero), and the state-side output: dke = U dS^T per token
@@ -79,7 +86,8 @@ def params_for(
     set. `varlen` (N sequences in the forward's chunk slots, one CTA per (value head,
     sequence) walking its own slots: reverse_state.py's docstring) likewise. `fused` (with
     forward, not varlen: the fused route's forward launch, U not stored, k at its H heads and
-    G read in place of Ke) likewise."""
+    G read in place of Ke) likewise. `w_from_t` (with fused: W and u formed from kernel 0's
+    T^T, v, k, beta and G, not read; reverse_state.py's docstring) likewise."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
     if tuple(head_dims) not in HEAD_DIMS:
@@ -90,10 +98,13 @@ def params_for(
         raise ValueError("forward needs out16")
     if fused and (not forward or varlen):
         raise ValueError("fused needs forward, not varlen")
+    if w_from_t and not fused:
+        raise ValueError("w_from_t needs fused")
     k, v = head_dims
     key = {"dtype": dtype, "k": k, "v": v, "d_final_state": d_final_state, "dke": dke}
     for name, on in (("channel_decay", channel_decay), ("out16", out16),
-                     ("forward", forward), ("varlen", varlen), ("fused", fused)):  # fmt: skip
+                     ("forward", forward), ("varlen", varlen), ("fused", fused),
+                     ("w_from_t", w_from_t)):  # fmt: skip
         if on:
             key[name] = True
     return tuple(sorted(key.items()))

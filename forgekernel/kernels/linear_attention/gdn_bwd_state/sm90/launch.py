@@ -17,22 +17,23 @@ Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 MAX_SEQUENCES = 65535  # the varlen grid is (HV, N): N is gridDim.y
 
 
-def check_inputs(do, pt, ke, qe, w, e_last, d_final_state, u=None,
-                 states: int | None = None) -> tuple[int, int, int, int]:  # fmt: skip
+def check_inputs(do, pt, ke, qe, w, e_last, d_final_state, u=None, states: int | None = None,
+                 kd: int | None = None) -> tuple[int, int, int, int]:  # fmt: skip
     """(B, T, HV, NC) of a valid call, else ValueError / TypeError saying what is off; `states`:
-    the state tensors' leading size where it is not B (varlen: N sequences, B = 1)."""
+    the state tensors' leading size where it is not B (varlen: N sequences, B = 1); `kd`: K
+    where ke is None (the `w_from_t` form: W formed, not read)."""
     if do.dim() != 4:
         raise ValueError(f"do must be (B, T, HV, V), got {tuple(do.shape)}")
     b, t, hv, v = do.shape
     nc = -(-t // CHUNK)
     if do.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"do must be float16 or bfloat16, got {do.dtype}")
-    k = ke.shape[-1]
+    k = ke.shape[-1] if kd is None else kd
     want = {"pt": (b, t, hv, CHUNK), "ke": (b, t, hv, k), "qe": (b, t, hv, k), "w": (b, t, hv, k),
             "u": (b, t, hv, v)}  # fmt: skip
     for name, x in zip(want, (pt, ke, qe, w, do if u is None else u)):
-        if x is None and name in ("pt", "qe", "w"):  # forward: I and 0 built in; w: see below
-            continue
+        if x is None and name in ("pt", "ke", "qe", "w"):  # forward: I and 0 built in; w:
+            continue  # `check_k_and_g`; ke: w_from_t (W formed)
         if tuple(x.shape) != want[name]:
             raise ValueError(f"{name} must be {want[name]}, got {tuple(x.shape)}")
         if x.dtype != do.dtype:
@@ -53,7 +54,8 @@ def check_inputs(do, pt, ke, qe, w, e_last, d_final_state, u=None,
 
 def check_k_and_g(k: torch.Tensor, big_g: torch.Tensor, do: torch.Tensor) -> None:
     """The `fused` form's W-slot k (B, T', H, K) (T' <= T, the rows past it zero; H
-    dividing HV) and G (B, T, HV) fp32, else ValueError / TypeError."""
+    dividing HV) and G (B, NC C, HV) fp32 (kernel 0's, every chunk's rows: the `w_from_t`
+    form's do, v, has T), else ValueError / TypeError."""
     b, t, hv, _ = do.shape
     if (
         k.dim() != 4
@@ -66,8 +68,9 @@ def check_k_and_g(k: torch.Tensor, big_g: torch.Tensor, do: torch.Tensor) -> Non
                          f"{tuple(k.shape)}")  # fmt: skip
     if k.dtype != do.dtype:
         raise TypeError(f"k must be {do.dtype} (do's dtype), got {k.dtype}")
-    if tuple(big_g.shape) != (b, t, hv) or big_g.dtype != torch.float32:
-        raise ValueError(f"big_g must be float32 {(b, t, hv)}, got {big_g.dtype} "
+    rows = -(-t // CHUNK) * CHUNK  # every chunk's rows: the fused form's do has them already
+    if tuple(big_g.shape) != (b, rows, hv) or big_g.dtype != torch.float32:
+        raise ValueError(f"big_g must be float32 {(b, rows, hv)}, got {big_g.dtype} "
                          f"{tuple(big_g.shape)}")  # fmt: skip
 
 
@@ -123,6 +126,7 @@ def gdn_bwd_state(
     cu_seqlens: torch.Tensor | None = None,
     order: torch.Tensor | None = None,
     big_g: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None,
 ) -> Outputs:
     """The reverse recurrence dU = P^T dO + Ke dS, dS <- e^(G_C) dS + Qe^T dO - W^T dU over the
     chunks of each (sequence, value head), last first, dS from d_final_state (or zero).
@@ -148,8 +152,12 @@ def gdn_bwd_state(
     out16 only, the op's device passes). `big_g` (with forward; the op's fused route, the
     `fused` key): U not written, None in its place (`out`'s first entry ignored); w is k
     itself, (B, T' <= T, H, K) at its own heads (value head hv reads hv // (HV / H)), and big_g
-    (B, T, HV) fp32 kernel 0's G of every row (`check_k_and_g`): the kernel forms Ke's decays
-    on U^T. Nothing is read on the host."""
+    (B, NC C, HV) fp32 kernel 0's G of every row (`check_k_and_g`): the kernel forms Ke's decays
+    on U^T. `beta` (with big_g; the `w_from_t` key, the op's FUSED_WFROMT): W and u not read
+    but formed from kernel 0's T^T: do is v itself (B, T, HV, V), pt T^T (B, T, HV, C) (kernel
+    0's, cut to T rows), ke None, beta (B, T, HV) (fp32 or 16-bit; read as fp32); U^T = u^T -
+    S^T W^T with u^T in fp32 and W rounded to 16 bits (reverse_state.py's docstring). Nothing
+    is read on the host."""
     varlen = cu_seqlens is not None
     if varlen != (order is not None):
         raise ValueError("cu_seqlens and order come together (the varlen form)")
@@ -157,19 +165,26 @@ def gdn_bwd_state(
         raise ValueError("the varlen form is out16's (the device passes)")
     states = check_varlen(do, cu_seqlens, order) if varlen else None
     fused = big_g is not None
+    w_from_t = beta is not None
     if fused:
         if not forward or varlen:
             raise ValueError("big_g (the fused form) is the batch forward launch's")
         check_k_and_g(w, big_g, do)
-    b, t, hv, nc = check_inputs(do, pt, ke, qe, None if fused else w, e_last,
-                                d_final_state, u, states)  # fmt: skip
+    if w_from_t:
+        if not fused or pt is None or ke is not None:
+            raise ValueError("beta (the w_from_t form) needs big_g and pt = T^T, ke None")
+        if tuple(beta.shape) != tuple(do.shape[:3]):
+            raise ValueError(f"beta must be {tuple(do.shape[:3])}, got {tuple(beta.shape)}")
+    b, t, hv, nc = check_inputs(do, pt, ke, qe, None if fused else w, e_last, d_final_state,
+                                u, states, w.shape[-1] if w_from_t else None)  # fmt: skip
     dke = u is not None
     if (out16 and dke) or (forward and not out16):
         raise ValueError("out16 excludes u (dke); forward needs out16")
-    if (pt is None or qe is None) != forward:
+    if (pt is None and not w_from_t or qe is None) != forward:
         raise ValueError("pt and qe are None exactly when forward (I and 0 built in)")
+    kd = w.shape[-1] if w_from_t else ke.shape[-1]
     if out is None:
-        out = empty_outputs(do, ke.shape[-1], dke, out16, states, fused)
+        out = empty_outputs(do, kd, dke, out16, states, fused)
     du, side, dh0 = (None, *out[1:]) if fused else out
     want = (do.dtype, do.dtype, torch.float32) if out16 else (torch.float32,) * 3
     for x, dt in zip((du, side, dh0), want):
@@ -181,10 +196,10 @@ def gdn_bwd_state(
         dh0.copy_(d_final_state) if d_final_state is not None else dh0.zero_()
         return du, side, dh0
     channel_decay = e_last.dim() == 4
-    params = _params(dtype_name(do.dtype), (ke.shape[-1], do.shape[-1]),
+    params = _params(dtype_name(do.dtype), (kd, do.shape[-1]),
                      d_final_state=d_final_state is not None, dke=dke,
                      channel_decay=channel_decay, out16=out16,
-                     forward=forward, varlen=varlen, fused=fused)  # fmt: skip
+                     forward=forward, varlen=varlen, fused=fused, w_from_t=w_from_t)  # fmt: skip
     fn = get_kernel(SPEC, params)
     tiles = [None if x is None else as_tma_ready(x) for x in (do, pt, ke, qe, w)]
     tiles.append(as_tma_ready(u) if dke else None)
@@ -193,5 +208,6 @@ def gdn_bwd_state(
     with on_device(do.device):
         el = as_tma_ready(e_last) if channel_decay else e_last.contiguous()
         g = big_g.contiguous() if fused else None
-        fn(*tiles, el, dht, du, dh, dke_out, dh0, cu_seqlens, order, g)
+        bt = beta.float().contiguous() if w_from_t else None
+        fn(*tiles, el, dht, du, dh, dke_out, dh0, cu_seqlens, order, g, bt)
     return du, side, dh0

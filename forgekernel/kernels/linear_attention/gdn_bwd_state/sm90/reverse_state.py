@@ -63,7 +63,23 @@ instead of Ke = k e^(G_C - G), and mG (B, NC C, HV) fp32, kernel 0's G of every 
 U^T's token columns by e^(G_C - G) before they become the update's A operand (S^T += (U^T
 diag(e^(G_C - G))) k). Kernel 0 then writes no Ke and this launch no U (32 KB a chunk-head) and
 it reads k, shared by a group's value heads in L2, in place of Ke. h differs from the forward
-key's by the 16-bit rounding of the scaled U^T in place of Ke's.
+key's by the 16-bit rounding of the scaled U^T in place of Ke's. Variant `w_from_t` (compile
+flag, with fused; ops/gated_delta_rule_bwd.py FUSED_WFROMT, off): W and u not read but formed
+here from kernel 0's T^T, v, k, beta and G (kernel 0's `w_from_t` key writes neither: 32 KB a
+chunk-head): the ring holds v (dO's slot), T^T (P^T's, (C, C)) and k (W's), 40 KB a stage.
+Per chunk each state warpgroup w forms
+
+    u^T[rows of w] = (V^T diag(beta)) T^T   (64 x 64 x 64 into dU^T's accumulator, A = v's
+                                              transposed view scaled by column, B = T^T MN-major)
+    -W[:, columns of w] = -T diag(beta e^G) K[:, columns of w]   (64 x 64 x 64, A = T from T^T's
+                                              transposed view scaled by column, B = k MN-major)
+
+-W's half rounded to 16 bits into the W buffer of the stage (Ke's slot, written by the
+warpgroups, not by TMA); both halves in place at a named barrier (Bar.STATE), then dU^T += S^T
+(-W)^T, so U^T = u^T - S^T W^T with u^T never rounded (the `fused` key rounds kernel 0's u to
+16 bits). The buffer of stage s is rewritten two chunks later, after the other warpgroup's
+product on it has completed (waited before its release) and it has passed the next chunk's
+barrier: one barrier a chunk. beta fp32 (B, T, HV), read per token column (0 past T).
 
 Variant `varlen` (compile flag, 2026-12-06; ops/_linattn_varlen.py): the tiles hold N sequences
 in the forward's chunk slots (`gdn_prefill/sm90/config.py` `first_slot`): (1, S C, HV, D) with
@@ -114,6 +130,7 @@ from forgekernel.kernels.common.sm90.pipeline import (
     tma_pipeline,
 )
 from forgekernel.kernels.common.sm90.ptx import opaque_tid_x
+from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.chunk_grads import GdnBwdChunkSm90
 from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.config import (
     CHUNK,
     PRODUCER_REGS,
@@ -123,6 +140,7 @@ from forgekernel.kernels.linear_attention.gdn_bwd_state.sm90.config import (
     STATE_WGS,
     THREADS,
 )
+from forgekernel.kernels.linear_attention.gdn_prefill.sm90.config import first_slot
 
 ROWS = ROWS_PER_STATE_WG
 PRODUCER_WARP = 0
@@ -131,7 +149,7 @@ PRODUCER_WARP = 0
 class Bar(IntEnum):
     """Named barriers (id 0 is __syncthreads)."""
 
-    STATE = FIRST_FREE  # both state warpgroups: dS in shared memory (dke)
+    STATE = FIRST_FREE  # both state warpgroups: dS (dke) or -W's halves (w_from_t) in place
 
 
 def _tdhb(t: cute.Tensor) -> cute.Tensor:
@@ -141,7 +159,9 @@ def _tdhb(t: cute.Tensor) -> cute.Tensor:
 
 class GdnBwdStateSm90:
     """Warp-specialized reverse state recurrence of the Gated DeltaNet backward; see the module
-    docstring."""
+    docstring. Kernel 2's shared-memory tile store (`_store_tile`: w_from_t's -W halves)."""
+
+    _store_tile = GdnBwdChunkSm90._store_tile
 
     def __init__(
         self,
@@ -155,6 +175,7 @@ class GdnBwdStateSm90:
         forward: bool = False,
         varlen: bool = False,
         fused: bool = False,
+        w_from_t: bool = False,
     ):
         if (k, v) != (128, 128):
             raise ValueError(f"(K, V) must be (128, 128), got {(k, v)}")
@@ -164,6 +185,8 @@ class GdnBwdStateSm90:
             raise ValueError("forward needs out16")
         if fused and (not forward or varlen):
             raise ValueError("fused is the batch forward launch's")
+        if w_from_t and not fused:
+            raise ValueError("w_from_t needs fused")
         self.k, self.v = k, v
         self.d_final_state = d_final_state
         self.dke = dke
@@ -172,6 +195,7 @@ class GdnBwdStateSm90:
         self.forward = forward
         self.varlen = varlen
         self.fused = fused  # forward: U not stored, k and G in place of Ke
+        self.w_from_t = w_from_t  # fused: W, u formed from T^T, v, k, beta, G (not read)
 
     def _setup(self):
         dt = self.dtype
@@ -189,6 +213,13 @@ class GdnBwdStateSm90:
         self.mma_dke = sm90_utils.make_trivial_tiled_mma(
             dt, dt, k_major, k_major, Float32, (1, 1, 1), (CHUNK, ROWS)
         )
+        # w_from_t: u^T's rows (64 value rows, C tokens, B = T^T) and W's column half (C tokens,
+        # 64 k, B = k's half), both over the chunk, A from registers, B MN-major
+        self.mma_half = None
+        if self.w_from_t:
+            self.mma_half = sm90_utils.make_trivial_tiled_mma(
+                dt, dt, k_major, mn_major, Float32, (1, 1, 1), (ROWS, CHUNK), a_source=rmem
+            )
         row = LayoutEnum.ROW_MAJOR
         # dS (K, V) row-major: the K-major B of dke (n = k, reduced over v)
         self.sS_layout = sm90_utils.make_smem_layout_b(row, (CHUNK, self.k, self.v), dt, 1)
@@ -215,6 +246,7 @@ class GdnBwdStateSm90:
         mCu: cute.Tensor | None,
         mOrder: cute.Tensor | None,
         mG: cute.Tensor | None,
+        mBeta: cute.Tensor | None,
         stream: cuda.CUstream,
     ):
         """mDO (B, T, HV, V), mPT (B, T, HV, C), mKe, mQe, mW (B, T, HV, K) 16-bit; mEl fp32
@@ -225,9 +257,12 @@ class GdnBwdStateSm90:
         B = 1 and NC = S slots for the tiles and per-chunk outputs, mDht and mDh0 (N, HV, K, V),
         mCu int32 (N + 1,), mOrder int32 (N,) (the sequences longest first); else both None.
         With fused: mDU None (U not stored), mW k (B, T', H, K) and mG fp32 (B, NC C, HV);
-        else mG None."""
+        else mG None. With w_from_t: mDO v (B, T, HV, V), mPT T^T (B, T, HV, C), mKe None (W
+        formed) and mBeta fp32 (B, T, HV); else mBeta None."""
         self.dtype = mDO.element_type
         inputs = (mKe, mW) if const_expr(self.forward) else (mPT, mKe, mQe, mW)
+        if const_expr(self.w_from_t):
+            inputs = (mPT, mW)
         for t in inputs + ((mU,) if const_expr(self.dke) else ()):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"the 16-bit tiles must share one dtype, got {t.element_type}")
@@ -251,7 +286,11 @@ class GdnBwdStateSm90:
         else:
             tmas.append((None, None))
         d_tiles = 5 if const_expr(self.dke) else 4
-        if const_expr(self.forward):
+        if const_expr(self.w_from_t):  # v, T^T, k
+            self.tx_bytes = 2 * cute.size_in_bytes(self.dtype, sD_tile) + cute.size_in_bytes(
+                self.dtype, sP_tile
+            )
+        elif const_expr(self.forward):
             self.tx_bytes = 3 * cute.size_in_bytes(self.dtype, sD_tile)  # dO, Ke, W
         else:
             self.tx_bytes = d_tiles * cute.size_in_bytes(self.dtype, sD_tile) + cute.size_in_bytes(
@@ -268,7 +307,9 @@ class GdnBwdStateSm90:
             tmas.append((None, None))
         u_elems = cute.cosize(self.sD_layout) if const_expr(self.dke) else 0
         s_elems = cute.cosize(self.sS_layout) if const_expr(self.dke) else 0
-        p_elems = 0 if const_expr(self.forward) else cute.cosize(self.sP_layout)
+        p_elems = cute.cosize(self.sP_layout)  # w_from_t: T^T
+        if const_expr(self.forward and not self.w_from_t):
+            p_elems = 0
         qe_elems = 0 if const_expr(self.forward) else cute.cosize(self.sD_layout)
 
         @cute.struct
@@ -302,9 +343,11 @@ class GdnBwdStateSm90:
             mCu,
             mOrder,
             mG,
+            mBeta,
             self.mma_ks,
             self.mma_st,
             self.mma_dke,
+            self.mma_half,
             self.sD_layout,
             self.sP_layout,
             self.sS_layout,
@@ -342,9 +385,11 @@ class GdnBwdStateSm90:
         mCu: cute.Tensor | None,
         mOrder: cute.Tensor | None,
         mG: cute.Tensor | None,
+        mBeta: cute.Tensor | None,
         mma_ks: cute.TiledMma,
         mma_st: cute.TiledMma,
         mma_dke: cute.TiledMma,
+        mma_half: cute.TiledMma | None,
         sD_layout: cute.ComposedLayout,
         sP_layout: cute.ComposedLayout,
         sS_layout: cute.ComposedLayout,
@@ -355,6 +400,8 @@ class GdnBwdStateSm90:
         atoms = (tma_do, tma_pt, tma_ke, tma_qe, tma_w)
         if const_expr(self.forward):
             atoms = (tma_do, tma_ke, tma_w)
+        if const_expr(self.w_from_t):  # v, T^T, k
+            atoms = (tma_do, tma_pt, tma_w)
         if const_expr(self.dke):
             atoms = atoms + (tma_u,)
         if const_expr(self.channel_decay):
@@ -369,7 +416,7 @@ class GdnBwdStateSm90:
         init_arrive()
         sPT, sQe = None, None  # forward: I and 0, not in shared memory
         sDO = smem_tensor(storage.sDO, sD_layout)
-        if const_expr(not self.forward):
+        if const_expr(not self.forward or self.w_from_t):
             sPT = smem_tensor(storage.sPT, sP_layout)
         sKe = smem_tensor(storage.sKe, sD_layout)
         if const_expr(not self.forward):
@@ -390,8 +437,8 @@ class GdnBwdStateSm90:
         if const_expr(self.varlen):
             n = mOrder[b]
             bos, eos = mCu[n], mCu[n + 1]
-            first = bos // CHUNK + n
-            nchunks = eos // CHUNK + n + 1 - first
+            first = first_slot(bos, n)
+            nchunks = first_slot(eos, n + 1) - first
             b = 0
         wg = cute.arch.make_warp_uniform(tidx // THREADS_PER_WG)
         if wg == 0:
@@ -400,7 +447,9 @@ class GdnBwdStateSm90:
                 srcs = ((mDO4, sDO, (CHUNK, self.v)), (mPT4, sPT, (CHUNK, CHUNK)),
                         (mKe4, sKe, (CHUNK, self.k)), (mQe4, sQe, (CHUNK, self.k)),
                         (mW4, sW, (CHUNK, self.k)))  # fmt: skip
-                if const_expr(self.forward):
+                if const_expr(self.w_from_t):  # W formed: T^T in its place
+                    srcs = (srcs[0], srcs[1], srcs[4])
+                elif const_expr(self.forward):
                     srcs = (srcs[0], srcs[2], srcs[4])
                 if const_expr(self.dke):
                     srcs = srcs + ((mU4, sU, (CHUNK, self.v)),)
@@ -415,7 +464,7 @@ class GdnBwdStateSm90:
             self._state(
                 wg - 1, tidx - wg * THREADS_PER_WG, mma_ks, mma_st, mma_dke, sDO, sPT, sKe, sQe,
                 sW, sU, sS, sE, mEl, mDht, mDU, mDh, mDke, mDh0, ring, hv, b, seqlen, nchunks, n,
-                first, mG,
+                first, mG, mBeta, mma_half,
             )  # fmt: skip
 
     @cute.jit
@@ -448,7 +497,8 @@ class GdnBwdStateSm90:
     @cute.jit
     def _state(
         self, w, stid, mma_ks, mma_st, mma_dke, sDO, sPT, sKe, sQe, sW, sU, sS, sE, mEl, mDht,
-        mDU, mDh, mDke, mDh0, ring, hv, b, seqlen, nchunks, n, first, mG,
+        mDU, mDh, mDke, mDh0, ring, hv, b, seqlen, nchunks, n, first, mG, mBeta=None,
+        mma_half=None,
     ):  # fmt: skip
         """b: the tiles' batch index; n: the states' (both the sequence but with varlen, where
         b = 0 and chunk i of the walk is slot first + i)."""
@@ -477,6 +527,8 @@ class GdnBwdStateSm90:
             sS_w = cute.local_tile(sS[None, None, 0], (ROWS, self.v), (w, 0))  # k rows of w
             tBrS = wg_dke.make_fragment_B(wg_dke.partition_B(sS_w))
             both = named_barrier(Bar.STATE, STATE_WGS * THREADS_PER_WG)
+        if const_expr(self.w_from_t):
+            both = named_barrier(Bar.STATE, STATE_WGS * THREADS_PER_WG)
         st = consumer_state(STAGES)
         for i in cutlass.range(nchunks, unroll=1):
             c = i if const_expr(self.forward) else nchunks - 1 - i  # inputs and outputs alike
@@ -486,11 +538,29 @@ class GdnBwdStateSm90:
             g_tok = None
             if const_expr(self.fused):  # loaded here, used after the first product
                 g_tok = self._token_gates(acc_du, mma_ks, mG, b, c, hv)
-            ring.consumer_wait(st)
-            acc_to_operand_a(acc_ds, tDSrDS)
-            if const_expr(self.out16):  # dS, 16-bit: the A operand's registers, no 2nd copy
+            e_tok = None  # w_from_t: loaded here too (under the ring's wait), used first
+            if const_expr(self.w_from_t):
+                e_tok = self._token_betas(mma_ks, mBeta, g_tok[1], b, c, hv, seqlen)
+            if const_expr(self.w_from_t):
+                # S^T's A operand and 16-bit h before the ring's wait and the formation: after
+                # the formation ptxas serialized every HGMMA of the key without dht (C7520,
+                # "compiler-inserted WG.AR in divergent path": 20 of 20 waited, R229; here 3
+                # of 20, R222 with and without dht; cu13, 2026-12-07)
+                acc_to_operand_a(acc_ds, tDSrDS)
                 self._store_state16(tDSrDS, thr_st, mDh[b, c, hv, None, None], w)
-            gemm(mma_ks, acc_du, tDSrDS, tBrKe[None, None, None, st.index], True, -1)
+            ring.consumer_wait(st)
+            if const_expr(self.w_from_t):  # u^T into acc_du, -W's half into sKe
+                self._w_and_u(mma_ks, mma_half, acc_du, tDOrDO, e_tok, sDOt, sPT, sW, sKe, w,
+                              st.index)  # fmt: skip
+            else:
+                acc_to_operand_a(acc_ds, tDSrDS)
+                if const_expr(self.out16):  # dS, 16-bit: the A operand's registers, no 2nd copy
+                    self._store_state16(tDSrDS, thr_st, mDh[b, c, hv, None, None], w)
+            if const_expr(self.w_from_t):  # both halves of -W in place: U^T = u^T - S^T W^T
+                both.arrive_and_wait()
+                gemm(mma_ks, acc_du, tDSrDS, tBrKe[None, None, None, st.index], False, -1)
+            else:
+                gemm(mma_ks, acc_du, tDSrDS, tBrKe[None, None, None, st.index], True, -1)
             if const_expr(self.dke):
                 acc_dke = cute.make_rmem_tensor(wg_dke.partition_shape_C((CHUNK, ROWS)), Float32)
                 both.arrive_and_wait()  # the other warpgroup's previous dke has read sS
@@ -500,17 +570,19 @@ class GdnBwdStateSm90:
             # thread-dependent views rebuilt each chunk (the forward's reason: hoisted, they
             # stay live across the loop)
             tid = opaque_tid_x() % THREADS_PER_WG
-            r_do = cute.make_rmem_tensor(acc_shape, Float32)
-            dot = cute.local_tile(sDOt[None, None, st.index], (ROWS, CHUNK), (w, 0))
-            r_do.store(mma_ks.get_slice(tid).partition_C(dot).load().to(Float32))
+            r_do = None  # w_from_t: u^T in acc_du already
+            if const_expr(not self.w_from_t):
+                r_do = cute.make_rmem_tensor(acc_shape, Float32)
+                dot = cute.local_tile(sDOt[None, None, st.index], (ROWS, CHUNK), (w, 0))
+                r_do.store(mma_ks.get_slice(tid).partition_C(dot).load().to(Float32))
             if const_expr(not self.forward):
                 acc_to_operand_a(r_do, tDOrDO)
                 gemm(mma_ks, acc_du, tDOrDO, tBrPT[None, None, None, st.index], False, -1)
             if const_expr(not self.dke and not self.out16):
                 self._state_io(mDh[b, c, hv, None, None], acc_ds, thr_st, w, False, False)
             warpgroup.wait_group(0)
-            if const_expr(self.forward):  # P = I, Ke = W: U^T = u^T - S^T W^T (exact sign)
-                acc_du.store(r_do.load() - acc_du.load())
+            if const_expr(self.forward and not self.w_from_t):
+                acc_du.store(r_do.load() - acc_du.load())  # U^T = u^T - S^T W^T (exact sign)
             if const_expr(self.channel_decay):
                 self._decay_columns(acc_ds, mma_st, sE, st.index)
             else:
@@ -553,6 +625,63 @@ class GdnBwdStateSm90:
         for j in cutlass.range_constexpr(cute.size(rows_cols(acc_du), mode=[1])):
             g_j.append(mG[b, first + col_base + t0[0, j][1], hv])
         return mG[b, first + CHUNK - 1, hv], g_j
+
+    @cute.jit
+    def _token_betas(self, mma_ks, mBeta, g_j, b, c, hv, seqlen) -> tuple:
+        """w_from_t: ([beta_j], [beta_j e^(G_j)]) for the token columns j of this thread's
+        (C, C) fragments (`_token_gates`' columns, g_j their G), beta 0 past T (the v and k
+        rows there are TMA's zeros: any finite beta would do)."""
+        tid = opaque_tid_x() % THREADS_PER_WG
+        t0, _, col_base = softmax.acc_coords(mma_ks, tid, (ROWS, CHUNK))
+        beta, beta_eg = [], []
+        for j in cutlass.range_constexpr(len(g_j)):
+            t = c * CHUNK + col_base + t0[0, j][1]
+            inside = t < seqlen
+            b_j = cutlass.select_(inside, Float32(mBeta[b, cutlass.min(t, seqlen - 1), hv]),
+                                  Float32(0.0))  # fmt: skip
+            beta.append(b_j)
+            beta_eg.append(b_j * cute.math.exp(g_j[j], fastmath=True))
+        return beta, beta_eg
+
+    @cute.jit
+    def _w_and_u(self, mma_ks, mma_half, acc_du, tA_u, e_tok, sDOt, sPT, sW, sKe, w, s):
+        """w_from_t, state warpgroup w at ring stage s: u^T's value rows of w into acc_du (A =
+        V^T diag(beta) from v's transposed view, B = T^T: acc_du = u^T, fp32, never rounded) and
+        -W's columns [64 w, 64 w + 64) (A = T diag(beta e^G) from T^T's transposed view, B =
+        k's column half) rounded to 16 bits into sKe's stage s (fenced; the caller's barrier
+        puts both halves in place). The A operands scaled by column in fp32 and rounded once,
+        as kernel 0 rounds its T's (here from its 16-bit T)."""
+        tid = opaque_tid_x() % THREADS_PER_WG
+        thr = mma_ks.get_slice(tid)
+        wg_h = mma_half.get_slice(0)
+        sTt = transposed(sPT[None, None, s])  # (i, j): T
+        r_a = cute.make_rmem_tensor(acc_du.shape, Float32)
+        vt = cute.local_tile(sDOt[None, None, s], (ROWS, CHUNK), (w, 0))
+        r_a.store(thr.partition_C(vt).load().to(Float32))
+        self._scale_columns(r_a, e_tok[0])
+        acc_to_operand_a(r_a, tA_u)
+        tBt = wg_h.make_fragment_B(wg_h.partition_B(sTt))
+        gemm(mma_half, acc_du, tA_u, tBt, True, -1)
+        r_t = cute.make_rmem_tensor(acc_du.shape, Float32)
+        r_t.store(thr.partition_C(sTt).load().to(Float32))
+        self._scale_columns(r_t, e_tok[1])
+        tA_w = wg_h.make_fragment_A(wg_h.partition_shape_A((CHUNK, CHUNK)))
+        acc_to_operand_a(r_t, tA_w)
+        k_half = cute.local_tile(transposed(sW[None, None, s]), (ROWS, CHUNK), (w, 0))
+        tBk = wg_h.make_fragment_B(wg_h.partition_B(k_half))
+        acc_w = cute.make_rmem_tensor(acc_du.shape, Float32)
+        gemm(mma_half, acc_w, tA_w, tBk, True, 0)
+        acc_w.store(-acc_w.load())
+        self._store_tile(acc_w, mma_half, cute.local_tile(sKe, (CHUNK, ROWS, 1), (0, w, s)),
+                         False)  # fmt: skip
+
+    @cute.jit
+    def _scale_columns(self, x, scales):
+        """x's column j (this thread's j-th accumulator column) times scales[j]."""
+        a = rows_cols(x)
+        for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
+            for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
+                a[r, j] = a[r, j] * scales[j]
 
     @cute.jit
     def _decay_columns(self, acc_ds, mma_st, sE, s):

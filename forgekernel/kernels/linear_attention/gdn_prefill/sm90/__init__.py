@@ -25,19 +25,32 @@ def _compile(params: Params, extra_options: str = ""):
 
 
 def _standard_params() -> list[Params]:
-    """Both forms of every configuration: the launcher takes the t_pre form (T precomputed)
+    """Every configuration in each form the launcher runs: the t_pre form (T precomputed)
     except on direct unsplit launches over ungrouped heads (`launch.t_pre_for`), where the
-    standard one runs; the other form stays the bench's variant."""
-    return [
-        params_for(dtype, dims, k_last=kl, l2norm=l2, initial_state=init, v_split=split, t_pre=tp)
-        for tp in (False, True)
+    standard form runs with its O warp (`o_warp`); the segmented path's pass B on the t_pre
+    form's `no_o` key (from its c I start: always an initial state). The standard form
+    without the O warp stays built: the bench's A/B `no_o_warp` and the GPU tests'
+    bit-for-bit reference (and the t_pre form where the launcher takes the other: the
+    bench's `t_pre`)."""
+    configs = [
+        (dtype, dims, kl, l2)
         for dtype in DTYPES
         for dims in HEAD_DIMS
         for kl in (False, True)
         for l2 in (False, True)
-        for init in (False, True)
-        for split in V_SPLITS
     ]
+
+    def form(initial_states, **key):
+        return [
+            params_for(dtype, dims, k_last=kl, l2norm=l2, initial_state=init, v_split=split, **key)
+            for dtype, dims, kl, l2 in configs
+            for init in initial_states
+            for split in V_SPLITS
+        ]
+
+    both = (False, True)
+    return (form(both) + form(both, t_pre=True) + form(both, o_warp=True)
+            + form((True,), t_pre=True, no_o=True))  # fmt: skip
 
 
 def _compile_t_pre(params: Params, extra_options: str = ""):
@@ -46,19 +59,15 @@ def _compile_t_pre(params: Params, extra_options: str = ""):
     return compile_gdn_t_pre(dict(params), "sm_90a", extra_options)
 
 
-def _t_pre_candidates() -> list[Params]:
+def _candidates() -> list[Params]:
     """The t_pre form with next/gdn-tpre's state chain (`state_lds`, the bench's A/B variant
     `t_pre_state_lds`) in the suite's configurations (bf16, fla's state layout, no l2norm),
-    state or not, unsplit and split; unsplit, the state warpgroups in turns (`state_order`, the
-    bench's `t_pre_state_order`)."""
-    suite = dict(k_last=False, l2norm=False, t_pre=True)
+    state or not, unsplit and split."""
+    suite = dict(k_last=False, l2norm=False, t_pre=True, state_lds=True)
     return [
-        params_for("bfloat16", initial_state=init, v_split=split, state_lds=True, **suite)
+        params_for("bfloat16", initial_state=init, v_split=split, **suite)
         for init in (False, True)
         for split in V_SPLITS
-    ] + [
-        params_for("bfloat16", initial_state=init, state_order=True, **suite)
-        for init in (False, True)
     ]
 
 
@@ -68,7 +77,7 @@ SPEC = KernelSpec(
     directory=Path(__file__).parent,
     compile=_compile,
     standard_params=_standard_params,
-    candidate_params=_t_pre_candidates,
+    candidate_params=_candidates,
 )
 
 # T diag(beta) of every (chunk, value head) at once (`t_pre.py`), read by the t_pre form above.

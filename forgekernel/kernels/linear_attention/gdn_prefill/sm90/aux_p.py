@@ -1,7 +1,8 @@
 """The aux warpgroup of the chunked kernel's `t_pre` form (mixed into GdnChunkedFwdSm90): T
 diag(beta) comes from the precompute (`t_pre.py`) through the T ring (producer warp -> state
 warpgroups), so per chunk only what needs q: Q K^T, its mask and decays, the row norms
-(l2norm) and the state warpgroups' per-token tables (`AuxWy`'s, called as they are)."""
+(l2norm) and the state warpgroups' per-token tables (`AuxWy`'s, called as they are). With the
+`no_o` key the tables only (no Q K^T, no P; with l2norm k's row norms alone: no q)."""
 
 from __future__ import annotations
 
@@ -60,31 +61,40 @@ class AuxP:
                 gate_pipe.consumer_wait(gt)
             qk_pipe.consumer_wait(ld)
             acc_p = cute.make_rmem_tensor(acc_shape, Float32)
-            gemm(mma_aux, acc_p, tSrQ[None, None, None, ld.index],
-                 tSrKb[None, None, None, ld.index], True, -1)  # fmt: skip
+            if const_expr(not self.no_o):
+                gemm(mma_aux, acc_p, tSrQ[None, None, None, ld.index],
+                     tSrKb[None, None, None, ld.index], True, -1)  # fmt: skip
             if const_expr(not witness):
                 gate_pipe.consumer_wait(gt)
             if const_expr(self.l2norm):
                 self._row_norm(atid, sQ, sK, sG, sNorm, ld.index, gt.index)
                 bar.arrive_and_wait()  # every row's norms before the mask reads them
-            coords = softmax.acc_coords(mma_aux, atid, (CHUNK, CHUNK))
-            warpgroup.wait_group(0)
+            if const_expr(not self.no_o):
+                coords = softmax.acc_coords(mma_aux, atid, (CHUNK, CHUNK))
+                warpgroup.wait_group(0)
             qk_pipe.consumer_release(ld)
-            self._decay_mask(acc_p, coords, sG, sBeta, sNorm, gt.index, scale, False)
+            if const_expr(not self.no_o):
+                self._decay_mask(acc_p, coords, sG, sBeta, sNorm, gt.index, scale, False)
             aux_pipe.producer_acquire(ax)
             if atid < CHUNK:
                 self._tables(atid, sG, sNorm, sTab, gt.index, ax.index, scale)
-            r2s = cute.make_tiled_copy_C(
-                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype),
-                mma_aux,
-            )
-            thr_r2s = r2s.get_slice(atid)
-            r_p = cute.make_rmem_tensor(acc_shape, self.dtype)
-            r_p.store(acc_p.load().to(self.dtype))
-            cute.copy(r2s, thr_r2s.retile(r_p), thr_r2s.partition_D(sP[None, None, ax.index]))
-            cute.arch.fence_view_async_shared()  # stmatrix (generic) -> WGMMA (async proxy)
+            if const_expr(not self.no_o):  # P, read by the state's O^T += U^T P^T
+                self._store_p(mma_aux, acc_p, sP, ax.index, atid, acc_shape)
             gate_pipe.consumer_release(gt)
             aux_pipe.producer_commit(ax)
             ld.advance(self.aux_wgs)
             gt.advance(self.aux_wgs)
             ax.advance(self.aux_wgs)
+
+    @cute.jit
+    def _store_p(self, mma_aux, acc_p, sP, s, atid, acc_shape):
+        """P (the masked Q K^T) -> 16 bits -> stmatrix into the aux ring's stage s, fenced for
+        the state's WGMMA (async proxy)."""
+        r2s = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype), mma_aux
+        )
+        thr_r2s = r2s.get_slice(atid)
+        r_p = cute.make_rmem_tensor(acc_shape, self.dtype)
+        r_p.store(acc_p.load().to(self.dtype))
+        cute.copy(r2s, thr_r2s.retile(r_p), thr_r2s.partition_D(sP[None, None, s]))
+        cute.arch.fence_view_async_shared()  # stmatrix (generic) -> WGMMA (async proxy)

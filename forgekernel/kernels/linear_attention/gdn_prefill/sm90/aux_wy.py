@@ -141,8 +141,9 @@ class AuxWy:
         these in the P mask (after the inverse's last barrier)."""
         row = atid % CHUNK
         if atid < CHUNK:
-            ss = self._sum_squares(sQ[None, None, stage], row)
-            sNorm[row, 0, gs] = cute.math.rsqrt(ss + L2NORM_EPS, fastmath=True)
+            if const_expr(self.q_load):  # the no_o key loads no q (rq, O's factor, unread)
+                ss = self._sum_squares(sQ[None, None, stage], row)
+                sNorm[row, 0, gs] = cute.math.rsqrt(ss + L2NORM_EPS, fastmath=True)
         else:
             self._k_norm(sK[None, None, stage], row, sG, sNorm, gs)
 
@@ -178,7 +179,8 @@ class AuxWy:
         rq = Float32(1.0)
         rk = Float32(1.0)
         if const_expr(self.l2norm):
-            rq = sNorm[j, 0, gs]
+            if const_expr(self.q_load):  # no_o: no q norm (column 1 unread)
+                rq = sNorm[j, 0, gs]
             rk = sNorm[j, 1, gs]
         sTab[j, 0, s] = rk * ej
         sTab[j, 1, s] = scale * rq * ej

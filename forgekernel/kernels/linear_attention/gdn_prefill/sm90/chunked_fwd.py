@@ -59,11 +59,14 @@ the thread-dependent views hoisted, and O handed by an mbarrier ring (full: the 
 warpgroup's 128 threads after stmatrix and a proxy fence; empty: the O warp's 32 lanes once
 read) to warpgroup 0's warp 3 (`roles.O_WARP`), which stores whole chunks by one TMA box and
 the tail chunk's rows by 16-byte copies. Key field state_lds keeps next/gdn-tpre's state chain
-(the bench's A/B, `t_pre_state_lds`). Key field state_order (unsplit t_pre form): the two state
-warpgroups issue their four WGMMA batches a chunk (X^T | O^T, U^T, U^T P^T, the update) in
-turns, each waiting on its barrier `Bar.TURN + w` and handing over to the other right after its
-issue (FlashInfer's ordered issue; the attention forward's ping-pong), so one's CUDA-core work
-runs under the other's batch instead of both at once with the tensor pipe idle.
+(the bench's A/B, `t_pre_state_lds`). Key field no_o (t_pre form): no o (no q boxes nor q norms,
+no Q K^T or P, no O^T, U^T P^T or O tiles; the O warp idle): the segmented path's pass
+B, whose o pass C overwrites (the launcher's default there: 0.885x at 1 x 131072 h16 hv16,
+H100). Key field o_warp (standard form; the launcher's default form of it, the bench's A/B
+`no_o_warp` without): the standard form with the t_pre form's state chain (V^T by ldmatrix,
+the views hoisted, O through the O warp), T still formed by its aux: 0.943-0.986x of the
+standard form without it on the H100 (next/tpre-batch-gap, next/gdn-prefill-adopt in
+docs/linear_attention/NOTES.md).
 
 Ragged edges: a chunk that runs past its sequence loads the next sequence's rows (or TMA's
 zero fill past T): their g and beta are 0 (so G2 is flat and those rows of L, T - I and U
@@ -86,7 +89,6 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from forgekernel.kernels.common.sm90.barriers import named_barrier
 from forgekernel.kernels.common.sm90.constants import LOG2E, THREADS_PER_WG, WARP_SIZE
 from forgekernel.kernels.common.sm90.layout import packed_as_sdhb
 from forgekernel.kernels.common.sm90.pipeline import (
@@ -126,7 +128,6 @@ from forgekernel.kernels.linear_attention.gdn_prefill.sm90.roles import (
     O_WARP,
     PRODUCER_WARP,
     T_WARP,
-    Bar,
     gate_warp_witnesses_qk,
     qk_consumer_warps,
     v_consumer_warps,
@@ -155,7 +156,7 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
 
     def __init__(
         self, k: int, v: int, *, k_last: bool, l2norm: bool, initial_state: bool, v_split: int = 1,
-        t_pre: bool = False, state_lds: bool = False, state_order: bool = False,
+        t_pre: bool = False, state_lds: bool = False, o_warp: bool = False, no_o: bool = False,
     ):  # fmt: skip
         if (k, v) != (128, 128):
             raise ValueError(f"(K, V) must be (128, 128), got {(k, v)}")
@@ -165,8 +166,14 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
         self.initial_state = initial_state
         self.v_split = v_split
         self.t_pre = t_pre
-        self.o_warp = t_pre and not state_lds  # O by warp O_WARP's TMA stores, V^T by ldmatrix
-        self.state_order = state_order  # the state warpgroups' WGMMA issue in turns (Bar.TURN)
+        # O by warp O_WARP's TMA stores, V^T by ldmatrix: the t_pre form's, or the standard
+        # form's with its o_warp key
+        self.o_warp = (t_pre and not state_lds) or o_warp
+        self.no_o = no_o  # no o: the state chain without O^T, U^T P^T and the O hand-off
+        self.o_drain = self.o_warp and not no_o  # the O warp stores O tiles (its ring built)
+        # q only for its products: the no_o key forms no q norm either (l2norm: O's factor
+        # rq, the tables' column 1, is unread there)
+        self.q_load = not no_o
         self.state_wgs = state_wgs(v, v_split)
         self.aux_wgs = aux_wgs(v_split)
         self.v_cols = self.state_wgs * ROWS_PER_STATE_WG  # value columns of one CTA
@@ -236,7 +243,7 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ4, sQK_tile, (CHUNK, self.k))
         tma_k, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK4, sQK_tile, (CHUNK, self.k))
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV4, sV_tile, (CHUNK, self.v_cols))
-        self.qk_bytes = 2 * cute.size_in_bytes(self.dtype, sQK_tile)
+        self.qk_bytes = (2 if self.q_load else 1) * cute.size_in_bytes(self.dtype, sQK_tile)
         self.v_bytes = cute.size_in_bytes(self.dtype, sV_tile)
         tma_t, tma_mT, tma_o, mO4 = None, None, None, None
         w_words = self.aux_wgs * CHUNK * W_STRIDE
@@ -250,7 +257,7 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
             self.t_bytes = cute.size_in_bytes(self.dtype, sT_tile)
             w_words = x_words = SCRATCH_STUB  # no inverse here
             t_barriers = 2 * STAGES
-        if const_expr(self.o_warp):
+        if const_expr(self.o_drain):
             sO_tile = cute.slice_(self.sO_layout, (None, None, 0))
             tma_o, mO4 = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(),
                                                      packed_as_sdhb(mO), sO_tile,
@@ -288,7 +295,7 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
                 cute.struct.MemRange[self.dtype, cute.cosize(self.sO_layout)], 1024
             ]
             t_ring: cute.struct.MemRange[cutlass.Int64, t_barriers]  # t_pre: the T ring's
-            o_ring: cute.struct.MemRange[cutlass.Int64, o_barriers]  # t_pre: O full, empty
+            o_ring: cute.struct.MemRange[cutlass.Int64, o_barriers]  # o_warp: O full, empty
 
         self.shared_storage = SharedStorage
         self.kernel(
@@ -359,7 +366,7 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
                 cpasync.prefetch_descriptor(atom)
             if const_expr(self.t_pre):
                 cpasync.prefetch_descriptor(tma_t)
-            if const_expr(self.o_warp):
+            if const_expr(self.o_drain):
                 cpasync.prefetch_descriptor(tma_o)
         storage = SmemAllocator().allocate(self.shared_storage)
         wgs = self.state_wgs
@@ -372,7 +379,7 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
         t_pipe, o_ring = None, None
         if const_expr(self.t_pre):
             t_pipe = tma_pipeline(storage.t_ring, STAGES, self.t_bytes, v_consumer_warps(wgs))
-        if const_expr(self.o_warp):
+        if const_expr(self.o_drain):
             o_full = storage.o_ring.data_ptr()
             o_ring = (o_full, o_full + 2 * wgs)  # full[2 w + c % 2], empty[..]
             if warp_idx == 0:
@@ -416,7 +423,7 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
             if const_expr(self.t_pre):
                 if warp_idx == T_WARP:
                     self._produce_t(tma_t, mT4, sT, t_pipe, hv, first_slot(bos, n), nchunks)
-            if const_expr(self.o_warp):
+            if const_expr(self.o_drain):
                 if warp_idx == O_WARP:
                     self._drain_o(tma_o, mO4, mO, sO, o_ring, hv, part, bos, seqlen, nchunks)
         elif wg == 1 if const_expr(self.aux_wgs == 1) else wg <= self.aux_wgs:
@@ -440,15 +447,10 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
         else:
             cute.arch.setmaxregister_increase(STATE_REGS)
             first = 1 + self.aux_wgs  # the first state warpgroup
-            turns = None
-            if const_expr(self.state_order):  # (mine, theirs): two state warpgroups
-                w = wg - first
-                turns = tuple(named_barrier(int(Bar.TURN) + x, 2 * THREADS_PER_WG)
-                              for x in (w, 1 - w))  # fmt: skip
             self._state(
                 wg - first, tidx - (wg * THREADS_PER_WG), mma_ks, mma_st, sQ, sK, sV, sP, sT,
                 sTab, sO, mInit, mFinal, mO, qk_pipe, v_pipe, aux_pipe, hv, part, n, bos,
-                seqlen, nchunks, t_pipe, o_ring, turns,
+                seqlen, nchunks, t_pipe, o_ring,
             )  # fmt: skip
 
     # ---------------------------------------------------------------- producer warps
@@ -477,7 +479,7 @@ class GdnChunkedFwdSm90(AuxWy, AuxP, StateWg):
         for c in cutlass.range(nchunks, unroll=1):
             qk_pipe.producer_acquire(qk)
             bar = qk_pipe.producer_get_barrier(qk)
-            for atom, ts, tg in loads[:2]:
+            for atom, ts, tg in loads[0 if self.q_load else 1 : 2]:
                 cute.copy(atom, tg[(None, c)], ts[(None, qk.index)], tma_bar_ptr=bar)
             qk.advance()
             v_pipe.producer_acquire(vs)

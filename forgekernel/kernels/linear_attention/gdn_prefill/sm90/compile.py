@@ -21,7 +21,7 @@ def kernel_for(params: dict) -> GdnChunkedFwdSm90:
         params["k"], params["v"], k_last=params["k_last"], l2norm=params["l2norm"],
         initial_state=params["initial_state"], v_split=params.get("v_split", 1),
         t_pre=params.get("t_pre", False), state_lds=params.get("state_lds", False),
-        state_order=params.get("state_order", False),
+        o_warp=params.get("o_warp", False), no_o=params.get("no_o", False),
     )  # fmt: skip
 
 

@@ -74,10 +74,16 @@ X_STRIDE = 2 * BLOCK + 8  # the 32 x 32 scratch of the 32 -> 64 merge
 
 
 def smem_bytes(
-    k: int = 128, v: int = 128, elem_bytes: int = 2, v_split: int = 1, t_pre: bool = False
+    k: int = 128,
+    v: int = 128,
+    elem_bytes: int = 2,
+    v_split: int = 1,
+    t_pre: bool = False,
+    o_warp: bool = False,
 ) -> int:
     """Shared memory of one CTA (the kernel's SharedStorage, alignment padding included).
-    t_pre: the form reading T diag(beta) (`t_pre.py`): no inverse scratch, a T ring's barriers."""
+    t_pre: the form reading T diag(beta) (`t_pre.py`): no inverse scratch, a T ring's barriers.
+    o_warp (the standard form's key): the O ring's barriers (the t_pre form counts them)."""
     wgs = state_wgs(v, v_split)
     v_cols = wgs * ROWS_PER_STATE_WG  # the CTA's value columns
     tiles = CHUNK * (QK_STAGES * 2 * k + V_STAGES * v_cols) * elem_bytes  # q, k, v rings
@@ -88,7 +94,7 @@ def smem_bytes(
         scratch = 2 * SCRATCH_STUB * 4
     tables = (2 * STAGES * CHUNK + STAGES * 4 * CHUNK + STAGES * 3 * CHUNK) * 4
     barriers = 2 * (QK_STAGES + V_STAGES + (3 if t_pre else 2) * STAGES) * 8
-    if t_pre:
+    if t_pre or o_warp:
         barriers += o_ring_barriers(wgs) * 8
     return tiles + aux + out + scratch + tables + barriers + 1024 * 4
 
@@ -133,7 +139,8 @@ def params_for(
     v_split: int = 1,
     t_pre: bool = False,
     state_lds: bool = False,
-    state_order: bool = False,
+    o_warp: bool = False,
+    no_o: bool = False,
 ) -> tuple:
     """Compile key: the q / k / v dtype, (K, V), the state's layout (k_last: (N, HV, V, K),
     FlashInfer's; else (N, HV, K, V), fla's), the q / k l2norm in the kernel, whether an
@@ -144,18 +151,20 @@ def params_for(
     of forming it in the aux warpgroup; named in the key only when on (the standard keys, and
     so their cache entries, unchanged). state_lds (t_pre only): the state chain of next/gdn-tpre
     (V^T by 16-bit loads, O stored by the state warps), kept as the bench's A/B of the t_pre
-    form's O warp and ldmatrix V^T; named only when on. state_order (t_pre with its O warp,
-    unsplit only): the two state warpgroups issue their WGMMA batches in turns (`Bar.TURN`),
-    not in lockstep; named only when on."""
+    form's O warp and ldmatrix V^T; named only when on. o_warp (the standard form only; the
+    t_pre form has it unless state_lds): the standard form with the t_pre form's state chain
+    (V^T by transposed ldmatrix, O handed to warpgroup 0's O warp for a TMA store); named only
+    when on. no_o (the t_pre form with its O warp): no o at all (no q loads or q norms, no
+    Q K^T, P, O^T or O stores): the segmented path's pass B, whose o pass C overwrites; named
+    only when on."""
     if v_split not in V_SPLITS:
         raise ValueError(f"v_split must be one of {V_SPLITS}, got {v_split}")
     if state_lds and not t_pre:
         raise ValueError("state_lds is a form of t_pre (the standard form has no O warp)")
-    if state_order and (not t_pre or state_lds or state_wgs(head_dims[1], v_split) != 2):
-        raise ValueError(
-            "state_order takes turns between two state warpgroups: the t_pre form "
-            "with its O warp (not state_lds), unsplit"
-        )
+    if o_warp and t_pre:
+        raise ValueError("o_warp names the O warp on the standard form; the t_pre form has it")
+    if no_o and (not t_pre or state_lds):
+        raise ValueError("no_o is a form of t_pre with its O warp")
     k, v = head_dims
     key = {"dtype": dtype, "k": k, "v": v, "k_last": k_last, "l2norm": l2norm,
            "initial_state": initial_state, "v_split": v_split}  # fmt: skip
@@ -163,6 +172,8 @@ def params_for(
         key["t_pre"] = True
         if state_lds:
             key["state_lds"] = True
-        if state_order:
-            key["state_order"] = True
+    if o_warp:
+        key["o_warp"] = True
+    if no_o:
+        key["no_o"] = True
     return tuple(sorted(key.items()))

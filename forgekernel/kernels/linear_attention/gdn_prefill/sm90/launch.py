@@ -3,8 +3,6 @@ first (`forgekernel.ops.gated_delta_rule_chunked.gated_delta_rule`)."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from forgekernel.kernels.linear_attention.gdn_prefill.sm90 import SPEC, T_PRE_SPEC
@@ -43,24 +41,6 @@ SEGMENT_MIN_TOKENS = 16384  # ... and sequences average >= 256 chunks (launches,
 MAX_SEGMENTS = 16  # the scan's serial batched products (P - 2), a few us each
 
 
-# The t_pre form's two state warpgroups issuing their WGMMA batches in turns (compile key
-# state_order; docs/linear_attention/NOTES.md, "next/gdn-prefill-gap ... turns"): off until the
-# bench's `t_pre_state_order` / `t_pre` is read. STATE_ORDER_SWITCH overrides it for the GPU
-# checks ("1" on, "0" off): with "1" every unsplit t_pre launch takes the key, so the t_pre GPU
-# tests run on it unchanged.
-STATE_ORDER = False
-STATE_ORDER_SWITCH = "FORGEKERNEL_GDN_PREFILL_STATE_ORDER"
-
-
-def state_order_for(split: int, t_pre: bool, state_lds: bool) -> bool:
-    """Whether a launch takes the state_order key by default: STATE_ORDER (or its switch) on,
-    and the launch the unsplit t_pre form with its O warp (turns need two state warpgroups)."""
-    mode = os.environ.get(STATE_ORDER_SWITCH, "1" if STATE_ORDER else "0")
-    if mode not in ("0", "1"):
-        raise ValueError(f"{STATE_ORDER_SWITCH} must be '0' or '1', got {mode!r}")
-    return mode == "1" and t_pre and not state_lds and split == 1
-
-
 def segments_for(sequences: int, value_heads: int, tokens: int, sms: int) -> int:
     """Segments per sequence: 1 (the direct launch) unless N HV <= SMs / 8 and the sequences
     are long; then the most, at most MAX_SEGMENTS, whose passes fill one wave: a pass runs
@@ -83,6 +63,15 @@ def t_pre_for(heads: int, value_heads: int, v_split: int, segments: int) -> bool
     rows) and segments (T once for three passes) win: 0.53-0.93x on the other 15 suite cases
     (H100 2026-12-06, docs/linear_attention/NOTES.md "next/gdn-tpre-rule")."""
     return segments > 1 or v_split > 1 or value_heads > heads
+
+
+def b_no_o_for(sequences: int, segments: int, t_pre: bool, state_lds: bool) -> bool:
+    """Whether the segmented path's pass B runs on the `no_o` key (no q, no
+    P, O^T or o: its o is pass C's to overwrite): wherever there is a pass B (segments, N P > 2:
+    `_segmented`) in the t_pre form with its O warp (the key is that form's). H100
+    2026-12-07: 1 x 131072 h16 hv16 (P = 9) 2.6932 -> 2.3830 ms (0.885x), bit for bit,
+    racecheck clean (docs/linear_attention/NOTES.md "next/gdn-prefill-adopt")."""
+    return segments > 1 and sequences * segments > 2 and t_pre and not state_lds
 
 
 def _sms(device: torch.device) -> int:
@@ -108,7 +97,8 @@ def gdn_prefill(
     segments: int | None = None,
     t_pre: bool | None = None,
     state_lds: bool = False,
-    state_order: bool | None = None,
+    o_warp: bool | None = None,
+    b_no_o: bool | None = None,
 ) -> None:
     """Varlen form: q, k (T, H, K), v (T, HV, V) 16-bit, g (log decay) and beta fp32 (T, HV),
     cu_seqlens int32 (N + 1,); initial_state (N, HV, K, V) fp32, or (N, HV, V, K) with k_last,
@@ -121,8 +111,13 @@ def gdn_prefill(
     every chunk by the precompute kernel first, read by the chunked kernel's `t_pre` form; None:
     as `t_pre_for` says (True / False forced: the bench's variants `t_pre` / `standard`);
     state_lds (with t_pre=True): that form with next/gdn-tpre's state chain (the bench's A/B
-    `t_pre_state_lds`). state_order (with t_pre, unsplit): the state warpgroups in turns (the
-    bench's `t_pre_state_order`); None: `state_order_for`'s default."""
+    `t_pre_state_lds`). o_warp: the standard form's O warp (the t_pre form's state chain:
+    V^T by ldmatrix, O stored by warpgroup 0's O warp); None: on wherever the standard form
+    runs; True / False forced, with the standard form only (False: the bench's
+    A/B `no_o_warp`). b_no_o: the segmented path's pass B on the t_pre form's `no_o` key (its
+    o, which pass C overwrites, neither formed nor stored); None: wherever that pass runs in
+    the t_pre form (`b_no_o_for`); True forced only there, False: pass B with o (the bench's
+    A/B `b_with_o`)."""
     if final_state.shape[0] == 0:
         return
     if q.shape[0] == 0:  # every sequence empty: no TMA descriptor over zero tokens
@@ -134,14 +129,25 @@ def gdn_prefill(
     split = v_split or v_split_for(n, hv, sms)  # the direct launch's (segments: each pass's own)
     if t_pre is None:
         t_pre = t_pre_for(q.shape[1], hv, split, parts)
+    if o_warp is None:  # H100 2026-12-07: 0.943-0.986x the standard form without it
+        o_warp = not t_pre  # (NOTES "next/gdn-prefill-adopt"); the t_pre form has it already
+    elif t_pre:
+        raise ValueError("o_warp is forced with the standard form only (t_pre=False); the t_pre "
+                         "form has its O warp")  # fmt: skip
+    if b_no_o is None:
+        b_no_o = b_no_o_for(n, parts, t_pre, state_lds)
+    elif b_no_o and not b_no_o_for(n, parts, t_pre, state_lds):
+        raise ValueError("b_no_o names pass B of the segmented t_pre path (N x segments > 2, "
+                         f"t_pre without state_lds); got N {n}, segments {parts}, t_pre {t_pre}, "
+                         f"state_lds {state_lds}")  # fmt: skip
     if parts > 1:
         _segmented(q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale, parts,
                    k_last=k_last, l2norm=l2norm, t_pre=t_pre, state_lds=state_lds,
-                   state_order=state_order)  # fmt: skip
+                   o_warp=o_warp, b_no_o=b_no_o)  # fmt: skip
         return
     _direct(q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale,
             k_last=k_last, l2norm=l2norm, v_split=split, t_pre=t_pre,
-            state_lds=state_lds, state_order=state_order)  # fmt: skip
+            state_lds=state_lds, o_warp=o_warp)  # fmt: skip
 
 
 def t_diag_beta(
@@ -169,17 +175,15 @@ def t_diag_beta(
 
 def _direct(
     q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale, *, k_last, l2norm,
-    v_split, t_pre=False, t_buf=None, state_lds=False, state_order=None,
+    v_split, t_pre=False, t_buf=None, state_lds=False, o_warp=False, no_o=False,
 ):  # fmt: skip
     """One launch: a CTA (or a V split's CTAs) per sequence and value head (t_pre: after the
     T precompute's, or on t_buf, T of these sequences at their `first_slot`s)."""
     split = v_split or v_split_for(final_state.shape[0], v.shape[1], _sms(q.device))
-    if state_order is None:
-        state_order = state_order_for(split, t_pre, state_lds)
     params = params_for(
         dtype_name(q.dtype), (q.shape[-1], v.shape[-1]), k_last=k_last, l2norm=l2norm,
         initial_state=initial_state is not None, v_split=split, t_pre=t_pre,
-        state_lds=state_lds, state_order=state_order,
+        state_lds=state_lds, o_warp=o_warp, no_o=no_o,
     )  # fmt: skip
     fn = get_kernel(SPEC, params)
     q, k, v = (_aligned(x) for x in (q, k, v))
@@ -208,7 +212,7 @@ def _segment_offsets(cu_seqlens: torch.Tensor, parts: int) -> torch.Tensor:
 
 def _segmented(
     q, k, v, g, beta, initial_state, cu_seqlens, out, final_state, scale, parts, *, k_last, l2norm,
-    t_pre=False, state_lds=False, state_order=None,
+    t_pre=False, state_lds=False, o_warp=False, b_no_o=False,
 ):  # fmt: skip
     """Each sequence cut into `parts` segments run in parallel (up to N P HV CTAs instead of
     N HV): the recurrence is affine in the state, S_end = M S_start + L per segment (M the
@@ -222,7 +226,9 @@ def _segmented(
     the direct launch leaves most SMs idle (`segments_for`; docs/linear_attention/NOTES.md).
     t_pre: T once, over all N P segments (whole chunks of the sequences: the same tiles); a
     pass whose run starts at segment r reads it from slot r on (its run-local index j = i - r
-    puts segment i's chunk c at slot first_slot(bos_i, i) - r + c)."""
+    puts segment i's chunk c at slot first_slot(bos_i, i) - r + c). b_no_o: pass B on the
+    t_pre form's `no_o` key: its o, which C overwrites, neither formed nor stored, and no q
+    read: ~40 of the 72 KB a chunk and head at HV = H."""
     n, hv = final_state.shape[:2]
     dk, dv = q.shape[-1], v.shape[-1]
     if dk != dv:
@@ -235,7 +241,7 @@ def _segmented(
     total = n * parts
     flat = (total, *final_state.shape[1:])
     run = dict(k_last=k_last, l2norm=l2norm, v_split=None, t_pre=t_pre, state_lds=state_lds,
-               state_order=state_order)  # fmt: skip
+               o_warp=o_warp)  # fmt: skip
     t_all = t_diag_beta(k, g, beta, cu, l2norm=l2norm) if t_pre else None
 
     def from_segment(r):  # T as a pass starting at segment r indexes it
@@ -252,7 +258,7 @@ def _segmented(
         eye = torch.eye(dk, dtype=torch.float32, device=q.device) * SEGMENT_SCALE
         init = eye.expand(total - 2, *final_state.shape[1:]).contiguous()
         _direct(q, k, v, g, beta, init, runs[1], dst, shifted[1:-1], scale, **run,
-                t_buf=from_segment(1))  # fmt: skip
+                no_o=b_no_o, t_buf=from_segment(1))  # fmt: skip
     shape = (n, parts, *final_state.shape[1:])
     local, shifted, by_seq = local.view(shape), shifted.view(shape), starts.view(shape)
     s = local[:, 0]

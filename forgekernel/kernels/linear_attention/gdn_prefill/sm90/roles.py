@@ -14,9 +14,6 @@ class Bar(IntEnum):
     AUX = FIRST_FREE  # the aux warpgroup's 128 threads (inverse phases, scratch reuse)
     OUT = FIRST_FREE + 1  # OUT + w: the CTA's state warpgroup w's 128 threads (its O tile)
     AUX2 = FIRST_FREE + 3  # the second aux warpgroup's (a split CTA's: config.aux_wgs)
-    # TURN + w: state warpgroup w's turn to issue its WGMMAs (the `state_order` key's), over
-    # both state warpgroups' 256 threads: w waits there, the other arrives after its issue
-    TURN = FIRST_FREE + 4
 
 
 def aux_barrier_id(a):
@@ -27,7 +24,7 @@ def aux_barrier_id(a):
 PRODUCER_WARP = 0  # warpgroup 0: TMA loads
 GATE_WARP = 1  # warpgroup 0: g, beta and the chunk's cumulative decay
 T_WARP = 2  # warpgroup 0, the `t_pre` form only: TMA loads of the precomputed T diag(beta)
-O_WARP = 3  # warpgroup 0, the `t_pre` form only: the O tiles to global memory (TMA store)
+O_WARP = 3  # warpgroup 0, with `o_warp` (the t_pre form, or the standard form's key): O tiles out
 O_FULL_ARRIVALS = THREADS_PER_WG  # every state thread, after its stmatrix and proxy fence
 O_EMPTY_ARRIVALS = WARP_SIZE  # every lane of the O warp, once the tile has been read
 

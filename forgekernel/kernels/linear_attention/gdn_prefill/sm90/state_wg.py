@@ -14,13 +14,13 @@ accumulator for the whole sequence, b = `config.value_row_block(part, w, state w
 
 then O^T -> 16 bits -> transposed stmatrix into this warpgroup's O tile (token-major, two
 alternating) -> the rows inside the sequence to global memory, 16 bytes a thread and copy.
-The `t_pre` form (`o_warp`: its key without state_lds) reads V^T by transposed ldmatrix and
-hands the O tile to warpgroup 0's O warp through an mbarrier pair a tile (`_hand_o`,
-`_drain_o`: a TMA store a whole chunk), its thread-dependent views hoisted out of the loop.
-Both t_pre forms (the T ring's) release the v stage after U^T, once every V^T load has been
-read, not after the corrections (NOTES, "t_pre failed on the H100"). The `state_order` key
-(unsplit t_pre form) issues the four batches a chunk in turns with the other state warpgroup
-(`_take_turn`, `_pass_turn`: named barriers `Bar.TURN + w`) instead of in lockstep.
+The `t_pre` form (`o_warp`: its key without state_lds; the standard form's `o_warp` key
+likewise) reads V^T by transposed ldmatrix and hands the O tile to warpgroup 0's O warp through
+an mbarrier pair a tile (`_hand_o`, `_drain_o`: a TMA store a whole chunk), its
+thread-dependent views hoisted out of the loop. Both t_pre forms (the T ring's) and the `o_warp`
+standard form release the v stage after U^T, once every V^T load has been read, not after the
+corrections (NOTES, "t_pre failed on the H100"). The `no_o` key (t_pre form, the segmented
+path's pass B) forms no O: X^T, U^T and the update only.
 """
 
 from __future__ import annotations
@@ -58,13 +58,11 @@ class StateWg:
     def _state(
         self, w, stid, mma_ks, mma_st, sQ, sK, sV, sP, sT, sTab, sO, mInit, mFinal, mO,
         qk_pipe, v_pipe, aux_pipe, hv, part, n, bos, seqlen, nchunks, t_pipe=None, o_ring=None,
-        turns=None,
     ):  # fmt: skip
         """t_pipe: the T ring of the `t_pre` form (T diag(beta) loaded by TMA: waited for just
         before U^T, released once U^T is complete), or None (T from the aux ring's stage).
-        o_ring: the `t_pre` form's O hand-off, (full, empty) mbarrier pointers (`_hand_o`), or
-        None (the rows stored by this warpgroup, `_store_o`). turns: the `state_order` key's
-        (mine, theirs) named barriers (`_take_turn`, `_pass_turn`), or None (lockstep)."""
+        o_ring: the O warp's hand-off (`o_warp`), (full, empty) mbarrier pointers (`_hand_o`), or
+        None (the rows stored by this warpgroup, `_store_o`)."""
         blk = value_row_block(part, w, self.state_wgs)  # this warpgroup's 64 rows of S^T
         thr_st = mma_st.get_slice(stid)
         acc_st = cute.make_rmem_tensor(thr_st.partition_shape_C((ROWS, self.k)), Float32)
@@ -96,21 +94,15 @@ class StateWg:
         vs = consumer_state(V_STAGES)
         ax = consumer_state(STAGES)
         ts = consumer_state(STAGES) if const_expr(t_pipe is not None) else None
-        ordered = const_expr(turns is not None)
-        wait_in_turn = -1 if ordered else 0  # in turns the wait follows the hand-over
-        if const_expr(ordered):
-            if w == 0 and nchunks > 0:
-                turns[0].arrive()  # warpgroup 0 takes the first turn
         for c in cutlass.range(nchunks, unroll=1):
             acc_x = cute.make_rmem_tensor(acc_shape, Float32)
             acc_o = cute.make_rmem_tensor(acc_shape, Float32)
             acc_u = cute.make_rmem_tensor(acc_shape, Float32)
             qk_pipe.consumer_wait(ld)
             acc_to_operand_a(acc_st, tSrS)
-            self._take_turn(turns)
             gemm(mma_ks, acc_x, tSrS, tBrK[None, None, None, ld.index], True, -1)
-            gemm(mma_ks, acc_o, tSrS, tBrQ[None, None, None, ld.index], True, -1)
-            self._pass_turn(turns, w, c, nchunks, False)
+            if const_expr(not self.no_o):
+                gemm(mma_ks, acc_o, tSrS, tBrQ[None, None, None, ld.index], True, -1)
             aux_pipe.consumer_wait(ax)
             v_pipe.consumer_wait(vs)
             cute.nvgpu.warpgroup.wait_group(0)
@@ -120,19 +112,18 @@ class StateWg:
             coords = softmax.acc_coords(mma_ks, tid, (ROWS, CHUNK))
             vt = cute.local_tile(sVt[None, None, vs.index], (ROWS, CHUNK), (w, 0))
             r_v = self._load_vt(mma_ks, vt, tid, acc_shape, self.o_warp)
-            self._correct(acc_x, acc_o, r_v, coords, sTab, ax.index)
-            if const_expr(t_pipe is None):
+            self._correct(acc_x, None if const_expr(self.no_o) else acc_o, r_v, coords, sTab,
+                          ax.index)  # fmt: skip
+            if const_expr(t_pipe is None and not self.o_warp):
                 v_pipe.consumer_release(vs)  # v consumed: its stage may load chunk c + 2
             acc_to_operand_a(acc_x, tXrX)
             if const_expr(t_pipe is None):
                 gemm(mma_ks, acc_u, tXrX, tBrT[None, None, None, ax.index], True, 0)
+                if const_expr(self.o_warp):  # the LDSM V^T: released as the t_pre forms do
+                    v_pipe.consumer_release(vs)
             else:
                 t_pipe.consumer_wait(ts)
-                self._take_turn(turns)
-                gemm(mma_ks, acc_u, tXrX, tBrT[None, None, None, ts.index], True, wait_in_turn)
-                self._pass_turn(turns, w, c, nchunks, False)
-                if const_expr(ordered):
-                    cute.nvgpu.warpgroup.wait_group(0)
+                gemm(mma_ks, acc_u, tXrX, tBrT[None, None, None, ts.index], True, 0)
                 t_pipe.consumer_release(ts)
                 # v released once U^T, built from V^T, has completed: released after _correct,
                 # ptxas hoisted the arrive over the T ring's wait to right behind the V^T loads
@@ -141,21 +132,18 @@ class StateWg:
                 # hardware (NOTES, "t_pre failed on the H100"; the standard form reads them all
                 # first). The stage is needed again two chunks on.
                 v_pipe.consumer_release(vs)
-            acc_to_operand_a(acc_u, tUrU)
-            self._take_turn(turns)
-            gemm(mma_ks, acc_o, tUrU, tBrP[None, None, None, ax.index], False, -1)
-            self._pass_turn(turns, w, c, nchunks, False)
+            if const_expr(not self.no_o):
+                acc_to_operand_a(acc_u, tUrU)
+                gemm(mma_ks, acc_o, tUrU, tBrP[None, None, None, ax.index], False, -1)
             self._scale_by_table(acc_u, coords, sTab, 2, ax.index)
             acc_to_operand_a(acc_u, tUrUd)
             acc_st.store(acc_st.load() * sTab[0, 3, ax.index])
-            self._take_turn(turns)
-            gemm(mma_st, acc_st, tUrUd, tBrKt[None, None, None, ld.index], False, wait_in_turn)
-            self._pass_turn(turns, w, c, nchunks, True)
-            if const_expr(ordered):
-                cute.nvgpu.warpgroup.wait_group(0)
+            gemm(mma_st, acc_st, tUrUd, tBrKt[None, None, None, ld.index], False, 0)
             qk_pipe.consumer_release(ld)
             aux_pipe.consumer_release(ax)
-            if const_expr(o_ring is None):
+            if const_expr(self.no_o):
+                pass  # no o (the `no_o` key)
+            elif const_expr(o_ring is None):
                 self._store_o(acc_o, mma_ks, sO, mO, out_bar, w, blk, tid, hv, bos, c, seqlen)
             else:
                 self._hand_o(acc_o, mma_ks, sO, o_ring, w, tid, c)
@@ -165,28 +153,6 @@ class StateWg:
             if const_expr(t_pipe is not None):
                 ts.advance()
         self._state_io(mFinal, acc_st, thr_st, n, hv, blk, False)
-
-    @cute.jit
-    def _take_turn(self, turns):
-        """state_order: wait until the other state warpgroup has issued its last batch (its
-        hand-over and this warpgroup's 128 threads complete the barrier's phase); nothing
-        without turns."""
-        if const_expr(turns is not None):
-            turns[0].arrive_and_wait()
-
-    @cute.jit
-    def _pass_turn(self, turns, w, c, nchunks, last_of_chunk: cutlass.Constexpr[bool]):
-        """state_order: hand the turn over right after a batch's issue (before its wait:
-        FlashInfer's ordered WGMMA issue, the attention forward's ping-pong), so that one
-        warpgroup's CUDA-core work runs under the other's batch. Warpgroup 1 does not hand over
-        after its last batch (warpgroup 0 would wait no more): every barrier phase completes
-        (each warpgroup waits 4 a chunk; warpgroup 0's first is its own opening arrival)."""
-        if const_expr(turns is not None):
-            if const_expr(last_of_chunk):
-                if w == 0 or c + 1 < nchunks:
-                    turns[1].arrive()
-            else:
-                turns[1].arrive()
 
     @cute.jit
     def _load_vt(self, mma_ks, vt, tid, acc_shape, ldsm: cutlass.Constexpr[bool]):
@@ -211,18 +177,24 @@ class StateWg:
 
     @cute.jit
     def _correct(self, acc_x, acc_o, r_v, coords, sTab, s):
-        """X^T <- V^T - X^T diag(fK), O^T <- O^T diag(fQ)."""
+        """X^T <- V^T - X^T diag(fK), O^T <- O^T diag(fQ) (acc_o None: X^T only)."""
         t0, _, col_base = coords
         x = rows_cols(acc_x)
-        o = rows_cols(acc_o)
         v = rows_cols(r_v)
-        for c in cutlass.range_constexpr(cute.size(x, mode=[1])):
-            j = col_base + t0[0, c][1]
-            fk = sTab[j, 0, s]
-            fq = sTab[j, 1, s]
-            for r in cutlass.range_constexpr(cute.size(x, mode=[0])):
-                x[r, c] = v[r, c] - x[r, c] * fk
-                o[r, c] = o[r, c] * fq
+        if const_expr(acc_o is None):
+            for c in cutlass.range_constexpr(cute.size(x, mode=[1])):
+                fk = sTab[col_base + t0[0, c][1], 0, s]
+                for r in cutlass.range_constexpr(cute.size(x, mode=[0])):
+                    x[r, c] = v[r, c] - x[r, c] * fk
+        else:
+            o = rows_cols(acc_o)
+            for c in cutlass.range_constexpr(cute.size(x, mode=[1])):
+                j = col_base + t0[0, c][1]
+                fk = sTab[j, 0, s]
+                fq = sTab[j, 1, s]
+                for r in cutlass.range_constexpr(cute.size(x, mode=[0])):
+                    x[r, c] = v[r, c] - x[r, c] * fk
+                    o[r, c] = o[r, c] * fq
 
     @cute.jit
     def _scale_by_table(self, acc, coords, sTab, table: cutlass.Constexpr[int], s):

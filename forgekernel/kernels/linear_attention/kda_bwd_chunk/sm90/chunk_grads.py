@@ -132,7 +132,8 @@ class _GroupWaits:
 class KdaBwdChunkSm90(GdnBwdChunkSm90):
     """One CTA per (chunk, value head, sequence): `_output_grads` of the chunk with KDA's
     per-channel decays on two math warpgroups split by key channels; see the module docstring.
-    Gated DeltaNet's kernel 2's grouped TMA loads (`_load_groups`) are used as they are."""
+    Gated DeltaNet's kernel 2's grouped TMA loads (`_load_groups`) and its bounded row stores
+    and adds (`_store_rows`, `_add_rows`, on this class's `_out_rows`) are used as they are."""
 
     load_groups = LOAD_GROUPS
     threads = THREADS
@@ -408,24 +409,17 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
             tile = cute.local_tile(rows, (CHUNK, self.half), (0, kh))
         return rows_cols(mma.get_slice(tid).partition_C(tile))
 
-    @cute.jit
-    def _store_rows(self, acc, mma, mOut, tid, b, hv, c, seqlen, scale=None, at=None):
-        """Gated DeltaNet's `_store_rows` for this warpgroup's (C, 64) columns of out: the
-        rows inside T, a 16-bit out rounded once; `at` (`_token_rows`): the first at[1] rows at
-        the tokens from at[0]."""
+    def _out_rows(self, mma, mOut, tid, b, hv, c, seqlen, at):
+        """Gated DeltaNet's `_out_rows` on this warpgroup's (C, 64) columns of out: its
+        `_store_rows` (here) and `_add_rows` (the WY kernel's) store or add this warpgroup's
+        (C, 64) accumulator there, the rows inside T; `at` (`_token_rows`): the first at[1]
+        rows at the tokens from at[0]."""
         t0, row_base, _ = softmax.acc_coords(mma, tid, (CHUNK, self.half))
         g = self._half_rows(mma, mOut, tid, b, hv, c, self._kh(), at)
         first, bound = c * CHUNK, seqlen
         if const_expr(at is not None):
             first, bound = 0, at[1]
-        a = rows_cols(acc)
-        for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
-            if first + row_base + t0[r, 0][0] < bound:
-                for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
-                    if const_expr(mOut.element_type != Float32):
-                        g[r, j] = a[r, j].to(mOut.element_type)
-                    else:
-                        g[r, j] = a[r, j]
+        return g, t0, row_base, first, bound
 
     @cute.jit
     def _tables(self, mG, sG, sTab, first, seqlen, b, hv, kh):
@@ -499,13 +493,9 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
     def _math(
         self, mma_w, mma_s, mma_q, mma_k, sDO, sU, sDU, sQ, sK, sH, sDH, sP, sKr, sQl, sG, sRows,
         sTab, mG, mDQ, mDK, mDW, mDG, bars, c, hv, b, seqlen, scale, kh, tables=None,
-        sDWo=None, done_u_dh=None,
     ):  # fmt: skip
         """Math warpgroup kh's products and per-channel work on key channels [64 kh, +64) (kh
-        warp-uniform); S whole in both. For the fused kernel (kda_bwd_fused), else None: sDWo a
-        (C, K) shared tile in the tiles' dtype that dw goes into (this warpgroup's half,
-        stmatrix: dw16's rounding) instead of mDW; done_u_dh a named barrier arrived at once
-        dke = U dh^T has retired (the last read of U's and dh's bytes)."""
+        warp-uniform); S whole in both."""
         qs = scale if const_expr(mDQ.element_type != Float32) else None
         hk = self.half
         wg_w = mma_w.get_slice(0)
@@ -541,10 +531,7 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         wait("du", "h")
         gemm(mma_w, acc, tArDU[None, None, None, 0], tBrH, True, 0)
         acc.store(-acc.load())
-        if const_expr(sDWo is None):
-            self._store_rows(acc, mma_w, mDW, tid, b, hv, c, seqlen)
-        else:
-            self._store_tile(acc, mma_w, self._half(sDWo, kh), False)
+        self._store_rows(acc, mma_w, mDW, tid, b, hv, c, seqlen)
         # dqe = dO h^T, S = dO U^T (S whole in both warpgroups)
         wait("do")
         gemm(mma_w, acc, tArDO[None, None, None, 0], tBrH, True, -1)
@@ -594,8 +581,6 @@ class KdaBwdChunkSm90(GdnBwdChunkSm90):
         # dk = er o (e^(G_C - r_w) o dke + sum_(I >= w) E_(I,w) o blocks) + dP_jj q_j
         wait("dh")
         gemm(mma_w, acc, tArU[None, None, None, 0], tBrDH, True, 0)
-        if const_expr(done_u_dh is not None):  # U's and dh's bytes free (the fused kernel)
-            done_u_dh.arrive()
         self._te(qa, mma_w, sK, sG, sTab, w, first, seqlen)
         self._scale_cols(qa, sTab, self.t_gr + w, t0, col_w)
         for i in cutlass.range_constexpr(NS):

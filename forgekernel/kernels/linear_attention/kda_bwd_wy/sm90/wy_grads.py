@@ -36,9 +36,10 @@ integration41").
 el = e^(G - r_w), er = e^(r_w - G) <= e^(8 max|g|) (zero past T); no factor is e^(-G). The
 score-gradient blocks run in bf16 for either tile dtype (kernel 2's reason). The per-channel
 tables, (k er) / (k el), the block products and their column scalings, the tiled MMAs and
-layouts but T^T's, the half tiles and the half-row stores are kernel 2's
+layouts but T^T's, the half tiles and the half-row places (`_out_rows`) are kernel 2's
 (kernels/linear_attention/kda_bwd_chunk/sm90, `KdaBwdChunkSm90`, inherited); Gated DeltaNet's
-kernel 2 brings the grouped loads, the tile stores (stmatrix) and dbeta's store.
+kernel 2 brings the grouped loads, the tile stores (stmatrix), the bounded row stores and adds
+(`_store_rows`, `_add_rows`) and dbeta's store.
 
 Two math warpgroups split by value / key channels (2026-12-06: 1.20x the one-math-warpgroup
 kernel of 256 threads it replaced, 2.043 -> 1.706 ms at 4 x 8192 HV16 on the H100, bit for bit
@@ -76,8 +77,8 @@ shared memory (202,752 B); the WY half adds T^T, w, u, v, dw (72 KiB at 16 bits)
 stay: 270 KiB, past the 227 KiB a CTA may hold. Alone it needs 195 KiB (199,680 B compiled,
 tests/test_kda_bwd_wy_compile.py; config.smem_bytes bounds it at 200,464 B). Run after kernel 2
 in one CTA, its tiles over the bytes kernel 2 is done with and dw, k, G reused, the two fit in
-222,208 B: kernels/linear_attention/kda_bwd_fused (this `_math` with `staged`; behind
-ops/kda_bwd.py FUSED until its GPU A/B).
+222,208 B, and were built so: bit for bit the two launches', but 1.2-1.6x their time on the
+H100 (2026-12-07), so deleted (docs/linear_attention/NOTES.md "next/kda-adopt").
 
 Constraints: K = V = 128, 16-bit tiles with unit last strides and 16-byte aligned outer strides
 (TMA); beta (B, T, HV), G and the fp32 outputs unit last strides.
@@ -332,11 +333,10 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
     def _math(
         self, mma_t, mma_da, mma_x, mma_y, sDW, sDU, sW, sK, sU, sV, sTt, sP, sKr, sKl, sG,
         sRows, sTab, mBeta, mG, mDK, mDV, mDG, mDB, mDKo, bars, c, hv, b, seqlen, kh,
-        tables=None, staged=False,
+        tables=None,
     ):  # fmt: skip
         """Math warpgroup kh's products and per-channel work on channels [64 kh, +64) (kh
-        warp-uniform); dA whole in both. staged: G and the per-channel tables are in sG / sTab
-        already (the fused kernel's kernel-2 phase formed them; kda_bwd_fused)."""
+        warp-uniform); dA whole in both."""
         hk = self.half
         wg_t = mma_t.get_slice(0)
         wg_da = mma_da.get_slice(0)
@@ -358,8 +358,7 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
         first = c * CHUNK
         tid = opaque_tid_x() % THREADS_PER_WG
         w = tid // WARP_SIZE  # the warp's sub-chunk
-        if const_expr(not staged):
-            self._tables(mG, sG, sTab, first, seqlen, b, hv, kh)
+        self._tables(mG, sG, sTab, first, seqlen, b, hv, kh)
         t0, row_w, col_w = softmax.acc_coords(mma_t, tid, (CHUNK, hk))
         col_w = col_w + hk * kh
         beta = [Float32(0.0), Float32(0.0)]  # zero past T: every row product there is zero
@@ -502,20 +501,6 @@ class KdaBwdWySm90(KdaBwdChunkSm90):
             o0 = cute.arch.warp_reduction_sum(parts[0], threads_in_group=QUAD)
             o1 = cute.arch.warp_reduction_sum(parts[1], threads_in_group=QUAD)
         return [o0, o1]
-
-    @cute.jit
-    def _add_rows(self, acc, mma, mOut, tid, b, hv, c, seqlen, at=None):
-        """GDN's `_add_rows` on this warpgroup's (C, 64) columns of out (`at` as there)."""
-        t0, row_base, _ = softmax.acc_coords(mma, tid, (CHUNK, self.half))
-        g = self._half_rows(mma, mOut, tid, b, hv, c, self._kh(), at)
-        first, bound = c * CHUNK, seqlen
-        if const_expr(at is not None):
-            first, bound = 0, at[1]
-        a = rows_cols(acc)
-        for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
-            if first + row_base + t0[r, 0][0] < bound:
-                for j in cutlass.range_constexpr(cute.size(a, mode=[1])):
-                    g[r, j] = g[r, j] + a[r, j]
 
     @cute.jit
     def _add_rows_to(self, acc, mma, mIn, mOut, tid, b, hv, c, seqlen, at=None):
