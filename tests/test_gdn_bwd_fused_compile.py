@@ -37,7 +37,13 @@ from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.compile import (  #
     kernel_for,
 )
 from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.fused_bwd import Bar  # noqa: E402
-from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_instructions, sass_text  # noqa: E402
+from forgekernel.runtime.resources import (  # noqa: E402
+    find_tool,
+    inspect_cubin,
+    sass_instructions,
+    sass_text,
+    setmaxnreg_wrong_way,
+)
 
 if find_tool("cuobjdump") is None:
     pytest.skip("cuobjdump not found", allow_module_level=True)
@@ -116,6 +122,7 @@ def test_registers_and_spills(compiled, dtype, dht):
     assert not [op for op, _ in instrs if op.startswith(("LDL", "STL"))]
     setmax = sorted(int(a.split()[-1], 16) for op, a in instrs if op.startswith("USETMAXREG"))
     assert setmax == sorted(config.REGS)
+    assert not setmaxnreg_wrong_way(instrs, res["registers"])
     # setmaxnreg.inc (USETMAXREG.TRY_ALLOC.CTAPOOL) takes only what the launch allocated the
     # CTA: a split over 3 x 168 spins forever (32 / 224 / 256 did: a hang on the GPU)
     assert sum(setmax) * 128 <= res["registers"] * config.THREADS
@@ -393,6 +400,8 @@ def test_wg_split(compiled, dtype, dht, grouped, u_from_h):
     assert built.smem == base.smem == SMEM
     setmax = sorted(int(a.split()[-1], 16) for op, a in built.instrs if op.startswith("USETMAXREG"))
     assert setmax == sorted(config.SPLIT_REGS)
+    # G2's 136 above the launch's 128: .inc (its .dec was CUDA error 715, next/ws-illegal)
+    assert not setmaxnreg_wrong_way(built.instrs, built.res["registers"])
     assert sum(setmax) * 128 <= built.res["registers"] * config.SPLIT_THREADS
     regions, base_regions = _regions(built.instrs), _regions(base.instrs)
     for regs in config.SPLIT_REGS:
@@ -422,6 +431,25 @@ def test_wg_split(compiled, dtype, dht, grouped, u_from_h):
     assert {int(b.barrier, 16) for b in pins if b.predicate} == {Bar.DH_FREE}
 
 
+@pytest.mark.parametrize("group_sum", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_wg_split_setmaxnreg_directions(compiled, group_sum):
+    """The split's four setmaxnreg go the way the launch's 128 registers allow: warpgroup 0's
+    .dec (32; 24 with `group_sum`), S's, G1's and G2's .inc (176, 168, 136; 176, 160, 152). G2's
+    was a .dec to 136 (USETMAXREG.DEALLOC.CTAPOOL 0x88), an illegal instruction on the H100: CUDA
+    error 715 at that instruction (+0x13670 of this key's cu13 build, the GPU host's; warpgroup
+    3's threads) on the first launch of every `wg_split` key (next/ws-illegal). The key is the
+    failing GPU case's: bf16, dht, `u_from_h` (grouped with `group_sum`)."""
+    built = compiled(config.DTYPES[1], True, group_sum, True, group_sum=group_sum,
+                     wg_split=True)  # fmt: skip
+    launch = built.res["registers"]
+    assert launch == config.SPLIT_LAUNCH_REGS == 128
+    assert not setmaxnreg_wrong_way(built.instrs, launch)
+    regs = config.SPLIT_PAIR_REGS if group_sum else config.SPLIT_REGS
+    got = sorted((op.split(".")[1], int(a.split()[-1], 16)) for op, a in built.instrs
+                 if op.startswith("USETMAXREG"))  # fmt: skip
+    assert got == sorted([("DEALLOC", regs[0])] + [("TRY_ALLOC", r) for r in regs[1:]])
+
+
 # ---- `wg_split, group_sum` (next/wgsplit-groupsum: the pair's exchanges on the split)
 
 WG_SPLIT_GROUP_SUM = [pytest.param(config.DTYPES[1], False, True, False, marks=pytest.mark.slow),
@@ -449,6 +477,7 @@ def test_wg_split_group_sum(compiled, dtype, dht, u_from_h, varlen):
     assert built.smem == split.smem == pair.smem == SMEM
     setmax = sorted(int(a.split()[-1], 16) for op, a in built.instrs if op.startswith("USETMAXREG"))
     assert setmax == sorted(config.SPLIT_PAIR_REGS)
+    assert not setmaxnreg_wrong_way(built.instrs, built.res["registers"])
     assert sum(setmax) * 128 <= built.res["registers"] * config.SPLIT_THREADS
     regions, split_regions = _regions(built.instrs), _regions(split.instrs)
     for regs in config.SPLIT_PAIR_REGS:
@@ -514,6 +543,7 @@ def test_wg_split_w_from_t(compiled, dtype, dht, grouped, group_sum, varlen):
                                                                  w_from_t=True)  # fmt: skip
     setmax = sorted(int(a.split()[-1], 16) for op, a in built.instrs if op.startswith("USETMAXREG"))
     assert setmax == sorted(regs)
+    assert not setmaxnreg_wrong_way(built.instrs, built.res["registers"])
     regions, split_regions = _regions(built.instrs), _regions(split.instrs)
     for r in regs:
         assert _max_register(regions[r]) < r
