@@ -110,6 +110,10 @@ def _build(
         print(f"{NEED_DSL}: {e}", file=sys.stderr)
         return 1
     print(resource_table(records))
+    for r in records:  # `inspect_cubin`: a .dec above the launch's count faults (CUDA error 715)
+        for bad in r.get("setmaxnreg_wrong_way") or ():
+            print(f"{r['name']} {r['config']}: {bad} against {r['registers']} registers at the "
+                  "launch: an illegal instruction on the GPU", file=sys.stderr)  # fmt: skip
     wall = time.perf_counter() - start
     compiled = sum(1 for r in records if r.get("compile_s"))  # the rest were built before
     used = min(jobs, compiled) if compiled > 1 else 1

@@ -14,7 +14,8 @@
 # Each OP is checked, then benchmarked (the backward's deterministic mode with it: `bench
 # attention_bwd`; `--resume`: a bench cut by BENCH_TIMEOUT keeps the cases it finished in its
 # ledger's partial section, packed with the ledger, and the next call on this host, or on a fresh
-# one with the taken ledger carried, times only the rest), under its own time limits; SANITIZE=1 then runs `check --sanitize OP`
+# one with the taken ledger carried, times only the rest; BENCH_FRESH=1 starts from the first case,
+# for a partial section whose cases are not to be kept), under its own time limits; SANITIZE=1 then runs `check --sanitize OP`
 # (compute-sanitizer memcheck and racecheck, under SANITIZE_TIMEOUT; SANITIZE=only skips check
 # and bench); CHECK=0 / BENCH=0 skip check / bench; BENCH_ARGS (e.g. --timing graph) go to bench;
 # GPU_TESTS=1 runs `pytest -m gpu` over GPU_TESTS_PATHS (default tests/gpu: folders, files, node
@@ -99,7 +100,7 @@ for op in "$@"; do
       wait "$warm_pid"; echo "warm-up rc=$?"; tail -20 "$LOGS/warm.log"; warm_pid=
     fi
     free_gpu
-    timeout -k 15 "${BENCH_TIMEOUT:-300}" python3 -m forgekernel bench --resume --report-dir "$REPORTS" ${BENCH_ARGS:-} "$op" \
+    timeout -k 15 "${BENCH_TIMEOUT:-300}" python3 -m forgekernel bench $([ "${BENCH_FRESH:-0}" = 1 ] || echo --resume) --report-dir "$REPORTS" ${BENCH_ARGS:-} "$op" \
       2>&1 | tee "$LOGS/bench-$op.log" | grep -v "^\[" | tail -40
     bench_rc=${PIPESTATUS[0]}
   fi

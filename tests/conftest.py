@@ -182,16 +182,16 @@ RUN_FIRST = (
 )
 
 
-# Test files that read the SASS of the same builds through tests/cubins.py `build` (one compile
-# a process), each group one scope: the MLA pass's standard build (seesaw, work-list and PDL
-# tests), its work-list builds (work-list, schedule and PDL tests: the schedule's `std` is the
-# work-list's `res`, the PDL ranges pass the schedule's), the paged pass (PDL and paged schedule
-# tests); about 17 s a MLA compile on CI's CPU. The DSA decode's sparse keys: test_dsa_sparse's
-# direct-form compares and test_dsa_fp8_lean's lean / wide ones share three (the FP8 16-head
-# sparse pass, direct and not, and the 16-bit 64-head direct one: ~9 s; in CI's run, its slow
-# pairs left out, the direct FP8 16-head one alone). xdist's loadfile keeps
-# a file on one worker, not files: a group is one scope (`pytest_xdist_make_scheduler`), so each
-# of those builds compiles once in a run.
+# Test files that read the SASS of the same builds through tests/cubins.py `build` (one compile a
+# process), each group one scope: the MLA pass's standard build (seesaw, schedule and PDL tests),
+# its ranges build (schedule and PDL tests: the schedule compares it with the standard one; the
+# candidate work-list pass, compiled for the work-list tests' compare alone, is slow), the paged
+# pass (PDL and paged schedule tests); about 17 s a MLA compile on CI's CPU. The DSA decode's sparse
+# keys: test_dsa_sparse's direct-form compares and test_dsa_fp8_lean's lean / wide ones share three
+# (the FP8 16-head sparse pass, direct and not, and the 16-bit 64-head direct one: ~9 s; in CI's
+# run, its slow pairs left out, the direct FP8 16-head one alone). xdist's loadfile keeps a file on
+# one worker, not files: a group is one scope (`pytest_xdist_make_scheduler`), so each of those
+# builds compiles once in a run.
 SHARED_COMPILES = {
     "test_mla_seesaw_compile.py": "mla",
     "test_mla_worklist.py": "mla",

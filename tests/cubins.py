@@ -31,8 +31,8 @@ class Build(NamedTuple):
 # cache holds loaded .so functions, not the cubin and PTX read here). Several tests read one
 # build: within a file (the paged merge test's standard leaves are the main-loop test's; the DSA
 # indexer's and recompute's SASS and PTX tests) and across files (the MLA pass's standard build
-# is read by the seesaw, work-list and PDL tests, its work-list builds by the work-list, schedule
-# and PDL ones: about 17 s a compile on CI), which conftest's SHARED_COMPILES groups keep in one
+# is read by the seesaw, schedule and PDL tests, its ranges build by the schedule and PDL ones:
+# about 17 s a compile on CI), which conftest's SHARED_COMPILES groups keep in one
 # process. Memory only: nothing is written beside the compile cache.
 _BUILDS: dict[tuple, Build] = {}
 

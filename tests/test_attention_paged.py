@@ -635,8 +635,12 @@ def test_two_row_blocks_fragments(d):
             assert o[j * n : (j + 1) * n] == [(r, c + j * V_COLS) for r, c in p]
 
 
-@pytest.mark.parametrize(("d", "heads", "qtokens"), [(64, 8, 4), (128, 16, 2), (64, 4, 4),
-                                                     (128, 4, 4)])  # fmt: skip
+# CI: 32 rows at both head dims (the two row blocks the failures were in) and 16 at D 64; 16 rows
+# at D 128 is slow (a compile, ~2 s of an idle CPU, 2026-12-07)
+@pytest.mark.parametrize(
+    ("d", "heads", "qtokens"),
+    [(64, 8, 4), (128, 16, 2), (64, 4, 4), pytest.param(128, 4, 4, marks=pytest.mark.slow)],
+)
 def test_shared_addresses_in_the_ptx(tmp_path, d, heads, qtokens):
     """Every lane's V ldmatrix (transposed, one per 8 columns of O) reads key row lane % 16 of
     its warp's slice, 16-byte chunk n XOR-swizzled by the row; Q's ldmatrix its rows of each

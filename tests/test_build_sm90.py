@@ -43,6 +43,8 @@ def test_sass_uses_hgmma_and_no_local_memory(records):
     mma = {spec.name: spec.mma for spec in all_specs()}
     for rec in records:
         assert rec["hgmma"] or not mma[rec["name"]], (rec["name"], rec["config"])
+        # a setmaxnreg.dec above the launch's registers is CUDA error 715 on the H100
+        assert not rec.get("setmaxnreg_wrong_way"), (rec["name"], rec["setmaxnreg_wrong_way"])
         if _known_spill(rec):
             assert rec["spill_bytes"] <= KNOWN_SPILL_BYTES, rec["config"]
             continue

@@ -37,7 +37,13 @@ from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.compile import (  #
     kernel_for,
 )
 from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.fused_bwd import Bar  # noqa: E402
-from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_instructions, sass_text  # noqa: E402
+from forgekernel.runtime.resources import (  # noqa: E402
+    find_tool,
+    inspect_cubin,
+    sass_instructions,
+    sass_text,
+    setmaxnreg_wrong_way,
+)
 
 if find_tool("cuobjdump") is None:
     pytest.skip("cuobjdump not found", allow_module_level=True)
@@ -99,6 +105,11 @@ def _regions(instrs) -> dict[int, list]:
     return out
 
 
+def _count(instrs, prefix) -> int:
+    """Instructions of `instrs` whose opcode starts with `prefix`."""
+    return sum(op.startswith(prefix) for op, _ in instrs)
+
+
 def _max_register(instrs) -> int:
     return max([int(r) for _, a in instrs for r in re.findall(r"\bR(\d+)\b", a)] + [0])
 
@@ -111,6 +122,7 @@ def test_registers_and_spills(compiled, dtype, dht):
     assert not [op for op, _ in instrs if op.startswith(("LDL", "STL"))]
     setmax = sorted(int(a.split()[-1], 16) for op, a in instrs if op.startswith("USETMAXREG"))
     assert setmax == sorted(config.REGS)
+    assert not setmaxnreg_wrong_way(instrs, res["registers"])
     # setmaxnreg.inc (USETMAXREG.TRY_ALLOC.CTAPOOL) takes only what the launch allocated the
     # CTA: a split over 3 x 168 spins forever (32 / 224 / 256 did: a hang on the GPU)
     assert sum(setmax) * 128 <= res["registers"] * config.THREADS
@@ -180,8 +192,12 @@ def test_barriers_waited_from_two_roles_are_unaligned(compiled, dtype, dht):
 
 # ---- `u_from_h` (next/gdn-fused-diet: U = u - W h formed by S, not read)
 
-U_FROM_H = [(config.DTYPES[1], True, False), pytest.param(config.DTYPES[0], False, True,
-                                                          marks=pytest.mark.slow)]  # fmt: skip
+# CI: bf16 without dht, whose two compiles (the key and its base) are test_varlen_resources'
+# bases and the file's standard key (no compile of its own; the dht case, 2 compiles, ~11 s of an
+# idle CPU, is slow: dht with u_from_h still compiles in CI as test_group_sum's base, grouped)
+U_FROM_H = [(config.DTYPES[1], False, False),
+            pytest.param(config.DTYPES[1], True, False, marks=pytest.mark.slow),
+            pytest.param(config.DTYPES[0], False, True, marks=pytest.mark.slow)]  # fmt: skip
 
 
 @pytest.mark.parametrize(("dtype", "dht", "grouped"), U_FROM_H)
@@ -217,7 +233,11 @@ def test_u_from_h(compiled, dtype, dht, grouped):
     assert {int(b.barrier, 16) for b in bars if b.predicate} == {Bar.DH_FREE}
 
 
-@pytest.mark.parametrize("u_from_h", [False, True], ids=["u_read", "u_from_h"])
+# CI: U formed (the varlen mechanism is one for both: the slot walk and the token-row stores);
+# U read is slow (its varlen key, ~6 s of an idle CPU, compiled for this check alone)
+@pytest.mark.parametrize(
+    "u_from_h", [pytest.param(False, marks=pytest.mark.slow), True], ids=["u_read", "u_from_h"]
+)
 def test_varlen_resources(compiled, u_from_h):
     """The `varlen` key (the slot layout: kernel 1's walk, kernel 2's token-row stores; bf16,
     2026-12-06), U read or formed (`u_from_h`, FUSED_DIET; next/fused-slots-on46): 168
@@ -278,20 +298,17 @@ def test_group_sum(compiled, dtype, dht, u_from_h):
     s_regs, g_regs = config.REGS[1], config.REGS[2]
     assert _max_register(regions[s_regs]) == _max_register(base_regions[s_regs])
 
-    def count(instrs, prefix):
-        return sum(op.startswith(prefix) for op, _ in instrs)
-
     for prefix in ("HGMMA", "UTMALDG", "STSM", "MUFU"):
-        assert count(built.instrs, prefix) == count(base.instrs, prefix), prefix
+        assert _count(built.instrs, prefix) == _count(base.instrs, prefix), prefix
     per_exchange = 128 * 64 // (4 * config.THREADS_PER_WG)  # 16-byte groups a sending thread
-    assert count(regions[g_regs], "STAS.128") == 2 * per_exchange == count(built.instrs, "STAS")
-    assert (count(regions[g_regs], "LDS.128") - count(base_regions[g_regs], "LDS.128")
+    assert _count(regions[g_regs], "STAS.128") == 2 * per_exchange == _count(built.instrs, "STAS")
+    assert (_count(regions[g_regs], "LDS.128") - _count(base_regions[g_regs], "LDS.128")
             == 2 * per_exchange)  # fmt: skip
-    assert count(built.instrs, "SYNCS.ARRIVE.TRANS64.RED") == 2
-    assert count(built.instrs, "SYNCS.EXCH.64") == (count(base.instrs, "SYNCS.EXCH.64")
+    assert _count(built.instrs, "SYNCS.ARRIVE.TRANS64.RED") == 2
+    assert _count(built.instrs, "SYNCS.EXCH.64") == (_count(base.instrs, "SYNCS.EXCH.64")
                                                     + config.PAIR_BARRIERS)  # fmt: skip
-    assert count(built.instrs, "UCGABAR_ARV") == count(built.instrs, "UCGABAR_WAIT") == 1
-    assert count(base.instrs, "UCGABAR") == 0 and count(built.instrs, "MEMBAR.ALL.GPU") == 0
+    assert _count(built.instrs, "UCGABAR_ARV") == _count(built.instrs, "UCGABAR_WAIT") == 1
+    assert _count(base.instrs, "UCGABAR") == 0 and _count(built.instrs, "MEMBAR.ALL.GPU") == 0
 
     def bars(instrs):
         return sorted(a.strip() for op, a in instrs if op.startswith("BAR"))
@@ -338,18 +355,15 @@ def test_varlen_group_sum(compiled, dtype, dht, u_from_h):
     s_regs, g_regs = config.REGS[1], config.REGS[2]
     assert _max_register(regions[s_regs]) == _max_register(base_regions[s_regs])
 
-    def count(instrs, prefix):
-        return sum(op.startswith(prefix) for op, _ in instrs)
-
     for prefix in ("HGMMA", "UTMALDG", "STSM", "MUFU"):
-        assert count(built.instrs, prefix) == count(base.instrs, prefix), prefix
+        assert _count(built.instrs, prefix) == _count(base.instrs, prefix), prefix
     g_pair = _regions(pair.instrs)[g_regs]
     for prefix in ("STAS", "LDS.128"):
-        assert count(regions[g_regs], prefix) == count(g_pair, prefix), prefix
+        assert _count(regions[g_regs], prefix) == _count(g_pair, prefix), prefix
     for prefix in ("SYNCS.ARRIVE.TRANS64.RED", "SYNCS.EXCH.64", "UCGABAR", "MEMBAR"):
-        assert count(built.instrs, prefix) == count(pair.instrs, prefix), prefix
-    assert count(built.instrs, "LDG.E") == count(base.instrs, "LDG.E")
-    assert count(built.instrs, "LDG.E") == count(pair.instrs, "LDG.E") + 13
+        assert _count(built.instrs, prefix) == _count(pair.instrs, prefix), prefix
+    assert _count(built.instrs, "LDG.E") == _count(base.instrs, "LDG.E")
+    assert _count(built.instrs, "LDG.E") == _count(pair.instrs, "LDG.E") + 13
 
     def bars(instrs):
         return sorted(a.strip() for op, a in instrs if op.startswith("BAR"))
@@ -386,26 +400,25 @@ def test_wg_split(compiled, dtype, dht, grouped, u_from_h):
     assert built.smem == base.smem == SMEM
     setmax = sorted(int(a.split()[-1], 16) for op, a in built.instrs if op.startswith("USETMAXREG"))
     assert setmax == sorted(config.SPLIT_REGS)
+    # G2's 136 above the launch's 128: .inc (its .dec was CUDA error 715, next/ws-illegal)
+    assert not setmaxnreg_wrong_way(built.instrs, built.res["registers"])
     assert sum(setmax) * 128 <= built.res["registers"] * config.SPLIT_THREADS
     regions, base_regions = _regions(built.instrs), _regions(base.instrs)
     for regs in config.SPLIT_REGS:
         assert _max_register(regions[regs]) < regs
 
-    def count(instrs, prefix):
-        return sum(op.startswith(prefix) for op, _ in instrs)
-
     for prefix in ("HGMMA", "UTMALDG", "SYNCS.EXCH", "STSM.16.MT88"):
-        assert count(built.instrs, prefix) == count(base.instrs, prefix), prefix
-    assert count(built.instrs, "STSM.16.M88") == count(base.instrs, "STSM.16.M88") - 4
+        assert _count(built.instrs, prefix) == _count(base.instrs, prefix), prefix
+    assert _count(built.instrs, "STSM.16.M88") == _count(base.instrs, "STSM.16.M88") - 4
     s_regs, g1_regs, g2_regs = config.SPLIT_REGS[1:]
     moved = 24  # dqe 8, dPD k 4, dke 8, dPD^T q 4
-    assert count(regions[s_regs], "HGMMA.64x64x16") == 0
-    assert count(regions[s_regs], "HGMMA.64x128x16") == 16
-    assert count(regions[g2_regs], "HGMMA.64x64x16") == 16
-    assert count(regions[g2_regs], "HGMMA.64x128x16") == moved + (8 if u_from_h else 0)
+    assert _count(regions[s_regs], "HGMMA.64x64x16") == 0
+    assert _count(regions[s_regs], "HGMMA.64x128x16") == 16
+    assert _count(regions[g2_regs], "HGMMA.64x64x16") == 16
+    assert _count(regions[g2_regs], "HGMMA.64x128x16") == moved + (8 if u_from_h else 0)
     g = base_regions[config.REGS[2]]
-    assert count(regions[g1_regs], "HGMMA.64x64x16") == count(g, "HGMMA.64x64x16")
-    assert count(regions[g1_regs], "HGMMA.64x128x16") == count(g, "HGMMA.64x128x16") - moved
+    assert _count(regions[g1_regs], "HGMMA.64x64x16") == _count(g, "HGMMA.64x64x16")
+    assert _count(regions[g1_regs], "HGMMA.64x128x16") == _count(g, "HGMMA.64x128x16") - moved
     ids = {a.replace(" ", "") for op, a in built.instrs if op.startswith("BAR") and "," in a}
     want = {(Bar.MATH, 128), (Bar.FINISH, 192), (Bar.FINISH_WARPS, 64), (Bar.DS_READY, 320),
             (Bar.DU_READY, 384), (Bar.DH_FREE, 448), (Bar.S_DONE, 256), (Bar.STATE, 128),
@@ -416,6 +429,25 @@ def test_wg_split(compiled, dtype, dht, grouped, u_from_h):
                                   {Bar.DS_READY, Bar.FINISH, Bar.DU_READY},
                                   built.indirect)  # fmt: skip
     assert {int(b.barrier, 16) for b in pins if b.predicate} == {Bar.DH_FREE}
+
+
+@pytest.mark.parametrize("group_sum", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_wg_split_setmaxnreg_directions(compiled, group_sum):
+    """The split's four setmaxnreg go the way the launch's 128 registers allow: warpgroup 0's
+    .dec (32; 24 with `group_sum`), S's, G1's and G2's .inc (176, 168, 136; 176, 160, 152). G2's
+    was a .dec to 136 (USETMAXREG.DEALLOC.CTAPOOL 0x88), an illegal instruction on the H100: CUDA
+    error 715 at that instruction (+0x13670 of this key's cu13 build, the GPU host's; warpgroup
+    3's threads) on the first launch of every `wg_split` key (next/ws-illegal). The key is the
+    failing GPU case's: bf16, dht, `u_from_h` (grouped with `group_sum`)."""
+    built = compiled(config.DTYPES[1], True, group_sum, True, group_sum=group_sum,
+                     wg_split=True)  # fmt: skip
+    launch = built.res["registers"]
+    assert launch == config.SPLIT_LAUNCH_REGS == 128
+    assert not setmaxnreg_wrong_way(built.instrs, launch)
+    regs = config.SPLIT_PAIR_REGS if group_sum else config.SPLIT_REGS
+    got = sorted((op.split(".")[1], int(a.split()[-1], 16)) for op, a in built.instrs
+                 if op.startswith("USETMAXREG"))  # fmt: skip
+    assert got == sorted([("DEALLOC", regs[0])] + [("TRY_ALLOC", r) for r in regs[1:]])
 
 
 # ---- `wg_split, group_sum` (next/wgsplit-groupsum: the pair's exchanges on the split)
@@ -445,29 +477,27 @@ def test_wg_split_group_sum(compiled, dtype, dht, u_from_h, varlen):
     assert built.smem == split.smem == pair.smem == SMEM
     setmax = sorted(int(a.split()[-1], 16) for op, a in built.instrs if op.startswith("USETMAXREG"))
     assert setmax == sorted(config.SPLIT_PAIR_REGS)
+    assert not setmaxnreg_wrong_way(built.instrs, built.res["registers"])
     assert sum(setmax) * 128 <= built.res["registers"] * config.SPLIT_THREADS
     regions, split_regions = _regions(built.instrs), _regions(split.instrs)
     for regs in config.SPLIT_PAIR_REGS:
         assert _max_register(regions[regs]) < regs
 
-    def count(instrs, prefix):
-        return sum(op.startswith(prefix) for op, _ in instrs)
-
     for prefix in ("HGMMA", "UTMALDG", "STSM", "MUFU"):
-        assert count(built.instrs, prefix) == count(split.instrs, prefix), prefix
+        assert _count(built.instrs, prefix) == _count(split.instrs, prefix), prefix
     per_exchange = 128 * 64 // (4 * config.THREADS_PER_WG)  # 16-byte groups a sending thread
     _, s_regs, g1_regs, g2_regs = config.SPLIT_PAIR_REGS
     _, s_split, g1_split, g2_split = config.SPLIT_REGS
     for regs, was in ((g1_regs, g1_split), (g2_regs, g2_split)):
-        assert count(regions[regs], "STAS.128") == per_exchange
-        assert (count(regions[regs], "LDS.128") - count(split_regions[was], "LDS.128")
+        assert _count(regions[regs], "STAS.128") == per_exchange
+        assert (_count(regions[regs], "LDS.128") - _count(split_regions[was], "LDS.128")
                 == per_exchange)  # fmt: skip
-        assert count(regions[regs], "HGMMA") == count(split_regions[was], "HGMMA")
-    assert count(regions[s_regs], "HGMMA") == count(split_regions[s_split], "HGMMA")
-    assert count(built.instrs, "STAS") == 2 * per_exchange
+        assert _count(regions[regs], "HGMMA") == _count(split_regions[was], "HGMMA")
+    assert _count(regions[s_regs], "HGMMA") == _count(split_regions[s_split], "HGMMA")
+    assert _count(built.instrs, "STAS") == 2 * per_exchange
     for prefix in ("SYNCS.ARRIVE.TRANS64.RED", "SYNCS.EXCH.64", "UCGABAR", "MEMBAR"):
-        assert count(built.instrs, prefix) == count(pair.instrs, prefix), prefix
-    assert count(built.instrs, "MEMBAR.ALL.GPU") == 0
+        assert _count(built.instrs, prefix) == _count(pair.instrs, prefix), prefix
+    assert _count(built.instrs, "MEMBAR.ALL.GPU") == 0
 
     def bars(instrs):
         return sorted(a.replace(" ", "") for op, a in instrs if op.startswith("BAR"))
@@ -513,29 +543,27 @@ def test_wg_split_w_from_t(compiled, dtype, dht, grouped, group_sum, varlen):
                                                                  w_from_t=True)  # fmt: skip
     setmax = sorted(int(a.split()[-1], 16) for op, a in built.instrs if op.startswith("USETMAXREG"))
     assert setmax == sorted(regs)
+    assert not setmaxnreg_wrong_way(built.instrs, built.res["registers"])
     regions, split_regions = _regions(built.instrs), _regions(split.instrs)
     for r in regs:
         assert _max_register(regions[r]) < r
 
-    def count(instrs, prefix):
-        return sum(op.startswith(prefix) for op, _ in instrs)
-
     _, s_regs, g1_regs, g2_regs = regs
-    assert (count(regions[g2_regs], "HGMMA.64x128x16")
-            == count(split_regions[g2_regs], "HGMMA.64x128x16") + 8)  # fmt: skip
-    assert count(regions[g2_regs], "HGMMA.64x64x16") == count(split_regions[g2_regs],
+    assert (_count(regions[g2_regs], "HGMMA.64x128x16")
+            == _count(split_regions[g2_regs], "HGMMA.64x128x16") + 8)  # fmt: skip
+    assert _count(regions[g2_regs], "HGMMA.64x64x16") == _count(split_regions[g2_regs],
                                                               "HGMMA.64x64x16")  # fmt: skip
     for r in (s_regs, g1_regs):
-        assert count(regions[r], "HGMMA") == count(split_regions[r], "HGMMA")
-    assert count(regions[g2_regs], "STSM") == count(split_regions[g2_regs], "STSM") + 16
-    assert count(built.instrs, "STSM") == count(split.instrs, "STSM") + 16
-    assert count(regions[g2_regs], "MUFU") == count(split_regions[g2_regs], "MUFU") + 1
-    assert count(regions[g2_regs], "BAR") == count(split_regions[g2_regs], "BAR") + 2
+        assert _count(regions[r], "HGMMA") == _count(split_regions[r], "HGMMA")
+    assert _count(regions[g2_regs], "STSM") == _count(split_regions[g2_regs], "STSM") + 16
+    assert _count(built.instrs, "STSM") == _count(split.instrs, "STSM") + 16
+    assert _count(regions[g2_regs], "MUFU") == _count(split_regions[g2_regs], "MUFU") + 1
+    assert _count(regions[g2_regs], "BAR") == _count(split_regions[g2_regs], "BAR") + 2
     # the products' own two waits, no more: ptxas did not serialize the HGMMAs (C7520, as it did
     # the forward launch's `w_from_t` key before next/wft-review)
-    assert count(built.instrs, "WARPGROUP.DEPBAR") == count(split.instrs, "WARPGROUP.DEPBAR") + 2
-    assert count(built.instrs, "UTMALDG") == count(split.instrs, "UTMALDG") - 2
-    assert count(built.instrs, "SYNCS.EXCH.64") == count(split.instrs, "SYNCS.EXCH.64") - 1
+    assert _count(built.instrs, "WARPGROUP.DEPBAR") == _count(split.instrs, "WARPGROUP.DEPBAR") + 2
+    assert _count(built.instrs, "UTMALDG") == _count(split.instrs, "UTMALDG") - 2
+    assert _count(built.instrs, "SYNCS.EXCH.64") == _count(split.instrs, "SYNCS.EXCH.64") - 1
 
     def bar_ids(instrs):
         return {a.replace(" ", "") for op, a in instrs if op.startswith("BAR") and "," in a}

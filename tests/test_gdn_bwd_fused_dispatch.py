@@ -777,15 +777,13 @@ def test_w_from_t_forward_rounding(b, t, h, hv):
         assert err < 1e-2, (name, err)
 
 
-@pytest.mark.parametrize(("b", "h", "hv", "lens"), [(2, 2, 4, [130]), (1, 1, 2, [65]),
-                                                    (1, 2, 4, [1, 63, 64, 65])])  # fmt: skip
-def test_w_from_t_route(kernel_path, monkeypatch, b, h, hv, lens):  # noqa: F811
-    """FUSED_WFROMT on (with FUSED_DIET): the fused launch handed no W, no u and `wg_split`
-    (its `wg_split, w_from_t` key; at HV = 2 H with `group_sum`; several `lens`: the slot
-    layout, FUSED_SLOTS); the gradients within 1e-2 of FUSED_WFROMT off (W, u differ by T's
-    16-bit rounding)."""
+def _w_from_t_problem(monkeypatch, b, h, hv, lens, seed):
+    """The FUSED_WFROMT tests' bf16 problem (k unit rows) and call keywords on the fused route:
+    B equal sequences, or several `lens` behind cu_seqlens on the slot layout (FUSED_SLOTS
+    selected); the device's SMs set so the fused route takes it. -> (q, k, v, g, beta, do, the
+    call's keywords)."""
     t, n = sum(lens), (b if len(lens) == 1 else len(lens))
-    q, k, v, g, beta, do, h0, dht = _bf16_problem(b, t, h, hv, seed=t + hv)
+    q, k, v, g, beta, do, h0, dht = _bf16_problem(b, t, h, hv, seed=seed)
     k = (k.float() / k.float().norm(dim=-1, keepdim=True)).bfloat16()
     kw = {"initial_state": h0, "d_final_state": dht}
     if len(lens) > 1:
@@ -797,6 +795,17 @@ def test_w_from_t_route(kernel_path, monkeypatch, b, h, hv, lens):  # noqa: F811
         monkeypatch.setattr(bwd, "_fused_slots_selected", lambda *a: True)
     monkeypatch.setattr(bwd, "FUSED", True)
     monkeypatch.setattr(bwd, "_device_sms", lambda device: n * hv)
+    return q, k, v, g, beta, do, kw
+
+
+@pytest.mark.parametrize(("b", "h", "hv", "lens"), [(2, 2, 4, [130]), (1, 1, 2, [65]),
+                                                    (1, 2, 4, [1, 63, 64, 65])])  # fmt: skip
+def test_w_from_t_route(kernel_path, monkeypatch, b, h, hv, lens):  # noqa: F811
+    """FUSED_WFROMT on (with FUSED_DIET): the fused launch handed no W, no u and `wg_split`
+    (its `wg_split, w_from_t` key; at HV = 2 H with `group_sum`; several `lens`: the slot
+    layout, FUSED_SLOTS); the gradients within 1e-2 of FUSED_WFROMT off (W, u differ by T's
+    16-bit rounding)."""
+    q, k, v, g, beta, do, kw = _w_from_t_problem(monkeypatch, b, h, hv, lens, seed=sum(lens) + hv)
     grads = {}
     for on in (False, True):
         calls = []
@@ -819,20 +828,10 @@ def test_w_from_t_t_only_keys(kernel_path, monkeypatch, b, h, hv, lens):  # noqa
     keeps kernel 0's and the forward launch's standard keys (no varlen form) with W, u; off,
     neither. The gradients within 1e-2 of the switch off (`test_w_from_t_route`'s bound: W, u
     differ by T's 16-bit rounding; the emulated launch rounds u too)."""
-    t, n = sum(lens), (b if len(lens) == 1 else len(lens))
-    q, k, v, g, beta, do, h0, dht = _bf16_problem(b, t, h, hv, seed=t + 3 * hv)
-    k = (k.float() / k.float().norm(dim=-1, keepdim=True)).bfloat16()
-    kw = {"initial_state": h0, "d_final_state": dht}
+    q, k, v, g, beta, do, kw = _w_from_t_problem(
+        monkeypatch, b, h, hv, lens, seed=sum(lens) + 3 * hv
+    )
     slots = len(lens) > 1
-    if slots:
-        kw = {"initial_state": h0.expand(n, -1, -1, -1).contiguous(),
-              "d_final_state": dht.expand(n, -1, -1, -1).contiguous(),
-              "cu_seqlens": torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()],
-                                         dtype=torch.int32)}  # fmt: skip
-        monkeypatch.setattr(bwd, "FUSED_SLOTS", True)
-        monkeypatch.setattr(bwd, "_fused_slots_selected", lambda *a: True)
-    monkeypatch.setattr(bwd, "FUSED", True)
-    monkeypatch.setattr(bwd, "_device_sms", lambda device: n * hv)
     factors, state = bwd._factors, bwd._state_recurrence
     seen = []
 

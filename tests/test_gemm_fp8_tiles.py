@@ -235,8 +235,17 @@ def test_script_rows_on_cpu(script, monkeypatch):
     assert by_config["deepgemm"]["max_err"] <= by_config[PREFILL_CANDIDATES[0].tag()]["bound"]
 
 
+# CI: a narrow pick's twins (64x48: a straddling width, both clusters) and the tiled pick's band
+# twin; the 64x32 and 64x112 narrow picks' twins (tuning configurations, not adopted: the same
+# multicast code on other widths) are slow (~6.5 s of an idle CPU, 2026-12-07)
 @pytest.mark.parametrize(
-    ("m", "n", "k"), [(128, 1536, 7168), (512, 576, 7168), (128, 7168, 16384), (4096, 7168, 2048)]
+    ("m", "n", "k"),
+    [
+        pytest.param(128, 1536, 7168, marks=pytest.mark.slow),
+        (512, 576, 7168),
+        pytest.param(128, 7168, 16384, marks=pytest.mark.slow),
+        (4096, 7168, 2048),
+    ],
 )
 def test_script_twins_compile_without_spills(script, m, n, k, tmp_path):
     """Every twin of these picks compiles for sm_90a (bf16 out) as its pick does: 0 spill bytes,

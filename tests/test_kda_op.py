@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from script_modules import load_script  # tests/ is on the path
+from sweeps import slow_past
 
 import forgekernel
 import forgekernel.ops.kda_chunked as op
@@ -529,7 +530,10 @@ def _launch(x, cu, segments, state=True):
     return out, final
 
 
-@pytest.mark.parametrize("segments", [2, 3, 5])
+# CI: 3 segments, with and without a state (the 70- and 1-token sequences have fewer chunks
+# than segments: empty segments; 257 tokens end in a 1-token segment); 2 and 5 are slow (CPU
+# replays, ~1 s each of an idle CPU, 2026-12-07)
+@pytest.mark.parametrize("segments", slow_past([2, 3, 5], keep=3))
 @pytest.mark.parametrize("state", [True, False])
 def test_segments_match_the_direct_launch_and_fp64(cpu_kernel, segments, state):
     """The recurrence over segments (`launch._segmented`: passes A, B from 64 I, the scan, C)
@@ -563,7 +567,9 @@ def test_segment_first_chunks():
     assert cu_seg.tolist()[:4] == [0, 128, 256, 300]
 
 
-@pytest.mark.parametrize("pieces", [2, 3, 6])
+# CI: 3 pieces, with and without a state (pieces past the 70- and 1-token sequences' ends);
+# 2 and 6 are slow (CPU replays, ~1.3 s each of an idle CPU, 2026-12-07)
+@pytest.mark.parametrize("pieces", slow_past([2, 3, 6], keep=3))
 @pytest.mark.parametrize("state", [True, False])
 def test_pieces_after_warm_up_chunks(cpu_kernel, pieces, state):
     """Pieces after warm-up chunks from zero (`launch._pieces`, the `warmup` kernel) against the

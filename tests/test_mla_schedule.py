@@ -396,22 +396,23 @@ def test_ranged_scheduling_kernel_compiles(compiles, qtokens):  # noqa: F811
 
 
 @pytest.mark.parametrize("qtokens", slow_past([1, 2]))
-def test_ranged_pass_is_the_worklist_pass_but_its_write(compiles, qtokens):  # noqa: F811
-    """The pass's ranges form: no spills; the work-list pass's main loop, its partial rows at
-    (item, token) instead of (split, query row). The `ranges` switch changes the write alone,
-    whatever the tokens: its main-loop counts are compared with the work-list pass's at one
-    query token (that build is test_mla_worklist's, the ranges one test_pdl's: one scope,
-    SHARED_COMPILES); at two tokens the ranges build is checked on its own (the work-list pass
-    of two tokens was compiled for this compare alone: ~8 s of CI's CPU; now slow, as the
-    ranges build: ~9 s)."""
+def test_ranged_pass_is_the_standard_pass_but_its_prologue_and_write(compiles, qtokens):  # noqa: F811
+    """The pass's ranges form: no spills; the standard pass's main loop, its item from the list
+    (the work-list prologue: one MUFU.RCP fewer, the standard's split share of the unit's keys)
+    and its partial rows at (item, token) instead of (split, query row). Its main-loop counts
+    are compared at one query token with the standard pass's (that build is the seesaw and PDL
+    tests', the ranges one test_pdl's: one scope, SHARED_COMPILES; the work-list pass, a
+    candidate, is no longer compiled in CI: test_mla_worklist's compare of it with the standard
+    pass is slow); at two tokens the ranges build is checked on its own (slow, ~9 s)."""
     res = compiles(params_for("partial", "bfloat16", 16, qtokens, tma=True, worklist=True,
                               ranges=True))  # fmt: skip
     assert res["spill_bytes"] == 0 and res["registers"] <= 255
     if qtokens != 1:
         return
-    std = compiles(params_for("partial", "bfloat16", 16, qtokens, tma=True, worklist=True))
+    std = compiles(params_for("partial", "bfloat16", 16, qtokens, tma=True))
     for kind in ("HGMMA", "UTMALDG", "STSM", "MUFU", "BAR", "SYNCS"):
-        assert res["sass"].get(kind) == std["sass"].get(kind), kind
+        extra = 1 if kind == "MUFU" else 0  # the work list's prologue (test_mla_worklist)
+        assert res["sass"].get(kind) == std["sass"].get(kind) - extra, kind
 
 
 def test_ranged_combine_compiles(compiles):  # noqa: F811

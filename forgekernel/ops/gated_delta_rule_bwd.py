@@ -585,10 +585,11 @@ FUSED_SLOTS_GROUPSUM = False
 # 0's and kernel 1's forward launch's `w_from_t` keys: kernel 0 the T-only form (P^T, T^T, G,
 # e^(G_C); no W, u written, v not read: 48 KB a chunk-head), the forward launch forming u^T and
 # W from T^T, v, k, beta, G (reads v 16 + T^T 8 in place of u, W 32): W, u never in HBM
-# (predicted, 4 x 8192 h16 hv32: the call -0.05 to -0.2 ms against the switch off, NOTES
-# "next/gdn-w-from-t2 (2026-12-07)"). In the slot layout kernel 0 and the forward launch keep
-# their standard keys (no varlen form): there only the fused kernel's reads go. Off until its
-# device A/B (docs/pending/gdn-bwd-w-from-t-probes.txt; the rule there).
+# (predicted, 4 x 8192 h16 hv32: kernel 0 -0.3 to -0.45 ms, the call -0.3 to -0.5 ms from W, u
+# alone, the split's own change beside it; NOTES "next/gdn-w-from-t2 (2026-12-07)"). In the
+# slot layout kernel 0 and the forward launch keep their standard keys (no varlen form): there
+# only the fused kernel's reads go. Off until its device A/B
+# (docs/pending/gdn-bwd-w-from-t-probes.txt; the rule there).
 FUSED_WFROMT = False
 
 

@@ -29,6 +29,24 @@ def sass_instructions(sass: str) -> list[tuple[str, str]]:
     return _INSTRUCTION.findall(sass)
 
 
+def setmaxnreg_wrong_way(instrs: list[tuple[str, str]], launch: int) -> list[str]:
+    """The setmaxnreg instructions of `instrs` (`sass_instructions`) whose direction does not fit
+    `launch` (the kernel's registers at the launch, cuobjdump -res-usage): a .dec
+    (USETMAXREG.DEALLOC) above `launch`, a .inc (USETMAXREG.TRY_ALLOC) below it. A .dec above
+    the warp's count is an illegal instruction on the H100 (CUDA error 715: the fused GDN
+    backward's `wg_split` keys, DEALLOC 0x88 from 128; docs/linear_attention/NOTES.md
+    "next/ws-illegal"); a .inc to the launch's own count runs (the FP8 masked GEMM's 64-row
+    consumer, TRY_ALLOC 232 at 232: checked on the H100)."""
+    out = []
+    for op, args in instrs:
+        if op.startswith("USETMAXREG"):
+            count = int(args.split()[-1], 16)
+            dec = op.startswith("USETMAXREG.DEALLOC")
+            if (dec and count > launch) or (not dec and count < launch):
+                out.append(f"{op} {args.strip()}")
+    return out
+
+
 def _tool_dirs() -> list[str]:
     dirs = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p]
     for entry in sys.path:
@@ -80,13 +98,16 @@ def sass_text(cubin: str | os.PathLike | bytes | None) -> str:
 
 
 def inspect_cubin(cubin: str | os.PathLike | None) -> dict[str, Any]:
-    """registers, stack/spill bytes, static smem, and SASS counts of HGMMA / TMA / local memory."""
+    """registers, stack/spill bytes, static smem, SASS counts of HGMMA / TMA / local memory, and
+    the setmaxnreg instructions whose direction does not fit the launch's registers
+    (`setmaxnreg_wrong_way`: none in a kernel that runs)."""
     out: dict[str, Any] = {
         "registers": None,
         "smem_bytes": None,
         "spill_bytes": None,
         "hgmma": None,
         "sass": {},
+        "setmaxnreg_wrong_way": [],
     }
     cuobjdump = find_tool("cuobjdump")
     if isinstance(cubin, bytes):  # some DSL paths hand back the image, not its file
@@ -100,7 +121,8 @@ def inspect_cubin(cubin: str | os.PathLike | None) -> dict[str, Any]:
         out.update(registers=reg, smem_bytes=shared, spill_bytes=stack + local)
     if find_tool("nvdisasm") is None:
         return out
-    ops = Counter(_OPCODE.findall(sass_text(cubin)))
+    sass = sass_text(cubin)
+    ops = Counter(_OPCODE.findall(sass))
     keep = (
         "HGMMA",
         "QGMMA",
@@ -119,4 +141,7 @@ def inspect_cubin(cubin: str | os.PathLike | None) -> dict[str, Any]:
     )
     out["sass"] = {k: v for k, v in ops.items() if k in keep}
     out["hgmma"] = ops.get("HGMMA", 0) + ops.get("QGMMA", 0) > 0  # warpgroup MMA, 16 / 8 bit
+    if out["registers"] is not None:
+        instrs = sass_instructions(sass)
+        out["setmaxnreg_wrong_way"] = setmaxnreg_wrong_way(instrs, out["registers"])
     return out

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attention_configs import SUITE, check_run, forced
 
-from forgekernel.bench.check import poison, verify
 from forgekernel.bench.suites import attention as suite_module
 from forgekernel.kernels.attention.fwd.sm90 import D192_CANDIDATES, L2_CANDIDATES
 
 pytestmark = pytest.mark.gpu
 
-SUITE = suite_module.suite()
 # (b, hq, sq, sk): one key block; off the tiles; chunked; rows with no key; many tiles a CTA
 SHAPES = [(1, 4, 100, 100), (2, 4, 1000, 1003), (1, 8, 300, 2100), (1, 4, 700, 250),
           (2, 16, 2048, 2048)]  # fmt: skip
@@ -44,18 +43,7 @@ def test_candidate_matches_the_reference_and_the_default(knobs, shape, dtype, ca
     case = suite_module._case(b, hq, hq, sq, 192, causal, sk=sk, dv=128)
     gen = torch.Generator(device="cuda").manual_seed(sum(shape))
     inputs = SUITE.make_inputs(case, dtype, torch.device("cuda"), gen)
-
-    def run(inputs, out):
-        return suite_module.run_config(inputs, out, **knobs)
-
-    _, cmps = verify(SUITE, inputs, torch.device("cuda"), run=run)
-    assert all(c.ok for c in cmps), [c.message for c in cmps]
-    first, again = (run(inputs, poison(SUITE.alloc_out(inputs))) for _ in range(2))
-    default = suite_module.run_config(inputs, poison(SUITE.alloc_out(inputs)))
-    torch.cuda.synchronize()
-    assert not first[0].isnan().any() and not first[1].isnan().any()
-    for got, again_, want in zip(first, again, default):
-        assert torch.equal(got, again_) and torch.equal(got, want)
+    check_run(inputs, forced(knobs), as_default=True)
 
 
 # The L2 candidates still open (L2_CANDIDATES: D = 64 causal in sections, alone and with the
@@ -78,15 +66,4 @@ def test_l2_candidate_matches_the_reference_and_the_default(d, causal, knobs, sh
     case = suite_module._case(b, hq, hq // group, sq, d, causal, sk=sk)
     gen = torch.Generator(device="cuda").manual_seed(sum(shape) + d)
     inputs = SUITE.make_inputs(case, torch.bfloat16, torch.device("cuda"), gen)
-
-    def run(inputs, out):
-        return suite_module.run_config(inputs, out, **knobs)
-
-    _, cmps = verify(SUITE, inputs, torch.device("cuda"), run=run)
-    assert all(c.ok for c in cmps), [c.message for c in cmps]
-    first, again = (run(inputs, poison(SUITE.alloc_out(inputs))) for _ in range(2))
-    default = suite_module.run_config(inputs, poison(SUITE.alloc_out(inputs)))
-    torch.cuda.synchronize()
-    assert not first[0].isnan().any() and not first[1].isnan().any()
-    for got, again_, want in zip(first, again, default):
-        assert torch.equal(got, again_) and torch.equal(got, want)
+    check_run(inputs, forced(knobs), as_default=True)

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attention_configs import SUITE, check_run, forced
 
-from forgekernel.bench.check import poison, verify
 from forgekernel.bench.suites import attention as suite_module
 from forgekernel.kernels.attention.fwd.sm90.config import FIXED_RULES, fixed_rule
 
 pytestmark = pytest.mark.gpu
 
-SUITE = suite_module.suite()
 # (b, hq, sq, sk, group)
 SHAPES = [(2, 4, 1000, 1003, 1), (2, 8, 1000, 1003, 4), (1, 8, 300, 2100, 1),
           (1, 4, 700, 250, 1), (2, 16, 2048, 2048, 1)]  # fmt: skip
@@ -31,18 +30,6 @@ CASES = [
 ]  # fmt: skip
 
 
-def _check(inputs, run) -> None:
-    """`run` against the reference, every element written, bitwise stable and as `was`."""
-    _, cmps = verify(SUITE, inputs, torch.device("cuda"), run=run)
-    assert all(c.ok for c in cmps), [c.message for c in cmps]
-    first, again = (run(inputs, poison(SUITE.alloc_out(inputs))) for _ in range(2))
-    was = suite_module.run_config(inputs, poison(SUITE.alloc_out(inputs)))
-    torch.cuda.synchronize()
-    assert not first[0].isnan().any() and not first[1].isnan().any()
-    for got, again_, want in zip(first, again, was):
-        assert torch.equal(got, again_) and torch.equal(got, want)
-
-
 @pytest.mark.parametrize(("i", "shape", "dtype"), CASES)
 def test_rule_config_matches_the_reference_and_was(i, shape, dtype):
     rule = FIXED_RULES[i - 1]
@@ -51,11 +38,7 @@ def test_rule_config_matches_the_reference_and_was(i, shape, dtype):
     case = suite_module._case(b, hq, hq // group, sq, d, rule.causal, sk=sk, dv=dv)
     gen = torch.Generator(device="cuda").manual_seed(sum(shape) + d)
     inputs = SUITE.make_inputs(case, dtype, torch.device("cuda"), gen)
-
-    def run(inputs, out):
-        return suite_module.run_config(inputs, out, **knobs)
-
-    _check(inputs, run)
+    check_run(inputs, forced(knobs), as_default=True)
 
 
 # each rule's class at its smallest corner (lo seqlens, the fewest batches x kv heads, its
@@ -76,4 +59,4 @@ def test_the_op_runs_the_rule_in_its_class(i):
     case = suite_module._case(b, g * hkv, hkv, s, d, rule.causal, dv=dv)
     gen = torch.Generator(device="cuda").manual_seed(i)
     inputs = SUITE.make_inputs(case, torch.bfloat16, torch.device("cuda"), gen)
-    _check(inputs, suite_module.run_ours)
+    check_run(inputs, suite_module.run_ours, as_default=True)

@@ -102,6 +102,17 @@ def test_matches_the_fp64_backward_and_todays_path(fused, monkeypatch, dtype, t,
         _close(name + " vs today's path", a, o.double())
 
 
+def _varlen_problem(lens, seed, **kw):
+    """(inputs, h0, dht, cu): `_problem`'s bf16 inputs over one row of sum(lens) tokens (H 2,
+    HV 4), cut by cu_seqlens = lens' offsets, h0 / dht one per sequence (the varlen tests')."""
+    n = len(lens)
+    q, k, v, g, beta, do, h0, dht = _problem(1, sum(lens), 2, 4, torch.bfloat16, seed=seed, **kw)
+    h0, dht = h0.expand(n, -1, -1, -1).contiguous(), dht.expand(n, -1, -1, -1).contiguous()
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda",
+                      dtype=torch.int32)  # fmt: skip
+    return (q, k, v, g, beta, do), h0, dht, cu
+
+
 @pytest.mark.parametrize("lens", [[1, 63, 0, 64, 65, 130], [1000, 70], [65, 65, 65]])
 def test_varlen(fused, monkeypatch, lens):
     """cu_seqlens (ops/_linattn_varlen.py `backward_varlen`): equal lengths are B sequences (a
@@ -110,12 +121,7 @@ def test_varlen(fused, monkeypatch, lens):
     `config.slots_fit`'s wave (FUSED_SLOTS; not patched here: N x HV = 24 or 8 CTAs, the
     two-launch slot path; tests/gpu/test_gdn_bwd_fused_slots_gpu.py forces it): the fused kernel
     not launched. Both against the fp64 varlen backward."""
-    total = sum(lens)
-    q, k, v, g, beta, do, h0, dht = _problem(1, total, 2, 4, torch.bfloat16, seed=len(lens))
-    n = len(lens)
-    h0, dht = h0.expand(n, -1, -1, -1).contiguous(), dht.expand(n, -1, -1, -1).contiguous()
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda",
-                      dtype=torch.int32)  # fmt: skip
+    inputs, h0, dht, cu = _varlen_problem(lens, seed=len(lens))
     in_slots = []
     real = bwd._device_pass
 
@@ -124,11 +130,10 @@ def test_varlen(fused, monkeypatch, lens):
         return real(*a, **kw)
 
     monkeypatch.setattr(bwd, "_device_pass", device_pass)
-    inputs = (q, k, v, g, beta, do)
     got = _run(inputs, h0=h0, dht=dht, l2norm=True, cu=cu)
     equal = len(set(lens)) == 1
     assert in_slots == [not equal], in_slots  # one device pass, in the slot layout if unequal
-    assert fused == ([(n, lens[0], 4, 128)] if equal else []), fused
+    assert fused == ([(len(lens), lens[0], 4, 128)] if equal else []), fused
     want = _reference(inputs, h0=h0, dht=dht, l2norm=True, cu=cu)
     for name, a, r in zip(NAMES, got, want):
         _close(name, a, r)

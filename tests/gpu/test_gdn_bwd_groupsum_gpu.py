@@ -30,7 +30,7 @@ import importlib
 import pytest
 import torch
 from graphs import captured, replay_poisoned
-from test_gdn_bwd_fused_gpu import _fused_kernel_args, _poisoned, _route, _run
+from test_gdn_bwd_fused_gpu import _fused_kernel_args, _poisoned, _route, _run, _varlen_problem
 from test_gdn_bwd_kernel_path_gpu import NAMES, _close, _problem, _reference
 
 import forgekernel
@@ -123,13 +123,8 @@ def test_matches_the_fp64_backward_and_the_switch_off(pair, monkeypatch, dtype, 
 def test_varlen(pair, lens, l2norm):
     """cu_seqlens: equal lengths are B sequences (a reshape) on the key; unequal ones run in
     the slot layout (today's path there: no fused launch). Against the fp64 varlen backward."""
-    total, n = sum(lens), len(lens)
-    q, k, v, g, beta, do, h0, dht = _problem(1, total, 2, 4, torch.bfloat16, seed=n,
-                                             l2norm=l2norm)  # fmt: skip
-    h0, dht = h0.expand(n, -1, -1, -1).contiguous(), dht.expand(n, -1, -1, -1).contiguous()
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda",
-                      dtype=torch.int32)  # fmt: skip
-    inputs = (q, k, v, g, beta, do)
+    n = len(lens)
+    inputs, h0, dht, cu = _varlen_problem(lens, seed=n, l2norm=l2norm)
     got = _run(inputs, h0=h0, dht=dht, l2norm=l2norm, cu=cu)
     equal = len(set(lens)) == 1
     assert pair == ([((n, lens[0], 4, 128), True)] if equal else []), pair

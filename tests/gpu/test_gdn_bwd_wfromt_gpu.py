@@ -43,7 +43,7 @@ import importlib
 
 import pytest
 import torch
-from test_gdn_bwd_fused_gpu import _fused_kernel_args, _poisoned, _route, _run
+from test_gdn_bwd_fused_gpu import _fused_kernel_args, _poisoned, _route, _run, _varlen_problem
 from test_gdn_bwd_kernel_path_gpu import NAMES, _close, _problem, _reference
 
 from forgekernel.kernels.linear_attention.gdn_bwd_factors.sm90 import launch as factors_launch
@@ -177,12 +177,7 @@ def test_varlen_slots(monkeypatch, lens):
     T^T at the slots), token rows."""
     keys = []
     calls, _ = _w_from_t_route(monkeypatch, keys)
-    total, n = sum(lens), len(lens)
-    q, k, v, g, beta, do, h0, dht = _problem(1, total, 2, 4, torch.bfloat16, seed=n)
-    h0, dht = h0.expand(n, -1, -1, -1).contiguous(), dht.expand(n, -1, -1, -1).contiguous()
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda",
-                      dtype=torch.int32)  # fmt: skip
-    inputs = (q, k, v, g, beta, do)
+    inputs, h0, dht, cu = _varlen_problem(lens, seed=len(lens))
     got = _run(inputs, h0=h0, dht=dht, l2norm=False, cu=cu)
     assert len(calls) == 1 and calls[0][1] is not None, calls
     assert keys == [("factors", False, True), ("state", False, True)], keys  # no varlen form

@@ -27,7 +27,7 @@ import importlib
 
 import pytest
 import torch
-from test_gdn_bwd_fused_gpu import _fused_kernel_args, _poisoned, _route, _run
+from test_gdn_bwd_fused_gpu import _fused_kernel_args, _poisoned, _route, _run, _varlen_problem
 from test_gdn_bwd_kernel_path_gpu import NAMES, _close, _problem, _reference
 
 from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90 import launch as fused_launch
@@ -143,12 +143,7 @@ def test_through_the_op(split, dtype, b, t, h, hv, l2norm):
 @pytest.mark.parametrize("lens", [[1, 63, 0, 64, 65, 130], [1000, 70]])
 def test_varlen_slots(split, lens):
     """Unequal lengths: the slot layout's fused launch (`varlen, wg_split`), token rows."""
-    total, n = sum(lens), len(lens)
-    q, k, v, g, beta, do, h0, dht = _problem(1, total, 2, 4, torch.bfloat16, seed=n)
-    h0, dht = h0.expand(n, -1, -1, -1).contiguous(), dht.expand(n, -1, -1, -1).contiguous()
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda",
-                      dtype=torch.int32)  # fmt: skip
-    inputs = (q, k, v, g, beta, do)
+    inputs, h0, dht, cu = _varlen_problem(lens, seed=len(lens))
     got = _run(inputs, h0=h0, dht=dht, l2norm=False, cu=cu)
     assert len(split) == 1 and split[0][1] is not None, split
     want = _reference(inputs, h0=h0, dht=dht, l2norm=False, cu=cu)
@@ -204,12 +199,7 @@ def test_pair_through_the_op(split_pairs, dtype, b, t, h, l2norm):
 def test_pair_varlen_slots(split_pairs, lens):
     """Unequal lengths, HV = 2 H, FUSED_SLOTS_GROUPSUM on: `varlen, group_sum, wg_split`
     against `varlen, group_sum` at the slots' token rows."""
-    total, n = sum(lens), len(lens)
-    q, k, v, g, beta, do, h0, dht = _problem(1, total, 2, 4, torch.bfloat16, seed=n + 1)
-    h0, dht = h0.expand(n, -1, -1, -1).contiguous(), dht.expand(n, -1, -1, -1).contiguous()
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda",
-                      dtype=torch.int32)  # fmt: skip
-    inputs = (q, k, v, g, beta, do)
+    inputs, h0, dht, cu = _varlen_problem(lens, seed=len(lens) + 1)
     got = _run(inputs, h0=h0, dht=dht, l2norm=False, cu=cu)
     assert len(split_pairs) == 1 and split_pairs[0][1] is not None, split_pairs
     want = _reference(inputs, h0=h0, dht=dht, l2norm=False, cu=cu)

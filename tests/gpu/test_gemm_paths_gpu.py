@@ -76,8 +76,9 @@ def test_every_fp8_config_matches_the_reference(cfg, k_tiles):
 
 
 def test_fp8_stream_k_is_deterministic_and_replays_in_a_graph():
-    case = fp8_suite_module._case(128, 1536, 7168)  # 24 tiles of 64x128: stream K
-    assert choose_config(128, 1536, 7168).stream_k
+    # 12 tiles of 64x128: stream K (128x1536x7168 took it until fp8_tiles' 64x32 pick)
+    case = fp8_suite_module._case(32, 1536, 7168)
+    assert choose_config(32, 1536, 7168).stream_k
     gen = torch.Generator(device="cuda").manual_seed(1)
     x = FP8.make_inputs(case, torch.bfloat16, torch.device("cuda"), gen)
     args = (x["a"], x["b"], x["sa"], x["sb"])

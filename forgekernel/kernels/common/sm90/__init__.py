@@ -6,6 +6,7 @@
   release on a global counter, proxy fences).
 - `pipeline`: the TMA producer / consumer pipelines and shared-memory views.
 - `barriers`: named-barrier ids (each kernel an `IntEnum` over `FIRST_FREE`).
+- `registers`: setmaxnreg with its direction (.inc / .dec) from the launch's register count.
 - `mma`: one warpgroup GEMM over all k-blocks, as one commit group.
 - `scheduler/`: tile schedulers (static persistent, longest-first, atomic dynamic).
 - `softmax`: masking and online-softmax helpers on WGMMA accumulators.

@@ -62,6 +62,9 @@ RELEASE_ARRIVALS = 2 * THREADS_PER_WG + 64
 # R0-R120). With `group_sum`: SPLIT_PAIR_REGS.
 SPLIT_THREADS = 4 * THREADS_PER_WG
 SPLIT_LAUNCH_REGS = REGISTERS_PER_SM // SPLIT_THREADS // 8 * 8  # 128
+# G2's 136 (and SPLIT_PAIR_REGS' 152) is above the launch's 128: a setmaxnreg.inc, as S's and
+# G1's; the .dec it was (USETMAXREG.DEALLOC 0x88 from 128) is an illegal instruction (CUDA error
+# 715 on the H100, warpgroup 3's threads at that instruction; NOTES "next/ws-illegal")
 SPLIT_REGS = (32, 176, 168, 136)
 assert sum(SPLIT_REGS) * THREADS_PER_WG <= SPLIT_LAUNCH_REGS * SPLIT_THREADS
 SPLIT_RELEASE_ARRIVALS = RELEASE_ARRIVALS + THREADS_PER_WG  # G2's release too

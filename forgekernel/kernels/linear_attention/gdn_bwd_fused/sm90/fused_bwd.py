@@ -125,6 +125,7 @@ from forgekernel.kernels.common.sm90.mma import gemm
 from forgekernel.kernels.common.sm90.opaque import opaque_i32
 from forgekernel.kernels.common.sm90.pipeline import init_arrive, init_wait, smem_tensor
 from forgekernel.kernels.common.sm90.ptx import opaque_tid_x
+from forgekernel.kernels.common.sm90.registers import set_max_registers
 from forgekernel.kernels.common.sm90.unaligned_barrier import unaligned_barrier
 from forgekernel.kernels.linear_attention.gdn_bwd_chunk.sm90.chunk_grads import (
     STASH_COLS,
@@ -138,6 +139,7 @@ from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.config import (
     EXCHANGE_BYTES,
     EXCHANGES,
     H_GROUP,
+    LAUNCH_REGS,
     LOAD_GROUPS,
     PAIR,
     PAIR_BARRIERS,
@@ -145,6 +147,7 @@ from forgekernel.kernels.linear_attention.gdn_bwd_fused.sm90.config import (
     REGS,
     RELEASE_ARRIVALS,
     S_GROUPS,
+    SPLIT_LAUNCH_REGS,
     SPLIT_PAIR_REGS,
     SPLIT_REGS,
     SPLIT_RELEASE_ARRIVALS,
@@ -223,8 +226,12 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         self.wg_split = wg_split
         self.threads = SPLIT_THREADS if wg_split else THREADS
         self.regs = REGS
+        # ptxas' count at the launch: each warpgroup's setmaxnreg goes from it (`.inc` above,
+        # `.dec` below: G2's 136 is above the split's 128, next/ws-illegal)
+        self.launch_regs = LAUNCH_REGS
         if wg_split:
             self.regs = SPLIT_PAIR_REGS if group_sum else SPLIT_REGS
+            self.launch_regs = SPLIT_LAUNCH_REGS
         self.release_arrivals = SPLIT_RELEASE_ARRIVALS if wg_split else RELEASE_ARRIVALS
         # DU_READY (G arrives, S waits; with `wg_split` G1 arrives, S and G2 wait) and DH_FREE
         # (S, G and the finish warps; G1 and G2 with `wg_split`)
@@ -511,7 +518,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             tables = (mStarts, mLens)
         wg = cute.arch.make_warp_uniform(tidx // WG)
         if wg == 0:
-            cute.arch.setmaxregister_decrease(self.regs[0])
+            set_max_registers(self.regs[0], self.launch_regs)
             if warp_idx == PRODUCER_WARP:
                 hq = hv  # q / k head: hv // (HV / H) when grouped
                 if const_expr(self.grouped):
@@ -530,7 +537,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
                 self._finish(sH, sDH, sRed2, sG2, mDG, full, empty, b, hv, seqlen, nchunks,
                              first, tables)  # fmt: skip
         elif wg == 1:
-            cute.arch.setmaxregister_increase(self.regs[1])
+            set_max_registers(self.regs[1], self.launch_regs)
             self._state(mma_ks, mma_st, mma_s, mma_k, sDO, sU, sQ, sK, sW, sUw, sH, sPT, sPD,
                         sDU, sDH, sE2, sGs2, sKK, mG, mDht, mDh0, full, empty, hv, b, seqlen,
                         nchunks, n, first)  # fmt: skip
@@ -543,7 +550,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             sDW = smem_tensor(storage.sH, sT_layout) if const_expr(self.wg_split) else None
             if const_expr(self.wg_split):
                 if wg == 3:
-                    cute.arch.setmaxregister_decrease(self.regs[3])
+                    set_max_registers(self.regs[3], self.launch_regs)
                     wy = None  # `w_from_t`'s (`_w_and_u`)
                     if const_expr(self.w_from_t):
                         sBw = storage.sBw.get_tensor(cute.make_layout((CHUNK, 2)))
@@ -552,10 +559,10 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
                                    sPD, sGs2, sRed2, sKK, stash, mG, mDQ, full, empty, b, hv,
                                    seqlen, nchunks, scale, first, tables, pair, wy)  # fmt: skip
                 else:
-                    cute.arch.setmaxregister_increase(self.regs[2])
+                    set_max_registers(self.regs[2], self.launch_regs)
                     self._grads(*grads, sDW)
             else:
-                cute.arch.setmaxregister_increase(self.regs[2])
+                set_max_registers(self.regs[2], self.launch_regs)
                 self._grads(*grads)
 
     @staticmethod
@@ -726,14 +733,9 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             # waits here too: not a phase of DS_READY (G1 and the finish warps would wait for
             # this warpgroup's later arrival there)
             du_ready.arrive_and_wait()
-            tid = opaque_tid_x() % WG
-            t0, row_w, _ = softmax.acc_coords(mma_w, tid, (CHUNK, self.k))
-            last = cutlass.min(first + CHUNK, seqlen) - 1
-            e_g, e_end = self._row_decays(mG, t0, row_w, first, seqlen, b, hv, sG[last - first])
-            qa = rows_cols(acc_q)
-            for r in cutlass.range_constexpr(cute.size(qa, mode=[0])):
-                for j in cutlass.range_constexpr(cute.size(qa, mode=[1])):
-                    qa[r, j] = qa[r, j] * e_g[r]
+            tid, t0, row_w, e_g, e_end = self._decayed_rows(
+                mma_w, acc_q, mG, sG, first, seqlen, b, hv
+            )
             tQrK = wg_q.make_fragment_B(wg_q.partition_B(transposed(sK)))
             gemm(mma_q, acc_q, tQrP, tQrK[None, None, None, 0], False, 0)
             dg = self._row_dots(acc_q, mma_w, sQ, tid)
@@ -778,6 +780,21 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
             rows.arrive()  # the stash and the rows' init for G1
             cute.arch.fence_view_async_shared()  # sPD, the stash over dO, U: before the TMA
             cute.arch.mbarrier_arrive(empty)
+
+    @cute.jit
+    def _decayed_rows(self, mma_w, acc_q, mG, sG, first, seqlen, b, hv):
+        """dqe's start, S's and G2's alike: this thread's (tid, t0, row_w) of the (CHUNK, K)
+        accumulator, its rows' decays (e_g, e_end: `_row_decays`) in the chunk at `first`, and
+        acc_q's rows (dO h) scaled by e_g in place."""
+        tid = opaque_tid_x() % WG
+        t0, row_w, _ = softmax.acc_coords(mma_w, tid, (CHUNK, self.k))
+        last = cutlass.min(first + CHUNK, seqlen) - 1
+        e_g, e_end = self._row_decays(mG, t0, row_w, first, seqlen, b, hv, sG[last - first])
+        qa = rows_cols(acc_q)
+        for r in cutlass.range_constexpr(cute.size(qa, mode=[0])):
+            for j in cutlass.range_constexpr(cute.size(qa, mode=[1])):
+                qa[r, j] = qa[r, j] * e_g[r]
+        return tid, t0, row_w, e_g, e_end
 
     @cute.jit
     def _w_and_u(self, wy, sK, sW, sUw, full, par, own):
@@ -996,14 +1013,7 @@ class GdnBwdFusedSm90(GdnBwdChunkSm90):
         acc_q = cute.make_rmem_tensor(wg_w.partition_shape_C((CHUNK, self.k)), Float32)
         cute.arch.mbarrier_wait(full + 2, par)  # h
         gemm(mma_w, acc_q, tArDO[None, None, None, 0], tBrH[None, None, None, 0], True, 0)
-        tid = opaque_tid_x() % WG
-        t0, row_w, _ = softmax.acc_coords(mma_w, tid, (CHUNK, self.k))
-        last = cutlass.min(first + CHUNK, seqlen) - 1
-        e_g, e_end = self._row_decays(mG, t0, row_w, first, seqlen, b, hv, sG[last - first])
-        qa = rows_cols(acc_q)
-        for r in cutlass.range_constexpr(cute.size(qa, mode=[0])):
-            for j in cutlass.range_constexpr(cute.size(qa, mode=[1])):
-                qa[r, j] = qa[r, j] * e_g[r]
+        tid, t0, row_w, e_g, e_end = self._decayed_rows(mma_w, acc_q, mG, sG, first, seqlen, b, hv)
         # S's dPD, dPD^T in shared memory; S has read dO, q, U: dk's stash and dw may go there
         s_done.arrive_and_wait()
         if const_expr(pair is not None):  # dO read by S and G (dqe waited): the peer may write
