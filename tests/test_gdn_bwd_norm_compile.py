@@ -48,7 +48,8 @@ def compiled():
     return get
 
 
-@pytest.mark.parametrize("dtype", config.DTYPES)
+# CI: the first dtype, both forms; the second dtype's (the same code) are slow (~3 s, 2026-12-07)
+@pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
 @pytest.mark.parametrize("l2norm", [False, True])
 def test_resources_and_memory_ops(compiled, dtype, l2norm):
     res, instrs = compiled(dtype, l2norm)

@@ -261,15 +261,17 @@ def _operands(m, n, k, seed):
     return inputs["a"], inputs["b"], inputs["sa"], inputs["sb"]
 
 
-# CI: eight cases, one of each kind (whole, ragged, stream-K, one warpgroup, the narrow tiles'
-# blocks); six more are slow (~14 s of CI's CPU, 2026-12-06)
+# CI: six cases, one of each kind (the ragged 128x128 corner, stream-K, one warpgroup, the narrow
+# tiles' blocks); eight more are slow (~14 s of CI's CPU, 2026-12-06; ~4 s more, 2026-12-07: the
+# whole tile, the ragged corner's path without its clamps, and 48 columns over two blocks, the
+# straddle 80 columns over N = 140 takes in CI)
 SLOW = pytest.mark.slow
 
 
 @pytest.mark.parametrize(
     ("tile_m", "tile_n", "shape", "tile", "k0", "count"),
     [
-        (128, 128, (300, 300, 7 * 128), (1, 1), 0, 7),  # a whole tile, odd k-tiles
+        pytest.param(128, 128, (300, 300, 7 * 128), (1, 1), 0, 7, marks=SLOW),  # a whole tile
         (128, 128, (300, 300, 6 * 128), (2, 2), 0, 6),  # the ragged corner: row/column clamps
         (128, 128, (130, 256, 5 * 128), (0, 1), 2, 2),  # a stream-K unit in mid-K, even
         (64, 128, (70, 200, 4 * 128), (1, 0), 1, 3),  # one warpgroup, M past the tile
@@ -280,7 +282,7 @@ SLOW = pytest.mark.slow
         pytest.param(64, 64, (64, 192, 3 * 128), (0, 1), 0, 3, marks=SLOW),
         (64, 32, (64, 200, 2 * 128), (0, 5), 0, 2),  # 32 columns: a block's last quarter
         # narrow tiles over two blocks of B's scales (columns 96..143: groups 4, 5 on block 1)
-        (64, 48, (64, 576, 3 * 128), (0, 2), 0, 3),
+        pytest.param(64, 48, (64, 576, 3 * 128), (0, 2), 0, 3, marks=SLOW),
         # two warpgroups, M past the tile
         pytest.param(128, 48, (200, 300, 3 * 128), (1, 2), 0, 3, marks=SLOW),
         (64, 80, (16, 140, 5 * 128), (0, 1), 0, 5),  # 80..159 over N = 140: block 1 partial
@@ -337,7 +339,9 @@ def test_units_back_to_back_hand_on_the_pipeline_states(host_dsl, tile_m, shape,
 @pytest.mark.parametrize(
     ("tile_m", "shape", "tile", "k0", "count"),
     [
-        (128, (300, 256, 5 * 128), (2, 1), 0, 5),  # rows past M: lanes read M's last vector
+        # rows past M: lanes read M's last vector; slow (~3 s of CI's CPU, 2026-12-07): M = 301's
+        # tile row 2 below reads past M too, and pads
+        pytest.param(128, (300, 256, 5 * 128), (2, 1), 0, 5, marks=SLOW),
         (128, (301, 256, 3 * 128), (2, 0), 1, 2),  # M not a multiple of 4: the 4-padded rows
         # a whole tile: the others' path with no edge; slow (3-7 s of CI's CPU, 2026-12-06)
         pytest.param(128, (256, 128, 4 * 128), (1, 0), 0, 4, marks=SLOW),
@@ -550,7 +554,11 @@ def _consumer_loop(sass: str) -> list[tuple[str, str]]:
     return best or []
 
 
-@pytest.mark.parametrize("which", ["large", "stream_decode", "mcast_a_mn", "grouped"])
+# CI: large, stream_decode, mcast_a_mn; grouped is slow (~1.5 s, 2026-12-07): its loops are
+# LARGE's (the docstring), its build test_scale_warp_compiles_on_the_other_mainloops' base
+@pytest.mark.parametrize(
+    "which", ["large", "stream_decode", "mcast_a_mn", pytest.param("grouped", marks=SLOW)]
+)
 def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_path):
     """Compiled for sm_90a: no spills, and the schedule the mainloop asks for survives ptxas:
     k-tile 0 issued; in the loop (two k-tiles per trip) each batch of 4 QGMMAs is issued before
@@ -717,7 +725,11 @@ def _producer_loops(sass: str) -> list[tuple[list[tuple[str, str]], list[str]]]:
     return loops
 
 
-@pytest.mark.parametrize(("m", "width"), [(64, 32), (64, 48), (64, 112), (1, 80)])
+# CI: 32 (no straddle), 112 (straddling, 64 rows: the longest trip, +3) and 80 (A's 8-row box);
+# 48 (straddling, 64 rows again) is slow (two compiles, ~2 s of CI's CPU, 2026-12-07)
+@pytest.mark.parametrize(
+    ("m", "width"), [(64, 32), pytest.param(64, 48, marks=SLOW), (64, 112), (1, 80)]
+)
 def test_scale_warp_takes_the_scale_loads_off_the_tma_loop(m, width, tmp_path):
     """`scale_warp` (docs/gemm/NOTES.md "next/fp8-narrow-scales"; the 64-row box's standard
     since 2026-12-07, four ahead) on the narrow tiles, compiled for sm_90a: no spills; the
@@ -781,7 +793,9 @@ def test_scale_warp_takes_the_scale_loads_off_the_tma_loop(m, width, tmp_path):
         assert plain.count("FMUL") == len(stores)
 
 
-@pytest.mark.parametrize("which", ["large", "mcast_a_mn", "grouped"])
+# CI: mcast_a_mn (LARGE's loops with A multicast, A's scales M-major) and grouped; large (the
+# K-major scales the narrow tiles' scale warp loads in CI) is slow (two compiles, ~3 s, 2026-12-07)
+@pytest.mark.parametrize("which", [pytest.param("large", marks=SLOW), "mcast_a_mn", "grouped"])
 def test_scale_warp_compiles_on_the_other_mainloops(which, tmp_path):
     """`scale_warp` on the tiled mainloops tests/gpu/test_gemm_fp8_scale_warp_gpu.py runs it on
     besides the narrow tiles (the standards since 2026-12-07: LARGE, B multicast, two ahead;

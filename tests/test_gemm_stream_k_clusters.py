@@ -325,15 +325,19 @@ def test_the_suite_checks_every_prefill_walk():
     assert set(sanitized) >= set(config.PREFILL_STREAM)
 
 
+# Slow (~6 s of CI's CPU, 2026-12-07), their code paths the CI cases': MID_STREAMED (no standard
+# key; stream K as LARGE_STREAM's, the 64x256 1x2 tile as MID's, its walk traced above), SWAP_80
+# (the swap's 64 x 16 boxes as SWAP_TALL_80's and the swapped stream K's) and FIT_144_A on "nk"
+# (its "kn" form, the unshared N-major boxes, is the awkward one)
 @pytest.mark.parametrize(
     ("cfg", "b_kn"),
     [
         (LARGE_STREAM, False),
-        (MID_STREAMED, True),
+        pytest.param(MID_STREAMED, True, marks=pytest.mark.slow),
         (MID, False),
         (config.FIT_144, True),  # 16-column epilogue sub-tiles, B's narrower swizzle atom
         (config.TALL_80, True),  # three consumer warpgroups (setmaxnreg 152)
-        (config.SWAP_80, False),  # the swap: C M-major, 64 x 16 boxes
+        pytest.param(config.SWAP_80, False, marks=pytest.mark.slow),  # C M-major, 64 x 16 boxes
         (config.SWAP_TALL_80, False),  # the swap on three consumer warpgroups
         # 72 columns: B's ring of 80 rows, 8-column sub-tiles (stmatrix x2; swapped, plain)
         (config.TALL_72, False),
@@ -342,7 +346,7 @@ def test_the_suite_checks_every_prefill_walk():
         # the twins config.walked puts in: LARGE walked in bands of 6 N blocks, FIT_144 with A
         # multicast over a 1x2 cluster (B "kn" unshared: its N-major boxes per CTA)
         (config.LARGE_BAND, False),
-        (config.FIT_144_A, False),
+        pytest.param(config.FIT_144_A, False, marks=pytest.mark.slow),
         (config.FIT_144_A, True),
         # the 256-token candidates (config.py CASE_CANDIDATES; bf16 "nk" as built): candidate
         # forms, slow (2-5 s of CI's CPU, 2026-12-06)
