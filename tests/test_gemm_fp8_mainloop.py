@@ -554,10 +554,17 @@ def _consumer_loop(sass: str) -> list[tuple[str, str]]:
     return best or []
 
 
-# CI: large, stream_decode, mcast_a_mn; grouped is slow (~1.5 s, 2026-12-07): its loops are
-# LARGE's (the docstring), its build test_scale_warp_compiles_on_the_other_mainloops' base
+# CI: stream_decode, mcast_a_mn; grouped is slow (~1.5 s, 2026-12-07): its loops are LARGE's
+# (the docstring), its build test_scale_warp_compiles_on_the_other_mainloops' base; large too
+# since its one-warp form is no longer the standard (the scale warp's test builds it in CI)
 @pytest.mark.parametrize(
-    "which", ["large", "stream_decode", "mcast_a_mn", pytest.param("grouped", marks=SLOW)]
+    "which",
+    [
+        pytest.param("large", marks=SLOW),
+        "stream_decode",
+        "mcast_a_mn",
+        pytest.param("grouped", marks=SLOW),
+    ],
 )
 def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_path):
     """Compiled for sm_90a: no spills, and the schedule the mainloop asks for survives ptxas:
@@ -793,9 +800,9 @@ def test_scale_warp_takes_the_scale_loads_off_the_tma_loop(m, width, tmp_path):
         assert plain.count("FMUL") == len(stores)
 
 
-# CI: mcast_a_mn (LARGE's loops with A multicast, A's scales M-major) and grouped; large (the
-# K-major scales the narrow tiles' scale warp loads in CI) is slow (two compiles, ~3 s, 2026-12-07)
-@pytest.mark.parametrize("which", [pytest.param("large", marks=SLOW), "mcast_a_mn", "grouped"])
+# CI: all three (LARGE's and LARGE_MCAST_A's scale warp the standards since 2026-12-07: each
+# built against its one-warp form, the schedule test's `large` / `mcast_a_mn`)
+@pytest.mark.parametrize("which", ["large", "mcast_a_mn", "grouped"])
 def test_scale_warp_compiles_on_the_other_mainloops(which, tmp_path):
     """`scale_warp` on the tiled mainloops tests/gpu/test_gemm_fp8_scale_warp_gpu.py runs it on
     besides the narrow tiles (the standards since 2026-12-07: LARGE, B multicast, two ahead;
