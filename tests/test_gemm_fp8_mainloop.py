@@ -732,12 +732,25 @@ def _producer_loops(sass: str) -> list[tuple[list[tuple[str, str]], list[str]]]:
     return loops
 
 
+def _sass_without_spills(cfg: GemmConfig, grouped: bool = False) -> str:
+    """The SASS of `cfg`'s bf16-out FP8 build (tests/cubins.py `build`: once a process),
+    asserted free of spills and local loads."""
+    from cubins import build  # tests/ is on the path
+
+    from forgekernel.kernels.gemm.fp8.sm90 import SPEC
+    from forgekernel.kernels.gemm.fp8.sm90.config import params_for
+
+    found = build(SPEC, params_for("bfloat16", cfg, grouped))
+    assert found.resources["spill_bytes"] == 0 and found.resources["sass"].get("LDL", 0) == 0
+    return found.sass
+
+
 # CI: 32 (no straddle), 112 (straddling, 64 rows: the longest trip, +3) and 80 (A's 8-row box);
 # 48 (straddling, 64 rows again) is slow (two compiles, ~2 s of CI's CPU, 2026-12-07)
 @pytest.mark.parametrize(
     ("m", "width"), [(64, 32), pytest.param(64, 48, marks=SLOW), (64, 112), (1, 80)]
 )
-def test_scale_warp_takes_the_scale_loads_off_the_tma_loop(m, width, tmp_path):
+def test_scale_warp_takes_the_scale_loads_off_the_tma_loop(m, width):
     """`scale_warp` (docs/gemm/NOTES.md "next/fp8-narrow-scales"; the 64-row box's standard
     since 2026-12-07, four ahead) on the narrow tiles, compiled for sm_90a: no spills; the
     consumers' code as the one-warp key's (the same WGMMA schedule, no in-flight register
@@ -746,31 +759,20 @@ def test_scale_warp_takes_the_scale_loads_off_the_tma_loop(m, width, tmp_path):
     (its expect_tx) and hold no LDG, FMUL or STS (no TMA waits on a scale load: with one warp
     a k-tile's UTMALDG followed its FMUL of the LDG before); the scale warp's hold the LDGs, the
     FMUL products, their STS and every lane's plain arrive after them, and no UTMALDG."""
-    from forgekernel.kernels.gemm.fp8.sm90 import SPEC
-    from forgekernel.kernels.gemm.fp8.sm90.config import (
-        narrow_config,
-        one_warp_scales,
-        params_for,
-    )
-    from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text
+    from forgekernel.kernels.gemm.fp8.sm90.config import narrow_config, one_warp_scales
+    from forgekernel.runtime.resources import find_tool
 
     if find_tool("nvdisasm") is None:
         pytest.skip("cuobjdump/nvdisasm not installed")
-
-    def build(cfg, name):
-        out = tmp_path / name
-        out.mkdir()
-        compiled = SPEC.compile(params_for("bfloat16", cfg), f"--keep-cubin --dump-dir {out}")
-        info = inspect_cubin(compiled.artifacts.CUBIN)
-        assert info["spill_bytes"] == 0 and info["sass"].get("LDL", 0) == 0
-        return sass_text(compiled.artifacts.CUBIN)
 
     # the 64-row box's standard (the scale warp four ahead) or, on a decode box, `_sw`, against
     # the tile with one warp loading the scales one ahead
     std = narrow_config(m, width)
     one = one_warp_scales(std)
-    sass = build(std if std.scale_warp else dataclasses.replace(one, scale_warp=True), "sw")
-    base = build(one, "one")
+    sass = _sass_without_spills(
+        std if std.scale_warp else dataclasses.replace(one, scale_warp=True)
+    )
+    base = _sass_without_spills(one)
     consumer = _consumer_part(sass)
     assert _mainloop_sequence(consumer) == _mainloop_sequence(base)
     assert _wgmma_violations(consumer, width // 2) == []
@@ -803,23 +805,21 @@ def test_scale_warp_takes_the_scale_loads_off_the_tma_loop(m, width, tmp_path):
 # CI: all three (LARGE's and LARGE_MCAST_A's scale warp the standards since 2026-12-07: each
 # built against its one-warp form, the schedule test's `large` / `mcast_a_mn`)
 @pytest.mark.parametrize("which", ["large", "mcast_a_mn", "grouped"])
-def test_scale_warp_compiles_on_the_other_mainloops(which, tmp_path):
+def test_scale_warp_compiles_on_the_other_mainloops(which):
     """`scale_warp` on the tiled mainloops tests/gpu/test_gemm_fp8_scale_warp_gpu.py runs it on
     besides the narrow tiles (the standards since 2026-12-07: LARGE, B multicast, two ahead;
     LARGE_MCAST_A, A multicast, A's scales M-major, four ahead; the grouped layout's tile, four
     ahead, the grouped bench's `f4_sw`): no spills, the consumers' WGMMA schedule as the
     one-warp form's (`one_warp_scales`; GROUPED), and the TMA loads in loops of their own (no
     LDG among them). (Stream K refuses it: its scale warp spilled 24 bytes, kernel.py.)"""
-    from forgekernel.kernels.gemm.fp8.sm90 import SPEC
     from forgekernel.kernels.gemm.fp8.sm90.config import (
         GROUPED,
         GROUPED_F4_SW,
         LARGE,
         LARGE_MCAST_A,
         one_warp_scales,
-        params_for,
     )
-    from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text
+    from forgekernel.runtime.resources import find_tool
 
     if find_tool("nvdisasm") is None:
         pytest.skip("cuobjdump/nvdisasm not installed")
@@ -827,17 +827,8 @@ def test_scale_warp_compiles_on_the_other_mainloops(which, tmp_path):
     assert warp.scale_warp
     grouped = which == "grouped"
 
-    def build(cfg, name):
-        out = tmp_path / name
-        out.mkdir()
-        params = params_for("bfloat16", cfg, grouped)
-        compiled = SPEC.compile(params, f"--keep-cubin --dump-dir {out}")
-        info = inspect_cubin(compiled.artifacts.CUBIN)
-        assert info["spill_bytes"] == 0 and info["sass"].get("LDL", 0) == 0
-        return sass_text(compiled.artifacts.CUBIN)
-
-    sass = build(warp, "sw")
-    base = build(GROUPED if grouped else one_warp_scales(warp), "one")
+    sass = _sass_without_spills(warp, grouped)
+    base = _sass_without_spills(GROUPED if grouped else one_warp_scales(warp), grouped)
     assert _mainloop_sequence(_consumer_part(sass)) == _mainloop_sequence(base)
     loops = [plain for _, plain in _producer_loops(sass)]
     tma = [ops for ops in loops if any(o.startswith("UTMALDG") for o in ops)]

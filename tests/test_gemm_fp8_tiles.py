@@ -327,25 +327,26 @@ def test_script_rows_on_cpu(script, monkeypatch):
         (4096, 7168, 2048),
     ],
 )
-def test_script_twins_compile_without_spills(script, m, n, k, tmp_path):
+def test_script_twins_compile_without_spills(script, m, n, k):
     """Every twin of these picks compiles for sm_90a (bf16 out) as its pick does: 0 spill bytes,
     no LDL, the pick's QGMMA and FFMA counts (only the scale loading or the walk differs)."""
     pytest.importorskip("cutlass")
-    from forgekernel.runtime.resources import find_tool, inspect_cubin
+    from cubins import build  # tests/ is on the path
+
+    from forgekernel.runtime.resources import find_tool
 
     if find_tool("nvdisasm") is None:
         pytest.skip("cuobjdump/nvdisasm not installed")
     pick = choose_config(m, n, k)
 
-    def sass(cfg, name):
-        out = tmp_path / name
-        out.mkdir()
-        compiled = SPEC.compile(params_for("bfloat16", cfg), f"--keep-cubin --dump-dir {out}")
-        info = inspect_cubin(compiled.artifacts.CUBIN)
-        assert info["spill_bytes"] == 0 and info["sass"].get("LDL", 0) == 0
+    def sass(cfg):
+        """inspect_cubin's instruction counts of `cfg`'s build (tests/cubins.py: once a
+        process), asserted free of spills."""
+        info = build(SPEC, params_for("bfloat16", cfg)).resources
+        assert info["spill_bytes"] == 0 and info["sass"].get("LDL", 0) == 0, cfg.tag()
         return info["sass"]
 
-    ref = sass(pick, "pick")
-    for i, twin in enumerate(script.twins(pick, m, n)):
-        got = sass(twin, f"twin{i}")
+    ref = sass(pick)
+    for twin in script.twins(pick, m, n):
+        got = sass(twin)
         assert (got["QGMMA"], got["FFMA"]) == (ref["QGMMA"], ref["FFMA"])
