@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fp8_forced import CUDA, FP8, forced, inputs_for  # tests/gpu/ is on the path
 
 from forgekernel.bench.check import verify
 from forgekernel.bench.suites import gemm_fp8 as fp8_suite_module
-from forgekernel.kernels.gemm.fp8.sm90 import launch
 from forgekernel.kernels.gemm.fp8.sm90.config import NARROW_WIDTHS, narrow_config, tiled_config
 
 pytestmark = pytest.mark.gpu
 
-CUDA = torch.device("cuda")
-FP8 = fp8_suite_module.suite()
 SHAPES = (
     (200, 1000, 21 * 128),  # M off the tile, N off every width, K / 128 odd
     (1, 300, 5 * 128),  # one row (A's 8-row box), N inside three blocks
@@ -33,28 +31,15 @@ SHAPES = (
 )
 
 
-def _inputs(m, n, k, seed):
-    gen = torch.Generator(device=CUDA).manual_seed(seed)
-    return FP8.make_inputs(fp8_suite_module._case(m, n, k), torch.bfloat16, CUDA, gen)
-
-
-def _forced(cfg):
-    def run(inputs, out):
-        launch.gemm_fp8(inputs["a"], inputs["b"], inputs["sa"], inputs["sb"], out, config=cfg)
-        return out
-
-    return run
-
-
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("width", NARROW_WIDTHS)
 def test_narrow_matches_the_reference_and_the_128_column_tile(width, shape):
     m, n, k = shape
-    inputs = _inputs(m, n, k, seed=width + k // 128)
+    inputs = inputs_for(m, n, k, seed=width + k // 128)
     cfg = narrow_config(m, width)
-    out, cmps = verify(FP8, inputs, CUDA, run=_forced(cfg))
+    out, cmps = verify(FP8, inputs, CUDA, run=forced(cfg))
     assert all(c.ok for c in cmps), [c.message for c in cmps]
-    standard = _forced(tiled_config(m))(inputs, FP8.alloc_out(inputs))
+    standard = forced(tiled_config(m))(inputs, FP8.alloc_out(inputs))
     torch.cuda.synchronize()
     assert torch.equal(out, standard)
 
@@ -65,11 +50,11 @@ def test_narrow_promotes_each_column_with_its_own_block(width):
     promoted with the other block's scale (a group selected on the wrong side of the boundary,
     or the tile's first block for all) is off by 2x."""
     m, n, k = 96, 1024, 9 * 128
-    inputs = _inputs(m, n, k, seed=width)
+    inputs = inputs_for(m, n, k, seed=width)
     blocks = inputs["sb"].shape[0]
     grade = 2.0 ** torch.arange(blocks, device=CUDA, dtype=torch.float32)[:, None]
     inputs["sb"] = (inputs["sb"] * grade).contiguous()
-    _, cmps = verify(FP8, inputs, CUDA, run=_forced(narrow_config(m, width)))
+    _, cmps = verify(FP8, inputs, CUDA, run=forced(narrow_config(m, width)))
     assert all(c.ok for c in cmps), [c.message for c in cmps]
 
 
@@ -84,7 +69,7 @@ def test_the_bench_variants_match_the_reference(name, variant):
     run = fp8_suite_module.variants(case).get(variant)
     if run is None:
         pytest.skip(f"{variant} is not timed on {name}")
-    inputs = _inputs(*map(int, name.split("x")), seed=1)
+    inputs = inputs_for(*map(int, name.split("x")), seed=1)
     _, cmps = verify(FP8, inputs, CUDA, run=run)
     assert all(c.ok for c in cmps), [c.message for c in cmps]
 
@@ -106,7 +91,7 @@ def test_the_ops_pick_matches_the_reference(shape):
     from forgekernel.ops.gemm_fp8 import gemm_fp8
 
     m, n, k = shape
-    inputs = _inputs(m, n, k, seed=m + n)
+    inputs = inputs_for(m, n, k, seed=m + n)
 
     def run(inputs, out):
         return gemm_fp8(inputs["a"], inputs["b"], inputs["sa"], inputs["sb"],

@@ -17,17 +17,15 @@ import dataclasses
 
 import pytest
 import torch
+from fp8_forced import CUDA, FP8, forced, inputs_for  # tests/gpu/ is on the path
 
 from forgekernel.bench.check import verify
-from forgekernel.bench.suites import gemm_fp8 as fp8_suite_module
 from forgekernel.bench.suites import gemm_fp8_grouped as grouped_module
 from forgekernel.kernels.gemm.fp8.sm90 import launch
 from forgekernel.kernels.gemm.fp8.sm90.config import GROUPED, LARGE, LARGE_MCAST_A, narrow_config
 
 pytestmark = pytest.mark.gpu
 
-CUDA = torch.device("cuda")
-FP8 = fp8_suite_module.suite()
 GROUPED_SUITE = grouped_module.suite()
 SHAPES = (
     (40, 1000, 21 * 128),  # M under one tile, N off every width, K / 128 odd
@@ -38,27 +36,14 @@ SHAPES = (
 )
 
 
-def _inputs(m, n, k, seed):
-    gen = torch.Generator(device=CUDA).manual_seed(seed)
-    return FP8.make_inputs(fp8_suite_module._case(m, n, k), torch.bfloat16, CUDA, gen)
-
-
-def _forced(cfg):
-    def run(inputs, out):
-        launch.gemm_fp8(inputs["a"], inputs["b"], inputs["sa"], inputs["sb"], out, config=cfg)
-        return out
-
-    return run
-
-
 def _check(cfg, m, n, k, seed):
     """cfg with the scale warp against the reference, and bit for bit against cfg with one
     warp at the same lead (the 64-row-box narrow tiles have the scale warp as their standard
     since 2026-12-07: `cfg` may carry it either way)."""
-    inputs = _inputs(m, n, k, seed)
-    out, cmps = verify(FP8, inputs, CUDA, run=_forced(dataclasses.replace(cfg, scale_warp=True)))
+    inputs = inputs_for(m, n, k, seed)
+    out, cmps = verify(FP8, inputs, CUDA, run=forced(dataclasses.replace(cfg, scale_warp=True)))
     assert all(c.ok for c in cmps), [c.message for c in cmps]
-    standard = _forced(dataclasses.replace(cfg, scale_warp=False))(inputs, FP8.alloc_out(inputs))
+    standard = forced(dataclasses.replace(cfg, scale_warp=False))(inputs, FP8.alloc_out(inputs))
     torch.cuda.synchronize()
     assert torch.equal(out, standard)
 
@@ -102,7 +87,7 @@ def test_grouped_scale_warp_matches_the_reference_and_the_standard(case):
     bench's `f4_sw`) against the fp64 reference (padding rows zeroed as the suite's op does)
     and bit for bit against GROUPED (the same products, the same promotions)."""
     gen = torch.Generator(device=CUDA).manual_seed(11)
-    inputs = GROUPED_SUITE.make_inputs(case, torch.bfloat16, CUDA, gen)
+    inputs = GROUPED_SUITE.makeinputs_for(case, torch.bfloat16, CUDA, gen)
     out, cmps = verify(GROUPED_SUITE, inputs, CUDA, run=grouped_module.run_f4_sw)
     assert all(c.ok for c in cmps), [c.message for c in cmps]
     standard = GROUPED_SUITE.alloc_out(inputs)
