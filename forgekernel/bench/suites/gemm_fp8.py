@@ -9,6 +9,8 @@ DeepGEMM's `fp8_gemm_nt` where `deep_gemm` is installed."""
 from __future__ import annotations
 
 import functools
+import importlib
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -369,10 +371,21 @@ def nbytes(case: Case, dtype: torch.dtype) -> float:
     return float(m * k + n * k + scales + 2 * m * n)
 
 
+def kernel_sources() -> list[Path]:
+    """What the compile cache hashes (the kernel's import closure) and the chooser beside it: the
+    configuration table that picks a call's tile, its launcher and the op (a chooser change moves
+    the ledger's key, as a kernel change does; before 2026-12-07 it did not, so a chooser change
+    kept the FP8 ledger's figures)."""
+    names = ("config", "launch")
+    chooser = [importlib.import_module(f"forgekernel.kernels.gemm.fp8.sm90.{n}") for n in names]
+    chooser.append(importlib.import_module("forgekernel.ops.gemm_fp8"))
+    return list(dict.fromkeys((*SPEC.sources, *(Path(m.__file__) for m in chooser))))
+
+
 def suite() -> OpSuite:
     return OpSuite(
         name="gemm_fp8",
-        kernel_sources=SPEC.sources,
+        kernel_sources=kernel_sources(),
         dtypes=(torch.bfloat16, torch.float16),
         check_cases=CHECK_CASES,
         bench_cases=BENCH_CASES,
