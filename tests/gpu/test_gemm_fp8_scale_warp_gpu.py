@@ -87,7 +87,7 @@ def test_grouped_scale_warp_matches_the_reference_and_the_standard(case):
     bench's `f4_sw`) against the fp64 reference (padding rows zeroed as the suite's op does)
     and bit for bit against GROUPED (the same products, the same promotions)."""
     gen = torch.Generator(device=CUDA).manual_seed(11)
-    inputs = GROUPED_SUITE.makeinputs_for(case, torch.bfloat16, CUDA, gen)
+    inputs = GROUPED_SUITE.make_inputs(case, torch.bfloat16, CUDA, gen)
     out, cmps = verify(GROUPED_SUITE, inputs, CUDA, run=grouped_module.run_f4_sw)
     assert all(c.ok for c in cmps), [c.message for c in cmps]
     standard = GROUPED_SUITE.alloc_out(inputs)
