@@ -98,8 +98,9 @@ def twins(pick: GemmConfig, m: int, n: int) -> list[GemmConfig]:
     lead without the warp) and the scale warp two ahead (`_f2_sw`); a decode-box narrow pick
     (one warp, one ahead): two ahead (`_f2`), by their own warp (`_sw`) and their own warp four
     ahead (`_f4_sw`) (docs/gemm/NOTES.md "Measured: next/fp8-narrow-scales"). A tiled 128-row
-    pick: its scales by a warp of their own (`_sw`, two ahead as the tile's standard; `_f4_sw`
-    four ahead, what won on the narrow tiles), and
+    pick (its scales by a warp of their own since 2026-12-07: LARGE two ahead, LARGE_MCAST_A
+    four): the TMA warp loading them two ahead (`one_warp_scales`, the standard before) and the
+    scale warp at the other lead (two / four ahead), and
     walking M first (LARGE) walked in bands of BAND clusters (`swizzle`) too. Stream K and the
     64-row 128-column tiles have none. (The narrow picks' A / B multicast twins were timed on
     the H100 2026-12-07 and dropped: "next/fp8-band8"; the band was adopted on LARGE_MCAST_A.)"""
@@ -112,8 +113,8 @@ def twins(pick: GemmConfig, m: int, n: int) -> list[GemmConfig]:
         return [dataclasses.replace(pick, scale_ahead=2), warp,
                 dataclasses.replace(warp, scale_ahead=4)]  # fmt: skip
     if pick.tile_m == 128 and not pick.stream_k:
-        warp = dataclasses.replace(pick, scale_warp=True)
-        found = [warp, dataclasses.replace(warp, scale_ahead=4)]
+        lead = 4 if pick.scale_ahead == 2 else 2
+        found = [one_warp_scales(pick), dataclasses.replace(pick, scale_ahead=lead)]
         if pick.swizzle == 1:
             found.append(dataclasses.replace(pick, swizzle=BAND))
         return found

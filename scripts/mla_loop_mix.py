@@ -2,7 +2,8 @@
 assembles, cuobjdump reads; MLA_NOTES.md, "next/mla-gap (2026-12-06)", plan item 4).
 
 A steady loop is a backward branch's body of fewer than 1500 instructions holding 44 HGMMA (a
-warpgroup's pair of tiles: S over 9 chunks + P V); each key has two, one a warpgroup. Printed
+warpgroup's pair of tiles: S over 9 chunks + P V; tests/cubins.py `steady_loops`, which the
+compile tests pin); each key has two, one a warpgroup. Printed
 per loop: instructions, R2UR, IMAD + IADD3, ELECT, MUFU. With --flashmla CUBIN (an sm_90a
 cubin of sgl-flash-mla's `_C_legacy` library, `cuobjdump -xelf all` of the wheel's .so), its
 dense decode kernel's loops beside ours (read for counts only).
@@ -22,37 +23,25 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE.parent / "tests"), str(_HERE.parent)]
 
-from cubins import build  # noqa: E402
+from cubins import build, steady_loops  # noqa: E402
 
 from forgekernel.kernels.attention.mla.sm90 import SPEC, params_for  # noqa: E402
 
-_INSTR = re.compile(
-    r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[^;]*?(0x[0-9a-f]+)?\s*;"
-)
-PAIR_HGMMA = 44
-MAX_LOOP = 1500
 KEYS = {
     "16x1 partial": {"heads": 16},
     "16x1 ranges (the scheduled call)": {"heads": 16, "worklist": True, "ranges": True},
     "64x1 partial": {"heads": 64},
-    "16x1 direct": {"heads": 16, "direct": True},
+    "32x2 partial": {"heads": 32, "qtokens": 2},
+    "16x1 direct, scalar stores (unaligned out)": {"heads": 16, "direct": True},
+    "16x1 direct ostore (b128 / b256 x 16 heads)": {"heads": 16, "direct": True, "ostore": True},
     "64x1 direct ostore (b64 / b128 x 128 heads)": {"heads": 64, "direct": True, "ostore": True},
+    "32x2 direct ostore (MTP 2 x 128 heads)": {
+        "heads": 32,
+        "qtokens": 2,
+        "direct": True,
+        "ostore": True,
+    },
 }
-
-
-def steady_loops(sass: str) -> list[Counter]:
-    """Opcode counts of each backward branch's body with one pair's HGMMA."""
-    instrs = [(int(m[1], 16), m[2], m[3]) for m in _INSTR.finditer(sass)]
-    at = {a: i for i, (a, _, _) in enumerate(instrs)}
-    loops = []
-    for i, (addr, op, target) in enumerate(instrs):
-        if op != "BRA" or target is None or int(target, 16) > addr or int(target, 16) not in at:
-            continue
-        body = Counter(o for _, o, _ in instrs[at[int(target, 16)] : i + 1])
-        # (longer bodies with 44 HGMMA are spin-wait branches spanning several pairs)
-        if body["HGMMA"] == PAIR_HGMMA and sum(body.values()) < MAX_LOOP:
-            loops.append(body)
-    return loops
 
 
 def _row(name: str, loops: list[Counter]) -> str:

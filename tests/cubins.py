@@ -123,6 +123,32 @@ def wait_pin(instrs, n: int, waits) -> list[str]:
     return seq
 
 
+# a SASS instruction (group 1: its address, 2: its opcode, 3: a branch's target when it ends the
+# line) and the MLA seesaw pass's steady pair loop: a backward branch's body with one pair's
+# HGMMA (S over 9 chunks + P V: 44 a warpgroup), shorter than MAX_LOOP (longer bodies with 44
+# HGMMA are spin-wait branches spanning several pairs)
+_OPCODE = re.compile(
+    r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[^;]*?(0x[0-9a-f]+)?\s*;"
+)
+PAIR_HGMMA = 44
+MAX_LOOP = 1500
+
+
+def steady_loops(sass: str) -> list[Counter]:
+    """Opcode counts (no modifiers) of each steady pair loop of the seesaw pass's SASS, in
+    address order: one a warpgroup (MLA_NOTES.md, "next/mla-gap", plan item 4)."""
+    instrs = [(int(m[1], 16), m[2], m[3]) for m in _OPCODE.finditer(sass)]
+    at = {a: i for i, (a, _, _) in enumerate(instrs)}
+    loops = []
+    for i, (addr, op, target) in enumerate(instrs):
+        if op != "BRA" or target is None or int(target, 16) > addr or int(target, 16) not in at:
+            continue
+        body = Counter(o for _, o, _ in instrs[at[int(target, 16)] : i + 1])
+        if body["HGMMA"] == PAIR_HGMMA and sum(body.values()) < MAX_LOOP:
+            loops.append(body)
+    return loops
+
+
 class BarrierSite(NamedTuple):
     """One BAR.SYNC / BAR.ARV of a SASS listing: its byte offset, SYNC or ARV, the barrier id
     and thread count as written (hex, or a register), its predicate ("" if none) and the

@@ -171,7 +171,17 @@ def cpu_kernel(monkeypatch):
             DYNAMIC.append(bool(p.get("dynamic")))
             KEYS.append(p)
             scale = scale_log2 / LOG2E
-            if p["varlen"]:
+            if p.get("view_group"):  # fixed length, GQA-packed through views (pack_gqa)
+                g = p["view_group"]
+                assert q.dim() == o.dim() == 5 and lse.dim() == 4 and qgroup == q.shape[3] == g
+                assert lse.is_contiguous() and cu_q is None and max_q == 0
+                # the kernel's reading (views.grouped_rows_as_sdhb): row s * G + g of kv head h
+                # is q[b, s, h, g]; lse[b, h, g, s] that row's
+                ref = packed_ref(q.transpose(2, 3).flatten(1, 2), k, v, p["causal"], scale, g)
+                sq = q.shape[1]
+                ref = (ref[0].unflatten(1, (sq, g)).transpose(2, 3),
+                       ref[1].unflatten(2, (sq, g)).transpose(2, 3))  # fmt: skip
+            elif p["varlen"]:
                 assert qgroup == 1
                 ref = attention_varlen_ref(q, k, v, cu_q, cu_k, p["causal"], scale)
             else:
@@ -309,7 +319,7 @@ def test_bench_config_variants_pass_their_config(cpu_kernel):
         runs = suite.variants(case)
         kind = suite.CONFIG_TIMED.get(case.name)
         if kind is None:
-            assert not runs or case.name in suite.GRID_TIMED
+            assert not runs or case.name in suite.GRID_TIMED or case.name in suite.PACK_TIMED
             continue
         p = case.params
         moved = fixed_rule(p["d"], p["dv"], p["causal"], p["b"], p["sq"], p["sk"], p["hq"],
@@ -342,6 +352,62 @@ def test_bench_config_variants_pass_their_config(cpu_kernel):
     assert [c[2] for c in cpu_kernel] == [132] * len(cpu_kernel)
     assert len(suite.CONFIG_TIMED) == 17
     assert set(suite.CONFIG_TIMED) <= {c.name for c in suite.BENCH_CASES}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(8, 4, 64), (8, 2, 128), (16, 2, 64), (4, 4, 64)])
+def test_pack_gqa_runs_every_length_on_views(cpu_kernel, causal, hq, hkv, d):
+    """attention_fwd(pack_gqa=True) (the `gqa_pack` candidate): with GQA, any Sq (here 300 >
+    PACK_GQA_MAX_SQ, 1000 keys) runs the view_group compile of the problem's plan on
+    (B, Sq, Hkv, G, D) views of q / o and (B, Hkv, G, Sq) of lse, qgroup G, writing the
+    caller's buffers (no pack copy) what the reference gives; MHA runs as before."""
+    q, k, v = qkv(b=2, sq=300, sk=1000, hq=hq, hkv=hkv, d=d)
+    o, lse = bf16(2, 300, hq, d), torch.empty(2, hq, 300)
+    fwd_sm90.attention_fwd(q, k, v, o, lse, 0.125, causal, pack_gqa=True)
+    want_o, want_lse = attention_ref(q, k, v, causal, 0.125)
+    group = hq // hkv
+    (key,) = KEYS
+    assert key.get("view_group", 0) == (group if group > 1 else 0)
+    default = dict(params_for("bfloat16", d, d, causal))
+    assert {n: w for n, w in key.items() if n != "view_group"} == default
+    assert cpu_kernel == [(0.125, group, 132, 0)]
+    torch.testing.assert_close(o, want_o.to(torch.bfloat16), rtol=0, atol=0)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+
+
+def test_pack_gqa_needs_a_group_dividing_the_tile(cpu_kernel):
+    """G = 3 at D = 128 (128-row tiles): no packed compile (TMA boxes of (G, tile_m / G))."""
+    q, k, v = qkv(b=1, sq=200, sk=200, hq=6, hkv=2, d=128)
+    o, lse = bf16(1, 200, 6, 128), torch.empty(1, 6, 200)
+    with pytest.raises(ValueError, match="view_group 3"):
+        fwd_sm90.attention_fwd(q, k, v, o, lse, 0.1, True, pack_gqa=True)
+
+
+def test_bench_pack_variant_runs_packed(cpu_kernel):
+    """The suite's `gqa_pack` (PACK_TIMED) reaches the kernel as the view_group key of the
+    case's plan, a PACK_CANDIDATES build, and writes what the default launch writes."""
+    from forgekernel.bench.suites import attention as suite
+    from forgekernel.kernels.attention.fwd.sm90 import SPEC
+
+    built = {tuple(sorted(dict(p).items())) for p in SPEC.candidate_params()}
+    names = set()
+    for case in suite.BENCH_CASES:
+        if case.name not in suite.PACK_TIMED:
+            continue
+        names.add(case.name)
+        p = case.params
+        runs = suite.variants(case)
+        assert set(runs) == {"gqa_pack"}
+        q, k, v = qkv(b=1, sq=200, sk=300, hq=p["hq"] // p["hkv"] * 2, hkv=2, d=p["d"])
+        inputs = {"q": q, "k": k, "v": v, "causal": p["causal"], "softmax_scale": None}
+        want = suite.run_ours(inputs, None)
+        KEYS.clear()
+        got = runs["gqa_pack"](inputs, None)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+        (key,) = KEYS
+        assert key["view_group"] == p["hq"] // p["hkv"] and tuple(sorted(key.items())) in built
+    assert names == set(suite.PACK_TIMED)
 
 
 def test_the_launcher_runs_the_fixed_rule_of_the_problem(cpu_kernel, monkeypatch):

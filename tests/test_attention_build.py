@@ -21,6 +21,7 @@ from sweeps import slow_past  # noqa: E402
 from forgekernel.kernels.attention.fwd.sm90 import (  # noqa: E402
     D192_CANDIDATES,
     L2_CANDIDATES,
+    PACK_CANDIDATES,
     SPEC,
     WG3_CANDIDATES,
 )
@@ -421,3 +422,48 @@ def test_wg3_candidates_build_without_spills(tmp_path, candidate):
 def test_unsupported_head_dims_are_refused():
     with pytest.raises(ValueError, match="head dims"):
         default_config(80, 80)
+
+
+def test_pack_candidates_are_keys_only_when_on():
+    """GQA packed in the fixed-length mode (PACK_CANDIDATES, docs/attention/NOTES.md
+    "next/attn-gqa-pack (2026-12-07)"): bf16 candidate keys of the head dim's default with
+    view_group G, none standard; the fixed-length standard keys carry no view_group; a
+    view_group needs fixed length or the packed paged form, and G dividing tile_m."""
+    standard = set(SPEC.standard_params())
+    cands = set(SPEC.candidate_params())
+    for d, causal, g in PACK_CANDIDATES:
+        key = params_for("bfloat16", d, d, causal, view_group=g)
+        assert key in cands and key not in standard
+        assert dict(key) == {**dict(params_for("bfloat16", d, d, causal)), "view_group": g}
+    assert not any("view_group" in dict(p) for p in standard if not dict(p)["varlen"])
+    with pytest.raises(ValueError, match="view_group"):
+        params_for("bfloat16", 128, 128, True, varlen=True, view_group=4)  # varlen, not paged
+    with pytest.raises(ValueError, match="view_group"):
+        params_for("bfloat16", 128, 128, True, view_group=3)  # 128-row tiles
+
+
+def _pack_id(c) -> str:
+    return f"d{c[0]}-{'causal' if c[1] else 'full'}-g{c[2]}"
+
+
+# Built 2026-12-07 (CPU, cu13): each the registers of its standard build, no spill, the same
+# HGMMA / MUFU.EX2 counts (D = 64: 36 / 198; D = 128: 48 / 198); Q's loads and O's store 5-D
+# boxes ((G, tile_m / G) rows, D, Hkv, B); 5687 -> 5895 SASS lines at D = 64 causal (the
+# packed rows' coordinates). Standard keys unchanged: every bf16 fixed-length and varlen
+# standard key and the 64-row-box paged ones byte-identical SASS before / after (the notes).
+@pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
+@pytest.mark.parametrize("candidate", slow_past(PACK_CANDIDATES), ids=_pack_id)
+def test_pack_candidates_build_as_the_standard(tmp_path, candidate):
+    """The GQA-packed fixed-length build against its head dim's standard one: the same
+    registers, no local memory, the same GEMMs and exponentials (only the views of q / o /
+    lse move), Q loaded and O stored through 5-D TMA boxes, TMA issued uniformly."""
+    d, causal, g = candidate
+    std_rec, std = _build_with_sass(params_for("bfloat16", d, d, causal), tmp_path)
+    rec, sass = _build_with_sass(params_for("bfloat16", d, d, causal, view_group=g), tmp_path)
+    assert rec["registers"] == std_rec["registers"] and rec["spill_bytes"] == 0, candidate
+    assert rec["sass"].get("LDL", 0) == 0 and rec["sass"].get("STL", 0) == 0, candidate
+    for op in ("HGMMA", "MUFU.EX2"):
+        assert sass.count(op) == std.count(op), (candidate, op)
+    assert sass.count("UTMALDG.5D") > 0 and sass.count("UTMASTG.5D") == rec["sass"]["UTMASTG"]
+    assert std.count("UTMALDG.5D") == 0
+    assert "BRA.U.ANY" not in sass, candidate

@@ -314,9 +314,10 @@ def test_views_launch_arguments(monkeypatch):
 
 
 def test_view_keys_are_standard_not_candidates():
-    """view_group: a key only with packed (and G dividing tile_m); every packed key standard
-    (the bench's four of before among them), none a candidate."""
-    assert not any("view_group" in dict(p) for p in SPEC.candidate_params())
+    """view_group in the paged mode: a key only with packed (and G dividing tile_m); every
+    packed key standard (the bench's four of before among them), none a candidate (the
+    fixed-length view_group keys, PACK_CANDIDATES, are: test_attention_build)."""
+    assert not any("view_group" in dict(p) and dict(p)["page_box"] for p in SPEC.candidate_params())
     views = [dict(p) for p in SPEC.standard_params() if "view_group" in dict(p)]
     bench = {(p["page_box"], p["view_group"]) for p in views
              if p["dtype"] == "bfloat16" and p["head_dim"] == 128 and p["causal"]}  # fmt: skip

@@ -232,7 +232,8 @@ def test_sanitize_cases_refill_the_ring_with_and_without_a_cluster():
     decode box over a 1x2 one and a narrow tile over two blocks of B's scales (its ring's two
     products a row and stage); and the sanitize cases take every kind of configuration the
     chooser picks: narrow (A's 8 / 16 / 32-row box, the whole 64; straddling and not), decode
-    a8, skinny, mid, large, stream K."""
+    a8, skinny, mid, large, the A-multicast tile (its scale warp four ahead over a refilled
+    ring since 2026-12-07), stream K."""
     refilled, picked = set(), set()
     for case in suite_module.SANITIZE_CASES:
         m, n, k = (case.params[x] for x in "mnk")
@@ -242,10 +243,11 @@ def test_sanitize_cases_refill_the_ring_with_and_without_a_cluster():
         per_cta = stream_plan(cfg, m, n, k, 132, STREAM_MIN_K)[0] if cfg.stream_k else k // 128
         if per_cta > stages:
             refilled.add((cfg.tile_m, cfg.tile_n, cfg.cluster_m, cfg.cluster_n, cfg.stream_k))
-    assert {(128, 128, 1, 1, True), (128, 128, 2, 1, False), (64, 128, 1, 2, False)} <= refilled
+    rings = {(128, 128, 1, 1, True), (128, 128, 2, 1, False), (64, 128, 1, 2, False)}
+    assert rings | {(128, 128, 1, 2, False)} <= refilled
     assert any(t[:2] == (64, 96) for t in refilled)
     narrow = {("narrow", r, False) for r in (8, 16, 32, 0)} | {("narrow", r, True) for r in (0, 8)}
-    assert narrow | {DECODE[0], SKINNY, MID, LARGE, STREAM} <= picked
+    assert narrow | {DECODE[0], SKINNY, MID, LARGE, LARGE_MCAST_A, STREAM} <= picked
 
 
 # ---------------------------------------------------------------- A's scales M-major
@@ -290,7 +292,7 @@ def test_mn_major_compile_key_and_tag():
         on = cfg == LARGE_MCAST_A
         assert cfg.scale_mn_major == on and ("scale_mn_major" in cfg.key()) == on
     mn = dataclasses.replace(LARGE, scale_mn_major=True)
-    assert mn.key()["scale_mn_major"] is True and mn.tag() == LARGE.tag() + "_mn"
+    assert mn.key()["scale_mn_major"] is True and mn.tag() == LARGE.tag().replace("_sw", "_mn_sw")
     assert params_for("bfloat16", mn) != params_for("bfloat16", LARGE)
     assert GemmConfig.from_params(dict(params_for("bfloat16", mn))) == mn
     keyed = [p for p in SPEC.standard_params() if "scale_mn_major" in dict(p)]

@@ -554,10 +554,17 @@ def _consumer_loop(sass: str) -> list[tuple[str, str]]:
     return best or []
 
 
-# CI: large, stream_decode, mcast_a_mn; grouped is slow (~1.5 s, 2026-12-07): its loops are
-# LARGE's (the docstring), its build test_scale_warp_compiles_on_the_other_mainloops' base
+# CI: stream_decode, mcast_a_mn; grouped is slow (~1.5 s, 2026-12-07): its loops are LARGE's
+# (the docstring), its build test_scale_warp_compiles_on_the_other_mainloops' base; large too
+# since its one-warp form is no longer the standard (the scale warp's test builds it in CI)
 @pytest.mark.parametrize(
-    "which", ["large", "stream_decode", "mcast_a_mn", pytest.param("grouped", marks=SLOW)]
+    "which",
+    [
+        pytest.param("large", marks=SLOW),
+        "stream_decode",
+        "mcast_a_mn",
+        pytest.param("grouped", marks=SLOW),
+    ],
 )
 def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_path):
     """Compiled for sm_90a: no spills, and the schedule the mainloop asks for survives ptxas:
@@ -570,15 +577,17 @@ def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_pa
     store's own thread's release, `_load`), and every consumer thread on the stage's empty
     barrier once it is done with it (unpredicated: each one's reads of the staged scales are
     released by its own arrive, `_retire`), with a cluster also one lane a warp on the peers'.
-    `large`: LARGE loads the scales two k-tiles ahead (`scale_ahead` 2, timed by
-    scripts/fp8_tiles.py) within the producer's 40 registers, the consumers' SASS schedule kept
-    (asserted: a `large_ahead2` case, LARGE with scale_ahead=2, was this same build once LARGE
-    took it).
-    `mcast_a_mn`: LARGE_MCAST_A, reading A's scales M-major (`scale_mn_major`): per k-tile one
-    LDG.E.128 a lane for A's and one LDG.E for B's (4 + 1 LDG.E K-major), one STS.128 staging
-    them, the consumers' schedule kept; walked in bands of 8 since 2026-12-07, as `grouped`:
-    the grouped layout's standard (GROUPED, walked in bands of 8): only the tile decode differs
-    from the M-first walk, the loops as LARGE's.
+    `large`: LARGE's one-warp form (`one_warp_scales`: the standard before the scale warp, the
+    bench's `one_warp_scales`; the scale warp's own test is
+    test_scale_warp_compiles_on_the_other_mainloops) loads the scales two k-tiles ahead
+    (`scale_ahead` 2, timed by scripts/fp8_tiles.py) within the producer's 40 registers, the
+    consumers' SASS schedule kept (asserted: a `large_ahead2` case, LARGE with scale_ahead=2,
+    was this same build once LARGE took it).
+    `mcast_a_mn`: LARGE_MCAST_A's one-warp form, reading A's scales M-major (`scale_mn_major`):
+    per k-tile one LDG.E.128 a lane for A's and one LDG.E for B's (4 + 1 LDG.E K-major), one
+    STS.128 staging them, the consumers' schedule kept; walked in bands of 8 since 2026-12-07,
+    as `grouped`: the grouped layout's standard (GROUPED, walked in bands of 8): only the tile
+    decode differs from the M-first walk, the loops as LARGE's.
     And the trip's instruction count (`_consumer_loop`) stays within the 2026-12-03 diet's."""
     from forgekernel.kernels.gemm.fp8.sm90 import SPEC
     from forgekernel.kernels.gemm.fp8.sm90.config import (
@@ -586,6 +595,7 @@ def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_pa
         LARGE,
         LARGE_MCAST_A,
         STREAM_DECODE,
+        one_warp_scales,
         params_for,
     )
     from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text
@@ -593,9 +603,9 @@ def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_pa
     if find_tool("nvdisasm") is None:
         pytest.skip("cuobjdump/nvdisasm not installed")
     cfg, out = {
-        "large": (LARGE, "bfloat16"),
+        "large": (one_warp_scales(LARGE), "bfloat16"),
         "stream_decode": (STREAM_DECODE[0], "float16"),
-        "mcast_a_mn": (LARGE_MCAST_A, "bfloat16"),
+        "mcast_a_mn": (one_warp_scales(LARGE_MCAST_A), "bfloat16"),
         "grouped": (GROUPED, "bfloat16"),
     }[which]
     if which == "large":
@@ -792,31 +802,33 @@ def test_scale_warp_takes_the_scale_loads_off_the_tma_loop(m, width):
         assert plain.count("FMUL") == len(stores)
 
 
-# CI: mcast_a_mn (LARGE's loops with A multicast, A's scales M-major) and grouped; large (the
-# K-major scales the narrow tiles' scale warp loads in CI) is slow (two compiles, ~3 s, 2026-12-07)
-@pytest.mark.parametrize("which", [pytest.param("large", marks=SLOW), "mcast_a_mn", "grouped"])
+# CI: all three (LARGE's and LARGE_MCAST_A's scale warp the standards since 2026-12-07: each
+# built against its one-warp form, the schedule test's `large` / `mcast_a_mn`)
+@pytest.mark.parametrize("which", ["large", "mcast_a_mn", "grouped"])
 def test_scale_warp_compiles_on_the_other_mainloops(which):
     """`scale_warp` on the tiled mainloops tests/gpu/test_gemm_fp8_scale_warp_gpu.py runs it on
-    besides the narrow tiles (B / A multicast, A's scales M-major; the grouped layout's tile,
-    four ahead, the grouped bench's `f4_sw`): no spills, the consumers' WGMMA schedule as the
-    config's own, and the TMA loads in loops of their own (no LDG among them). (Stream K
-    refuses it: its scale warp spilled 24 bytes, kernel.py.)"""
+    besides the narrow tiles (the standards since 2026-12-07: LARGE, B multicast, two ahead;
+    LARGE_MCAST_A, A multicast, A's scales M-major, four ahead; the grouped layout's tile, four
+    ahead, the grouped bench's `f4_sw`): no spills, the consumers' WGMMA schedule as the
+    one-warp form's (`one_warp_scales`; GROUPED), and the TMA loads in loops of their own (no
+    LDG among them). (Stream K refuses it: its scale warp spilled 24 bytes, kernel.py.)"""
     from forgekernel.kernels.gemm.fp8.sm90.config import (
         GROUPED,
         GROUPED_F4_SW,
         LARGE,
         LARGE_MCAST_A,
+        one_warp_scales,
     )
     from forgekernel.runtime.resources import find_tool
 
     if find_tool("nvdisasm") is None:
         pytest.skip("cuobjdump/nvdisasm not installed")
-    cfg = {"large": LARGE, "mcast_a_mn": LARGE_MCAST_A, "grouped": GROUPED}[which]
+    warp = {"large": LARGE, "mcast_a_mn": LARGE_MCAST_A, "grouped": GROUPED_F4_SW}[which]
+    assert warp.scale_warp
     grouped = which == "grouped"
 
-    warp = GROUPED_F4_SW if grouped else dataclasses.replace(cfg, scale_warp=True)
     sass = _sass_without_spills(warp, grouped)
-    base = _sass_without_spills(cfg, grouped)
+    base = _sass_without_spills(GROUPED if grouped else one_warp_scales(warp), grouped)
     assert _mainloop_sequence(_consumer_part(sass)) == _mainloop_sequence(base)
     loops = [plain for _, plain in _producer_loops(sass)]
     tma = [ops for ops in loops if any(o.startswith("UTMALDG") for o in ops)]

@@ -41,9 +41,11 @@ SCALE_TWINS = ("_f2", "_sw", "_f4_sw")
 # a 64-row-box narrow pick's (the pick loads its scales by its own warp four ahead, `_f4_sw`):
 # one warp one ahead (the standard before), one warp four ahead, the scale warp two ahead
 WARP_TWINS = ("", "_f4", "_f2_sw")
-# LARGE's: the scale warp two ahead (its standard lead) and four, then the band of 8 clusters
-LARGE_TWINS = ("1m_f2_sw", "1m_f4_sw", "8m_f2")
-MCAST_A_TWINS = ("_f2_mn_sw", "_f4_mn_sw")  # LARGE_MCAST_A's (its band the standard)
+# LARGE's (its scales by their own warp two ahead since 2026-12-07): one warp two ahead (the
+# standard before), the scale warp four ahead, then the band of 8 clusters
+LARGE_TWINS = ("1m_f2", "1m_f4_sw", "8m_f2_sw")
+# LARGE_MCAST_A's (the scale warp four ahead; its band the standard): one warp, the warp two ahead
+MCAST_A_TWINS = ("_f2_mn", "_f2_mn_sw")
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +90,14 @@ def test_tiled_128_row_tiles_take_six_stages_beside_a_3_deep_epilogue():
     assert STREAM.epi_stages == 4 and ring_stages(STREAM, 1, 2, scales) == 5
     # the grouped layout takes the dense tile's ring (18:47), walked in bands of 8 (12-03 06:21)
     # (its scales K-major as measured; LARGE_MCAST_A reads them M-major since 2026-12-05)
-    assert GROUPED == dataclasses.replace(LARGE_MCAST_A, swizzle=8, scale_mn_major=False)
+    # (and its scales by the TMA warp two ahead: the grouped `f4_sw` was not adopted, 12-07)
+    assert GROUPED == dataclasses.replace(
+        LARGE_MCAST_A, swizzle=8, scale_mn_major=False, scale_warp=False, scale_ahead=2
+    )
+    # the dense tiles' scales by a warp of their own (2026-12-07 12:05): LARGE two ahead,
+    # LARGE_MCAST_A four
+    assert LARGE.scale_warp and LARGE.scale_ahead == 2
+    assert LARGE_MCAST_A.scale_warp and LARGE_MCAST_A.scale_ahead == 4
     # the dense A-multicast tile walks the same bands (2026-12-07), LARGE still M first
     assert LARGE_MCAST_A.swizzle == 8 and LARGE.swizzle == 1
     assert LARGE_MCAST_A.raster_along_m and LARGE.raster_along_m
@@ -125,9 +134,9 @@ def test_script_configs(script, m, n, k):
     # the other epilogue depth (decided at 15:48) no longer timed
     assert {c.epi_stages for c in configs if c.tile_m == 128 and not c.stream_k} == {3}
     # no other scale distance is timed by one warp (`_f1` / `_f4` measured slower; the
-    # standards: two); the scale warp's twins of the pick two and four ahead
+    # standard before the scale warp: two); the scale warp's twins two and four ahead
     one = [c for c in configs if c.tile_m == 128 and not c.stream_k and not c.scale_warp]
-    assert {c.scale_ahead for c in one} == {2}
+    assert {c.scale_ahead for c in one} <= {2}
     assert {c for c in STANDARD_CONFIGS if c.scale_ahead != 1} == {LARGE, LARGE_MCAST_A}
     # and reading A's scales M-major (the standards as they are otherwise): nothing else does
     # (LARGE_MCAST_A reads them M-major since 2026-12-05: its twin is the K-major one)
@@ -156,8 +165,8 @@ def test_script_configs(script, m, n, k):
         (64, 4096, 7168, tuple("64x32_c1x1_s0_e4x32_w1m" + t for t in WARP_TWINS)),
         # a decode box: the scales two ahead, by their own warp (four ahead)
         (1, 10240, 5120, tuple("64x80_c1x1_s0_e4x16_w1m_a8" + t for t in SCALE_TWINS)),
-        # the tiled 128-row picks: the scales by their own warp; LARGE walked in bands of 8
-        # clusters (LARGE_MCAST_A walks them already, 2026-12-07)
+        # the tiled 128-row picks (their scales by their own warp): one warp, the warp's other
+        # lead; LARGE walked in bands of 8 clusters (LARGE_MCAST_A walks them already)
         (4096, 36864, 7168, tuple("128x128_c2x1_s0_e3x32_w" + t for t in LARGE_TWINS)),
         (16384, 7168, 18432, tuple("128x128_c1x2_s0_e3x32_w8m" + t for t in MCAST_A_TWINS)),
         # a pick already clustered (SKINNY) or streaming K: none
@@ -184,11 +193,15 @@ def test_script_twins(script, m, n, k, tags):
 def test_scale_warp_keys_and_tags():
     """`scale_warp` keys and tags only where set (`_sw`): the 64-row-box narrow tiles (M > 32)
     load their scales by their own warp four ahead (`_f4_sw`, adopted 2026-12-07, docs/gemm/NOTES.md
-    "Measured: next/fp8-narrow-scales"); every other standard key stays as it was; the chooser
-    picks it on the mid narrow shapes, never on a decode box or a 128-row tile."""
+    "Measured: next/fp8-narrow-scales"), the tiled 128-row tiles two (LARGE, `_f2_sw`) and four
+    ahead (LARGE_MCAST_A, `_f4_mn_sw`; "Measured: next/integration50"); every other standard
+    key (the 64-row 128-column tiles, stream K, the grouped tile) stays as it was; the chooser
+    picks it on the mid narrow shapes and the tiled 128-row tiles, never on a decode box."""
+    tiled = {LARGE: "_f2_sw", LARGE_MCAST_A: "_f4_mn_sw"}
     for cfg in (*STANDARD_CONFIGS, GROUPED):
-        assert not cfg.scale_warp and "scale_warp" not in cfg.key()
-        assert not cfg.tag().endswith("_sw")
+        assert cfg.scale_warp == (cfg in tiled) == ("scale_warp" in cfg.key())
+        assert cfg.tag().endswith("_sw") == cfg.scale_warp
+        assert cfg not in tiled or cfg.tag().endswith(tiled[cfg])
     for cfg in NARROW_CONFIGS:
         assert cfg.scale_warp == (not cfg.a_rows)
         assert cfg.scale_ahead == (NARROW_SCALE_AHEAD if cfg.scale_warp else 1)
@@ -200,15 +213,17 @@ def test_scale_warp_keys_and_tags():
     for m, n, k in ((128, 1536, 7168), (64, 4096, 7168), (512, 576, 7168), (128, 7168, 16384)):
         cfg = choose_config(m, n, k)
         assert cfg.scale_warp and cfg.scale_ahead == NARROW_SCALE_AHEAD and cfg in NARROW_CONFIGS
-    for m, n, k in ((1, 7168, 16384), (16, 7168, 2048), (1, 10240, 5120), (4096, 7168, 2048)):
+    for m, n, k in ((1, 7168, 16384), (16, 7168, 2048), (1, 10240, 5120)):
         assert not choose_config(m, n, k).scale_warp
+    for m, n, k in ((4096, 7168, 2048), (8192, 8192, 8192)):
+        assert choose_config(m, n, k) in tiled
 
 
 def test_one_warp_scales_are_candidates():
-    """The bench's `one_warp_scales` variant (the scale-warp narrow tiles loading their scales
-    by the TMA warp one ahead, the standard before) and the grouped bench's `f4_sw` compile
-    from the candidates (`forgekernel build --candidates`), in each form the standard builds
-    take; none is a standard build."""
+    """The bench's `one_warp_scales` variant (the scale-warp tiles loading their scales by the
+    TMA warp as the standard before: one ahead on the narrow tiles, two on the 128-row ones) and
+    the grouped bench's `f4_sw` compile from the candidates (`forgekernel build --candidates`),
+    in each form the standard builds take; none is a standard build."""
     from forgekernel.kernels.gemm.fp8.sm90.config import one_warp_scales
 
     standard, cands = set(SPEC.standard_params()), set(SPEC.candidate_params())
@@ -218,6 +233,11 @@ def test_one_warp_scales_are_candidates():
             one = one_warp_scales(cfg)
             assert not one.scale_warp and one.scale_ahead == 1 and one.a_rows == 0
             assert {params_for(out, one) for out in OUT_DTYPES} <= cands
+    for cfg in (LARGE, LARGE_MCAST_A):  # their one-warp builds: the standard keys before
+        one = one_warp_scales(cfg)
+        assert not one.scale_warp and one.scale_ahead == 2
+        assert one == dataclasses.replace(cfg, scale_warp=False, scale_ahead=2)
+        assert {params_for(out, one) for out in OUT_DTYPES} <= cands
     # the grouped bench's `f4_sw` (the grouped layout's own key, always the top form)
     from forgekernel.kernels.gemm.fp8.sm90.config import GROUPED_F4_SW
 
@@ -228,10 +248,10 @@ def test_one_warp_scales_are_candidates():
 def test_scale_ahead_keys_and_tags():
     """A config loading the scales one k-tile ahead has no `scale_ahead` in its compile key (the
     keys, records and ledgers from before the knob stay valid); two ahead (the tiled standards
-    since 18:47) keys and tags it."""
-    f1 = dataclasses.replace(LARGE, scale_ahead=1)
+    since 18:47; LARGE_MCAST_A four since 2026-12-07) keys and tags it."""
+    f1 = dataclasses.replace(LARGE, scale_ahead=1, scale_warp=False)
     assert "scale_ahead" not in f1.key() and LARGE.key()["scale_ahead"] == 2
-    assert LARGE.tag() == f1.tag() + "_f2" and LARGE_MCAST_A.tag().endswith("_f2_mn")
+    assert LARGE.tag() == f1.tag() + "_f2_sw" and LARGE_MCAST_A.tag().endswith("_f4_mn_sw")
     assert params_for("bfloat16", f1) != params_for("bfloat16", LARGE)
     for cfg in (LARGE, LARGE_MCAST_A):
         assert GemmConfig.from_params(dict(params_for("bfloat16", cfg))) == cfg
@@ -275,9 +295,9 @@ def test_script_rows_on_cpu(script, monkeypatch):
     short = script.measure(
         case, suite, torch.Generator().manual_seed(3), torch.device("cpu"), only_twins=True
     )
-    warp = dataclasses.replace(LARGE, scale_warp=True)  # the scales by a warp of their own
-    four = dataclasses.replace(warp, scale_ahead=4)
-    tags = [LARGE.tag(), warp.tag(), four.tag(), band.tag(), "deepgemm"]
+    one = dataclasses.replace(LARGE, scale_warp=False)  # the scales by the TMA warp (before)
+    four = dataclasses.replace(LARGE, scale_ahead=4)  # the scale warp four ahead
+    tags = [LARGE.tag(), one.tag(), four.tag(), band.tag(), "deepgemm"]
     assert [r["config"] for r in short] == tags
     assert all(r["status"] in ("ok", "comparator") for r in short)
     # the 128-row tile (6 of 132 SMs busy, but narrow's 45 tiles too few to take)

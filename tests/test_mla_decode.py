@@ -99,7 +99,7 @@ def test_compile_keys():
     gathered = sorted(sorted(p.items()) for p in every if p.get("gather"))
     seesaw = [p for p in partial if p.get("tma") and not p.get("ranges")]
     assert gathered == sorted(sorted((p | {"gather": True}).items()) for p in seesaw)
-    assert len(gathered) == 2 * (per_pass + len(direct_blocks()) + len(OSTORE_BLOCKS)) == 52
+    assert len(gathered) == 2 * (per_pass + len(direct_blocks()) + len(OSTORE_BLOCKS)) == 54
     # fp16 and bf16 (the seesaw pass and decode.py's), FP8 cache with bf16 queries (one form:
     # the bytes staged in their stage), each pass's direct form of the served head blocks (the
     # seesaw's and decode.py's in both dtypes, decode.py's over FP8)
@@ -111,7 +111,7 @@ def test_compile_keys():
     )  # fmt: skip
     # the pair form (measured slower, dropped): not prebuilt
     assert not any(p.get("pair") for p in partial)
-    # the direct form's O store through shared memory (the 128-head blocks' default): both dtypes
+    # the direct form's O store through shared memory (OSTORE_BLOCKS' default): both dtypes
     ostore = [p for p in partial if p.get("ostore")]
     assert sorted((p["dtype"], p["heads"], p.get("qtokens", 1)) for p in ostore) == sorted(
         (d, h, t) for d in DTYPES for h, t in OSTORE_BLOCKS

@@ -179,7 +179,7 @@ def test_gather_keys_are_standard():
     standard = SPEC.standard_params()
     keys = gather_params()
     assert set(keys) <= set(standard) and not set(keys) & set(SPEC.candidate_params())
-    assert len(set(keys)) == len(keys) == 52
+    assert len(set(keys)) == len(keys) == 54
     assert {p for p in standard if dict(p).get("gather", False)} == set(keys)
     for dtype in ("bfloat16", "float16"):
         for heads, qt in ((16, 1), (64, 1), (16, 2), (32, 2)):

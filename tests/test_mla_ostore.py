@@ -1,17 +1,19 @@
 """The seesaw pass's direct form with its O through shared memory (seesaw.py, compile key
 `ostore`): each thread's normalized O converted to q's dtype and stored over the K buffers
-(rows O16_STRIDE elements apart), a __syncthreads, then every thread sends 16 vectors of 16
-bytes (`_send_direct`) to the rows the default's scalar stores wrote.
+(rows O16_STRIDE elements apart), a proxy fence and __syncthreads, then warp 0's elected lane
+sends each written row by one 1 KB bulk copy (`_send_rows`, the partial form's send) to the
+rows the default's scalar stores wrote.
 
-- The replay: the traced P V fragment through the staging and `_send_direct`'s loop writes
+- The replay: the traced P V fragment through the staging and `_send_rows`' loop writes
   out[q_off + token, head0 + h] = O row token x pitch + h in q's dtype, bit for bit the
-  default's (o * inv then one conversion), every vector of a written row once, nothing else;
-  the staging inside kl; the bank spread of its 32-bit stores and of the 16-byte reads.
+  default's (o * inv then one conversion), every written row once, nothing else; the staging
+  inside kl, rows 16-byte aligned; the bank spread of its 32-bit stores.
 - The source the replay follows, after the row sums' __syncthreads (no WGMMA or TMA load on the
   K buffers in flight past it: the partial form's argument).
 - The selection: the knob (on by default since 2026-12-03 14:25), out's alignment, the blocks,
-  the check and sanitize cases that run it; the compile: 64 STS and 16 LDS.128 + 16 STG.E.128 a
-  thread in place of 128 STG.E.U16, no spills, the rest of the SASS's counts as the default's."""
+  the check and sanitize cases that run it; the compile: one UBLKCP loop in place of 128
+  STG.E.U16 a thread, no spills, the rest of the SASS's counts as the default's, and its steady
+  pair loops the partial form's (MLA_NOTES.md, "next/mla-ur")."""
 
 from __future__ import annotations
 
@@ -25,16 +27,13 @@ pytest.importorskip("cutlass")
 
 from forgekernel.kernels.attention.mla.sm90 import config, launch, seesaw  # noqa: E402
 
-VEC = seesaw.OSTORE_VEC
-PER_ROW = seesaw.D_LATENT // VEC
-
 
 def _direct_epilogue(coords, heads, qtokens, sq, q_off, head0, o, out, sent):
     """The ostore epilogue on the traced fragment: both warpgroups' threads stage O (already
     normalized, in out's dtype) at (row, wg COLS + column), rows O16_STRIDE apart (the kernel's
-    `local_tile(sO, (ROWS, COLS), (0, wg))` and `partition_C`); then thread t's vectors i = t +
-    k THREADS (row i // 64, columns 8 (i % 64) ..) go to out[q_off + token, head0 + r % pitch]
-    for the written rows. Counts each staged element and each vector sent; returns the staged
+    `local_tile(sO, (ROWS, COLS), (0, wg))` and `partition_C`); then `_send_rows` copies staged
+    row r < G of token r // pitch < sq and head r % pitch < H, 512 values, to out[q_off +
+    token, head0 + r % pitch]. Counts each staged element and each row sent; returns the staged
     elements' last offset + 1."""
     pitch = max(heads, seesaw.Q_BOX_MIN)
     staged = torch.full((seesaw.ROWS * seesaw.O16_STRIDE,), float("nan"), dtype=out.dtype)
@@ -47,15 +46,12 @@ def _direct_epilogue(coords, heads, qtokens, sq, q_off, head0, o, out, sent):
                     staged[at] = o[row, wg * seesaw.COLS + col]
                     count[at] += 1
     assert int(count.max()) == 1 and int(count.sum()) == seesaw.ROWS * seesaw.D_LATENT
-    for tidx in range(seesaw.THREADS):
-        for k in range(seesaw.ROWS * PER_ROW // seesaw.THREADS):
-            i = tidx + k * seesaw.THREADS
-            r, col = i // PER_ROW, i % PER_ROW
-            token = r // pitch
-            if r < pitch * qtokens and token < sq and r % pitch < heads:
-                src = staged[r * seesaw.O16_STRIDE + col * VEC :][:VEC]
-                out[q_off + token, head0 + r % pitch, col * VEC : (col + 1) * VEC] = src
-                sent[q_off + token, head0 + r % pitch, col] += 1
+    for r in range(pitch * qtokens):  # _send_rows
+        token = r // pitch
+        if token < sq and r % pitch < heads:
+            row = staged[r * seesaw.O16_STRIDE :][: seesaw.D_LATENT]
+            out[q_off + token, head0 + r % pitch] = row
+            sent[q_off + token, head0 + r % pitch] += 1
     return int(torch.nonzero(count).max()) + 1
 
 
@@ -72,10 +68,11 @@ def test_ostore_stages_and_sends_every_row_once(heads, qtokens, sq):
     o16 = (o * inv).to(torch.bfloat16)  # `_write_split`'s o * inv, then the one conversion
     rows, hq, q_off, head0 = 9, 3 * heads, 2, heads
     out = torch.full((rows, hq, 512), float("nan"), dtype=torch.bfloat16)
-    sent = torch.zeros(rows, hq, PER_ROW, dtype=torch.int32)
+    sent = torch.zeros(rows, hq, dtype=torch.int32)
     end = _direct_epilogue(coords, heads, qtokens, sq, q_off, head0, o16, out, sent)
     assert end * 2 <= 2 * 64 * 512 * 2  # inside kl (STAGES x 64 x 512 16-bit values)
-    assert seesaw.O16_STRIDE * 2 % 16 == 0
+    # a bulk copy's source, destination and size: 16-byte multiples (rows of 1 KB)
+    assert seesaw.O16_STRIDE * 2 % 16 == 0 and seesaw.D_LATENT * 2 % 16 == 0
     want = torch.zeros_like(sent)
     want[q_off : q_off + sq, head0 : head0 + heads] = 1
     assert torch.equal(sent, want)
@@ -83,22 +80,15 @@ def test_ostore_stages_and_sends_every_row_once(heads, qtokens, sq):
     block = out[q_off : q_off + sq, head0 : head0 + heads]
     assert torch.equal(block.view(torch.int16), o16[: sq * pitch].view(sq, pitch, 512)[:, :heads]
                        .view(torch.int16))  # fmt: skip
-    assert out[sent.sum(-1) == 0].isnan().all()
+    assert out[sent == 0].isnan().all()
 
 
 def test_ostore_bank_spread():
     """A warp's 32-bit staging stores (rows lane // 4, column pair lane % 4) on 32 distinct
-    banks at the padded stride (8 ways on 4 banks without it); a warp's 16-byte reads are one
-    half row, 512 contiguous bytes (4 wavefronts, the fewest), and so are its global stores."""
+    banks at the padded stride (8 ways on 4 banks without it)."""
     for stride, ways in ((seesaw.O16_STRIDE, 1), (seesaw.D_LATENT, 8)):
         banks = [((lane // 4) * stride + 2 * (lane % 4)) // 2 % 32 for lane in range(32)]
         assert max(banks.count(b) for b in set(banks)) == ways
-    for warp in range(seesaw.THREADS // 32):
-        for k in range(seesaw.ROWS * PER_ROW // seesaw.THREADS):
-            vecs = [warp * 32 + lane + k * seesaw.THREADS for lane in range(32)]
-            assert len({i // PER_ROW for i in vecs}) == 1
-            first = vecs[0] % PER_ROW
-            assert [i % PER_ROW for i in vecs] == list(range(first, first + 32))
 
 
 def _in_order(src: str, lines: list[str]) -> None:
@@ -110,31 +100,39 @@ def _in_order(src: str, lines: list[str]) -> None:
 
 def test_ostore_is_the_kernels():
     """The staging comes after the row sums' __syncthreads and `_write_split` (which then
-    normalizes O in place and stores no O itself), over kl in out's dtype with the padded rows,
-    and a __syncthreads parts it from `_send_direct`'s reads; `_send_direct` checks `_written`
-    per row and copies 16-byte tiles."""
+    normalizes O in place and stores no O itself), over kl in out's dtype with the padded rows
+    (`_staged`), and a proxy fence and __syncthreads part it from `_send_rows`' bulk copies,
+    issued by warp 0's elected lane (the partial form's block: tests/test_mla_seesaw.py)."""
     src = inspect.getsource(seesaw.MlaSeesawSm90.kernel)
     _in_order(src, [
         "cute.arch.sync_threads()\n        row_max",
         "self._write_split(",
-        "if const_expr(self.ostore):",
-        "cute.recast_ptr(storage.kl.data_ptr(), dtype=mOp.element_type)",
-        "cute.make_layout((ROWS, D_LATENT), stride=(O16_STRIDE, 1))",
-        "tOrO.store(acc_o.load().to(mOp.element_type))",
-        "cute.autovec_copy(tOrO, thr_pv.partition_C(cute.local_tile(sO, (ROWS, COLS), (0, wg))))",
+        "if const_expr(not self.direct or self.ostore):",
+        "sO, tOrO = self._staged(storage, mOp, acc_o)",
+        "cute.autovec_copy(tOrO, thr_pv.partition_C(half))",
+        "cute.arch.fence_view_async_shared()",
         "cute.arch.sync_threads()",
-        "self._send_direct(mOp, sO, q_off, sq, head0, tidx)",
+        "if warp == 0:",
+        "with cute.arch.elect_one():",
+        "self._send_rows(mOp, sO, (w_split, w_off, sq, head0))",
+    ])  # fmt: skip
+    staging = inspect.getsource(seesaw.MlaSeesawSm90._staged)
+    _in_order(staging, [
+        "if self.direct:",
+        "o_type, stride = mOp.element_type, O16_STRIDE",
+        "tOrO.store(acc_o.load().to(o_type))",
+        "cute.recast_ptr(storage.kl.data_ptr(), dtype=o_type)",
+        "cute.make_layout((ROWS, D_LATENT), stride=(stride, 1))",
     ])  # fmt: skip
     write = inspect.getsource(seesaw.MlaSeesawSm90._write_split)
     assert "if const_expr(not self.direct or self.ostore):" in write
     assert "0 if self.ostore else cute.size(o, mode=[1])" in write
-    send = inspect.getsource(seesaw.MlaSeesawSm90._send_direct)
+    send = inspect.getsource(seesaw.MlaSeesawSm90._send_rows)
     _in_order(send, [
-        "for k in cutlass.range_constexpr(ROWS * per_row // THREADS):",
-        "i = tidx + k * THREADS",
+        "cute.make_copy_atom(cpasync.CopyBulkS2GOp(), mOp.element_type)",
         "if self._written(r, token, sq):",
-        "cute.local_tile(sO[r, None], (OSTORE_VEC,), (col,))",
-        "cute.local_tile(dst, (OSTORE_VEC,), (col,))",
+        "at_row = (q_off + token, head0 + r % self.pitch, None)",
+        "row = mOp[at_row].iterator",
     ])  # fmt: skip
     with pytest.raises(ValueError, match="direct"):
         seesaw.MlaSeesawSm90(64, ostore=True)
@@ -154,8 +152,8 @@ def test_ostore_selection(monkeypatch):
     assert launch._wide_rows(out[:, :, :512])
     assert not launch._wide_rows(torch.empty(7, 4, 513, dtype=torch.bfloat16)[:, :, :512])
     assert not launch._wide_rows(out.view(-1)[1 : 1 + 7 * 4 * 512].view(7, 4, 512))
-    assert config.runs_ostore(64, 1) and config.runs_ostore(32, 2)
-    assert not config.runs_ostore(16, 1)
+    assert config.runs_ostore(64, 1) and config.runs_ostore(32, 2) and config.runs_ostore(16, 1)
+    assert not config.runs_ostore(32, 1) and not config.runs_ostore(16, 2)
     with pytest.raises(ValueError, match="direct"):
         config.params_for("partial", "bfloat16", 64, tma=True, ostore=True)
     a = config.params_for("partial", "bfloat16", 64, tma=True, direct=True)
@@ -169,7 +167,8 @@ OSTORE_PLANS = [
     ((2, 128, [70, 190], 2), (32, 2, True)),  # direct 32 x 2 (MTP 2)
     ((64, 128, [4096] * 64, 1), (64, 1, True)),  # b64-h128-L4096: one wave, one split
     ((2, 128, [65, 513], 1), (64, 1, False)),  # 3 splits: the partial pass
-    ((3, 16, [37, 0, 100], 1), (16, 1, False)),  # direct 16 x 1: not an ostore block
+    ((3, 16, [37, 0, 100], 1), (16, 1, True)),  # direct 16 x 1
+    ((3, 16, [5, 0, 130], 2), (16, 2, False)),  # direct 16 x 2: not an ostore block
 ]
 
 
@@ -254,10 +253,19 @@ def test_check_and_sanitize_cases_run_both_ostore_compiles(monkeypatch):
 
 # The default direct compile the ostore build is compared with: the bf16 64 x 1 block's alone.
 # The f16 32 x 2 block (two query tokens a CTA, the other dtype) is checked on its ostore
-# build's own counts (16 STG.E.128 and LDS.128, no 16-bit scalar store, no spills): the ostore
-# epilogue is one code path (seesaw.py, `ostore`) for both blocks, whose moved and kept counts
-# the 64 x 1 compare proves. One MLA compile fewer (~10 to 17 s of CI's CPU).
+# build's own counts (one bulk-copy loop, no 16-bit scalar store, no spills, its steady loops):
+# the ostore epilogue is one code path (seesaw.py, `ostore`) for both blocks, whose moved and
+# kept counts the 64 x 1 compare proves. One MLA compile fewer (~10 to 17 s of CI's CPU).
 OSTORE_BASELINE = ("bfloat16", 64, 1)
+# (instructions, R2UR) of each warpgroup's steady pair loop (tests/cubins.py `steady_loops`),
+# cu13 ptxas: the partial form's of the same block (64 x 1: 1013 / 828, R2UR 4 / 4; 32 x 2
+# bf16: 1032 / 842, 20 / 16), where the default direct compile's (scalar stores) and the
+# ostore one's before its rows went by bulk copies read 1136-1140 / 962-965 with 97 / 63-71
+# R2UR (MLA_NOTES.md, "next/mla-ur")
+OSTORE_LOOPS = {
+    ("bfloat16", 64, 1): [(1013, 4), (828, 4)],
+    ("float16", 32, 2): [(1033, 20), (846, 16)],
+}
 
 
 # CI: the baseline block; the f16 32 x 2 block is slow (~12 s of CI's CPU, 2026-12-06)
@@ -266,27 +274,33 @@ OSTORE_BASELINE = ("bfloat16", 64, 1)
     slow_past([("bfloat16", 64, 1), ("float16", 32, 2)], keep=OSTORE_BASELINE, unpack=True),
 )
 def test_ostore_compile(dtype, heads, qtokens):
-    """16 STG.E.128 and 16 LDS.128 a thread, no 16-bit scalar store, the LSE's two STG.E; no
-    spills. Against the default direct compile of the block (OSTORE_BASELINE): its 128
-    STG.E.U16 a thread become those 16 STG.E.128, with 64 STS (bf16 pairs) more and one more
-    BAR.SYNC; the mainloop's counts unchanged."""
+    """One UBLKCP (warp 0's elected lane's loop over the rows), no 16-bit scalar store, the
+    LSE's two STG.E; no spills; the steady pair loops the partial form's (OSTORE_LOOPS).
+    Against the default direct compile of the block (OSTORE_BASELINE): its 128 STG.E.U16 a
+    thread become the bulk copies, with 64 STS (bf16 pairs) more, one more BAR.SYNC and one
+    more proxy fence; the mainloop's HGMMA and loads unchanged, its loops' R2UR traffic gone."""
     from forgekernel.runtime.resources import find_tool
 
     if find_tool("cuobjdump") is None:
         pytest.skip("cuobjdump not found")
-    from test_mla_seesaw_compile import _compiled
+    from test_mla_seesaw_compile import _compiled, _loops
 
     key = {"tma": True, "direct": True}
-    res, ops, _ = _compiled(config.params_for("partial", dtype, heads, qtokens, **key, ostore=True))
-    assert res["spill_bytes"] == 0 and res["registers"] <= 255
-    assert ops["STG.E.U16"] == 0 and ops["STG.E.128"] == 16 and ops["LDS.128"] == 16
+    params = config.params_for("partial", dtype, heads, qtokens, **key, ostore=True)
+    res, ops, _ = _compiled(params)
+    assert res["spill_bytes"] == 0 and res["registers"] <= 240
+    assert ops["STG.E.U16"] == 0 and ops["STG.E.128"] == 0 and ops["LDS.128"] == 0
+    assert ops["UBLKCP.G.S"] == 1
     assert ops["STG.E"] == 2  # the LSE
+    assert _loops(params) == OSTORE_LOOPS[(dtype, heads, qtokens)]
     if (dtype, heads, qtokens) != OSTORE_BASELINE:
         return
-    res0, ops0, _ = _compiled(config.params_for("partial", dtype, heads, qtokens, **key))
-    assert ops0["STG.E.U16"] == 128 and ops0["STG.E.128"] == 0
+    params0 = config.params_for("partial", dtype, heads, qtokens, **key)
+    res0, ops0, _ = _compiled(params0)
+    assert ops0["STG.E.U16"] == 128 and ops0["UBLKCP.G.S"] == 0
     assert ops0["STG.E"] == 2
     assert ops["STS"] == ops0["STS"] + 64
+    assert all(r2ur > 50 for _, r2ur in _loops(params0))  # (the scalar stores' form)
 
     def count(counts, prefix):
         return sum(v for k, v in counts.items() if k.startswith(prefix))
@@ -294,3 +308,4 @@ def test_ostore_compile(dtype, heads, qtokens):
     for op in ("HGMMA", "UTMALDG", "WARPGROUP.DEPBAR", "SYNCS.EXCH", "STSM"):
         assert count(ops, op) == count(ops0, op), op
     assert count(ops, "BAR.SYNC") == count(ops0, "BAR.SYNC") + 1
+    assert count(ops, "FENCE.VIEW.ASYNC.S") == count(ops0, "FENCE.VIEW.ASYNC.S") + 1

@@ -640,7 +640,7 @@ def _partial_epilogue(coords, heads, qtokens, sq, q_off, head0, o, out, writes):
     """The partial form's O on the traced fragment: every thread of both warpgroups stages its
     normalized O at (row, wg COLS + column) of the rows O_STRIDE floats apart over the K
     buffers (the kernel's `local_tile(sO, (ROWS, COLS), (0, wg))` and `partition_C`), then
-    `_send_split`'s loop copies staged row r < G of token r // pitch < sq and head r % pitch <
+    `_send_rows`' loop copies staged row r < G of token r // pitch < sq and head r % pitch <
     H (pitch = max(H, 8): Q's boxes), 512 floats, to out[q_off + token, head0 + r % pitch].
     Counts every staged float and every float sent. Returns the staged floats' last offset + 1
     (bytes / 4)."""
@@ -656,7 +656,7 @@ def _partial_epilogue(coords, heads, qtokens, sq, q_off, head0, o, out, writes):
                     staged[at] = o[row, wg * seesaw.COLS + col]
                     staged_count[at] += 1
     assert int(staged_count.max()) == 1
-    for r in range(g):  # _send_split
+    for r in range(g):  # _send_rows
         token = r // pitch
         if token < sq and r % pitch < heads:
             row = staged[r * seesaw.O_STRIDE : r * seesaw.O_STRIDE + seesaw.D_LATENT]
@@ -716,31 +716,40 @@ def _assert_in_order(src: str, lines: list[str]) -> None:
 def test_partial_epilogue_is_the_kernels():
     """The source the replay follows: the staging over kl with the padded rows, each
     warpgroup's half by the P V fragment, the proxy fence and __syncthreads before warp 0's
-    elected lane sends; `_send_split`'s loop and its bulk group, waited until read."""
+    elected lane sends; `_send_rows`' loop and its bulk group, waited until read (the direct
+    form's `ostore` the same block: tests/test_mla_ostore.py)."""
     src = inspect.getsource(seesaw.MlaSeesawSm90.kernel)
-    staged = src[src.index("if const_expr(not self.direct):") :]
+    staged = src[src.index("if const_expr(not self.direct or self.ostore):") :]
     order = [
-        "cute.recast_ptr(storage.kl.data_ptr(), dtype=Float32)",
-        "cute.make_layout((ROWS, D_LATENT), stride=(O_STRIDE, 1))",
+        "sO, tOrO = self._staged(storage, mOp, acc_o)",
         "half = cute.local_tile(sO, (ROWS, COLS), (0, wg))",
-        "cute.autovec_copy(acc_o, thr_pv.partition_C(half))",
+        "cute.autovec_copy(tOrO, thr_pv.partition_C(half))",
         "cute.arch.fence_view_async_shared()",
         "cute.arch.sync_threads()",
         "if warp == 0:",
         "with cute.arch.elect_one():",
-        "self._send_split(mOp, sO, w_split, w_off, sq, head0)",
+        "self._send_rows(mOp, sO, (w_split, w_off, sq, head0))",
     ]
     _assert_in_order(staged, order)
-    ((tests, withs),) = _enclosing(seesaw.MlaSeesawSm90.kernel, "_send_split")
+    staging = inspect.getsource(seesaw.MlaSeesawSm90._staged)
+    order = [
+        "o_type, stride, tOrO = Float32, O_STRIDE, acc_o",
+        "cute.recast_ptr(storage.kl.data_ptr(), dtype=o_type)",
+        "cute.make_layout((ROWS, D_LATENT), stride=(stride, 1))",
+    ]
+    _assert_in_order(staging, order)
+    ((tests, withs),) = _enclosing(seesaw.MlaSeesawSm90.kernel, "_send_rows")
     assert withs == ["cute.arch.elect_one()"]
     assert ms.warp_collective(_reaches(tests), seesaw.THREADS) == [0]
-    send = inspect.getsource(seesaw.MlaSeesawSm90._send_split)
+    send = inspect.getsource(seesaw.MlaSeesawSm90._send_rows)
     order = [
-        "bulk = cute.make_copy_atom(cpasync.CopyBulkS2GOp(), Float32)",
+        "bulk = cute.make_copy_atom(cpasync.CopyBulkS2GOp(), mOp.element_type)",
         "for r in cutlass.range(self.g, unroll=1):",
         "token = r // self.pitch",
         "if self._written(r, token, sq):",
-        "row = mOp[split, q_off + token, head0 + r % self.pitch, None].iterator",
+        "at_row = (q_off + token, head0 + r % self.pitch, None)",
+        "at_row = (split,) + at_row",
+        "row = mOp[at_row].iterator",
         "cute.copy(bulk, sO[r, None], cute.make_tensor(row, cute.make_layout(D_LATENT)))",
         "cute.arch.cp_async_bulk_commit_group()",
         "cute.arch.cp_async_bulk_wait_group(0, read=True)",

@@ -33,7 +33,7 @@ import re
 from collections import Counter
 
 import pytest
-from cubins import build
+from cubins import build, steady_loops
 
 pytest.importorskip("cutlass")
 
@@ -59,6 +59,12 @@ def _compiled(params) -> tuple[dict, Counter, str]:
     once a process; the standard build is test_mla_worklist's and test_pdl's too)."""
     found = build(SPEC, params)
     return found.resources, Counter(_OP.findall(found.sass)), found.ptx
+
+
+def _loops(params) -> list[tuple[int, int]]:
+    """(instructions, R2UR) of each warpgroup's steady pair loop of one compile (cubins.build,
+    cubins.steady_loops; scripts/mla_loop_mix.py prints more of their mix)."""
+    return [(sum(c.values()), c["R2UR"]) for c in steady_loops(build(SPEC, params).sass)]
 
 
 # CI: the standard build (bf16, 16 heads; the MLA scope's, SHARED_COMPILES); the 16-bit 1-head
@@ -163,3 +169,11 @@ def test_generic_tile_writes_are_proxy_fenced_before_their_barrier(compiled):
     assert len(fences) == 10
     for i in fences:  # each is needed: without it a store reaches its barrier unfenced
         assert _unfenced_tile_stores("\n".join(lines[:i] + lines[i + 1 :])), i
+
+
+def test_steady_pair_loops():
+    """The standard build's two steady pair loops (one a warpgroup) at their instruction counts,
+    the TMA refills' operands in uniform registers (4 R2UR a loop): the counts the direct
+    form's `ostore` compile now matches (tests/test_mla_ostore.py; MLA_NOTES.md, "next/mla-ur":
+    the direct compiles before read 1136-1140 / 962-965 with 97 / 63-71 R2UR)."""
+    assert _loops(params_for("partial", "bfloat16", 16, 1, tma=True)) == [(1013, 4), (830, 4)]

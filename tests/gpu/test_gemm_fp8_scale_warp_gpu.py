@@ -7,8 +7,9 @@ fp32 products A's x B's staged, the same promotions: only which warp stages them
 narrow full-K tiles on awkward shapes (M under one tile and off it, N off 8 through the
 launcher's scratch, K / 128 odd, a long K: 128 / 129 k-tiles over an 18-21 stage ring), with
 the scales four ahead too (`_f4_sw`), and the other tiled mainloops it reaches, two and four
-ahead: LARGE (B multicast over 2x1), LARGE_MCAST_A (A multicast over 1x2, A's scales M-major,
-bands of 8); the grouped layout's tile four ahead (GROUPED_F4_SW)."""
+ahead: LARGE (B multicast over 2x1; the scale warp two ahead its standard since 2026-12-07),
+LARGE_MCAST_A (A multicast over 1x2, A's scales M-major, bands of 8; four ahead its standard);
+the grouped layout's tile four ahead (GROUPED_F4_SW)."""
 
 from __future__ import annotations
 
@@ -86,7 +87,7 @@ def test_grouped_scale_warp_matches_the_reference_and_the_standard(case):
     bench's `f4_sw`) against the fp64 reference (padding rows zeroed as the suite's op does)
     and bit for bit against GROUPED (the same products, the same promotions)."""
     gen = torch.Generator(device=CUDA).manual_seed(11)
-    inputs = GROUPED_SUITE.makeinputs_for(case, torch.bfloat16, CUDA, gen)
+    inputs = GROUPED_SUITE.make_inputs(case, torch.bfloat16, CUDA, gen)
     out, cmps = verify(GROUPED_SUITE, inputs, CUDA, run=grouped_module.run_f4_sw)
     assert all(c.ok for c in cmps), [c.message for c in cmps]
     standard = GROUPED_SUITE.alloc_out(inputs)

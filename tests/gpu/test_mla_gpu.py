@@ -569,13 +569,14 @@ def test_direct_form_packed_into_a_strided_out(causal, max_q, monkeypatch):
     assert torch.equal(out, split_out) and torch.equal(lse, split_lse)
 
 
-OSTORE_CASES = [case for case in DIRECT_CASES if case[1] == 128]  # 64 x 1, 32 x 2
+# the direct cases of config.OSTORE_BLOCKS (16 x 1 twice, 64 x 1, 32 x 2)
+OSTORE_CASES = [c for c in DIRECT_CASES if (c[1] == 16 and c[4] == 1) or c[1] == 128]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", OSTORE_CASES, ids=lambda c: f"b{c[0]}_h{c[1]}_sq{c[4]}")
 def test_ostore_is_the_scalar_stores(case, dtype, monkeypatch):
-    """The direct plans of the 128-head blocks: the default (`ostore`, out's rows 16-byte
+    """The direct plans of the ostore blocks: the default (`ostore`, out's rows 16-byte
     aligned), an out 8 bytes off (the plan of the direct form's scalar stores) and
     FORGEKERNEL_MLA_OSTORE=0: each against the reference, bit for bit alike, every element of
     out written and nothing of the NaN buffer around it."""

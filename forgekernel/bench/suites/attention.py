@@ -319,9 +319,25 @@ CONFIG_TIMED = {
 }
 
 
+# GQA packed in the fixed-length mode (docs/attention/NOTES.md "next/attn-gqa-pack
+# (2026-12-07)"): `gqa_pack` runs the problem's own plan (its rule or the head dims' default)
+# with every Sq GQA-packed through views of q / o / lse (`attention_fwd(pack_gqa=True)`, the
+# view_group compile: PACK_CANDIDATES), FA4's form for every GQA call. On the short GQA-4
+# D = 64 causal case the 192-row tiles of the packed rows run 104 key-block steps a kv head
+# against 128; the two GQA-4 s512 D = 128 cases are the controls (whole tiles: the same steps,
+# K / V read once for the group).
+PACK_TIMED = (
+    "b16-hq32-hkv8-s1024-d64-causal",
+    "b32-hq32-hkv8-s512-d128-causal",
+    "b32-hq32-hkv8-s512-d128",
+)
+
+
 def variants(case: Case) -> dict[str, Any]:
     """The GRID_CANDIDATES of a GRID_TIMED case's kind, the CONFIG_CANDIDATES of a
-    CONFIG_TIMED one's."""
+    CONFIG_TIMED one's, `gqa_pack` on a PACK_TIMED one."""
+    if case.name in PACK_TIMED:
+        return {"gqa_pack": run_packed}
     kind = GRID_TIMED.get(case.name)
     if kind is not None:
         grids = GRID_CANDIDATES[kind]
@@ -345,6 +361,18 @@ def run_config(inputs: Inputs, out: tuple | None, **knobs: Any) -> tuple:
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     cfg = dataclasses.replace(default_config(q.shape[-1], v.shape[-1]), **knobs)
     attention_fwd(q, inputs["k"], v, o, lse, scale, causal, config=cfg)
+    return o, lse
+
+
+def run_packed(inputs: Inputs, out: tuple | None) -> tuple:
+    """Ours (fixed length) through the leaf's launcher with GQA packed at any Sq (pack_gqa:
+    the problem's own plan on the view_group compile); validated inputs into `out`."""
+    from forgekernel.kernels.attention.fwd.sm90.launch import attention_fwd
+
+    o, lse = out if out is not None else alloc_out(inputs)
+    q, v, causal, scale = inputs["q"], inputs["v"], inputs["causal"], inputs["softmax_scale"]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    attention_fwd(q, inputs["k"], v, o, lse, scale, causal, pack_gqa=True)
     return o, lse
 
 

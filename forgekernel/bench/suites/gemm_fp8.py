@@ -9,6 +9,8 @@ DeepGEMM's `fp8_gemm_nt` where `deep_gemm` is installed."""
 from __future__ import annotations
 
 import functools
+import importlib
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -91,7 +93,9 @@ CHECK_CASES = (
 # 1100x1024x1280 LARGE over 2x1, 10 on 6; 8x16896x2048 decode a8 over 1x2, 16 on 11;
 # 8x9216x4096 narrow 64x96 a8, 32 k-tiles a CTA; 300x1000x4096 narrow 64x48 with the scale warp
 # four ahead (the 64-row box's standard), 32 k-tiles a CTA: its 33-arrival full barrier over a
-# refilled ring; 40x4104x256 and 300x1000x640 the same tiles with fewer k-tiles than the lead).
+# refilled ring; 40x4104x256 and 300x1000x640 the same tiles with fewer k-tiles than the lead;
+# the tiled 128-row tiles' scale warp (2026-12-07): 1100x1024x1280 LARGE's two ahead, 8200x256x1280
+# LARGE_MCAST_A's four ahead, 10 k-tiles a CTA on 6 stages, 130 CTAs in bands).
 SANITIZE_CASES = (
     _case(1, 256, 256),
     _case(12, 264, 384),
@@ -113,6 +117,7 @@ SANITIZE_CASES = (
     _case(20, 3072, 512),
     _case(40, 4104, 256),
     _case(300, 1000, 4096),
+    _case(8200, 256, 1280),
 )
 
 
@@ -366,10 +371,21 @@ def nbytes(case: Case, dtype: torch.dtype) -> float:
     return float(m * k + n * k + scales + 2 * m * n)
 
 
+def kernel_sources() -> list[Path]:
+    """What the compile cache hashes (the kernel's import closure) and the chooser beside it: the
+    configuration table that picks a call's tile, its launcher and the op (a chooser change moves
+    the ledger's key, as a kernel change does; before 2026-12-07 it did not, so a chooser change
+    kept the FP8 ledger's figures)."""
+    names = ("config", "launch")
+    chooser = [importlib.import_module(f"forgekernel.kernels.gemm.fp8.sm90.{n}") for n in names]
+    chooser.append(importlib.import_module("forgekernel.ops.gemm_fp8"))
+    return list(dict.fromkeys((*SPEC.sources, *(Path(m.__file__) for m in chooser))))
+
+
 def suite() -> OpSuite:
     return OpSuite(
         name="gemm_fp8",
-        kernel_sources=SPEC.sources,
+        kernel_sources=kernel_sources(),
         dtypes=(torch.bfloat16, torch.float16),
         check_cases=CHECK_CASES,
         bench_cases=BENCH_CASES,

@@ -127,12 +127,24 @@ WG3_CANDIDATES = (
 )
 
 
+# GQA packed in the fixed-length mode (`launch.attention_fwd(pack_gqa=True)`, the bench's
+# `gqa_pack`; docs/attention/NOTES.md "next/attn-gqa-pack (2026-12-07)"): the view_group
+# compile of each PACK_TIMED case's plan (the head dim's default: no FIXED_RULES rule takes
+# them), bf16, (head_dim, causal, G).
+PACK_CANDIDATES = (
+    (64, True, 4),
+    (128, True, 4),
+    (128, False, 4),
+)
+
+
 def _candidate_params() -> list[Params]:
     """The static deal of the D = 128 varlen launch (its default before the tile counter),
     bf16 causal: the bench's `static` variant (docs/attention/NOTES.md, "Measured 2026-12-04
     00:40-00:50"); the 192/128 schedule candidates (D192_CANDIDATES); D = 128 causal in L2
     sections at every size (non-causal: rule 8's standard key); the other head dims' L2
-    candidates (L2_CANDIDATES); D = 96 on 192-row tiles (WG3_CANDIDATES)."""
+    candidates (L2_CANDIDATES); D = 96 on 192-row tiles (WG3_CANDIDATES); GQA packed in the
+    fixed-length mode (PACK_CANDIDATES, on the PACK_TIMED cases' plans)."""
     static = replace(default_config(128, 128, varlen=True), dynamic=False)
     d192 = [replace(default_config(192, 128), **knobs) for knobs in D192_CANDIDATES]
     wave0 = replace(default_config(128, 128), wave_kv_mib=0)
@@ -144,6 +156,7 @@ def _candidate_params() -> list[Params]:
             params_for("bfloat16", d, d, causal, replace(default_config(d, d), **knobs))
             for d, causal, knobs in L2_CANDIDATES + WG3_CANDIDATES
         ]
+        + [params_for("bfloat16", d, d, causal, view_group=g) for d, causal, g in PACK_CANDIDATES]
     )
 
 
@@ -156,4 +169,12 @@ SPEC = KernelSpec(
     candidate_params=_candidate_params,
 )
 
-__all__ = ["SPEC", "AttnConfig", "L2_CANDIDATES", "WG3_CANDIDATES", "default_config", "params_for"]
+__all__ = [
+    "SPEC",
+    "AttnConfig",
+    "L2_CANDIDATES",
+    "PACK_CANDIDATES",
+    "WG3_CANDIDATES",
+    "default_config",
+    "params_for",
+]

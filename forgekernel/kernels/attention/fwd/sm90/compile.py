@@ -12,7 +12,9 @@ strides: a combined cache's halves), seqlens_k int32 (B,), page_table int32 (B, 
 (Tq * G, Hkv, D) (row t * G + g of kv head h: query head h * G + g of token t), o and lse
 alike, cu_seqlens_q * G, max_seqlen_q * G and qgroup G; no sequence skipped. Zero-copy
 (params view_group=G, with packed): q and o as (Tq, Hkv, G, D) views of (Tq, Hq, D), lse as
-(Hkv, G, Tq) of (Hq, Tq), G static (TMA boxes of (G, tile_m / G) tokens). Dynamic tiles
+(Hkv, G, Tq) of (Hq, Tq), G static (TMA boxes of (G, tile_m / G) tokens). Fixed length,
+GQA-packed (params view_group=G without varlen): q and o as (B, Sq, Hkv, G, D) views, lse as
+(B, Hkv, G, Sq), qgroup G. Dynamic tiles
 (params dynamic=True, not paged): the page-table slot takes the zeroed int32 (1,) tile
 counter."""
 
@@ -60,6 +62,10 @@ def compile_attention_fwd(params: dict, arch: str = "sm_90a", extra_options: str
         q, o = fake.rowmajor(dtype, (b, sq, hq, d)), fake.rowmajor(dtype, (b, sq, hq, dv))
         k, v = fake.rowmajor(dtype, (b, sk, hkv, d)), fake.rowmajor(dtype, (b, sk, hkv, dv))
         lse = fake.rowmajor(cutlass.Float32, (b, hq, sq), divisibility=1, align=None)
+        if group:  # GQA-packed: (B, Sq, Hkv, G, D) views, hq counting kv heads
+            q = fake.rowmajor(dtype, (b, sq, hq, group, d))
+            o = fake.rowmajor(dtype, (b, sq, hq, group, dv))
+            lse = fake.rowmajor(cutlass.Float32, (b, hq, group, sq), divisibility=1, align=None)
         cu_q = cu_k = None
     if params.get("dynamic"):  # the tile counter, in the page-table slot (AttnConfig.dynamic)
         page_table = fake.rowmajor(cutlass.Int32, (1,), divisibility=1, align=4)

@@ -342,9 +342,10 @@ def params_for(
     queries; `page_box_for`). packed (paged only, with view_group): the tiles skip no sequence
     (every sequence's GQA group as rows, decode rows included: no PAGED_MIN_SEQLEN_Q);
     a key only when on, so every other key (and its cache entry and SASS) is as before.
-    view_group G > 0 (packed only, G dividing tile_m): q / o / lse read and written in place
-    through views of G query heads a kv head (the packed form has no other: its compiles are
-    packed with a view_group, VIEW_GROUPS standard)."""
+    view_group G > 0 (packed or fixed length, G dividing tile_m): q / o / lse read and written
+    in place through views of G query heads a kv head (the packed form has no other: its
+    compiles are packed with a view_group, VIEW_GROUPS standard; fixed length: the GQA-packed
+    candidate, `launch.attention_fwd(pack_gqa=True)`, no standard key)."""
     cfg = cfg or default_config(head_dim, head_dim_v, paged=page_box > 0, varlen=varlen)
     if cfg.dynamic and page_box:
         raise ValueError("dynamic tiles are not for the paged mode (its own walk)")
@@ -366,8 +367,10 @@ def params_for(
             del key[name]
     if cfg.k_ahead and page_box:
         raise ValueError("k_ahead is not for the paged mode (its page boxes)")
-    if view_group and (not packed or cfg.tile_m % view_group):
-        raise ValueError(f"view_group {view_group}: packed only, dividing tile_m ({cfg.tile_m})")
+    if view_group and (key["varlen"] != packed or cfg.tile_m % view_group):
+        raise ValueError(
+            f"view_group {view_group}: packed or fixed length, dividing tile_m ({cfg.tile_m})"
+        )
     if packed and not view_group:  # the copy form: measured slower, dropped (PAGED_NOTES.md)
         raise ValueError("packed needs a view_group (the packed form runs on views)")
     if packed:

@@ -49,7 +49,9 @@ masked and their V rows zeroed in shared memory by the consumers (`_clear_stale_
 no NaN or inf there reaches O through P = 0. Paged, packed (`packed`: the whole chunked-prefill
 batch GQA-packed, decode rows included; `view_group`: through views of the caller's q / o /
 lse, no copies): a consumer warpgroup none of whose rows is in its tile's sequence runs
-`_idle_blocks` (the pipelines' and turns' protocol, no GEMM) instead of the mainloop.
+`_idle_blocks` (the pipelines' and turns' protocol, no GEMM) instead of the mainloop. Fixed
+length, GQA-packed (`view_group` G without `varlen`: a candidate): q / o / lse through the same
+views, (B, Sq, Hkv, G, D), every tile G * Sq rows deep of one kv head.
 Measured variants that left the kernel: docs/attention/NOTES.md ("Measured and dropped").
 """
 
@@ -135,10 +137,10 @@ class AttentionFwdSm90:
             raise ValueError(f"stages must be >= 1, got {config.stages}")
         if packed and not page_box:
             raise ValueError("packed is a form of the paged mode (page_box > 0)")
-        if view_group and (not packed or config.tile_m % view_group):
+        if view_group and (varlen != packed or config.tile_m % view_group):
             raise ValueError(
-                f"view_group ({view_group}) needs the packed form and must divide tile_m "
-                f"({config.tile_m})"
+                f"view_group ({view_group}) needs the packed paged form or fixed length, and "
+                f"must divide tile_m ({config.tile_m})"
             )
         if page_box and (not varlen or page_box % 8 or config.tile_n % page_box):
             raise ValueError(
@@ -190,6 +192,8 @@ class AttentionFwdSm90:
         # Packed, zero-copy (view_group = G > 0): q and o come as (Tq, Hkv, G, D) views of the
         # caller's (Tq, Hq, D), lse as (Hkv, G, Tq), seen as the packed rows ((G, Tq)) they
         # hold (`grouped_rows_as_sdhb`): TMA boxes of ((G, tile_m / G), D), no pack copy.
+        # Fixed length alike: (B, Sq, Hkv, G, D) and (B, Hkv, G, Sq), a head's tiles over its
+        # kv head's G * Sq rows (the causal mask on row // G: qgroup = G).
         self.view_group = view_group
         skip_below = PAGED_MIN_SEQLEN_Q if self.paged and not packed else 0
         # K + V bytes of one key row (16-bit elements) decide the tile order's L2 sections.
@@ -298,6 +302,11 @@ class AttentionFwdSm90:
         if const_expr(self.varlen):
             num_batch = mCuQ.shape[0] - 1
             num_m_blocks = (max_seqlen_q + self.tile_m - 1) // self.tile_m
+        elif const_expr(self.view_group > 0):
+            mQ, mO = grouped_rows_as_sdhb(mQ), grouped_rows_as_sdhb(mO)
+            mK, mV = select(mK, [1, 3, 2, 0]), select(mV, [1, 3, 2, 0])
+            num_batch = mQ.shape[3]
+            num_m_blocks = (cute.size(mQ, mode=[0]) + self.tile_m - 1) // self.tile_m
         else:
             mQ, mK, mV, mO = (select(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO))
             num_batch = mQ.shape[3]

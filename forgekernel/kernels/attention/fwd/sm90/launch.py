@@ -66,7 +66,7 @@ def _kernel(
     takes a tile counter): a plan, built once per key (params_for's dataclass walk cost 4.4 us
     per call on the CPU, the kernel lookup and the SM count 1-2 more). packed with view_group
     G: the paged mode's packed compile (no sequence skipped) on views of G query heads a kv
-    head."""
+    head; view_group G without packed (fixed length): the GQA-packed candidate's compile."""
     if rule:
         cfg = rule_config(head_dim, head_dim_v, rule)
     else:
@@ -91,11 +91,13 @@ def _plan(
     )  # fmt: skip
 
 
-def _config_kernel(q, v, causal: bool, varlen: bool, config: AttnConfig) -> tuple:
+def _config_kernel(
+    q, v, causal: bool, varlen: bool, config: AttnConfig, view_group: int = 0
+) -> tuple:
     """(the compiled function of `config`, the SM count, its CTAs a SM, whether it takes a
     tile counter): a variant's kernel (bench), looked up per call."""
     params = params_for(dtype_name(q.dtype), q.shape[-1], v.shape[-1], causal, config,
-                        varlen=varlen)  # fmt: skip
+                        varlen=varlen, view_group=view_group)  # fmt: skip
     fn = get_kernel(SPEC, params)
     return fn, num_sms(q.device.index), default_ctas_per_sm(config, varlen), config.dynamic
 
@@ -145,11 +147,15 @@ def attention_fwd(
     causal: bool,
     ctas_per_sm: int | None = None,
     config: AttnConfig | None = None,
+    pack_gqa: bool = False,
 ) -> None:
     """o (B, Sq, Hq, Dv) and lse (B, Hq, Sq) fp32, any views, for validated q (B, Sq, Hq, D),
     k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv). ctas_per_sm: the grid (`config.grid_ctas`; None:
     the config's, `config.default_ctas_per_sm`); config: a variant's kernel in place of the
-    default (bench)."""
+    default (bench). pack_gqa (a candidate, off by default: docs/attention/NOTES.md
+    "next/attn-gqa-pack"): with GQA (G = Hq / Hkv > 1) every Sq runs GQA-packed through views
+    of q / o / lse (no copy), the G query heads of a kv head as G * Sq rows of one head; G must
+    divide the config's tile_m (else ValueError)."""
     if o.numel() == 0:  # no batch, query rows or heads
         return
     if k.shape[1] == 0:
@@ -158,30 +164,38 @@ def attention_fwd(
     q, k, v = as_tma_ready(q), as_tma_ready(k), as_tma_ready(v)
     o_dst = tma_target(o)
     lse_dst = lse if lse.is_contiguous() else torch.empty(lse.shape, device=lse.device)
-    _launch(q, k, v, o_dst, lse_dst, softmax_scale, causal, ctas_per_sm, config)
+    _launch(q, k, v, o_dst, lse_dst, softmax_scale, causal, ctas_per_sm, config, pack_gqa)
     copy_back((o, lse), (o_dst, lse_dst))
 
 
 def _launch(
     q, k, v, o, lse, scale: float, causal: bool, ctas_per_sm: int | None = None,
-    config: AttnConfig | None = None,
+    config: AttnConfig | None = None, pack_gqa: bool = False,
 ) -> None:  # fmt: skip
     """The kernel call: inputs and outputs TMA-ready, sizes non-zero. The config: the
     problem's fixed-length rule (`config.fixed_rule`) or the head dims' default. Short queries
     with GQA run packed: the G query heads of a kv head become G rows per position of one head
-    (qgroup = G tells the kernel's causal mask)."""
+    (qgroup = G tells the kernel's causal mask); by a copy, or with pack_gqa at any Sq through
+    the view_group compile's views."""
     device = q.device
+    group = q.shape[2] // k.shape[2]
+    views = group if pack_gqa and group > 1 else 0
     if config is None:
         (b, sq, hq, d), (sk, hkv), dv = q.shape, k.shape[1:3], v.shape[-1]
         rule = fixed_rule(d, dv, causal, b, sq, sk, hq, hkv)
-        fn, sms, per_sm, dynamic = _plan(q.dtype, d, dv, causal, False, device, rule=rule)
+        fn, sms, per_sm, dynamic = _plan(q.dtype, d, dv, causal, False, device, rule=rule,
+                                         view_group=views)  # fmt: skip
     else:
-        fn, sms, per_sm, dynamic = _config_kernel(q, v, causal, False, config)
+        fn, sms, per_sm, dynamic = _config_kernel(q, v, causal, False, config, views)
     ctas = grid_ctas(sms, per_sm if ctas_per_sm is None else ctas_per_sm)
     counter = _counter(q, dynamic)
-    group = q.shape[2] // k.shape[2]
     with on_device(device):
-        if group > 1 and q.shape[1] < PACK_GQA_MAX_SQ:
+        if views:
+            hkv = k.shape[2]
+            fn(q.unflatten(2, (hkv, group)), k, v, o.unflatten(2, (hkv, group)),
+               lse.unflatten(1, (hkv, group)), None, None, scale * LOG2E, 0, group, ctas,
+               counter)  # fmt: skip
+        elif group > 1 and q.shape[1] < PACK_GQA_MAX_SQ:
             qp = pack_gqa_q(q, group)
             b, rows, hkv, _ = qp.shape
             op = q.new_empty(b, rows, hkv, v.shape[-1])

@@ -7,8 +7,8 @@ The partial pass's sparse mode (kind "sparse") is DeepSeek sparse attention's ke
 (fp8.py: its bytes by cp.async into their own stage, dequantized there); `tma` keys are
 seesaw.py's partial pass (16-bit pages of whole 64-key tiles); `direct` keys a pass's form for a
 plan of one split (O and LSE written in place, no combine: the seesaw pass's, decode.py's paged
-and sparse ones), `ostore` direct seesaw ones their O through shared memory and 16-byte stores
-(the 128-head blocks' direct plans where out's rows are 16-byte aligned;
+and sparse ones), `ostore` direct seesaw ones their O through shared memory and bulk copies
+(the direct plans of config.OSTORE_BLOCKS where out's rows are 16-byte aligned;
 FORGEKERNEL_MLA_OSTORE=0 keeps the scalar stores). (`pair` keys, the head blocks as
 clusters of 2 sharing each tile's loads by TMA multicast, still compile but are neither prebuilt
 nor launched: measured 2.4-8.8% slower, MLA_NOTES.md.) `worklist` keys (candidates): the seesaw

@@ -67,11 +67,15 @@ def runs_pair(hq: int, heads: int, qtokens: int, tma: bool) -> bool:
     return tma and (heads, qtokens) in PAIR_BLOCKS and (hq // heads) % 2 == 0
 
 
-# The direct form's O through shared memory and 16-byte stores (compile key `ostore`, MLA_NOTES.md
+# The direct form's O through shared memory and bulk copies (compile key `ostore`, MLA_NOTES.md
 # "The direct form's O store"): the 128-head blocks, whose 128 scalar stores a thread were the
 # epilogue's cost (64 rows of O a CTA); their direct plans' default where out's rows are 16-byte
-# aligned (0.888-0.948x the scalar stores' time, H200 2026-12-03 14:25: "ostore adopted").
-OSTORE_BLOCKS = ((64, 1), (32, 2))
+# aligned (0.888-0.948x the scalar stores' time, H200 2026-12-03 14:25: "ostore adopted"). And
+# the 16-head block of the suite's one-split plans (b128 / b256 x 16 heads): with the rows sent
+# by bulk copies its steady pair loops are the partial form's, 1013 / 830 instructions with 4
+# R2UR each against the scalar stores' 1136 / 962 with 97 / 71 (cu13 ptxas; MLA_NOTES.md
+# "next/mla-ur", not yet timed). The other direct blocks keep the scalar stores.
+OSTORE_BLOCKS = ((16, 1), (64, 1), (32, 2))
 
 
 def runs_ostore(heads: int, qtokens: int) -> bool:

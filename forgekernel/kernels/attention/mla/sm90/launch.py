@@ -49,11 +49,12 @@ bench's variants beside the standard plan (MLA_NOTES.md, "Measured 2026-12-03 16
 2.4-8.8% slower on every case it ran and lost its knob; its compile path stays in seesaw.py /
 config.py, the kernel sources, until their next edit.)
 
-Direct plans of `config.OSTORE_BLOCKS` (64 x 1, 32 x 2: the 128-head blocks) run their
-`ostore` compile, O staged in bf16 / fp16 over the K buffers and sent by 16-byte stores
+Direct plans of `config.OSTORE_BLOCKS` (16 x 1; 64 x 1, 32 x 2: the 128-head blocks) run their
+`ostore` compile, O staged in bf16 / fp16 over the K buffers and sent by bulk copies, a row each
 (MLA_NOTES.md, "The direct form's O store"; 0.888-0.948x the scalar stores' time on the H200's
-128-head direct cases, "ostore adopted"), where out's rows are 16-byte aligned (checked per call on
-those plans only; others take the direct form's scalar stores). FORGEKERNEL_MLA_OSTORE=0 (read
+128-head direct cases, "ostore adopted", then by 16-byte stores; the bulk copies and the 16 x 1
+block: "next/mla-ur"), where out's rows are 16-byte aligned (checked per call on those plans
+only; others take the direct form's scalar stores). FORGEKERNEL_MLA_OSTORE=0 (read
 when a problem's plan is first built) keeps them on the scalar stores, for side-by-side timing and
 the GPU tests' comparison (the same bits).
 
@@ -268,7 +269,7 @@ def _heads(hq: int, qtokens: int, form) -> int:
 
 def _wide_rows(out: torch.Tensor) -> bool:
     """out's rows of 512 start 16-byte aligned (base and both outer strides): the `ostore`
-    compile's contract (its 16-byte stores)."""
+    compile's contract (its bulk copies), and the sparse `wide` one's (its 16-byte stores)."""
     vec = 16 // out.element_size()
     return out.data_ptr() % 16 == 0 and out.stride(0) % vec == 0 and out.stride(1) % vec == 0
 
@@ -528,7 +529,7 @@ def mla_decode(
            device.index, ckv_scale is not None, page_size,
            _plan_form[0] if scheduled is None else SCHEDULED, forced_key())  # fmt: skip
     plan = _plans.get_or_build(key, _plan)
-    if plan[4] and not _wide_rows(out):  # the ostore compile's 16-byte stores: not this out
+    if plan[4] and not _wide_rows(out):  # the ostore compile's bulk copies: not this out
         plan = _plans.get_or_build((*key, True), _plan)
     partial, combine, splits, per, _, worklist = plan
     cu = None if cu_seqlens_q is None else cu_seqlens_q.contiguous()

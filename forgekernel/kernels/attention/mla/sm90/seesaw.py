@@ -50,12 +50,15 @@ hand-overs by how many barriers each has passed, `_match_stale`).
 At the end the two warpgroups' row sums meet in shared memory; each stages its columns of the
 split's normalized O (fp32) in shared memory over the K buffers (every WGMMA and TMA load has
 retired: rows O_STRIDE floats apart), and after a __syncthreads one elected lane of warp 0 sends
-each written row to global memory by one 2 KB bulk copy (`_send_split`; 128 scalar stores a
+each written row to global memory by one 2 KB bulk copy (`_send_rows`; 128 scalar stores a
 thread before); warpgroup 0 stores the rows' LSE in log2 units (-inf where the split saw no key),
 the paged decode's partial format, merged by its combine. The direct form (`direct`, a
 plan of one split: the grid's one split covers every key) writes instead the final O, rounded to
 q's dtype, and the natural LSE (log2 x ln 2) into the op's outputs: what the combine makes of one
-split (weight exp2(0) = 1, sum 1), bit for bit, with no fp32 partials and no combine launch.
+split (weight exp2(0) = 1, sum 1), bit for bit, with no fp32 partials and no combine launch:
+by each thread's scalar stores, or (`ostore`, out's rows 16-byte aligned) staged in q's dtype
+and sent as the partial O is, a 1 KB bulk copy a row, with which ptxas keeps the steady loops'
+TMA operands in uniform registers as in the partial form (MLA_NOTES.md, "next/mla-ur").
 
 The gather form (`gather`; the launcher's default at page size 1, FORGEKERNEL_MLA_GATHER=1 at
 every other page size off the tile) takes pages that are not whole tiles (page sizes 1, 16,
@@ -130,9 +133,8 @@ Q_BOX_MIN = 8  # rows of a 128-byte swizzle atom: the fewest heads a Q box (and 
 O_STRIDE = D_LATENT + 8
 # The direct form's staged O (`ostore`, 16-bit): 8 elements (16 bytes) of padding a row put
 # the 8 rows of a warp's 32-bit accumulator stores 4 banks apart (32 distinct banks; at 512
-# every row starts on bank 0, 8-way conflicts); rows stay 16-byte aligned for the LDS.128.
+# every row starts on bank 0, 8-way conflicts); rows stay 16-byte aligned for the bulk copies.
 O16_STRIDE = D_LATENT + 8
-OSTORE_VEC = 8  # 16-bit elements a thread moves per 16-byte vector (LDS.128 / STG.E.128)
 # gather: rows of a chunk each thread of the gathering warpgroup copies (16 bytes of each)
 GATHER_ROWS = TILE * CHUNK * 2 // 16 // THREADS_PER_WG
 
@@ -172,7 +174,7 @@ class MlaSeesawSm90:
         self.g = self.pitch * qtokens
         self.direct = direct
         # ostore (direct only): O in q's dtype staged in shared memory over the K buffers, then
-        # sent by 16-byte vector stores (out rows 16-byte aligned), not 128 scalar stores a thread
+        # sent by bulk copies (out rows 16-byte aligned), not 128 scalar stores a thread
         if ostore and not direct:
             raise ValueError("ostore is a form of the direct pass")
         self.ostore = ostore
@@ -506,32 +508,17 @@ class MlaSeesawSm90:
         self._write_split(
             (mOp, mLp), acc_o, row_max, row_sum, o_crd, (w_split, w_off, sq, head0, wg, tid)
         )
-        if const_expr(not self.direct):
+        if const_expr(not self.direct or self.ostore):
             # every WGMMA (wait_group 0 in each warpgroup's last pair) and TMA load (each box
             # waited on by its scorer) of the K buffers retired before the __syncthreads above
-            sO = cute.make_tensor(
-                cute.recast_ptr(storage.kl.data_ptr(), dtype=Float32),
-                cute.make_layout((ROWS, D_LATENT), stride=(O_STRIDE, 1)),
-            )
+            sO, tOrO = self._staged(storage, mOp, acc_o)
             half = cute.local_tile(sO, (ROWS, COLS), (0, wg))
-            cute.autovec_copy(acc_o, thr_pv.partition_C(half))
+            cute.autovec_copy(tOrO, thr_pv.partition_C(half))
             cute.arch.fence_view_async_shared()  # the stores, then the bulk copies' reads
             cute.arch.sync_threads()
             if warp == 0:
                 with cute.arch.elect_one():
-                    self._send_split(mOp, sO, w_split, w_off, sq, head0)
-        if const_expr(self.ostore):
-            # the same retirement argument: no WGMMA or TMA load on the K buffers is in flight
-            # after the __syncthreads above, so generic stores may overwrite them
-            sO = cute.make_tensor(
-                cute.recast_ptr(storage.kl.data_ptr(), dtype=mOp.element_type),
-                cute.make_layout((ROWS, D_LATENT), stride=(O16_STRIDE, 1)),
-            )
-            tOrO = cute.make_rmem_tensor_like(acc_o, mOp.element_type)
-            tOrO.store(acc_o.load().to(mOp.element_type))  # normalized in `_write_split`
-            cute.autovec_copy(tOrO, thr_pv.partition_C(cute.local_tile(sO, (ROWS, COLS), (0, wg))))
-            cute.arch.sync_threads()  # every row staged before any thread reads one
-            self._send_direct(mOp, sO, q_off, sq, head0, tidx)
+                    self._send_rows(mOp, sO, (w_split, w_off, sq, head0))
         if const_expr(self.pair):  # neither CTA leaves while the other may still signal it
             cute.arch.cluster_arrive_relaxed()
             cute.arch.cluster_wait()
@@ -1124,7 +1111,7 @@ class MlaSeesawSm90:
     def _write_split(self, outs, acc_o, row_max, row_sum, o_crd, at):
         """The rows' LSE (log2: the max is kept scaled), from warpgroup 0's quad leaders, and
         this thread's columns of O normalized in place (0 where the split saw no key, LSE
-        -inf), staged and sent by the caller (`_send_split`). Rows past G or of tokens past sq
+        -inf), staged and sent by the caller (`_send_rows`). Rows past G or of tokens past sq
         are not written. Direct form: O in q's dtype stored here, the LSE natural."""
         mOp, mLp = outs
         split, q_off, sq, head0, wg, tid = at
@@ -1146,7 +1133,7 @@ class MlaSeesawSm90:
                 if const_expr(self.direct):
                     for c in cutlass.range_constexpr(
                         0 if self.ostore else cute.size(o, mode=[1])
-                    ):  # ostore: staged and sent by the caller (`_send_direct`)
+                    ):  # ostore: staged and sent by the caller (`_send_rows`)
                         value = (o[r, c] * inv).to(mOp.element_type)
                         mOp[q_off + token, head, wg * COLS + o_crd[r, c][1]] = value
                     if wg == 0 and tid % 4 == 0:
@@ -1164,38 +1151,40 @@ class MlaSeesawSm90:
             ours = ours & (row % self.pitch < self.h)
         return ours
 
-    @cute.jit
-    def _send_direct(self, mOp, sO, q_off, sq, head0, tidx):
-        """Every thread (after the __syncthreads that follows the staging): 16-byte vectors
-        i = tidx + k x THREADS of the staged rows, row i // 64, columns 8 (i % 64) .. + 7 (a
-        warp: half a row, 512 contiguous bytes), to out[q_off + token, head0 + r % H] for the
-        rows r < G of tokens < sq (`_written`); out's rows 16-byte aligned (the compile's)."""
-        per_row = D_LATENT // OSTORE_VEC
-        for k in cutlass.range_constexpr(ROWS * per_row // THREADS):
-            i = tidx + k * THREADS
-            r = i // per_row
-            token = r // self.pitch
-            if self._written(r, token, sq):
-                dst = mOp[q_off + token, head0 + r % self.pitch, None]
-                col = i % per_row
-                cute.autovec_copy(
-                    cute.local_tile(sO[r, None], (OSTORE_VEC,), (col,)),
-                    cute.local_tile(dst, (OSTORE_VEC,), (col,)),
-                )
+    def _staged(self, storage, mOp, acc_o):
+        """(sO, tOrO): the O staged over kl and this thread's values of it, normalized in
+        `_write_split`: the partials' fp32 accumulator, rows O_STRIDE floats apart; the direct
+        form's (`ostore`) converted to out's dtype, rows O16_STRIDE elements apart."""
+        o_type, stride, tOrO = Float32, O_STRIDE, acc_o
+        if self.direct:
+            o_type, stride = mOp.element_type, O16_STRIDE
+            tOrO = cute.make_rmem_tensor_like(acc_o, o_type)
+            tOrO.store(acc_o.load().to(o_type))
+        sO = cute.make_tensor(
+            cute.recast_ptr(storage.kl.data_ptr(), dtype=o_type),
+            cute.make_layout((ROWS, D_LATENT), stride=(stride, 1)),
+        )
+        return sO, tOrO
 
     @cute.jit
-    def _send_split(self, mOp, sO, split, q_off, sq, head0):
+    def _send_rows(self, mOp, sO, at):
         """One thread (warp 0's elected lane, after the __syncthreads that follows every
         thread's staging stores and proxy fence): the staged rows r < G of tokens < sq, each
-        one 2 KB bulk copy to mOp[split, q_off + token, head0 + r % H] (the launcher's
-        contiguous fp32 scratch: rows 2 KB apart, 16-byte aligned), one bulk group, waited
-        until read (the CTA's shared memory must outlive the reads; the writes reach global
-        memory before the grid completes, so the combine's launch sees them)."""
-        bulk = cute.make_copy_atom(cpasync.CopyBulkS2GOp(), Float32)  # (elects no lane)
+        one bulk copy to its row of mOp: the partials' mOp[split, q_off + token, head0 + r % H]
+        (the launcher's contiguous fp32 scratch: 2 KB), the direct form's out[q_off + token,
+        head0 + r % H] (`ostore`: q's dtype, 1 KB, rows 16-byte aligned: the compile's and the
+        launcher's check); one bulk group, waited until read (the CTA's shared memory must
+        outlive the reads; the writes reach global memory before the grid completes, so the
+        combine's launch, or the next kernel's, sees them)."""
+        split, q_off, sq, head0 = at
+        bulk = cute.make_copy_atom(cpasync.CopyBulkS2GOp(), mOp.element_type)  # (elects no lane)
         for r in cutlass.range(self.g, unroll=1):
             token = r // self.pitch
             if self._written(r, token, sq):
-                row = mOp[split, q_off + token, head0 + r % self.pitch, None].iterator
+                at_row = (q_off + token, head0 + r % self.pitch, None)
+                if const_expr(not self.direct):
+                    at_row = (split,) + at_row
+                row = mOp[at_row].iterator
                 cute.copy(bulk, sO[r, None], cute.make_tensor(row, cute.make_layout(D_LATENT)))
         cute.arch.cp_async_bulk_commit_group()
         cute.arch.cp_async_bulk_wait_group(0, read=True)

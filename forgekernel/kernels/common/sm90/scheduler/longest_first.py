@@ -33,7 +33,7 @@ class TileGrid(NamedTuple):
     unit batch mode); their sizes are read where `tile` uses them, inside the tile loop."""
 
     num_m_blocks: Int32  # row blocks of the longest query sequence
-    mQ: cute.Tensor  # queries: heads, batch, fixed-length Sq
+    mQ: cute.Tensor  # queries: heads, batch, fixed-length Sq (packed: (G, Sq) rows)
     mK: cute.Tensor  # keys: kv heads, fixed-length Sk
     cu_seqlens_q: cute.Tensor | None  # varlen: int32 (B + 1,) offsets; else None
     cu_seqlens_k: cute.Tensor | None  # varlen: offsets (B + 1,); paged: lengths (B,)
@@ -119,7 +119,7 @@ class LongestFirst:
                 head = first_head + idx - m_rev * heads_here
         q_off = Int32(0)
         k_off = Int32(0)
-        seqlen_q = mQ.shape[0]
+        seqlen_q = cute.size(mQ, mode=[0])  # fixed-length GQA-packed: (G, Sq) rows
         seqlen_k = mK.shape[0]
         m_blocks = num_m_blocks
         seq = batch

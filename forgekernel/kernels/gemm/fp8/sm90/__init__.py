@@ -43,18 +43,20 @@ def _standard_params() -> list[Params]:
 
 
 def _candidate_params() -> list[Params]:
-    """The narrow tiles' one-warp scale loading (`one_warp_scales`: the standard before the
-    scale warp, the bench's `one_warp_scales` variant) where the standard build has the scale
-    warp, in the forms `_standard_params` builds; the grouped tile with the scale warp four
-    ahead (GROUPED_F4_SW)."""
-    cands = [one_warp_scales(cfg) for cfg in NARROW_CONFIGS if cfg.scale_warp]
+    """The one-warp scale loading (`one_warp_scales`: the standard before the scale warp, the
+    bench's `one_warp_scales` variant) of every standard and narrow tile whose standard build
+    has the scale warp, in the forms `_standard_params` builds; the grouped tile with the scale
+    warp four ahead (GROUPED_F4_SW)."""
+    every = (*STANDARD_CONFIGS, *NARROW_CONFIGS)
+    cands = [one_warp_scales(cfg) for cfg in every if cfg.scale_warp]
     top = [params_for(out, cfg) for out in OUT_DTYPES for cfg in cands]
     # the grouped tile's scale warp four ahead (the grouped bench's `f4_sw`; always "top")
     grouped = [params_for(out, GROUPED_F4_SW, True) for out in OUT_DTYPES]
     form = pdl.band_form()
     if form is None:
         return top + grouped
-    band = [pdl.key_for(params_for(out, cfg), form) for out in OUT_DTYPES for cfg in cands]
+    banded = [one_warp_scales(cfg) for cfg in band_configs() if cfg.scale_warp]
+    band = [pdl.key_for(params_for(out, cfg), form) for out in OUT_DTYPES for cfg in banded]
     return top + grouped + band
 
 

@@ -34,6 +34,14 @@ OUT_DTYPES = ("bfloat16", "float16")
 # K and the 64-row tiles. Off until scripts/fp8_tiles.py's `_mn` rows decide: adopting it is
 # this line (new compile keys: rebuild gemm_fp8_sm90, check gemm_fp8 and gemm_fp8_grouped).
 SCALE_MN_MAJOR = False
+# Both 128-row tiled tiles load their scales by a warp of their own (`scale_warp`: the TMA warp
+# issues only TMA, no k-tile's loads wait on a scale LDG): LARGE two k-tiles ahead (its lead),
+# LARGE_MCAST_A (below) four. Measured on the H100 (scripts/fp8_tiles.py `--twins prefill square`,
+# 2026-12-07 12:05, ms one warp -> scale warp two ahead / four ahead): LARGE 4096x7168x2048
+# 0.1206 -> 0.1086 / 0.1100, 4096x36864x7168 2.0430 -> 1.9519 / 1.9573; LARGE_MCAST_A
+# 16384x7168x18432 3.9378 -> 3.9349 / 3.9534, 16384x5120x25600 3.9586 -> 3.9331 / 3.9349,
+# 8192^3 1.0410 -> 1.0024 / 0.9723 (DeepGEMM 0.1039, 1.7861, 3.2518, 3.2365, 0.8970).
+# docs/gemm/NOTES.md "Measured: next/integration50" and "next/fp8-tiled-sw".
 LARGE = GemmConfig(
     tile_m=128,
     tile_n=128,
@@ -42,6 +50,7 @@ LARGE = GemmConfig(
     epi_stages=3,
     scale_ahead=2,
     scale_mn_major=SCALE_MN_MAJOR,
+    scale_warp=True,
 )
 MID = GemmConfig(tile_m=64, tile_n=128, tile_k=128, cluster_m=2)
 SKINNY = GemmConfig(tile_m=64, tile_n=128, tile_k=128, cluster_m=1, cluster_n=2)
@@ -64,7 +73,9 @@ DECODE = tuple(dataclasses.replace(SKINNY, a_rows=r) for r in A_ROWS)
 # 4.275 -> 3.994, 8192^3 1.102 -> 1.040 and 1.078 -> 1.019, 8192x4608x7168 0.558 -> 0.503.
 # LARGE (c2x1, A resident) keeps M first: its band twins -2.7 % to +5 % (docs/gemm/NOTES.md
 # "next/fp8-band8").
-LARGE_MCAST_A = dataclasses.replace(LARGE, cluster_m=1, cluster_n=2, scale_mn_major=True, swizzle=8)
+LARGE_MCAST_A = dataclasses.replace(
+    LARGE, cluster_m=1, cluster_n=2, scale_mn_major=True, swizzle=8, scale_ahead=4
+)
 LARGE_M_MCAST_A = 8192
 # Stream K (the kernel's `stream_k`: every tile's k-tiles cut evenly over one wave of CTAs,
 # partials parked after promotion) for problems whose tiles would leave most SMs idle: the
@@ -126,9 +137,10 @@ def narrow_config(m: int, tile_n: int) -> GemmConfig:
 
 
 def one_warp_scales(cfg: GemmConfig) -> GemmConfig:
-    """`cfg` with its scales loaded by the TMA warp one k-tile ahead (the standard before the
-    scale warp: the bench's `one_warp_scales` variant, a candidate build)."""
-    return dataclasses.replace(cfg, scale_warp=False, scale_ahead=1)
+    """`cfg` with its scales loaded by the TMA warp, as the standard before the scale warp: one
+    k-tile ahead on the 64-row tiles, two on the 128-row ones (the bench's `one_warp_scales`
+    variant, a candidate build)."""
+    return dataclasses.replace(cfg, scale_warp=False, scale_ahead=1 if cfg.tile_m == 64 else 2)
 
 
 def narrow_time(cfg: GemmConfig, m: int, n: int, k: int, c0: float = NARROW_C0,
@@ -179,7 +191,8 @@ NARROW_CONFIGS = tuple(narrow_config(r or 64, w) for r in (*A_ROWS, 0) for w in 
 # blocks of 192 columns) measured and dropped: graph median 0.966x, worst 1.024x; eager 0.954x.
 # docs/gemm/NOTES.md "Measured 2026-12-03 06:21 (H200): band8 adopted". (LARGE_MCAST_A walks
 # the same bands since 2026-12-07.)
-GROUPED = dataclasses.replace(LARGE_MCAST_A, scale_mn_major=False)  # as measured
+# (Its scales by the TMA warp two ahead, K-major: as measured.)
+GROUPED = dataclasses.replace(LARGE_MCAST_A, scale_mn_major=False, scale_warp=False, scale_ahead=2)
 # Its scales by a warp of their own, four k-tiles ahead (what won on the narrow tiles,
 # 2026-12-07): a candidate build, the grouped bench's `f4_sw` variant.
 GROUPED_F4_SW = dataclasses.replace(GROUPED, scale_warp=True, scale_ahead=4)
