@@ -54,7 +54,7 @@ def _ratio(p):
 
 def test_bench_samples_every_class():
     cases = SUITE.bench_cases
-    assert 30 <= len(cases) <= 40
+    assert 30 <= len(cases) <= 42  # one bench call; 41 since Llama-3.2 1B's D = 64 GQA rows
     groups = collections.Counter(c.group for c in cases)
     assert set(groups) == CLASSES and min(groups.values()) >= 3
     dims = {(c.params["d"], c.params["dv"]) for c in cases}

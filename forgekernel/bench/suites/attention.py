@@ -110,6 +110,9 @@ CLASS_BENCH_CASES = (
     _case(32, 16, 16, 512, 64, causal=False, group="d64"),
     _case(16, 32, 8, 1024, 64, group="d64"),
     _case(2, 32, 32, 16384, 64, causal=False, group="d64"),
+    # Llama-3.2 1B (32:8, D = 64): GQA at D = 64 beside the short causal row above
+    _case(8, 32, 8, 2048, 64, group="d64"),
+    _case(4, 32, 8, 4096, 64, causal=False, group="d64"),
     _case(8, 32, 32, 2048, 96, group="d96"),
     _case(16, 32, 32, 1024, 96, causal=False, group="d96"),
     _case(2, 32, 8, 8192, 96, group="d96"),
@@ -325,11 +328,18 @@ CONFIG_TIMED = {
 # view_group compile: PACK_CANDIDATES), FA4's form for every GQA call. On the short GQA-4
 # D = 64 causal case the 192-row tiles of the packed rows run 104 key-block steps a kv head
 # against 128; the two GQA-4 s512 D = 128 cases are the controls (whole tiles: the same steps,
-# K / V read once for the group).
+# K / V read once for the group). Measured 2026-12-07 (H100): the D = 64 target 0.843x of
+# ours' time, the controls 1.35x / 1.47x. Since then every GQA class the adoption would
+# touch: D = 64 longer and non-causal, D = 128 long causal at G 8 and a chunk against a
+# longer prefix (docs/attention/NOTES.md "next/gqa-pack-wide").
 PACK_TIMED = (
     "b16-hq32-hkv8-s1024-d64-causal",
+    "b8-hq32-hkv8-s2048-d64-causal",
+    "b4-hq32-hkv8-s4096-d64",
     "b32-hq32-hkv8-s512-d128-causal",
     "b32-hq32-hkv8-s512-d128",
+    "b4-hq64-hkv8-s8192-d128-causal",
+    "b1-hq32-hkv8-sq2048-sk8192-d128-causal",
 )
 
 

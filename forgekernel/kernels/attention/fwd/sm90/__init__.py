@@ -133,8 +133,10 @@ WG3_CANDIDATES = (
 # them), bf16, (head_dim, causal, G).
 PACK_CANDIDATES = (
     (64, True, 4),
+    (64, False, 4),
     (128, True, 4),
     (128, False, 4),
+    (128, True, 8),
 )
 
 
