@@ -3,7 +3,9 @@
 # A separate file because the setup written inline as `a && b && c && { x; } & y` backgrounds
 # the whole AND-list (2026-12-02 04:10: the streams ran before the DSL was installed, every check
 # failed on `import tvm_ffi`). Idempotent: a warm host keeps what an earlier call installed.
-#   - the prebuilt kernels: .bundle/kernels.tgz (when carried) unpacked into /root/fk-kernels;
+#   - the prebuilt kernels: .bundle/kernels*.tgz (those carried; `forgekernel bundle`'s
+#     kernels.tgz, or tarballs built on the CPU machine: docs/PENDING.md) unpacked into
+#     /root/fk-kernels, each once a host;
 #   - the wheels: the last chunk .wheels/cN carried (after `stash` of the others), installed by
 #     its wheels.sh (the DSL, its tvm-ffi, the comparators) into /root/wheels-site;
 #   - FK_BUILD=1: `forgekernel build` of every kernel missing from /root/fk-kernels (the ones
@@ -14,11 +16,15 @@
 #   - exports KERNELS / FORGEKERNEL_KERNEL_DIR, FORGEKERNEL_PENDING_SUITES=1, PYTHONPATH (this
 #     tree first) for scripts/device_streams.sh, device_jit_run.sh and the diag scripts.
 fk_setup() {
-  local chunk
+  local chunk tgz mark
   mkdir -p /root/fk-kernels /tmp/forgekernel-logs
-  if [ -f .bundle/kernels.tgz ] && [ ! -f /root/fk-kernels/.unpacked ]; then
-    tar -xzf .bundle/kernels.tgz -C /root/fk-kernels && touch /root/fk-kernels/.unpacked || return 1
-  fi
+  for tgz in .bundle/kernels*.tgz; do  # each carried tarball once a host (its own marker)
+    [ -f "$tgz" ] || continue
+    mark=/root/fk-kernels/.unpacked-$(basename "$tgz" .tgz)
+    if [ ! -f "$mark" ]; then
+      tar -xzf "$tgz" -C /root/fk-kernels && touch "$mark" || return 1
+    fi
+  done
   chunk=$(ls -d .wheels/c* 2>/dev/null | sort -V | tail -1)
   if [ -n "$chunk" ]; then
     # shellcheck disable=SC1090  # the carried chunk's installer
