@@ -7,6 +7,7 @@ harness is operator-specific.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,15 @@ class Explained:
     count: int | None
     why: str
     kinds: tuple[str, ...] | None = None
+
+
+def with_dispatch(sources: Sequence[Path], *modules: str) -> list[Path]:
+    """A ledger key's files: `sources` (the kernel's import closure, what the compile cache
+    hashes) and the files of the named host modules that choose what runs (configuration
+    tables, launcher, op), each once, in order. A dispatch change then moves the key as a
+    kernel change does."""
+    files = [Path(importlib.import_module(name).__file__) for name in modules]
+    return list(dict.fromkeys((*sources, *files)))
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from forgekernel.bench.suite import Case, Inputs, OpSuite
+from forgekernel.bench.suite import Case, Inputs, OpSuite, with_dispatch
 from forgekernel.bench.suites import dsa_recompute
 
 HEADS, DIM = 64, 128
@@ -45,12 +45,11 @@ GRAD_NAMES = ("d_q", "d_weights", "d_k")
 
 def kernel_sources() -> list[Path]:
     """The kernel's sources, its launcher and the op's modules (the ledger key)."""
-    import forgekernel.kernels.attention.dsa_indexer_bwd.sm90.launch as launch
-    import forgekernel.ops.dsa_indexer_bwd as op
-    import forgekernel.reference.dsa_indexer_bwd as ref
     from forgekernel.kernels.attention.dsa_indexer_bwd.sm90 import SPEC
 
-    return [*SPEC.sources, *(Path(m.__file__) for m in (launch, op, ref))]
+    name = "dsa_indexer_bwd"
+    return with_dispatch(SPEC.sources, f"forgekernel.kernels.attention.{name}.sm90.launch",
+                         f"forgekernel.ops.{name}", f"forgekernel.reference.{name}")  # fmt: skip
 
 
 def _case(tokens, ctx, *, topk=TOPK, batch=1, pad="end", group="", tag="") -> Case:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from forgekernel.bench.suite import Case, Inputs, OpSuite
+from forgekernel.bench.suite import Case, Inputs, OpSuite, with_dispatch
 from forgekernel.kernels.gemm.dense.sm90 import SPEC
 from forgekernel.runtime import pdl
 
@@ -461,10 +460,9 @@ def kernel_sources() -> list[Path]:
     configuration tables and the plan that pick a call's configuration, its launcher and the op
     (a chooser change moves the ledger's key, as a kernel change does; before 2026-12-06 it did
     not, so a chooser change kept the GEMM ledger's figures)."""
-    names = ("config", "plan", "launch")
-    chooser = [importlib.import_module(f"forgekernel.kernels.gemm.dense.sm90.{n}") for n in names]
-    chooser.append(importlib.import_module("forgekernel.ops.gemm"))
-    return list(dict.fromkeys((*SPEC.sources, *(Path(m.__file__) for m in chooser))))
+    leaf = "forgekernel.kernels.gemm.dense.sm90"
+    return with_dispatch(SPEC.sources, f"{leaf}.config", f"{leaf}.plan", f"{leaf}.launch",
+                         "forgekernel.ops.gemm")  # fmt: skip
 
 
 def suite() -> OpSuite:

@@ -9,13 +9,12 @@ DeepGEMM's `fp8_gemm_nt` where `deep_gemm` is installed."""
 from __future__ import annotations
 
 import functools
-import importlib
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from forgekernel.bench.suite import Case, Inputs, OpSuite
+from forgekernel.bench.suite import Case, Inputs, OpSuite, with_dispatch
 from forgekernel.kernels.gemm.dense.sm90.config import NUM_SMS_H100_H200
 from forgekernel.kernels.gemm.dense.sm90.tile import GemmConfig, straddles
 from forgekernel.kernels.gemm.fp8.sm90 import SPEC
@@ -376,10 +375,9 @@ def kernel_sources() -> list[Path]:
     configuration table that picks a call's tile, its launcher and the op (a chooser change moves
     the ledger's key, as a kernel change does; before 2026-12-07 it did not, so a chooser change
     kept the FP8 ledger's figures)."""
-    names = ("config", "launch")
-    chooser = [importlib.import_module(f"forgekernel.kernels.gemm.fp8.sm90.{n}") for n in names]
-    chooser.append(importlib.import_module("forgekernel.ops.gemm_fp8"))
-    return list(dict.fromkeys((*SPEC.sources, *(Path(m.__file__) for m in chooser))))
+    leaf = "forgekernel.kernels.gemm.fp8.sm90"
+    ops = "forgekernel.ops"
+    return with_dispatch(SPEC.sources, f"{leaf}.config", f"{leaf}.launch", f"{ops}.gemm_fp8")
 
 
 def suite() -> OpSuite:
