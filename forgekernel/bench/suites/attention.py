@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import itertools
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from forgekernel.bench.suite import Case, Inputs, OpSuite
+from forgekernel.bench.suite import Case, Inputs, OpSuite, with_dispatch
 from forgekernel.kernels.attention.fwd.sm90 import PACK_CLASSES, SPEC, WG3_CANDIDATES
 
 
@@ -589,9 +588,8 @@ def kernel_sources() -> list[Path]:
     key, as a kernel change does; before next/gqa-pack-d64 it did not: GEMM's and FP8 GEMM's
     ledgers were the only ones hashing their choosers)."""
     leaf, ops = "forgekernel.kernels.attention.fwd.sm90", "forgekernel.ops"
-    names = (leaf, f"{leaf}.launch", f"{ops}.attention", f"{ops}.attention_varlen")
-    extra = [Path(importlib.import_module(n).__file__) for n in names]
-    return list(dict.fromkeys((*SPEC.sources, *extra)))
+    return with_dispatch(SPEC.sources, leaf, f"{leaf}.launch", f"{ops}.attention",
+                         f"{ops}.attention_varlen")  # fmt: skip
 
 
 def flops(case: Case) -> float:
