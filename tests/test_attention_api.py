@@ -257,12 +257,10 @@ def test_short_gqa_queries_run_packed(cpu_kernel, sq, hq, hkv, qgroup):
      (300, 4, 4, 0), (300, 12, 4, 0)],
 )  # fmt: skip
 def test_d64_gqa_runs_packed_through_views(cpu_kernel, causal, sq, hq, hkv, views):
-    """In PACK_CLASSES (D = 64 causal) a GQA call runs the view_group compile at every Sq (G
-    one of `pack_groups`: 2 / 4 / 8 / 16 under 192-row tiles); MHA unpacked, G = 3 (not in
-    VIEW_GROUPS) and non-causal D = 64 by the copy below PACK_GQA_MAX_SQ else unpacked;
-    pack_gqa=False the launch before (the bench's `unpacked`). The outputs are the
-    reference's every way."""
-    views = views if causal else 0
+    """In PACK_CLASSES (D = 64, both masks) a GQA call runs the view_group compile at every
+    Sq (G one of `pack_groups`: 2 / 4 / 8 / 16 under 192-row tiles); MHA unpacked, G = 3 (not
+    in VIEW_GROUPS) by the copy below PACK_GQA_MAX_SQ else unpacked; pack_gqa=False the launch
+    before (the bench's `unpacked`). The outputs are the reference's every way."""
     q, k, v = qkv(b=2, sq=sq, sk=sq + 3, hq=hq, hkv=hkv, d=64)
     o, lse = forgekernel.attention(q, k, v, causal=causal, return_lse=True)
     assert KEYS[-1].get("view_group", 0) == views
@@ -278,12 +276,15 @@ def test_d64_gqa_runs_packed_through_views(cpu_kernel, causal, sq, hq, hkv, view
 
 
 def test_the_default_packs_no_other_head_dim_or_rule():
-    """`pack_group`: G only in PACK_CLASSES (D = Dv = 64 causal) without a FIXED_RULES rule."""
+    """`pack_group`: G only in PACK_CLASSES (D = Dv = 64, both masks) without a FIXED_RULES
+    rule."""
     assert fwd_sm90.pack_group(64, 64, True, 4, 0) == 4
-    assert fwd_sm90.pack_group(64, 64, False, 4, 0) == 0
+    assert fwd_sm90.pack_group(64, 64, False, 4, 0) == 4
+    assert fwd_sm90.pack_group(64, 64, False, 3, 0) == 0  # G 3 divides no view
     assert fwd_sm90.pack_group(64, 64, True, 4, 7) == 0  # a rule took the problem
     for d, dv in ((128, 128), (96, 96), (256, 256), (192, 128)):
         assert fwd_sm90.pack_group(d, dv, True, 4, 0) == 0
+        assert fwd_sm90.pack_group(d, dv, False, 4, 0) == 0
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -432,17 +432,17 @@ def test_pack_candidates_are_keys_only_when_on():
     """GQA packed in the fixed-length mode (docs/attention/NOTES.md "next/attn-gqa-pack
     (2026-12-07)", "next/gqa-pack-d64"): PACK_CANDIDATES are bf16 candidate keys of the head
     dim's default with view_group G, none standard; the fixed-length standard keys carry a
-    view_group only in PACK_CLASSES, each G of `pack_groups` (2 / 4 / 8 / 16 under D = 64's
-    192-row tiles), both dtypes, the default's key plus view_group; a view_group needs fixed
-    length or the packed paged form, and G dividing tile_m."""
+    view_group only in PACK_CLASSES (D = 64, both masks), each G of `pack_groups` (2 / 4 / 8 /
+    16 under D = 64's 192-row tiles), both dtypes, the default's key plus view_group; a
+    view_group needs fixed length or the packed paged form, and G dividing tile_m."""
     standard = set(SPEC.standard_params())
     cands = set(SPEC.candidate_params())
     for d, causal, g in PACK_CANDIDATES:
         key = params_for("bfloat16", d, d, causal, view_group=g)
         assert key in cands and key not in standard
         assert dict(key) == {**dict(params_for("bfloat16", d, d, causal)), "view_group": g}
-    assert pack_groups(64, True) == (2, 4, 8, 16)
-    assert pack_groups(64, False) == pack_groups(128, True) == ()
+    assert pack_groups(64, True) == pack_groups(64, False) == (2, 4, 8, 16)
+    assert pack_groups(128, True) == pack_groups(128, False) == pack_groups(96, True) == ()
     fixed = {p for p in standard if "view_group" in dict(p) and not dict(p)["varlen"]}
     want = {
         params_for(dtype, d, d, causal, view_group=g)
@@ -450,7 +450,7 @@ def test_pack_candidates_are_keys_only_when_on():
         for d, causal in PACK_CLASSES
         for g in pack_groups(d, causal)
     }
-    assert fixed == want and len(want) == 8
+    assert fixed == want and len(want) == 16
     with pytest.raises(ValueError, match="view_group"):
         params_for("bfloat16", 128, 128, True, varlen=True, view_group=4)  # varlen, not paged
     with pytest.raises(ValueError, match="view_group"):

@@ -114,6 +114,7 @@ CLASS_BENCH_CASES = (
     # Llama-3.2 1B (32:8, D = 64): GQA at D = 64 beside the short causal row above
     _case(8, 32, 8, 2048, 64, group="d64"),
     _case(4, 32, 8, 4096, 64, causal=False, group="d64"),
+    _case(16, 32, 8, 1024, 64, causal=False, group="d64"),
     _case(8, 32, 32, 2048, 96, group="d96"),
     _case(16, 32, 32, 1024, 96, causal=False, group="d96"),
     _case(2, 32, 8, 8192, 96, group="d96"),
@@ -199,6 +200,7 @@ SANITIZE_CASES = (
     _case(1, 2, 2, 1000, 64, causal=False),
     _case(1, 4, 4, 1000, 64, sk=100),
     _case(1, 8, 2, 1000, 64, sk=1003),  # D = 64 causal GQA: packed through views (PACK_CLASSES)
+    _case(1, 8, 2, 1000, 64, sk=1003, causal=False),  # and non-causal
     _case(1, 2, 2, 300, 96),
     _case(1, 2, 1, 257, 256, causal=False),
     _case(1, 4, 1, 100, 192, dv=128, sk=1003),
@@ -334,11 +336,13 @@ CONFIG_TIMED = {
 # ours' time, the controls 1.35x / 1.47x. Since then every GQA class the adoption would
 # touch: D = 64 longer and non-causal, D = 128 long causal at G 8 and a chunk against a
 # longer prefix (docs/attention/NOTES.md "next/gqa-pack-wide"). D = 64 causal packs by default
-# since next/gqa-pack-d64 (PACK_CLASSES): its rows time `unpacked` instead, the A/B reversed.
+# since next/gqa-pack-d64, non-causal D = 64 since next/gqa-pack-d64nc (PACK_CLASSES): their
+# rows time `unpacked` instead, the A/B reversed.
 PACK_TIMED = (
     "b16-hq32-hkv8-s1024-d64-causal",
     "b8-hq32-hkv8-s2048-d64-causal",
     "b4-hq32-hkv8-s4096-d64",
+    "b16-hq32-hkv8-s1024-d64",
     "b32-hq32-hkv8-s512-d128-causal",
     "b32-hq32-hkv8-s512-d128",
     "b4-hq64-hkv8-s8192-d128-causal",

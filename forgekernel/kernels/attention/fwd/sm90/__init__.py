@@ -58,10 +58,11 @@ def _compile(params: Params, extra_options: str = ""):
 # views of q / o / lse (the view_group compile), at any Sq. D = 64 causal (192-row tiles): b16
 # hq32 hkv8 s1024 0.843x of the unpacked time on the H100 (2026-12-07 14:57; docs/attention/
 # NOTES.md "next/attn-gqa-pack", "next/gqa-pack-wide", "next/gqa-pack-d64"): fewer masked key
-# blocks; non-causal D = 64 saves no step (a candidate until measured); D = 128 ran 1.35-1.47x
-# slower packed (s512). No FIXED_RULES rule takes a D = 64 GQA problem (rule 7 is MHA), so the
-# default config's keys are the whole set.
-PACK_CLASSES = ((64, True),)
+# blocks. Non-causal D = 64 saves no step but reads a kv head's blocks once for its G heads'
+# rows: b4 hq32 hkv8 s4096 0.925x (eager 0.936x) of the unpacked time (17:05; "next/gqa-pack-
+# d64nc"). D = 128 ran 1.35-1.49x slower packed (s512). No FIXED_RULES rule takes a D = 64 GQA
+# problem (rule 7 is MHA), so the default config's keys are the whole set.
+PACK_CLASSES = ((64, True), (64, False))
 
 
 @functools.cache
@@ -160,10 +161,9 @@ WG3_CANDIDATES = (
 # GQA packed in the fixed-length mode outside PACK_CLASSES (`launch.attention_fwd(
 # pack_gqa=True)`, the bench's `gqa_pack`; docs/attention/NOTES.md "next/attn-gqa-pack
 # (2026-12-07)"): the view_group compile of each such PACK_TIMED case's plan (the head dim's
-# default: no FIXED_RULES rule takes them), bf16, (head_dim, causal, G). D = 64 causal is
-# standard (PACK_CLASSES).
+# default: no FIXED_RULES rule takes them), bf16, (head_dim, causal, G). D = 64 is standard
+# (PACK_CLASSES).
 PACK_CANDIDATES = (
-    (64, False, 4),
     (128, True, 4),
     (128, False, 4),
     (128, True, 8),
