@@ -238,14 +238,53 @@ def test_no_keys_and_empty_problems_skip_the_kernel(cpu_kernel):
     [(5, 8, 2, 4), (127, 4, 1, 4), (128, 8, 2, 1), (200, 8, 2, 1), (5, 4, 4, 1)],
 )
 def test_short_gqa_queries_run_packed(cpu_kernel, sq, hq, hkv, qgroup):
-    """Pack-GQA below PACK_GQA_MAX_SQ query rows (the kernel told qgroup = G); longer queries
-    and MHA run unpacked. The outputs are the reference's either way."""
-    q, k, v = qkv(b=1, sq=sq, sk=sq + 3, hq=hq, hkv=hkv, d=64)
+    """Outside PACK_CLASSES (D = 128): pack-GQA by a copy below PACK_GQA_MAX_SQ query rows
+    (the kernel told qgroup = G); longer queries and MHA run unpacked. The outputs are the
+    reference's either way."""
+    q, k, v = qkv(b=1, sq=sq, sk=sq + 3, hq=hq, hkv=hkv, d=128)
     o, lse = forgekernel.attention(q, k, v, causal=True, return_lse=True)
     assert [c[1] for c in cpu_kernel] == [qgroup]
+    assert not KEYS[-1].get("view_group")
     want_o, want_lse = attention_ref(q, k, v, True)
     torch.testing.assert_close(o, want_o.to(torch.bfloat16), rtol=0, atol=0)
     torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "sq, hq, hkv, views",
+    [(5, 8, 2, 4), (128, 8, 2, 4), (300, 32, 8, 4), (200, 16, 1, 16), (77, 16, 8, 2),
+     (300, 4, 4, 0), (300, 12, 4, 0)],
+)  # fmt: skip
+def test_d64_gqa_runs_packed_through_views(cpu_kernel, causal, sq, hq, hkv, views):
+    """In PACK_CLASSES (D = 64, both masks) a GQA call runs the view_group compile at every
+    Sq (G one of `pack_groups`: 2 / 4 / 8 / 16 under 192-row tiles); MHA unpacked, G = 3 (not
+    in VIEW_GROUPS) by the copy below PACK_GQA_MAX_SQ else unpacked; pack_gqa=False the launch
+    before (the bench's `unpacked`). The outputs are the reference's every way."""
+    q, k, v = qkv(b=2, sq=sq, sk=sq + 3, hq=hq, hkv=hkv, d=64)
+    o, lse = forgekernel.attention(q, k, v, causal=causal, return_lse=True)
+    assert KEYS[-1].get("view_group", 0) == views
+    assert fwd_sm90.pack_group(64, 64, causal, hq // hkv, 0) == views
+    want_o, want_lse = attention_ref(q, k, v, causal)
+    torch.testing.assert_close(o, want_o.to(torch.bfloat16), rtol=0, atol=0)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+    o2, lse2 = bf16(2, sq, hq, 64), torch.empty(2, hq, sq)
+    fwd_sm90.attention_fwd(q, k, v, o2, lse2, 64**-0.5, causal, pack_gqa=False)
+    assert not KEYS[-1].get("view_group")
+    torch.testing.assert_close(o2, o, rtol=0, atol=0)
+    torch.testing.assert_close(lse2, lse, rtol=0, atol=0)
+
+
+def test_the_default_packs_no_other_head_dim_or_rule():
+    """`pack_group`: G only in PACK_CLASSES (D = Dv = 64, both masks) without a FIXED_RULES
+    rule."""
+    assert fwd_sm90.pack_group(64, 64, True, 4, 0) == 4
+    assert fwd_sm90.pack_group(64, 64, False, 4, 0) == 4
+    assert fwd_sm90.pack_group(64, 64, False, 3, 0) == 0  # G 3 divides no view
+    assert fwd_sm90.pack_group(64, 64, True, 4, 7) == 0  # a rule took the problem
+    for d, dv in ((128, 128), (96, 96), (256, 256), (192, 128)):
+        assert fwd_sm90.pack_group(d, dv, True, 4, 0) == 0
+        assert fwd_sm90.pack_group(d, dv, False, 4, 0) == 0
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -384,29 +423,38 @@ def test_pack_gqa_needs_a_group_dividing_the_tile(cpu_kernel):
 
 
 def test_bench_pack_variant_runs_packed(cpu_kernel):
-    """The suite's `gqa_pack` (PACK_TIMED) reaches the kernel as the view_group key of the
-    case's plan, a PACK_CANDIDATES build, and writes what the default launch writes."""
+    """The suite's PACK_TIMED rows: outside PACK_CLASSES `gqa_pack` reaches the kernel as
+    the view_group key of the case's plan, a PACK_CANDIDATES build; in PACK_CLASSES ours is
+    that standard key and `unpacked` the plain one. Either writes what the default writes."""
     from forgekernel.bench.suites import attention as suite
-    from forgekernel.kernels.attention.fwd.sm90 import SPEC
+    from forgekernel.kernels.attention.fwd.sm90 import PACK_CLASSES, SPEC
 
-    built = {tuple(sorted(dict(p).items())) for p in SPEC.candidate_params()}
+    cands = {tuple(sorted(dict(p).items())) for p in SPEC.candidate_params()}
+    standard = {tuple(sorted(dict(p).items())) for p in SPEC.standard_params()}
     names = set()
     for case in suite.BENCH_CASES:
         if case.name not in suite.PACK_TIMED:
             continue
         names.add(case.name)
         p = case.params
+        group, default = p["hq"] // p["hkv"], (p["d"], p["causal"]) in PACK_CLASSES
         runs = suite.variants(case)
-        assert set(runs) == {"gqa_pack"}
-        q, k, v = qkv(b=1, sq=200, sk=300, hq=p["hq"] // p["hkv"] * 2, hkv=2, d=p["d"])
+        assert set(runs) == ({"unpacked"} if default else {"gqa_pack"})
+        q, k, v = qkv(b=1, sq=200, sk=300, hq=group * 2, hkv=2, d=p["d"])
         inputs = {"q": q, "k": k, "v": v, "causal": p["causal"], "softmax_scale": None}
-        want = suite.run_ours(inputs, None)
         KEYS.clear()
-        got = runs["gqa_pack"](inputs, None)
+        want = suite.run_ours(inputs, None)
+        (ours,) = KEYS
+        assert ours.get("view_group", 0) == (group if default else 0)
+        KEYS.clear()
+        got = runs["unpacked" if default else "gqa_pack"](inputs, None)
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=0, atol=0)
         (key,) = KEYS
-        assert key["view_group"] == p["hq"] // p["hkv"] and tuple(sorted(key.items())) in built
+        packed = ours if default else key
+        assert packed["view_group"] == group
+        assert tuple(sorted(packed.items())) in (standard if default else cands)
+        assert not (key if default else ours).get("view_group")
     assert names == set(suite.PACK_TIMED)
 
 

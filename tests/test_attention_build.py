@@ -22,8 +22,10 @@ from forgekernel.kernels.attention.fwd.sm90 import (  # noqa: E402
     D192_CANDIDATES,
     L2_CANDIDATES,
     PACK_CANDIDATES,
+    PACK_CLASSES,
     SPEC,
     WG3_CANDIDATES,
+    pack_groups,
 )
 from forgekernel.kernels.attention.fwd.sm90.config import (  # noqa: E402
     FIXED_RULES,
@@ -45,8 +47,10 @@ from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text  #
 # the D = 128 causal rule replaced: its pair in test_fixed_rules_build_as_their_default), the
 # others are `slow`.
 SAMPLE = [
-    p for p in SPEC.standard_params() if dict(p)["dtype"] == "bfloat16" and not dict(p)["varlen"]
-]
+    p
+    for p in SPEC.standard_params()
+    if dict(p)["dtype"] == "bfloat16" and not dict(p)["varlen"] and "view_group" not in dict(p)
+]  # the GQA-packed standard keys: test_pack_candidates_build_as_the_standard (PACK_BUILDS)
 SAMPLE_KEEP = params_for("bfloat16", 128, 128, True)
 
 
@@ -425,9 +429,11 @@ def test_unsupported_head_dims_are_refused():
 
 
 def test_pack_candidates_are_keys_only_when_on():
-    """GQA packed in the fixed-length mode (PACK_CANDIDATES, docs/attention/NOTES.md
-    "next/attn-gqa-pack (2026-12-07)"): bf16 candidate keys of the head dim's default with
-    view_group G, none standard; the fixed-length standard keys carry no view_group; a
+    """GQA packed in the fixed-length mode (docs/attention/NOTES.md "next/attn-gqa-pack
+    (2026-12-07)", "next/gqa-pack-d64"): PACK_CANDIDATES are bf16 candidate keys of the head
+    dim's default with view_group G, none standard; the fixed-length standard keys carry a
+    view_group only in PACK_CLASSES (D = 64, both masks), each G of `pack_groups` (2 / 4 / 8 /
+    16 under D = 64's 192-row tiles), both dtypes, the default's key plus view_group; a
     view_group needs fixed length or the packed paged form, and G dividing tile_m."""
     standard = set(SPEC.standard_params())
     cands = set(SPEC.candidate_params())
@@ -435,7 +441,16 @@ def test_pack_candidates_are_keys_only_when_on():
         key = params_for("bfloat16", d, d, causal, view_group=g)
         assert key in cands and key not in standard
         assert dict(key) == {**dict(params_for("bfloat16", d, d, causal)), "view_group": g}
-    assert not any("view_group" in dict(p) for p in standard if not dict(p)["varlen"])
+    assert pack_groups(64, True) == pack_groups(64, False) == (2, 4, 8, 16)
+    assert pack_groups(128, True) == pack_groups(128, False) == pack_groups(96, True) == ()
+    fixed = {p for p in standard if "view_group" in dict(p) and not dict(p)["varlen"]}
+    want = {
+        params_for(dtype, d, d, causal, view_group=g)
+        for dtype in ("bfloat16", "float16")
+        for d, causal in PACK_CLASSES
+        for g in pack_groups(d, causal)
+    }
+    assert fixed == want and len(want) == 16
     with pytest.raises(ValueError, match="view_group"):
         params_for("bfloat16", 128, 128, True, varlen=True, view_group=4)  # varlen, not paged
     with pytest.raises(ValueError, match="view_group"):
@@ -446,13 +461,18 @@ def _pack_id(c) -> str:
     return f"d{c[0]}-{'causal' if c[1] else 'full'}-g{c[2]}"
 
 
+# the G = 4 packed builds of PACK_CLASSES (standard) and the candidates
+PACK_BUILDS = [(d, causal, 4) for d, causal in PACK_CLASSES]
+PACK_BUILDS += list(PACK_CANDIDATES)
+
+
 # Built 2026-12-07 (CPU, cu13): each the registers of its standard build, no spill, the same
 # HGMMA / MUFU.EX2 counts (D = 64: 36 / 198; D = 128: 48 / 198); Q's loads and O's store 5-D
 # boxes ((G, tile_m / G) rows, D, Hkv, B); 5687 -> 5895 SASS lines at D = 64 causal (the
 # packed rows' coordinates). Standard keys unchanged: every bf16 fixed-length and varlen
 # standard key and the 64-row-box paged ones byte-identical SASS before / after (the notes).
 @pytest.mark.skipif(find_tool("nvdisasm") is None, reason="cuobjdump/nvdisasm not installed")
-@pytest.mark.parametrize("candidate", slow_past(PACK_CANDIDATES), ids=_pack_id)
+@pytest.mark.parametrize("candidate", slow_past(PACK_BUILDS), ids=_pack_id)
 def test_pack_candidates_build_as_the_standard(tmp_path, candidate):
     """The GQA-packed fixed-length build against its head dim's standard one: the same
     registers, no local memory, the same GEMMs and exponentials (only the views of q / o /

@@ -630,8 +630,9 @@ def test_standard_params_cover_the_paged_op():
                 assert {(dtype, d, causal, b) for b in boxes} <= keys
     assert all(p["varlen"] and p["head_dim_v"] == p["head_dim"] for p in paged)
     dense = [p for p in map(dict, SPEC.standard_params()) if not p.get("page_box")]
-    # 5 head-dim pairs x 2 dtypes x 2 masks x fixed / varlen, and 8 fixed-length rules x 2 dtypes
-    assert len(dense) == 40 + 16 and all(p["page_box"] == 0 for p in dense)
+    # 5 head-dim pairs x 2 dtypes x 2 masks x fixed / varlen, 8 fixed-length rules x 2 dtypes,
+    # and the GQA-packed D = 64 keys (PACK_CLASSES: both masks x G 2 / 4 / 8 / 16 x 2 dtypes)
+    assert len(dense) == 40 + 16 + 16 and all(p["page_box"] == 0 for p in dense)
 
 
 def _gpu_test_module(monkeypatch):

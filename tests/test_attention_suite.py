@@ -294,3 +294,16 @@ def test_host_case_is_tiny_and_sdpa_computes_the_same():
     o_ref, _ = attention_ref(inputs["q"], inputs["k"], inputs["v"], True, None)
     o = suite_module.sdpa_default(inputs).transpose(1, 2)
     torch.testing.assert_close(o, o_ref.to(o.dtype), atol=1e-4, rtol=1e-4)
+
+
+def test_the_ledger_hashes_the_kernel_and_its_dispatch():
+    """The attention ledger's key covers the forward's import closure and its dispatch: the
+    leaf's `__init__` (standard keys, PACK_CLASSES), the launcher and the two ops."""
+    from forgekernel.kernels.attention.fwd.sm90 import SPEC
+    from forgekernel.runtime.hashing import PACKAGE_ROOT
+
+    sources = SUITE.kernel_sources
+    names = {p.resolve().relative_to(PACKAGE_ROOT).as_posix() for p in sources}
+    assert {"kernels/attention/fwd/sm90/__init__.py", "kernels/attention/fwd/sm90/launch.py",
+            "ops/attention.py", "ops/attention_varlen.py"} <= names  # fmt: skip
+    assert set(SPEC.sources) <= set(sources) and len(set(sources)) == len(sources)

@@ -7,7 +7,8 @@ G. G 2 / 4 / 8 at D = 64 (192-row tiles: G * Sq rows cut at 192 / G positions) a
 128 (the copy pack's range), lengths off both tiles (1000 x 1003), Sq < Sk (chunked), Sq > Sk
 (rows that see no key, tiles with no key block), the bench case's heads (2 x 8 kv heads x 4096
 rows: 352 tiles on 132 CTAs); against the suite's reference (fp32) and tolerance, every element
-written (NaN-poisoned out), bitwise the same on a second call."""
+written (NaN-poisoned out), bitwise the same on a second call. G 16 at D = 64 (the standard
+keys of PACK_CLASSES, both masks) on the off-tile and Sq > Sk shapes."""
 
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ SUITE = suite_module.suite()
 SHAPES = [(1, 2, 1, 77), (2, 2, 100, 100), (2, 2, 1000, 1003), (1, 2, 300, 2100),
           (1, 2, 700, 250), (2, 8, 1024, 1024)]  # fmt: skip
 # every shape on the bf16 G = 4 builds (PACK_CANDIDATES' group: D = 64 causal, D = 128 both);
-# the off-tile and Sq > Sk shapes on the others (compiled on first use: 13 keys)
+# the off-tile and Sq > Sk shapes on the others (compiled on first use where not prebuilt)
 KEYS = [(64, g, dtype) for g in (2, 4, 8) for dtype in (torch.bfloat16, torch.float16)]
+KEYS += [(64, 16, torch.bfloat16)]  # PACK_CLASSES' widest group (standard, both masks)
 KEYS += [(128, 4, torch.bfloat16), (128, 8, torch.bfloat16)]
 CASES = [
     pytest.param(d, g, dtype, causal, shape, id=f"d{d}-g{g}-{str(dtype)[6:]}-"

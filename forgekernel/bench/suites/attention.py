@@ -10,13 +10,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from forgekernel.bench.suite import Case, Inputs, OpSuite
-from forgekernel.kernels.attention.fwd.sm90 import SPEC, WG3_CANDIDATES
+from forgekernel.bench.suite import Case, Inputs, OpSuite, with_dispatch
+from forgekernel.kernels.attention.fwd.sm90 import PACK_CLASSES, SPEC, WG3_CANDIDATES
 
 
 def _case(
@@ -113,6 +114,7 @@ CLASS_BENCH_CASES = (
     # Llama-3.2 1B (32:8, D = 64): GQA at D = 64 beside the short causal row above
     _case(8, 32, 8, 2048, 64, group="d64"),
     _case(4, 32, 8, 4096, 64, causal=False, group="d64"),
+    _case(16, 32, 8, 1024, 64, causal=False, group="d64"),
     _case(8, 32, 32, 2048, 96, group="d96"),
     _case(16, 32, 32, 1024, 96, causal=False, group="d96"),
     _case(2, 32, 8, 8192, 96, group="d96"),
@@ -197,6 +199,8 @@ SANITIZE_CASES = (
     _case(1, 8, 2, 1000, 128),
     _case(1, 2, 2, 1000, 64, causal=False),
     _case(1, 4, 4, 1000, 64, sk=100),
+    _case(1, 8, 2, 1000, 64, sk=1003),  # D = 64 causal GQA: packed through views (PACK_CLASSES)
+    _case(1, 8, 2, 1000, 64, sk=1003, causal=False),  # and non-causal
     _case(1, 2, 2, 300, 96),
     _case(1, 2, 1, 257, 256, causal=False),
     _case(1, 4, 1, 100, 192, dv=128, sk=1003),
@@ -331,11 +335,14 @@ CONFIG_TIMED = {
 # K / V read once for the group). Measured 2026-12-07 (H100): the D = 64 target 0.843x of
 # ours' time, the controls 1.35x / 1.47x. Since then every GQA class the adoption would
 # touch: D = 64 longer and non-causal, D = 128 long causal at G 8 and a chunk against a
-# longer prefix (docs/attention/NOTES.md "next/gqa-pack-wide").
+# longer prefix (docs/attention/NOTES.md "next/gqa-pack-wide"). D = 64 causal packs by default
+# since next/gqa-pack-d64, non-causal D = 64 since next/gqa-pack-d64nc (PACK_CLASSES): their
+# rows time `unpacked` instead, the A/B reversed.
 PACK_TIMED = (
     "b16-hq32-hkv8-s1024-d64-causal",
     "b8-hq32-hkv8-s2048-d64-causal",
     "b4-hq32-hkv8-s4096-d64",
+    "b16-hq32-hkv8-s1024-d64",
     "b32-hq32-hkv8-s512-d128-causal",
     "b32-hq32-hkv8-s512-d128",
     "b4-hq64-hkv8-s8192-d128-causal",
@@ -345,8 +352,11 @@ PACK_TIMED = (
 
 def variants(case: Case) -> dict[str, Any]:
     """The GRID_CANDIDATES of a GRID_TIMED case's kind, the CONFIG_CANDIDATES of a
-    CONFIG_TIMED one's, `gqa_pack` on a PACK_TIMED one."""
+    CONFIG_TIMED one's; on a PACK_TIMED one `gqa_pack`, or `unpacked` where ours packs by
+    default (PACK_CLASSES: the default's A/B)."""
     if case.name in PACK_TIMED:
+        if (case.params["d"], case.params["causal"]) in PACK_CLASSES:
+            return {"unpacked": run_unpacked}
         return {"gqa_pack": run_packed}
     kind = GRID_TIMED.get(case.name)
     if kind is not None:
@@ -383,6 +393,19 @@ def run_packed(inputs: Inputs, out: tuple | None) -> tuple:
     q, v, causal, scale = inputs["q"], inputs["v"], inputs["causal"], inputs["softmax_scale"]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     attention_fwd(q, inputs["k"], v, o, lse, scale, causal, pack_gqa=True)
+    return o, lse
+
+
+def run_unpacked(inputs: Inputs, out: tuple | None) -> tuple:
+    """Ours (fixed length) through the leaf's launcher with GQA never packed through views
+    (pack_gqa=False: the launch before PACK_CLASSES, short queries packed by a copy);
+    validated inputs into `out`."""
+    from forgekernel.kernels.attention.fwd.sm90.launch import attention_fwd
+
+    o, lse = out if out is not None else alloc_out(inputs)
+    q, v, causal, scale = inputs["q"], inputs["v"], inputs["causal"], inputs["softmax_scale"]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    attention_fwd(q, inputs["k"], v, o, lse, scale, causal, pack_gqa=False)
     return o, lse
 
 
@@ -562,6 +585,17 @@ def _sequences(p: dict) -> list[tuple[int, int, int]]:
     return [(p["b"], p["sq"], p["sk"])]
 
 
+def kernel_sources() -> list[Path]:
+    """What the compile cache hashes (the kernel's import closure) and the dispatch beside it:
+    the leaf's `__init__` (the standard keys, PACK_CLASSES), its launcher (the plan, the GQA
+    packing, PACK_GQA_MAX_SQ) and the ops that call it (a dispatch change moves the ledger's
+    key, as a kernel change does; before next/gqa-pack-d64 it did not: GEMM's and FP8 GEMM's
+    ledgers were the only ones hashing their choosers)."""
+    leaf, ops = "forgekernel.kernels.attention.fwd.sm90", "forgekernel.ops"
+    return with_dispatch(SPEC.sources, leaf, f"{leaf}.launch", f"{ops}.attention",
+                         f"{ops}.attention_varlen")  # fmt: skip
+
+
 def flops(case: Case) -> float:
     """4 * Hq * (D + Dv) / 2 per unmasked pair (FA4's count: masked pairs are free)."""
     p = case.params
@@ -587,7 +621,7 @@ def nbytes(case: Case, dtype: torch.dtype) -> float:
 def suite() -> OpSuite:
     return OpSuite(
         name="attention",
-        kernel_sources=SPEC.sources,  # the ledger hashes what the compile cache hashes
+        kernel_sources=kernel_sources(),
         dtypes=(torch.bfloat16, torch.float16),
         check_cases=CHECK_CASES,
         bench_cases=BENCH_CASES,

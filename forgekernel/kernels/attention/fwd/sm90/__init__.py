@@ -27,6 +27,7 @@ environment stream.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from pathlib import Path
 
@@ -51,10 +52,34 @@ def _compile(params: Params, extra_options: str = ""):
     return compile_attention_fwd(dict(params), "sm_90a", extra_options)
 
 
+# GQA packed by default in the fixed-length mode in these classes, (head_dim = head_dim_v,
+# causal) (`launch.pack_group`): a call with G = Hq / Hkv > 1, G one of VIEW_GROUPS dividing
+# the plan's tile_m, runs its G query heads of a kv head as G * Sq rows of one head through
+# views of q / o / lse (the view_group compile), at any Sq. D = 64 causal (192-row tiles): b16
+# hq32 hkv8 s1024 0.843x of the unpacked time on the H100 (2026-12-07 14:57; docs/attention/
+# NOTES.md "next/attn-gqa-pack", "next/gqa-pack-wide", "next/gqa-pack-d64"): fewer masked key
+# blocks. Non-causal D = 64 saves no step but reads a kv head's blocks once for its G heads'
+# rows: b4 hq32 hkv8 s4096 0.925x (eager 0.936x) of the unpacked time (17:05; "next/gqa-pack-
+# d64nc"). D = 128 ran 1.35-1.49x slower packed (s512). No FIXED_RULES rule takes a D = 64 GQA
+# problem (rule 7 is MHA), so the default config's keys are the whole set.
+PACK_CLASSES = ((64, True), (64, False))
+
+
+@functools.cache
+def pack_groups(head_dim: int, causal: bool) -> tuple[int, ...]:
+    """The G > 1 of VIEW_GROUPS a fixed-length call at `head_dim` (= head_dim_v) runs packed
+    by default: those dividing its default config's tile_m; () outside PACK_CLASSES."""
+    if (head_dim, bool(causal)) not in PACK_CLASSES:
+        return ()
+    tile_m = default_config(head_dim, head_dim).tile_m
+    return tuple(g for g in VIEW_GROUPS if g > 1 and tile_m % g == 0)
+
+
 def _standard_params() -> list[Params]:
     """Every head-dim pair's default (both dtypes and masks, fixed length and varlen), each
     fixed-length rule's config (FIXED_RULES: the L2 sections and the tile counter where they
-    were measured, both dtypes) and the paged op's prefill kernels."""
+    were measured, both dtypes), the fixed-length GQA-packed compiles of PACK_CLASSES (each G
+    of `pack_groups`, both dtypes) and the paged op's prefill kernels."""
     dense = [
         params_for(dtype, d, dv, causal, varlen=varlen)
         for dtype in DTYPES
@@ -63,7 +88,13 @@ def _standard_params() -> list[Params]:
         for varlen in (False, True)
     ]
     rules = [rule_params(dtype, i) for dtype in DTYPES for i in range(1, len(FIXED_RULES) + 1)]
-    return dense + rules + _paged_params()
+    packs = [
+        params_for(dtype, d, d, causal, view_group=g)
+        for dtype in DTYPES
+        for d, causal in PACK_CLASSES
+        for g in pack_groups(d, causal)
+    ]
+    return dense + rules + packs + _paged_params()
 
 
 def _paged_params() -> list[Params]:
@@ -127,13 +158,12 @@ WG3_CANDIDATES = (
 )
 
 
-# GQA packed in the fixed-length mode (`launch.attention_fwd(pack_gqa=True)`, the bench's
-# `gqa_pack`; docs/attention/NOTES.md "next/attn-gqa-pack (2026-12-07)"): the view_group
-# compile of each PACK_TIMED case's plan (the head dim's default: no FIXED_RULES rule takes
-# them), bf16, (head_dim, causal, G).
+# GQA packed in the fixed-length mode outside PACK_CLASSES (`launch.attention_fwd(
+# pack_gqa=True)`, the bench's `gqa_pack`; docs/attention/NOTES.md "next/attn-gqa-pack
+# (2026-12-07)"): the view_group compile of each such PACK_TIMED case's plan (the head dim's
+# default: no FIXED_RULES rule takes them), bf16, (head_dim, causal, G). D = 64 is standard
+# (PACK_CLASSES).
 PACK_CANDIDATES = (
-    (64, True, 4),
-    (64, False, 4),
     (128, True, 4),
     (128, False, 4),
     (128, True, 8),
@@ -176,7 +206,9 @@ __all__ = [
     "AttnConfig",
     "L2_CANDIDATES",
     "PACK_CANDIDATES",
+    "PACK_CLASSES",
     "WG3_CANDIDATES",
     "default_config",
+    "pack_groups",
     "params_for",
 ]

@@ -345,7 +345,7 @@ def params_for(
     view_group G > 0 (packed or fixed length, G dividing tile_m): q / o / lse read and written
     in place through views of G query heads a kv head (the packed form has no other: its
     compiles are packed with a view_group, VIEW_GROUPS standard; fixed length: the GQA-packed
-    candidate, `launch.attention_fwd(pack_gqa=True)`, no standard key)."""
+    candidate, `launch.attention_fwd(pack_gqa=True)`; standard in PACK_CLASSES)."""
     cfg = cfg or default_config(head_dim, head_dim_v, paged=page_box > 0, varlen=varlen)
     if cfg.dynamic and page_box:
         raise ValueError("dynamic tiles are not for the paged mode (its own walk)")

@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from forgekernel.kernels.attention.fwd.sm90 import SPEC
+from forgekernel.kernels.attention.fwd.sm90 import SPEC, pack_groups
 from forgekernel.kernels.attention.fwd.sm90.config import (
     PAGED_MIN_SEQLEN_Q,
     VIEW_GROUPS,
@@ -147,15 +147,16 @@ def attention_fwd(
     causal: bool,
     ctas_per_sm: int | None = None,
     config: AttnConfig | None = None,
-    pack_gqa: bool = False,
+    pack_gqa: bool | None = None,
 ) -> None:
     """o (B, Sq, Hq, Dv) and lse (B, Hq, Sq) fp32, any views, for validated q (B, Sq, Hq, D),
     k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv). ctas_per_sm: the grid (`config.grid_ctas`; None:
     the config's, `config.default_ctas_per_sm`); config: a variant's kernel in place of the
-    default (bench). pack_gqa (a candidate, off by default: docs/attention/NOTES.md
-    "next/attn-gqa-pack"): with GQA (G = Hq / Hkv > 1) every Sq runs GQA-packed through views
-    of q / o / lse (no copy), the G query heads of a kv head as G * Sq rows of one head; G must
-    divide the config's tile_m (else ValueError)."""
+    default (bench). pack_gqa: with GQA (G = Hq / Hkv > 1) every Sq runs GQA-packed through
+    views of q / o / lse (no copy), the G query heads of a kv head as G * Sq rows of one head.
+    None (the default): where `pack_group` says so (PACK_CLASSES); True: at any head dim, G
+    dividing the config's tile_m (else ValueError; docs/attention/NOTES.md
+    "next/attn-gqa-pack"); False: never (short queries still packed by a copy)."""
     if o.numel() == 0:  # no batch, query rows or heads
         return
     if k.shape[1] == 0:
@@ -168,21 +169,32 @@ def attention_fwd(
     copy_back((o, lse), (o_dst, lse_dst))
 
 
+def pack_group(head_dim: int, head_dim_v: int, causal: bool, group: int, rule: int) -> int:
+    """The view_group a fixed-length call runs by default: G where (head_dim = head_dim_v,
+    causal) is one of PACK_CLASSES, no FIXED_RULES rule took the problem and G is one of
+    `pack_groups`; else 0 (unpacked, or packed by a copy below PACK_GQA_MAX_SQ)."""
+    if rule or head_dim != head_dim_v:
+        return 0
+    return group if group in pack_groups(head_dim, causal) else 0
+
+
 def _launch(
     q, k, v, o, lse, scale: float, causal: bool, ctas_per_sm: int | None = None,
-    config: AttnConfig | None = None, pack_gqa: bool = False,
+    config: AttnConfig | None = None, pack_gqa: bool | None = None,
 ) -> None:  # fmt: skip
     """The kernel call: inputs and outputs TMA-ready, sizes non-zero. The config: the
-    problem's fixed-length rule (`config.fixed_rule`) or the head dims' default. Short queries
-    with GQA run packed: the G query heads of a kv head become G rows per position of one head
-    (qgroup = G tells the kernel's causal mask); by a copy, or with pack_gqa at any Sq through
-    the view_group compile's views."""
+    problem's fixed-length rule (`config.fixed_rule`) or the head dims' default. GQA runs
+    packed, the G query heads of a kv head as G rows per position of one head (qgroup = G
+    tells the kernel's causal mask): through the view_group compile's views at any Sq where
+    `pack_group` (pack_gqa None) or pack_gqa=True says so, else by a copy for short queries."""
     device = q.device
     group = q.shape[2] // k.shape[2]
     views = group if pack_gqa and group > 1 else 0
     if config is None:
         (b, sq, hq, d), (sk, hkv), dv = q.shape, k.shape[1:3], v.shape[-1]
         rule = fixed_rule(d, dv, causal, b, sq, sk, hq, hkv)
+        if pack_gqa is None and group > 1:
+            views = pack_group(d, dv, causal, group, rule)
         fn, sms, per_sm, dynamic = _plan(q.dtype, d, dv, causal, False, device, rule=rule,
                                          view_group=views)  # fmt: skip
     else:
