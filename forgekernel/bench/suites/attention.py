@@ -369,44 +369,37 @@ def variants(case: Case) -> dict[str, Any]:
     return {}
 
 
-def run_config(inputs: Inputs, out: tuple | None, **knobs: Any) -> tuple:
-    """Ours (fixed length) through the leaf's launcher with the head dims' default config (no
-    knobs: the plan before the fixed-length rules, `was`), the AttnConfig fields in `knobs`
-    replaced, on the config's grid; validated inputs (the suite's) into `out`."""
-    from forgekernel.kernels.attention.fwd.sm90.config import default_config
+def _run_fixed(inputs: Inputs, out: tuple | None, **launch: Any) -> tuple:
+    """Ours (fixed length) through the leaf's launcher (`launch`: its config / pack_gqa
+    arguments); validated inputs (the suite's) into `out`."""
     from forgekernel.kernels.attention.fwd.sm90.launch import attention_fwd
 
     o, lse = out if out is not None else alloc_out(inputs)
     q, v, causal, scale = inputs["q"], inputs["v"], inputs["causal"], inputs["softmax_scale"]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    cfg = dataclasses.replace(default_config(q.shape[-1], v.shape[-1]), **knobs)
-    attention_fwd(q, inputs["k"], v, o, lse, scale, causal, config=cfg)
+    attention_fwd(q, inputs["k"], v, o, lse, scale, causal, **launch)
     return o, lse
+
+
+def run_config(inputs: Inputs, out: tuple | None, **knobs: Any) -> tuple:
+    """Ours with the head dims' default config (no knobs: the plan before the fixed-length
+    rules, `was`), the AttnConfig fields in `knobs` replaced, on the config's grid."""
+    from forgekernel.kernels.attention.fwd.sm90.config import default_config
+
+    cfg = default_config(inputs["q"].shape[-1], inputs["v"].shape[-1])
+    return _run_fixed(inputs, out, config=dataclasses.replace(cfg, **knobs))
 
 
 def run_packed(inputs: Inputs, out: tuple | None) -> tuple:
-    """Ours (fixed length) through the leaf's launcher with GQA packed at any Sq (pack_gqa:
-    the problem's own plan on the view_group compile); validated inputs into `out`."""
-    from forgekernel.kernels.attention.fwd.sm90.launch import attention_fwd
-
-    o, lse = out if out is not None else alloc_out(inputs)
-    q, v, causal, scale = inputs["q"], inputs["v"], inputs["causal"], inputs["softmax_scale"]
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    attention_fwd(q, inputs["k"], v, o, lse, scale, causal, pack_gqa=True)
-    return o, lse
+    """Ours with GQA packed at any Sq (pack_gqa: the problem's own plan on the view_group
+    compile)."""
+    return _run_fixed(inputs, out, pack_gqa=True)
 
 
 def run_unpacked(inputs: Inputs, out: tuple | None) -> tuple:
-    """Ours (fixed length) through the leaf's launcher with GQA never packed through views
-    (pack_gqa=False: the launch before PACK_CLASSES, short queries packed by a copy);
-    validated inputs into `out`."""
-    from forgekernel.kernels.attention.fwd.sm90.launch import attention_fwd
-
-    o, lse = out if out is not None else alloc_out(inputs)
-    q, v, causal, scale = inputs["q"], inputs["v"], inputs["causal"], inputs["softmax_scale"]
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    attention_fwd(q, inputs["k"], v, o, lse, scale, causal, pack_gqa=False)
-    return o, lse
+    """Ours with GQA never packed through views (pack_gqa=False: the launch before
+    PACK_CLASSES, short queries packed by a copy)."""
+    return _run_fixed(inputs, out, pack_gqa=False)
 
 
 def run_grid(inputs: Inputs, out: tuple | None, ctas_per_sm: int = 1, dynamic: int = 0) -> tuple:
