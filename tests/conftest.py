@@ -203,9 +203,11 @@ RUN_FIRST = (
 # pass (PDL and paged schedule tests); about 17 s a MLA compile on CI's CPU. The DSA decode's sparse
 # keys: test_dsa_sparse's direct-form compares and test_dsa_fp8_lean's lean / wide ones share three
 # (the FP8 16-head sparse pass, direct and not, and the 16-bit 64-head direct one: ~9 s; in CI's
-# run, its slow pairs left out, the direct FP8 16-head one alone). xdist's loadfile keeps a file on
-# one worker, not files: a group is one scope (`pytest_xdist_make_scheduler`), so each of those
-# builds compiles once in a run.
+# run, its slow pairs left out, the direct FP8 16-head one alone). The FP8 GEMM's:
+# test_gemm_fp8_tiles' twins of the tiled pick (LARGE with its scale warp, and LARGE's one-warp
+# form) and of the 64x48 narrow pick are test_gemm_fp8_mainloop's scale-warp and schedule builds
+# (~5 s of CI's CPU, 2026-12-07). xdist's loadfile keeps a file on one worker, not files: a group
+# is one scope (`pytest_xdist_make_scheduler`), so each of those builds compiles once in a run.
 SHARED_COMPILES = {
     "test_mla_seesaw_compile.py": "mla",
     "test_mla_worklist.py": "mla",
@@ -214,6 +216,8 @@ SHARED_COMPILES = {
     "test_paged_schedule.py": "mla",
     "test_dsa_fp8_lean.py": "dsa_sparse",
     "test_dsa_sparse.py": "dsa_sparse",
+    "test_gemm_fp8_mainloop.py": "gemm_fp8",
+    "test_gemm_fp8_tiles.py": "gemm_fp8",
 }
 
 

@@ -32,9 +32,10 @@ from forgekernel.reference.gemm import gemm_fp8_ref
 cutlass = pytest.importorskip("cutlass")
 cute = pytest.importorskip("cutlass.cute")
 
+from cubins import build  # noqa: E402  (tests/ is on the path)
 from cutlass import Float32, Int32  # noqa: E402
 from cutlass.cute.runtime import from_dlpack  # noqa: E402
-from dsl_toolchain import dsl_toolchain  # noqa: E402  (tests/ is on the path)
+from dsl_toolchain import dsl_toolchain  # noqa: E402
 
 ISSUE, RETIRE, PROMOTE, DONE = 1, 2, 3, 4
 STAGES = 4  # the ring of the host replay: units of up to 7 k-tiles wrap it
@@ -566,7 +567,7 @@ def _consumer_loop(sass: str) -> list[tuple[str, str]]:
         pytest.param("grouped", marks=SLOW),
     ],
 )
-def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_path):
+def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which):
     """Compiled for sm_90a: no spills, and the schedule the mainloop asks for survives ptxas:
     k-tile 0 issued; in the loop (two k-tiles per trip) each batch of 4 QGMMAs is issued before
     the previous one is waited for with DEPBAR.LE 1 and its 64 FFMAs run (the tensor pipe keeps
@@ -598,7 +599,7 @@ def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_pa
         one_warp_scales,
         params_for,
     )
-    from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text
+    from forgekernel.runtime.resources import find_tool
 
     if find_tool("nvdisasm") is None:
         pytest.skip("cuobjdump/nvdisasm not installed")
@@ -611,11 +612,11 @@ def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_pa
     if which == "large":
         assert cfg.scale_ahead == 2  # the scales two k-tiles ahead: what `large` proves
     params = params_for(out, cfg, grouped=which.startswith("grouped"))
-    compiled = SPEC.compile(params, f"--keep-cubin --dump-dir {tmp_path}")
-    cubin = compiled.artifacts.CUBIN
-    info = inspect_cubin(cubin)
+    # tests/cubins.py `build`, once a process: `mcast_a_mn`'s key is the one-warp base
+    # test_scale_warp_compiles_on_the_other_mainloops compares with
+    found = build(SPEC, params)
+    info, sass = found.resources, found.sass
     assert info["spill_bytes"] == 0 and info["sass"].get("LDL", 0) == 0
-    sass = sass_text(cubin)
     batch = "AQQQQ"
     step = f"{batch}D1F64"
     assert _mainloop_sequence(sass) == batch + step * 3 + "D0F64" * 2
@@ -652,7 +653,7 @@ def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_pa
 @pytest.mark.parametrize(
     ("m", "width"), [(64, 32), (64, 48), (1, 80), pytest.param(64, 112, marks=SLOW)]
 )
-def test_narrow_tiles_keep_the_schedule(m, width, tmp_path):
+def test_narrow_tiles_keep_the_schedule(m, width):
     """The narrow full-K candidates (`config.narrow_config`; docs/gemm/NOTES.md "Narrow full-K
     FP8 tiles") compiled for sm_90a: no spills, the standard's schedule with tile_n / 2 FFMAs a
     promotion (a batch in flight through each), no in-flight register touched (`frag_regs`
@@ -661,16 +662,16 @@ def test_narrow_tiles_keep_the_schedule(m, width, tmp_path):
     k-tiles where 4 do) and select per 8-column group (at most one FSEL a group and row)."""
     from forgekernel.kernels.gemm.fp8.sm90 import SPEC
     from forgekernel.kernels.gemm.fp8.sm90.config import narrow_config, params_for
-    from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text
+    from forgekernel.runtime.resources import find_tool
 
     if find_tool("nvdisasm") is None:
         pytest.skip("cuobjdump/nvdisasm not installed")
     cfg = narrow_config(m, width)
-    compiled = SPEC.compile(params_for("bfloat16", cfg), f"--keep-cubin --dump-dir {tmp_path}")
-    cubin = compiled.artifacts.CUBIN
-    info = inspect_cubin(cubin)
+    # tests/cubins.py `build`, once a process: 64x32's key is the scale-warp test's standard,
+    # 1x80's its one-warp base, 64x48's a twin of test_gemm_fp8_tiles' 512x576 pick (one scope)
+    found = build(SPEC, params_for("bfloat16", cfg))
+    info, sass = found.resources, found.sass
     assert info["spill_bytes"] == 0 and info["sass"].get("LDL", 0) == 0
-    sass = sass_text(cubin)
     step = f"AQQQQD1F{width // 2}"
     consumer = _consumer_part(sass)
     assert _mainloop_sequence(consumer) == "AQQQQ" + step * 3 + f"D0F{width // 2}" * 2
@@ -735,8 +736,6 @@ def _producer_loops(sass: str) -> list[tuple[list[tuple[str, str]], list[str]]]:
 def _sass_without_spills(cfg: GemmConfig, grouped: bool = False) -> str:
     """The SASS of `cfg`'s bf16-out FP8 build (tests/cubins.py `build`: once a process),
     asserted free of spills and local loads."""
-    from cubins import build  # tests/ is on the path
-
     from forgekernel.kernels.gemm.fp8.sm90 import SPEC
     from forgekernel.kernels.gemm.fp8.sm90.config import params_for
 
