@@ -262,10 +262,12 @@ def _operands(m, n, k, seed):
     return inputs["a"], inputs["b"], inputs["sa"], inputs["sb"]
 
 
-# CI: six cases, one of each kind (the ragged 128x128 corner, stream-K, one warpgroup, the narrow
-# tiles' blocks); eight more are slow (~14 s of CI's CPU, 2026-12-06; ~4 s more, 2026-12-07: the
-# whole tile, the ragged corner's path without its clamps, and 48 columns over two blocks, the
-# straddle 80 columns over N = 140 takes in CI)
+# CI: four cases (the ragged 128x128 corner, the narrow tiles' blocks); ten more are slow (~14 s
+# of CI's CPU, 2026-12-06; ~4 s more, 2026-12-07: the whole tile, the ragged corner's path without
+# its clamps, and 48 columns over two blocks, the straddle 80 columns over N = 140 takes in CI;
+# ~8 s more, 2026-12-07 evening: the stream-K unit in mid-K, test_units_back_to_back's first
+# case's second unit (the same shape, tile and 128x128 tiles, k-tiles 3-4 after 0-2), and one
+# warpgroup with M past the tile, its 64-row cases' (M = 40 inside the tile, k0 2 and 0))
 SLOW = pytest.mark.slow
 
 
@@ -274,8 +276,10 @@ SLOW = pytest.mark.slow
     [
         pytest.param(128, 128, (300, 300, 7 * 128), (1, 1), 0, 7, marks=SLOW),  # a whole tile
         (128, 128, (300, 300, 6 * 128), (2, 2), 0, 6),  # the ragged corner: row/column clamps
-        (128, 128, (130, 256, 5 * 128), (0, 1), 2, 2),  # a stream-K unit in mid-K, even
-        (64, 128, (70, 200, 4 * 128), (1, 0), 1, 3),  # one warpgroup, M past the tile
+        # a stream-K unit in mid-K, even
+        pytest.param(128, 128, (130, 256, 5 * 128), (0, 1), 2, 2, marks=SLOW),
+        # one warpgroup, M past the tile
+        pytest.param(64, 128, (70, 200, 4 * 128), (1, 0), 1, 3, marks=SLOW),
         pytest.param(64, 128, (64, 128, 128), (0, 0), 0, 1, marks=SLOW),  # one k-tile
         # two loop trips, odd tail
         pytest.param(64, 128, (64, 256, 6 * 128), (0, 1), 1, 5, marks=SLOW),
@@ -405,6 +409,11 @@ def test_the_last_tile_row_starts_on_a_whole_scale_vector(host_dsl, mn_major):
             assert end == m
 
 
+# slow (~4 s of CI's CPU, 2026-12-07): a host run of its own; in CI the reference cases' scales
+# (the suite's quantizer: each row's and block's amax of its k-tile) differ by k-tile too, and a
+# fragment promoted with a neighbour's would miss their 1e-5 bound by far (the ragged corner:
+# the 128x128 tile, six k-tiles)
+@pytest.mark.slow
 def test_the_promotion_uses_each_k_tiles_own_scales(host_dsl):
     """Scales that differ by k-tile by powers of two (exact): a fragment promoted with its
     neighbour's scales would be off by a factor of 2 or more somewhere."""
