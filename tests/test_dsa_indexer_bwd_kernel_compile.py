@@ -27,8 +27,26 @@ _OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A
 HGMMA_PER_PATH = 3 * config.NCHUNK * 4
 
 
+_KERNELS: dict = {}
+
+
+def _build(params):
+    """tests/cubins.py `build` of `params` (once a process), its kernel instance kept in
+    _KERNELS (test_shared_memory_is_the_plan reads its `shared` struct: no compile of its own)."""
+    from forgekernel.kernels.attention.dsa_indexer_bwd.sm90.compile import (
+        compile_indexer_bwd,
+        kernel_for,
+    )
+
+    def compiler(options):
+        kernel = _KERNELS[params] = kernel_for(dict(params))
+        return compile_indexer_bwd(dict(params), "sm_90a", options, kernel=kernel)
+
+    return build(SPEC, params, compiler)
+
+
 def _compiled(dtype: str, reduce=True, staged=False, pair=False) -> tuple[dict, Counter, str]:
-    found = build(SPEC, config.params_for(dtype, reduce=reduce, staged=staged, pair=pair))
+    found = _build(config.params_for(dtype, reduce=reduce, staged=staged, pair=pair))
     ops = Counter(op.split(".")[0] for op in _OP.findall(found.sass))
     ops["RED_V4"] = found.sass.count("REDG.E.ADD.F32x4")
     ops["RED_V2"] = found.sass.count("REDG.E.ADD.F32x2")
@@ -71,7 +89,7 @@ def test_every_signal_follows_a_wait_and_a_proxy_fence():
     """The producer's hand-over (kernel.py): every cp.async.wait_group is followed by a
     fence.proxy.async before the next mbarrier arrive (the landed bytes and zero-filled rows
     are made visible to the WGMMAs' async proxy by the thread that wrote them)."""
-    ptx = build(SPEC, config.params_for("bfloat16")).ptx
+    ptx = _build(config.params_for("bfloat16")).ptx
     found = re.findall(r"(cp\.async\.wait_group\s+\d+|fence\.proxy\.async|mbarrier\.arrive)", ptx)
     events = [" ".join(e.split()) for e in found]
     assert f"cp.async.wait_group {config.LAG}" in events
@@ -92,7 +110,7 @@ def test_ds_buffer_is_rewritten_only_after_a_warpgroup_barrier(pair):
     128-thread bar.sync must stand between the path's last WGMMA issue (GEMM3) and its first
     stmatrix (kernel.py Bar.DS_FREE; 2026-12-04 review: none stood there), and another (DS_READY)
     between the stores and GEMM2. The two barriers' ids differ."""
-    ptx = build(SPEC, config.params_for("bfloat16", pair=pair)).ptx
+    ptx = _build(config.params_for("bfloat16", pair=pair)).ptx
     lines = [" ".join(x.split()) for x in ptx.splitlines()]
     firsts = [n for n, x in enumerate(lines)
               if x.startswith("stmatrix") and not lines[n - 1].startswith("stmatrix")]  # fmt: skip
@@ -107,16 +125,11 @@ def test_ds_buffer_is_rewritten_only_after_a_warpgroup_barrier(pair):
 @pytest.mark.parametrize("pair", [False, True], ids=["standard", "pair"])
 def test_shared_memory_is_the_plan(pair):
     """The compiled struct (kernel.py `Shared`) against config.smem_bytes (the plan the tests
-    and notes quote): within the plan's alignment slack, and within an SM for the plan's CTAs."""
-    from forgekernel.kernels.attention.dsa_indexer_bwd.sm90.compile import (
-        compile_indexer_bwd,
-        kernel_for,
-    )
-
-    params = dict(config.params_for("bfloat16", pair=pair))
-    kernel = kernel_for(params)
-    compile_indexer_bwd(params, kernel=kernel)
-    size, p = kernel.shared.size_in_bytes(), config.plan(pair)
+    and notes quote): within the plan's alignment slack, and within an SM for the plan's CTAs.
+    (The build test_ds_buffer_is_rewritten_only_after_a_warpgroup_barrier reads: `_build`.)"""
+    params = config.params_for("bfloat16", pair=pair)
+    _build(params)
+    size, p = _KERNELS[params].shared.size_in_bytes(), config.plan(pair)
     assert size <= config.smem_bytes(p) <= size + 4 * 1024
     assert p.ctas * (size + 1024) <= 233472
 
