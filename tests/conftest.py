@@ -203,10 +203,11 @@ RUN_FIRST = (
 # pass (PDL, paged schedule and paged spec tests: test_paged_spec's early-ids build, ~2.4 s of CI's
 # CPU); about 17 s a MLA compile on CI's CPU. The DSA decode's sparse keys: test_dsa_sparse's
 # direct-form compares and test_dsa_fp8_lean's lean / wide ones share three (the FP8 16-head sparse
-# pass, direct and not, and the 16-bit 64-head direct one: ~9 s; in CI's run, its slow pairs left
-# out, the direct FP8 16-head one alone). The FP8 GEMM's: test_gemm_fp8_tiles' twins of the tiled
-# pick (LARGE with its scale warp, and LARGE's one-warp form) and of the 64x48 narrow pick are
-# test_gemm_fp8_mainloop's scale-warp and schedule builds (~5 s of CI's CPU, 2026-12-07). And the
+# pass, direct and not, and the 16-bit 64-head direct one: ~9 s; under -m slow: since 2026-12-07
+# CI's run compiles only test_dsa_fp8_lean's 16-head lean compare of them). The FP8 GEMM's:
+# test_gemm_fp8_tiles' twins of the tiled pick (LARGE with its scale warp, and LARGE's one-warp
+# form) and of the 64x48 narrow pick are test_gemm_fp8_mainloop's scale-warp and schedule builds
+# (~5 s of CI's CPU, 2026-12-07; under -m slow since the twins moved there). And the
 # MLA pass's P V coordinates (tests/mla_seesaw_probe.py `output_coords`: one ~5 s host trace a
 # process) that test_mla_seesaw's direct epilogue and test_mla_ostore's replays read. xdist's
 # loadfile keeps a file on one worker, not files: a group is one scope
