@@ -165,8 +165,8 @@ _GPU_TESTS = Path(__file__).parent / "gpu"
 # order (its own reorder, by test count, is turned off in pytest_configure: it put these few-test
 # files last, one worker left alone with a 40 s file at the end: 22 s idle in one measured run).
 RUN_FIRST = (
-    # SHARED_COMPILES' files, one scope of 5 (about 115 s of a worker, 2026-12-04): placed
-    # first, they are the first worker's first work
+    # SHARED_COMPILES' MLA files, one scope with test_paged_spec.py (about 115 s of a worker,
+    # 2026-12-04; test_paged_spec ~7 s more): placed first, they are the first worker's first work
     "test_mla_schedule.py",
     "test_mla_worklist.py",
     "test_mla_seesaw_compile.py",
@@ -200,20 +200,31 @@ RUN_FIRST = (
 # process), each group one scope: the MLA pass's standard build (seesaw, schedule and PDL tests),
 # its ranges build (schedule and PDL tests: the schedule compares it with the standard one; the
 # candidate work-list pass, compiled for the work-list tests' compare alone, is slow), the paged
-# pass (PDL and paged schedule tests); about 17 s a MLA compile on CI's CPU. The DSA decode's sparse
-# keys: test_dsa_sparse's direct-form compares and test_dsa_fp8_lean's lean / wide ones share three
-# (the FP8 16-head sparse pass, direct and not, and the 16-bit 64-head direct one: ~9 s; in CI's
-# run, its slow pairs left out, the direct FP8 16-head one alone). xdist's loadfile keeps a file on
-# one worker, not files: a group is one scope (`pytest_xdist_make_scheduler`), so each of those
-# builds compiles once in a run.
+# pass (PDL, paged schedule and paged spec tests: test_paged_spec's early-ids build, ~2.4 s of CI's
+# CPU); about 17 s a MLA compile on CI's CPU. The DSA decode's sparse keys: test_dsa_sparse's
+# direct-form compares and test_dsa_fp8_lean's lean / wide ones share three (the FP8 16-head sparse
+# pass, direct and not, and the 16-bit 64-head direct one: ~9 s; under -m slow: since 2026-12-07
+# CI's run compiles only test_dsa_fp8_lean's 16-head lean compare of them). The FP8 GEMM's:
+# test_gemm_fp8_tiles' twins of the tiled pick (LARGE with its scale warp, and LARGE's one-warp
+# form) and of the 64x48 narrow pick are test_gemm_fp8_mainloop's scale-warp and schedule builds
+# (~5 s of CI's CPU, 2026-12-07; under -m slow since the twins moved there). And the
+# MLA pass's P V coordinates (tests/mla_seesaw_probe.py `output_coords`: one ~5 s host trace a
+# process) that test_mla_seesaw's direct epilogue and test_mla_ostore's replays read. xdist's
+# loadfile keeps a file on one worker, not files: a group is one scope
+# (`pytest_xdist_make_scheduler`), so each of those builds compiles once in a run.
 SHARED_COMPILES = {
     "test_mla_seesaw_compile.py": "mla",
     "test_mla_worklist.py": "mla",
     "test_mla_schedule.py": "mla",
     "test_pdl.py": "mla",
     "test_paged_schedule.py": "mla",
+    "test_paged_spec.py": "mla",
     "test_dsa_fp8_lean.py": "dsa_sparse",
     "test_dsa_sparse.py": "dsa_sparse",
+    "test_gemm_fp8_mainloop.py": "gemm_fp8",
+    "test_gemm_fp8_tiles.py": "gemm_fp8",
+    "test_mla_ostore.py": "mla_probe",
+    "test_mla_seesaw.py": "mla_probe",
 }
 
 
@@ -237,7 +248,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(RUN_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
+    # the other files after every RUN_FIRST one: len(RUN_FIRST), not len(rank) (names listed
+    # twice make rank shorter than the last index: that put test_attention_paged last of all)
+    items.sort(key=lambda item: rank.get(item.path.name, len(RUN_FIRST)))  # files stay whole
     reason = sm90_missing()
     if reason is None:
         return

@@ -37,15 +37,21 @@ class Build(NamedTuple):
 _BUILDS: dict[tuple, Build] = {}
 
 
-def build(spec: KernelSpec, params: Params) -> Build:
+def build(spec: KernelSpec, params: Params, compiler: Callable | None = None) -> Build:
     """`spec`'s compile of `params` (cubin and PTX kept: --keep-ptx leaves the SASS as it is),
-    once a process; each call gets its own copy of the resources."""
+    once a process; each call gets its own copy of the resources. `compiler(options)`: the
+    compile of `params` to run in place of spec.compile(params, options) (a test that reads the
+    kernel instance it compiles: its shared struct)."""
     key = (spec.name, spec.arch, spec.source_hash, params)
     if key not in _BUILDS:
         from forgekernel.runtime.resources import inspect_cubin, sass_text
 
+        options = "--keep-cubin --keep-ptx --dump-dir {}"
         with tempfile.TemporaryDirectory() as d:
-            compiled = spec.compile(params, f"--keep-cubin --keep-ptx --dump-dir {d}")
+            if compiler is None:
+                compiled = spec.compile(params, options.format(d))
+            else:
+                compiled = compiler(options.format(d))
             cubin = compiled.artifacts.CUBIN
             if isinstance(cubin, bytes):
                 (Path(d) / "k.cubin").write_bytes(cubin)

@@ -292,10 +292,13 @@ def test_fsplit_resources(compiled, dtype):
     assert regions["256"] < 256 and regions["224"] < 224 and regions["24"] < 24
 
 
+# CI: the first dtype. `token_rows` is a standard form (`_standard_params`: the varlen slot
+# layout's default since ops/_linattn_varlen.py NATIVE_STORES went on), and this its only CI
+# compile (test_build_sm90's representative is the first standard key, without it)
 @pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
 def test_token_rows_resources(compiled, dtype):
-    """`token_rows` on the fsplit key (the candidate behind ops/_linattn_varlen.py
-    NATIVE_STORES; NOTES "next/varlen-stores"): the outputs at the per-slot tables' token rows
+    """`token_rows` on the fsplit key (the op's default form behind ops/_linattn_varlen.py
+    NATIVE_STORES, on; NOTES "next/varlen-stores"): the outputs at the per-slot tables' token rows
     cost ten global loads (two table entries at each of the five store groups: dq, dv, dk,
     dbeta, dG's finish) and nothing else: 168 registers launched, setmaxnreg regions within
     their caps (the WY warpgroup's R0-R250, the output one's R0-R153 on 2026-12-06), nothing

@@ -431,7 +431,13 @@ def test_wg_split(compiled, dtype, dht, grouped, u_from_h):
     assert {int(b.barrier, 16) for b in pins if b.predicate} == {Bar.DH_FREE}
 
 
-@pytest.mark.parametrize("group_sum", [False, pytest.param(True, marks=pytest.mark.slow)])
+# slow, both: `wg_split` is a candidate (`_candidate_params` only; no route of the op takes it:
+# ops.gated_delta_rule_bwd FUSED_WFROMT, its only way in, is off), and this its only key CI
+# compiled (~8 s of an idle CPU, 2026-12-07). A wrong-way setmaxnreg stays checked in CI on the
+# standard keys (test_registers_and_spills, test_build_sm90) and is printed by `forgekernel build
+# --candidates` for every candidate key, this one included, before any GPU run of it.
+@pytest.mark.slow
+@pytest.mark.parametrize("group_sum", [False, True])
 def test_wg_split_setmaxnreg_directions(compiled, group_sum):
     """The split's four setmaxnreg go the way the launch's 128 registers allow: warpgroup 0's
     .dec (32; 24 with `group_sum`), S's, G1's and G2's .inc (176, 168, 136; 176, 160, 152). G2's

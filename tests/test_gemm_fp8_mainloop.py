@@ -32,9 +32,10 @@ from forgekernel.reference.gemm import gemm_fp8_ref
 cutlass = pytest.importorskip("cutlass")
 cute = pytest.importorskip("cutlass.cute")
 
+from cubins import build  # noqa: E402  (tests/ is on the path)
 from cutlass import Float32, Int32  # noqa: E402
 from cutlass.cute.runtime import from_dlpack  # noqa: E402
-from dsl_toolchain import dsl_toolchain  # noqa: E402  (tests/ is on the path)
+from dsl_toolchain import dsl_toolchain  # noqa: E402
 
 ISSUE, RETIRE, PROMOTE, DONE = 1, 2, 3, 4
 STAGES = 4  # the ring of the host replay: units of up to 7 k-tiles wrap it
@@ -261,10 +262,12 @@ def _operands(m, n, k, seed):
     return inputs["a"], inputs["b"], inputs["sa"], inputs["sb"]
 
 
-# CI: six cases, one of each kind (the ragged 128x128 corner, stream-K, one warpgroup, the narrow
-# tiles' blocks); eight more are slow (~14 s of CI's CPU, 2026-12-06; ~4 s more, 2026-12-07: the
-# whole tile, the ragged corner's path without its clamps, and 48 columns over two blocks, the
-# straddle 80 columns over N = 140 takes in CI)
+# CI: four cases (the ragged 128x128 corner, the narrow tiles' blocks); ten more are slow (~14 s
+# of CI's CPU, 2026-12-06; ~4 s more, 2026-12-07: the whole tile, the ragged corner's path without
+# its clamps, and 48 columns over two blocks, the straddle 80 columns over N = 140 takes in CI;
+# ~8 s more, 2026-12-07 evening: the stream-K unit in mid-K, test_units_back_to_back's first
+# case's second unit (the same shape, tile and 128x128 tiles, k-tiles 3-4 after 0-2), and one
+# warpgroup with M past the tile, its 64-row cases' (M = 40 inside the tile, k0 2 and 0))
 SLOW = pytest.mark.slow
 
 
@@ -273,8 +276,10 @@ SLOW = pytest.mark.slow
     [
         pytest.param(128, 128, (300, 300, 7 * 128), (1, 1), 0, 7, marks=SLOW),  # a whole tile
         (128, 128, (300, 300, 6 * 128), (2, 2), 0, 6),  # the ragged corner: row/column clamps
-        (128, 128, (130, 256, 5 * 128), (0, 1), 2, 2),  # a stream-K unit in mid-K, even
-        (64, 128, (70, 200, 4 * 128), (1, 0), 1, 3),  # one warpgroup, M past the tile
+        # a stream-K unit in mid-K, even
+        pytest.param(128, 128, (130, 256, 5 * 128), (0, 1), 2, 2, marks=SLOW),
+        # one warpgroup, M past the tile
+        pytest.param(64, 128, (70, 200, 4 * 128), (1, 0), 1, 3, marks=SLOW),
         pytest.param(64, 128, (64, 128, 128), (0, 0), 0, 1, marks=SLOW),  # one k-tile
         # two loop trips, odd tail
         pytest.param(64, 128, (64, 256, 6 * 128), (0, 1), 1, 5, marks=SLOW),
@@ -404,6 +409,11 @@ def test_the_last_tile_row_starts_on_a_whole_scale_vector(host_dsl, mn_major):
             assert end == m
 
 
+# slow (~4 s of CI's CPU, 2026-12-07): a host run of its own; in CI the reference cases' scales
+# (the suite's quantizer: each row's and block's amax of its k-tile) differ by k-tile too, and a
+# fragment promoted with a neighbour's would miss their 1e-5 bound by far (the ragged corner:
+# the 128x128 tile, six k-tiles)
+@pytest.mark.slow
 def test_the_promotion_uses_each_k_tiles_own_scales(host_dsl):
     """Scales that differ by k-tile by powers of two (exact): a fragment promoted with its
     neighbour's scales would be off by a factor of 2 or more somewhere."""
@@ -554,19 +564,20 @@ def _consumer_loop(sass: str) -> list[tuple[str, str]]:
     return best or []
 
 
-# CI: stream_decode, mcast_a_mn; grouped is slow (~1.5 s, 2026-12-07): its loops are LARGE's
-# (the docstring), its build test_scale_warp_compiles_on_the_other_mainloops' base; large too
-# since its one-warp form is no longer the standard (the scale warp's test builds it in CI)
+# CI: stream_decode, mcast_a_mn, grouped (GROUPED, the grouped layout's standard: CI's only
+# compile of it since test_scale_warp_compiles_on_the_other_mainloops' `grouped`, its candidate
+# scale warp against it, is slow); large is slow since its one-warp form is no longer the
+# standard (the scale warp's test builds it in CI)
 @pytest.mark.parametrize(
     "which",
     [
         pytest.param("large", marks=SLOW),
         "stream_decode",
         "mcast_a_mn",
-        pytest.param("grouped", marks=SLOW),
+        "grouped",
     ],
 )
-def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_path):
+def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which):
     """Compiled for sm_90a: no spills, and the schedule the mainloop asks for survives ptxas:
     k-tile 0 issued; in the loop (two k-tiles per trip) each batch of 4 QGMMAs is issued before
     the previous one is waited for with DEPBAR.LE 1 and its 64 FFMAs run (the tensor pipe keeps
@@ -598,7 +609,7 @@ def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_pa
         one_warp_scales,
         params_for,
     )
-    from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text
+    from forgekernel.runtime.resources import find_tool
 
     if find_tool("nvdisasm") is None:
         pytest.skip("cuobjdump/nvdisasm not installed")
@@ -611,11 +622,11 @@ def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_pa
     if which == "large":
         assert cfg.scale_ahead == 2  # the scales two k-tiles ahead: what `large` proves
     params = params_for(out, cfg, grouped=which.startswith("grouped"))
-    compiled = SPEC.compile(params, f"--keep-cubin --dump-dir {tmp_path}")
-    cubin = compiled.artifacts.CUBIN
-    info = inspect_cubin(cubin)
+    # tests/cubins.py `build`, once a process: `mcast_a_mn`'s key is the one-warp base
+    # test_scale_warp_compiles_on_the_other_mainloops compares with
+    found = build(SPEC, params)
+    info, sass = found.resources, found.sass
     assert info["spill_bytes"] == 0 and info["sass"].get("LDL", 0) == 0
-    sass = sass_text(cubin)
     batch = "AQQQQ"
     step = f"{batch}D1F64"
     assert _mainloop_sequence(sass) == batch + step * 3 + "D0F64" * 2
@@ -652,7 +663,7 @@ def test_sass_keeps_a_wgmma_batch_in_flight_through_each_promotion(which, tmp_pa
 @pytest.mark.parametrize(
     ("m", "width"), [(64, 32), (64, 48), (1, 80), pytest.param(64, 112, marks=SLOW)]
 )
-def test_narrow_tiles_keep_the_schedule(m, width, tmp_path):
+def test_narrow_tiles_keep_the_schedule(m, width):
     """The narrow full-K candidates (`config.narrow_config`; docs/gemm/NOTES.md "Narrow full-K
     FP8 tiles") compiled for sm_90a: no spills, the standard's schedule with tile_n / 2 FFMAs a
     promotion (a batch in flight through each), no in-flight register touched (`frag_regs`
@@ -661,16 +672,16 @@ def test_narrow_tiles_keep_the_schedule(m, width, tmp_path):
     k-tiles where 4 do) and select per 8-column group (at most one FSEL a group and row)."""
     from forgekernel.kernels.gemm.fp8.sm90 import SPEC
     from forgekernel.kernels.gemm.fp8.sm90.config import narrow_config, params_for
-    from forgekernel.runtime.resources import find_tool, inspect_cubin, sass_text
+    from forgekernel.runtime.resources import find_tool
 
     if find_tool("nvdisasm") is None:
         pytest.skip("cuobjdump/nvdisasm not installed")
     cfg = narrow_config(m, width)
-    compiled = SPEC.compile(params_for("bfloat16", cfg), f"--keep-cubin --dump-dir {tmp_path}")
-    cubin = compiled.artifacts.CUBIN
-    info = inspect_cubin(cubin)
+    # tests/cubins.py `build`, once a process: 64x32's key is the scale-warp test's standard,
+    # 1x80's its one-warp base, 64x48's a twin of test_gemm_fp8_tiles' 512x576 pick (one scope)
+    found = build(SPEC, params_for("bfloat16", cfg))
+    info, sass = found.resources, found.sass
     assert info["spill_bytes"] == 0 and info["sass"].get("LDL", 0) == 0
-    sass = sass_text(cubin)
     step = f"AQQQQD1F{width // 2}"
     consumer = _consumer_part(sass)
     assert _mainloop_sequence(consumer) == "AQQQQ" + step * 3 + f"D0F{width // 2}" * 2
@@ -735,8 +746,6 @@ def _producer_loops(sass: str) -> list[tuple[list[tuple[str, str]], list[str]]]:
 def _sass_without_spills(cfg: GemmConfig, grouped: bool = False) -> str:
     """The SASS of `cfg`'s bf16-out FP8 build (tests/cubins.py `build`: once a process),
     asserted free of spills and local loads."""
-    from cubins import build  # tests/ is on the path
-
     from forgekernel.kernels.gemm.fp8.sm90 import SPEC
     from forgekernel.kernels.gemm.fp8.sm90.config import params_for
 
@@ -745,10 +754,14 @@ def _sass_without_spills(cfg: GemmConfig, grouped: bool = False) -> str:
     return found.sass
 
 
-# CI: 32 (no straddle), 112 (straddling, 64 rows: the longest trip, +3) and 80 (A's 8-row box);
-# 48 (straddling, 64 rows again) is slow (two compiles, ~2 s of CI's CPU, 2026-12-07)
+# CI: 32 (no straddle) and 112 (straddling, 64 rows: the longest trip, +3), the 64-row box's
+# standard (four ahead) each; 48 (straddling, 64 rows again) is slow (two compiles, ~2 s of CI's
+# CPU, 2026-12-07), and 80 (A's 8-row box) too: a decode box's standard has no scale warp
+# (`narrow_config`), so its `_sw` build here is no standard or candidate key (~1.3 s of an idle
+# CPU; its one-warp base is the standard test_narrow_tiles_keep_the_schedule checks in CI)
 @pytest.mark.parametrize(
-    ("m", "width"), [(64, 32), pytest.param(64, 48, marks=SLOW), (64, 112), (1, 80)]
+    ("m", "width"),
+    [(64, 32), pytest.param(64, 48, marks=SLOW), (64, 112), pytest.param(1, 80, marks=SLOW)],
 )
 def test_scale_warp_takes_the_scale_loads_off_the_tma_loop(m, width):
     """`scale_warp` (docs/gemm/NOTES.md "next/fp8-narrow-scales"; the 64-row box's standard
@@ -802,9 +815,11 @@ def test_scale_warp_takes_the_scale_loads_off_the_tma_loop(m, width):
         assert plain.count("FMUL") == len(stores)
 
 
-# CI: all three (LARGE's and LARGE_MCAST_A's scale warp the standards since 2026-12-07: each
-# built against its one-warp form, the schedule test's `large` / `mcast_a_mn`)
-@pytest.mark.parametrize("which", ["large", "mcast_a_mn", "grouped"])
+# CI: large and mcast_a_mn (LARGE's and LARGE_MCAST_A's scale warp the standards since
+# 2026-12-07: each built against its one-warp form, the schedule test's `large` / `mcast_a_mn`);
+# grouped is slow: GROUPED_F4_SW is a candidate build (the grouped bench's `f4_sw`), GROUPED's
+# standard build stays in CI as the schedule test's `grouped` (~1.5 s of an idle CPU)
+@pytest.mark.parametrize("which", ["large", "mcast_a_mn", pytest.param("grouped", marks=SLOW)])
 def test_scale_warp_compiles_on_the_other_mainloops(which):
     """`scale_warp` on the tiled mainloops tests/gpu/test_gemm_fp8_scale_warp_gpu.py runs it on
     besides the narrow tiles (the standards since 2026-12-07: LARGE, B multicast, two ahead;

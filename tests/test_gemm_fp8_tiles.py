@@ -315,17 +315,15 @@ def test_script_rows_on_cpu(script, monkeypatch):
     assert by_config["deepgemm"]["max_err"] <= by_config[PREFILL_CANDIDATES[0].tag()]["bound"]
 
 
-# CI: a narrow pick's twins (64x48: a straddling width, both clusters) and the tiled pick's band
-# twin; the 64x32 and 64x112 narrow picks' twins (tuning configurations, not adopted: the same
-# multicast code on other widths) are slow (~6.5 s of an idle CPU, 2026-12-07)
+# slow, all four: a twin is scripts/fp8_tiles.py's tuning configuration beside its pick, none a
+# standard build (the 64x48 pick's one-warp twin a candidate, its other twins and the tiled
+# pick's no key at all), and each pick's own build is test_gemm_fp8_mainloop's in CI (64x48:
+# test_narrow_tiles_keep_the_schedule; LARGE: test_scale_warp_compiles_on_the_other_mainloops).
+# CI's two cases until 2026-12-07 compiled five twins for this check alone (~5.5 s of an idle
+# CPU); the 64x32 and 64x112 picks' twins ~6.5 s more
+@pytest.mark.slow
 @pytest.mark.parametrize(
-    ("m", "n", "k"),
-    [
-        pytest.param(128, 1536, 7168, marks=pytest.mark.slow),
-        (512, 576, 7168),
-        pytest.param(128, 7168, 16384, marks=pytest.mark.slow),
-        (4096, 7168, 2048),
-    ],
+    ("m", "n", "k"), [(128, 1536, 7168), (512, 576, 7168), (128, 7168, 16384), (4096, 7168, 2048)]
 )
 def test_script_twins_compile_without_spills(script, m, n, k):
     """Every twin of these picks compiles for sm_90a (bf16 out) as its pick does: 0 spill bytes,

@@ -123,13 +123,16 @@ def test_dw16_stores_dw_in_16_bits(compiled, dtype):
         assert res["registers"] == REGISTERS[dtype][1]
 
 
+# CI: the first dtype. `token_rows` is a standard form (`_standard_params`: the varlen slot
+# layout's default since ops/_linattn_varlen.py NATIVE_STORES went on), and this its only CI
+# compile (test_build_sm90's representative is the first standard key, without it)
 @pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
 def test_token_rows_resources(compiled, dtype):
-    """`token_rows` on the dw16 key (the candidate behind ops/_linattn_varlen.py NATIVE_STORES;
-    NOTES "next/varlen-stores"): dq, dk, dG at the per-slot tables' token rows cost six global
-    loads (two table entries at each of the three store groups) and registers (153 of 168 on
-    2026-12-06, 137 without), nothing spilled; shared memory, products, TMA loads, stores and
-    barriers as the dw16 key's."""
+    """`token_rows` on the dw16 key (the op's default form behind ops/_linattn_varlen.py
+    NATIVE_STORES, on; NOTES "next/varlen-stores"): dq, dk, dG at the per-slot tables' token rows
+    cost six global loads (two table entries at each of the three store groups) and registers (153
+    of 168 on 2026-12-06, 137 without), nothing spilled; shared memory, products, TMA loads, stores
+    and barriers as the dw16 key's."""
     res, instrs, smem = compiled(dtype, dw16=True, token_rows=True)[:3]
     base = compiled(dtype, dw16=True)
     ops, ops0 = (Counter(op for op, _ in x) for x in (instrs, base.instrs))

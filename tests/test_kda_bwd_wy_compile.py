@@ -256,18 +256,20 @@ def test_barriers_one_site(compiled, dtype):
     ]
 
 
-# CI: the dk16 key (the op's); without dk16 it is slow (its token_rows compile, ~4 s of an idle
-# CPU, 2026-12-07, this check's alone: the same fourteen loads and unchanged rest)
+# CI: the dk16 key (the op's; `token_rows` a standard form, `_standard_params`: the varlen slot
+# layout's default since ops/_linattn_varlen.py NATIVE_STORES went on, and this its only CI
+# compile); without dk16 it is slow (its token_rows compile, ~4 s of an idle CPU, 2026-12-07,
+# this check's alone: the same fourteen loads and unchanged rest)
 @pytest.mark.parametrize("dk16", slow_past([False, True], keep=True))
 @pytest.mark.parametrize("dtype", slow_past(config.DTYPES))
 def test_token_rows_resources(compiled, dtype, dk16):
-    """`token_rows` on the dv16 (+ dk16) keys (the candidates behind ops/_linattn_varlen.py
-    NATIVE_STORES; NOTES "next/varlen-stores"): dk, dv, dG, dbeta at the per-slot tables' token
+    """`token_rows` on the dv16 (+ dk16) keys (the op's default forms behind ops/_linattn_varlen.py
+    NATIVE_STORES, on; NOTES "next/varlen-stores"): dk, dv, dG, dbeta at the per-slot tables' token
     rows cost fourteen global loads (two table entries at each of seven row groups: dk's L2
-    prefetch, dv, dbeta, dk's three adds (the first, `_kb_rows`' term, was at the slot rows
-    until next/int45-review), dG's bulk reduce-adds) and registers (bf16 166 / 168, fp16 168 /
-    166 of 168 on 2026-12-06 cu13; 139 / 165 without), nothing spilled; shared memory,
-    products, TMA loads, stores, bulk ops and barriers as without."""
+    prefetch, dv, dbeta, dk's three adds (the first, `_kb_rows`' term, was at the slot rows until
+    next/int45-review), dG's bulk reduce-adds) and registers (bf16 166 / 168, fp16 168 / 166 of 168
+    on 2026-12-06 cu13; 139 / 165 without), nothing spilled; shared memory, products, TMA loads,
+    stores, bulk ops and barriers as without."""
     res, instrs, smem = compiled(dtype, dv16=True, dk16=dk16, token_rows=True)
     _, base, smem0 = compiled(dtype, dv16=True, dk16=dk16)
     ops, ops0 = (Counter(op for op, _ in x) for x in (instrs, base))

@@ -15,6 +15,7 @@ DSL module at import time, so `import forgekernel` works where the DSL is not in
 from __future__ import annotations
 
 import ast
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,14 +96,14 @@ def _called_name(func: ast.expr) -> str:
     return func.id if isinstance(func, ast.Name) else ""
 
 
-def package_imports() -> list[Import]:
+@functools.cache
+def package_imports() -> tuple[Import, ...]:
+    """Every import of the package's modules (parsed once a process, when a test first asks:
+    ~1.7 s of CI's CPU that each worker paid collecting this module)."""
     found = []
     for path in sorted(PACKAGE_DIR.rglob("*.py")):
         found += imports_of(path.read_text(), module_name(path), path.name == "__init__.py")
-    return found
-
-
-ALL = package_imports()
+    return tuple(found)
 
 
 def under(name: str, package: str) -> bool:
@@ -113,7 +114,7 @@ def violations(importer: str, forbidden: tuple[str, ...]) -> list[str]:
     return sorted(
         {
             str(i)
-            for i in ALL
+            for i in package_imports()
             if under(i.module, importer) and any(under(i.target, f) for f in forbidden)
         }
     )
@@ -135,7 +136,7 @@ def test_runtime_names_no_kernel_leaf():
     """Imports and module names in strings alike: runtime finds the leaves on disk."""
     named = [
         str(i)
-        for i in ALL
+        for i in package_imports()
         if under(i.module, "forgekernel.runtime")
         and under(i.target, "forgekernel.kernels")
         and i.target != "forgekernel.kernels"
@@ -160,7 +161,7 @@ def test_every_leaf_launches_from_its_launch_py():
     allowed = ("", ".launch", ".config")
     reached = [
         str(i)
-        for i in ALL
+        for i in package_imports()
         if under(i.module, "forgekernel.ops")
         for leaf in leaf_names
         if under(i.target, leaf) and i.target not in {leaf + a for a in allowed}
@@ -172,7 +173,7 @@ def test_import_forgekernel_needs_no_dsl():
     """The modules `import forgekernel` runs (imports at module level, transitively) import no
     DSL module: kernels compile lazily, launchers are torch only."""
     top_level: dict[str, list[Import]] = {}
-    for i in ALL:
+    for i in package_imports():
         if not i.lazy:
             top_level.setdefault(i.module, []).append(i)
     seen, todo, dsl = set(), ["forgekernel"], []

@@ -41,9 +41,11 @@ _OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A
 REGISTERS = 254  # both keys, both toolchains (cu13, and cu12's ptxas on this machine)
 
 
-# CI: the bf16 16 x 1 build (the gather's mainloop, page table and fences are one code path for
-# both forms); the f16 64 x 1 direct `ostore` build is slow (an MLA compile, ~10 s of an idle
-# CPU, 2026-12-07; its direct `ostore` epilogue is test_mla_ostore's in CI)
+# CI: the bf16 16 x 1 build (a standard key, `gather_params`: the launcher's default at page
+# size 1, prebuilt; CI's only compile of a gather key; the gather's mainloop, page table and
+# fences are one code path for both forms); the f16 64 x 1 direct `ostore` build is slow (an
+# MLA compile, ~10 s of an idle CPU, 2026-12-07; its direct `ostore` epilogue is
+# test_mla_ostore's in CI)
 @pytest.fixture(
     scope="module",
     params=[("bfloat16", 16, 1, False),

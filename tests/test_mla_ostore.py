@@ -256,6 +256,10 @@ def test_check_and_sanitize_cases_run_both_ostore_compiles(monkeypatch):
 # build's own counts (one bulk-copy loop, no 16-bit scalar store, no spills, its steady loops):
 # the ostore epilogue is one code path (seesaw.py, `ostore`) for both blocks, whose moved and
 # kept counts the 64 x 1 compare proves. One MLA compile fewer (~10 to 17 s of CI's CPU).
+# The baseline stays in CI: a standard key (`_standard_params`' direct seesaw blocks, prebuilt:
+# the pass of the 64 x 1 direct plans where out's rows are not 16-byte aligned or
+# FORGEKERNEL_MLA_OSTORE=0; the scalar-store direct epilogue is every other direct block's
+# default), and CI's only compile of a seesaw direct key without `ostore`.
 OSTORE_BASELINE = ("bfloat16", 64, 1)
 # (instructions, R2UR) of each warpgroup's steady pair loop (tests/cubins.py `steady_loops`),
 # cu13 ptxas: the partial form's of the same block (64 x 1: 1013 / 828, R2UR 4 / 4; 32 x 2
